@@ -1,0 +1,51 @@
+"""The exception hierarchy of checkpointless.
+
+Every error that the library raises on purpose derives from :class:`CheckpointlessError`, so a
+user can catch one base class. The subclasses are few on purpose: each names a different thing
+that the caller (a user, the launcher or the recovery loop) does differently in response.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointlessError",
+    "CommAborted",
+    "ConfigError",
+    "DataError",
+    "NotRecoverableError",
+    "RendezvousError",
+    "StateTransferError",
+    "StepAborted",
+]
+
+
+class CheckpointlessError(Exception):
+    """Base class of every error raised by checkpointless on purpose."""
+
+
+class ConfigError(CheckpointlessError, ValueError):
+    """A setting, argument or environment value is wrong; the message names it and the fix."""
+
+
+class RendezvousError(CheckpointlessError):
+    """Participants could not meet: a peer is missing, unreachable or too late."""
+
+
+class CommAborted(CheckpointlessError):
+    """A collective was abandoned because its generation of the communicator was aborted."""
+
+
+class StepAborted(CheckpointlessError):
+    """The current training step cannot commit and will be replayed after a recovery."""
+
+
+class StateTransferError(CheckpointlessError):
+    """Training state could not be sent, received or verified against the sender's checksums."""
+
+
+class DataError(CheckpointlessError):
+    """A dataset file or batch cache is missing, malformed or inconsistent with the job."""
+
+
+class NotRecoverableError(CheckpointlessError):
+    """The job cannot continue (no spare in time, no valid replica, a fault that keeps recurring)."""
