@@ -1,1 +1,49 @@
-"""data."""
+"""Memory-mapped token data that resumes at the exact sample, with batches cached in shared memory.
+
+* :func:`prepare_main` / :func:`write_token_file`: build a validated token file (one atomic write).
+* :class:`TokenDataset`: map it (no copy) after checking size, dtype and fingerprint.
+* :class:`BatchLoader`: rank ``r``'s batch at global step ``s``, a pure function of the step.
+* :class:`ShmBatchCache`: prefetched batches in /dev/shm that outlive the process;
+  :func:`remove_job_cache` / :func:`start_cache_janitor` leave nothing behind.
+"""
+
+from __future__ import annotations
+
+from checkpointless.data.corpus import make_synthetic_corpus
+from checkpointless.data.dataset import TokenDataset
+from checkpointless.data.digest import array_digest, batch_digest
+from checkpointless.data.format import TokenFileHeader, TokenFileWriter, read_header, write_token_file
+from checkpointless.data.loader import BatchLoader
+from checkpointless.data.prepare import prepare_main
+from checkpointless.data.sampler import GlobalSampler
+from checkpointless.data.shm_cache import (
+    BatchKey,
+    CacheStats,
+    ShmBatchCache,
+    job_cache_dir,
+    remove_job_cache,
+    start_cache_janitor,
+)
+from checkpointless.data.tokenize import ByteTokenizer, get_tokenizer
+
+__all__ = [
+    "BatchKey",
+    "BatchLoader",
+    "ByteTokenizer",
+    "CacheStats",
+    "GlobalSampler",
+    "ShmBatchCache",
+    "TokenDataset",
+    "TokenFileHeader",
+    "TokenFileWriter",
+    "array_digest",
+    "batch_digest",
+    "get_tokenizer",
+    "job_cache_dir",
+    "make_synthetic_corpus",
+    "prepare_main",
+    "read_header",
+    "remove_job_cache",
+    "start_cache_janitor",
+    "write_token_file",
+]

@@ -1,0 +1,83 @@
+"""The ``checkpointless`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from checkpointless.errors import CheckpointlessError
+
+__all__ = ["main"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from checkpointless.launcher.launcher import LaunchConfig, Launcher
+
+    cfg = LaunchConfig(
+        script=args.script,
+        script_args=args.script_args,
+        nproc=args.nproc,
+        spares=args.spares,
+        run_dir=Path(args.run_dir) if args.run_dir else None,
+        hang_timeout=args.hang_timeout,
+        spare_wait=args.spare_wait,
+        recovery_timeout=args.recovery_timeout,
+        faults=args.inject,
+        host=args.host,
+        control_port=args.control_port,
+        port_base=args.port_base,
+        port_range=args.port_range,
+        rendezvous=args.rendezvous,
+    )
+    return Launcher(cfg).run()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="checkpointless", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="launch a training script with workers and hot spares")
+    run.add_argument("--nproc", type=int, default=2, help="data-parallel workers (default 2)")
+    run.add_argument("--spares", type=int, default=1, help="hot spare processes (default 1)")
+    run.add_argument("--run-dir", help="where events.jsonl and per-rank logs go (default runs/<time>-<job>)")
+    run.add_argument("--hang-timeout", type=float, default=10.0, help="seconds without progress that count as a hang")
+    run.add_argument("--spare-wait", type=float, default=60.0, help="seconds to wait for a spare before failing")
+    run.add_argument("--recovery-timeout", type=float, default=120.0, help="seconds a recovery round may take")
+    run.add_argument("--inject", action="append", default=[], metavar="FAULT", help="e.g. kill:rank=1:step=20 (repeatable)")
+    run.add_argument("--host", default="127.0.0.1", help="interface the job listens on (default loopback)")
+    run.add_argument("--control-port", type=int, default=0, help="launcher control port (0: any free port)")
+    run.add_argument("--port-base", type=int, default=29600, help="first port for the rendezvous key servers")
+    run.add_argument("--port-range", type=int, default=1000, help="how many ports from --port-base may be used")
+    run.add_argument("--rendezvous", choices=["rootless", "tcp"], default="rootless")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    data = sub.add_parser("data", help="dataset tools")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    data_sub.add_parser("prepare", help="tokenize text/JSONL into a token file", add_help=False)
+    sub.add_parser("simulate", help="goodput at scale: checkpointless vs checkpoint-restart", add_help=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # subcommands that own their argument parsing
+    if argv[:2] == ["data", "prepare"]:
+        from checkpointless.data import prepare_main
+
+        return prepare_main(argv[2:])
+    if argv[:1] == ["simulate"]:
+        from checkpointless.simulate import main as simulate_main
+
+        return simulate_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+    except CheckpointlessError as e:
+        print(f"checkpointless: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""A communicator that can be aborted and rebuilt without leaving the process.
+
+Why not plain ``torch.distributed`` calls: gloo's ``abort()`` does not wake a thread that is
+already waiting in a collective (see shared/REFERENCES.md), and a hung peer keeps its sockets open,
+so a waiting survivor would sit until gloo's timeout. Here every collective is issued
+asynchronously and its completion is mirrored into a :class:`Handle` that we own. ``abort()``
+fails every pending handle at once, from any thread, so the training thread leaves the
+collective in microseconds. The gloo work itself is left to finish or time out in the background
+(its process group is parked in a graveyard, never destroyed under a waiting thread).
+
+Each rebuild makes a new gloo process group for a new *generation*, with the same rank numbers,
+so reductions keep their order and results stay bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpointless.errors import CommAborted, RendezvousError
+
+__all__ = ["Communicator", "Handle"]
+
+
+class Handle:
+    """Completion of one collective, abortable from another thread."""
+
+    __slots__ = ("_done", "_error", "_lock", "_on_finish", "_work", "result")
+
+    def __init__(self, work: Any, result: Any, on_finish: Callable[[Handle], None]) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._work = work
+        self._on_finish = on_finish
+        self.result = result
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # gloo send/recv have no future: wait on a helper thread instead
+            threading.Thread(target=self._wait_work, daemon=True, name="cl-work-wait").start()
+        else:
+            fut.add_done_callback(self._on_future)
+
+    def _wait_work(self) -> None:
+        try:
+            self._work.wait()
+        except Exception as e:
+            self._finish(e)
+        else:
+            self._finish(None)
+
+    def _on_future(self, fut: Any) -> None:
+        try:
+            fut.value()
+        except Exception as e:
+            self._finish(e)
+        else:
+            self._finish(None)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+        self._work = None  # the gloo work may outlive us in the graveyard; drop our reference
+        self._on_finish(self)
+
+    def abort(self, reason: str) -> None:
+        self._finish(CommAborted(reason))
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for completion; raise :class:`CommAborted` if aborted or the collective failed."""
+        if not self._done.wait(timeout):
+            raise CommAborted(f"collective did not complete within {timeout:.1f} s")
+        if self._error is not None:
+            if isinstance(self._error, CommAborted):
+                raise self._error
+            raise CommAborted(f"collective failed: {self._error}") from self._error
+        return self.result
+
+
+class Communicator:
+    """One rank's view of the job's data-parallel group, across generations."""
+
+    def __init__(self, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.generation = -1
+        self._pg: Any = None
+        self._lock = threading.Lock()
+        self._pending: set[Handle] = set()
+        self._aborted: str | None = "not connected yet"
+        self._graveyard: list[Any] = []
+        self.in_collective_since: float | None = None  # read by the heartbeat for hang triage
+
+    # -- generations -------------------------------------------------------------------------
+    def rebuild(
+        self,
+        generation: int,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        deadline: float,
+        cancelled: threading.Event | None = None,
+    ) -> float:
+        """Form the process group of ``generation``; return seconds spent waiting for peers.
+
+        Construction runs on a helper thread so that an abort (``cancelled``) or the deadline can
+        end the wait at once even while gloo blocks connecting to a peer that will never come.
+        """
+        self.abort(f"superseded by generation {generation}")
+        result: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                left = max(1.0, deadline - time.monotonic())
+                result["pg"] = dist.ProcessGroupGloo(
+                    store, rank, world_size, datetime.timedelta(seconds=left)
+                )
+            except Exception as e:
+                result["error"] = e
+
+        t0 = time.monotonic()
+        th = threading.Thread(target=build, daemon=True, name=f"cl-pg-gen{generation}")
+        th.start()
+        while th.is_alive():
+            th.join(0.005)
+            if cancelled is not None and cancelled.is_set():
+                raise RendezvousError(f"generation {generation} rendezvous cancelled: a newer fault")
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"generation {generation} rendezvous timed out; some rank never joined"
+                )
+        if "error" in result:
+            raise RendezvousError(f"generation {generation} rendezvous failed: {result['error']}")
+        with self._lock:
+            if self._pg is not None:
+                self._graveyard.append(self._pg)
+            self._pg = result["pg"]
+            self.rank, self.world_size, self.generation = rank, world_size, generation
+            self._aborted = None
+        return time.monotonic() - t0
+
+    def abort(self, reason: str) -> int:
+        """Fail every pending collective now (thread-safe); return how many were pending."""
+        with self._lock:
+            self._aborted = reason
+            pending = list(self._pending)
+            if self._pg is not None:
+                self._graveyard.append(self._pg)  # parked: destroying it could block on gloo
+                self._pg = None
+        for h in pending:
+            h.abort(f"generation {self.generation} aborted: {reason}")
+        return len(pending)
+
+    @property
+    def aborted(self) -> str | None:
+        return self._aborted
+
+    def check(self) -> None:
+        """Raise :class:`CommAborted` if this generation has been aborted."""
+        reason = self._aborted
+        if reason is not None:
+            raise CommAborted(f"generation {self.generation} aborted: {reason}")
+
+    # -- collectives -------------------------------------------------------------------------
+    def _issue(self, fn: Callable[[Any], Any], result: Any) -> Handle:
+        with self._lock:
+            if self._aborted is not None or self._pg is None:
+                raise CommAborted(f"generation {self.generation} aborted: {self._aborted}")
+            work = fn(self._pg)
+            h = Handle(work, result, self._forget)
+            if not h.done():
+                self._pending.add(h)
+        return h
+
+    def _forget(self, h: Handle) -> None:
+        with self._lock:
+            self._pending.discard(h)
+
+    def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        return self._issue(lambda pg: pg.allreduce([tensor], opts), tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        return self._issue(lambda pg: pg.broadcast([tensor], opts), tensor)
+
+    def allgather(self, tensor: torch.Tensor) -> Handle:
+        outs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        return self._issue(lambda pg: pg.allgather([outs], [tensor]), outs)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        return self._issue(lambda pg: pg.send([tensor], dst, tag), tensor)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        return self._issue(lambda pg: pg.recv([tensor], src, tag), tensor)
+
+    def wait(self, handle: Handle, timeout: float | None = None) -> Any:
+        """Wait on ``handle`` while telling the heartbeat that we are inside a collective."""
+        self.in_collective_since = time.monotonic()
+        try:
+            return handle.wait(timeout)
+        finally:
+            self.in_collective_since = None
+
+    def barrier(self, timeout: float) -> None:
+        self.wait(self.allreduce(torch.zeros(1)), timeout)
+
+    def release_graveyard(self) -> None:
+        """Drop parked process groups whose threads are idle; the destructor joins them."""
+        with self._lock:
+            parked, self._graveyard = self._graveyard, []
+        if parked:
+            threading.Thread(target=parked.clear, daemon=True, name="cl-pg-reaper").start()

@@ -1,0 +1,162 @@
+"""Data-parallel gradient averaging that survives an aborted backward.
+
+Why our own wrapper instead of ``torch.nn.parallel.DistributedDataParallel``: DDP's C++ reducer
+is left in a broken state by an exception in the middle of backward ("Expected to have finished
+reduction in the prior iteration"), it holds one process group for life, and it regroups its
+buckets after the first iteration, so a freshly started replacement would reduce in a different
+grouping than the survivors (wrong, or off in the last bit). This wrapper keeps a fixed bucket
+layout that is a pure function of the module's parameters, issues one asynchronous all-reduce per
+bucket as soon as its gradients are ready (overlapping backward), and keeps no state across
+iterations that an exception could corrupt: :meth:`reset` makes it new again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from checkpointless.comm.communicator import Communicator, Handle
+
+__all__ = ["DataParallel", "plan_buckets"]
+
+
+def plan_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
+    """Group parameter indices, in reverse order (roughly the order backward produces their
+    gradients), into buckets of at most ``cap_bytes`` (a parameter larger than the cap gets a
+    bucket of its own). Pure, so every rank and every replacement computes the same layout."""
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    cur_bytes = 0
+    for i in reversed(range(len(sizes_bytes))):
+        if cur and cur_bytes + sizes_bytes[i] > cap_bytes:
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += sizes_bytes[i]
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        self.ready = 0
+        self.handle: Handle | None = None
+
+
+class DataParallel(nn.Module):
+    """Average gradients over the job's data-parallel ranks, like DDP, but abortable.
+
+    ``comm`` is usually ``job.comm``. Parameters must have one dtype per bucket; all ranks must
+    hold the same parameters in the same order (the job verifies the replicas at start-up).
+    """
+
+    def __init__(self, module: nn.Module, comm: Communicator, bucket_cap_mb: float = 25.0) -> None:
+        super().__init__()
+        self.module = module
+        self._comm = comm
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("DataParallel: the module has no parameters that require gradients")
+        cap = int(bucket_cap_mb * 1024 * 1024)
+        layout = plan_buckets([p.numel() * p.element_size() for p in params], cap)
+        self._buckets = []
+        for idx in layout:
+            group = [params[i] for i in idx]
+            # one dtype per flat buffer; split a mixed-dtype bucket by dtype, keeping order
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in group:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            self._buckets.extend(_Bucket(g) for g in by_dtype.values())
+        self._where: dict[nn.Parameter, int] = {}
+        for bi, b in enumerate(self._buckets):
+            for p in b.params:
+                self._where[p] = bi
+        self._next_launch = 0
+        self._callback_queued = False
+        self._sync = True
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (gradient accumulation); the next backward outside
+        this block reduces the sum."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def reset(self) -> None:
+        """Forget a half-finished iteration (after an abort)."""
+        for b in self._buckets:
+            b.ready = 0
+            b.handle = None
+        self._next_launch = 0
+        self._callback_queued = False
+
+    # -- the backward pass ---------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync or self._comm.world_size == 1:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b = self._buckets[self._where[p]]  # type: ignore[index]
+        b.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        # Launch strictly in bucket order: gloo matches collectives by issue order, and a rank
+        # whose autograd happened to finish bucket 2 first must not cross bucket 1 on the wire.
+        while self._next_launch < len(self._buckets):
+            b = self._buckets[self._next_launch]
+            if b.ready < len(b.params):
+                return
+            self._launch(b)
+            self._next_launch += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        off = 0
+        for p in b.params:
+            n = p.numel()
+            if p.grad is None:  # unused in this iteration: contributes zeros, like DDP
+                b.buffer[off : off + n].zero_()
+            else:
+                b.buffer[off : off + n].copy_(p.grad.reshape(-1))
+            off += n
+        b.handle = self._comm.allreduce(b.buffer)
+
+    def _finish(self) -> None:
+        # Parameters that received no gradient never fired their hook; launch what is left.
+        while self._next_launch < len(self._buckets):
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+        world = float(self._comm.world_size)
+        try:
+            for b in self._buckets:
+                assert b.handle is not None
+                self._comm.wait(b.handle)
+                b.buffer.div_(world)
+                off = 0
+                for p in b.params:
+                    n = p.numel()
+                    flat = b.buffer[off : off + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = flat.clone()
+                    else:
+                        p.grad.copy_(flat)
+                    off += n
+        finally:
+            self.reset()

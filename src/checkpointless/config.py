@@ -1,0 +1,62 @@
+"""The environment contract between the launcher and the processes it starts.
+
+The launcher passes everything a worker or spare needs through these variables; a script run
+without the launcher sees none of them and runs as a single-process job.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpointless.errors import ConfigError
+
+__all__ = ["ENV", "WorkerEnv"]
+
+
+class ENV:
+    CONTROL = "CHECKPOINTLESS_CONTROL"  # host:port of the launcher's control channel
+    SECRET_FILE = "CHECKPOINTLESS_SECRET_FILE"  # 0600 file holding the per-job secret
+    WORKER_ID = "CHECKPOINTLESS_WORKER_ID"  # this process's incarnation number
+    ROLE = "CHECKPOINTLESS_ROLE"  # worker | spare
+    RUN_DIR = "CHECKPOINTLESS_RUN_DIR"
+    JOB_ID = "CHECKPOINTLESS_JOB_ID"
+    STORE_PORT = "CHECKPOINTLESS_STORE_PORT"  # port of this process's rendezvous key server
+    HOST = "CHECKPOINTLESS_HOST"  # address peers reach this process at
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    control: tuple[str, int]
+    secret: bytes
+    worker_id: int
+    role: str
+    run_dir: Path
+    job_id: str
+    store_port: int
+    host: str
+
+    @staticmethod
+    def from_environ() -> WorkerEnv | None:
+        """Read the contract; ``None`` when not started by the launcher."""
+        if ENV.CONTROL not in os.environ:
+            return None
+        try:
+            host, _, port = os.environ[ENV.CONTROL].rpartition(":")
+            secret = Path(os.environ[ENV.SECRET_FILE]).read_bytes().strip()
+            return WorkerEnv(
+                control=(host, int(port)),
+                secret=secret,
+                worker_id=int(os.environ[ENV.WORKER_ID]),
+                role=os.environ.get(ENV.ROLE, "worker"),
+                run_dir=Path(os.environ[ENV.RUN_DIR]),
+                job_id=os.environ[ENV.JOB_ID],
+                store_port=int(os.environ.get(ENV.STORE_PORT, "0")),
+                host=os.environ.get(ENV.HOST, "127.0.0.1"),
+            )
+        except (KeyError, ValueError, OSError) as e:
+            raise ConfigError(
+                f"incomplete checkpointless launcher environment ({e}); start the script with "
+                "`checkpointless run`, or without any CHECKPOINTLESS_* variables for a single process"
+            ) from e

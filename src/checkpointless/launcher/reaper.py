@@ -1,0 +1,60 @@
+"""The launcher's watchdog: cleans up after a launcher that died without doing it itself.
+
+Started by the launcher with a pipe on stdin. The launcher never writes to it; when the launcher
+dies for any reason — SIGKILL included — the kernel closes the pipe, our read returns, and we kill
+every process of the job that is still alive and remove the job's shared memory. A launcher that
+ends normally has already done both, and then this finds nothing to do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+__all__ = ["cleanup_job", "main"]
+
+
+def _belongs_to(pid: int, job_id: str) -> bool:
+    # pids are reused: only kill a process whose environment names this job
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"CHECKPOINTLESS_JOB_ID={job_id}".encode() in environ.split(b"\0")
+
+
+def cleanup_job(run_dir: Path, job_id: str) -> int:
+    """Kill the job's leftover processes and remove its shared memory; return how many killed."""
+    killed = 0
+    pids_file = run_dir / "pids"
+    if pids_file.exists():
+        for line in pids_file.read_text().split():
+            pid = int(line)
+            if _belongs_to(pid, job_id):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except ProcessLookupError:
+                    pass
+    shm = Path("/dev/shm") / f"checkpointless-{job_id}"
+    if shm.exists():
+        shutil.rmtree(shm, ignore_errors=True)
+    return killed
+
+
+def main() -> int:
+    run_dir, job_id = Path(sys.argv[1]), sys.argv[2]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which cleans up
+    try:
+        sys.stdin.buffer.read()
+    except (OSError, KeyboardInterrupt):
+        pass
+    cleanup_job(run_dir, job_id)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""Recovery decisions as pure functions: observed state in, an action out. No I/O here.
+
+Everything the launcher decides during a fault goes through these functions, so each rule can be
+unit-tested by feeding it a situation and checking the answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from checkpointless.errors import NotRecoverableError
+
+__all__ = [
+    "MemberReport",
+    "RecoveryPlan",
+    "WorkerHealth",
+    "find_hung",
+    "plan_recovery",
+    "spare_policy",
+    "SpareAction",
+]
+
+
+@dataclass(frozen=True)
+class MemberReport:
+    """What a member of the next generation says about its state when it stops."""
+
+    rank: int
+    committed_step: int  # number of steps whose parameter update this rank has applied
+    valid: bool  # False: it died, or faulted in the middle of its own update, or is new
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    target_step: int  # every rank resumes by running this step
+    source: int  # the rank that sends state
+    receivers: tuple[int, ...]  # ranks that take the source's state
+
+    def to_json(self) -> dict[str, object]:
+        return {"target_step": self.target_step, "source": self.source, "receivers": list(self.receivers)}
+
+
+def plan_recovery(reports: list[MemberReport], initial: bool = False) -> RecoveryPlan:
+    """Choose where training resumes and who sends state to whom.
+
+    Data-parallel replicas hold identical state at the same step, and one step's all-reduce
+    makes every rank that applied the update hold the *same* new state. So resume at the newest
+    step any valid replica has reached (a rank that finished its update never has to undo it),
+    and let every rank that is behind, invalid or new receive from the lowest such rank. At the
+    job's first generation (``initial``) rank 0's state is the reference, as DDP's broadcast.
+    """
+    if not reports:
+        raise NotRecoverableError("no members to plan a recovery for")
+    ranks = sorted(r.rank for r in reports)
+    if ranks != list(range(len(ranks))):
+        raise NotRecoverableError(f"generation members are not ranks 0..{len(ranks) - 1}: {ranks}")
+    if initial:
+        return RecoveryPlan(0, 0, tuple(r for r in ranks if r != 0))
+    valid = [r for r in reports if r.valid]
+    if not valid:
+        raise NotRecoverableError(
+            "no rank holds a valid replica of the training state (every replica faulted or is new); "
+            "restart the job from a checkpoint"
+        )
+    target = max(r.committed_step for r in valid)
+    source = min(r.rank for r in valid if r.committed_step == target)
+    receivers = tuple(
+        r.rank for r in sorted(reports, key=lambda r: r.rank) if not r.valid or r.committed_step != target
+    )
+    return RecoveryPlan(target, source, receivers)
+
+
+@dataclass
+class WorkerHealth:
+    """The launcher's view of one live worker, as of ``now``."""
+
+    rank: int
+    last_message: float  # monotonic time of the last frame received (heartbeats included)
+    last_progress: float  # monotonic time the main thread last started or finished a step
+    in_collective: bool  # the main thread is waiting for peers
+
+
+def find_hung(workers: list[WorkerHealth], now: float, hang_timeout: float) -> tuple[list[int], str]:
+    """Decide which ranks hold the job up. Returns (culprit ranks, why).
+
+    A stopped process sends nothing at all; a busy loop keeps its heartbeat thread talking but
+    makes no progress and is not waiting for anyone. Ranks stuck waiting in a collective are
+    victims, not culprits. If every stalled rank is a victim (a lost link, a deadlock), nobody is
+    replaced: the caller rebuilds the communicator with the same members.
+    """
+    silent = [w.rank for w in workers if now - w.last_message > hang_timeout]
+    if silent:
+        return sorted(silent), f"no heartbeat for more than {hang_timeout:.1f} s (process stopped?)"
+    stalled = [w for w in workers if now - w.last_progress > hang_timeout]
+    if not stalled:
+        return [], ""
+    busy = [w.rank for w in stalled if not w.in_collective]
+    if busy:
+        return sorted(busy), f"no step progress for more than {hang_timeout:.1f} s outside any collective"
+    return [], "all stalled ranks are waiting in a collective"
+
+
+class SpareAction(Enum):
+    ASSIGN = "assign"  # a ready spare takes the rank now
+    WAIT = "wait"  # a spare is starting (or may start); wait, up to the deadline
+    FAIL = "fail"  # stop the job with a clear error
+
+
+@dataclass(frozen=True)
+class SpareDecision:
+    action: SpareAction
+    reason: str = field(default="")
+
+
+def spare_policy(ready: int, starting: int, needed: int, waited: float, wait_limit: float) -> SpareDecision:
+    """What to do when ``needed`` ranks must be replaced.
+
+    Documented policy: use ready spares at once; if too few are ready but more are starting,
+    wait for them up to ``wait_limit`` seconds; then (or if none can come) stop the job with an
+    error that says how many spares were missing and which setting to raise.
+    """
+    if ready >= needed:
+        return SpareDecision(SpareAction.ASSIGN)
+    if waited < wait_limit and ready + starting >= needed:
+        return SpareDecision(SpareAction.WAIT, f"waiting for {needed - ready} spare(s) to start")
+    return SpareDecision(
+        SpareAction.FAIL,
+        f"{needed} rank(s) need a replacement but only {ready} spare(s) became ready within "
+        f"{wait_limit:.0f} s; start more with --spares or allow longer with --spare-wait",
+    )

@@ -1,0 +1,447 @@
+"""The worker side of checkpointless: a training loop that recovers in place.
+
+Usage (the whole adoption; see docs/adoption.md)::
+
+    job = checkpointless.init()                     # a spare blocks here until it gets a rank
+    model = job.data_parallel(GPT(cfg))             # instead of DDP(model)
+    opt = torch.optim.AdamW(model.parameters())
+    job.track(model=model, optimizer=opt)           # what travels to a replacement
+    for step in job.steps(total_steps):            # replays a step after a recovery
+        with step:
+            loss = model(*batch(step.index)).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+
+A step commits when its ``with`` block ends without an exception. An exception anywhere in the
+block — the rank's own, or a collective aborted because another rank failed — is caught by the
+block, the rank reports to the launcher and takes part in the recovery; then the loop continues at
+the step the recovery settled on (the interrupted one, or the next one if this rank had already
+applied its update). Models, optimizers and data objects stay in memory throughout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checkpointless.comm.communicator import Communicator
+from checkpointless.comm.data_parallel import DataParallel
+from checkpointless.config import WorkerEnv
+from checkpointless.errors import (
+    CheckpointlessError,
+    CommAborted,
+    ConfigError,
+    NotRecoverableError,
+    RendezvousError,
+    StateTransferError,
+)
+from checkpointless.events import EventLog, get_logger, setup_logging
+from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
+from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
+from checkpointless.recovery.rendezvous_client import make_store
+from checkpointless.state.snapshot import (
+    RngState,
+    Stateful,
+    capture_rng,
+    check_stateful,
+    collect_state,
+    restore_rng,
+    restore_state,
+)
+from checkpointless.state.transfer import receive_state, send_state
+
+__all__ = ["Job", "Step", "init"]
+
+log = get_logger()
+
+
+class Step:
+    """One training step; use as a context manager around the step's body."""
+
+    def __init__(self, job: Job, index: int) -> None:
+        self.job = job
+        self.index = index
+        self.committed = False
+
+    def __enter__(self) -> Step:
+        self.job._enter_step(self.index)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None:
+            self.job._commit(self.index)
+            self.committed = True
+            return False
+        if not isinstance(exc, Exception) or self.job._link is None:
+            return False  # KeyboardInterrupt/SystemExit, or no launcher to recover with
+        self.job._recover_from(self.index, exc)
+        return True
+
+
+class Job:
+    """This process's membership in a resilient data-parallel job."""
+
+    def __init__(self, env: WorkerEnv | None, *, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> None:
+        self.env = env
+        self.rank = 0
+        self.world_size = 1
+        self.generation = -1
+        self.committed_step = 0
+        self.rendezvous_timeout = rendezvous_timeout
+        self.max_step_retries = max_step_retries
+        self.comm = Communicator(0, 1, datetime.timedelta(seconds=rendezvous_timeout))
+        self._objects: dict[str, Stateful] = {}
+        self._modules: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._dirty = False  # inside an optimizer update: state not valid if we fault now
+        self._updated = False  # the current step's update has been applied
+        self._step_index: int | None = None
+        self._step_rng: tuple[int, RngState] | None = None
+        self._progress_t = time.monotonic()
+        self._started = False
+        self._retries: dict[int, int] = {}
+        self._report_gen = 0
+        self._latest_abort = -1
+        self._cancel = threading.Event()
+        self._deferred: BaseException | None = None
+        self._first_commit_after_recovery = False
+        self._record: dict[str, Any] = {}
+        self._link: LauncherLink | None = None
+        self._injector = Injector([], 0, set(), lambda s: None)
+        self._events: EventLog | None = None
+        self._store_state: dict[str, Any] = {}
+        self.last_recovery: dict[str, Any] = {}
+        self.is_replacement = False
+
+    # -- start-up ------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        assert self.env is not None
+        set_parent_death_signal()
+        self._link = LauncherLink(self.env, self._on_abort, self._status)
+        if self.env.role == "spare":
+            _warm_up()
+            log.info("spare %d ready, waiting for a rank", self.env.worker_id)
+            self._link.send({"type": "spare_ready"})
+        msg = self._link.wait_for({"assign"}, time.monotonic() + 10 * 365 * 86400.0)
+        self.rank = int(msg["rank"])
+        self.world_size = int(msg["world_size"])
+        self._report_gen = int(msg["generation"])
+        self.is_replacement = self.env.role == "spare"
+        setup_logging(f"rank {self.rank}")
+        self._events = EventLog(self.env.run_dir / f"rank-{self.rank}.jsonl", rank=self.rank, worker=self.env.worker_id)
+        specs = parse_faults(list(msg.get("faults", [])), self.world_size)
+        self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
+        self._store_state = {}
+
+    def _standalone(self) -> None:
+        store = dist.HashStore()
+        self.comm.rebuild(0, store, 0, 1, time.monotonic() + 30)
+        self.generation = 0
+
+    # -- registration --------------------------------------------------------------------------
+    def data_parallel(self, module: nn.Module, bucket_cap_mb: float = 25.0) -> DataParallel:
+        """Wrap ``module`` to average gradients over the job's ranks (instead of DDP)."""
+        dp = DataParallel(module, self.comm, bucket_cap_mb=bucket_cap_mb)
+        return dp
+
+    def track(self, **objects: Any) -> None:
+        """Register what makes a replica: modules, optimizers, schedulers, your own objects with
+        ``state_dict``/``load_state_dict``. Registered state travels to a replacement."""
+        if self._started:
+            raise ConfigError("track() must be called before job.steps() starts")
+        for name, obj in objects.items():
+            self._objects[name] = check_stateful(name, obj)
+            if isinstance(obj, nn.Module):
+                self._modules.append(obj)
+                obj.register_forward_pre_hook(lambda m, a: self._site("forward"))
+                first = next((p for p in obj.parameters() if p.requires_grad), None)
+                if first is not None:
+                    first.register_post_accumulate_grad_hook(lambda p: self._site("backward"))
+            if isinstance(obj, torch.optim.Optimizer):
+                self._optimizers.append(obj)
+                obj.register_step_pre_hook(self._before_update)
+                obj.register_step_post_hook(self._after_update)
+
+    def record(self, **fields: Any) -> None:
+        """Attach fields (loss, a batch digest, ...) to this step's commit event."""
+        self._record.update(fields)
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce over the job's ranks (in place), abortable like every job collective."""
+        self._site("allreduce")
+        return self.comm.wait(self.comm.allreduce(tensor, op))  # type: ignore[no-any-return]
+
+    @property
+    def step(self) -> int:
+        return self.committed_step
+
+    @property
+    def job_id(self) -> str | None:
+        """The launcher's job id (names the job's shared memory); None when run plainly."""
+        return self.env.job_id if self.env is not None else None
+
+    # -- the loop ------------------------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[Step]:
+        """Yield steps until ``total`` have committed on every rank."""
+        if self._started:
+            raise ConfigError("job.steps() can run only once per process")
+        self._started = True
+        if self._link is not None:
+            if self.is_replacement:
+                self._recover(cause="join", error=None, committed=-1, valid=False)
+            else:
+                self._recover(cause="start", error=None, committed=0, valid=True)
+        while True:
+            if self.committed_step >= total:
+                if self._link is None or self._finish_barrier():
+                    break
+                continue
+            step = Step(self, self.committed_step)
+            yield step
+        if self._link is not None:
+            self._link.send({"type": "done", "step": self.committed_step})
+
+    def _finish_barrier(self) -> bool:
+        # Nobody leaves before everyone has the final state: a rank that left early could be
+        # the only source a late replacement could receive from.
+        try:
+            self.comm.barrier(timeout=self.rendezvous_timeout)
+            return True
+        except CommAborted as e:
+            log.info("final barrier interrupted: %s", _short(e))
+            self.comm.abort(f"rank {self.rank} left the final barrier")
+            self._recover("comm", _short(e), self.committed_step, True)
+            return False
+
+    def _enter_step(self, index: int) -> None:
+        self._step_index = index
+        self._progress_t = time.monotonic()
+        self._updated = False
+        self._record = {}
+        self._step_rng = (index, capture_rng())
+        from checkpointless.events import _CONTEXT
+
+        _CONTEXT.step = index
+        try:
+            self._site("step")
+        except Exception as e:  # surfaced at the first hook inside the body (see _site)
+            self._deferred = e
+
+    def _site(self, site: str) -> None:
+        if self._deferred is not None:
+            e, self._deferred = self._deferred, None
+            raise e
+        if self._step_index is not None:
+            self._injector.maybe_fire(site, self._step_index)
+
+    def _before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.comm.check()  # never apply an update from a generation that was aborted
+        self._dirty = True
+        self._site("optimizer")
+
+    def _after_update(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._dirty = False
+        self._updated = True
+
+    def _commit(self, index: int) -> None:
+        self.committed_step = index + 1
+        self._updated = False
+        self._progress_t = time.monotonic()
+        self._retries.pop(index, None)
+        if self._events is not None:
+            self._events.emit("commit", step=index, generation=self.generation, **self._record)
+        if self._first_commit_after_recovery and self._link is not None:
+            self._first_commit_after_recovery = False
+            self._link.send({"type": "committed", "generation": self.generation, "step": index, "time": time.time()})
+
+    # -- recovery ------------------------------------------------------------------------------
+    def _on_abort(self, msg: dict[str, Any]) -> None:
+        gen = int(msg["generation"])
+        if gen > self._latest_abort:
+            self._latest_abort = gen
+            self._cancel.set()
+            n = self.comm.abort(str(msg.get("reason", "launcher abort")))
+            if n:
+                log.info("aborted %d pending collective(s) for generation %d", n, gen)
+
+    def _status(self) -> dict[str, Any]:
+        since = self.comm.in_collective_since
+        return {
+            "step": self._step_index,
+            "progress_age": time.monotonic() - self._progress_t if self._started else None,
+            "in_collective": since is not None,
+        }
+
+    def _recover_from(self, index: int, exc: BaseException) -> None:
+        aborted = self.comm.aborted is not None or isinstance(exc, CommAborted) or _looks_like_comm_error(exc)
+        cause = "comm" if aborted else "exception"
+        if self._dirty:
+            committed, valid = index, False
+        elif self._updated:
+            committed, valid = index + 1, True
+        else:
+            committed, valid = index, True
+        self._dirty = False
+        if cause == "exception":
+            self._retries[index] = self._retries.get(index, 0) + 1
+            log.error("step %d raised %s: %s", index, type(exc).__name__, exc)
+            log.debug("%s", "".join(traceback.format_exception(exc)))
+            if self._retries[index] > self.max_step_retries:
+                self._fatal(
+                    f"step {index} raised {type(exc).__name__} {self._retries[index]} times in a row "
+                    f"({exc}); this is not a transient fault"
+                )
+        else:
+            log.info("step %d interrupted: %s", index, _short(exc))
+        self.comm.abort(f"rank {self.rank} left step {index}")
+        self._recover(cause, f"{type(exc).__name__}: {exc}", committed, valid)
+
+    def _fatal(self, why: str) -> None:
+        if self._link is not None:
+            self._link.send({"type": "fatal", "error": why})
+        raise NotRecoverableError(why)
+
+    def _recover(self, cause: str, error: str | None, committed: int, valid: bool) -> None:
+        """Report, wait for the launcher's plan, rebuild, exchange state. Loops through any
+        number of faults that happen meanwhile (each makes a newer generation)."""
+        assert self._link is not None
+        t_stop = time.monotonic()
+        for dp in self._modules:
+            if isinstance(dp, DataParallel):
+                dp.reset()
+        for opt in self._optimizers:
+            opt.zero_grad(set_to_none=True)
+        deadline = time.monotonic() + 10 * self.rendezvous_timeout
+        self._report_gen = max(self._report_gen, self._latest_abort, self.generation + 1)
+        report = {"committed_step": committed, "valid": valid, "cause": cause, "error": error}
+        while True:
+            gen = self._report_gen
+            self._link.send({"type": "stopped", "for_generation": gen, "time": time.time(), **report})
+            msg = self._link.wait_for({"recover", "abort"}, deadline)
+            if msg["type"] == "abort":
+                self._report_gen = max(self._report_gen, int(msg["generation"]))
+                continue
+            if int(msg["generation"]) != gen or self._latest_abort > gen:
+                continue  # a plan for a generation that was superseded while it travelled
+            self._cancel.clear()
+            try:
+                timings = self._join_generation(msg, committed, valid)
+            except (RendezvousError, CommAborted, StateTransferError) as e:
+                log.warning("recovery to generation %d failed: %s", gen, _short(e))
+                # our own state is still what it was unless we were loading a peer's
+                if isinstance(e, StateTransferError) or self.rank in msg["plan"]["receivers"]:
+                    valid = valid and self.rank not in msg["plan"]["receivers"]
+                report = {"committed_step": committed, "valid": valid, "cause": "recovery", "error": _short(e)}
+                self._report_gen = max(self._latest_abort, gen + 1)
+                continue
+            timings["stopped_s"] = t_stop
+            self._link.send({"type": "recovered", "generation": gen, "time": time.time(), "timings": timings})
+            self._first_commit_after_recovery = True
+            self._progress_t = time.monotonic()  # the hang clock restarts with the new generation
+            self.comm.release_graveyard()
+            return
+
+    def _join_generation(self, msg: dict[str, Any], committed: int, valid: bool) -> dict[str, Any]:
+        gen = int(msg["generation"])
+        plan = msg["plan"]
+        target, source, receivers = int(plan["target_step"]), int(plan["source"]), list(plan["receivers"])
+        t0 = time.monotonic()
+        store = make_store(msg["rendezvous"], self.rank, self.world_size, gen, self._store_state, self.env)
+        wait_s = self.comm.rebuild(
+            gen, store, self.rank, self.world_size, time.monotonic() + self.rendezvous_timeout, self._cancel
+        )
+        self.generation = gen
+        t1 = time.monotonic()
+        info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
+        if self.rank == source and receivers:
+            resume_rng = self._resume_rng(target)
+            state = collect_state(self._objects, target, resume_rng)
+            info.update(send_state(self.comm, state, receivers, self.rendezvous_timeout))
+            info["role"] = "source"
+            restore_rng(resume_rng)
+        elif self.rank in receivers:
+            state, stats = receive_state(self.comm, source, self.rendezvous_timeout)
+            step, rng = restore_state(self._objects, state)
+            if step != target:
+                raise StateTransferError(f"received state for step {step}, the plan says {target}")
+            restore_rng(rng)
+            info.update(stats)
+            info["role"] = "receiver"
+        else:
+            restore_rng(self._resume_rng(target))
+        self.committed_step = target
+        self._step_rng = None
+        info["transfer_s"] = time.monotonic() - t1
+        log.info(
+            "generation %d formed in %.3f s, state %s in %.3f s; resuming at step %d",
+            gen, info["rebuild_s"], info["role"], info["transfer_s"], target,
+        )
+        return info
+
+    def _resume_rng(self, target: int) -> RngState:
+        # The generators as they stood when step `target` first began here; if this rank never
+        # began it (it finished the step before), its current state is that state.
+        if self._step_rng is not None and self._step_rng[0] == target:
+            return self._step_rng[1]
+        return capture_rng()
+
+    def _announce_fault(self, spec: FaultSpec) -> None:
+        log.warning("injecting fault %s", spec.to_text())
+        if self._link is not None:
+            self._link.send({"type": "fired", "id": spec.id, "kind": spec.kind, "time": time.time()})
+
+    def collected_state(self) -> dict[str, Any]:
+        """The state a replacement would receive now (for tests and digests)."""
+        return collect_state(self._objects, self.committed_step, capture_rng())
+
+
+def _looks_like_comm_error(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset", "Gloo", "gloo", "aborted"))
+
+
+def _short(exc: BaseException) -> str:
+    s = f"{type(exc).__name__}: {exc}"
+    return s if len(s) < 300 else s[:297] + "..."
+
+
+def _warm_up() -> None:
+    """Pay the lazy first-use costs now, while we wait as a spare, not after a fault:
+    the first optimizer construction imports torch._dynamo (seconds on this machine)."""
+    p = nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones(4)
+    opt.step()
+
+
+_JOB: Job | None = None
+
+
+def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
+    """Join the job. Under ``checkpointless run`` this connects to the launcher (and, in a spare,
+    waits to be given a rank); run plainly, it makes a single-process job."""
+    global _JOB
+    if _JOB is not None:
+        return _JOB
+    try:
+        env = WorkerEnv.from_environ()
+    except CheckpointlessError:
+        raise
+    job = Job(env, rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries)
+    if env is None:
+        setup_logging("rank 0")
+        job._standalone()
+    else:
+        setup_logging(f"{env.role} {env.worker_id}")
+        job._connect()
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(job.rank), str(job.world_size)
+    _JOB = job
+    return job

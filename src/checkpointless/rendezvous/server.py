@@ -1,0 +1,413 @@
+"""The key server every participant runs: it serves the keys that participant owns.
+
+One event-loop thread per participant handles every connection (a full-mesh rendezvous of N ranks
+opens N-1 connections to each server, so a thread per connection would not scale). Requests that
+wait for a key park as a :class:`~checkpointless.rendezvous.keyspace.Watch` and are answered when
+the key is written, or with a timeout reply at their deadline; the loop itself never blocks on a
+slow key.
+
+Security: every frame is sealed with the job secret (:mod:`checkpointless.wire`). On accept the
+server sends a random nonce; every request must carry it and a strictly increasing sequence
+number, so a recorded request cannot be replayed (an ``add`` replayed would corrupt a counter).
+A frame that fails authentication closes its connection before anything in it is parsed.
+
+The loop reads a frame once the selector reports its first bytes, with the whole frame bounded by
+``io_timeout``: frames are small and sent in one ``sendall``, so a frame split across a long pause
+only comes from a stopped or hostile client, and it costs at most that bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import json
+import secrets
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from checkpointless.errors import ConfigError
+from checkpointless.rendezvous.keyspace import KeySpace, Watch
+from checkpointless.rendezvous.ports import open_listener
+from checkpointless.wire import FrameError, recv_frame, send_frame
+
+__all__ = ["PROTOCOL_VERSION", "KeyServer", "ServerStats", "join_values", "split_values"]
+
+PROTOCOL_VERSION = 1
+_MAX_PAYLOAD = 64 << 20  # rendezvous values are addresses and ids; more is a bug or an attack
+_FRAME_OVERHEAD = 12 + 32  # length prefix + MAC, for the byte counters
+_LISTENER = object()
+_WAKER = object()
+
+
+def join_values(values: list[bytes]) -> tuple[list[int], bytes]:
+    """Pack values into one payload plus their lengths (the header carries the lengths)."""
+    return [len(v) for v in values], b"".join(values)
+
+
+def split_values(lens: Any, payload: bytes | bytearray, count: int) -> list[bytes] | None:
+    """Inverse of :func:`join_values`; None when the lengths do not describe the payload."""
+    if (
+        not isinstance(lens, list)
+        or len(lens) != count
+        or not all(isinstance(n, int) and n >= 0 for n in lens)
+        or sum(lens) != len(payload)
+    ):
+        return None
+    out: list[bytes] = []
+    pos = 0
+    for n in lens:
+        out.append(bytes(payload[pos : pos + n]))
+        pos += n
+    return out
+
+
+class ServerStats:
+    """Load counters of one key server (read by the benchmarks; written by the loop only)."""
+
+    __slots__ = ("bytes_in", "bytes_out", "connections", "peak_connections", "rejected", "requests")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.connections = 0
+        self.peak_connections = 0
+        self.rejected = 0  # connections closed for a bad seal, nonce or sequence number
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class _Conn:
+    __slots__ = ("last_seq", "nonce", "pending", "sock")
+
+    def __init__(self, sock: socket.socket, nonce: str) -> None:
+        self.sock = sock
+        self.nonce = nonce
+        self.last_seq = 0
+        self.pending: set[_Pending] = set()
+
+
+class _Pending:
+    """A request parked until its keys exist or its deadline passes."""
+
+    __slots__ = ("conn", "deadline", "done", "header", "watch")
+
+    def __init__(self, conn: _Conn, header: dict[str, Any], deadline: float) -> None:
+        self.conn = conn
+        self.header = header
+        self.deadline = deadline
+        self.done = False
+        self.watch: Watch | None = None
+
+
+def _keys_of(header: dict[str, Any]) -> list[str] | None:
+    keys = header.get("keys")
+    if isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys):
+        return keys
+    return None
+
+
+class KeyServer:
+    """Serves this participant's keys, for every generation, on ``host:port``.
+
+    The socket is bound in the constructor so that a taken port is reported (as a
+    :class:`ConfigError` naming the port and the setting to change) before anything else starts.
+    ``listen_fd`` adopts a socket that the launcher bound and listens on already: connections
+    that arrive before this process serves them wait in the kernel's backlog instead of being
+    refused, which is how a reader tells "not started yet" from "dead".
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: bytes,
+        *,
+        listen_fd: int | None = None,
+        io_timeout: float = 5.0,
+    ) -> None:
+        if not isinstance(secret, bytes) or not secret:
+            raise ConfigError("the key server needs the job secret as non-empty bytes")
+        if io_timeout <= 0:
+            raise ConfigError(f"io_timeout must be positive, got {io_timeout}")
+        self.secret = secret
+        self.io_timeout = io_timeout
+        if listen_fd is None:
+            self._listener = open_listener(host, port)
+        else:
+            self._listener = socket.socket(fileno=listen_fd)
+            if not self._listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                self._listener.detach()
+                raise ConfigError(f"listen_fd {listen_fd} is not a listening socket")
+        self._listener.setblocking(False)
+        self.host = host
+        self.port: int = self._listener.getsockname()[1]
+        self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        self.keyspace = KeySpace()
+        self.stats = ServerStats()
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._ready: deque[_Pending] = deque()  # appended by writer threads, drained by the loop
+        self._ready_lock = threading.Lock()
+        self._timers: list[tuple[float, int, _Pending]] = []
+        self._tick = itertools.count()
+        self._conns: set[_Conn] = set()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"KeyServer({self.address})"
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKER)
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"cl-keyserver-{self.port}")
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the port and every connection; join the loop thread for at most ``timeout`` s."""
+        self._stopping.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self._close_all()
+
+    def __enter__(self) -> KeyServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def drop_prefix(self, prefix: str) -> int:
+        """Forget an old generation's keys (e.g. ``"gen3/"``); return how many were dropped."""
+        if not prefix:
+            raise ConfigError("drop_prefix needs a non-empty prefix (it would drop every generation)")
+        return self.keyspace.drop_prefix(prefix)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                timeout = None
+                if self._timers:
+                    timeout = max(0.0, self._timers[0][0] - time.monotonic())
+                for key, _ in self._sel.select(timeout):
+                    if key.data is _LISTENER:
+                        self._accept()
+                    elif key.data is _WAKER:
+                        with contextlib.suppress(BlockingIOError, OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        self._serve(key.data)
+                self._answer_ready()
+                self._expire()
+            # Answers already due go out before the port closes: a rank that leaves right after
+            # a barrier must not take with it the reply that lets the last peer leave too.
+            self._answer_ready()
+        finally:
+            self._close_all()
+
+    def _close_all(self) -> None:
+        for conn in list(self._conns):
+            self._drop(conn)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(self._listener)
+        self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self._sel.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. EMFILE: leave it in the backlog; the next select retries
+                return
+            sock.settimeout(self.io_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, secrets.token_hex(16))
+            if not self._send(conn, {"v": PROTOCOL_VERSION, "nonce": conn.nonce}):
+                continue
+            self._conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            self.stats.connections += 1
+            self.stats.peak_connections = max(self.stats.peak_connections, len(self._conns))
+
+    def _drop(self, conn: _Conn) -> None:
+        for p in conn.pending:
+            p.done = True
+            if p.watch is not None:
+                self.keyspace.unwatch(p.watch)
+        conn.pending.clear()
+        if conn in self._conns:
+            self._conns.discard(conn)
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(conn.sock)
+        conn.sock.close()
+
+    def _send(self, conn: _Conn, header: dict[str, Any], payload: bytes = b"") -> bool:
+        try:
+            send_frame(conn.sock, self.secret, header, payload)
+        except OSError:  # the reader left or stopped reading for io_timeout: forget it
+            self._drop(conn)
+            return False
+        self.stats.bytes_out += _FRAME_OVERHEAD + len(json.dumps(header)) + len(payload)
+        return True
+
+    def _serve(self, conn: _Conn) -> None:
+        try:
+            header, payload = recv_frame(
+                conn.sock, self.secret, time.monotonic() + self.io_timeout, max_payload=_MAX_PAYLOAD
+            )
+        except FrameError as e:
+            if "authentication" in str(e) or "too large" in str(e):
+                self.stats.rejected += 1
+            self._drop(conn)
+            return
+        except OSError:  # reset, or a frame stalled for io_timeout
+            self._drop(conn)
+            return
+        seq = header.get("seq")
+        if header.get("nonce") != conn.nonce or not isinstance(seq, int) or seq <= conn.last_seq:
+            self.stats.rejected += 1  # a replayed or reordered frame: never trust this connection
+            self._drop(conn)
+            return
+        conn.last_seq = seq
+        self.stats.requests += 1
+        self.stats.bytes_in += _FRAME_OVERHEAD + len(json.dumps(header)) + len(payload)
+        try:
+            self._dispatch(conn, header, payload)
+        except Exception as e:  # a bug must cost one request, never the loop (and every rank)
+            self._send(conn, {"seq": seq, "ok": False, "error": "bad-request", "detail": repr(e)})
+
+    # -- requests -----------------------------------------------------------------------------
+    def _dispatch(self, conn: _Conn, h: dict[str, Any], payload: bytearray) -> None:
+        op, seq = h.get("op"), h["seq"]
+        ks = self.keyspace
+        if op == "count":
+            prefix = h.get("prefix")
+            if not isinstance(prefix, str):
+                raise ValueError("count needs a prefix")
+            self._send(conn, {"seq": seq, "ok": True, "count": ks.count(prefix)})
+            return
+        if op == "ping":
+            self._send(conn, {"seq": seq, "ok": True})
+            return
+        keys = _keys_of(h)
+        if keys is None:
+            raise ValueError(f"{op!r} needs a non-empty list of string keys")
+        if op in ("get", "wait"):
+            timeout = h.get("timeout")
+            if not isinstance(timeout, (int, float)):
+                raise ValueError(f"{op} needs a timeout")
+            self._park(_Pending(conn, h, time.monotonic() + float(timeout)))
+        elif op == "set":
+            values = split_values(h.get("lens"), payload, len(keys))
+            if values is None:
+                raise ValueError("set: lengths do not match the payload")
+            ks.multi_set(zip(keys, values, strict=True))
+            self._send(conn, {"seq": seq, "ok": True})
+        elif op == "check":
+            self._send(conn, {"seq": seq, "ok": True, "present": not ks.missing(keys)})
+        elif op == "add":
+            amount = h.get("amount")
+            if not isinstance(amount, int) or len(keys) != 1:
+                raise ValueError("add needs one key and an integer amount")
+            self._send(conn, {"seq": seq, "ok": True, "value": ks.add(keys[0], amount)})
+        elif op == "cas":
+            parts = split_values(h.get("lens"), payload, 2)
+            if parts is None or len(keys) != 1:
+                raise ValueError("cas needs one key, the expected and the desired value")
+            self._send(conn, {"seq": seq, "ok": True}, ks.compare_set(keys[0], parts[0], parts[1]))
+        elif op == "append":
+            if len(keys) != 1:
+                raise ValueError("append needs one key")
+            ks.append(keys[0], bytes(payload))
+            self._send(conn, {"seq": seq, "ok": True})
+        elif op == "del":
+            if len(keys) != 1:
+                raise ValueError("del needs one key")
+            self._send(conn, {"seq": seq, "ok": True, "deleted": ks.delete(keys[0])})
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    def _park(self, p: _Pending) -> None:
+        """Answer now if the keys exist; otherwise wait for them (or the deadline)."""
+        if self._answer(p):
+            return
+        p.conn.pending.add(p)
+        p.watch = self.keyspace.watch(p.header["keys"], lambda _w: self._on_ready(p))
+        if p.watch is None:  # written between the two looks
+            p.conn.pending.discard(p)
+            self._answer(p)
+            return
+        heapq.heappush(self._timers, (p.deadline, next(self._tick), p))
+
+    def _on_ready(self, p: _Pending) -> None:
+        # Runs on whichever thread wrote the last key: hand the answer to the loop thread,
+        # which owns the sockets.
+        with self._ready_lock:
+            self._ready.append(p)
+        self._wake()
+
+    def _answer_ready(self) -> None:
+        while True:
+            with self._ready_lock:
+                if not self._ready:
+                    return
+                p = self._ready.popleft()
+            if p.done:
+                continue
+            p.conn.pending.discard(p)
+            p.watch = None
+            if not self._answer(p):  # a key was deleted again in between: keep waiting
+                self._park(p)
+
+    def _answer(self, p: _Pending) -> bool:
+        """Send the reply when every key exists; False (nothing sent) otherwise."""
+        h = p.header
+        if h["op"] == "wait":
+            if self.keyspace.missing(h["keys"]):
+                return False
+            p.done = True
+            self._send(p.conn, {"seq": h["seq"], "ok": True})
+            return True
+        values = self.keyspace.values(h["keys"])
+        if values is None:
+            return False
+        p.done = True
+        lens, payload = join_values(values)
+        self._send(p.conn, {"seq": h["seq"], "ok": True, "lens": lens}, payload)
+        return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, p = heapq.heappop(self._timers)
+            if p.done:
+                continue
+            p.done = True
+            p.conn.pending.discard(p)
+            if p.watch is not None:
+                self.keyspace.unwatch(p.watch)
+            missing = self.keyspace.missing(p.header["keys"])
+            self._send(p.conn, {"seq": p.header["seq"], "ok": False, "error": "timeout", "missing": missing})

@@ -1,0 +1,121 @@
+"""Command line of the goodput simulation: ``checkpointless simulate`` / ``python -m ...simulate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from checkpointless.errors import ConfigError
+from checkpointless.simulate.calibration import load_calibration
+from checkpointless.simulate.des import SimConfig
+from checkpointless.simulate.models import IntervalRule
+from checkpointless.simulate.report import (
+    DEFAULT_GPUS,
+    breakdown_table,
+    headline,
+    render_markdown,
+    run_report,
+    sensitivity_table,
+    sweep_table,
+    to_json,
+    write_plot,
+)
+from checkpointless.simulate.topology import JobShape
+
+__all__ = ["build_parser", "main"]
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        values = [int(v.replace("_", "")) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of GPU counts; e.g. 16,256,2304") from None
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one GPU count")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="checkpointless simulate",
+        description="Simulate training goodput under faults: checkpoint-restart versus checkpointless.",
+    )
+    p.add_argument(
+        "--gpus",
+        type=_gpu_list,
+        nargs="+",
+        default=[list(DEFAULT_GPUS)],
+        help="job sizes, comma- or space-separated (default: 16 ... 16384); each a multiple of 16",
+    )
+    p.add_argument(
+        "--focus-gpus",
+        type=int,
+        default=JobShape().gpus,
+        help="size for the breakdown and sensitivity tables",
+    )
+    p.add_argument(
+        "--days", type=float, default=60.0, help="simulated wall time per run (default %(default)s)"
+    )
+    p.add_argument(
+        "--seeds",
+        "--repeats",
+        dest="seeds",
+        type=int,
+        default=10,
+        help="runs per point, seeds 0..n-1 (default %(default)s)",
+    )
+    p.add_argument("--calibration", type=Path, help="JSON file of measured costs (keys: see docs/goodput.md)")
+    p.add_argument("--interval", choices=[r.value for r in IntervalRule], default=IntervalRule.YOUNG.value)
+    p.add_argument("--out", type=Path, help="write goodput.json, goodput.md and goodput.png here")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    p.add_argument("--no-sensitivity", action="store_true", help="skip the what-if table (faster)")
+    p.add_argument("--label", help=argparse.SUPPRESS)  # the command a report should name
+    return p
+
+
+def _machine() -> str:
+    return f"{platform.machine()} {platform.system()} {platform.release()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the study, print the tables, write the files under ``--out``; 0 on success, 2 on bad input."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.seeds < 1:
+            raise ConfigError(f"--seeds {args.seeds} must be >= 1")
+        base = SimConfig(days=args.days, interval_rule=IntervalRule(args.interval))
+        if args.calibration is not None:
+            base = replace(base, cal=load_calibration(args.calibration))
+        gpus = sorted({n for group in args.gpus for n in group})
+        for n in [*gpus, args.focus_gpus]:
+            replace(base.shape, gpus=n)  # validates the size before any long run
+        t0 = time.perf_counter()
+        rep = run_report(base, gpus, args.focus_gpus, range(args.seeds), not args.no_sensitivity)
+        runtime = time.perf_counter() - t0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    given = argv if argv is not None else sys.argv[1:]
+    command = args.label or " ".join(["python -m checkpointless.simulate", *given])
+    print(headline(rep), "\n")
+    print(sweep_table(rep), "\n")
+    print(breakdown_table(rep), "\n")
+    if rep.sensitivity:
+        print(sensitivity_table(rep), "\n")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        machine = _machine()
+        (args.out / "goodput.json").write_text(
+            json.dumps(to_json(rep, command, machine, runtime), indent=1) + "\n"
+        )
+        (args.out / "goodput.md").write_text(render_markdown(rep, command, machine, runtime))
+        if not args.no_plot:
+            write_plot(rep, args.out / "goodput.png")
+        print(f"wrote {args.out}/goodput.json, goodput.md" + ("" if args.no_plot else ", goodput.png"))
+    return 0

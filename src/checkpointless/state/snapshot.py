@@ -1,0 +1,88 @@
+"""What a rank's training state is, and how to take it from and put it into live objects.
+
+The state that makes a replica: every registered object's ``state_dict()`` (model parameters and
+buffers, optimizers, schedulers, scalers, the user's own objects), the random number generators
+as they stood when the next step begins, and the step counter (which is also the data position:
+the data pipeline derives its samples from the step).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from checkpointless.errors import ConfigError, StateTransferError
+
+__all__ = ["RngState", "Stateful", "capture_rng", "collect_state", "restore_rng", "restore_state"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any, /) -> Any: ...
+
+
+RngState = dict[str, Any]
+
+
+def capture_rng() -> RngState:
+    """The generators a training step may draw from: Python, NumPy, torch CPU and CUDA."""
+    np_state = np.random.get_state()
+    state: RngState = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: RngState) -> None:
+    random.setstate(_as_tuple_tree(state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(gauss)))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple_tree(v: Any) -> Any:
+    # random.setstate wants (version, tuple_of_ints, gauss_next) with real tuples
+    if isinstance(v, (list, tuple)):
+        return tuple(_as_tuple_tree(x) for x in v)
+    return v
+
+
+def collect_state(objects: dict[str, Stateful], step: int, rng: RngState) -> dict[str, Any]:
+    return {
+        "step": step,
+        "rng": rng,
+        "objects": {name: obj.state_dict() for name, obj in objects.items()},
+    }
+
+
+def restore_state(objects: dict[str, Stateful], state: dict[str, Any]) -> tuple[int, RngState]:
+    """Load every registered object's state; return (step, rng state to resume with)."""
+    sent = state["objects"]
+    missing = sorted(set(objects) - set(sent))
+    extra = sorted(set(sent) - set(objects))
+    if missing or extra:
+        raise StateTransferError(
+            f"registered objects differ between sender and receiver: missing {missing}, unexpected {extra}"
+        )
+    for name, obj in objects.items():
+        obj.load_state_dict(sent[name])
+    return int(state["step"]), state["rng"]
+
+
+def check_stateful(name: str, obj: object) -> Stateful:
+    if not isinstance(obj, Stateful):
+        raise ConfigError(
+            f"cannot track {name!r} ({type(obj).__name__}): it needs state_dict() and "
+            "load_state_dict(); wrap plain values in an object that has them"
+        )
+    return obj
