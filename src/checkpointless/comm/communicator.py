@@ -98,7 +98,9 @@ class Communicator:
         self.timeout = timeout
         self.generation = -1
         self._pg: Any = None
-        self._lock = threading.Lock()
+        # re-entrant: a collective that fails at once completes its Handle inside _issue, and
+        # the completion callback takes this lock again to forget the handle
+        self._lock = threading.RLock()
         self._pending: set[Handle] = set()
         self._aborted: str | None = "not connected yet"
         self._graveyard: list[Any] = []

@@ -86,6 +86,10 @@ class DataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._callback_queued or self._next_launch:
+            # a backward was abandoned half-way (an exception in a hook): start clean, or this
+            # rank would issue its collectives out of step with the others
+            self.reset()
         return self.module(*args, **kwargs)
 
     @contextmanager

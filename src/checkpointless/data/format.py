@@ -331,11 +331,12 @@ def read_header(path: str | os.PathLike[str]) -> TokenFileHeader:
         raise _bad(p, f"header length {length} is larger than the header page")
     try:
         fields = json.loads(raw[_PREFIX.size : _PREFIX.size + length])
+        version = fields.get("format_version") if isinstance(fields, dict) else None
+        if version != FORMAT_VERSION:  # checked first: another version may have other fields
+            raise _bad(p, f"format version {version} is not supported (expected {FORMAT_VERSION})")
         header = TokenFileHeader(**fields)
     except (ValueError, TypeError) as e:
         raise _bad(p, f"header is not valid ({e})") from None
-    if header.format_version != FORMAT_VERSION:
-        raise _bad(p, f"format version {header.format_version} is not supported (expected {FORMAT_VERSION})")
     if header.dtype not in _DTYPES:
         raise _bad(p, f"token dtype {header.dtype!r} is not supported (expected one of {sorted(_DTYPES)})")
     if not 1 <= header.vocab_size <= 1 << 32:

@@ -21,7 +21,7 @@ import torch
 from checkpointless.data.dataset import TokenDataset
 from checkpointless.data.sampler import GlobalSampler
 from checkpointless.data.shm_cache import BatchKey, ShmBatchCache
-from checkpointless.errors import CheckpointlessError, ConfigError
+from checkpointless.errors import ConfigError
 
 __all__ = ["BatchLoader"]
 
@@ -53,6 +53,9 @@ class _Prefetcher:
         self._target: int | None = None
         self._building: int | None = None
         self._stop = False
+        # Steps this thread has seen published, so that advancing by one step costs one build
+        # instead of re-reading the headers of the K - 1 files that are already there.
+        self._published: set[int] = set()
         self.error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"checkpointless-prefetch-r{cache.rank}", daemon=True
@@ -96,7 +99,13 @@ class _Prefetcher:
 
     def _fill(self, base: int) -> bool:
         """Publish steps after ``base``; False if a newer target or a stop interrupted it."""
-        for step in range(base + 1, base + self._ahead + 1):
+        wanted = range(base + 1, base + self._ahead + 1)
+        # trim() only deletes outside [current - behind, current + capacity], which contains
+        # ``wanted`` (ahead <= capacity), so a step published earlier and still wanted is still there.
+        self._published.intersection_update(wanted)
+        for step in wanted:
+            if step in self._published:
+                continue
             with self._cond:
                 if self._stop or self._target != base:
                     return False
@@ -106,6 +115,7 @@ class _Prefetcher:
                 if not self._cache.contains(key):
                     x, y = self._build(step)
                     self._cache.put(key, x, y)
+                self._published.add(step)
             finally:
                 with self._cond:
                     self._building = None
@@ -137,6 +147,9 @@ class BatchLoader:
         shuffle: bool = True,
     ) -> None:
         self.dataset = dataset
+        # A plain ndarray view of the same mapping: slicing an np.memmap builds a memmap object per
+        # slice, which costs more than copying the slice itself for short rows.
+        self._tokens = np.asarray(dataset.tokens)
         self.seq_len = seq_len
         self.sampler = GlobalSampler(dataset.num_samples(seq_len), global_batch, seed, shuffle=shuffle)
         self.per_rank = self.sampler.check_shard(dp_rank, dp_size)
@@ -152,7 +165,8 @@ class BatchLoader:
             raise ConfigError(f"prefetch {ahead} must be between 0 and the cache capacity {cache.capacity}")
         self.prefetch = ahead
         self._prefetcher: _Prefetcher | None = None
-        self._closed = False
+        self._served = False
+        self._prefetch_error: BaseException | None = None
         #: Where the last batch came from: "cache" (shared memory) or "built" (assembled from the mmap).
         self.last_source: Literal["cache", "built", ""] = ""
         #: Digest of the last batch when the cache computed it anyway (None without a cache).
@@ -179,7 +193,7 @@ class BatchLoader:
         ids = self.sample_ids(step)
         x = np.empty((len(ids), self.seq_len), dtype=np.int64)
         y = np.empty((len(ids), self.seq_len), dtype=np.int64)
-        tokens = self.dataset.tokens
+        tokens = self._tokens
         for row, sample in enumerate(ids.tolist()):
             window = tokens[sample * self.seq_len : (sample + 1) * self.seq_len + 1]
             x[row] = window[:-1]
@@ -188,8 +202,6 @@ class BatchLoader:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 of shape [global_batch // dp_size, seq_len], for global ``step``."""
-        if self._closed:
-            raise CheckpointlessError("BatchLoader.batch() called after close()")
         if step < 0:
             raise ConfigError(f"step must be non-negative, got {step}")
         cache = self.cache
@@ -213,23 +225,34 @@ class BatchLoader:
             cache.trim(step)
             if got is None:
                 self.last_digest = cache.put(key, x, y)
-            if self.prefetch:
-                if self._prefetcher is None:
-                    self._prefetcher = _Prefetcher(cache, self.prefetch, self.key, self.build_arrays)
+            if self._prefetcher is not None:
                 self._prefetcher.request(step)
+            elif self.prefetch and self._served:
+                # The thread starts at the second call, not the first: starting a thread costs
+                # 0.1-1 ms here, which would double the latency of the first batch after a
+                # recovery, and the steps right after it are normally in the cache already.
+                self._prefetcher = _Prefetcher(cache, self.prefetch, self.key, self.build_arrays)
+                self._prefetcher.request(step)
+        self._served = True
         return torch.from_numpy(x), torch.from_numpy(y)
 
     @property
     def prefetch_error(self) -> BaseException | None:
-        """Why the prefetch thread stopped, if it did (batches are then built on demand)."""
-        return self._prefetcher.error if self._prefetcher is not None else None
+        """Why the last prefetch thread stopped on its own, if it did (batches are then built on demand)."""
+        return self._prefetcher.error if self._prefetcher is not None else self._prefetch_error
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop prefetching; the cache files stay for a replacement process or a re-run."""
-        self._closed = True
-        if self._prefetcher is not None and not self._prefetcher.stop(timeout):
-            log.warning("prefetch thread of rank %d did not stop within %.1f s", self.dp_rank, timeout)
+        """Stop the prefetch thread within ``timeout``; the cache files stay for a replacement or a re-run.
+
+        A recovery may close the loader while it aborts the step and keep using it afterwards:
+        a later ``batch`` serves as usual and starts a new thread from its second call.
+        """
+        if self._prefetcher is not None:
+            if not self._prefetcher.stop(timeout):
+                log.warning("prefetch thread of rank %d did not stop within %.1f s", self.dp_rank, timeout)
+            self._prefetch_error = self._prefetcher.error
         self._prefetcher = None
+        self._served = False
 
     def __enter__(self) -> BatchLoader:
         return self

@@ -195,7 +195,3 @@ def prepare_main(argv: list[str] | None = None, *, stderr: TextIO | None = None)
         err.write(f"checkpointless data prepare: error: {e}\n")
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(prepare_main())

@@ -19,7 +19,6 @@ for a large corpus) and a second of start-up for every replacement process.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -131,11 +130,3 @@ class GlobalSampler:
     def epoch_of(self, step: int) -> int:
         """The epoch that the first sample of ``step`` belongs to."""
         return step * self.global_batch // self.num_samples
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "num_samples": self.num_samples,
-            "global_batch": self.global_batch,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-        }

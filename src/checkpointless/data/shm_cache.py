@@ -302,10 +302,6 @@ class ShmBatchCache:
             self.stats.evictions += removed
         return removed
 
-    def clear(self) -> None:
-        """Remove every file of this rank (not the other ranks' files)."""
-        shutil.rmtree(self.dir, ignore_errors=True)
-
     def __repr__(self) -> str:
         return f"ShmBatchCache({str(self.dir)!r}, capacity={self.capacity}, behind={self.behind})"
 

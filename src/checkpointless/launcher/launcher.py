@@ -51,6 +51,7 @@ class LaunchConfig:
     hang_timeout: float = 10.0
     spare_wait: float = 60.0
     recovery_timeout: float = 120.0
+    start_timeout: float = 180.0
     faults: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     control_port: int = 0
@@ -90,6 +91,7 @@ class Proc:
     in_collective: bool = False
     step: int | None = None
     killed_for: str | None = None
+    spawned: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -362,7 +364,9 @@ class Launcher:
                     log.warning("spare %d exited (code %s); starting another", p.worker_id, code)
                     self._spawn("spare")
                 continue
-            if code == 0 and p.done:
+            if p.done:
+                if code != 0:  # its work was complete: the final barrier had passed everywhere
+                    log.warning("rank %d exited with code %s after finishing", p.rank, code)
                 continue
             if p.killed_for is not None:
                 kind, detail = "hang", p.killed_for
@@ -378,6 +382,11 @@ class Launcher:
         for rank, p in self.members.items():
             if p.popen.poll() is not None or p.killed_for is not None:
                 continue
+            if p.conn is None:
+                # not connected yet: starting (imports take seconds) — judged by the start-up limit
+                if now - p.spawned > self.cfg.start_timeout:
+                    self._kill(p, f"did not connect within --start-timeout {self.cfg.start_timeout:.0f} s")
+                continue
             progress = p.last_progress if (p.progress_known and self.round is None) else now
             health.append(WorkerHealth(rank, p.last_message, progress, p.in_collective))
         culprits, why = find_hung(health, now, self.cfg.hang_timeout)
@@ -392,7 +401,12 @@ class Launcher:
             return
         gen = int(msg["for_generation"])
         cause = msg.get("cause")
-        if self.round is None or (self.round.phase == "rebuild" and gen >= self.round.target):
+        r = self.round
+        if r is not None and r.phase == "rebuild" and gen <= r.target and cause != "recovery":
+            return  # a duplicate of a report this round already has
+        if r is None and gen <= self.generation:
+            return  # stale: about a generation that has already formed
+        if r is None or r.phase == "rebuild":
             # a rank stopped by itself: that is a fault (its own exception, a failed collective
             # or a failed recovery step) unless a round already covers it
             kind = "exception" if cause == "exception" else ("recovery" if cause == "recovery" else "comm")
@@ -435,6 +449,9 @@ class Launcher:
         d = spare_policy(len(ready), len(starting), len(ranks), time.monotonic() - r.waiting_since, self.cfg.spare_wait)
         if d.action == SpareAction.FAIL:
             raise NotRecoverableError(d.reason)
+        for _ in range(d.spawn):
+            log.warning("no hot spare ready for rank(s) %s; starting one (waits up to %.0f s)", ranks, self.cfg.spare_wait)
+            self._spawn("spare")
         if d.action == SpareAction.WAIT and not ready:
             return
         for rank, spare in zip(ranks, ready, strict=False):
@@ -458,6 +475,9 @@ class Launcher:
             return
         self.generation = r.target
         self.round = None
+        now = time.monotonic()
+        for m in self.members.values():
+            m.last_progress = now  # the hang clock restarts with the new generation
         if r.initial:
             log.info("generation 0 formed in %.2f s after launch", time.monotonic() - r.started)
             self.events.emit("started", generation=0, seconds=time.monotonic() - r.started)
@@ -490,7 +510,9 @@ class Launcher:
             "first_step_s": round(first_step_done - formed, 4),
         }
         downtime = first_step_done - t0
-        kinds = ", ".join(f"{f['kind']} on rank {f['rank']}" for f in r.faults)
+        # a failed collective on a survivor is a symptom; name the causes when they are known
+        causes = [f for f in r.faults if f["kind"] != "comm"] or r.faults
+        kinds = ", ".join(f"{f['kind']} on rank {f['rank']}" for f in causes)
         record = self.events.emit(
             "recovery",
             generation=r.target,

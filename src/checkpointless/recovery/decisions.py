@@ -110,22 +110,30 @@ class SpareAction(Enum):
 @dataclass(frozen=True)
 class SpareDecision:
     action: SpareAction
+    spawn: int = 0  # new spare processes to start now
     reason: str = field(default="")
 
 
 def spare_policy(ready: int, starting: int, needed: int, waited: float, wait_limit: float) -> SpareDecision:
     """What to do when ``needed`` ranks must be replaced.
 
-    Documented policy: use ready spares at once; if too few are ready but more are starting,
-    wait for them up to ``wait_limit`` seconds; then (or if none can come) stop the job with an
-    error that says how many spares were missing and which setting to raise.
+    Documented policy (docs/operations.md): ready spares are used at once. If too few are
+    ready, start as many new spare processes as are missing and wait for them, up to
+    ``wait_limit`` seconds in all; then stop the job with an error that says how many spares were
+    missing and which setting to raise. Never wait without a deadline.
     """
     if ready >= needed:
         return SpareDecision(SpareAction.ASSIGN)
-    if waited < wait_limit and ready + starting >= needed:
-        return SpareDecision(SpareAction.WAIT, f"waiting for {needed - ready} spare(s) to start")
+    if waited < wait_limit:
+        return SpareDecision(
+            SpareAction.WAIT,
+            spawn=max(0, needed - ready - starting),
+            reason=f"waiting for {needed - ready} spare(s) to start",
+        )
     return SpareDecision(
         SpareAction.FAIL,
-        f"{needed} rank(s) need a replacement but only {ready} spare(s) became ready within "
-        f"{wait_limit:.0f} s; start more with --spares or allow longer with --spare-wait",
+        reason=(
+            f"{needed} rank(s) need a replacement but only {ready} spare(s) were ready after "
+            f"waiting {waited:.0f} s; keep more hot spares with --spares or allow longer with --spare-wait"
+        ),
     )

@@ -20,8 +20,10 @@ applied its update). Models, optimizers and data objects stay in memory througho
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 import threading
 import time
 import traceback
@@ -100,6 +102,7 @@ class Job:
         self.comm = Communicator(0, 1, datetime.timedelta(seconds=rendezvous_timeout))
         self._objects: dict[str, Stateful] = {}
         self._modules: list[nn.Module] = []
+        self._dps: list[DataParallel] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._dirty = False  # inside an optimizer update: state not valid if we fault now
         self._updated = False  # the current step's update has been applied
@@ -107,6 +110,7 @@ class Job:
         self._step_rng: tuple[int, RngState] | None = None
         self._progress_t = time.monotonic()
         self._started = False
+        self._recovering = False
         self._retries: dict[int, int] = {}
         self._report_gen = 0
         self._latest_abort = -1
@@ -125,9 +129,11 @@ class Job:
     def _connect(self) -> None:
         assert self.env is not None
         set_parent_death_signal()
+        # Pay lazy first-use costs before the launcher starts timing our heartbeats: a spare
+        # must not pay them after a fault, and a heavy import can hold the GIL for seconds.
+        _warm_up()
         self._link = LauncherLink(self.env, self._on_abort, self._status)
         if self.env.role == "spare":
-            _warm_up()
             log.info("spare %d ready, waiting for a rank", self.env.worker_id)
             self._link.send({"type": "spare_ready"})
         msg = self._link.wait_for({"assign"}, time.monotonic() + 10 * 365 * 86400.0)
@@ -150,6 +156,7 @@ class Job:
     def data_parallel(self, module: nn.Module, bucket_cap_mb: float = 25.0) -> DataParallel:
         """Wrap ``module`` to average gradients over the job's ranks (instead of DDP)."""
         dp = DataParallel(module, self.comm, bucket_cap_mb=bucket_cap_mb)
+        self._dps.append(dp)
         return dp
 
     def track(self, **objects: Any) -> None:
@@ -208,6 +215,7 @@ class Job:
             yield step
         if self._link is not None:
             self._link.send({"type": "done", "step": self.committed_step})
+            atexit.register(_exit_now)
 
     def _finish_barrier(self) -> bool:
         # Nobody leaves before everyone has the final state: a rank that left early could be
@@ -276,7 +284,8 @@ class Job:
         since = self.comm.in_collective_since
         return {
             "step": self._step_index,
-            "progress_age": time.monotonic() - self._progress_t if self._started else None,
+            # no progress clock while recovering: the launcher times recoveries by their own rules
+            "progress_age": None if (self._recovering or not self._started) else time.monotonic() - self._progress_t,
             "in_collective": since is not None,
         }
 
@@ -313,21 +322,26 @@ class Job:
         """Report, wait for the launcher's plan, rebuild, exchange state. Loops through any
         number of faults that happen meanwhile (each makes a newer generation)."""
         assert self._link is not None
+        self._recovering = True
         t_stop = time.monotonic()
-        for dp in self._modules:
-            if isinstance(dp, DataParallel):
-                dp.reset()
+        for dp in self._dps:
+            dp.reset()
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
         deadline = time.monotonic() + 10 * self.rendezvous_timeout
         self._report_gen = max(self._report_gen, self._latest_abort, self.generation + 1)
         report = {"committed_step": committed, "valid": valid, "cause": cause, "error": error}
+        resend = True
         while True:
             gen = self._report_gen
-            self._link.send({"type": "stopped", "for_generation": gen, "time": time.time(), **report})
+            if resend:
+                self._link.send({"type": "stopped", "for_generation": gen, "time": time.time(), **report})
+            resend = False
             msg = self._link.wait_for({"recover", "abort"}, deadline)
             if msg["type"] == "abort":
-                self._report_gen = max(self._report_gen, int(msg["generation"]))
+                if int(msg["generation"]) > self._report_gen:  # a newer fault: report for it
+                    self._report_gen = int(msg["generation"])
+                    resend = True
                 continue
             if int(msg["generation"]) != gen or self._latest_abort > gen:
                 continue  # a plan for a generation that was superseded while it travelled
@@ -341,6 +355,7 @@ class Job:
                     valid = valid and self.rank not in msg["plan"]["receivers"]
                 report = {"committed_step": committed, "valid": valid, "cause": "recovery", "error": _short(e)}
                 self._report_gen = max(self._latest_abort, gen + 1)
+                resend = True
                 continue
             timings["stopped_s"] = t_stop
             self._link.send({"type": "recovered", "generation": gen, "time": time.time(), "timings": timings})
@@ -401,6 +416,15 @@ class Job:
     def collected_state(self) -> dict[str, Any]:
         """The state a replacement would receive now (for tests and digests)."""
         return collect_state(self._objects, self.committed_step, capture_rng())
+
+
+def _exit_now() -> None:
+    """Leave without running destructors. Process groups of aborted generations may still hold
+    gloo threads waiting on peers that are gone; tearing them down at interpreter exit can
+    abort the process after the job's work is complete."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _looks_like_comm_error(exc: BaseException) -> bool:

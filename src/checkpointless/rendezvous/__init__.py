@@ -11,7 +11,7 @@ from checkpointless.rendezvous.barrier import store_barrier
 from checkpointless.rendezvous.peers import PeerTable, group_by_owner, key_owner, parse_address
 from checkpointless.rendezvous.ports import (
     PORT_BASE_SETTING,
-    PORT_SPAN_SETTING,
+    PORT_RANGE_SETTING,
     allocate_ports,
     open_listener,
     port_range_from_env,
@@ -21,7 +21,7 @@ from checkpointless.rendezvous.store import RootlessStore
 
 __all__ = [
     "PORT_BASE_SETTING",
-    "PORT_SPAN_SETTING",
+    "PORT_RANGE_SETTING",
     "KeyServer",
     "PeerTable",
     "RootlessStore",

@@ -1,7 +1,7 @@
 """Key-server ports: a configurable base and range, and clear errors when a port is taken.
 
 Ports come from ``[base, base + span)``. The base and span are the job's settings (the launcher's
-``--port-base`` / ``CHECKPOINTLESS_PORT_BASE`` and ``--port-span`` / ``CHECKPOINTLESS_PORT_SPAN``);
+``--port-base`` / ``CHECKPOINTLESS_PORT_BASE`` and ``--port-range`` / ``CHECKPOINTLESS_PORT_RANGE``);
 every error here names them, because the only fix for a busy port is to pick another range.
 
 Probing a port and binding it later leaves a window in which another program can take it. Where
@@ -19,14 +19,14 @@ from checkpointless.errors import ConfigError
 
 __all__ = [
     "PORT_BASE_SETTING",
-    "PORT_SPAN_SETTING",
+    "PORT_RANGE_SETTING",
     "allocate_ports",
     "open_listener",
     "port_range_from_env",
 ]
 
 PORT_BASE_SETTING = "--port-base / CHECKPOINTLESS_PORT_BASE"
-PORT_SPAN_SETTING = "--port-span / CHECKPOINTLESS_PORT_SPAN"
+PORT_RANGE_SETTING = "--port-range / CHECKPOINTLESS_PORT_RANGE"
 _BACKLOG = 4096  # the kernel caps it at somaxconn; a large job connects to a key server at once
 
 
@@ -87,12 +87,12 @@ def allocate_ports(base: int, count: int, host: str = "127.0.0.1", span: int = 1
         raise ConfigError(f"need at least one port, asked for {count}")
     if span < count:
         raise ConfigError(
-            f"port span {span} cannot hold {count} ports; raise {PORT_SPAN_SETTING} to at least {count}"
+            f"port range of {span} ports cannot hold {count} ports; raise {PORT_RANGE_SETTING} to at least {count}"
         )
     if base < 1024 or base + span > 65536:
         raise ConfigError(
             f"port range {base}-{base + span - 1} must lie within 1024-65535; "
-            f"change {PORT_BASE_SETTING} or {PORT_SPAN_SETTING}"
+            f"change {PORT_BASE_SETTING} or {PORT_RANGE_SETTING}"
         )
     found: list[int] = []
     busy: list[int] = []
@@ -103,16 +103,16 @@ def allocate_ports(base: int, count: int, host: str = "127.0.0.1", span: int = 1
     raise ConfigError(
         f"only {len(found)} of the {count} ports needed are free in {base}-{base + span - 1} on "
         f"{host} (busy: {_ranges(busy)}); choose another range with {PORT_BASE_SETTING} "
-        f"or widen it with {PORT_SPAN_SETTING}"
+        f"or widen it with {PORT_RANGE_SETTING}"
     )
 
 
 def port_range_from_env(default_base: int, default_span: int) -> tuple[int, int]:
-    """``(base, span)`` from CHECKPOINTLESS_PORT_BASE / CHECKPOINTLESS_PORT_SPAN, else the defaults."""
+    """``(base, span)`` from CHECKPOINTLESS_PORT_BASE / CHECKPOINTLESS_PORT_RANGE, else the defaults."""
     values: list[int] = []
     for name, default in (
         ("CHECKPOINTLESS_PORT_BASE", default_base),
-        ("CHECKPOINTLESS_PORT_SPAN", default_span),
+        ("CHECKPOINTLESS_PORT_RANGE", default_span),
     ):
         text = os.environ.get(name, "").strip()
         if not text:

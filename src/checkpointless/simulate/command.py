@@ -79,8 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _machine() -> str:
-    return f"{platform.machine()} {platform.system()} {platform.release()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    return (
+        f"{_cpu_model()}, {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
