@@ -72,7 +72,7 @@ def synthetic_batch(seed: int, step: int, rank: int, batch: int, seq_len: int, v
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    ap.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -80,23 +80,32 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--data", help="token file from `checkpointless data prepare` (default: synthetic tokens)")
+    ap.add_argument("--data", help="token file from `checkpointless data prepare` (default: random tokens)")
     ap.add_argument("--digest-out", help="write the final weights' SHA-256 here")
     args = ap.parse_args()
 
     job = cl.init()  # a hot spare waits here until it is given a rank
     torch.manual_seed(args.seed)
+    if args.global_batch % job.world_size:
+        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {job.world_size} ranks")
+    local_batch = args.global_batch // job.world_size
     vocab = 256
     loader = None
     if args.data:
         from checkpointless.data import BatchLoader, ShmBatchCache, TokenDataset
 
-        ds = TokenDataset.open(args.data)
+        ds = TokenDataset.open(args.data, verify="quick")
         vocab = ds.vocab_size
+        # prefetched batches wait in /dev/shm, so a replacement's first batch is a memory read
         cache = ShmBatchCache(job_id=job.job_id, rank=job.rank, capacity=8) if job.job_id else None
         loader = BatchLoader(
-            ds, seq_len=args.seq_len, global_batch=args.batch * job.world_size, seed=args.seed,
-            dp_rank=job.rank, dp_size=job.world_size, cache=cache,
+            ds,
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            seed=args.seed,
+            dp_rank=job.rank,
+            dp_size=job.world_size,
+            cache=cache,
         )
     model = GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
     dp = job.data_parallel(model)
@@ -109,7 +118,7 @@ def main() -> None:
             if loader is not None:
                 x, y = loader.batch(step.index)
             else:
-                tokens = synthetic_batch(args.seed, step.index, job.rank, args.batch, args.seq_len, vocab)
+                tokens = synthetic_batch(args.seed, step.index, job.rank, local_batch, args.seq_len, vocab)
                 x, y = tokens[:, :-1], tokens[:, 1:]
             digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16]
             logits = dp(x)

@@ -105,6 +105,7 @@ class Communicator:
         self._aborted: str | None = "not connected yet"
         self._graveyard: list[Any] = []
         self.in_collective_since: float | None = None  # read by the heartbeat for hang triage
+        self.before_allreduce: Callable[[], None] | None = None  # fault-injection site
 
     # -- generations -------------------------------------------------------------------------
     def rebuild(
@@ -192,6 +193,8 @@ class Communicator:
             self._pending.discard(h)
 
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
+        if self.before_allreduce is not None:
+            self.before_allreduce()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         return self._issue(lambda pg: pg.allreduce([tensor], opts), tensor)

@@ -2,7 +2,8 @@
 
 A fault is ``KIND[:key=value...]`` with KIND one of raise, exit, kill, hang, spin, slow and keys
 ``rank`` (default any), ``step`` (default first), ``site`` (step, forward, backward, allreduce,
-optimizer; default step) and ``seconds`` (for slow). Examples::
+optimizer — half-way through the update —, recovery — while rejoining for that step —; default
+step) and ``seconds`` (for slow). Examples::
 
     kill:rank=1:step=20            SIGKILL rank 1 as it starts step 20
     raise:rank=2:step=5:site=backward
@@ -28,7 +29,7 @@ from checkpointless.errors import ConfigError
 __all__ = ["KINDS", "SITES", "FaultSpec", "InjectedFault", "Injector", "expand_random", "parse_faults"]
 
 KINDS = ("raise", "exit", "kill", "hang", "spin", "slow")
-SITES = ("step", "forward", "backward", "allreduce", "optimizer")
+SITES = ("step", "forward", "backward", "allreduce", "optimizer", "recovery")
 
 
 class InjectedFault(RuntimeError):

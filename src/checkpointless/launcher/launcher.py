@@ -164,7 +164,7 @@ class Launcher:
                 ENV.ROLE: role,
                 ENV.RUN_DIR: str(self.run_dir),
                 ENV.JOB_ID: self.job_id,
-                ENV.STORE_PORT: str(port),
+                ENV.STORE_PORT: str(port),  # 0 when the rendezvous is not root-less
                 ENV.HOST: self.cfg.host,
                 "PYTHONUNBUFFERED": "1",
             }

@@ -100,6 +100,7 @@ class Job:
         self.rendezvous_timeout = rendezvous_timeout
         self.max_step_retries = max_step_retries
         self.comm = Communicator(0, 1, datetime.timedelta(seconds=rendezvous_timeout))
+        self.comm.before_allreduce = lambda: self._site("allreduce")
         self._objects: dict[str, Stateful] = {}
         self._modules: list[nn.Module] = []
         self._dps: list[DataParallel] = []
@@ -132,6 +133,14 @@ class Job:
         # Pay lazy first-use costs before the launcher starts timing our heartbeats: a spare
         # must not pay them after a fault, and a heavy import can hold the GIL for seconds.
         _warm_up()
+        if self.env.store_port:
+            # serve our rendezvous keys from the start: peers may look us up the moment the
+            # launcher names us in a peer table, and a refused connection means "dead"
+            from checkpointless.rendezvous import KeyServer
+
+            server = KeyServer(host=self.env.host, port=self.env.store_port, secret=self.env.secret)
+            server.start()
+            self._store_state["server"] = server
         self._link = LauncherLink(self.env, self._on_abort, self._status)
         if self.env.role == "spare":
             log.info("spare %d ready, waiting for a rank", self.env.worker_id)
@@ -145,7 +154,6 @@ class Job:
         self._events = EventLog(self.env.run_dir / f"rank-{self.rank}.jsonl", rank=self.rank, worker=self.env.worker_id)
         specs = parse_faults(list(msg.get("faults", [])), self.world_size)
         self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
-        self._store_state = {}
 
     def _standalone(self) -> None:
         store = dist.HashStore()
@@ -183,7 +191,6 @@ class Job:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """All-reduce over the job's ranks (in place), abortable like every job collective."""
-        self._site("allreduce")
         return self.comm.wait(self.comm.allreduce(tensor, op))  # type: ignore[no-any-return]
 
     @property
@@ -253,6 +260,11 @@ class Job:
     def _before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.comm.check()  # never apply an update from a generation that was aborted
         self._dirty = True
+        if self._step_index is not None and self._injector.due("optimizer", self._step_index):
+            # rehearse a fault half-way through the update: some parameters already changed
+            with torch.no_grad():
+                first = opt.param_groups[0]["params"][0]
+                first.add_(1.0)
         self._site("optimizer")
 
     def _after_update(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -348,7 +360,7 @@ class Job:
             self._cancel.clear()
             try:
                 timings = self._join_generation(msg, committed, valid)
-            except (RendezvousError, CommAborted, StateTransferError) as e:
+            except Exception as e:  # any failure here is a fault of this round, not of the job
                 log.warning("recovery to generation %d failed: %s", gen, _short(e))
                 # our own state is still what it was unless we were loading a peer's
                 if isinstance(e, StateTransferError) or self.rank in msg["plan"]["receivers"]:
@@ -358,9 +370,10 @@ class Job:
                 resend = True
                 continue
             timings["stopped_s"] = t_stop
-            self._link.send({"type": "recovered", "generation": gen, "time": time.time(), "timings": timings})
-            self._first_commit_after_recovery = True
             self._progress_t = time.monotonic()  # the hang clock restarts with the new generation
+            self._recovering = False
+            self._first_commit_after_recovery = True
+            self._link.send({"type": "recovered", "generation": gen, "time": time.time(), "timings": timings})
             self.comm.release_graveyard()
             return
 
@@ -368,6 +381,7 @@ class Job:
         gen = int(msg["generation"])
         plan = msg["plan"]
         target, source, receivers = int(plan["target_step"]), int(plan["source"]), list(plan["receivers"])
+        self._injector.maybe_fire("recovery", target)
         t0 = time.monotonic()
         store = make_store(msg["rendezvous"], self.rank, self.world_size, gen, self._store_state, self.env)
         wait_s = self.comm.rebuild(

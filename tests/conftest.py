@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from jobs import JobResult, run_job  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from checkpointless.data import make_synthetic_corpus, prepare_main
+
+    d = tmp_path_factory.mktemp("corpus")
+    make_synthetic_corpus(d / "corpus.jsonl", num_docs=400, seed=0)
+    assert prepare_main([str(d / "corpus.jsonl"), "-o", str(d / "corpus.tokens"), "--quiet"]) == 0
+    return d / "corpus.tokens"
+
+
+_REFERENCE: dict[int, JobResult] = {}
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path):
+    """The fault-free run per world size, computed once per session."""
+
+    def get(nproc: int) -> JobResult:
+        if nproc not in _REFERENCE:
+            res = run_job(tmp_path_factory.mktemp(f"ref{nproc}") / "run", corpus, nproc=nproc, spares=0)
+            assert res.rc == 0, res.output[-4000:]
+            assert res.digest
+            _REFERENCE[nproc] = res
+        return _REFERENCE[nproc]
+
+    return get

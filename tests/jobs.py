@@ -1,0 +1,93 @@
+"""Helpers for tests that run real jobs under the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+# small enough that a 3-4 rank job runs in seconds on two cores
+TINY = ["--steps", "10", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--global-batch", "12"]
+
+
+@dataclass
+class JobResult:
+    rc: int
+    output: str
+    run_dir: Path
+    digest: str | None
+
+    def events(self, name: str = "events.jsonl") -> list[dict[str, Any]]:
+        path = self.run_dir / name
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["event"] == kind]
+
+    def batches(self) -> dict[tuple[int, int], str]:
+        """(rank, step) -> batch digest of the committed step (last write wins: a replayed
+        step that committed twice must have committed the same batch)."""
+        out: dict[tuple[int, int], str] = {}
+        for f in sorted(self.run_dir.glob("rank-*.jsonl")):
+            for line in f.read_text().splitlines():
+                e = json.loads(line)
+                if e["event"] == "commit":
+                    key = (e["rank"], e["step"])
+                    assert out.get(key, e["batch"]) == e["batch"], f"rank/step {key} committed two batches"
+                    out[key] = e["batch"]
+        return out
+
+    def pids(self) -> list[int]:
+        p = self.run_dir / "pids"
+        return [int(x) for x in p.read_text().split()] if p.exists() else []
+
+
+def run_job(
+    run_dir: Path,
+    data: Path,
+    nproc: int = 3,
+    spares: int = 1,
+    faults: list[str] | None = None,
+    extra: list[str] | None = None,
+    script_args: list[str] | None = None,
+    timeout: float = 150,
+    script: Path = EXAMPLE,
+) -> JobResult:
+    digest_file = run_dir.parent / (run_dir.name + ".digest")
+    cmd = [
+        sys.executable, "-m", "checkpointless", "run",
+        "--nproc", str(nproc), "--spares", str(spares), "--run-dir", str(run_dir),
+        "--hang-timeout", "4",
+    ]
+    for f in faults or []:
+        cmd += ["--inject", f]
+    cmd += extra or []
+    cmd += [str(script), *(script_args if script_args is not None else TINY), "--data", str(data)]
+    cmd += ["--digest-out", str(digest_file)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"job did not finish within {timeout} s:\n{out[-6000:]}") from None
+    digest = digest_file.read_text().strip() if digest_file.exists() else None
+    return JobResult(proc.returncode, out, run_dir, digest)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

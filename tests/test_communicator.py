@@ -1,0 +1,79 @@
+"""The mechanism that unblocks a survivor waiting in a gloo collective, tested for real.
+
+gloo's own abort() does not wake a waiting collective (see shared/REFERENCES.md). Our
+Communicator fails the pending Handle from another thread, so the waiter leaves at once even
+though its peer is alive and silent; a new generation then works with the same ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _worker(rank: int, port: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    import torch
+    import torch.distributed as dist
+
+    from checkpointless.comm.communicator import Communicator
+    from checkpointless.errors import CommAborted
+
+    base = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    comm = Communicator(rank, 2, datetime.timedelta(seconds=60))
+    comm.rebuild(0, dist.PrefixStore("gen0/", base), rank, 2, time.monotonic() + 30)
+    t = torch.ones(4) * (rank + 1)
+    comm.wait(comm.allreduce(t), 30)
+    assert t.tolist() == [3.0] * 4
+    base.set(f"ready{rank}", "1")
+    if rank == 1:
+        # alive, sockets open, but never joins the next collective of generation 0
+        base.wait(["gen1go"], datetime.timedelta(seconds=30))
+    else:
+        threading.Timer(0.5, lambda: comm.abort("peer is stuck")).start()
+        t0 = time.monotonic()
+        try:
+            comm.wait(comm.allreduce(torch.ones(1000)), 30)
+            out.put(("no-abort", 0.0))
+        except CommAborted:
+            out.put(("aborted", time.monotonic() - t0))
+        base.set("gen1go", "1")
+    comm.rebuild(1, dist.PrefixStore("gen1/", base), rank, 2, time.monotonic() + 30)
+    t = torch.full((3,), float(rank + 10))
+    comm.wait(comm.allreduce(t), 30)
+    out.put((f"gen1-rank{rank}", t.tolist()))
+    out.close()
+    out.join_thread()  # flush the queue before leaving without destructors
+    import os
+
+    os._exit(0)  # skip tearing down the parked generation-0 group
+
+
+def test_abort_unblocks_a_waiting_collective_and_next_generation_works() -> None:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(q.get(timeout=60) for _ in range(3))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert "aborted" in results, results
+    assert 0.4 < results["aborted"] < 1.5, f"abort took {results['aborted']:.3f} s"
+    assert results["gen1-rank0"] == [21.0, 21.0, 21.0]
+    assert results["gen1-rank1"] == [21.0, 21.0, 21.0]

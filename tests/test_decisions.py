@@ -1,0 +1,84 @@
+"""Recovery decisions are pure functions: situations in, actions out."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpointless.errors import NotRecoverableError
+from checkpointless.recovery.decisions import (
+    MemberReport,
+    SpareAction,
+    WorkerHealth,
+    find_hung,
+    plan_recovery,
+    spare_policy,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_replay_when_nobody_applied_the_update() -> None:
+    plan = plan_recovery([MemberReport(0, 7, True), MemberReport(1, -1, False), MemberReport(2, 7, True)])
+    assert (plan.target_step, plan.source, plan.receivers) == (7, 0, (1,))
+
+
+def test_roll_forward_when_some_rank_finished_its_update() -> None:
+    # rank 2 applied step 7's update before the fault surfaced: nobody may undo it
+    plan = plan_recovery([MemberReport(0, 7, True), MemberReport(1, 7, True), MemberReport(2, 8, True)])
+    assert (plan.target_step, plan.source, plan.receivers) == (8, 2, (0, 1))
+
+
+def test_rank_that_faulted_mid_update_receives() -> None:
+    plan = plan_recovery([MemberReport(0, 4, True), MemberReport(1, 4, False), MemberReport(2, 4, True)])
+    assert plan.receivers == (1,) and plan.source == 0
+
+
+def test_initial_generation_syncs_from_rank_zero() -> None:
+    plan = plan_recovery([MemberReport(r, 0, True) for r in range(4)], initial=True)
+    assert (plan.source, plan.receivers) == (0, (1, 2, 3))
+
+
+def test_no_valid_replica_is_a_clear_error() -> None:
+    with pytest.raises(NotRecoverableError, match="no rank holds a valid replica"):
+        plan_recovery([MemberReport(0, 3, False), MemberReport(1, -1, False)])
+
+
+def test_members_must_be_contiguous_ranks() -> None:
+    with pytest.raises(NotRecoverableError):
+        plan_recovery([MemberReport(0, 1, True), MemberReport(2, 1, True)])
+
+
+def test_silent_process_is_the_culprit() -> None:
+    ws = [WorkerHealth(0, 100.0, 100.0, True), WorkerHealth(1, 80.0, 80.0, False)]
+    culprits, why = find_hung(ws, now=100.5, hang_timeout=10)
+    assert culprits == [1] and "heartbeat" in why
+
+
+def test_busy_rank_outside_collective_is_the_culprit_not_the_waiters() -> None:
+    ws = [
+        WorkerHealth(0, 100.0, 85.0, True),
+        WorkerHealth(1, 100.0, 85.0, False),
+        WorkerHealth(2, 100.0, 85.0, True),
+    ]
+    assert find_hung(ws, now=100.0, hang_timeout=10)[0] == [1]
+
+
+def test_everyone_waiting_means_no_culprit() -> None:
+    ws = [WorkerHealth(r, 100.0, 50.0, True) for r in range(3)]
+    culprits, why = find_hung(ws, now=100.0, hang_timeout=10)
+    assert culprits == [] and "waiting" in why
+
+
+def test_healthy_job_has_no_culprit() -> None:
+    ws = [WorkerHealth(r, 100.0, 99.0, False) for r in range(3)]
+    assert find_hung(ws, now=100.0, hang_timeout=10) == ([], "")
+
+
+def test_spare_policy() -> None:
+    assert spare_policy(ready=2, starting=0, needed=2, waited=0, wait_limit=60).action == SpareAction.ASSIGN
+    d = spare_policy(ready=0, starting=0, needed=1, waited=0, wait_limit=60)
+    assert d.action == SpareAction.WAIT and d.spawn == 1
+    d = spare_policy(ready=1, starting=1, needed=3, waited=5, wait_limit=60)
+    assert d.action == SpareAction.WAIT and d.spawn == 1
+    d = spare_policy(ready=0, starting=1, needed=1, waited=61, wait_limit=60)
+    assert d.action == SpareAction.FAIL and "--spares" in d.reason and "--spare-wait" in d.reason

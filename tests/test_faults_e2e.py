@@ -1,0 +1,76 @@
+"""Real jobs, real faults: every run must end bitwise identical to the fault-free run.
+
+Each test starts the launcher with worker and spare processes, injects a real fault (an
+exception, SIGKILL, os._exit, SIGSTOP, a busy loop, ...) and checks: the job succeeded, the
+final weights' SHA-256 equals the fault-free run's, every (rank, step) trained on exactly the
+batch of the fault-free run, a recovery was recorded, and no process of the job is left.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import JobResult, alive, run_job
+
+
+def check_recovered(res: JobResult, ref: JobResult, recoveries: int = 1) -> None:
+    assert res.rc == 0, res.output[-6000:]
+    assert res.digest == ref.digest, "final weights differ from the fault-free run"
+    assert res.batches() == ref.batches(), "some rank trained on other samples than the fault-free run"
+    recs = res.of("recovery")
+    assert len(recs) >= recoveries, res.output[-6000:]
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not list(Path("/dev/shm").glob(f"checkpointless-{res.of('job_start')[0]['job']}*"))
+
+
+CASES: list[tuple[str, list[str]]] = [
+    ("raise-forward", ["raise:rank=1:step=3:site=forward"]),
+    ("raise-backward", ["raise:rank=2:step=4:site=backward"]),
+    ("raise-allreduce", ["raise:rank=0:step=5:site=allreduce"]),
+    ("raise-mid-optimizer", ["raise:rank=1:step=4:site=optimizer"]),
+    ("sigkill", ["kill:rank=1:step=4"]),
+    ("os-exit", ["exit:rank=2:step=6"]),
+    ("sigstop-hang", ["hang:rank=1:step=5"]),
+    ("busy-loop-hang", ["spin:rank=2:step=3"]),
+    ("first-step", ["kill:rank=0:step=0"]),
+    ("second-fault-during-recovery", ["kill:rank=1:step=4", "kill:rank=2:step=4:site=recovery"]),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name,faults", CASES, ids=[c[0] for c in CASES])
+def test_fault_is_survived_bitwise(tmp_path: Path, corpus: Path, reference: Any, name: str, faults: list[str]) -> None:
+    ref = reference(3)
+    spares = 2 if "second" in name else 1
+    res = run_job(tmp_path / "run", corpus, nproc=3, spares=spares, faults=faults)
+    check_recovered(res, ref)
+    assert len(res.of("fault_injected")) == len(faults)
+    if faults[0].startswith(("kill", "exit", "hang", "spin")):
+        assert res.of("spare_assigned"), "a dead or hung rank must be replaced by a spare"
+    if "optimizer" in name:
+        plans = [p for p in res.of("plan") if p["generation"] > 0]
+        assert 1 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_fail_together_with_two_spares(tmp_path: Path, corpus: Path, reference: Any) -> None:
+    ref = reference(4)
+    res = run_job(tmp_path / "run", corpus, nproc=4, spares=2, faults=["kill:rank=1:step=5", "kill:rank=3:step=5"])
+    check_recovered(res, ref)
+    assert {e["rank"] for e in res.of("spare_assigned")} == {1, 3}
+
+
+@pytest.mark.timeout(240)
+def test_spare_killed_while_waiting_is_replaced(tmp_path: Path, corpus: Path, reference: Any) -> None:
+    """The spare dies before it is needed: the pool refills, and a later fault still recovers."""
+    ref = reference(3)
+    args = ["--steps", "10", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
+            "--global-batch", "12"]
+    # the spare of worker id 3 kills itself while it waits (a fault aimed at no rank, at the spare
+    # stage, is not expressible with --inject; the test script does it through the environment)
+    res = run_job(tmp_path / "run", corpus, nproc=3, spares=1, faults=["kill:rank=2:step=7"],
+                  extra=[], script_args=args, script=Path(__file__).parent / "scripts" / "spare_suicide.py")
+    check_recovered(res, ref)
+    assert res.of("spare_lost"), "the launcher must notice the lost spare"
