@@ -18,17 +18,47 @@ ROOT = Path(__file__).resolve().parents[1]
 FAULTS = ["raise:rank=2:step=12:site=backward", "kill:rank=1:step=25", "hang:rank=3:step=40"]
 
 
-def run(label: str, run_dir: Path, data: Path, args: argparse.Namespace, faults: list[str]) -> tuple[str, float]:
+def run(
+    label: str, run_dir: Path, data: Path, args: argparse.Namespace, faults: list[str]
+) -> tuple[str, float]:
     shutil.rmtree(run_dir, ignore_errors=True)
     digest_file = run_dir.with_suffix(".digest")
     digest_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "checkpointless", "run", "--nproc", "4", "--spares", "0" if not faults else "1",
-           "--run-dir", str(run_dir), "--hang-timeout", str(args.hang_timeout)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "checkpointless",
+        "run",
+        "--nproc",
+        "4",
+        "--spares",
+        "0" if not faults else "1",
+        "--run-dir",
+        str(run_dir),
+        "--hang-timeout",
+        str(args.hang_timeout),
+    ]
     for f in faults:
         cmd += ["--inject", f]
-    cmd += [str(ROOT / "examples" / "train_gpt.py"), "--steps", str(args.steps), "--dim", "64", "--layers", "3",
-            "--heads", "4", "--seq-len", "64", "--global-batch", "16", "--data", str(data),
-            "--digest-out", str(digest_file)]
+    cmd += [
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--steps",
+        str(args.steps),
+        "--dim",
+        "64",
+        "--layers",
+        "3",
+        "--heads",
+        "4",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "16",
+        "--data",
+        str(data),
+        "--digest-out",
+        str(digest_file),
+    ]
     print(f"\n=== {label}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd, cwd=ROOT, timeout=900)

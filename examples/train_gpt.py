@@ -29,7 +29,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(dim)
         self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
         self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -45,7 +47,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.register_buffer("mask", torch.triu(torch.full((seq_len, seq_len), float("-inf")), 1), persistent=False)
+        self.register_buffer(
+            "mask", torch.triu(torch.full((seq_len, seq_len), float("-inf")), 1), persistent=False
+        )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -129,7 +133,10 @@ def main() -> None:
             sched.step()
             job.record(loss=round(loss.item(), 6), batch=digest)
             if job.rank == 0:
-                print(f"step {step.index:4d}  loss {loss.item():.4f}  ppl {math.exp(min(loss.item(), 20)):.1f}", flush=True)
+                print(
+                    f"step {step.index:4d}  loss {loss.item():.4f}  ppl {math.exp(min(loss.item(), 20)):.1f}",
+                    flush=True,
+                )
 
     if loader is not None:
         loader.close()

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from jobs import JobResult, run_job  # noqa: E402
+from jobs import JobResult, run_job
 
 
 @pytest.fixture(scope="session")

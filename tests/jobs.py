@@ -14,7 +14,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 # small enough that a 3-4 rank job runs in seconds on two cores
-TINY = ["--steps", "10", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--global-batch", "12"]
+TINY = [
+    "--steps",
+    "10",
+    "--dim",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--global-batch",
+    "12",
+]
 
 
 @dataclass
@@ -64,17 +77,27 @@ def run_job(
 ) -> JobResult:
     digest_file = run_dir.parent / (run_dir.name + ".digest")
     cmd = [
-        sys.executable, "-m", "checkpointless", "run",
-        "--nproc", str(nproc), "--spares", str(spares), "--run-dir", str(run_dir),
-        "--hang-timeout", "4",
+        sys.executable,
+        "-m",
+        "checkpointless",
+        "run",
+        "--nproc",
+        str(nproc),
+        "--spares",
+        str(spares),
+        "--run-dir",
+        str(run_dir),
+        "--hang-timeout",
+        "4",
     ]
     for f in faults or []:
         cmd += ["--inject", f]
     cmd += extra or []
     cmd += [str(script), *(script_args if script_args is not None else TINY), "--data", str(data)]
     cmd += ["--digest-out", str(digest_file)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from jobs import JobResult, alive, run_job
 
 
@@ -41,7 +42,9 @@ CASES: list[tuple[str, list[str]]] = [
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name,faults", CASES, ids=[c[0] for c in CASES])
-def test_fault_is_survived_bitwise(tmp_path: Path, corpus: Path, reference: Any, name: str, faults: list[str]) -> None:
+def test_fault_is_survived_bitwise(
+    tmp_path: Path, corpus: Path, reference: Any, name: str, faults: list[str]
+) -> None:
     ref = reference(3)
     spares = 2 if "second" in name else 1
     res = run_job(tmp_path / "run", corpus, nproc=3, spares=spares, faults=faults)
@@ -57,7 +60,9 @@ def test_fault_is_survived_bitwise(tmp_path: Path, corpus: Path, reference: Any,
 @pytest.mark.timeout(240)
 def test_two_workers_fail_together_with_two_spares(tmp_path: Path, corpus: Path, reference: Any) -> None:
     ref = reference(4)
-    res = run_job(tmp_path / "run", corpus, nproc=4, spares=2, faults=["kill:rank=1:step=5", "kill:rank=3:step=5"])
+    res = run_job(
+        tmp_path / "run", corpus, nproc=4, spares=2, faults=["kill:rank=1:step=5", "kill:rank=3:step=5"]
+    )
     check_recovered(res, ref)
     assert {e["rank"] for e in res.of("spare_assigned")} == {1, 3}
 
@@ -66,11 +71,31 @@ def test_two_workers_fail_together_with_two_spares(tmp_path: Path, corpus: Path,
 def test_spare_killed_while_waiting_is_replaced(tmp_path: Path, corpus: Path, reference: Any) -> None:
     """The spare dies before it is needed: the pool refills, and a later fault still recovers."""
     ref = reference(3)
-    args = ["--steps", "10", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
-            "--global-batch", "12"]
+    args = [
+        "--steps",
+        "10",
+        "--dim",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "12",
+    ]
     # the spare of worker id 3 kills itself while it waits (a fault aimed at no rank, at the spare
     # stage, is not expressible with --inject; the test script does it through the environment)
-    res = run_job(tmp_path / "run", corpus, nproc=3, spares=1, faults=["kill:rank=2:step=7"],
-                  extra=[], script_args=args, script=Path(__file__).parent / "scripts" / "spare_suicide.py")
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=3,
+        spares=1,
+        faults=["kill:rank=2:step=7"],
+        extra=[],
+        script_args=args,
+        script=Path(__file__).parent / "scripts" / "spare_suicide.py",
+    )
     check_recovered(res, ref)
     assert res.of("spare_lost"), "the launcher must notice the lost spare"

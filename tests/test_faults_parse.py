@@ -9,7 +9,9 @@ pytestmark = pytest.mark.timeout(10)
 
 
 def test_parse_specs() -> None:
-    specs = parse_faults(["kill:rank=1:step=20", "raise:rank=2:step=5:site=backward", "slow:step=3:seconds=1.5"], 4)
+    specs = parse_faults(
+        ["kill:rank=1:step=20", "raise:rank=2:step=5:site=backward", "slow:step=3:seconds=1.5"], 4
+    )
     assert specs[0] == FaultSpec("kill", 1, 20)
     assert specs[1].site == "backward"
     assert specs[2].rank is None and specs[2].seconds == 1.5

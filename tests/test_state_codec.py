@@ -26,7 +26,9 @@ def _equal(a: object, b: object) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+        return (
+            type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+        )
     return type(a) is type(b) and a == b
 
 
@@ -49,10 +51,17 @@ def test_optimizer_and_model_state_round_trip_exactly() -> None:
 
 def test_awkward_values_round_trip() -> None:
     tree = {
-        "nan": float("nan"), "inf": float("-inf"), "tiny": 5e-324, "tuple": (1, (2.5, "x")),
-        "intkeys": {0: "a", 3: [None, True]}, "np": np.arange(6, dtype=np.int16).reshape(2, 3),
-        "npscalar": np.float32(1.5), "bf16": torch.randn(4).to(torch.bfloat16), "empty": torch.empty(0, 3),
-        "scalar": torch.tensor(2.0), "dtype": torch.float16,
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "tiny": 5e-324,
+        "tuple": (1, (2.5, "x")),
+        "intkeys": {0: "a", 3: [None, True]},
+        "np": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "npscalar": np.float32(1.5),
+        "bf16": torch.randn(4).to(torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.0),
+        "dtype": torch.float16,
     }
     enc = encode(tree)
     assert _equal(tree, decode(enc.manifest, enc.payload))

@@ -40,14 +40,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, default=2, help="data-parallel workers (default 2)")
     run.add_argument("--spares", type=int, default=1, help="hot spare processes (default 1)")
     run.add_argument("--run-dir", help="where events.jsonl and per-rank logs go (default runs/<time>-<job>)")
-    run.add_argument("--hang-timeout", type=float, default=10.0, help="seconds without progress that count as a hang")
-    run.add_argument("--spare-wait", type=float, default=60.0, help="seconds to wait for a spare before failing")
-    run.add_argument("--recovery-timeout", type=float, default=120.0, help="seconds a recovery round may take")
-    run.add_argument("--inject", action="append", default=[], metavar="FAULT", help="e.g. kill:rank=1:step=20 (repeatable)")
+    run.add_argument(
+        "--hang-timeout", type=float, default=10.0, help="seconds without progress that count as a hang"
+    )
+    run.add_argument(
+        "--spare-wait", type=float, default=60.0, help="seconds to wait for a spare before failing"
+    )
+    run.add_argument(
+        "--recovery-timeout", type=float, default=120.0, help="seconds a recovery round may take"
+    )
+    run.add_argument(
+        "--inject", action="append", default=[], metavar="FAULT", help="e.g. kill:rank=1:step=20 (repeatable)"
+    )
     run.add_argument("--host", default="127.0.0.1", help="interface the job listens on (default loopback)")
     run.add_argument("--control-port", type=int, default=0, help="launcher control port (0: any free port)")
     run.add_argument("--port-base", type=int, default=29600, help="first port for the rendezvous key servers")
-    run.add_argument("--port-range", type=int, default=1000, help="how many ports from --port-base may be used")
+    run.add_argument(
+        "--port-range", type=int, default=1000, help="how many ports from --port-base may be used"
+    )
     run.add_argument("--rendezvous", choices=["rootless", "tcp"], default="rootless")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)

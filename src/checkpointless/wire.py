@@ -38,7 +38,7 @@ class FrameError(CheckpointlessError):
     """A frame was malformed, failed authentication, or the peer went away mid-frame."""
 
 
-def _seal(secret: bytes, header: bytes, payload: bytes | memoryview) -> bytes:
+def _seal(secret: bytes, header: bytes, payload: bytes | bytearray | memoryview) -> bytes:
     mac = hmac.new(secret, header, hashlib.sha256)
     if payload:
         mac.update(payload)
@@ -49,7 +49,7 @@ def send_frame(
     sock: socket.socket,
     secret: bytes,
     header: dict[str, Any],
-    payload: bytes | memoryview = b"",
+    payload: bytes | bytearray | memoryview = b"",
 ) -> None:
     """Send one sealed frame. The socket's own timeout bounds the call."""
     hdr = json.dumps(header, separators=(",", ":")).encode()

@@ -142,9 +142,7 @@ class Communicator:
             if cancelled is not None and cancelled.is_set():
                 raise RendezvousError(f"generation {generation} rendezvous cancelled: a newer fault")
             if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"generation {generation} rendezvous timed out; some rank never joined"
-                )
+                raise RendezvousError(f"generation {generation} rendezvous timed out; some rank never joined")
         if "error" in result:
             raise RendezvousError(f"generation {generation} rendezvous failed: {result['error']}")
         with self._lock:

@@ -67,7 +67,7 @@ class DataParallel(nn.Module):
             raise ValueError("DataParallel: the module has no parameters that require gradients")
         cap = int(bucket_cap_mb * 1024 * 1024)
         layout = plan_buckets([p.numel() * p.element_size() for p in params], cap)
-        self._buckets = []
+        self._buckets: list[_Bucket] = []
         for idx in layout:
             group = [params[i] for i in idx]
             # one dtype per flat buffer; split a mixed-dtype bucket by dtype, keeping order

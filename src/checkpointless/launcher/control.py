@@ -21,7 +21,7 @@ from typing import Any
 from checkpointless.errors import ConfigError
 from checkpointless.wire import FrameError, recv_frame, send_frame
 
-__all__ = ["ControlClient", "ControlServer", "Connection"]
+__all__ = ["Connection", "ControlClient", "ControlServer"]
 
 _SEND_TIMEOUT_S = 5
 
@@ -151,7 +151,9 @@ class ControlClient:
             except OSError as e:
                 last = e
                 if time.monotonic() > deadline:
-                    raise ConnectionError(f"cannot reach the launcher at {address[0]}:{address[1]}: {last}") from e
+                    raise ConnectionError(
+                        f"cannot reach the launcher at {address[0]}:{address[1]}: {last}"
+                    ) from e
                 time.sleep(0.05)
         _prepare(self.sock)
         self._on_message = on_message

@@ -144,7 +144,9 @@ class Launcher:
             return [0] * count
         from checkpointless.rendezvous import allocate_ports
 
-        return list(allocate_ports(base=self.cfg.port_base, count=count, host=self.cfg.host, span=self.cfg.port_range))
+        return list(
+            allocate_ports(base=self.cfg.port_base, count=count, host=self.cfg.host, span=self.cfg.port_range)
+        )
 
     def _take_port(self) -> int:
         if not self._ports:
@@ -203,7 +205,11 @@ class Launcher:
         old_term = signal.signal(signal.SIGTERM, self._on_signal)
         log.info(
             "job %s: %d workers + %d spares running %s; run dir %s",
-            self.job_id, self.cfg.nproc, self.cfg.spares, self.cfg.script, self.run_dir,
+            self.job_id,
+            self.cfg.nproc,
+            self.cfg.spares,
+            self.cfg.script,
+            self.run_dir,
         )
         self.events.emit("job_start", nproc=self.cfg.nproc, spares=self.cfg.spares, script=self.cfg.script)
         try:
@@ -232,7 +238,12 @@ class Launcher:
         import torch.distributed as dist  # only the store-based fallback pays for this import
 
         self._tcp_store = dist.TCPStore(self.cfg.host, 0, is_master=True, wait_for_workers=False)
-        return {"kind": "tcp", "host": self.cfg.host, "port": self._tcp_store.port, "timeout": self.cfg.recovery_timeout}
+        return {
+            "kind": "tcp",
+            "host": self.cfg.host,
+            "port": self._tcp_store.port,
+            "timeout": self.cfg.recovery_timeout,
+        }
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signal = signum
@@ -290,7 +301,9 @@ class Launcher:
             p.ready = True
         elif kind == "fired":
             self.fired.add(str(msg["id"]))
-            self.events.emit("fault_injected", rank=p.rank, id=msg["id"], kind=msg["kind"], fired_at=msg["time"])
+            self.events.emit(
+                "fault_injected", rank=p.rank, id=msg["id"], kind=msg["kind"], fired_at=msg["time"]
+            )
         elif kind == "stopped":
             self._on_stopped(p, msg)
         elif kind == "recovered":
@@ -322,7 +335,9 @@ class Launcher:
     def _fault(self, rank: int, kind: str, detail: str, replace: bool) -> None:
         """Record a fault on ``rank`` and make sure a round is handling it."""
         step = self.members[rank].step if rank in self.members else None
-        record = self.events.emit("fault", rank=rank, kind=kind, detail=detail, generation=self.generation, step=step)
+        record = self.events.emit(
+            "fault", rank=rank, kind=kind, detail=detail, generation=self.generation, step=step
+        )
         record["detected"] = time.monotonic()
         log.warning("FAULT rank %d: %s (%s) at step %s", rank, kind, detail, step)
         r = self.round
@@ -428,29 +443,41 @@ class Launcher:
         if len(r.reports) < self.cfg.nproc:
             if time.monotonic() - r.started > self.cfg.recovery_timeout:
                 missing = sorted(set(range(self.cfg.nproc)) - set(r.reports))
-                raise NotRecoverableError(f"generation {r.target}: ranks {missing} never reported within --recovery-timeout")
+                raise NotRecoverableError(
+                    f"generation {r.target}: ranks {missing} never reported within --recovery-timeout"
+                )
             return
         plan = plan_recovery([r.reports[k] for k in sorted(r.reports)], initial=r.initial)
         desc = dict(self.store_desc)
         if desc["kind"] == "rootless":
             desc["peers"] = [f"{self.cfg.host}:{self.members[k].store_port}" for k in range(self.cfg.nproc)]
-        for rank, p in self.members.items():
+        for p in self.members.values():
             if p.conn is not None:
-                p.conn.send({"type": "recover", "generation": r.target, "rendezvous": desc, "plan": plan.to_json()})
+                p.conn.send(
+                    {"type": "recover", "generation": r.target, "rendezvous": desc, "plan": plan.to_json()}
+                )
         r.phase = "rebuild"
         r.plan_sent = time.monotonic()
         self.events.emit("plan", generation=r.target, **plan.to_json())
 
     def _replace(self, r: Round, ranks: list[int]) -> None:
-        ready = [p for p in self.procs.values() if p.role == "spare" and p.rank is None and p.ready and p.conn]
+        ready = [
+            p for p in self.procs.values() if p.role == "spare" and p.rank is None and p.ready and p.conn
+        ]
         starting = [p for p in self.procs.values() if p.role == "spare" and p.rank is None and not p.ready]
         if r.waiting_since is None:
             r.waiting_since = time.monotonic()
-        d = spare_policy(len(ready), len(starting), len(ranks), time.monotonic() - r.waiting_since, self.cfg.spare_wait)
+        d = spare_policy(
+            len(ready), len(starting), len(ranks), time.monotonic() - r.waiting_since, self.cfg.spare_wait
+        )
         if d.action == SpareAction.FAIL:
             raise NotRecoverableError(d.reason)
         for _ in range(d.spawn):
-            log.warning("no hot spare ready for rank(s) %s; starting one (waits up to %.0f s)", ranks, self.cfg.spare_wait)
+            log.warning(
+                "no hot spare ready for rank(s) %s; starting one (waits up to %.0f s)",
+                ranks,
+                self.cfg.spare_wait,
+            )
             self._spawn("spare")
         if d.action == SpareAction.WAIT and not ready:
             return
@@ -525,7 +552,14 @@ class Launcher:
         log.info(
             "RECOVERED generation %d from %s: stop %.3fs, rebuild %.3fs, state %.3fs (%.1f MB), "
             "first step %.3fs; downtime %.3f s",
-            r.target, kinds, phases["collect_s"], rebuild, transfer, nbytes / 1e6, phases["first_step_s"], downtime,
+            r.target,
+            kinds,
+            phases["collect_s"],
+            rebuild,
+            transfer,
+            nbytes / 1e6,
+            phases["first_step_s"],
+            downtime,
         )
 
     # -- the end -------------------------------------------------------------------------------
@@ -550,7 +584,9 @@ class Launcher:
         """Stop every process we started, remove shared memory, close the watchdog."""
         for p in self.procs.values():
             if p.conn is not None and p.popen.poll() is None:
-                p.conn.send({"type": "shutdown", "code": 0 if self.exit_code == 0 else 1, "reason": self.stopping})
+                p.conn.send(
+                    {"type": "shutdown", "code": 0 if self.exit_code == 0 else 1, "reason": self.stopping}
+                )
         deadline = time.monotonic() + 3.0
         for p in self.procs.values():
             try:

@@ -14,11 +14,11 @@ from checkpointless.errors import NotRecoverableError
 __all__ = [
     "MemberReport",
     "RecoveryPlan",
+    "SpareAction",
     "WorkerHealth",
     "find_hung",
     "plan_recovery",
     "spare_policy",
-    "SpareAction",
 ]
 
 

@@ -42,7 +42,6 @@ from checkpointless.errors import (
     CommAborted,
     ConfigError,
     NotRecoverableError,
-    RendezvousError,
     StateTransferError,
 )
 from checkpointless.events import EventLog, get_logger, setup_logging
@@ -91,7 +90,9 @@ class Step:
 class Job:
     """This process's membership in a resilient data-parallel job."""
 
-    def __init__(self, env: WorkerEnv | None, *, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> None:
+    def __init__(
+        self, env: WorkerEnv | None, *, rendezvous_timeout: float = 60.0, max_step_retries: int = 3
+    ) -> None:
         self.env = env
         self.rank = 0
         self.world_size = 1
@@ -151,7 +152,9 @@ class Job:
         self._report_gen = int(msg["generation"])
         self.is_replacement = self.env.role == "spare"
         setup_logging(f"rank {self.rank}")
-        self._events = EventLog(self.env.run_dir / f"rank-{self.rank}.jsonl", rank=self.rank, worker=self.env.worker_id)
+        self._events = EventLog(
+            self.env.run_dir / f"rank-{self.rank}.jsonl", rank=self.rank, worker=self.env.worker_id
+        )
         specs = parse_faults(list(msg.get("faults", [])), self.world_size)
         self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
 
@@ -189,7 +192,9 @@ class Job:
         """Attach fields (loss, a batch digest, ...) to this step's commit event."""
         self._record.update(fields)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
         """All-reduce over the job's ranks (in place), abortable like every job collective."""
         return self.comm.wait(self.comm.allreduce(tensor, op))  # type: ignore[no-any-return]
 
@@ -280,7 +285,9 @@ class Job:
             self._events.emit("commit", step=index, generation=self.generation, **self._record)
         if self._first_commit_after_recovery and self._link is not None:
             self._first_commit_after_recovery = False
-            self._link.send({"type": "committed", "generation": self.generation, "step": index, "time": time.time()})
+            self._link.send(
+                {"type": "committed", "generation": self.generation, "step": index, "time": time.time()}
+            )
 
     # -- recovery ------------------------------------------------------------------------------
     def _on_abort(self, msg: dict[str, Any]) -> None:
@@ -297,7 +304,9 @@ class Job:
         return {
             "step": self._step_index,
             # no progress clock while recovering: the launcher times recoveries by their own rules
-            "progress_age": None if (self._recovering or not self._started) else time.monotonic() - self._progress_t,
+            "progress_age": None
+            if (self._recovering or not self._started)
+            else time.monotonic() - self._progress_t,
             "in_collective": since is not None,
         }
 
@@ -365,7 +374,12 @@ class Job:
                 # our own state is still what it was unless we were loading a peer's
                 if isinstance(e, StateTransferError) or self.rank in msg["plan"]["receivers"]:
                     valid = valid and self.rank not in msg["plan"]["receivers"]
-                report = {"committed_step": committed, "valid": valid, "cause": "recovery", "error": _short(e)}
+                report = {
+                    "committed_step": committed,
+                    "valid": valid,
+                    "cause": "recovery",
+                    "error": _short(e),
+                }
                 self._report_gen = max(self._latest_abort, gen + 1)
                 resend = True
                 continue
@@ -411,7 +425,11 @@ class Job:
         info["transfer_s"] = time.monotonic() - t1
         log.info(
             "generation %d formed in %.3f s, state %s in %.3f s; resuming at step %d",
-            gen, info["rebuild_s"], info["role"], info["transfer_s"], target,
+            gen,
+            info["rebuild_s"],
+            info["role"],
+            info["transfer_s"],
+            target,
         )
         return info
 
@@ -443,7 +461,9 @@ def _exit_now() -> None:
 
 def _looks_like_comm_error(exc: BaseException) -> bool:
     text = str(exc)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset", "Gloo", "gloo", "aborted"))
+    return any(
+        s in text for s in ("Connection closed by peer", "Connection reset", "Gloo", "gloo", "aborted")
+    )
 
 
 def _short(exc: BaseException) -> str:

@@ -48,7 +48,9 @@ class LauncherLink:
         self._stop = threading.Event()
         self.client = ControlClient(env.control, env.secret, self._on_message, self._on_lost)
         self.send({"type": "hello", "worker_id": env.worker_id, "pid": os.getpid(), "role": env.role})
-        self._hb = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True, name="cl-heartbeat")
+        self._hb = threading.Thread(
+            target=self._heartbeat, args=(heartbeat_s,), daemon=True, name="cl-heartbeat"
+        )
         self._hb.start()
 
     def send(self, msg: dict[str, Any]) -> None:

@@ -14,7 +14,12 @@ __all__ = ["make_store"]
 
 
 def make_store(
-    desc: dict[str, Any], rank: int, world_size: int, generation: int, cache: dict[str, Any], env: WorkerEnv | None
+    desc: dict[str, Any],
+    rank: int,
+    world_size: int,
+    generation: int,
+    cache: dict[str, Any],
+    env: WorkerEnv | None,
 ) -> dist.Store:
     """Each generation gets its own key space (``gen<g>/``) so stale keys never mix with new ones.
 

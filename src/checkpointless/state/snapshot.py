@@ -30,7 +30,7 @@ RngState = dict[str, Any]
 
 def capture_rng() -> RngState:
     """The generators a training step may draw from: Python, NumPy, torch CPU and CUDA."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     state: RngState = {
         "python": random.getstate(),
         "numpy": [np_state[0], np_state[1], int(np_state[2]), int(np_state[3]), float(np_state[4])],

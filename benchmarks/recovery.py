@@ -1,0 +1,752 @@
+"""Recovery from a fault: checkpointless versus the tuned traditional path, on the example GPT.
+
+The example job (``examples/train_gpt.py``: 4 ranks, same model, data and seed everywhere) runs
+three ways in one invocation:
+
+* (a) ``checkpointless run --nproc 4 --spares 1`` with ``--inject KIND:rank=R:step=F``;
+* (b) ``torchrun --max-restarts 3`` running ``benchmarks/baseline/train_ddp_ckpt.py`` (gloo DDP,
+  torch.distributed.checkpoint every K steps, reload on restart, exact data resume), once per K;
+* (c) each of them without a fault.
+
+For every fault kind (exception, SIGKILL, hang) and every repeat it measures, from the per-rank
+commit logs and the launchers' own records: the downtime from the fault to the next step
+completed on every rank and its parts (detection, abort, rebuild, state transfer, first batch,
+first step), the steps that had been completed and had to be computed again, the time until the
+job has again completed the step the fault hit, the job time added over (c) of the same design,
+and whether the final weights are bitwise those of (c). It prints tables, writes
+``benchmarks/results/recovery.json`` and ``recovery.md``, and the measured costs the goodput
+simulator reads (``benchmarks/results/calibration.json``).
+
+    .venv/bin/python benchmarks/recovery.py            # 3 repeats, K=10 and K=50 (~10-15 min idle)
+    .venv/bin/python benchmarks/recovery.py --quick    # 1 repeat, K=10, shorter job (smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import os
+import re
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
+import benchlib as bl
+
+KINDS = ("raise", "kill", "hang")
+KIND_LABEL = {"raise": "exception", "kill": "SIGKILL", "hang": "hang (SIGSTOP)", "none": "no fault"}
+PHASES = ("detect_s", "abort_s", "rebuild_s", "transfer_s", "first_batch_s", "first_step_s", "other_s")
+PHASE_LABEL = {
+    "detect_s": "detect",
+    "abort_s": "abort",
+    "rebuild_s": "rebuild",
+    "transfer_s": "state",
+    "first_batch_s": "1st batch",
+    "first_step_s": "1st step",
+    "other_s": "other",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    key: str  # "a", "b10", ...
+    design: str  # checkpointless | torchrun
+    ckpt_every: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.design == "checkpointless":
+            return "(a) checkpointless"
+        return f"(b) torchrun K={self.ckpt_every}"
+
+
+@dataclass
+class RunRecord:
+    config: Config
+    kind: str
+    repeat: int
+    rc: int | None
+    wall_s: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+# -- launching ---------------------------------------------------------------------------------
+def model_args(a: argparse.Namespace) -> list[str]:
+    return [
+        "--steps", str(a.steps), "--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads),
+        "--seq-len", str(a.seq_len), "--seed", str(a.seed),
+    ]  # fmt: skip
+
+
+def inject_spec(a: argparse.Namespace, kind: str) -> list[str]:
+    return [] if kind == "none" else ["--inject", f"{kind}:rank={a.fault_rank}:step={a.fault_step}"]
+
+
+def launch(a: argparse.Namespace, cfg: Config, kind: str, run_dir: Path) -> bl.Finished:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = bl.bench_env(a.threads)
+    digest = str(run_dir / "digest")
+    if cfg.design == "checkpointless":
+        port_base = 40000 + (os.getpid() * 7 + len(str(run_dir))) % 40 * 200
+        cmd = [
+            bl.PYTHON, "-m", "checkpointless", "run", "--nproc", str(a.nproc), "--spares", str(a.spares),
+            "--run-dir", str(run_dir), "--hang-timeout", str(a.hang_timeout),
+            "--port-base", str(port_base), "--port-range", "200",
+            *inject_spec(a, kind), str(bl.EXAMPLE), *model_args(a),
+            *bl.example_batch_args(a.global_batch, a.nproc), "--digest-out", digest,
+        ]  # fmt: skip
+    else:
+        cmd = [
+            bl.TORCHRUN, "--nproc-per-node", str(a.nproc), "--max-restarts", "3",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{bl.free_port()}",
+            str(bl.BASELINE), *model_args(a), "--global-batch", str(a.global_batch),
+            "--ckpt-every", str(cfg.ckpt_every), "--log-dir", str(run_dir),
+            "--hang-timeout", str(a.hang_timeout), *inject_spec(a, kind), "--digest-out", digest,
+        ]  # fmt: skip
+    (run_dir / "command").write_text(shlex.join(cmd) + "\n")
+    return bl.run_command(
+        cmd, timeout=a.run_timeout, env=env, stdout=run_dir / "stdout.log", stderr=run_dir / "stderr.log"
+    )
+
+
+# -- reading the logs --------------------------------------------------------------------------
+def rank_logs(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for f in sorted(run_dir.glob("rank-*.jsonl")):
+        out[int(f.stem.split("-")[1])] = sorted(bl.read_jsonl(f), key=lambda e: e["time"])
+    return out
+
+
+def commits(logs: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
+    return {r: [e for e in evs if e["event"] == "commit"] for r, evs in logs.items()}
+
+
+def step_completion_times(
+    cm: dict[int, list[dict[str, Any]]], before: float | None = None
+) -> dict[int, float]:
+    """step -> time the last rank committed it (first execution only, before ``before``)."""
+    out: dict[int, float] = {}
+    per_rank: list[dict[int, float]] = []
+    for evs in cm.values():
+        first: dict[int, float] = {}
+        for e in evs:
+            if before is not None and e["time"] >= before:
+                continue
+            first.setdefault(int(e["step"]), float(e["time"]))
+        per_rank.append(first)
+    if not per_rank:
+        return out
+    for step in set.intersection(*(set(d) for d in per_rank)):
+        out[step] = max(d[step] for d in per_rank)
+    return out
+
+
+def normal_step_s(cm: dict[int, list[dict[str, Any]]], before: float | None, skip: int = 3) -> float | None:
+    """Median time between consecutive steps completed on every rank (after ``skip`` warm-up)."""
+    done = step_completion_times(cm, before)
+    steps = sorted(s for s in done if s >= skip)
+    gaps = [done[b] - done[a] for a, b in itertools.pairwise(steps) if b == a + 1]
+    return statistics.median(gaps) if gaps else None
+
+
+def common_metrics(run_dir: Path, fired_at: float | None, fault_step: int) -> dict[str, Any]:
+    logs = rank_logs(run_dir)
+    cm = commits(logs)
+    m: dict[str, Any] = {}
+    all_commits = [e for evs in cm.values() for e in evs]
+    if all_commits:
+        first = min(e["time"] for e in all_commits if e["step"] == min(x["step"] for x in all_commits))
+        m["span_s"] = max(e["time"] for e in all_commits) - first
+    m["batches"] = {f"{e['rank']}:{e['step']}": e.get("batch") for e in all_commits}
+    m["normal_step_s"] = normal_step_s(cm, fired_at)
+    digest_file = run_dir / "digest"
+    m["digest"] = digest_file.read_text().strip() if digest_file.exists() else None
+    if fired_at is None:
+        return m
+    firsts, backs, lost = [], [], []
+    for evs in cm.values():
+        after = [e for e in evs if e["time"] > fired_at]
+        if not after:
+            return {**m, "incomplete": "a rank committed no step after the fault"}
+        firsts.append(after[0]["time"])
+        back = [e["time"] for e in after if e["step"] == fault_step]
+        backs.append(back[0] if back else None)
+        before_steps = {e["step"] for e in evs if e["time"] <= fired_at}
+        lost.append(len(before_steps & {e["step"] for e in after}))
+    m["first_commit_after"] = max(firsts)
+    m["downtime_s"] = max(firsts) - fired_at
+    m["back_s"] = (max(backs) - fired_at) if all(b is not None for b in backs) else None  # type: ignore[type-var]
+    m["lost_steps"] = max(lost)
+    return m
+
+
+def checkpointless_metrics(run_dir: Path, fault_step: int) -> dict[str, Any]:
+    events = bl.read_jsonl(run_dir / "events.jsonl")
+    injected = [e for e in events if e["event"] == "fault_injected"]
+    fired_at = float(injected[0]["fired_at"]) if injected else None
+    m = common_metrics(run_dir, fired_at, fault_step)
+    m["job_end"] = next((e.get("status") for e in events if e["event"] == "job_end"), None)
+    started = [e for e in events if e["event"] == "started"]
+    m["start_s"] = started[0]["seconds"] if started else None
+    if fired_at is None:
+        return m
+    faults = [e for e in events if e["event"] == "fault" and e["time"] >= fired_at - 1.0]
+    recs = [e for e in events if e["event"] == "recovery" and e["time"] >= fired_at]
+    m["fault_events"] = [{k: f.get(k) for k in ("kind", "rank", "detail")} for f in faults]
+    m["replaced"] = any(e["event"] == "spare_assigned" and e["time"] >= fired_at for e in events)
+    if not faults or not recs or "downtime_s" not in m:
+        m["incomplete"] = m.get("incomplete", "no fault/recovery event after the injected fault")
+        return m
+    rec = recs[0]
+    detect = faults[0]["time"] - fired_at
+    ph = {
+        "detect_s": detect,
+        "abort_s": float(rec["collect_s"]),
+        "rebuild_s": float(rec["rebuild_s"]),
+        "transfer_s": float(rec["transfer_s"]),
+        "first_batch_s": None,  # not recorded separately by the worker: inside first_step_s
+        "first_step_s": float(rec["first_step_s"]),
+    }
+    ph["other_s"] = m["downtime_s"] - sum(v for v in ph.values() if v is not None)
+    m["phases"] = ph
+    m["state_bytes"] = rec.get("state_bytes")
+    m["launcher_downtime_s"] = rec.get("downtime_s")
+    return m
+
+
+_GLOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)\s+\d+\s+\S+\]\s*(.*)$")
+
+
+def torchrun_log_times(stderr: Path, year: int) -> list[tuple[float, str]]:
+    """(wall time, message) of torchrun's own log lines (glog format, local time, no year)."""
+    out = []
+    if not stderr.exists():
+        return out
+    for line in stderr.read_text(errors="replace").splitlines():
+        g = _GLOG.match(line)
+        if g is None:
+            continue
+        mo, d, hh, mm, ss, frac, msg = g.groups()
+        micro = int(frac[:6].ljust(6, "0"))
+        t = datetime.datetime(year, int(mo), int(d), int(hh), int(mm), int(ss), micro).timestamp()
+        out.append((t, msg))
+    return out
+
+
+def torchrun_metrics(run_dir: Path, fault_step: int) -> dict[str, Any]:
+    logs = rank_logs(run_dir)
+    fault_ev = sorted(
+        (e for evs in logs.values() for e in evs if e["event"] == "fault"), key=lambda e: e["time"]
+    )
+    fired_at = float(fault_ev[0]["fired_at"]) if fault_ev else None
+    m = common_metrics(run_dir, fired_at, fault_step)
+    saves: dict[int, list[float]] = {}
+    for evs in logs.values():
+        for e in evs:
+            if e["event"] == "save":
+                saves.setdefault((int(e["attempt"]) << 20) + int(e["step"]), []).append(float(e["seconds"]))
+    m["save_s"] = [max(v) for _, v in sorted(saves.items())]
+    m["attempts"] = 1 + max((int(e["attempt"]) for evs in logs.values() for e in evs), default=0)
+    if fired_at is None or "downtime_s" not in m:
+        return m
+    attempt = int(fault_ev[0]["attempt"]) + 1
+    year = time.localtime(fired_at).tm_year
+    agent_lines = [
+        (t, msg)
+        for t, msg in torchrun_log_times(run_dir / "stderr.log", year)
+        if t >= fired_at - 0.05 and ("closing signal" in msg or "failed (exitcode" in msg)
+    ]
+    detected = min(t for t, _ in agent_lines) if agent_lines else None
+    m["torchrun_detected"] = detected is not None
+    m["torchrun_messages"] = [msg[:160] for _, msg in agent_lines[:8]]
+
+    def phase_time(name: str, agg: Any = max) -> float | None:
+        ts = [
+            float(e["time"])
+            for evs in logs.values()
+            for e in evs
+            if e["event"] == "phase" and e.get("name") == name and int(e["attempt"]) == attempt
+        ]
+        return agg(ts) if len(ts) == len(logs) else None
+
+    t_start = phase_time("process_start", min)
+    t_import = phase_time("example_imported")
+    t_pg = phase_time("pg_ready")
+    t_built = phase_time("optimizer_ready")
+    t_loaded = phase_time("ckpt_loaded")
+    t_batch = phase_time("first_batch")
+    t_first = m["first_commit_after"]
+    if None in (t_start, t_import, t_pg, t_built, t_loaded, t_batch) or t_first is None:
+        m["incomplete"] = m.get("incomplete", f"attempt {attempt} did not log every phase")
+        return m
+    assert t_start is not None and t_import is not None and t_pg is not None
+    assert t_built is not None and t_loaded is not None and t_batch is not None
+    det = (detected - fired_at) if detected is not None else None
+    ph = {
+        "detect_s": det,
+        # teardown of every process (SIGTERM, 30 s grace for a stopped one), rendezvous, spawn
+        "abort_s": t_start - (detected if detected is not None else fired_at),
+        # new processes: interpreter + import torch, init_process_group, model + DDP + AdamW
+        "rebuild_s": t_built - t_start,
+        "transfer_s": t_loaded - t_built,  # torch.distributed.checkpoint load
+        "first_batch_s": t_batch - t_loaded,
+        "first_step_s": t_first - t_batch,
+    }
+    ph["other_s"] = m["downtime_s"] - sum(v for v in ph.values() if v is not None)
+    m["phases"] = ph
+    m["rebuild_parts"] = {
+        "start_and_imports_s": t_import - t_start,
+        "init_pg_s": t_pg - t_import,
+        "build_s": t_built - t_pg,
+    }
+    loads = [
+        float(e["seconds"])
+        for evs in logs.values()
+        for e in evs
+        if e["event"] == "phase" and e.get("name") == "ckpt_loaded" and int(e["attempt"]) == attempt
+    ]
+    m["ckpt_load_s"] = max(loads) if loads else None
+    return m
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+def collect(a: argparse.Namespace, cfg: Config, kind: str, repeat: int, work: Path) -> RunRecord:
+    run_dir = work / f"{cfg.key}-{kind}-{repeat}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    fin = launch(a, cfg, kind, run_dir)
+    rec = RunRecord(cfg, kind, repeat, fin.rc, fin.wall_s)
+    try:
+        if cfg.design == "checkpointless":
+            rec.metrics = checkpointless_metrics(run_dir, a.fault_step)
+        else:
+            rec.metrics = torchrun_metrics(run_dir, a.fault_step)
+    except Exception as e:  # a broken log is a failed run, reported, not a crashed benchmark
+        rec.error = f"could not read the logs: {type(e).__name__}: {e}"
+    if fin.timed_out:
+        rec.error = f"timed out after {a.run_timeout:.0f} s"
+    elif fin.rc != 0:
+        rec.error = rec.error or f"exit code {fin.rc}"
+    elif rec.metrics.get("incomplete"):
+        rec.error = str(rec.metrics["incomplete"])
+    elif kind != "none" and "phases" not in rec.metrics:
+        rec.error = "no recovery measured"
+    status = "ok" if rec.error is None else f"FAILED: {rec.error} (logs in {run_dir})"
+    dt = rec.metrics.get("downtime_s")
+    extra = f", downtime {dt:.2f} s, lost {rec.metrics.get('lost_steps')}" if dt is not None else ""
+    print(
+        f"  {cfg.label:<22} {KIND_LABEL[kind]:<15} #{repeat}: {fin.wall_s:6.1f} s{extra} {status}", flush=True
+    )
+    return rec
+
+
+def aggregate(a: argparse.Namespace, runs: list[RunRecord], configs: list[Config]) -> dict[str, Any]:
+    ok = [r for r in runs if r.error is None]
+    ref_batches: dict[str, str] = {}
+    for r in ok:
+        if r.kind == "none":
+            for k, v in r.metrics.get("batches", {}).items():
+                ref_batches.setdefault(k, v)
+    out: dict[str, Any] = {"configs": {}, "ratios": {}}
+    for cfg in configs:
+        clean = [r for r in ok if r.config == cfg and r.kind == "none"]
+        clean_digests = sorted({r.metrics.get("digest") for r in clean} - {None})
+        c_wall = bl.summary([r.wall_s for r in clean])
+        c_span = bl.summary([r.metrics.get("span_s") for r in clean])
+        entry: dict[str, Any] = {
+            "label": cfg.label,
+            "no_fault": {
+                "wall_s": c_wall,
+                "span_s": c_span,
+                "step_s": bl.summary([r.metrics.get("normal_step_s") for r in clean]),
+                "digests": clean_digests,
+                "start_s": bl.summary([r.metrics.get("start_s") for r in clean]),
+                "save_s": bl.summary([s for r in clean for s in r.metrics.get("save_s", [])]),
+            },
+            "kinds": {},
+        }
+        for kind in a.kinds:
+            rs = [r for r in ok if r.config == cfg and r.kind == kind]
+            failed = [r for r in runs if r.config == cfg and r.kind == kind and r.error is not None]
+            ph = {p: bl.summary([r.metrics["phases"].get(p) for r in rs]) for p in PHASES}
+            digest_eq = [r.metrics.get("digest") in clean_digests and len(clean_digests) == 1 for r in rs]
+            data_eq = [
+                all(ref_batches.get(k, v) == v for k, v in r.metrics.get("batches", {}).items()) for r in rs
+            ]
+            extra_first = [
+                r.metrics["phases"]["first_step_s"] - r.metrics["normal_step_s"]
+                for r in rs
+                if r.metrics.get("normal_step_s") is not None
+            ]
+            entry["kinds"][kind] = {
+                "n": len(rs),
+                "failed": [f"#{r.repeat}: {r.error}" for r in failed],
+                "downtime_s": bl.summary([r.metrics["downtime_s"] for r in rs]),
+                "phases": ph,
+                "first_step_extra_s": bl.summary(extra_first),
+                "lost_steps": bl.summary([r.metrics["lost_steps"] for r in rs]),
+                "back_at_fault_step_s": bl.summary([r.metrics.get("back_s") for r in rs]),
+                "wall_s": bl.summary([r.wall_s for r in rs]),
+                "added_wall_s": bl.summary(
+                    [r.wall_s - c_wall["median"] for r in rs] if c_wall["median"] is not None else []
+                ),
+                "added_span_s": bl.summary(
+                    [r.metrics["span_s"] - c_span["median"] for r in rs if "span_s" in r.metrics]
+                    if c_span["median"] is not None
+                    else []
+                ),
+                "digest_equal": all(digest_eq) if rs else None,
+                "data_exact": all(data_eq) if rs else None,
+                "replaced": [r.metrics.get("replaced") for r in rs],
+                "state_bytes": bl.summary([r.metrics.get("state_bytes") for r in rs]),
+                "ckpt_load_s": bl.summary([r.metrics.get("ckpt_load_s") for r in rs]),
+                "rebuild_parts": {
+                    k: bl.summary([r.metrics.get("rebuild_parts", {}).get(k) for r in rs])
+                    for k in ("start_and_imports_s", "init_pg_s", "build_s")
+                },
+                "torchrun_detected": [r.metrics.get("torchrun_detected") for r in rs],
+            }
+        out["configs"][cfg.key] = entry
+    cl = out["configs"].get("a")
+    for cfg in configs:
+        if cfg.design != "torchrun" or cl is None:
+            continue
+        for kind in a.kinds:
+            ka, kb = cl["kinds"][kind], out["configs"][cfg.key]["kinds"][kind]
+
+            def ratio(metric: str, ka: dict[str, Any] = ka, kb: dict[str, Any] = kb) -> float | None:
+                x, y = ka[metric]["median"], kb[metric]["median"]
+                return x / y if x is not None and y not in (None, 0) else None
+
+            out["ratios"][f"{kind}/{cfg.key}"] = {
+                "kind": kind,
+                "baseline": cfg.key,
+                "downtime": ratio("downtime_s"),
+                "back_at_fault_step": ratio("back_at_fault_step_s"),
+                "added_span": ratio("added_span_s"),
+                "added_wall": ratio("added_wall_s"),
+            }
+    return out
+
+
+def calibration(a: argparse.Namespace, agg: dict[str, Any]) -> dict[str, Any]:
+    """The measured medians the goodput simulator reads (see simulate/calibration.py)."""
+    cl = agg["configs"].get("a")
+    tr = [agg["configs"][k] for k in agg["configs"] if k != "a"]
+    crash = [k for k in ("raise", "kill") if k in a.kinds]
+
+    def med(values: list[float | None]) -> float | None:
+        xs = [v for v in values if v is not None]
+        return round(statistics.median(xs), 4) if xs else None
+
+    out: dict[str, Any] = {
+        "_source": "benchmarks/recovery.py on this machine (4 CPU ranks, gloo, loopback); medians",
+        "_date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "_faults": f"kinds {list(a.kinds)} at step {a.fault_step} on rank {a.fault_rank}, {a.repeats} repeats",
+    }
+    if cl is not None and crash:
+        ph = lambda p: [cl["kinds"][k]["phases"][p]["median"] for k in crash]  # noqa: E731
+        out["detect_s"] = med(ph("detect_s"))
+        out["abort_s"] = med(ph("abort_s"))
+        out["rebuild_s"] = med(ph("rebuild_s"))
+        out["transfer_s"] = med(
+            [cl["kinds"]["kill"]["phases"]["transfer_s"]["median"]] if "kill" in crash else []
+        )
+        tb = cl["kinds"]["kill"]["state_bytes"]["median"] if "kill" in crash else None
+        if out["transfer_s"] and tb:
+            out["transfer_bytes"] = tb
+        else:
+            out.pop("transfer_s", None)
+        out["first_step_s"] = med([cl["kinds"][k]["first_step_extra_s"]["median"] for k in crash])
+        out["_checkpointless_other_s"] = med(ph("other_s"))
+    if tr and crash:
+        rb = [c["kinds"][k]["phases"]["rebuild_s"]["median"] for c in tr for k in crash]
+        out["restart_s"] = med(rb)
+        out["_restart_note"] = (
+            "process start + import torch + init_process_group + model/DDP/AdamW, after the teardown"
+        )
+        out["_torchrun_teardown_s"] = med(
+            [c["kinds"][k]["phases"]["abort_s"]["median"] for c in tr for k in crash]
+        )
+        out["_ckpt_load_s"] = med([c["kinds"][k]["ckpt_load_s"]["median"] for c in tr for k in crash])
+    saves = [s for c in tr for s in c["no_fault"]["save_s"]["values"]]
+    if saves:
+        out["save_s"] = round(statistics.median(saves), 4)
+    if "hang" in a.kinds and cl is not None:
+        out["_hang_timeout_used_s"] = a.hang_timeout
+    return {k: v for k, v in out.items() if v is not None}
+
+
+# -- reporting ---------------------------------------------------------------------------------
+def report_tables(a: argparse.Namespace, agg: dict[str, Any], configs: list[Config]) -> str:
+    parts = []
+    rows = []
+    for kind in a.kinds:
+        for cfg in configs:
+            k = agg["configs"][cfg.key]["kinds"][kind]
+            if k["n"] == 0:
+                rows.append([KIND_LABEL[kind], cfg.label, "all runs failed", *[""] * 11])
+                continue
+            ph = k["phases"]
+            rows.append(
+                [
+                    KIND_LABEL[kind],
+                    cfg.label,
+                    bl.fmt_spread(k["downtime_s"]),
+                    *[bl.fmt(ph[p]["median"]) for p in PHASES],
+                    bl.fmt_spread(k["lost_steps"], 0),
+                    bl.fmt_spread(k["back_at_fault_step_s"]),
+                    bl.fmt_spread(k["added_span_s"]),
+                    "yes" if k["digest_equal"] else "NO",
+                    f"{k['n']}" + (f" ({len(k['failed'])} failed)" if k["failed"] else ""),
+                ]
+            )
+    headers = [
+        "fault", "design", "downtime s [min-max]", *[PHASE_LABEL[p] for p in PHASES],
+        "lost steps", "back at fault step s", "job time vs (c) s", "weights == (c)", "n",
+    ]  # fmt: skip
+    parts.append(table_title("Downtime (fault -> next step completed on every rank), medians of repeats"))
+    parts.append(bl.table(headers, rows))
+    rrows = []
+    for key, r in agg["ratios"].items():
+        rrows.append(
+            [KIND_LABEL[r["kind"]], f"(a) / K={key.split('/b')[1]}", bl.fmt(r["downtime"], 3),
+             bl.fmt(r["back_at_fault_step"], 3), bl.fmt(r["added_span"], 3)]
+        )  # fmt: skip
+    if rrows:
+        parts.append(table_title("Ratios (a)/(b) of the medians"))
+        parts.append(bl.table(["fault", "ratio", "downtime", "back at fault step", "job time vs (c)"], rrows))
+    crows = []
+    for cfg in configs:
+        nf = agg["configs"][cfg.key]["no_fault"]
+        crows.append(
+            [cfg.label, bl.fmt_spread(nf["wall_s"], 1), bl.fmt_spread(nf["span_s"], 1), bl.fmt_spread(nf["step_s"], 3),
+             bl.fmt_spread(nf["save_s"], 3), ", ".join(d[:12] for d in nf["digests"]) or "-"]
+        )  # fmt: skip
+    parts.append(table_title("(c) No fault"))
+    parts.append(
+        bl.table(
+            ["design", "launch->exit s", "first->last step s", "step s", "save s", "final weights"], crows
+        )
+    )
+    return "\n\n".join(parts)
+
+
+def table_title(text: str) -> str:
+    return f"### {text}"
+
+
+def write_markdown(
+    a: argparse.Namespace, agg: dict[str, Any], tables: str, info: dict[str, Any], notes: list[str], cmd: str
+) -> None:
+    lines = [
+        "# Recovery: checkpointless versus torchrun + checkpoints",
+        "",
+        f"- Command: `{cmd}`",
+        f"- Date: {info['date']}; took {info['bench_wall_s'] / 60:.1f} min",
+        f"- Machine: {info['cpu_model']}, {info['nproc']} CPUs, {info['mem_total_gib']} GiB; "
+        f"Python {info['python']}, torch {info['torch']}",
+        f"- Load: {info['load_note']}",
+        f"- Job: examples/train_gpt.py, {a.nproc} ranks, {a.steps} steps, dim {a.dim}, {a.layers} layers, "
+        f"{a.heads} heads, seq {a.seq_len}, global batch {a.global_batch}, seed {a.seed}; "
+        f"OMP_NUM_THREADS={a.threads} for every process of both designs",
+        f"- Fault: rank {a.fault_rank} as it begins step {a.fault_step}; hang timeout {a.hang_timeout:g} s on "
+        "both sides (checkpointless --hang-timeout; the baseline's gloo collective timeout)",
+        f"- (a) `checkpointless run --nproc {a.nproc} --spares {a.spares}`; (b) `torchrun --max-restarts 3` "
+        f"running benchmarks/baseline/train_ddp_ckpt.py with K in {a.ckpt_every}; (c) each without a fault. "
+        f"{a.repeats} repeats, runs interleaved.",
+        "",
+        "Definitions: *downtime* runs from the moment the fault fired (the faulty rank's own clock, just "
+        "before it raises, is killed or stops) to the first step committed after it on every rank. "
+        "*detect*: until the launcher (checkpointless) or torchrun's agent (first teardown line in its "
+        "log) knew; *abort*: checkpointless, until every survivor had left the step and reported; "
+        "torchrun, teardown of all processes, rendezvous and spawn of the new ones; *rebuild*: "
+        "checkpointless, forming the new process group; torchrun, interpreter start + import torch + "
+        "init_process_group + model/DDP/AdamW; *state*: checkpointless peer transfer (encode, send, "
+        "verify); torchrun, DCP checkpoint load; *1st batch*: torchrun only (checkpointless does not "
+        "record it separately; it is inside *1st step*); *other*: the rest (messages, waits). "
+        "*Lost steps*: steps that had been committed before the fault and were committed again. "
+        "*Back at fault step*: fault to the step the fault hit being committed on every rank. "
+        "*Job time vs (c)*: first-to-last committed step, minus the median of (c) of the same design. "
+        "Medians with [min-max] over repeats.",
+        "",
+        tables,
+        "",
+        "## Notes",
+        "",
+        *[f"- {n}" for n in notes],
+        "",
+        "Raw per-run numbers: `benchmarks/results/recovery.json`. Simulator calibration: "
+        "`benchmarks/results/calibration.json`.",
+        "",
+    ]
+    (bl.RESULTS / "recovery.md").write_text("\n".join(lines))
+
+
+def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[RunRecord]) -> list[str]:
+    notes = []
+    for key, r in agg["ratios"].items():
+        if r["kind"] in ("raise", "kill") and r["downtime"] is not None:
+            verdict = "met" if r["downtime"] <= 0.1 else "NOT met"
+            notes.append(f"Expected downtime ratio (a)/(b) <= 0.1 for {KIND_LABEL[r['kind']]} vs {key.split('/')[1]}: "
+                         f"{r['downtime']:.3f} ({verdict}).")  # fmt: skip
+    cl = agg["configs"].get("a")
+    if cl is not None:
+        lost = [cl["kinds"][k]["lost_steps"]["max"] for k in a.kinds if cl["kinds"][k]["n"]]
+        if lost:
+            notes.append(f"Expected 0 lost steps for checkpointless: max over runs {max(lost):.0f} "
+                         f"({'met' if max(lost) == 0 else 'NOT met'}).")  # fmt: skip
+    for c in agg["configs"].values():
+        for kind, k in c["kinds"].items():
+            if k["n"] and not k["digest_equal"]:
+                notes.append(f"{c['label']} {KIND_LABEL[kind]}: final weights differ from (c).")
+            if k["n"] and not k["data_exact"]:
+                notes.append(f"{c['label']} {KIND_LABEL[kind]}: some step ran on a different batch than (c).")
+            if k["failed"]:
+                notes.append(f"{c['label']} {KIND_LABEL[kind]}: failed runs: {'; '.join(k['failed'])}.")
+        if len(c["no_fault"]["digests"]) > 1:
+            notes.append(f"{c['label']}: the no-fault runs themselves ended with different weights.")
+    if "hang" in a.kinds:
+        notes.append(
+            "Hang on the traditional path: the survivors' all-reduce fails after the gloo timeout, torchrun "
+            "sends SIGTERM to every worker and waits; a stopped (SIGSTOP) process does not act on SIGTERM, so "
+            "the restart waits out the agent's 30 s grace before SIGKILL (in torch 2.13 "
+            "LocalElasticAgent._stop_workers calls _shutdown() with its default timeout; --shutdown-timeout "
+            "does not apply to restarts). That wait is the 'abort' column."
+        )
+    notes.append(
+        "The baseline resets its gloo timeout to the hang timeout only after the first step of each start "
+        "(torch.distributed.distributed_c10d._set_pg_timeout), so a slow start on this shared machine is not "
+        "taken for a hang; before that it uses 120 s."
+    )
+    notes.append(
+        f"With {a.steps} steps and the fault at step {a.fault_step}, K=50 has saved no checkpoint yet: its "
+        "restart begins from step 0 (nothing to load), losing K/2 = 25 steps, the expected loss per fault "
+        "for a fault at a random time."
+        if a.fault_step < 50 and 50 in a.ckpt_every
+        else f"Fault at step {a.fault_step}."
+    )
+    if any(
+        r.metrics.get("torchrun_detected") is False
+        for r in runs
+        if r.config.design == "torchrun" and r.kind != "none"
+    ):
+        notes.append(
+            "Some torchrun runs had no teardown line in the agent's log: their detection is folded into 'abort'."
+        )
+    return notes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, K=10, 18 steps, fault at 15")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kinds", default="raise,kill,hang", help="comma-separated subset of raise,kill,hang")
+    ap.add_argument("--ckpt-every", default="10,50", help="checkpoint intervals K of the baseline")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--spares", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--fault-step", type=int, default=25)
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--hang-timeout", type=float, default=5.0, help="same value for both designs")
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process")
+    ap.add_argument("--run-timeout", type=float, default=420.0, help="limit per job run, seconds")
+    ap.add_argument("--work-dir", help="keep the run directories here (default: a temporary dir, removed)")
+    ap.add_argument("--out", help="JSON output (default results/recovery.json; --quick: recovery-quick.json)")
+    ap.add_argument("--no-calibration", action="store_true", help="do not write calibration.json")
+    a = ap.parse_args()
+    if a.quick:
+        a.repeats, a.ckpt_every, a.steps, a.fault_step = 1, "10", 18, 15
+    if a.out is None:
+        a.out = str(bl.RESULTS / ("recovery-quick.json" if a.quick else "recovery.json"))
+    a.kinds = [k for k in a.kinds.split(",") if k]
+    for k in a.kinds:
+        if k not in KINDS:
+            ap.error(f"unknown fault kind {k!r}; choose from {','.join(KINDS)}")
+    a.ckpt_every = [int(x) for x in str(a.ckpt_every).split(",") if x]
+    if not 0 < a.fault_step < a.steps:
+        ap.error("--fault-step must be inside the job (0 < fault-step < steps)")
+
+    configs = [Config("a", "checkpointless")] + [Config(f"b{k}", "torchrun", k) for k in a.ckpt_every]
+    cmd = "python benchmarks/recovery.py " + shlex.join(sys.argv[1:])
+    info = bl.machine_info()
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="cl-bench-recovery-"))
+    work.mkdir(parents=True, exist_ok=True)
+    runs: list[RunRecord] = []
+    n_total = a.repeats * len(configs) * (1 + len(a.kinds))
+    print(f"recovery benchmark: {n_total} job runs in {work}", flush=True)
+    try:
+        with bl.cleanup_on_exit():
+            for rep in range(a.repeats):
+                # interleaved: every design sees the same drift in the machine's load
+                for kind in ["none", *a.kinds]:
+                    order = configs if rep % 2 == 0 else list(reversed(configs))
+                    for cfg in order:
+                        runs.append(collect(a, cfg, kind, rep, work))
+    except KeyboardInterrupt:
+        print("interrupted; all job processes were stopped", file=sys.stderr)
+        return 130
+    finally:
+        if not a.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    info["bench_wall_s"] = time.monotonic() - t0
+    info["load_note"] = bl.load_note(load0, os.getloadavg())
+    agg = aggregate(a, runs, configs)
+    tables = report_tables(a, agg, configs)
+    notes = build_notes(a, agg, runs)
+    print()
+    print(tables)
+    print()
+    for n in notes:
+        print(f"- {n}")
+    params = {k: v for k, v in vars(a).items() if k not in ("out",)}
+    result = {
+        "benchmark": "recovery",
+        "command": cmd,
+        "machine": info,
+        "params": params,
+        "summary": agg,
+        "notes": notes,
+        "runs": [
+            {
+                "config": r.config.key,
+                "design": r.config.design,
+                "ckpt_every": r.config.ckpt_every,
+                "kind": r.kind,
+                "repeat": r.repeat,
+                "rc": r.rc,
+                "wall_s": round(r.wall_s, 4),
+                "error": r.error,
+                "metrics": {k: v for k, v in r.metrics.items() if k != "batches"},
+            }
+            for r in runs
+        ],
+    }
+    bl.write_json(Path(a.out), result)
+    if Path(a.out).resolve() == (bl.RESULTS / "recovery.json").resolve():
+        write_markdown(a, agg, tables, info, notes, cmd)
+        if not a.no_calibration and not a.quick:
+            bl.write_json(bl.RESULTS / "calibration.json", calibration(a, agg))
+    print(f"\nwrote {a.out}" + ("" if a.quick else " and calibration.json"))
+    return 0 if all(r.error is None for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The launcher's promises: clear errors for bad input, and nothing left behind, whatever happens
+to the job or to the launcher itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import ROOT, alive
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def launch(run_dir: Path, script: Path, *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "checkpointless", "run", "--run-dir", str(run_dir), *args, str(script)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def job_pids(run_dir: Path) -> list[int]:
+    p = run_dir / "pids"
+    return [int(x) for x in p.read_text().split()] if p.exists() else []
+
+
+def wait_for_event(run_dir: Path, name: str, timeout: float) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    path = run_dir / "events.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                e = json.loads(line)
+                if e["event"] == name:
+                    return e  # type: ignore[no-any-return]
+        time.sleep(0.1)
+    raise AssertionError(f"no {name!r} event within {timeout} s")
+
+
+def assert_nothing_left(run_dir: Path, job: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not [p for p in job_pids(run_dir) if alive(p)]:
+            break
+        time.sleep(0.1)
+    assert not [p for p in job_pids(run_dir) if alive(p)], "job processes were left behind"
+    assert not (Path("/dev/shm") / f"checkpointless-{job}").exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--nproc", "0"], "--nproc must be at least 1"),
+        (["--inject", "explode:rank=1"], "unknown fault kind 'explode'"),
+        (["--inject", "kill:rank=7:step=1", "--nproc", "2"], "targets rank 7"),
+        (["--hang-timeout", "0.1"], "--hang-timeout must be more than"),
+    ],
+)
+def test_bad_configuration_is_a_clear_error(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = launch(tmp_path / "run", SCRIPTS / "slow_steps.py", *args)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and message in out, out
+
+
+@pytest.mark.timeout(30)
+def test_missing_script_is_a_clear_error(tmp_path: Path) -> None:
+    proc = launch(tmp_path / "run", tmp_path / "nope.py")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "nope.py" in out and "not found" in out
+
+
+@pytest.mark.timeout(30)
+def test_port_in_use_names_the_port_and_the_setting(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = launch(tmp_path / "run", SCRIPTS / "slow_steps.py", "--control-port", str(port))
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and str(port) in out and "--control-port" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_recurring_exception_stops_the_job_with_a_clear_error(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, SCRIPTS / "always_fails.py", "--nproc", "2", "--spares", "0")
+    out, _ = proc.communicate(timeout=110)
+    assert proc.returncode == 1, out[-3000:]
+    assert "not a transient fault" in out and "ZeroDivisionError" in out
+    end = wait_for_event(run_dir, "job_end", 1)
+    assert end["status"] == "failed"
+    assert_nothing_left(run_dir, str(end["job"]))
+
+
+@pytest.mark.timeout(120)
+def test_no_spare_in_time_stops_the_job_naming_the_settings(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(
+        run_dir,
+        SCRIPTS / "slow_steps.py",
+        "--nproc",
+        "2",
+        "--spares",
+        "0",
+        "--spare-wait",
+        "0.5",
+        "--inject",
+        "kill:rank=1:step=3",
+    )
+    out, _ = proc.communicate(timeout=110)
+    assert proc.returncode == 1, out[-3000:]
+    assert "--spares" in out and "--spare-wait" in out
+    assert_nothing_left(run_dir, str(wait_for_event(run_dir, "job_end", 1)["job"]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_launcher_signal_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, SCRIPTS / "slow_steps.py", "--nproc", "2", "--spares", "1")
+    start = wait_for_event(run_dir, "started", 90)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert_nothing_left(run_dir, str(start["job"]))
+
+
+@pytest.mark.timeout(120)
+def test_launcher_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, SCRIPTS / "slow_steps.py", "--nproc", "2", "--spares", "1")
+    start = wait_for_event(run_dir, "started", 90)
+    assert all(alive(p) for p in job_pids(run_dir))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=10)
+    assert_nothing_left(run_dir, str(start["job"]), timeout=15)
