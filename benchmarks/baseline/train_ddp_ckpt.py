@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=120.0, help="gloo timeout until the first step")
     ap.add_argument("--inject", action="append", default=[], metavar="FAULT")
     ap.add_argument("--digest-out", help="write the final weights' SHA-256 here")
+    ap.add_argument("--find-unused", type=int, choices=(0, 1), default=1, help="DDP find_unused_parameters")
+    ap.add_argument("--broadcast-buffers", type=int, choices=(0, 1), default=0, help="DDP broadcast_buffers")
     args = ap.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -164,8 +166,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
     vocab = 256
     model = ex.GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
-    # fixed buckets (bitwise restarts); the causal-mask buffer is a constant, so no per-step broadcast
-    ddp = DistributedDataParallel(model, find_unused_parameters=True, broadcast_buffers=False)
+    # find_unused_parameters=True keeps the buckets fixed, so a restart is bitwise (REFERENCES);
+    # the causal-mask buffer is a constant, so no per-step buffer broadcast
+    ddp = DistributedDataParallel(
+        model, find_unused_parameters=bool(args.find_unused), broadcast_buffers=bool(args.broadcast_buffers)
+    )
     log.phase("model_ready")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))

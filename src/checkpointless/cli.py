@@ -13,7 +13,11 @@ __all__ = ["main"]
 
 def _run(args: argparse.Namespace) -> int:
     from checkpointless.launcher.launcher import LaunchConfig, Launcher
+    from checkpointless.rendezvous import port_range_from_env
 
+    base, span = port_range_from_env(29600, 1000)
+    args.port_base = base if args.port_base is None else args.port_base
+    args.port_range = span if args.port_range is None else args.port_range
     cfg = LaunchConfig(
         script=args.script,
         script_args=args.script_args,
@@ -23,6 +27,8 @@ def _run(args: argparse.Namespace) -> int:
         hang_timeout=args.hang_timeout,
         spare_wait=args.spare_wait,
         recovery_timeout=args.recovery_timeout,
+        start_timeout=args.start_timeout,
+        max_step_failures=args.max_step_failures,
         faults=args.inject,
         host=args.host,
         control_port=args.control_port,

@@ -52,6 +52,7 @@ class LaunchConfig:
     spare_wait: float = 60.0
     recovery_timeout: float = 120.0
     start_timeout: float = 180.0
+    max_step_failures: int = 3  # recoveries in a row that resume at the same step before giving up
     faults: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     control_port: int = 0
@@ -70,6 +71,15 @@ class LaunchConfig:
             raise ConfigError(f"training script {self.script!r} not found; pass the path of a Python file")
         if self.hang_timeout <= 0.5:
             raise ConfigError(f"--hang-timeout must be more than 0.5 s (got {self.hang_timeout})")
+        for name, value in (
+            ("--spare-wait", self.spare_wait),
+            ("--recovery-timeout", self.recovery_timeout),
+            ("--start-timeout", self.start_timeout),
+        ):
+            if value <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds (got {value})")
+        if self.max_step_failures < 1:
+            raise ConfigError(f"--max-step-failures must be at least 1 (got {self.max_step_failures})")
         if self.rendezvous not in ("rootless", "tcp"):
             raise ConfigError(f"--rendezvous must be rootless or tcp (got {self.rendezvous!r})")
         parse_faults(self.faults, self.nproc)  # a bad spec fails now, not at step 40
@@ -116,6 +126,7 @@ class Launcher:
         self.cfg = cfg
         self.job_id = secrets.token_hex(6)
         self.secret = secrets.token_hex(32).encode()
+        self._ports = self._allocate_ports(cfg.nproc + cfg.spares * 4 + 8)
         self.run_dir = cfg.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{self.job_id}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         secret_file = self.run_dir / "secret"
@@ -136,7 +147,9 @@ class Launcher:
         self.exit_code = 0
         self.recoveries: list[dict[str, Any]] = []
         self._signal: int | None = None
-        self._ports = self._allocate_ports(cfg.nproc + cfg.spares * 4 + 8)
+        self._early_spare_deaths = 0  # spares that died before saying they were ready, in a row
+        self._last_target: int | None = None
+        self._same_target = 0
 
     # -- processes -----------------------------------------------------------------------------
     def _allocate_ports(self, count: int) -> list[int]:
@@ -299,6 +312,7 @@ class Launcher:
             p.step = msg.get("step")
         elif kind == "spare_ready":
             p.ready = True
+            self._early_spare_deaths = 0
         elif kind == "fired":
             self.fired.add(str(msg["id"]))
             self.events.emit(
@@ -376,6 +390,13 @@ class Launcher:
             if p.rank is None or self.members.get(p.rank) is not p:
                 if self.stopping is None and p.role == "spare":
                     self.events.emit("spare_lost", worker=p.worker_id, code=code)
+                    self._early_spare_deaths = 0 if p.ready else self._early_spare_deaths + 1
+                    if self._early_spare_deaths >= 3:
+                        raise NotRecoverableError(
+                            f"{self._early_spare_deaths} spare processes in a row exited (last code {code}) "
+                            "before they were ready: does the script call checkpointless.init() before "
+                            "anything that can fail? See the output above for its error"
+                        )
                     log.warning("spare %d exited (code %s); starting another", p.worker_id, code)
                     self._spawn("spare")
                 continue
@@ -405,6 +426,11 @@ class Launcher:
             progress = p.last_progress if (p.progress_known and self.round is None) else now
             health.append(WorkerHealth(rank, p.last_message, progress, p.in_collective))
         culprits, why = find_hung(health, now, self.cfg.hang_timeout)
+        if not culprits and why and self.round is None:
+            # everyone waits for everyone (a lost message, a wedged link): nobody to replace,
+            # but the collective will never finish; rebuild the communicator with the same ranks
+            self._fault(min(h.rank for h in health), "stall", why, replace=False)
+            return
         for rank in culprits:
             log.warning("rank %d is hung: %s; killing it", rank, why)
             self._kill(self.members[rank], why)
@@ -448,6 +474,15 @@ class Launcher:
                 )
             return
         plan = plan_recovery([r.reports[k] for k in sorted(r.reports)], initial=r.initial)
+        if not r.initial:
+            self._same_target = self._same_target + 1 if plan.target_step == self._last_target else 1
+            self._last_target = plan.target_step
+            if self._same_target > self.cfg.max_step_failures:
+                raise NotRecoverableError(
+                    f"faults keep recurring at step {plan.target_step}: {self._same_target} recoveries in a "
+                    "row made no progress; this looks like a bug or a bad node, not a transient fault "
+                    "(raise --max-step-failures to allow more)"
+                )
         desc = dict(self.store_desc)
         if desc["kind"] == "rootless":
             desc["peers"] = [f"{self.cfg.host}:{self.members[k].store_port}" for k in range(self.cfg.nproc)]
@@ -490,8 +525,12 @@ class Launcher:
             r.replace.discard(rank)  # settled once the spare reports; re-added if it dies first
             self.events.emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)
             log.info("spare %d takes rank %d", spare.worker_id, rank)
-            self._spawn("spare")  # refill the pool in the background
+            if self._idle_spares() < self.cfg.spares:
+                self._spawn("spare")  # refill the pool in the background
         r.waiting_since = None
+
+    def _idle_spares(self) -> int:
+        return sum(1 for p in self.procs.values() if p.role == "spare" and p.rank is None)
 
     def _on_recovered(self, p: Proc, msg: dict[str, Any]) -> None:
         r = self.round
@@ -506,8 +545,8 @@ class Launcher:
         for m in self.members.values():
             m.last_progress = now  # the hang clock restarts with the new generation
         if r.initial:
-            log.info("generation 0 formed in %.2f s after launch", time.monotonic() - r.started)
-            self.events.emit("started", generation=0, seconds=time.monotonic() - r.started)
+            log.info("generation %d formed in %.2f s after launch", r.target, time.monotonic() - r.started)
+            self.events.emit("started", generation=r.target, seconds=time.monotonic() - r.started)
             return
         self.pending_downtime = {"round": r, "done": time.monotonic()}
         self.first_commits = {}

@@ -39,9 +39,10 @@ def cleanup_job(run_dir: Path, job_id: str) -> int:
                     killed += 1
                 except ProcessLookupError:
                     pass
-    shm = Path("/dev/shm") / f"checkpointless-{job_id}"
+    shm = Path(os.environ.get("CHECKPOINTLESS_SHM_DIR", "/dev/shm")) / f"checkpointless-{job_id}"
     if shm.exists():
         shutil.rmtree(shm, ignore_errors=True)
+    (run_dir / "secret").unlink(missing_ok=True)
     return killed
 
 

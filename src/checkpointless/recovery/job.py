@@ -213,6 +213,11 @@ class Job:
         if self._started:
             raise ConfigError("job.steps() can run only once per process")
         self._started = True
+        if self._link is not None and not self._objects:
+            self._fatal(
+                "job.track() registered nothing: a replacement rank would start from scratch and "
+                "diverge; call job.track(model=..., optimizer=...) before job.steps()"
+            )
         if self._link is not None:
             if self.is_replacement:
                 self._recover(cause="join", error=None, committed=-1, valid=False)
@@ -227,7 +232,7 @@ class Job:
             yield step
         if self._link is not None:
             self._link.send({"type": "done", "step": self.committed_step})
-            atexit.register(_exit_now)
+            _install_fast_exit()
 
     def _finish_barrier(self) -> bool:
         # Nobody leaves before everyone has the final state: a rank that left early could be
@@ -311,8 +316,9 @@ class Job:
         }
 
     def _recover_from(self, index: int, exc: BaseException) -> None:
-        aborted = self.comm.aborted is not None or isinstance(exc, CommAborted) or _looks_like_comm_error(exc)
-        cause = "comm" if aborted else "exception"
+        # the rank's own error counts as its own even if an abort arrived at the same moment:
+        # only a failed or aborted collective is a symptom of somebody else's fault
+        cause = "comm" if isinstance(exc, CommAborted) or _looks_like_comm_error(exc) else "exception"
         if self._dirty:
             committed, valid = index, False
         elif self._updated:
@@ -322,8 +328,13 @@ class Job:
         self._dirty = False
         if cause == "exception":
             self._retries[index] = self._retries.get(index, 0) + 1
-            log.error("step %d raised %s: %s", index, type(exc).__name__, exc)
-            log.debug("%s", "".join(traceback.format_exception(exc)))
+            log.error(
+                "step %d raised %s: %s\n%s",
+                index,
+                type(exc).__name__,
+                exc,
+                "".join(traceback.format_exception(exc)).rstrip(),
+            )
             if self._retries[index] > self.max_step_retries:
                 self._fatal(
                     f"step {index} raised {type(exc).__name__} {self._retries[index]} times in a row "
@@ -450,13 +461,28 @@ class Job:
         return collect_state(self._objects, self.committed_step, capture_rng())
 
 
-def _exit_now() -> None:
-    """Leave without running destructors. Process groups of aborted generations may still hold
-    gloo threads waiting on peers that are gone; tearing them down at interpreter exit can
-    abort the process after the job's work is complete."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+_FAILED_AFTER_LOOP = False
+
+
+def _install_fast_exit() -> None:
+    """Leave without running destructors once the job's work is done. Process groups of aborted
+    generations may still hold gloo threads waiting on peers that are gone, and tearing them
+    down at interpreter exit can abort the process. An uncaught exception after the loop still
+    makes the exit code 1."""
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        global _FAILED_AFTER_LOOP
+        _FAILED_AFTER_LOOP = True
+        previous(tp, value, tb)
+
+    def exit_now() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if _FAILED_AFTER_LOOP else 0)
+
+    sys.excepthook = hook
+    atexit.register(exit_now)
 
 
 def _looks_like_comm_error(exc: BaseException) -> bool:

@@ -1,0 +1,280 @@
+"""Steady-state cost of being recoverable: step time under checkpointless versus plain DDP.
+
+The example GPT (``examples/train_gpt.py``) is trained, without faults, two ways:
+
+* ``checkpointless``: ``checkpointless run --nproc N --spares 1`` (launcher, heartbeats, abortable
+  communicator, DataParallel, per-step commit bookkeeping, one idle hot spare);
+* ``ddp``: the same model, data and seed as a plain gloo ``DistributedDataParallel`` script under
+  torchrun (``benchmarks/baseline/train_ddp_ckpt.py --ckpt-every 0``, default DDP buckets
+  ``find_unused_parameters=False``, no buffer broadcast: the fastest plain DDP for this model).
+
+Runs alternate (A B B A ...) so both see the same drift in the machine's load. Each run's step
+time is the time between consecutive steps completed on every rank, read from the per-rank
+commit logs, after a warm-up; the result is the ratio of the medians, and the median of the
+ratios of adjacent pairs.
+
+    .venv/bin/python benchmarks/overhead.py            # 4 pairs of 200-step runs (~6-10 min)
+    .venv/bin/python benchmarks/overhead.py --quick    # 1 pair of 60-step runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
+import benchlib as bl
+
+DESIGNS = ("checkpointless", "ddp")
+
+
+def model_args(a: argparse.Namespace) -> list[str]:
+    return [
+        "--steps", str(a.steps), "--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads),
+        "--seq-len", str(a.seq_len), "--seed", str(a.seed),
+    ]  # fmt: skip
+
+
+def launch(a: argparse.Namespace, design: str, run_dir: Path) -> bl.Finished:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if design == "checkpointless":
+        port_base = 40000 + (os.getpid() * 13 + len(str(run_dir))) % 40 * 200
+        cmd = [
+            bl.PYTHON, "-m", "checkpointless", "run", "--nproc", str(a.nproc), "--spares", str(a.spares),
+            "--run-dir", str(run_dir), "--port-base", str(port_base), "--port-range", "200",
+            str(bl.EXAMPLE), *model_args(a), *bl.example_batch_args(a.global_batch, a.nproc),
+            "--digest-out", str(run_dir / "digest"),
+        ]  # fmt: skip
+    else:
+        cmd = [
+            bl.TORCHRUN, "--nproc-per-node", str(a.nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{bl.free_port()}", str(bl.BASELINE), *model_args(a),
+            "--global-batch", str(a.global_batch), "--ckpt-every", "0", "--find-unused", "0",
+            "--broadcast-buffers", "0", "--log-dir", str(run_dir), "--digest-out", str(run_dir / "digest"),
+        ]  # fmt: skip
+    (run_dir / "command").write_text(shlex.join(cmd) + "\n")
+    return bl.run_command(
+        cmd,
+        timeout=a.run_timeout,
+        env=bl.bench_env(a.threads),
+        stdout=run_dir / "stdout.log",
+        stderr=run_dir / "stderr.log",
+    )
+
+
+def step_times(run_dir: Path, warmup: int) -> list[float]:
+    """Durations of steps ``warmup..`` measured between completions on every rank."""
+    done_per_rank = []
+    for f in sorted(run_dir.glob("rank-*.jsonl")):
+        first: dict[int, float] = {}
+        for e in bl.read_jsonl(f):
+            if e.get("event") == "commit":
+                first.setdefault(int(e["step"]), float(e["time"]))
+        done_per_rank.append(first)
+    if not done_per_rank:
+        return []
+    steps = sorted(set.intersection(*(set(d) for d in done_per_rank)))
+    done = {s: max(d[s] for d in done_per_rank) for s in steps}
+    return [done[b] - done[a] for a, b in itertools.pairwise(steps) if b == a + 1 and a >= warmup]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 pair of 60-step runs")
+    ap.add_argument("--pairs", type=int, default=4, help="runs of each design, alternating")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20, help="steps left out at the start of each run")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--spares", type=int, default=1)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process")
+    ap.add_argument("--run-timeout", type=float, default=400.0)
+    ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
+    ap.add_argument("--out", help="JSON output (default results/overhead.json; --quick: overhead-quick.json)")
+    a = ap.parse_args()
+    if a.quick:
+        a.pairs, a.steps, a.warmup = 1, 60, 10
+    if a.out is None:
+        a.out = str(bl.RESULTS / ("overhead-quick.json" if a.quick else "overhead.json"))
+    if a.warmup + 10 > a.steps:
+        ap.error("--steps must leave at least 10 measured steps after --warmup")
+
+    cmd = "python benchmarks/overhead.py " + shlex.join(sys.argv[1:])
+    info = bl.machine_info()
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="cl-bench-overhead-"))
+    runs: list[dict[str, Any]] = []
+    print(f"overhead benchmark: {2 * a.pairs} runs of {a.steps} steps, {a.nproc} ranks, in {work}", flush=True)
+    try:
+        with bl.cleanup_on_exit():
+            for i in range(a.pairs):
+                order = DESIGNS if i % 2 == 0 else tuple(reversed(DESIGNS))
+                for design in order:
+                    run_dir = work / f"{design}-{i}"
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                    fin = launch(a, design, run_dir)
+                    st = step_times(run_dir, a.warmup)
+                    digest = (run_dir / "digest").read_text().strip() if (run_dir / "digest").exists() else None
+                    error = None
+                    if fin.timed_out:
+                        error = "timed out"
+                    elif fin.rc != 0:
+                        error = f"exit code {fin.rc}"
+                    elif len(st) < (a.steps - a.warmup - 1):
+                        error = f"only {len(st)} step times in the logs"
+                    rec = {
+                        "design": design,
+                        "pair": i,
+                        "rc": fin.rc,
+                        "wall_s": round(fin.wall_s, 3),
+                        "error": error,
+                        "digest": digest,
+                        "median_step_s": statistics.median(st) if st else None,
+                        "mean_step_s": statistics.fmean(st) if st else None,
+                        "step_s": [round(x, 5) for x in st],
+                    }
+                    runs.append(rec)
+                    med = rec["median_step_s"]
+                    print(
+                        f"  {design:<15} #{i}: {fin.wall_s:6.1f} s, median step "
+                        f"{'-' if med is None else f'{med * 1000:.1f} ms'}" + (f"  FAILED: {error}" if error else ""),
+                        flush=True,
+                    )
+    except KeyboardInterrupt:
+        print("interrupted; all job processes were stopped", file=sys.stderr)
+        return 130
+    finally:
+        if not a.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+    ok = [r for r in runs if r["error"] is None]
+    per: dict[str, Any] = {}
+    for d in DESIGNS:
+        rs = [r for r in ok if r["design"] == d]
+        pooled = [x for r in rs for x in r["step_s"]]
+        per[d] = {
+            "runs": len(rs),
+            "median_step_s": bl.summary([r["median_step_s"] for r in rs]),
+            "mean_step_s": bl.summary([r["mean_step_s"] for r in rs]),
+            "pooled_median_step_s": statistics.median(pooled) if pooled else None,
+            "pooled_p90_step_s": statistics.quantiles(pooled, n=10)[-1] if len(pooled) >= 10 else None,
+        }
+    pair_ratios = []
+    for i in range(a.pairs):
+        x = [r for r in ok if r["pair"] == i and r["design"] == "checkpointless"]
+        y = [r for r in ok if r["pair"] == i and r["design"] == "ddp"]
+        if x and y:
+            pair_ratios.append(x[0]["median_step_s"] / y[0]["median_step_s"])
+    cl_med, ddp_med = per["checkpointless"]["median_step_s"]["median"], per["ddp"]["median_step_s"]["median"]
+    cl_mean, ddp_mean = per["checkpointless"]["mean_step_s"]["median"], per["ddp"]["mean_step_s"]["median"]
+    ratio = cl_med / ddp_med if cl_med and ddp_med else None
+    ratio_mean = cl_mean / ddp_mean if cl_mean and ddp_mean else None
+    pr = bl.summary(pair_ratios)
+    info["bench_wall_s"] = time.monotonic() - t0
+    info["load_note"] = bl.load_note(load0, os.getloadavg())
+
+    rows = []
+    for d in DESIGNS:
+        p = per[d]
+        rows.append(
+            [
+                d,
+                str(p["runs"]),
+                bl.fmt_spread({k: (v * 1000 if isinstance(v, float) else v) for k, v in p["median_step_s"].items()}, 1),
+                bl.fmt(p["mean_step_s"]["median"] * 1000 if p["mean_step_s"]["median"] else None, 1),
+                bl.fmt(p["pooled_p90_step_s"] * 1000 if p["pooled_p90_step_s"] else None, 1),
+            ]
+        )
+    tbl = bl.table(["design", "runs", "median step ms [min-max of runs]", "mean step ms", "p90 step ms"], rows)
+    overhead_pct = (ratio - 1) * 100 if ratio else None
+    summary_lines = [
+        f"checkpointless / DDP, ratio of median step times: {bl.fmt(ratio, 4)} "
+        f"(overhead {bl.fmt(overhead_pct, 1)}%); of mean step times: {bl.fmt(ratio_mean, 4)}; "
+        f"median of adjacent-pair ratios: {bl.fmt_spread(pr, 4)}",
+    ]
+    notes = []
+    if overhead_pct is not None:
+        met = overhead_pct <= 2.0
+        notes.append(f"Expected overhead <= 2%: measured {overhead_pct:.1f}% ({'met' if met else 'NOT met'}).")
+    if pr["n"] >= 2 and pr["min"] is not None and pr["max"] is not None:
+        notes.append(
+            f"Run-to-run spread of the pair ratios is {100 * (pr['max'] - pr['min']):.1f} points on this "
+            "shared 2-core machine; differences smaller than that are not resolved."
+        )
+    notes.append(
+        f"{a.nproc} ranks on {os.cpu_count()} cores (ranks share cores); the checkpointless side also runs the "
+        f"launcher's decision loop and {a.spares} idle hot spare(s); OMP_NUM_THREADS={a.threads} for both."
+    )
+    failed = [f"{r['design']} #{r['pair']}: {r['error']}" for r in runs if r["error"]]
+    if failed:
+        notes.append("Failed runs: " + "; ".join(failed))
+    print()
+    print(tbl)
+    print()
+    for line in summary_lines + [f"- {n}" for n in notes]:
+        print(line)
+
+    result = {
+        "benchmark": "overhead",
+        "command": cmd,
+        "machine": info,
+        "params": {k: v for k, v in vars(a).items() if k != "out"},
+        "summary": {
+            "designs": per,
+            "ratio_median_step": ratio,
+            "ratio_mean_step": ratio_mean,
+            "overhead_pct": overhead_pct,
+            "pair_ratios": pr,
+        },
+        "notes": notes,
+        "runs": runs,
+    }
+    bl.write_json(Path(a.out), result)
+    if Path(a.out).resolve() == (bl.RESULTS / "overhead.json").resolve():
+        md = [
+            "# Steady-state overhead: checkpointless versus plain DDP",
+            "",
+            f"- Command: `{cmd}`",
+            f"- Date: {info['date']}; took {info['bench_wall_s'] / 60:.1f} min",
+            f"- Machine: {info['cpu_model']}, {info['nproc']} CPUs, {info['mem_total_gib']} GiB; "
+            f"Python {info['python']}, torch {info['torch']}",
+            f"- Load: {info['load_note']}",
+            f"- Job: examples/train_gpt.py, {a.nproc} ranks, {a.steps} steps (first {a.warmup} left out), dim "
+            f"{a.dim}, {a.layers} layers, {a.heads} heads, seq {a.seq_len}, global batch {a.global_batch}; "
+            f"{a.pairs} runs of each design, alternating",
+            "- checkpointless: `checkpointless run --nproc N --spares 1 examples/train_gpt.py`; DDP: "
+            "`torchrun benchmarks/baseline/train_ddp_ckpt.py --ckpt-every 0 --find-unused 0 "
+            "--broadcast-buffers 0` (same model, data, seed; gloo)",
+            "- Step time: between consecutive steps completed on every rank, from the per-rank commit logs",
+            "",
+            tbl,
+            "",
+            *summary_lines,
+            "",
+            "## Notes",
+            "",
+            *[f"- {n}" for n in notes],
+            "",
+        ]
+        (bl.RESULTS / "overhead.md").write_text("\n".join(md))
+    print(f"\nwrote {a.out}")
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
