@@ -88,18 +88,27 @@ def main() -> None:
     ap.add_argument("--digest-out", help="write the final weights' SHA-256 here")
     args = ap.parse_args()
 
-    job = cl.init()  # a hot spare waits here until it is given a rank
+    # Everything that does not depend on the rank is built before init(): a hot spare builds it
+    # while it waits, so taking over a failed rank costs it no model construction.
     torch.manual_seed(args.seed)
-    if args.global_batch % job.world_size:
-        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {job.world_size} ranks")
-    local_batch = args.global_batch // job.world_size
     vocab = 256
-    loader = None
     if args.data:
-        from checkpointless.data import BatchLoader, ShmBatchCache, TokenDataset
+        from checkpointless.data import TokenDataset
 
         ds = TokenDataset.open(args.data, verify="quick")
         vocab = ds.vocab_size
+    model = GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
+
+    job = cl.init()  # a hot spare waits here until it is given a rank
+    if args.global_batch % job.world_size:
+        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {job.world_size} ranks")
+    local_batch = args.global_batch // job.world_size
+    loader = None
+    if args.data:
+        from checkpointless.data import BatchLoader, ShmBatchCache
+
         # prefetched batches wait in /dev/shm, so a replacement's first batch is a memory read
         cache = ShmBatchCache(job_id=job.job_id, rank=job.rank, capacity=8) if job.job_id else None
         loader = BatchLoader(
@@ -111,10 +120,7 @@ def main() -> None:
             dp_size=job.world_size,
             cache=cache,
         )
-    model = GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
-    dp = job.data_parallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
+    dp = job.data_parallel(model.to(job.device))  # in place: the optimizer keeps its parameters
     job.track(model=model, optimizer=opt, scheduler=sched)
 
     for step in job.steps(args.steps):
@@ -125,6 +131,7 @@ def main() -> None:
                 tokens = synthetic_batch(args.seed, step.index, job.rank, local_batch, args.seq_len, vocab)
                 x, y = tokens[:, :-1], tokens[:, 1:]
             digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16]
+            x, y = x.to(job.device), y.to(job.device)
             logits = dp(x)
             loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
             opt.zero_grad(set_to_none=True)

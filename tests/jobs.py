@@ -88,7 +88,7 @@ def run_job(
         "--run-dir",
         str(run_dir),
         "--hang-timeout",
-        "4",
+        "8",
     ]
     for f in faults or []:
         cmd += ["--inject", f]

@@ -140,3 +140,17 @@ def test_launcher_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=10)
     assert_nothing_left(run_dir, str(start["job"]), timeout=15)
+
+
+@pytest.mark.timeout(180)
+def test_plain_mode_runs_an_unchanged_ddp_script_rootless_and_restarts_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, SCRIPTS / "plain_ddp.py", "--plain", "--nproc", "2")
+    out, _ = proc.communicate(timeout=170)
+    assert proc.returncode == 0, out[-3000:]
+    # torch's env:// rendezvous was served by the root-less store, not a TCPStore on rank 0
+    assert out.count("store RootlessStore") >= 2 and "store TCPStore" not in out
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["rank"] for e in events if e["event"] == "fault"] == [1]
+    assert [e["attempt"] for e in events if e["event"] == "restart"] == [1]
+    assert_nothing_left(run_dir, str(events[0]["job"]))

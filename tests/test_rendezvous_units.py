@@ -31,7 +31,7 @@ from checkpointless.rendezvous import (
     parse_address,
     store_barrier,
 )
-from checkpointless.wire import recv_frame, send_frame
+from checkpointless.wire import FrameError, recv_frame, send_frame
 
 SECRET = b"unit-test-secret"
 SHORT = datetime.timedelta(seconds=5)
@@ -262,12 +262,14 @@ def test_wrong_secret_is_rejected_by_both_sides(cluster4: Cluster) -> None:
     intruder = RootlessStore(0, 4, cluster4.table, b"not-the-secret", "gen1/", SHORT)
     with pytest.raises(RendezvousError, match="authentication"):
         intruder.get("0/1")
-    # A client with the wrong secret that ignores the handshake gets its frame refused unread.
+    with pytest.raises(RendezvousError, match="authentication"):
+        intruder.set("0/2", "forged")
+    # A raw frame sealed with another secret is refused unread, and the server hangs up.
     with socket.create_connection(cluster4.table.endpoint(2), timeout=5) as sock:
         send_frame(sock, b"not-the-secret", {"op": "set", "keys": ["gen1/0/2"], "lens": [1], "seq": 1}, b"x")
-        sock.settimeout(5)
-        assert sock.recv(65536)  # the (sealed) handshake
-        assert sock.recv(65536) == b""  # then the server hangs up
+        with pytest.raises(FrameError, match="authentication"):
+            recv_frame(sock, b"not-the-secret", time.monotonic() + 5)
+        assert sock.recv(1) == b""
     assert cluster4.servers[2].stats.rejected >= 1
     assert not cluster4.stores[3].check(["0/2"])
     cluster4.stores[3].set("0/2", "fine")  # the server still serves the job
@@ -275,21 +277,29 @@ def test_wrong_secret_is_rejected_by_both_sides(cluster4: Cluster) -> None:
 
 
 @pytest.mark.timeout(20)
-def test_replayed_request_is_rejected(cluster4: Cluster) -> None:
-    def add_once(sock: socket.socket, nonce: str, seq: int) -> None:
-        send_frame(sock, SECRET, {"op": "add", "keys": ["gen1/c"], "amount": 1, "nonce": nonce, "seq": seq})
+def test_replayed_or_unkeyed_writes_are_rejected(cluster4: Cluster) -> None:
+    def request(sock: socket.socket, header: dict[str, object]) -> dict[str, object]:
+        send_frame(sock, SECRET, header)
+        return recv_frame(sock, SECRET, time.monotonic() + 5)[0]
+
+    def add(nonce: object, seq: int) -> dict[str, object]:
+        return {"op": "add", "keys": ["gen1/c"], "amount": 1, "nonce": nonce, "seq": seq}
 
     with socket.create_connection(cluster4.table.endpoint(1), timeout=5) as sock:
-        hello, _ = recv_frame(sock, SECRET, time.monotonic() + 5)
-        add_once(sock, hello["nonce"], 1)
-        assert recv_frame(sock, SECRET, time.monotonic() + 5)[0]["value"] == 1
-        add_once(sock, hello["nonce"], 1)  # the same frame again
+        nonce = request(sock, {"op": "hello", "seq": 1})["nonce"]
+        assert request(sock, add(nonce, 2))["value"] == 1
+        send_frame(sock, SECRET, add(nonce, 2))  # the same frame again
         assert sock.recv(1) == b""
     with socket.create_connection(cluster4.table.endpoint(1), timeout=5) as sock:
-        recv_frame(sock, SECRET, time.monotonic() + 5)
-        add_once(sock, hello["nonce"], 2)  # an old connection's nonce
+        send_frame(sock, SECRET, add(nonce, 1))  # another connection's nonce: a replay
         assert sock.recv(1) == b""
-    assert cluster4.servers[1].stats.rejected == 2
+    with socket.create_connection(cluster4.table.endpoint(1), timeout=5) as sock:
+        assert (
+            request(sock, {"op": "check", "keys": ["gen1/c"], "seq": 1})["present"] is True
+        )  # reads need none
+        send_frame(sock, SECRET, add(None, 2))  # a write without a nonce
+        assert sock.recv(1) == b""
+    assert cluster4.servers[1].stats.rejected == 3
     assert cluster4.stores[1].get("c") == b"1"
 
 

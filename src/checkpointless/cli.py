@@ -35,6 +35,8 @@ def _run(args: argparse.Namespace) -> int:
         port_base=args.port_base,
         port_range=args.port_range,
         rendezvous=args.rendezvous,
+        plain=args.plain,
+        max_restarts=args.max_restarts,
     )
     return Launcher(cfg).run()
 
@@ -56,15 +58,39 @@ def build_parser() -> argparse.ArgumentParser:
         "--recovery-timeout", type=float, default=120.0, help="seconds a recovery round may take"
     )
     run.add_argument(
+        "--start-timeout", type=float, default=180.0, help="seconds a new process may take to connect"
+    )
+    run.add_argument(
+        "--max-step-failures",
+        type=int,
+        default=3,
+        help="recoveries in a row that resume at the same step before the job stops (default 3)",
+    )
+    run.add_argument(
         "--inject", action="append", default=[], metavar="FAULT", help="e.g. kill:rank=1:step=20 (repeatable)"
     )
     run.add_argument("--host", default="127.0.0.1", help="interface the job listens on (default loopback)")
     run.add_argument("--control-port", type=int, default=0, help="launcher control port (0: any free port)")
-    run.add_argument("--port-base", type=int, default=29600, help="first port for the rendezvous key servers")
     run.add_argument(
-        "--port-range", type=int, default=1000, help="how many ports from --port-base may be used"
+        "--port-base",
+        type=int,
+        default=None,
+        help="first port for the rendezvous key servers (default $CHECKPOINTLESS_PORT_BASE or 29600)",
+    )
+    run.add_argument(
+        "--port-range",
+        type=int,
+        default=None,
+        help="how many ports from --port-base may be used (default $CHECKPOINTLESS_PORT_RANGE or 1000)",
     )
     run.add_argument("--rendezvous", choices=["rootless", "tcp"], default="rootless")
+    run.add_argument(
+        "--plain",
+        action="store_true",
+        help="the script does not call checkpointless.init(): give it torchrun-style variables and a "
+        "root-less env:// rendezvous, and restart all processes on a fault",
+    )
+    run.add_argument("--max-restarts", type=int, default=3, help="with --plain: restarts before giving up")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     data = sub.add_parser("data", help="dataset tools")

@@ -15,6 +15,7 @@ so reductions keep their order and results stay bitwise reproducible.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -89,15 +90,41 @@ class Handle:
         return self.result
 
 
-class Communicator:
-    """One rank's view of the job's data-parallel group, across generations."""
+def default_backend() -> str:
+    """gloo on CPU, NCCL when CUDA is present; ``CHECKPOINTLESS_BACKEND`` overrides."""
+    choice = os.environ.get("CHECKPOINTLESS_BACKEND")
+    if choice:
+        return choice
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
-    def __init__(self, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+
+def _new_group(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    raise RendezvousError(f"unknown backend {backend!r}; use gloo or nccl (CHECKPOINTLESS_BACKEND)")
+
+
+class Communicator:
+    """One rank's view of the job's data-parallel group, across generations.
+
+    With NCCL the gradients go over NCCL and a gloo group of the same generation carries the
+    CPU-side traffic (state transfer, barriers); with gloo one group does both.
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, timeout: datetime.timedelta, backend: str | None = None
+    ) -> None:
+        self.backend = backend or default_backend()
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
         self.generation = -1
         self._pg: Any = None
+        self._cpu_pg: Any = None  # the gloo group for CPU tensors when the main group is NCCL
         # re-entrant: a collective that fails at once completes its Handle inside _issue, and
         # the completion callback takes this lock again to forget the handle
         self._lock = threading.RLock()
@@ -127,10 +154,16 @@ class Communicator:
 
         def build() -> None:
             try:
-                left = max(1.0, deadline - time.monotonic())
-                result["pg"] = dist.ProcessGroupGloo(
-                    store, rank, world_size, datetime.timedelta(seconds=left)
-                )
+                left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+                if self.backend == "gloo":
+                    result["pg"] = _new_group("gloo", store, rank, world_size, left)
+                else:
+                    result["pg"] = _new_group(
+                        self.backend, dist.PrefixStore("main/", store), rank, world_size, left
+                    )
+                    result["cpu"] = _new_group(
+                        "gloo", dist.PrefixStore("cpu/", store), rank, world_size, left
+                    )
             except Exception as e:
                 result["error"] = e
 
@@ -148,7 +181,10 @@ class Communicator:
         with self._lock:
             if self._pg is not None:
                 self._graveyard.append(self._pg)
+            if self._cpu_pg is not None:
+                self._graveyard.append(self._cpu_pg)
             self._pg = result["pg"]
+            self._cpu_pg = result.get("cpu")
             self.rank, self.world_size, self.generation = rank, world_size, generation
             self._aborted = None
         return time.monotonic() - t0
@@ -158,9 +194,12 @@ class Communicator:
         with self._lock:
             self._aborted = reason
             pending = list(self._pending)
-            if self._pg is not None:
-                self._graveyard.append(self._pg)  # parked: destroying it could block on gloo
-                self._pg = None
+            for pg in (self._pg, self._cpu_pg):
+                if pg is not None:
+                    if self.backend == "nccl" and pg is self._pg:
+                        pg.abort()  # NCCL can abort its kernels; gloo's abort would not wake waiters
+                    self._graveyard.append(pg)  # parked: destroying it could block on gloo
+            self._pg = self._cpu_pg = None
         for h in pending:
             h.abort(f"generation {self.generation} aborted: {reason}")
         return len(pending)
@@ -176,11 +215,11 @@ class Communicator:
             raise CommAborted(f"generation {self.generation} aborted: {reason}")
 
     # -- collectives -------------------------------------------------------------------------
-    def _issue(self, fn: Callable[[Any], Any], result: Any) -> Handle:
+    def _issue(self, fn: Callable[[Any], Any], result: Any, cpu: bool = False) -> Handle:
         with self._lock:
             if self._aborted is not None or self._pg is None:
                 raise CommAborted(f"generation {self.generation} aborted: {self._aborted}")
-            work = fn(self._pg)
+            work = fn(self._cpu_pg if (cpu and self._cpu_pg is not None) else self._pg)
             h = Handle(work, result, self._forget)
             if not h.done():
                 self._pending.add(h)
@@ -208,10 +247,11 @@ class Communicator:
         return self._issue(lambda pg: pg.allgather([outs], [tensor]), outs)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
-        return self._issue(lambda pg: pg.send([tensor], dst, tag), tensor)
+        """Point-to-point of a CPU tensor (state transfer), on the gloo group."""
+        return self._issue(lambda pg: pg.send([tensor], dst, tag), tensor, cpu=True)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        return self._issue(lambda pg: pg.recv([tensor], src, tag), tensor)
+        return self._issue(lambda pg: pg.recv([tensor], src, tag), tensor, cpu=True)
 
     def wait(self, handle: Handle, timeout: float | None = None) -> Any:
         """Wait on ``handle`` while telling the heartbeat that we are inside a collective."""
@@ -222,7 +262,9 @@ class Communicator:
             self.in_collective_since = None
 
     def barrier(self, timeout: float) -> None:
-        self.wait(self.allreduce(torch.zeros(1)), timeout)
+        opts = dist.AllreduceOptions()
+        t = torch.zeros(1)
+        self.wait(self._issue(lambda pg: pg.allreduce([t], opts), t, cpu=True), timeout)
 
     def release_graveyard(self) -> None:
         """Drop parked process groups whose threads are idle; the destructor joins them."""

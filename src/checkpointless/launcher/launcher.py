@@ -61,6 +61,8 @@ class LaunchConfig:
     rendezvous: str = "rootless"  # or "tcp": a store hosted by the launcher (not on any rank)
     python: str = sys.executable
     quiet_workers: bool = False
+    plain: bool = False  # tier 0: an unchanged script; a fault restarts the whole group
+    max_restarts: int = 3
 
     def validate(self) -> None:
         if self.nproc < 1:
@@ -226,6 +228,12 @@ class Launcher:
         )
         self.events.emit("job_start", nproc=self.cfg.nproc, spares=self.cfg.spares, script=self.cfg.script)
         try:
+            if self.cfg.plain:
+                from checkpointless.launcher.plain import run_plain
+
+                self.exit_code = run_plain(self, self.cfg.max_restarts)
+                self.stopping = "plain"
+                return self.exit_code
             self.round = Round(target=0, initial=True, started=time.monotonic(), wall_started=time.time())
             for rank in range(self.cfg.nproc):
                 p = self._spawn("worker")

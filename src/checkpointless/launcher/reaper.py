@@ -26,7 +26,7 @@ def _belongs_to(pid: int, job_id: str) -> bool:
     return f"CHECKPOINTLESS_JOB_ID={job_id}".encode() in environ.split(b"\0")
 
 
-def cleanup_job(run_dir: Path, job_id: str) -> int:
+def cleanup_job(run_dir: Path, job_id: str, keep_secret: bool = False) -> int:
     """Kill the job's leftover processes and remove its shared memory; return how many killed."""
     killed = 0
     pids_file = run_dir / "pids"
@@ -42,7 +42,8 @@ def cleanup_job(run_dir: Path, job_id: str) -> int:
     shm = Path(os.environ.get("CHECKPOINTLESS_SHM_DIR", "/dev/shm")) / f"checkpointless-{job_id}"
     if shm.exists():
         shutil.rmtree(shm, ignore_errors=True)
-    (run_dir / "secret").unlink(missing_ok=True)
+    if not keep_secret:
+        (run_dir / "secret").unlink(missing_ok=True)
     return killed
 
 

@@ -155,6 +155,8 @@ class Job:
         self._events = EventLog(
             self.env.run_dir / f"rank-{self.rank}.jsonl", rank=self.rank, worker=self.env.worker_id
         )
+        if self.comm.backend == "nccl":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
         specs = parse_faults(list(msg.get("faults", [])), self.world_size)
         self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
 
@@ -201,6 +203,17 @@ class Job:
     @property
     def step(self) -> int:
         return self.committed_step
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's model should live: its GPU under NCCL, else the CPU."""
+        if self.comm.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def inject(self, *specs: str) -> None:
+        """Add faults to rehearse from code, same syntax as ``--inject`` (e.g. "kill:rank=1:step=20")."""
+        self._injector.specs.extend(parse_faults(list(specs), self.world_size))
 
     @property
     def job_id(self) -> str | None:

@@ -1,8 +1,9 @@
 """Talking to the owners of keys: authenticated connections, fan-out, and fail-fast errors.
 
 A reader asks the owner of a key directly. A batched read touches many owners, so requests are
-fanned out: connect to every owner first, then complete every handshake, send every request, and
-collect the replies as they come, in whatever order. One dead owner therefore costs nothing more
+fanned out: connect to every owner first, then send every request, and collect the replies as
+they come, in whatever order. (A connection that will change keys first gets a nonce from its
+owner, all of them at once; reads need none, see the server's notes on replay.) One dead owner therefore costs nothing more
 than the round trip that reveals it, and the reader raises at once with that owner's rank.
 
 How an owner's death shows up, and what it becomes here (always :class:`RendezvousError` naming
@@ -28,7 +29,7 @@ from typing import Any
 
 from checkpointless.errors import RendezvousError
 from checkpointless.rendezvous.peers import PeerTable
-from checkpointless.rendezvous.server import PROTOCOL_VERSION
+from checkpointless.rendezvous.server import MUTATING_OPS, PROTOCOL_VERSION
 from checkpointless.wire import FrameError, recv_frame, send_frame
 
 __all__ = ["PeerClient", "Reply", "Request"]
@@ -148,12 +149,16 @@ class PeerClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return _Link(rank, sock)
 
-    def _handshake(self, link: _Link, deadline: float) -> None:
-        header, _ = self._receive(link, deadline, "the handshake")
-        nonce = header.get("nonce")
-        if header.get("v") != PROTOCOL_VERSION or not isinstance(nonce, str):
-            raise self._error(link.rank, f"speaks another rendezvous protocol: {header}")
-        link.nonce = nonce
+    def _handshake(self, links: list[_Link], deadline: float) -> None:
+        """Get a nonce on each link (needed before it may change a key), all round trips at once."""
+        for link in links:
+            self._send(link, ({"op": "hello"}, b""), deadline)
+        for link in links:
+            header, _ = self._check_reply(link, "hello", self._receive(link, deadline, "the handshake"))
+            nonce = header.get("nonce")
+            if header.get("v") != PROTOCOL_VERSION or not isinstance(nonce, str):
+                raise self._error(link.rank, f"speaks another rendezvous protocol: {header}")
+            link.nonce = nonce
 
     def _receive(self, link: _Link, deadline: float, during: str) -> Reply:
         try:
@@ -173,7 +178,9 @@ class PeerClient:
     def _send(self, link: _Link, request: Request, deadline: float) -> None:
         header, payload = request
         link.seq += 1
-        framed = {**header, "nonce": link.nonce, "seq": link.seq}
+        framed = {**header, "seq": link.seq}
+        if link.nonce:
+            framed["nonce"] = link.nonce
         try:
             link.sock.settimeout(max(0.001, deadline - time.monotonic()))
             send_frame(link.sock, self.secret, framed, payload)
@@ -183,13 +190,14 @@ class PeerClient:
             raise self._error(link.rank, f"dropped the connection ({e}): it has died") from e
         self.requests_sent += 1
 
-    def _check_reply(self, link: _Link, request: Request, reply: Reply) -> Reply:
+    def _check_reply(self, link: _Link, op: str, reply: Reply) -> Reply:
         header = reply[0]
+        if header.get("error") == "auth":
+            raise self._error(link.rank, f"could not authenticate our {op!r} request: wrong job secret?")
         if header.get("seq") != link.seq:
             raise self._error(link.rank, f"answered out of order (seq {header.get('seq')} for {link.seq})")
         if header.get("ok") is True:
             return reply
-        op = request[0]["op"]
         if header.get("error") == "timeout":
             raise self._error(
                 link.rank,
@@ -212,18 +220,18 @@ class PeerClient:
         """
         reply_deadline = deadline + _REPLY_MARGIN_S
         links: dict[int, _Link] = {}
-        fresh: list[_Link] = []
         replies: dict[int, Reply] = {}
         try:
             for rank in requests:
-                link = self._checkout(rank)
-                if link is None:
-                    link = self._connect(rank, deadline)
-                    fresh.append(link)
-                links[rank] = link
-            # Handshakes after all connects: their round trips overlap instead of adding up.
-            for link in fresh:
-                self._handshake(link, reply_deadline)
+                links[rank] = self._checkout(rank) or self._connect(rank, deadline)
+            self._handshake(
+                [
+                    links[r]
+                    for r, (h, _) in requests.items()
+                    if h["op"] in MUTATING_OPS and not links[r].nonce
+                ],
+                reply_deadline,
+            )
             for rank, request in requests.items():
                 self._send(links[rank], request, reply_deadline)
             if local is not None:
@@ -249,8 +257,8 @@ class PeerClient:
     ) -> None:
         if len(links) == 1:  # the common single-owner call needs no selector
             ((rank, link),) = links.items()
-            reply = self._receive(link, deadline, f"{requests[rank][0]['op']!r}")
-            replies[rank] = self._check_reply(link, requests[rank], reply)
+            op = requests[rank][0]["op"]
+            replies[rank] = self._check_reply(link, op, self._receive(link, deadline, repr(op)))
             return
         with selectors.DefaultSelector() as sel:
             for rank, link in links.items():
@@ -265,8 +273,8 @@ class PeerClient:
                 for key, _ in sel.select(left):
                     rank = key.data
                     link = links[rank]
-                    reply = self._receive(link, deadline, f"{requests[rank][0]['op']!r}")
-                    replies[rank] = self._check_reply(link, requests[rank], reply)
+                    op = requests[rank][0]["op"]
+                    replies[rank] = self._check_reply(link, op, self._receive(link, deadline, repr(op)))
                     sel.unregister(link.sock)
 
     def call(self, rank: int, request: Request, deadline: float) -> Reply:

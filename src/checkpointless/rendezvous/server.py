@@ -6,10 +6,14 @@ wait for a key park as a :class:`~checkpointless.rendezvous.keyspace.Watch` and 
 the key is written, or with a timeout reply at their deadline; the loop itself never blocks on a
 slow key.
 
-Security: every frame is sealed with the job secret (:mod:`checkpointless.wire`). On accept the
-server sends a random nonce; every request must carry it and a strictly increasing sequence
-number, so a recorded request cannot be replayed (an ``add`` replayed would corrupt a counter).
-A frame that fails authentication closes its connection before anything in it is parsed.
+Security: every frame is sealed with the job secret (:mod:`checkpointless.wire`), and a frame that
+fails authentication closes its connection before anything in it is parsed (the server first
+answers with a sealed "auth" error, so that a client holding another secret learns why instead
+of taking the owner for dead). Requests carry a strictly increasing sequence number. Requests
+that change a key must also carry a nonce that the server issued on that connection (``hello``),
+so a recorded request cannot be replayed: an ``add`` replayed would corrupt a counter. Reads need
+no nonce: replaying one changes nothing and reveals nothing a recording did not, and skipping the
+extra round trip matters because a full-mesh rendezvous is N-1 single reads per owner.
 
 The loop reads a frame once the selector reports its first bytes, with the whole frame bounded by
 ``io_timeout``: frames are small and sent in one ``sendall``, so a frame split across a long pause
@@ -35,9 +39,10 @@ from checkpointless.rendezvous.keyspace import KeySpace, Watch
 from checkpointless.rendezvous.ports import open_listener
 from checkpointless.wire import FrameError, recv_frame, send_frame
 
-__all__ = ["PROTOCOL_VERSION", "KeyServer", "ServerStats", "join_values", "split_values"]
+__all__ = ["MUTATING_OPS", "PROTOCOL_VERSION", "KeyServer", "ServerStats", "join_values", "split_values"]
 
 PROTOCOL_VERSION = 1
+MUTATING_OPS = frozenset({"set", "add", "cas", "append", "del"})  # these need the connection's nonce
 _MAX_PAYLOAD = 64 << 20  # rendezvous values are addresses and ids; more is a bug or an attack
 _FRAME_OVERHEAD = 12 + 32  # length prefix + MAC, for the byte counters
 _LISTENER = object()
@@ -77,7 +82,7 @@ class ServerStats:
         self.bytes_out = 0
         self.connections = 0
         self.peak_connections = 0
-        self.rejected = 0  # connections closed for a bad seal, nonce or sequence number
+        self.rejected = 0  # connections closed for a bad seal, a missing nonce or a replayed sequence
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -86,9 +91,9 @@ class ServerStats:
 class _Conn:
     __slots__ = ("last_seq", "nonce", "pending", "sock")
 
-    def __init__(self, sock: socket.socket, nonce: str) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.nonce = nonce
+        self.nonce: str | None = None  # issued by the first "hello" on this connection
         self.last_seq = 0
         self.pending: set[_Pending] = set()
 
@@ -244,9 +249,7 @@ class KeyServer:
                 return
             sock.settimeout(self.io_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, secrets.token_hex(16))
-            if not self._send(conn, {"v": PROTOCOL_VERSION, "nonce": conn.nonce}):
-                continue
+            conn = _Conn(sock)
             self._conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self.stats.connections += 1
@@ -279,21 +282,31 @@ class KeyServer:
                 conn.sock, self.secret, time.monotonic() + self.io_timeout, max_payload=_MAX_PAYLOAD
             )
         except FrameError as e:
-            if "authentication" in str(e) or "too large" in str(e):
+            if "authentication" in str(e):
                 self.stats.rejected += 1
+                self._send(conn, {"ok": False, "error": "auth"})
             self._drop(conn)
             return
         except OSError:  # reset, or a frame stalled for io_timeout
             self._drop(conn)
             return
-        seq = header.get("seq")
-        if header.get("nonce") != conn.nonce or not isinstance(seq, int) or seq <= conn.last_seq:
-            self.stats.rejected += 1  # a replayed or reordered frame: never trust this connection
+        seq, op = header.get("seq"), header.get("op")
+        if (
+            not isinstance(seq, int)
+            or seq <= conn.last_seq
+            or (op in MUTATING_OPS and (conn.nonce is None or header.get("nonce") != conn.nonce))
+        ):
+            self.stats.rejected += 1  # replayed or reordered: never trust this connection again
             self._drop(conn)
             return
         conn.last_seq = seq
         self.stats.requests += 1
         self.stats.bytes_in += _FRAME_OVERHEAD + len(json.dumps(header)) + len(payload)
+        if op == "hello":
+            if conn.nonce is None:
+                conn.nonce = secrets.token_hex(16)
+            self._send(conn, {"seq": seq, "ok": True, "v": PROTOCOL_VERSION, "nonce": conn.nonce})
+            return
         try:
             self._dispatch(conn, header, payload)
         except Exception as e:  # a bug must cost one request, never the loop (and every rank)

@@ -1,0 +1,102 @@
+"""Tier 0: the launcher for a script that has not adopted checkpointless at all.
+
+Such a script cannot recover in place (it holds no Step to replay and registers no state), so a
+fault restarts the whole group, as ``torchrun --max-restarts`` does; the script's own checkpoints
+decide what is lost. What it gains without a code change: torchrun-compatible environment
+variables, root-less start-up (``init_process_group`` over ``env://`` gets a store where every
+rank serves its own keys, see ``boot/sitecustomize.py``), fault and restart events, and the same
+clean-up guarantees as the full launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from checkpointless.config import ENV
+from checkpointless.events import get_logger
+from checkpointless.launcher.reaper import cleanup_job
+
+__all__ = ["run_plain"]
+
+log = get_logger()
+_BOOT = Path(__file__).resolve().parent / "boot"
+
+
+def run_plain(launcher: object, max_restarts: int) -> int:
+    """Run ``launcher.cfg.script`` on ``nproc`` processes, restarting all of them on a fault."""
+    from checkpointless.launcher.launcher import Launcher
+
+    assert isinstance(launcher, Launcher)
+    cfg, events = launcher.cfg, launcher.events
+    ports = [launcher._take_port() for _ in range(cfg.nproc)]
+    peers = ",".join(f"{cfg.host}:{p}" for p in ports)
+    attempt = 0
+    while True:
+        procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(cfg.nproc):
+            env = dict(os.environ)
+            env.update(
+                {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(cfg.nproc),
+                    "LOCAL_WORLD_SIZE": str(cfg.nproc),
+                    "GROUP_RANK": "0",
+                    "MASTER_ADDR": cfg.host,  # for scripts that read it; no store listens there
+                    "MASTER_PORT": str(ports[0]),
+                    "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(_BOOT), env.get("PYTHONPATH", "")])),
+                    "CHECKPOINTLESS_PLAIN": "1",
+                    "CHECKPOINTLESS_PEERS": peers,
+                    "CHECKPOINTLESS_ATTEMPT": str(attempt),
+                    ENV.SECRET_FILE: str(launcher.secret_file),
+                    ENV.JOB_ID: launcher.job_id,
+                    ENV.STORE_PORT: str(ports[rank]),
+                    ENV.HOST: cfg.host,
+                    "PYTHONUNBUFFERED": "1",
+                }
+            )
+            p = subprocess.Popen([cfg.python, cfg.script, *cfg.script_args], env=env)
+            with open(launcher.run_dir / "pids", "a") as f:
+                f.write(f"{p.pid}\n")
+            procs.append(p)
+        events.emit("plain_start", attempt=attempt, pids=[p.pid for p in procs])
+        failed: tuple[int, int] | None = None
+        while failed is None and any(p.poll() is None for p in procs):
+            if launcher._signal is not None:
+                _kill_all(procs)
+                return 128 + launcher._signal
+            for rank, p in enumerate(procs):
+                code = p.poll()
+                if code not in (None, 0):
+                    failed = (rank, code)
+                    break
+            time.sleep(0.05)
+        if failed is None:
+            events.emit("job_end", status="ok", restarts=attempt)
+            log.info("job finished after %d restart(s)", attempt)
+            return 0
+        rank, code = failed
+        what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        events.emit("fault", rank=rank, kind="exit", detail=what, attempt=attempt)
+        log.warning("FAULT rank %d: %s; restarting all %d processes (plain mode)", rank, what, cfg.nproc)
+        _kill_all(procs)
+        cleanup_job(launcher.run_dir, launcher.job_id, keep_secret=True)
+        attempt += 1
+        if attempt > max_restarts:
+            events.emit("job_end", status="failed", restarts=attempt - 1)
+            log.error("giving up after %d restart(s) (--max-restarts %d)", attempt - 1, max_restarts)
+            return 1
+        events.emit("restart", attempt=attempt)
+
+
+def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait(timeout=10)
