@@ -68,11 +68,13 @@ def launch(a: argparse.Namespace, design: str, run_dir: Path) -> bl.Finished:
         env=bl.bench_env(a.threads),
         stdout=run_dir / "stdout.log",
         stderr=run_dir / "stderr.log",
+        sample_cpu=True,
     )
 
 
-def step_times(run_dir: Path, warmup: int) -> list[float]:
-    """Durations of steps ``warmup..`` measured between completions on every rank."""
+def step_times(run_dir: Path, warmup: int) -> tuple[list[float], dict[int, float]]:
+    """Durations of steps ``warmup..`` measured between completions on every rank, and the
+    completion time of every step."""
     done_per_rank = []
     for f in sorted(run_dir.glob("rank-*.jsonl")):
         first: dict[int, float] = {}
@@ -81,10 +83,22 @@ def step_times(run_dir: Path, warmup: int) -> list[float]:
                 first.setdefault(int(e["step"]), float(e["time"]))
         done_per_rank.append(first)
     if not done_per_rank:
-        return []
+        return [], {}
     steps = sorted(set.intersection(*(set(d) for d in done_per_rank)))
     done = {s: max(d[s] for d in done_per_rank) for s in steps}
-    return [done[b] - done[a] for a, b in itertools.pairwise(steps) if b == a + 1 and a >= warmup]
+    return [done[b] - done[a] for a, b in itertools.pairwise(steps) if b == a + 1 and a >= warmup], done
+
+
+def cpu_per_step(samples: list[tuple[float, float]], done: dict[int, float], warmup: int) -> float | None:
+    """CPU seconds of the whole job (every process it started) per step, after the warm-up:
+    unlike wall time, hardly moved by other work on a shared machine."""
+    steps = sorted(s for s in done if s >= warmup)
+    if len(steps) < 2:
+        return None
+    c0, c1 = bl.cpu_at(samples, done[steps[0]]), bl.cpu_at(samples, done[steps[-1]])
+    if c0 is None or c1 is None:
+        return None
+    return (c1 - c0) / (steps[-1] - steps[0])
 
 
 def main() -> int:
@@ -119,7 +133,9 @@ def main() -> int:
     t0 = time.monotonic()
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="cl-bench-overhead-"))
     runs: list[dict[str, Any]] = []
-    print(f"overhead benchmark: {2 * a.pairs} runs of {a.steps} steps, {a.nproc} ranks, in {work}", flush=True)
+    print(
+        f"overhead benchmark: {2 * a.pairs} runs of {a.steps} steps, {a.nproc} ranks, in {work}", flush=True
+    )
     try:
         with bl.cleanup_on_exit():
             for i in range(a.pairs):
@@ -128,8 +144,11 @@ def main() -> int:
                     run_dir = work / f"{design}-{i}"
                     shutil.rmtree(run_dir, ignore_errors=True)
                     fin = launch(a, design, run_dir)
-                    st = step_times(run_dir, a.warmup)
-                    digest = (run_dir / "digest").read_text().strip() if (run_dir / "digest").exists() else None
+                    st, done = step_times(run_dir, a.warmup)
+                    cps = cpu_per_step(fin.cpu_samples, done, a.warmup)
+                    digest = (
+                        (run_dir / "digest").read_text().strip() if (run_dir / "digest").exists() else None
+                    )
                     error = None
                     if fin.timed_out:
                         error = "timed out"
@@ -146,13 +165,16 @@ def main() -> int:
                         "digest": digest,
                         "median_step_s": statistics.median(st) if st else None,
                         "mean_step_s": statistics.fmean(st) if st else None,
+                        "cpu_per_step_s": cps,
                         "step_s": [round(x, 5) for x in st],
                     }
                     runs.append(rec)
                     med = rec["median_step_s"]
                     print(
                         f"  {design:<15} #{i}: {fin.wall_s:6.1f} s, median step "
-                        f"{'-' if med is None else f'{med * 1000:.1f} ms'}" + (f"  FAILED: {error}" if error else ""),
+                        f"{'-' if med is None else f'{med * 1000:.1f} ms'}, CPU/step "
+                        f"{'-' if cps is None else f'{cps * 1000:.1f} ms'}"
+                        + (f"  FAILED: {error}" if error else ""),
                         flush=True,
                     )
     except KeyboardInterrupt:
@@ -171,15 +193,24 @@ def main() -> int:
             "runs": len(rs),
             "median_step_s": bl.summary([r["median_step_s"] for r in rs]),
             "mean_step_s": bl.summary([r["mean_step_s"] for r in rs]),
+            "cpu_per_step_s": bl.summary([r["cpu_per_step_s"] for r in rs]),
             "pooled_median_step_s": statistics.median(pooled) if pooled else None,
             "pooled_p90_step_s": statistics.quantiles(pooled, n=10)[-1] if len(pooled) >= 10 else None,
         }
-    pair_ratios = []
+    pair_ratios, cpu_pair_ratios = [], []
     for i in range(a.pairs):
         x = [r for r in ok if r["pair"] == i and r["design"] == "checkpointless"]
         y = [r for r in ok if r["pair"] == i and r["design"] == "ddp"]
         if x and y:
             pair_ratios.append(x[0]["median_step_s"] / y[0]["median_step_s"])
+            if x[0]["cpu_per_step_s"] and y[0]["cpu_per_step_s"]:
+                cpu_pair_ratios.append(x[0]["cpu_per_step_s"] / y[0]["cpu_per_step_s"])
+    cl_cpu, ddp_cpu = (
+        per["checkpointless"]["cpu_per_step_s"]["median"],
+        per["ddp"]["cpu_per_step_s"]["median"],
+    )
+    ratio_cpu = cl_cpu / ddp_cpu if cl_cpu and ddp_cpu else None
+    cpr = bl.summary(cpu_pair_ratios)
     cl_med, ddp_med = per["checkpointless"]["median_step_s"]["median"], per["ddp"]["median_step_s"]["median"]
     cl_mean, ddp_mean = per["checkpointless"]["mean_step_s"]["median"], per["ddp"]["mean_step_s"]["median"]
     ratio = cl_med / ddp_med if cl_med and ddp_med else None
@@ -195,22 +226,41 @@ def main() -> int:
             [
                 d,
                 str(p["runs"]),
-                bl.fmt_spread({k: (v * 1000 if isinstance(v, float) else v) for k, v in p["median_step_s"].items()}, 1),
+                bl.fmt_spread(
+                    {k: (v * 1000 if isinstance(v, float) else v) for k, v in p["median_step_s"].items()}, 1
+                ),
                 bl.fmt(p["mean_step_s"]["median"] * 1000 if p["mean_step_s"]["median"] else None, 1),
                 bl.fmt(p["pooled_p90_step_s"] * 1000 if p["pooled_p90_step_s"] else None, 1),
+                bl.fmt_spread(
+                    {k: (v * 1000 if isinstance(v, float) else v) for k, v in p["cpu_per_step_s"].items()}, 1
+                ),
             ]
         )
-    tbl = bl.table(["design", "runs", "median step ms [min-max of runs]", "mean step ms", "p90 step ms"], rows)
+    tbl = bl.table(
+        [
+            "design",
+            "runs",
+            "median step ms [min-max of runs]",
+            "mean step ms",
+            "p90 step ms",
+            "job CPU ms/step",
+        ],
+        rows,
+    )
     overhead_pct = (ratio - 1) * 100 if ratio else None
     summary_lines = [
         f"checkpointless / DDP, ratio of median step times: {bl.fmt(ratio, 4)} "
         f"(overhead {bl.fmt(overhead_pct, 1)}%); of mean step times: {bl.fmt(ratio_mean, 4)}; "
         f"median of adjacent-pair ratios: {bl.fmt_spread(pr, 4)}",
+        f"checkpointless / DDP, CPU time of the whole job per step (all its processes): {bl.fmt(ratio_cpu, 4)} "
+        f"(+{bl.fmt((ratio_cpu - 1) * 100 if ratio_cpu else None, 1)}%); adjacent pairs: {bl.fmt_spread(cpr, 4)}",
     ]
     notes = []
     if overhead_pct is not None:
         met = overhead_pct <= 2.0
-        notes.append(f"Expected overhead <= 2%: measured {overhead_pct:.1f}% ({'met' if met else 'NOT met'}).")
+        notes.append(
+            f"Expected overhead <= 2%: measured {overhead_pct:.1f}% ({'met' if met else 'NOT met'})."
+        )
     if pr["n"] >= 2 and pr["min"] is not None and pr["max"] is not None:
         notes.append(
             f"Run-to-run spread of the pair ratios is {100 * (pr['max'] - pr['min']):.1f} points on this "
@@ -240,6 +290,8 @@ def main() -> int:
             "ratio_mean_step": ratio_mean,
             "overhead_pct": overhead_pct,
             "pair_ratios": pr,
+            "ratio_cpu_per_step": ratio_cpu,
+            "cpu_pair_ratios": cpr,
         },
         "notes": notes,
         "runs": runs,

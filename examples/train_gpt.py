@@ -130,7 +130,7 @@ def main() -> None:
             else:
                 tokens = synthetic_batch(args.seed, step.index, job.rank, local_batch, args.seq_len, vocab)
                 x, y = tokens[:, :-1], tokens[:, 1:]
-            digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16]
+            job.record(batch=hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16])
             x, y = x.to(job.device), y.to(job.device)
             logits = dp(x)
             loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
@@ -138,7 +138,7 @@ def main() -> None:
             loss.backward()
             opt.step()
             sched.step()
-            job.record(loss=round(loss.item(), 6), batch=digest)
+            job.record(loss=round(loss.item(), 6))
             if job.rank == 0:
                 print(
                     f"step {step.index:4d}  loss {loss.item():.4f}  ppl {math.exp(min(loss.item(), 20)):.1f}",

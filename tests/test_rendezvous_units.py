@@ -29,6 +29,7 @@ from checkpointless.rendezvous import (
     key_owner,
     open_listener,
     parse_address,
+    port_range_from_env,
     store_barrier,
 )
 from checkpointless.wire import FrameError, recv_frame, send_frame
@@ -150,6 +151,16 @@ def test_allocate_ports_skips_busy_ones_and_names_the_setting_when_full() -> Non
         busy.close()
     with pytest.raises(ConfigError, match="--port-range"):
         allocate_ports(31000, 5, span=3)
+
+
+@pytest.mark.timeout(10)
+def test_port_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CHECKPOINTLESS_PORT_BASE", raising=False)
+    monkeypatch.setenv("CHECKPOINTLESS_PORT_RANGE", "200")
+    assert port_range_from_env(29600, 1000) == (29600, 200)
+    monkeypatch.setenv("CHECKPOINTLESS_PORT_BASE", "thirty")
+    with pytest.raises(ConfigError, match="CHECKPOINTLESS_PORT_BASE"):
+        port_range_from_env(29600, 1000)
 
 
 @pytest.mark.timeout(10)

@@ -8,6 +8,7 @@ killed on a timeout, on an error and on Ctrl-C, so a benchmark never leaves proc
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -16,10 +17,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,56 @@ class Finished:
     wall_s: float
     started: float  # wall clock (time.time()) at launch
     timed_out: bool
+    cpu_samples: list[tuple[float, float]] = field(default_factory=list)  # (wall time, tree CPU s)
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+
+
+class CpuSampler:
+    """Cumulative CPU time of a process tree, sampled from /proc on a thread (processes that
+    exited keep the last value seen, so the total never goes down)."""
+
+    def __init__(self, pid: int, every: float = 0.2) -> None:
+        self.pid = pid
+        self.every = every
+        self.samples: list[tuple[float, float]] = []
+        self._seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="cpu-sampler")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for p in process_tree(self.pid):
+                c = _cpu_seconds(p)
+                if c is not None:
+                    self._seen[p] = max(c, self._seen.get(p, 0.0))
+            self.samples.append((time.time(), sum(self._seen.values())))
+            self._stop.wait(self.every)
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.samples
+
+
+def cpu_at(samples: list[tuple[float, float]], t: float) -> float | None:
+    """Tree CPU seconds at wall time ``t``, interpolated between samples."""
+    for (t0, c0), (t1, c1) in itertools.pairwise(samples):
+        if t0 <= t <= t1:
+            return c0 + (c1 - c0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
+    return None
 
 
 def run_command(
@@ -115,6 +167,7 @@ def run_command(
     stdout: Path | None = None,
     stderr: Path | None = None,
     cwd: Path = REPO,
+    sample_cpu: bool = False,
 ) -> Finished:
     """Run ``cmd`` to completion or ``timeout``; its process tree never outlives this call."""
     out = open(stdout, "wb") if stdout else subprocess.DEVNULL  # noqa: SIM115 - closed below
@@ -123,6 +176,7 @@ def run_command(
     t0 = time.monotonic()
     proc = subprocess.Popen(list(cmd), env=env, stdout=out, stderr=err, cwd=cwd, start_new_session=True)
     _LIVE.add(proc.pid)
+    sampler = CpuSampler(proc.pid) if sample_cpu else None
     timed_out = False
     try:
         try:
@@ -131,6 +185,7 @@ def run_command(
             timed_out = True
         wall = time.monotonic() - t0
     finally:
+        samples = sampler.stop() if sampler is not None else []
         # on a timeout, an exception or Ctrl-C: take down everything the command started
         kill_tree(proc.pid, grace=5.0 if timed_out else 2.0)
         try:
@@ -141,7 +196,7 @@ def run_command(
         for f in (out, err):
             if f is not subprocess.DEVNULL:
                 f.close()  # type: ignore[union-attr]
-    return Finished(None if timed_out else proc.returncode, wall, started, timed_out)
+    return Finished(None if timed_out else proc.returncode, wall, started, timed_out, samples)
 
 
 @contextmanager

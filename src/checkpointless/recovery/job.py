@@ -120,6 +120,7 @@ class Job:
         self._deferred: BaseException | None = None
         self._first_commit_after_recovery = False
         self._record: dict[str, Any] = {}
+        self._interrupted: tuple[int, dict[str, Any]] | None = None
         self._link: LauncherLink | None = None
         self._injector = Injector([], 0, set(), lambda s: None)
         self._events: EventLog | None = None
@@ -339,6 +340,7 @@ class Job:
         else:
             committed, valid = index, True
         self._dirty = False
+        self._interrupted = (index, dict(self._record))
         if cause == "exception":
             self._retries[index] = self._retries.get(index, 0) + 1
             log.error(
@@ -446,6 +448,12 @@ class Job:
             restore_rng(self._resume_rng(target))
         self.committed_step = target
         self._step_rng = None
+        if self._interrupted is not None and self._interrupted[0] == target - 1 and self._events is not None:
+            # the interrupted step's update was applied (here or on the replica we received from):
+            # its batch was trained on, so it is committed, not replayed
+            index, record = self._interrupted
+            self._events.emit("commit", step=index, generation=gen, rolled_forward=True, **record)
+        self._interrupted = None
         info["transfer_s"] = time.monotonic() - t1
         log.info(
             "generation %d formed in %.3f s, state %s in %.3f s; resuming at step %d",

@@ -43,7 +43,7 @@ _RETRY_MAX_S = 0.25
 
 
 class _Link:
-    """One authenticated connection to one owner's key server."""
+    """One connection to one owner's key server (every frame on it sealed with the secret)."""
 
     __slots__ = ("nonce", "rank", "seq", "sock")
 

@@ -182,11 +182,12 @@ class KeyServer:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Close the port and every connection; join the loop thread for at most ``timeout`` s."""
+        first = not self._stopping.is_set()
         self._stopping.set()
-        self._wake()
         if self._thread is not None:
+            self._wake()
             self._thread.join(timeout)
-        else:
+        elif first:  # never started: nothing but the sockets to close
             self._close_all()
 
     def __enter__(self) -> KeyServer:
