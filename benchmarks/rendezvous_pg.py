@@ -24,7 +24,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import statistics
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -176,30 +175,52 @@ class Group:
                 p.kill()
 
 
-def run(ctx: Any, kind: str, n: int, rebuilds: int, late_s: float) -> dict[str, Any]:
-    g = Group(ctx, kind, n)
-    try:
-        startup = g.generation(0, late_s, TIMEOUT.total_seconds())
-        rebuild = [g.generation(gen, late_s, TIMEOUT.total_seconds()) for gen in range(1, rebuilds + 1)]
-        times = [r["from_last_arrival_s"] for r in rebuild if r["ok"]]
-        replaced = g.kill_rank0_and_rebuild(rebuilds + 1, late_s)
-    finally:
-        g.close()
-    return {
+def _ms(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (seconds), in milliseconds."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1e3
+
+
+def run(ctx: Any, kind: str, n: int, rebuilds: int, late_s: float, repeats: int) -> dict[str, Any]:
+    """``repeats`` fresh groups: each a start-up, ``rebuilds`` rebuilds, then rank 0 replaced."""
+    startups, rebuilt, replaced = [], [], []
+    for _ in range(repeats):
+        g = Group(ctx, kind, n)
+        try:
+            startups.append(g.generation(0, late_s, TIMEOUT.total_seconds()))
+            rebuilt += [g.generation(gen, late_s, TIMEOUT.total_seconds()) for gen in range(1, rebuilds + 1)]
+            replaced.append(g.kill_rank0_and_rebuild(rebuilds + 1, late_s))
+        finally:
+            g.close()
+    up = [r["from_last_arrival_s"] for r in startups if r["ok"]]
+    times = [r["from_last_arrival_s"] for r in rebuilt if r["ok"]]
+    row: dict[str, Any] = {
         "store": kind,
         "ranks": n,
-        "startup": startup,
-        "rebuilds": rebuild,
-        "rebuild_median_s": statistics.median(times) if times else None,
-        "rebuild_max_s": max(times) if times else None,
+        "startups": startups,
+        "rebuilds": rebuilt,
         "rank0_replaced": replaced,
+        "failed_generations": sum(not r["ok"] for r in [*startups, *rebuilt]),
+        "startup_median_ms": _ms(up, 0.5),
+        "rebuild_median_ms": _ms(times, 0.5),
+        "rebuild_p90_ms": _ms(times, 0.9),
+        "rebuild_max_ms": _ms(times, 1.0),
     }
+    ok = [r["from_last_arrival_s"] for r in replaced if r["ok"]]
+    row["rank0_replaced_summary"] = (
+        f"rebuilt, median {_ms(ok, 0.5):.1f} ms after the replacement arrived ({len(ok)}/{repeats})"
+        if ok
+        else f"no rebuild ({repeats}/{repeats}): survivors got {replaced[0].get('survivor_error')} "
+        f"after {max(r['error_after_s'] for r in replaced):.2f} s at most"
+    )
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--sizes", default="2,4,8", help="processes per group (comma-separated)")
     ap.add_argument("--rebuilds", type=int, default=10, help="rebuild generations after start-up")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh groups per store and size")
     ap.add_argument("--late-ms", type=float, default=50.0, help="how late the last rank arrives")
     ap.add_argument(
         "--unbatched", action="store_true", help="gloo's default wait+get reads instead of multi_get"
@@ -212,40 +233,43 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "checkpointless.rendezvous"])
     t_start = time.monotonic()
+    load_at_start = os.getloadavg()
     rows = []
     for n in [int(x) for x in args.sizes.split(",")]:
         for kind in KINDS:
-            rows.append(run(ctx, kind, n, args.rebuilds, args.late_ms / 1000))
+            rows.append(run(ctx, kind, n, args.rebuilds, args.late_ms / 1000, args.repeats))
             r = rows[-1]
-            print(f"{kind:9s} n={n}: start-up {r['startup'].get('from_last_arrival_s', float('nan')) * 1e3:.1f} ms, "
-                  f"rebuild median {(r['rebuild_median_s'] or float('nan')) * 1e3:.1f} ms", flush=True)  # fmt: skip
+            print(
+                f"{kind:9s} n={n}: start-up {r['startup_median_ms']:.1f} ms, rebuild {r['rebuild_median_ms']:.1f} ms"
+            )
     doc = {
         "command": " ".join(
             ["python benchmarks/rendezvous_pg.py", *(sys.argv[1:] if argv is None else argv)]
         ),
         "gloo_store_v2_api": os.environ["GLOO_ENABLE_STORE_V2_API"],
         "late_ms": args.late_ms,
-        "machine": {"nproc": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
+        "machine": {
+            "nproc": os.cpu_count(),
+            "load_avg_at_start": load_at_start,
+            "load_avg_at_end": os.getloadavg(),
+        },
         "rows": rows,
         "runtime_s": time.monotonic() - t_start,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
-    print("\nranks | store | start-up ms | rebuild median ms | rebuild max ms | rank 0 killed and replaced")
-    print("---: | --- | ---: | ---: | ---: | ---")
+    print(
+        "\nranks | store | start-up ms (median) | rebuild ms: median | p90 | max | rank 0 killed, new process in its place"
+    )
+    print("---: | --- | ---: | ---: | ---: | ---: | ---")
     for r in rows:
-        rep = r["rank0_replaced"]
-        if rep["ok"]:
-            outcome = f"rebuilt in {rep['from_last_arrival_s'] * 1e3:.1f} ms after the replacement arrived"
-        else:
-            outcome = f"no rebuild: survivors failed after {rep.get('error_after_s', float('nan')):.2f} s"
         print(
-            f"{r['ranks']} | {r['store']} | {r['startup']['from_last_arrival_s'] * 1e3:.1f} | "
-            f"{r['rebuild_median_s'] * 1e3:.1f} | {r['rebuild_max_s'] * 1e3:.1f} | {outcome}"
+            f"{r['ranks']} | {r['store']} | {r['startup_median_ms']:.1f} | {r['rebuild_median_ms']:.1f} | "
+            f"{r['rebuild_p90_ms']:.1f} | {r['rebuild_max_ms']:.1f} | {r['rank0_replaced_summary']}"
         )
     print(
-        f"\n(times from the last rank's arrival, {args.late_ms:.0f} ms after the others; ran {doc['runtime_s']:.0f} s)"
+        f"\n(times from the last rank's arrival, {args.late_ms:.0f} ms after the others; {args.repeats} x {args.rebuilds} rebuilds each; ran {doc['runtime_s']:.0f} s)"
     )
     print(f"results in {out}")
     return 0

@@ -82,3 +82,12 @@ def test_spare_policy() -> None:
     assert d.action == SpareAction.WAIT and d.spawn == 1
     d = spare_policy(ready=0, starting=1, needed=1, waited=61, wait_limit=60)
     assert d.action == SpareAction.FAIL and "--spares" in d.reason and "--spare-wait" in d.reason
+
+
+def test_progress_limit_scales_separately_from_heartbeat_silence() -> None:
+    # steps take long here: 30 s without progress is fine when the limit is 40 s ...
+    ws = [WorkerHealth(0, 100.0, 70.0, False), WorkerHealth(1, 100.0, 70.0, True)]
+    assert find_hung(ws, now=100.0, hang_timeout=10, progress_limit=40) == ([], "")
+    # ... but a silent process is still caught by the heartbeat limit
+    ws = [WorkerHealth(0, 85.0, 85.0, False), WorkerHealth(1, 100.0, 99.0, True)]
+    assert find_hung(ws, now=100.0, hang_timeout=10, progress_limit=40)[0] == [0]

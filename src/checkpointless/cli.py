@@ -25,6 +25,7 @@ def _run(args: argparse.Namespace) -> int:
         spares=args.spares,
         run_dir=Path(args.run_dir) if args.run_dir else None,
         hang_timeout=args.hang_timeout,
+        hang_factor=args.hang_factor,
         spare_wait=args.spare_wait,
         recovery_timeout=args.recovery_timeout,
         start_timeout=args.start_timeout,
@@ -50,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="where events.jsonl and per-rank logs go (default runs/<time>-<job>)")
     run.add_argument(
         "--hang-timeout", type=float, default=10.0, help="seconds without progress that count as a hang"
+    )
+    run.add_argument(
+        "--hang-factor",
+        type=float,
+        default=5.0,
+        help="a step counts as hung only after this many times the slowest recent step (default 5)",
     )
     run.add_argument(
         "--spare-wait", type=float, default=60.0, help="seconds to wait for a spare before failing"

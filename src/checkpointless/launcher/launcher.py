@@ -49,6 +49,7 @@ class LaunchConfig:
     spares: int = 1
     run_dir: Path | None = None
     hang_timeout: float = 10.0
+    hang_factor: float = 5.0  # a step may take this many times the slowest recent step before it is a hang
     spare_wait: float = 60.0
     recovery_timeout: float = 120.0
     start_timeout: float = 180.0
@@ -80,6 +81,8 @@ class LaunchConfig:
         ):
             if value <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds (got {value})")
+        if self.hang_factor < 1:
+            raise ConfigError(f"--hang-factor must be at least 1 (got {self.hang_factor})")
         if self.max_step_failures < 1:
             raise ConfigError(f"--max-step-failures must be at least 1 (got {self.max_step_failures})")
         if self.rendezvous not in ("rootless", "tcp"):
@@ -102,6 +105,7 @@ class Proc:
     progress_known: bool = False
     in_collective: bool = False
     step: int | None = None
+    step_time: float | None = None  # the last committed step's duration, as the worker measured it
     killed_for: str | None = None
     spawned: float = field(default_factory=time.monotonic)
 
@@ -318,6 +322,8 @@ class Launcher:
                 p.progress_known = True
                 p.last_progress = now - float(age)
             p.step = msg.get("step")
+            if msg.get("step_time") is not None:
+                p.step_time = float(msg["step_time"])
         elif kind == "spare_ready":
             p.ready = True
             self._early_spare_deaths = 0
@@ -433,7 +439,11 @@ class Launcher:
                 continue
             progress = p.last_progress if (p.progress_known and self.round is None) else now
             health.append(WorkerHealth(rank, p.last_message, progress, p.in_collective))
-        culprits, why = find_hung(health, now, self.cfg.hang_timeout)
+        # A step may legitimately be slow (a big model, a busy machine): the no-progress limit grows
+        # with the step times the workers report, so only a step far slower than usual is a hang.
+        times = [p.step_time for p in self.members.values() if p.step_time is not None]
+        progress_limit = max(self.cfg.hang_timeout, self.cfg.hang_factor * max(times, default=0.0))
+        culprits, why = find_hung(health, now, self.cfg.hang_timeout, progress_limit)
         if not culprits and why and self.round is None:
             # everyone waits for everyone (a lost message, a wedged link): nobody to replace,
             # but the collective will never finish; rebuild the communicator with the same ranks

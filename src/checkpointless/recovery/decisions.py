@@ -81,23 +81,29 @@ class WorkerHealth:
     in_collective: bool  # the main thread is waiting for peers
 
 
-def find_hung(workers: list[WorkerHealth], now: float, hang_timeout: float) -> tuple[list[int], str]:
+def find_hung(
+    workers: list[WorkerHealth], now: float, hang_timeout: float, progress_limit: float | None = None
+) -> tuple[list[int], str]:
     """Decide which ranks hold the job up. Returns (culprit ranks, why).
 
     A stopped process sends nothing at all; a busy loop keeps its heartbeat thread talking but
     makes no progress and is not waiting for anyone. Ranks stuck waiting in a collective are
     victims, not culprits. If every stalled rank is a victim (a lost link, a deadlock), nobody is
     replaced: the caller rebuilds the communicator with the same members.
+
+    ``hang_timeout`` bounds heartbeat silence; ``progress_limit`` (default the same) bounds the
+    time without step progress, which the caller scales with the observed step time.
     """
+    limit = hang_timeout if progress_limit is None else progress_limit
     silent = [w.rank for w in workers if now - w.last_message > hang_timeout]
     if silent:
         return sorted(silent), f"no heartbeat for more than {hang_timeout:.1f} s (process stopped?)"
-    stalled = [w for w in workers if now - w.last_progress > hang_timeout]
+    stalled = [w for w in workers if now - w.last_progress > limit]
     if not stalled:
         return [], ""
     busy = [w.rank for w in stalled if not w.in_collective]
     if busy:
-        return sorted(busy), f"no step progress for more than {hang_timeout:.1f} s outside any collective"
+        return sorted(busy), f"no step progress for more than {limit:.1f} s outside any collective"
     return [], "all stalled ranks are waiting in a collective"
 
 

@@ -111,6 +111,7 @@ class Job:
         self._step_index: int | None = None
         self._step_rng: tuple[int, RngState] | None = None
         self._progress_t = time.monotonic()
+        self._last_step_time: float | None = None
         self._started = False
         self._recovering = False
         self._retries: dict[int, int] = {}
@@ -298,7 +299,9 @@ class Job:
     def _commit(self, index: int) -> None:
         self.committed_step = index + 1
         self._updated = False
-        self._progress_t = time.monotonic()
+        now = time.monotonic()
+        self._last_step_time = now - self._progress_t
+        self._progress_t = now
         self._retries.pop(index, None)
         if self._events is not None:
             self._events.emit("commit", step=index, generation=self.generation, **self._record)
@@ -327,6 +330,7 @@ class Job:
             if (self._recovering or not self._started)
             else time.monotonic() - self._progress_t,
             "in_collective": since is not None,
+            "step_time": self._last_step_time,
         }
 
     def _recover_from(self, index: int, exc: BaseException) -> None:
