@@ -13,7 +13,7 @@ the moment the receiver holds every byte (what the transport achieves), and *end
 the sender's call (encode: copy into one buffer + SHA-256) to the receiver's verified, decoded tree
 (checksum recomputed, tensors rebuilt). Both processes read the same monotonic clock.
 
-    .venv/bin/python benchmarks/transfer.py            # 10 MB, 100 MB, 1 GB, 2 GB x 3 repeats
+    .venv/bin/python benchmarks/transfer.py            # 10 MB, 100 MB, 1 GB, 2 GB x 5 repeats (~2 min)
     .venv/bin/python benchmarks/transfer.py --quick    # 10 MB, 100 MB x 2 repeats
 """
 
@@ -212,7 +212,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10 MB and 100 MB, 2 repeats")
     ap.add_argument("--sizes", default="10M,100M,1G,2G", help="state sizes (bytes; K/M/G = 10^3/10^6/10^9)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--op-timeout", type=float, default=300.0, help="limit for one transfer, seconds")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="limit for the whole measurement")
     ap.add_argument("--out", help="JSON output (default results/transfer.json; --quick: transfer-quick.json)")

@@ -23,6 +23,7 @@ class ENV:
     RUN_DIR = "CHECKPOINTLESS_RUN_DIR"
     JOB_ID = "CHECKPOINTLESS_JOB_ID"
     STORE_PORT = "CHECKPOINTLESS_STORE_PORT"  # port of this process's rendezvous key server
+    STORE_FD = "CHECKPOINTLESS_STORE_FD"  # that port's socket, already bound by the launcher
     HOST = "CHECKPOINTLESS_HOST"  # address peers reach this process at
 
 
@@ -36,6 +37,7 @@ class WorkerEnv:
     job_id: str
     store_port: int
     host: str
+    store_fd: int | None = None
 
     @staticmethod
     def from_environ() -> WorkerEnv | None:
@@ -54,6 +56,7 @@ class WorkerEnv:
                 job_id=os.environ[ENV.JOB_ID],
                 store_port=int(os.environ.get(ENV.STORE_PORT, "0")),
                 host=os.environ.get(ENV.HOST, "127.0.0.1"),
+                store_fd=int(os.environ[ENV.STORE_FD]) if ENV.STORE_FD in os.environ else None,
             )
         except (KeyError, ValueError, OSError) as e:
             raise ConfigError(

@@ -125,6 +125,7 @@ class Communicator:
         self.generation = -1
         self._pg: Any = None
         self._cpu_pg: Any = None  # the gloo group for CPU tensors when the main group is NCCL
+        self._store: Any = None
         # re-entrant: a collective that fails at once completes its Handle inside _issue, and
         # the completion callback takes this lock again to forget the handle
         self._lock = threading.RLock()
@@ -185,6 +186,10 @@ class Communicator:
                 self._graveyard.append(self._cpu_pg)
             self._pg = result["pg"]
             self._cpu_pg = result.get("cpu")
+            # a Python store must outlive its process group: torch keeps only the C++ half
+            if self._store is not None:
+                self._graveyard.append(self._store)
+            self._store = store
             self.rank, self.world_size, self.generation = rank, world_size, generation
             self._aborted = None
         return time.monotonic() - t0

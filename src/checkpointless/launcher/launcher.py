@@ -172,10 +172,28 @@ class Launcher:
             self._ports = self._allocate_ports(8)
         return self._ports.pop(0)
 
+    def _bind_store_port(self) -> Any:
+        """Bind the next free rendezvous port now, in the launcher: the worker inherits the
+        listening socket, so no other job can take the port in between, and once the worker is
+        gone a connection to it is refused at once (which peers read as "that rank is dead")."""
+        from checkpointless.rendezvous import open_listener
+
+        for _ in range(self.cfg.port_range):
+            port = self._take_port()
+            try:
+                return open_listener(self.cfg.host, port)
+            except ConfigError:
+                continue  # taken since we looked: try the next one
+        raise ConfigError(
+            f"no free rendezvous port in {self.cfg.port_base}-{self.cfg.port_base + self.cfg.port_range - 1}; "
+            "choose another range with --port-base / --port-range"
+        )
+
     def _spawn(self, role: str) -> Proc:
         wid = self.next_worker_id
         self.next_worker_id += 1
-        port = self._take_port()
+        listener = self._bind_store_port() if self.cfg.rendezvous == "rootless" else None
+        port = listener.getsockname()[1] if listener is not None else 0
         env = dict(os.environ)
         env.update(
             {
@@ -188,12 +206,24 @@ class Launcher:
                 ENV.STORE_PORT: str(port),  # 0 when the rendezvous is not root-less
                 ENV.HOST: self.cfg.host,
                 "PYTHONUNBUFFERED": "1",
+                # gloo reads all peers' addresses in one batched request per owner
+                "GLOO_ENABLE_STORE_V2_API": "1",
             }
         )
+        if listener is not None:
+            env[ENV.STORE_FD] = str(listener.fileno())
         out = subprocess.DEVNULL if self.cfg.quiet_workers else None
-        popen = subprocess.Popen(
-            [self.cfg.python, self.cfg.script, *self.cfg.script_args], env=env, stdout=out, stderr=None
-        )
+        try:
+            popen = subprocess.Popen(
+                [self.cfg.python, self.cfg.script, *self.cfg.script_args],
+                env=env,
+                stdout=out,
+                stderr=None,
+                pass_fds=(listener.fileno(),) if listener is not None else (),
+            )
+        finally:
+            if listener is not None:
+                listener.close()  # the worker holds the only copy now
         with open(self.run_dir / "pids", "a") as f:
             f.write(f"{popen.pid}\n")
         p = Proc(worker_id=wid, role=role, popen=popen, store_port=port)
@@ -492,15 +522,16 @@ class Launcher:
                 )
             return
         plan = plan_recovery([r.reports[k] for k in sorted(r.reports)], initial=r.initial)
-        if not r.initial:
-            self._same_target = self._same_target + 1 if plan.target_step == self._last_target else 1
-            self._last_target = plan.target_step
-            if self._same_target > self.cfg.max_step_failures:
-                raise NotRecoverableError(
-                    f"faults keep recurring at step {plan.target_step}: {self._same_target} recoveries in a "
-                    "row made no progress; this looks like a bug or a bad node, not a transient fault "
-                    "(raise --max-step-failures to allow more)"
-                )
+        # every round counts, the start-up ones too: a recovery that fails the same way each time
+        # must end the job, not spin through generations
+        self._same_target = self._same_target + 1 if plan.target_step == self._last_target else 1
+        self._last_target = plan.target_step
+        if self._same_target > self.cfg.max_step_failures + (1 if r.initial else 0):
+            raise NotRecoverableError(
+                f"faults keep recurring at step {plan.target_step}: {self._same_target} recoveries in a "
+                "row made no progress; this looks like a bug or a bad node, not a transient fault "
+                "(raise --max-step-failures to allow more)"
+            )
         desc = dict(self.store_desc)
         if desc["kind"] == "rootless":
             desc["peers"] = [f"{self.cfg.host}:{self.members[k].store_port}" for k in range(self.cfg.nproc)]

@@ -141,7 +141,12 @@ class Job:
             # launcher names us in a peer table, and a refused connection means "dead"
             from checkpointless.rendezvous import KeyServer
 
-            server = KeyServer(host=self.env.host, port=self.env.store_port, secret=self.env.secret)
+            server = KeyServer(
+                host=self.env.host,
+                port=self.env.store_port,
+                secret=self.env.secret,
+                listen_fd=self.env.store_fd,
+            )
             server.start()
             self._store_state["server"] = server
         self._link = LauncherLink(self.env, self._on_abort, self._status)

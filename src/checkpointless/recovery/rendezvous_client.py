@@ -51,6 +51,9 @@ def make_store(
             prefix=prefix,
             timeout=timeout,
             server=server,
+            # the launcher binds every listening socket before the process starts, so a refused
+            # connection means the process is gone: no need to wait long before saying so
+            connect_grace=datetime.timedelta(seconds=0.5),
         )
     if kind == "tcp":
         base = cache.get("tcp")
