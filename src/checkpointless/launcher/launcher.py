@@ -212,6 +212,9 @@ class Launcher:
         )
         if listener is not None:
             env[ENV.STORE_FD] = str(listener.fileno())
+        # N workers each running as many compute threads as there are cores oversubscribe the
+        # machine many times over (torchrun sets 1 for the same reason); the user's value wins
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.cfg.nproc)))
         out = subprocess.DEVNULL if self.cfg.quiet_workers else None
         try:
             popen = subprocess.Popen(

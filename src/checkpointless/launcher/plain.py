@@ -60,6 +60,7 @@ def run_plain(launcher: object, max_restarts: int) -> int:
                     "PYTHONUNBUFFERED": "1",
                 }
             )
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
             p = subprocess.Popen([cfg.python, cfg.script, *cfg.script_args], env=env)
             with open(launcher.run_dir / "pids", "a") as f:
                 f.write(f"{p.pid}\n")
