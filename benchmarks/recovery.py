@@ -17,8 +17,8 @@ and whether the final weights are bitwise those of (c). It prints tables, writes
 ``benchmarks/results/recovery.json`` and ``recovery.md``, and the measured costs the goodput
 simulator reads (``benchmarks/results/calibration.json``).
 
-    .venv/bin/python benchmarks/recovery.py            # 3 repeats, K=10 and K=50 (~10-15 min idle)
-    .venv/bin/python benchmarks/recovery.py --quick    # 1 repeat, K=10, shorter job (smoke run)
+    .venv/bin/python benchmarks/recovery.py            # 3 repeats x 3 kinds x (a, K=10, K=50) + (c): 36 jobs
+    .venv/bin/python benchmarks/recovery.py --quick    # smoke run: SIGKILL only, K=10, 1 repeat (4 jobs)
 """
 
 from __future__ import annotations
@@ -683,9 +683,13 @@ def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[RunRecord
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, K=10, 18 steps, fault at 15")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 repeat, K=10, SIGKILL only, 18 steps, fault at 15"
+    )
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--kinds", default="raise,kill,hang", help="comma-separated subset of raise,kill,hang")
+    ap.add_argument(
+        "--kinds", help="comma-separated subset of raise,kill,hang (default all three; --quick: kill)"
+    )
     ap.add_argument("--ckpt-every", default="10,50", help="checkpoint intervals K of the baseline")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--spares", type=int, default=1)
@@ -707,6 +711,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.quick:
         a.repeats, a.ckpt_every, a.steps, a.fault_step = 1, "10", 18, 15
+        a.kinds = a.kinds or "kill"
+    a.kinds = a.kinds or ",".join(KINDS)
     if a.out is None:
         a.out = str(bl.RESULTS / ("recovery-quick.json" if a.quick else "recovery.json"))
     a.kinds = [k for k in a.kinds.split(",") if k]

@@ -91,3 +91,10 @@ def test_progress_limit_scales_separately_from_heartbeat_silence() -> None:
     # ... but a silent process is still caught by the heartbeat limit
     ws = [WorkerHealth(0, 85.0, 85.0, False), WorkerHealth(1, 100.0, 99.0, True)]
     assert find_hung(ws, now=100.0, hang_timeout=10, progress_limit=40)[0] == [0]
+
+
+def test_no_stall_while_a_rank_is_going_quiet() -> None:
+    # rank 1 was stopped 1.5 s ago: not silent long enough to be named, but a stall must not be
+    # declared for the others, who are only waiting for it
+    ws = [WorkerHealth(0, 100.0, 80.0, True), WorkerHealth(1, 97.5, 80.0, True)]
+    assert find_hung(ws, now=100.0, hang_timeout=10) == ([], "")

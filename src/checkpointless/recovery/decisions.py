@@ -104,7 +104,12 @@ def find_hung(
     busy = [w.rank for w in stalled if not w.in_collective]
     if busy:
         return sorted(busy), f"no step progress for more than {limit:.1f} s outside any collective"
+    if any(now - w.last_message > _FRESH_S for w in workers):
+        return [], ""  # someone has gone quiet: let the heartbeat limit name it before calling a stall
     return [], "all stalled ranks are waiting in a collective"
+
+
+_FRESH_S = 2.0  # heartbeats come every 0.25 s; older than this and a process may have stopped
 
 
 class SpareAction(Enum):
