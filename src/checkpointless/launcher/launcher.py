@@ -85,6 +85,10 @@ class LaunchConfig:
             raise ConfigError(f"--hang-factor must be at least 1 (got {self.hang_factor})")
         if self.max_step_failures < 1:
             raise ConfigError(f"--max-step-failures must be at least 1 (got {self.max_step_failures})")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
+        if self.plain and self.rendezvous != "rootless":
+            raise ConfigError("--plain gives the script a root-less env:// rendezvous; drop --rendezvous tcp")
         if self.rendezvous not in ("rootless", "tcp"):
             raise ConfigError(f"--rendezvous must be rootless or tcp (got {self.rendezvous!r})")
         parse_faults(self.faults, self.nproc)  # a bad spec fails now, not at step 40
@@ -256,10 +260,10 @@ class Launcher:
         old_int = signal.signal(signal.SIGINT, self._on_signal)
         old_term = signal.signal(signal.SIGTERM, self._on_signal)
         log.info(
-            "job %s: %d workers + %d spares running %s; run dir %s",
+            "job %s: %d workers + %s running %s; run dir %s",
             self.job_id,
             self.cfg.nproc,
-            self.cfg.spares,
+            "restarts on a fault (--plain)" if self.cfg.plain else f"{self.cfg.spares} spares",
             self.cfg.script,
             self.run_dir,
         )
@@ -460,6 +464,8 @@ class Launcher:
             self._fault(p.rank, kind, detail, replace=True)
 
     def _check_hangs(self) -> None:
+        if any(p.killed_for for p in self.members.values()):
+            return  # a culprit is being killed: its exit starts the round; judge nobody meanwhile
         now = time.monotonic()
         health = []
         for rank, p in self.members.items():
@@ -657,10 +663,14 @@ class Launcher:
     def _check_done(self) -> None:
         if self.round is not None or not self.members:
             return
-        if all(p.done and p.popen.poll() == 0 for p in self.members.values()):
+        if all(p.done and p.popen.poll() is not None for p in self.members.values()):
+            failed = sorted(r for r, p in self.members.items() if p.popen.returncode != 0)
             self.stopping = "done"
-            self.exit_code = 0
-            self.events.emit("job_end", status="ok", recoveries=len(self.recoveries))
+            self.exit_code = 1 if failed else 0
+            if failed:
+                # training finished everywhere, but the script failed after its loop (saving?)
+                log.error("training finished, but rank(s) %s failed after the loop; see their output", failed)
+            self.events.emit("job_end", status="failed" if failed else "ok", recoveries=len(self.recoveries))
             log.info("job finished: %d recoveries", len(self.recoveries))
 
     def _stop(self, why: str, code: int) -> None:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from checkpointless.config import ENV
 from checkpointless.events import get_logger
@@ -31,9 +32,22 @@ def run_plain(launcher: object, max_restarts: int) -> int:
     from checkpointless.launcher.launcher import Launcher
 
     assert isinstance(launcher, Launcher)
-    cfg, events = launcher.cfg, launcher.events
-    ports = [launcher._take_port() for _ in range(cfg.nproc)]
+    cfg = launcher.cfg
+    # The launcher keeps every rank's listening socket for the whole job and hands it to each
+    # attempt: no other job can take the port between restarts, and a rank whose key server is
+    # not up yet has its peers' connections queued rather than refused.
+    listeners = [launcher._bind_store_port() for _ in range(cfg.nproc)]
+    ports = [sock.getsockname()[1] for sock in listeners]
     peers = ",".join(f"{cfg.host}:{p}" for p in ports)
+    try:
+        return _attempts(launcher, listeners, ports, peers, max_restarts)
+    finally:
+        for sock in listeners:
+            sock.close()
+
+
+def _attempts(launcher: Any, listeners: list[Any], ports: list[int], peers: str, max_restarts: int) -> int:
+    cfg, events = launcher.cfg, launcher.events
     attempt = 0
     while True:
         procs: list[subprocess.Popen[bytes]] = []
@@ -56,12 +70,15 @@ def run_plain(launcher: object, max_restarts: int) -> int:
                     ENV.SECRET_FILE: str(launcher.secret_file),
                     ENV.JOB_ID: launcher.job_id,
                     ENV.STORE_PORT: str(ports[rank]),
+                    ENV.STORE_FD: str(listeners[rank].fileno()),
                     ENV.HOST: cfg.host,
                     "PYTHONUNBUFFERED": "1",
                 }
             )
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
-            p = subprocess.Popen([cfg.python, cfg.script, *cfg.script_args], env=env)
+            p = subprocess.Popen(
+                [cfg.python, cfg.script, *cfg.script_args], env=env, pass_fds=(listeners[rank].fileno(),)
+            )
             with open(launcher.run_dir / "pids", "a") as f:
                 f.write(f"{p.pid}\n")
             procs.append(p)
@@ -70,7 +87,8 @@ def run_plain(launcher: object, max_restarts: int) -> int:
         while failed is None and any(p.poll() is None for p in procs):
             if launcher._signal is not None:
                 _kill_all(procs)
-                return 128 + launcher._signal
+                events.emit("job_end", status="failed", error=f"signal {launcher._signal}", restarts=attempt)
+                return 128 + int(launcher._signal)
             for rank, p in enumerate(procs):
                 code = p.poll()
                 if code not in (None, 0):

@@ -28,10 +28,12 @@ def _rootless_env_handler(url: str, timeout: Any = None, **kwargs: Any) -> Any:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     secret = Path(os.environ["CHECKPOINTLESS_SECRET_FILE"]).read_bytes().strip()
+    fd = os.environ.get("CHECKPOINTLESS_STORE_FD")
     server = KeyServer(
         host=os.environ.get("CHECKPOINTLESS_HOST", "127.0.0.1"),
         port=int(os.environ["CHECKPOINTLESS_STORE_PORT"]),
         secret=secret,
+        listen_fd=int(fd) if fd else None,  # bound by the launcher for the whole job
     )
     server.start()
     store = RootlessStore(
