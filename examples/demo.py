@@ -70,7 +70,7 @@ def run(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--hang-timeout", type=float, default=5.0)
     ap.add_argument("--out", default=str(ROOT / "runs" / "demo"))
     args = ap.parse_args()
@@ -90,8 +90,9 @@ def main() -> int:
     for e in (e for e in events if e["event"] == "recovery"):
         causes = [f for f in e["faults"] if f["kind"] != "comm"] or e["faults"]
         what = ", ".join(f"{f['kind']} on rank {f['rank']}" for f in causes)
+        detect = f"detected after {e['detect_s']:.2f} s, then " if "detect_s" in e else ""
         print(
-            f"  {what:<28} downtime {e['downtime_s']:.2f} s  (stop {e['collect_s']:.2f}, rebuild "
+            f"  {what:<20} {detect}downtime {e['downtime_s']:.2f} s  (stop {e['collect_s']:.2f}, rebuild "
             f"{e['rebuild_s']:.3f}, state {e['transfer_s']:.3f} s for {e['state_bytes'] / 1e6:.1f} MB, "
             f"first step {e['first_step_s']:.2f})"
         )

@@ -158,6 +158,7 @@ class Launcher:
         self.recoveries: list[dict[str, Any]] = []
         self._signal: int | None = None
         self._early_spare_deaths = 0  # spares that died before saying they were ready, in a row
+        self._fired_at: float | None = None  # wall time the last injected fault fired
         self._last_target: int | None = None
         self._same_target = 0
 
@@ -366,6 +367,7 @@ class Launcher:
             self._early_spare_deaths = 0
         elif kind == "fired":
             self.fired.add(str(msg["id"]))
+            self._fired_at = float(msg["time"])
             self.events.emit(
                 "fault_injected", rank=p.rank, id=msg["id"], kind=msg["kind"], fired_at=msg["time"]
             )
@@ -634,6 +636,11 @@ class Launcher:
             "first_step_s": round(first_step_done - formed, 4),
         }
         downtime = first_step_done - t0
+        # how long the fault went unnoticed, when we know when it happened (an injected fault)
+        first_wall = min(f["time"] for f in r.faults)
+        if self._fired_at is not None and 0 <= first_wall - self._fired_at < 600:
+            phases["detect_s"] = round(first_wall - self._fired_at, 4)
+            self._fired_at = None
         # a failed collective on a survivor is a symptom; name the causes when they are known
         causes = [f for f in r.faults if f["kind"] != "comm"] or r.faults
         kinds = ", ".join(f"{f['kind']} on rank {f['rank']}" for f in causes)
@@ -647,10 +654,11 @@ class Launcher:
         )
         self.recoveries.append(record)
         log.info(
-            "RECOVERED generation %d from %s: stop %.3fs, rebuild %.3fs, state %.3fs (%.1f MB), "
-            "first step %.3fs; downtime %.3f s",
+            "RECOVERED generation %d from %s: %sstop %.3fs, rebuild %.3fs, state %.3fs (%.1f MB), "
+            "first step %.3fs; downtime %.3f s after detection",
             r.target,
             kinds,
+            f"detected after {phases['detect_s']:.3f}s, " if "detect_s" in phases else "",
             phases["collect_s"],
             rebuild,
             transfer,
