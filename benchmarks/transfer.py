@@ -10,7 +10,7 @@ Two processes on loopback. For every state size (10 MB ... 2 GB) and repeat, in 
 
 The state transfer is reported two ways: *wire* -- from the moment the sender finished encoding to
 the moment the receiver holds every byte (what the transport achieves), and *end to end* -- from
-the sender's call (encode: copy into one buffer + SHA-256) to the receiver's verified, decoded tree
+the sender's call (encode: copy into one buffer + checksum) to the receiver's verified, decoded tree
 (checksum recomputed, tensors rebuilt). Both processes read the same monotonic clock.
 
     .venv/bin/python benchmarks/transfer.py            # 10 MB, 100 MB, 1 GB, 2 GB x 5 repeats (~2 min)
@@ -381,7 +381,7 @@ def main() -> int:
             "into a fresh buffer. State transfer: `send_state` / `receive_state` over a `Communicator` (gloo) "
             "with a tree shaped like model + AdamW state (float32, tensors of at most 64 MB).",
             "- *wire*: sender done encoding -> receiver holds every byte. *end to end*: sender's call -> "
-            "receiver's verified, decoded tree (encode = copy into one buffer + SHA-256; verify = SHA-256 "
+            "receiver's verified, decoded tree (encode = copy into one buffer + checksum; verify = checksum "
             "again + tensors rebuilt). GB = 10^9 bytes. Medians [min-max] of repeats; the % columns compare "
             "each repeat with the raw TCP measured just before it.",
             "",

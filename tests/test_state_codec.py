@@ -91,3 +91,16 @@ def test_corrupted_payload_is_refused() -> None:
 def test_unsupported_object_is_a_clear_error() -> None:
     with pytest.raises(StateTransferError, match="state_dict"):
         encode({"fn": lambda: 0})
+
+
+def test_large_tensors_after_odd_sized_ones_round_trip_in_place() -> None:
+    tree = {
+        "flags": torch.tensor([True, False, True]),
+        "half": torch.randn(3).to(torch.float16),
+        "big": torch.randn(300_000),  # over the in-place threshold: decoded as a view
+        "big64": torch.randn(200_000, dtype=torch.float64),
+    }
+    enc = encode(tree)
+    assert all(m["offset"] % 64 == 0 for m in enc.manifest["tensors"])
+    out = decode(enc.manifest, enc.payload)
+    assert _equal(tree, out)

@@ -3,7 +3,10 @@
 Why not ``torch.save``/pickle: the bytes come from another process over the network, and
 unpickling them would run whatever they say. The manifest is JSON (the only Python types it can
 carry are explicit), tensors travel as raw bytes at recorded offsets, and the whole thing is
-checksummed so the receiver knows it holds exactly what the sender had.
+checksummed so the receiver knows it holds exactly what the sender had. The checksum is a tree
+of XXH3-128 digests: it detects corruption, not forgery (the bytes only ever travel between
+members of one job, over connections set up through the authenticated rendezvous), and at
+~13 GB/s per core it costs a fraction of the wire time, where SHA-256 here ran at 1.6 GB/s.
 
 Round trips are exact: floats through ``repr`` (JSON keeps every bit, NaN and infinities
 included), tuples and non-string dict keys are tagged so an optimizer's ``param_groups`` or
@@ -12,7 +15,6 @@ included), tuples and non-string dict keys are tagged so an optimizer's ``param_
 
 from __future__ import annotations
 
-import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,12 +22,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from checkpointless.errors import StateTransferError
 
 __all__ = ["EncodedState", "decode", "digest_buffer", "encode"]
 
-_CHUNK = 16 << 20  # hash in 16 MiB chunks on a few threads; hashlib releases the GIL
+_CHUNK = 16 << 20  # hash in 16 MiB chunks on a few threads; xxhash releases the GIL
+_ALIGN = 64  # every tensor starts on a 64-byte boundary, so the receiver can view it in place
+_VIEW_MIN = 1 << 20
 
 
 @dataclass
@@ -38,20 +43,20 @@ class EncodedState:
 
 
 def digest_buffer(buf: torch.Tensor) -> str:
-    """SHA-256 tree hash of a uint8 tensor: chunk digests hashed together, in parallel."""
+    """XXH3-128 tree hash of a uint8 tensor: chunk digests hashed together, in parallel."""
     view = memoryview(buf.numpy()).cast("B")
     n = len(view)
     starts = range(0, max(n, 1), _CHUNK)
 
     def h(s: int) -> bytes:
-        return hashlib.sha256(view[s : s + _CHUNK]).digest()
+        return xxhash.xxh3_128(view[s : s + _CHUNK]).digest()
 
     if n > 2 * _CHUNK:
         with ThreadPoolExecutor(max_workers=4) as ex:
             parts = list(ex.map(h, starts))
     else:
         parts = [h(s) for s in starts]
-    top = hashlib.sha256(n.to_bytes(8, "little"))
+    top = xxhash.xxh3_128(n.to_bytes(8, "little"))
     for p in parts:
         top.update(p)
     return top.hexdigest()
@@ -101,13 +106,13 @@ def encode(tree: Any) -> EncodedState:
                 "device": t.device.type,
             }
         )
-        offset += nbytes
-    payload = torch.empty(offset, dtype=torch.uint8)
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    payload = torch.zeros(offset, dtype=torch.uint8)  # zeros: the padding is hashed too
     for t, m in zip(tensors, metas, strict=True):
         if m["nbytes"]:
             src = t.contiguous().cpu().reshape(-1).view(torch.uint8)
             payload[m["offset"] : m["offset"] + m["nbytes"]].copy_(src)
-    manifest = {"tree": skeleton, "tensors": metas, "payload_bytes": offset, "sha256": digest_buffer(payload)}
+    manifest = {"tree": skeleton, "tensors": metas, "payload_bytes": offset, "xxh3": digest_buffer(payload)}
     return EncodedState(manifest, payload)
 
 
@@ -119,16 +124,21 @@ def decode(manifest: dict[str, Any], payload: torch.Tensor, verify: bool = True)
         )
     if verify:
         got = digest_buffer(payload)
-        if got != manifest["sha256"]:
+        if got != manifest["xxh3"]:
             raise StateTransferError(
-                f"state checksum mismatch: received sha256 {got[:16]}…, sender had {manifest['sha256'][:16]}…"
+                f"state checksum mismatch: received xxh3 {got[:16]}…, sender had {manifest['xxh3'][:16]}…"
             )
     metas = manifest["tensors"]
 
     def tensor(i: int) -> torch.Tensor:
         m = metas[i]
         dtype = getattr(torch, m["dtype"])
-        raw = payload[m["offset"] : m["offset"] + m["nbytes"]].clone()
+        raw = payload[m["offset"] : m["offset"] + m["nbytes"]]
+        if m["nbytes"] < _VIEW_MIN:
+            # small tensors get storage of their own: some consumers (torch.set_rng_state) read a
+            # tensor's storage from its start and would see the buffer's first bytes instead
+            raw = raw.clone()
+        # large ones stay views into the received buffer: load_state_dict copies them anyway
         return raw.view(dtype).reshape(m["shape"])
 
     def dec(v: Any) -> Any:

@@ -1,6 +1,6 @@
 """Peer-to-peer state transfer over the job's communicator, verified end to end.
 
-The source encodes its state once (manifest + flat payload with a SHA-256 tree hash) and sends
+The source encodes its state once (manifest + flat payload with an XXH3-128 tree hash) and sends
 it to each receiver: first the sizes, then the manifest bytes, then the payload, each as one
 point-to-point message on the freshly built generation. The receiver recomputes the digest and
 refuses (raises) on any mismatch: a corrupted replica is a fault, never a warning.
