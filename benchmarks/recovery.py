@@ -670,6 +670,14 @@ def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[RunRecord
         if a.fault_step < 50 and 50 in a.ckpt_every
         else f"Fault at step {a.fault_step}."
     )
+    total = sum(r.wall_s for r in runs)
+    tr_hang = sum(r.wall_s for r in runs if r.kind == "hang" and r.config.design == "torchrun")
+    if total > 0:
+        notes.append(
+            f"Time: {len(runs)} job launches took {total / 60:.1f} min of job wall time, "
+            f"{100 * tr_hang / total:.0f}% of it in the torchrun hang runs (each waits out the 30 s teardown); "
+            "job start-up (import torch in every process) is most of the rest."
+        )
     spans = [c["no_fault"]["span_s"] for c in agg["configs"].values() if c["no_fault"]["span_s"]["n"]]
     if spans:
         widest = max(x["max"] - x["min"] for x in spans)

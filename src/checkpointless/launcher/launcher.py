@@ -281,8 +281,8 @@ class Launcher:
                 p = self._spawn("worker")
                 p.rank = rank
                 self.members[rank] = p
-            for _ in range(self.cfg.spares):
-                self._spawn("spare")
+            # spares start once generation 0 has formed: started together with the workers they
+            # would compete for the same cores while everyone imports torch, delaying the job
             self._loop()
         except NotRecoverableError as e:
             self._stop(str(e), 1)
@@ -607,6 +607,8 @@ class Launcher:
         if r.initial:
             log.info("generation %d formed in %.2f s after launch", r.target, time.monotonic() - r.started)
             self.events.emit("started", generation=r.target, seconds=time.monotonic() - r.started)
+            while self._idle_spares() < self.cfg.spares:
+                self._spawn("spare")
             return
         self.pending_downtime = {"round": r, "done": time.monotonic()}
         self.first_commits = {}
