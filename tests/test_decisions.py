@@ -98,3 +98,13 @@ def test_no_stall_while_a_rank_is_going_quiet() -> None:
     # declared for the others, who are only waiting for it
     ws = [WorkerHealth(0, 100.0, 80.0, True), WorkerHealth(1, 97.5, 80.0, True)]
     assert find_hung(ws, now=100.0, hang_timeout=10) == ([], "")
+
+
+def test_bucket_plan_is_reverse_ordered_capped_and_small_first() -> None:
+    from checkpointless.comm.data_parallel import plan_buckets
+
+    mb = 1 << 20
+    sizes = [4 * mb, 1 * mb, 1 * mb, 30 * mb, 2 * mb]
+    assert plan_buckets(sizes, cap_bytes=25 * mb, first_cap_bytes=1 * mb) == [[4], [3], [2, 1, 0]]
+    assert plan_buckets(sizes, cap_bytes=25 * mb) == [[4], [3], [2, 1, 0]]
+    assert plan_buckets([mb] * 4, cap_bytes=2 * mb, first_cap_bytes=1 * mb) == [[3], [2, 1], [0]]

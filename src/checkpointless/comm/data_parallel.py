@@ -24,15 +24,20 @@ from checkpointless.comm.communicator import Communicator, Handle
 __all__ = ["DataParallel", "plan_buckets"]
 
 
-def plan_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
+def plan_buckets(
+    sizes_bytes: list[int], cap_bytes: int, first_cap_bytes: int | None = None
+) -> list[list[int]]:
     """Group parameter indices, in reverse order (roughly the order backward produces their
     gradients), into buckets of at most ``cap_bytes`` (a parameter larger than the cap gets a
-    bucket of its own). Pure, so every rank and every replacement computes the same layout."""
+    bucket of its own). The first bucket may be capped smaller (``first_cap_bytes``) so that
+    communication starts early in backward and overlaps the rest of it, as DDP does. Pure, so
+    every rank and every replacement computes the same layout."""
     buckets: list[list[int]] = []
     cur: list[int] = []
     cur_bytes = 0
     for i in reversed(range(len(sizes_bytes))):
-        if cur and cur_bytes + sizes_bytes[i] > cap_bytes:
+        cap = first_cap_bytes if (first_cap_bytes is not None and not buckets) else cap_bytes
+        if cur and cur_bytes + sizes_bytes[i] > cap:
             buckets.append(cur)
             cur, cur_bytes = [], 0
         cur.append(i)
@@ -58,7 +63,13 @@ class DataParallel(nn.Module):
     hold the same parameters in the same order (the job verifies the replicas at start-up).
     """
 
-    def __init__(self, module: nn.Module, comm: Communicator, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+    ) -> None:
         super().__init__()
         self.module = module
         self._comm = comm
@@ -66,7 +77,9 @@ class DataParallel(nn.Module):
         if not params:
             raise ValueError("DataParallel: the module has no parameters that require gradients")
         cap = int(bucket_cap_mb * 1024 * 1024)
-        layout = plan_buckets([p.numel() * p.element_size() for p in params], cap)
+        layout = plan_buckets(
+            [p.numel() * p.element_size() for p in params], cap, int(first_bucket_cap_mb * 1024 * 1024)
+        )
         self._buckets: list[_Bucket] = []
         for idx in layout:
             group = [params[i] for i in idx]
