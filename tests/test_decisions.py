@@ -108,3 +108,14 @@ def test_bucket_plan_is_reverse_ordered_capped_and_small_first() -> None:
     assert plan_buckets(sizes, cap_bytes=25 * mb, first_cap_bytes=1 * mb) == [[4], [3], [2, 1, 0]]
     assert plan_buckets(sizes, cap_bytes=25 * mb) == [[4], [3], [2, 1, 0]]
     assert plan_buckets([mb] * 4, cap_bytes=2 * mb, first_cap_bytes=1 * mb) == [[3], [2, 1], [0]]
+
+
+def test_no_stall_while_one_rank_still_progressed_recently() -> None:
+    # ranks 0 and 1 wait in the all-reduce; rank 2 entered the step a moment later and is busy:
+    # it is not yet past the limit, so nobody must be declared stalled before it is named
+    ws = [
+        WorkerHealth(0, 100.0, 89.0, True),
+        WorkerHealth(1, 100.0, 89.0, True),
+        WorkerHealth(2, 100.0, 91.0, False),
+    ]
+    assert find_hung(ws, now=100.0, hang_timeout=10) == ([], "")

@@ -296,6 +296,7 @@ class Launcher:
 
     def _assign(self, p: Proc, rank: int, generation: int) -> None:
         p.rank = rank
+        p.assigned_at = time.monotonic()
         assert p.conn is not None
         p.conn.send(
             {
@@ -394,6 +395,17 @@ class Launcher:
         # with the step times the workers report, so only a step far slower than usual is a hang.
         times = [p.step_time for p in self.members.values() if p.step_time is not None]
         progress_limit = max(self.cfg.hang_timeout, self.cfg.hang_factor * max(times, default=0.0))
+        r = self.round
+        if r is not None and r.phase == "collect" and not r.initial:
+            # a member that keeps its heartbeat but never leaves its step after the abort (a busy
+            # loop) holds the round up: it is hung like a process that stopped
+            for rank, p in self.members.items():
+                waiting = rank not in r.reports and rank not in r.replace and p.conn is not None
+                if waiting and now - max(r.abort_sent, p.assigned_at) > progress_limit:
+                    why = f"did not leave its step within {progress_limit:.1f} s of the abort"
+                    log.warning("rank %d %s; killing it", rank, why)
+                    self._kill(p, why)
+                    return
         culprits, why = find_hung(health, now, self.cfg.hang_timeout, progress_limit)
         if not culprits and why and self.round is None:
             # everyone waits for everyone (a lost message, a wedged link): nobody to replace,

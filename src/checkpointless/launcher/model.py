@@ -88,6 +88,7 @@ class Proc:
     step_time: float | None = None  # the last committed step's duration, as the worker measured it
     killed_for: str | None = None
     spawned: float = field(default_factory=time.monotonic)
+    assigned_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Round:
     initial: bool
     started: float
     wall_started: float
+    abort_sent: float = field(default_factory=time.monotonic)
     faults: list[dict[str, Any]] = field(default_factory=list)
     reports: dict[int, MemberReport] = field(default_factory=dict)
     report_times: dict[int, float] = field(default_factory=dict)

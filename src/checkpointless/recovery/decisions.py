@@ -104,6 +104,8 @@ def find_hung(
     busy = [w.rank for w in stalled if not w.in_collective]
     if busy:
         return sorted(busy), f"no step progress for more than {limit:.1f} s outside any collective"
+    if len(stalled) < len(workers):
+        return [], ""  # someone still made progress recently: it may be the one holding the others
     if any(now - w.last_message > _FRESH_S for w in workers):
         return [], ""  # someone has gone quiet: let the heartbeat limit name it before calling a stall
     return [], "all stalled ranks are waiting in a collective"
