@@ -126,6 +126,40 @@ def other_runs() -> list[str]:
     return out
 
 
+def write_markdown(result: dict[str, Any]) -> None:
+    info, p = result["machine"], argparse.Namespace(**result["params"])
+    md = [
+        "# Steady-state overhead: checkpointless versus plain DDP",
+        "",
+        f"- Command: `{result['command']}`",
+        f"- Date: {info['date']}; took {info['bench_wall_s'] / 60:.1f} min",
+        f"- Machine: {info['cpu_model']}, {info['nproc']} CPUs, {info['mem_total_gib']} GiB; "
+        f"Python {info['python']}, torch {info['torch']}",
+        f"- Load: {info['load_note']}",
+        f"- Source tree: git {info.get('git') or 'unknown'}",
+        f"- Job: examples/train_gpt.py, {p.nproc} ranks, {p.steps} steps (first {p.warmup} left out), dim "
+        f"{p.dim}, {p.layers} layers, {p.heads} heads, seq {p.seq_len}, global batch {p.global_batch}; "
+        f"{p.pairs} runs of each design, alternating",
+        f"- checkpointless: `checkpointless run --nproc {p.nproc} --spares {p.spares} examples/train_gpt.py`; "
+        "DDP: `torchrun benchmarks/baseline/train_ddp_ckpt.py --ckpt-every 0 --find-unused 0 "
+        "--broadcast-buffers 0` (same model, data, seed; gloo)",
+        "- Step time: between consecutive steps completed on every rank, from the per-rank commit logs. "
+        "Job CPU per step: CPU seconds of every process the job started (workers, spare, launcher, "
+        "reaper / torchrun agent), from /proc, over the same steps.",
+        "",
+        result["table"],
+        "",
+        *result["summary_lines"],
+        "",
+        "## Notes",
+        "",
+        *[f"- {n}" for n in result["notes"]],
+        *other_runs(),
+        "",
+    ]
+    (bl.RESULTS / "overhead.md").write_text("\n".join(md))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 pair of 60-step runs")
@@ -149,7 +183,11 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=400.0)
     ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
     ap.add_argument("--out", help="JSON output (default results/overhead.json; --quick: overhead-quick.json)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite overhead.md from overhead.json")
     a = ap.parse_args()
+    if a.report_only:
+        write_markdown(json.loads((bl.RESULTS / "overhead.json").read_text()))
+        return 0
     if a.quick:
         a.pairs, a.steps, a.warmup = 1, 60, 10
     if a.out is None:
@@ -296,9 +334,11 @@ def main() -> int:
             f"Run-to-run spread of the pair ratios is {100 * (pr['max'] - pr['min']):.1f} points on this "
             "shared 2-core machine; differences smaller than that are not resolved."
         )
+    cores = os.cpu_count() or 1
+    sharing = "ranks share cores" if a.nproc > cores else "one core per rank, shared with everything else"
     notes.append(
-        f"{a.nproc} ranks on {os.cpu_count()} cores (ranks share cores); the checkpointless side also runs the "
-        f"launcher's decision loop and {a.spares} idle hot spare(s); OMP_NUM_THREADS={a.threads} for both."
+        f"{a.nproc} ranks on {cores} cores ({sharing}); the checkpointless side also runs the launcher's "
+        f"decision loop and {a.spares} idle hot spare(s); OMP_NUM_THREADS={a.threads} for both."
     )
     failed = [f"{r['design']} #{r['pair']}: {r['error']}" for r in runs if r["error"]]
     if failed:
@@ -324,37 +364,13 @@ def main() -> int:
             "cpu_pair_ratios": cpr,
         },
         "notes": notes,
+        "table": tbl,
+        "summary_lines": summary_lines,
         "runs": runs,
     }
     bl.write_json(Path(a.out), result)
     if Path(a.out).resolve() == (bl.RESULTS / "overhead.json").resolve():
-        md = [
-            "# Steady-state overhead: checkpointless versus plain DDP",
-            "",
-            f"- Command: `{cmd}`",
-            f"- Date: {info['date']}; took {info['bench_wall_s'] / 60:.1f} min",
-            f"- Machine: {info['cpu_model']}, {info['nproc']} CPUs, {info['mem_total_gib']} GiB; "
-            f"Python {info['python']}, torch {info['torch']}",
-            f"- Load: {info['load_note']}",
-            f"- Job: examples/train_gpt.py, {a.nproc} ranks, {a.steps} steps (first {a.warmup} left out), dim "
-            f"{a.dim}, {a.layers} layers, {a.heads} heads, seq {a.seq_len}, global batch {a.global_batch}; "
-            f"{a.pairs} runs of each design, alternating",
-            "- checkpointless: `checkpointless run --nproc N --spares 1 examples/train_gpt.py`; DDP: "
-            "`torchrun benchmarks/baseline/train_ddp_ckpt.py --ckpt-every 0 --find-unused 0 "
-            "--broadcast-buffers 0` (same model, data, seed; gloo)",
-            "- Step time: between consecutive steps completed on every rank, from the per-rank commit logs",
-            "",
-            tbl,
-            "",
-            *summary_lines,
-            "",
-            "## Notes",
-            "",
-            *[f"- {n}" for n in notes],
-            *other_runs(),
-            "",
-        ]
-        (bl.RESULTS / "overhead.md").write_text("\n".join(md))
+        write_markdown(result)
     print(f"\nwrote {a.out}")
     return 0 if not failed else 1
 

@@ -204,7 +204,11 @@ def checkpointless_metrics(run_dir: Path, fault_step: int) -> dict[str, Any]:
     faults = [e for e in events if e["event"] == "fault" and e["time"] >= fired_at - 1.0]
     recs = [e for e in events if e["event"] == "recovery" and e["time"] >= fired_at]
     m["fault_events"] = [{k: f.get(k) for k in ("kind", "rank", "detail")} for f in faults]
-    m["replaced"] = any(e["event"] == "spare_assigned" and e["time"] >= fired_at for e in events)
+    assigned = [e["time"] for e in events if e["event"] == "spare_assigned" and e["time"] >= fired_at]
+    m["replaced"] = bool(assigned)
+    if assigned and faults:
+        # ~0 when a hot spare was ready; otherwise the wait for one to finish starting
+        m["spare_assign_delay_s"] = assigned[0] - faults[0]["time"]
     if not faults or not recs or "downtime_s" not in m:
         m["incomplete"] = m.get("incomplete", "no fault/recovery event after the injected fault")
         return m
@@ -414,6 +418,7 @@ def aggregate(a: argparse.Namespace, runs: list[RunRecord], configs: list[Config
                 "digest_equal": all(digest_eq) if rs else None,
                 "data_exact": all(data_eq) if rs else None,
                 "replaced": [r.metrics.get("replaced") for r in rs],
+                "spare_assign_delay_s": bl.summary([r.metrics.get("spare_assign_delay_s") for r in rs]),
                 "state_bytes": bl.summary([r.metrics.get("state_bytes") for r in rs]),
                 "ckpt_load_s": bl.summary([r.metrics.get("ckpt_load_s") for r in rs]),
                 "rebuild_parts": {
@@ -591,6 +596,7 @@ def write_markdown(
         f"- Machine: {info['cpu_model']}, {info['nproc']} CPUs, {info['mem_total_gib']} GiB; "
         f"Python {info['python']}, torch {info['torch']}",
         f"- Load: {info['load_note']}",
+        f"- Source tree: git {info.get('git') or 'unknown'}",
         f"- Job: examples/train_gpt.py, {a.nproc} ranks, {a.steps} steps, dim {a.dim}, {a.layers} layers, "
         f"{a.heads} heads, seq {a.seq_len}, global batch {a.global_batch}, seed {a.seed}; "
         f"OMP_NUM_THREADS={a.threads} for every process of both designs",
@@ -663,13 +669,23 @@ def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[RunRecord
         "(torch.distributed.distributed_c10d._set_pg_timeout), so a slow start on this shared machine is not "
         "taken for a hang; before that it uses 120 s."
     )
-    notes.append(
-        f"With {a.steps} steps and the fault at step {a.fault_step}, K=50 has saved no checkpoint yet: its "
-        "restart begins from step 0 (nothing to load), losing K/2 = 25 steps, the expected loss per fault "
-        "for a fault at a random time."
-        if a.fault_step < 50 and 50 in a.ckpt_every
-        else f"Fault at step {a.fault_step}."
+    resume = ", ".join(
+        f"K={k} resumes from step {a.fault_step // k * k}"
+        + (" (no checkpoint yet: from scratch)" if a.fault_step < k else "")
+        + f" and recomputes {a.fault_step - a.fault_step // k * k}"
+        for k in a.ckpt_every
     )
+    notes.append(f"Fault at step {a.fault_step} of {a.steps}: {resume}.")
+    late = [
+        f"{KIND_LABEL[r.kind]} #{r.repeat} ({r.metrics['spare_assign_delay_s']:.1f} s)"
+        for r in runs
+        if r.config.design == "checkpointless" and (r.metrics.get("spare_assign_delay_s") or 0.0) > 0.2
+    ]
+    if late:
+        notes.append(
+            "In some checkpointless runs the spare was not ready yet when the fault hit, and the recovery "
+            f"waited for it to finish starting: {', '.join(late)}."
+        )
     total = sum(r.wall_s for r in runs)
     tr_hang = sum(r.wall_s for r in runs if r.kind == "hang" and r.config.design == "torchrun")
     if total > 0:
@@ -737,8 +753,14 @@ def main() -> int:
     ap.add_argument("--ckpt-every", default="10,50", help="checkpoint intervals K of the baseline")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--spares", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--fault-step", type=int, default=25)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument(
+        "--fault-step",
+        type=int,
+        default=75,
+        help="default 75: K/2 steps after a checkpoint for K=10 and K=50, and late enough that the hot "
+        "spare (started once generation 0 has formed) is ready",
+    )
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--hang-timeout", type=float, default=5.0, help="same value for both designs")
     ap.add_argument("--global-batch", type=int, default=16)

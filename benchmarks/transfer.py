@@ -409,6 +409,7 @@ def main() -> int:
             f"- Machine: {info['cpu_model']}, {info['nproc']} CPUs, {info['mem_total_gib']} GiB; "
             f"Python {info['python']}, torch {info['torch']}",
             f"- Load: {info['load_note']}",
+            f"- Source tree: git {info.get('git') or 'unknown'}",
             "- Two processes on 127.0.0.1. Raw TCP: one socket, `sendall` / `recv_into` of the same byte count "
             "into a buffer already paged in (the state transfer allocates and faults in its own). State transfer: `send_state` / `receive_state` over a `Communicator` (gloo) "
             "with a tree shaped like model + AdamW state (float32, tensors of at most 64 MB).",

@@ -318,6 +318,18 @@ def machine_info() -> dict[str, Any]:
         pass
     import torch  # only for the version string
 
+    commit = None
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        commit = head.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "nproc": os.cpu_count(),
@@ -327,6 +339,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
+        "git": commit,
     }
 
 
