@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["EventLog", "RankContext", "get_logger", "setup_logging"]
+__all__ = ["EventLog", "RankContext", "get_logger", "set_log_step", "setup_logging"]
 
 
 class RankContext:
@@ -55,6 +55,11 @@ def setup_logging(who: str, level: int = logging.INFO, stream: TextIO | None = N
     logger.addHandler(handler)
     logger.propagate = False
     return _CONTEXT
+
+
+def set_log_step(step: int | None) -> None:
+    """The step that prefixes this process's log lines from now on."""
+    _CONTEXT.step = step
 
 
 def get_logger(name: str = "checkpointless") -> logging.Logger:

@@ -44,7 +44,7 @@ from checkpointless.errors import (
     NotRecoverableError,
     StateTransferError,
 )
-from checkpointless.events import EventLog, get_logger, setup_logging
+from checkpointless.events import EventLog, get_logger, set_log_step, setup_logging
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.rendezvous_client import make_store
@@ -272,9 +272,7 @@ class Job:
         self._updated = False
         self._record = {}
         self._step_rng = (index, capture_rng())
-        from checkpointless.events import _CONTEXT
-
-        _CONTEXT.step = index
+        set_log_step(index)
         try:
             self._site("step")
         except Exception as e:  # surfaced at the first hook inside the body (see _site)
