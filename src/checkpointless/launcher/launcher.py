@@ -186,7 +186,7 @@ class Launcher:
                 self.exit_code = run_plain(self, self.cfg.max_restarts)
                 self.stopping = "plain"
                 return self.exit_code
-            self.round = Round(target=0, initial=True, started=time.monotonic(), wall_started=time.time())
+            self.round = Round(target=0, initial=True, started=time.monotonic())
             for rank in range(self.cfg.nproc):
                 p = self._spawn("worker")
                 p.rank = rank
@@ -333,11 +333,11 @@ class Launcher:
         target = (prev.target if prev is not None else self.generation) + 1
         # a generation that never formed its first state sync still needs it
         initial = prev is not None and prev.initial
-        r = Round(target=target, initial=initial, started=time.monotonic(), wall_started=time.time())
+        r = Round(target=target, initial=initial, started=time.monotonic())
         r.faults.append(first_fault)
         if prev is not None:  # a fault while a generation was forming: keep the earlier faults
             r.faults = prev.faults + r.faults
-            r.started, r.wall_started = prev.started, prev.wall_started
+            r.started = prev.started
             r.replace = set(prev.replace)
         self.round = r
         self.pending_downtime = None
@@ -532,7 +532,7 @@ class Launcher:
             while self._idle_spares() < self.cfg.spares:
                 self._spawn("spare")
             return
-        self.pending_downtime = {"round": r, "done": time.monotonic()}
+        self.pending_downtime = {"round": r}
         self.first_commits = {}
 
     def _on_committed(self, p: Proc, msg: dict[str, Any]) -> None:

@@ -96,7 +96,6 @@ class Round:
     target: int
     initial: bool
     started: float
-    wall_started: float
     abort_sent: float = field(default_factory=time.monotonic)
     faults: list[dict[str, Any]] = field(default_factory=list)
     reports: dict[int, MemberReport] = field(default_factory=dict)

@@ -484,10 +484,6 @@ class Job:
         if self._link is not None:
             self._link.send({"type": "fired", "id": spec.id, "kind": spec.kind, "time": time.time()})
 
-    def collected_state(self) -> dict[str, Any]:
-        """The state a replacement would receive now (for tests and digests)."""
-        return collect_state(self._objects, self.committed_step, capture_rng())
-
 
 _FAILED_AFTER_LOOP = False
 
