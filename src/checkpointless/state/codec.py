@@ -119,8 +119,12 @@ def layout(tree: Any) -> Layout:
     pack_end = _PACK_MAX  # forces a new pack for the first small tensor
     for path, t in tensors:
         nbytes = t.numel() * t.element_size()
-        meta = {"path": path, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        meta["nbytes"] = nbytes
+        meta: dict[str, Any] = {
+            "path": path,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "nbytes": nbytes,
+        }
         if nbytes >= _SOLO_MIN:
             meta.update(msg=len(messages), offset=0, solo=True)
             messages.append(_as_bytes(t))
