@@ -219,7 +219,7 @@ def checkpointless_metrics(run_dir: Path, fault_step: int) -> dict[str, Any]:
         "abort_s": float(rec["collect_s"]),
         "rebuild_s": float(rec["rebuild_s"]),
         "transfer_s": float(rec["transfer_s"]),
-        "first_batch_s": None,  # not recorded separately by the worker: inside first_step_s
+        "first_batch_s": float(rec["first_batch_s"]) if "first_batch_s" in rec else None,
         "first_step_s": float(rec["first_step_s"]),
     }
     ph["other_s"] = m["downtime_s"] - sum(v for v in ph.values() if v is not None)

@@ -52,6 +52,10 @@ def test_fault_is_survived_bitwise(
     assert len(res.of("fault_injected")) == len(faults)
     if faults[0].startswith(("kill", "exit", "hang", "spin")):
         assert res.of("spare_assigned"), "a dead or hung rank must be replaced by a spare"
+        rec = res.of("recovery")[-1]
+        # the spare received the state over the direct stream, and its first batch was timed
+        assert rec["transport"] == "stream" and rec["state_bytes"] > 0, rec
+        assert 0 <= rec["first_batch_s"] < rec["downtime_s"], rec
     if "optimizer" in name:
         plans = [p for p in res.of("plan") if p["generation"] > 0]
         assert 1 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"

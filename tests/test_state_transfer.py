@@ -1,4 +1,5 @@
-"""State transfer over a real gloo group (two ranks as two threads of this process)."""
+"""State transfer for real, over both transports: the gloo group and a direct stream through the
+key servers (two ranks as two threads of this process)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch.distributed as dist
 
 from checkpointless.comm.communicator import Communicator
 from checkpointless.errors import StateTransferError
+from checkpointless.rendezvous import KeyServer
 from checkpointless.state.codec import digest, layout
+from checkpointless.state.stream import StreamRoute
 from checkpointless.state.transfer import (
     _TAG_HEADER,
     _TAG_MANIFEST,
@@ -90,3 +93,65 @@ def test_a_corrupted_message_is_refused() -> None:
     _, err = _pair(bad_sender, lambda c: receive_state(c, 0, 20))
     assert isinstance(err, StateTransferError)
     assert "checksum mismatch" in str(err) and "message 1" in str(err)
+
+
+def _routes(
+    secrets: tuple[bytes, bytes] = (b"s" * 32, b"s" * 32),
+) -> tuple[list[KeyServer], list[StreamRoute]]:
+    servers = [KeyServer("127.0.0.1", 0, secret) for secret in secrets]
+    for s in servers:
+        s.start()
+    peers = [s.address for s in servers]
+    routes = [StreamRoute(s, peers, secret, "state/gen1") for s, secret in zip(servers, secrets, strict=True)]
+    return servers, routes
+
+
+def test_stream_transport_lands_in_place_and_verifies() -> None:
+    servers, routes = _routes()
+    try:
+        sent, own = _state(4), _state(5)
+        own_w = own["model"]["w"]
+        info, (tree, stats) = _pair(
+            lambda c: send_state(c, sent, [1], 20, routes[0]),
+            lambda c: receive_state(c, 0, 20, own, routes[1]),
+        )
+        assert isinstance(info, dict) and info["bytes"] == stats["bytes"]
+        assert (
+            torch.equal(tree["model"]["w"], sent["model"]["w"])
+            and tree["model"]["w"].data_ptr() == own_w.data_ptr()
+        )
+        assert torch.equal(tree["model"]["b"], sent["model"]["b"]) and tree["step"] == 7
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_stream_receiver_leaves_promptly_on_abort() -> None:
+    servers, routes = _routes()
+    try:
+
+        def idle_source(comm: Communicator) -> None:
+            time.sleep(1.5)  # never opens its channel
+
+        def receiver(comm: Communicator) -> float:
+            threading.Timer(0.3, lambda: comm.abort("a newer fault")).start()
+            t0 = time.monotonic()
+            with pytest.raises(StateTransferError, match="aborted"):
+                receive_state(comm, 0, 20, None, routes[1])
+            return time.monotonic() - t0
+
+        _, waited = _pair(idle_source, receiver)
+        assert isinstance(waited, float) and waited < 1.0
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_stream_with_the_wrong_secret_is_refused() -> None:
+    servers, routes = _routes((b"a" * 32, b"b" * 32))
+    try:
+        _, err = _pair(lambda c: None, lambda c: receive_state(c, 0, 5, None, routes[1]))
+        assert isinstance(err, StateTransferError) and "authentication" in str(err)
+    finally:
+        for s in servers:
+            s.stop()

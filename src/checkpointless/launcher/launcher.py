@@ -63,6 +63,7 @@ class Launcher:
         self.fired: set[str] = set()
         self.pending_downtime: dict[str, Any] | None = None
         self.first_commits: dict[int, float] = {}
+        self.first_batches: dict[int, float] = {}  # rank -> its first batch's wait after a recovery
         self.stopping: str | None = None
         self.exit_code = 0
         self.recoveries: list[dict[str, Any]] = []
@@ -534,12 +535,16 @@ class Launcher:
             return
         self.pending_downtime = {"round": r}
         self.first_commits = {}
+        self.first_batches = {}
 
     def _on_committed(self, p: Proc, msg: dict[str, Any]) -> None:
         pend = self.pending_downtime
         if pend is None or p.rank is None or int(msg["generation"]) != self.generation:
             return
         self.first_commits[p.rank] = time.monotonic()
+        batch_s = msg.get("first_batch_s")
+        if isinstance(batch_s, (int, float)):
+            self.first_batches[p.rank] = float(batch_s)
         if len(self.first_commits) < self.cfg.nproc:
             return
         self.pending_downtime = None
@@ -553,11 +558,14 @@ class Launcher:
         transfer = max(x.get("transfer_s", 0.0) for x in rec)
         nbytes = max(x.get("bytes", 0.0) for x in rec)
         formed = max(x["time"] for x in rec)
+        # the slowest rank's wait for its first batch; the first step is what remains after it
+        first_batch = max(self.first_batches.values(), default=0.0)
         phases = {
             "collect_s": round(stopped - t0, 4),
             "rebuild_s": round(rebuild, 4),
             "transfer_s": round(transfer, 4),
-            "first_step_s": round(first_step_done - formed, 4),
+            "first_batch_s": round(first_batch, 4),
+            "first_step_s": round(max(0.0, first_step_done - formed - first_batch), 4),
         }
         downtime = first_step_done - t0
         # how long the fault went unnoticed, when we know when it happened (an injected fault)
@@ -574,12 +582,13 @@ class Launcher:
             faults=[{k: v for k, v in f.items() if k != "detected"} for f in r.faults],
             downtime_s=round(downtime, 4),
             state_bytes=nbytes,
+            transport=next((x["transport"] for x in rec if "transport" in x), None),
             **phases,
         )
         self.recoveries.append(record)
         log.info(
             "RECOVERED generation %d from %s: %sstop %.3fs, rebuild %.3fs, state %.3fs (%.1f MB), "
-            "first step %.3fs; downtime %.3f s after detection",
+            "first batch %.3fs, first step %.3fs; downtime %.3f s after detection",
             r.target,
             kinds,
             f"detected after {phases['detect_s']:.3f}s, " if "detect_s" in phases else "",
@@ -587,6 +596,7 @@ class Launcher:
             rebuild,
             transfer,
             nbytes / 1e6,
+            phases["first_batch_s"],
             phases["first_step_s"],
             downtime,
         )

@@ -57,7 +57,7 @@ from checkpointless.state.snapshot import (
     restore_rng,
     restore_state,
 )
-from checkpointless.state.transfer import receive_state, send_state
+from checkpointless.state.transfer import StreamRoute, receive_state, send_state
 
 __all__ = ["Job", "Step", "init"]
 
@@ -120,6 +120,7 @@ class Job:
         self._cancel = threading.Event()
         self._deferred: BaseException | None = None
         self._first_commit_after_recovery = False
+        self._batch_s: float | None = None  # this step's time until its batch was in the model
         self._record: dict[str, Any] = {}
         self._interrupted: tuple[int, dict[str, Any]] | None = None
         self._link: LauncherLink | None = None
@@ -269,6 +270,7 @@ class Job:
     def _enter_step(self, index: int) -> None:
         self._step_index = index
         self._progress_t = time.monotonic()
+        self._batch_s = None
         self._updated = False
         self._record = {}
         self._step_rng = (index, capture_rng())
@@ -282,6 +284,10 @@ class Job:
         if self._deferred is not None:
             e, self._deferred = self._deferred, None
             raise e
+        if site == "forward" and self._batch_s is None:
+            # the step's start to the model's first forward: fetching and assembling the batch
+            # (and moving it to the device), measured without asking the script to report it
+            self._batch_s = time.monotonic() - self._progress_t
         if self._step_index is not None:
             self._injector.maybe_fire(site, self._step_index)
 
@@ -311,7 +317,13 @@ class Job:
         if self._first_commit_after_recovery and self._link is not None:
             self._first_commit_after_recovery = False
             self._link.send(
-                {"type": "committed", "generation": self.generation, "step": index, "time": time.time()}
+                {
+                    "type": "committed",
+                    "generation": self.generation,
+                    "step": index,
+                    "time": time.time(),
+                    "first_batch_s": self._batch_s,
+                }
             )
 
     # -- recovery ------------------------------------------------------------------------------
@@ -437,17 +449,19 @@ class Job:
         self.generation = gen
         t1 = time.monotonic()
         info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
+        route = self._stream_route(msg["rendezvous"], gen)
+        info["transport"] = "gloo" if route is None else "stream"
         if self.rank == source and receivers:
             resume_rng = self._resume_rng(target)
             state = collect_state(self._objects, target, resume_rng)
-            info.update(send_state(self.comm, state, receivers, self.rendezvous_timeout))
+            info.update(send_state(self.comm, state, receivers, self.rendezvous_timeout, route))
             info["role"] = "source"
             restore_rng(resume_rng)
         elif self.rank in receivers:
             # our own tensors are the landing zone: a receiver's state is replaced anyway, and
             # receiving in place spares a copy and a page fault per 4 KiB of state
             own = collect_state(self._objects, target, capture_rng())
-            state, stats = receive_state(self.comm, source, self.rendezvous_timeout, into=own)
+            state, stats = receive_state(self.comm, source, self.rendezvous_timeout, own, route)
             del own
             step, rng = restore_state(self._objects, state)
             if step != target:
@@ -475,6 +489,14 @@ class Job:
             target,
         )
         return info
+
+    def _stream_route(self, desc: dict[str, Any], gen: int) -> StreamRoute | None:
+        """State goes over a direct stream through the key servers of a root-less rendezvous;
+        with a central store (``--rendezvous tcp``) over the gloo group instead."""
+        server = self._store_state.get("server")
+        if desc.get("kind") != "rootless" or server is None or self.env is None:
+            return None
+        return StreamRoute(server, list(desc["peers"]), self.env.secret, f"state/gen{gen}")
 
     def _resume_rng(self, target: int) -> RngState:
         # The generators as they stood when step `target` first began here; if this rank never

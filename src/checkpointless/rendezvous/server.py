@@ -26,6 +26,7 @@ import contextlib
 import heapq
 import itertools
 import json
+import queue
 import secrets
 import selectors
 import socket
@@ -42,7 +43,8 @@ from checkpointless.wire import FrameError, recv_frame, send_frame
 __all__ = ["MUTATING_OPS", "PROTOCOL_VERSION", "KeyServer", "ServerStats", "join_values", "split_values"]
 
 PROTOCOL_VERSION = 1
-MUTATING_OPS = frozenset({"set", "add", "cas", "append", "del"})  # these need the connection's nonce
+# these need the connection's nonce ("stream" too: a replayed one must not get a connection)
+MUTATING_OPS = frozenset({"set", "add", "cas", "append", "del", "stream"})
 _MAX_PAYLOAD = 64 << 20  # rendezvous values are addresses and ids; more is a bug or an attack
 _FRAME_OVERHEAD = 12 + 32  # length prefix + MAC, for the byte counters
 _LISTENER = object()
@@ -167,6 +169,9 @@ class KeyServer:
         self._conns: set[_Conn] = set()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        # connections handed over to a bulk transfer (see open_channel), by channel name
+        self._channels: dict[str, queue.SimpleQueue[tuple[socket.socket, dict[str, Any]]]] = {}
+        self._channels_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"KeyServer({self.address})"
@@ -202,6 +207,20 @@ class KeyServer:
         if not prefix:
             raise ConfigError("drop_prefix needs a non-empty prefix (it would drop every generation)")
         return self.keyspace.drop_prefix(prefix)
+
+    def open_channel(self, name: str) -> queue.SimpleQueue[tuple[socket.socket, dict[str, Any]]]:
+        """Accept ``stream`` requests for ``name``: each such connection, authenticated and
+        nonce-checked like any mutating request, leaves the loop and is queued here with its
+        request header, for a bulk transfer (peer state) on the port this process already has."""
+        with self._channels_lock:
+            return self._channels.setdefault(name, queue.SimpleQueue())
+
+    def close_channel(self, name: str) -> None:
+        """Stop accepting for ``name`` and close connections nobody took."""
+        with self._channels_lock:
+            q = self._channels.pop(name, None)
+        while q is not None and not q.empty():
+            q.get_nowait()[0].close()
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -325,6 +344,18 @@ class KeyServer:
             return
         if op == "ping":
             self._send(conn, {"seq": seq, "ok": True})
+            return
+        if op == "stream":
+            with self._channels_lock:
+                q = self._channels.get(str(h.get("channel")))
+            if q is None:  # not open (yet): the peer retries until its deadline
+                self._send(conn, {"seq": seq, "ok": False, "error": "no-channel"})
+                return
+            if self._send(conn, {"seq": seq, "ok": True}) and not conn.pending:
+                self._conns.discard(conn)
+                with contextlib.suppress(KeyError, ValueError, OSError):
+                    self._sel.unregister(conn.sock)
+                q.put((conn.sock, h))
             return
         keys = _keys_of(h)
         if keys is None:

@@ -34,7 +34,7 @@ import xxhash
 
 from checkpointless.errors import StateTransferError
 
-__all__ = ["Layout", "digest", "layout", "receive_buffers", "tensor_paths", "unpack"]
+__all__ = ["Layout", "digest", "layout", "mismatch", "receive_buffers", "tensor_paths", "unpack"]
 
 _ALIGN = 64  # every packed tensor starts on a 64-byte boundary
 _SOLO_MIN = 1 << 20  # tensors this large travel as their own message, in place
@@ -56,6 +56,21 @@ def digest(buf: torch.Tensor | bytes) -> str:
     """XXH3-128 of one message (xxhash releases the GIL, so messages hash in parallel)."""
     data = buf if isinstance(buf, bytes) else memoryview(buf.numpy()).cast("B")
     return xxhash.xxh3_128(data).hexdigest()
+
+
+def mismatch(got: list[str], expected: Any) -> str | None:
+    """None when every digest matches; otherwise what differs, for the error."""
+    if not isinstance(expected, list) or len(expected) != len(got):
+        n = len(expected) if isinstance(expected, list) else "no"
+        return f"the sender announced {n} digests for {len(got)} parts"
+    bad = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
+    if not bad:
+        return None
+    what = "manifest" if bad[0] == 0 else f"message {bad[0] - 1}"
+    return (
+        f"checksum mismatch in the {what} ({len(bad)} of {len(got)} parts): "
+        f"received xxh3 {got[bad[0]][:16]}..., sender had {str(expected[bad[0]])[:16]}..."
+    )
 
 
 def _walk(tree: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:

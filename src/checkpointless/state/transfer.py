@@ -1,16 +1,17 @@
-"""Peer-to-peer state transfer over the job's communicator, verified end to end.
+"""Peer-to-peer state transfer, verified end to end.
 
-The protocol, per receiver, on the freshly built generation (each step a point-to-point message
-with its own tag, so the receiver can post every receive at once):
+Two transports carry the same layout (:mod:`checkpointless.state.codec`):
 
-1. a header: the manifest's length and the number of messages;
-2. the manifest (JSON: the tree, where each tensor lies, the message sizes);
-3. the messages: large tensors straight from the sender's memory, small ones in packs;
-4. a trailer: the XXH3-128 digest of the manifest and of every message.
+* a direct TCP stream per receiver, opened through the source's rendezvous key server
+  (:mod:`checkpointless.state.stream`): the default under the root-less rendezvous, and the
+  faster one;
+* the generation's gloo group, when there is no key server to reach (``--rendezvous tcp``). Per
+  receiver: a header (manifest length, message count), the manifest, every message with its own
+  tag (so the receiver posts every receive at once), then a trailer with the XXH3-128 digests.
+  The digests come last so that the first byte leaves at once: the sender hashes while gloo's
+  I/O thread sends, the receiver hashes each message as soon as it has landed.
 
-The digests come last so that the first byte leaves at once: the sender hashes while gloo's I/O
-thread sends, and the receiver hashes each message as soon as it has landed, while the next one
-is still on the wire. A mismatch raises: a corrupted replica is a fault, never a warning.
+Either way a digest mismatch raises: a corrupted replica is a fault, never a warning.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import torch
 
 from checkpointless.comm.communicator import Communicator, Handle
 from checkpointless.errors import StateTransferError
-from checkpointless.state.codec import digest, layout, receive_buffers, unpack
+from checkpointless.state.codec import digest, layout, mismatch, receive_buffers, unpack
+from checkpointless.state.stream import StreamRoute, stream_receive, stream_send
 
-__all__ = ["receive_state", "send_state"]
+__all__ = ["StreamRoute", "receive_state", "send_state"]
 
 _TAG_HEADER, _TAG_MANIFEST, _TAG_TRAILER, _TAG_MESSAGE = 7100, 7101, 7102, 7200
 _DIGEST_LEN = 32  # hex characters of an XXH3-128 digest
@@ -37,30 +39,23 @@ def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
-def send_state(comm: Communicator, tree: Any, receivers: list[int], timeout: float) -> dict[str, float]:
+def send_state(
+    comm: Communicator,
+    tree: Any,
+    receivers: list[int],
+    timeout: float,
+    route: StreamRoute | None = None,
+) -> dict[str, float]:
     """Send ``tree`` to every receiver; return timings and byte counts."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     lay = layout(tree)
     mbytes = lay.manifest_bytes()
-    header = torch.tensor([len(mbytes), len(lay.messages)], dtype=torch.int64)
-    mtensor = torch.frombuffer(bytearray(mbytes), dtype=torch.uint8)
     t1 = time.monotonic()
-    handles: list[Handle] = []
-    with ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="cl-hash") as pool:
-        for dst in receivers:
-            handles.append(comm.send(header, dst, _TAG_HEADER))
-            handles.append(comm.send(mtensor, dst, _TAG_MANIFEST))
-            for i, msg in enumerate(lay.messages):
-                if msg.numel():
-                    handles.append(comm.send(msg, dst, _TAG_MESSAGE + i))
-        # hashing overlaps the sends: gloo's I/O threads carry the bytes meanwhile
-        digests = [digest(mbytes), *pool.map(digest, lay.messages)]
-    trailer = torch.frombuffer(bytearray("".join(digests).encode()), dtype=torch.uint8)
-    for dst in receivers:
-        handles.append(comm.send(trailer, dst, _TAG_TRAILER))
-    for h in handles:
-        comm.wait(h, _left(deadline))
+    if route is not None:
+        stream_send(route, lay, mbytes, receivers, deadline, lambda: comm.aborted)
+    else:
+        _send_gloo(comm, lay.messages, mbytes, receivers, deadline)
     t2 = time.monotonic()
     nbytes = sum(int(m.numel()) for m in lay.messages) + len(mbytes)
     return {
@@ -72,15 +67,55 @@ def send_state(comm: Communicator, tree: Any, receivers: list[int], timeout: flo
 
 
 def receive_state(
-    comm: Communicator, src: int, timeout: float, into: Any = None
+    comm: Communicator,
+    src: int,
+    timeout: float,
+    into: Any = None,
+    route: StreamRoute | None = None,
 ) -> tuple[Any, dict[str, float]]:
     """Receive a tree from ``src``. Large tensors land in place in ``into``'s tensors of the same
     path, dtype and shape (pass the receiver's own current state): they are overwritten, so the
     receiver's old state is gone once this starts, verified or not."""
     t0 = time.monotonic()
     deadline = t0 + timeout
+    if route is not None:
+        manifest, buffers, stats = stream_receive(route, src, comm.rank, deadline, lambda: comm.aborted, into)
+    else:
+        manifest, buffers, stats = _receive_gloo(comm, src, deadline, into)
+    tree = unpack(manifest, buffers)
+    # after the last byte: the digests still being compared, and the tree being rebuilt
+    stats["verify_s"] = time.monotonic() - t0 - stats["recv_s"]
+    return tree, stats
+
+
+def _send_gloo(
+    comm: Communicator, messages: list[torch.Tensor], mbytes: bytes, receivers: list[int], deadline: float
+) -> None:
+    header = torch.tensor([len(mbytes), len(messages)], dtype=torch.int64)
+    mtensor = torch.frombuffer(bytearray(mbytes), dtype=torch.uint8)
+    handles: list[Handle] = []
+    with ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="cl-hash") as pool:
+        for dst in receivers:
+            handles.append(comm.send(header, dst, _TAG_HEADER))
+            handles.append(comm.send(mtensor, dst, _TAG_MANIFEST))
+            for i, msg in enumerate(messages):
+                if msg.numel():
+                    handles.append(comm.send(msg, dst, _TAG_MESSAGE + i))
+        # hashing overlaps the sends: gloo's I/O threads carry the bytes meanwhile
+        digests = [digest(mbytes), *pool.map(digest, messages)]
+    trailer = torch.frombuffer(bytearray("".join(digests).encode()), dtype=torch.uint8)
+    for dst in receivers:
+        handles.append(comm.send(trailer, dst, _TAG_TRAILER))
+    for h in handles:
+        comm.wait(h, _left(deadline))
+
+
+def _receive_gloo(
+    comm: Communicator, src: int, deadline: float, into: Any
+) -> tuple[dict[str, Any], list[torch.Tensor], dict[str, float]]:
+    t0 = time.monotonic()
     header = torch.empty(2, dtype=torch.int64)
-    comm.wait(comm.recv(header, src, _TAG_HEADER), timeout)
+    comm.wait(comm.recv(header, src, _TAG_HEADER), _left(deadline))
     mlen, nmsg = (int(x) for x in header.tolist())
     if not (0 < mlen < 1 << 31 and 0 <= nmsg < 1 << 24):
         raise StateTransferError(
@@ -109,23 +144,9 @@ def receive_state(
         comm.wait(h_trailer, _left(deadline))
         t1 = time.monotonic()
         got = [f.result() for f in futures]
-    t2 = time.monotonic()
     sent = bytes(trailer.numpy()).decode("ascii", "replace")
-    expected = [sent[i : i + _DIGEST_LEN] for i in range(0, len(sent), _DIGEST_LEN)]
-    bad = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
-    if bad:
-        what = "manifest" if bad[0] == 0 else f"message {bad[0] - 1}"
-        raise StateTransferError(
-            f"state checksum mismatch from rank {src} in the {what} ({len(bad)} of {len(got)} parts): "
-            f"received xxh3 {got[bad[0]][:16]}..., sender had {expected[bad[0]][:16]}..."
-        )
-    tree = unpack(manifest, buffers)
-    t3 = time.monotonic()
+    bad = mismatch(got, [sent[i : i + _DIGEST_LEN] for i in range(0, len(sent), _DIGEST_LEN)])
+    if bad is not None:
+        raise StateTransferError(f"state from rank {src}: {bad}")
     nbytes = sum(int(b.numel()) for b in buffers) + mlen
-    return tree, {
-        "recv_s": t1 - t0,
-        "verify_s": t3 - t1,
-        "verify_tail_s": t2 - t1,
-        "bytes": float(nbytes),
-        "in_place_bytes": float(in_place),
-    }
+    return manifest, buffers, {"recv_s": t1 - t0, "bytes": float(nbytes), "in_place_bytes": float(in_place)}
