@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from checkpointless.errors import StateTransferError
+from checkpointless.state.arena import Arena
 from checkpointless.state.codec import layout, receive_buffers, unpack
 from checkpointless.state.snapshot import capture_rng, restore_rng
 
@@ -132,3 +133,30 @@ def test_manifest_with_unknown_dtype_is_refused() -> None:
     manifest["tensors"][0]["dtype"] = "os.system"
     with pytest.raises(StateTransferError, match="unknown dtype"):
         unpack(manifest, lay.messages)
+
+
+def test_unmatched_large_tensors_land_in_the_arena_and_the_tail_is_given_back() -> None:
+    tree = {"a": torch.randn(300_000), "b": torch.randn(200_000, dtype=torch.float64), "c": torch.randn(3)}
+    arena = Arena(4 << 20)
+    lay = layout(tree)
+    manifest = json.loads(lay.manifest_bytes())
+    buffers, in_place = receive_buffers(manifest, None, arena)
+    for dst, src in zip(buffers, lay.messages, strict=True):
+        dst.copy_(src)
+    out = unpack(manifest, buffers)
+    assert _equal(tree, out) and in_place == 0
+    base = arena._bytes.data_ptr()
+    for name in ("a", "b"):  # the solo tensors, each 64-byte aligned inside the arena
+        ptr = out[name].data_ptr()
+        assert base <= ptr < base + arena.size and (ptr - base) % 64 == 0
+    assert arena.used == 1_200_000 + 1_600_000  # 1,200,000 is a multiple of 64: no padding
+    assert arena.release_unused() > 0
+    assert torch.equal(out["a"], tree["a"]) and arena.take(torch.float32, (4,)) is None
+
+
+def test_a_full_arena_falls_back_to_new_memory() -> None:
+    arena = Arena(1 << 20)  # smaller than the tensor
+    lay = layout({"w": torch.randn(400_000)})
+    manifest = json.loads(lay.manifest_bytes())
+    buffers, _ = receive_buffers(manifest, None, arena)
+    assert arena.used == 0 and buffers[0].numel() == 1_600_000

@@ -64,6 +64,7 @@ class Launcher:
         self.pending_downtime: dict[str, Any] | None = None
         self.first_commits: dict[int, float] = {}
         self.first_batches: dict[int, float] = {}  # rank -> its first batch's wait after a recovery
+        self.state_bytes = 0  # a replica's state, as rank 0 last reported it
         self.stopping: str | None = None
         self.exit_code = 0
         self.recoveries: list[dict[str, Any]] = []
@@ -276,6 +277,8 @@ class Launcher:
         elif kind == "spare_ready":
             p.ready = True
             self._early_spare_deaths = 0
+            if self.state_bytes and p.conn is not None:
+                p.conn.send({"type": "prepare", "state_bytes": self.state_bytes})
         elif kind == "fired":
             self.fired.add(str(msg["id"]))
             self._fired_at = float(msg["time"])
@@ -538,6 +541,13 @@ class Launcher:
         self.first_batches = {}
 
     def _on_committed(self, p: Proc, msg: dict[str, Any]) -> None:
+        size = msg.get("state_bytes")
+        if isinstance(size, int) and size > self.state_bytes:
+            # spares page in room for this much state while they wait (see state/arena.py)
+            self.state_bytes = size
+            for spare in self.procs.values():
+                if spare.role == "spare" and spare.rank is None and spare.ready and spare.conn is not None:
+                    spare.conn.send({"type": "prepare", "state_bytes": size})
         pend = self.pending_downtime
         if pend is None or p.rank is None or int(msg["generation"]) != self.generation:
             return

@@ -48,6 +48,8 @@ from checkpointless.events import EventLog, get_logger, set_log_step, setup_logg
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.rendezvous_client import make_store
+from checkpointless.state.arena import Arena
+from checkpointless.state.codec import tensor_paths
 from checkpointless.state.snapshot import (
     RngState,
     Stateful,
@@ -121,6 +123,7 @@ class Job:
         self._deferred: BaseException | None = None
         self._first_commit_after_recovery = False
         self._batch_s: float | None = None  # this step's time until its batch was in the model
+        self._arena: Arena | None = None  # a spare's paged-in room for the state it will receive
         self._record: dict[str, Any] = {}
         self._interrupted: tuple[int, dict[str, Any]] | None = None
         self._link: LauncherLink | None = None
@@ -154,7 +157,11 @@ class Job:
         if self.env.role == "spare":
             log.info("spare %d ready, waiting for a rank", self.env.worker_id)
             self._link.send({"type": "spare_ready"})
-        msg = self._link.wait_for({"assign"}, time.monotonic() + 10 * 365 * 86400.0)
+        while True:
+            msg = self._link.wait_for({"assign", "prepare"}, time.monotonic() + 10 * 365 * 86400.0)
+            if msg["type"] == "assign":
+                break
+            self._prepare(int(msg["state_bytes"]))
         self.rank = int(msg["rank"])
         self.world_size = int(msg["world_size"])
         self._report_gen = int(msg["generation"])
@@ -167,6 +174,16 @@ class Job:
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         specs = parse_faults(list(msg.get("faults", [])), self.world_size)
         self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
+
+    def _prepare(self, state_bytes: int) -> None:
+        """As a spare: page in room for a replica's state now, not during a recovery."""
+        want = int(state_bytes * 1.01) + (1 << 20)  # alignment padding, a little growth
+        if self._arena is not None and self._arena.size >= want:
+            return
+        t0 = time.monotonic()
+        self._arena = None  # the old one goes first: never hold two
+        self._arena = Arena(want)
+        log.info("paged in %.1f MB for a replica's state in %.2f s", want / 1e6, time.monotonic() - t0)
 
     def _standalone(self) -> None:
         store = dist.HashStore()
@@ -323,6 +340,8 @@ class Job:
                     "step": index,
                     "time": time.time(),
                     "first_batch_s": self._batch_s,
+                    # how much memory a spare should page in for this replica's state
+                    "state_bytes": _state_bytes(self._objects) if self.rank == 0 else None,
                 }
             )
 
@@ -461,8 +480,11 @@ class Job:
             # our own tensors are the landing zone: a receiver's state is replaced anyway, and
             # receiving in place spares a copy and a page fault per 4 KiB of state
             own = collect_state(self._objects, target, capture_rng())
-            state, stats = receive_state(self.comm, source, self.rendezvous_timeout, own, route)
+            state, stats = receive_state(self.comm, source, self.rendezvous_timeout, own, route, self._arena)
             del own
+            if self._arena is not None:
+                self._arena.release_unused()
+                self._arena = None  # what was carved out lives on in the received tensors
             step, rng = restore_state(self._objects, state)
             if step != target:
                 raise StateTransferError(f"received state for step {step}, the plan says {target}")
@@ -509,6 +531,11 @@ class Job:
         log.warning("injecting fault %s", spec.to_text())
         if self._link is not None:
             self._link.send({"type": "fired", "id": spec.id, "kind": spec.kind, "time": time.time()})
+
+
+def _state_bytes(objects: dict[str, Any]) -> int:
+    state = collect_state(objects, 0, {})
+    return sum(t.numel() * t.element_size() for t in tensor_paths(state).values())
 
 
 _FAILED_AFTER_LOOP = False

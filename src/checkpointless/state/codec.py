@@ -33,6 +33,7 @@ import torch
 import xxhash
 
 from checkpointless.errors import StateTransferError
+from checkpointless.state.arena import Arena
 
 __all__ = ["Layout", "digest", "layout", "mismatch", "receive_buffers", "tensor_paths", "unpack"]
 
@@ -173,12 +174,14 @@ def _dtype(name: Any) -> torch.dtype:
     return dt
 
 
-def receive_buffers(manifest: dict[str, Any], into: Any = None) -> tuple[list[torch.Tensor], int]:
+def receive_buffers(
+    manifest: dict[str, Any], into: Any = None, arena: Arena | None = None
+) -> tuple[list[torch.Tensor], int]:
     """One uint8 buffer per message to receive into, and how many bytes of them are ``into``'s.
 
     A large tensor lands straight in the receiver's own tensor at the same path (``into``, e.g.
     its current state) when that tensor has the same dtype and shape and lives contiguous on the
-    CPU; otherwise in a new one."""
+    CPU; otherwise in memory from ``arena`` (paged in ahead), or else in a new tensor."""
     own = tensor_paths(into) if into is not None else {}
     used: set[int] = set()  # tied weights appear under two paths: fill the memory only once
     buffers: list[torch.Tensor] = []
@@ -200,7 +203,9 @@ def receive_buffers(manifest: dict[str, Any], into: Any = None) -> tuple[list[to
             or not dst.is_contiguous()
             or dst.data_ptr() in used
         ):
-            dst = torch.empty(shape, dtype=dtype)
+            dst = arena.take(dtype, shape) if arena is not None else None
+            if dst is None:
+                dst = torch.empty(shape, dtype=dtype)
         else:
             in_place += n
         used.add(dst.data_ptr())

@@ -34,6 +34,7 @@ import xxhash
 from checkpointless.errors import StateTransferError
 from checkpointless.rendezvous.peers import parse_address
 from checkpointless.rendezvous.server import PROTOCOL_VERSION, KeyServer
+from checkpointless.state.arena import Arena
 from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers
 from checkpointless.wire import FrameError, recv_frame, send_frame
 
@@ -187,6 +188,7 @@ def stream_receive(
     deadline: float,
     aborted: Aborted,
     into: Any,
+    arena: Arena | None,
 ) -> tuple[dict[str, Any], list[torch.Tensor], dict[str, float]]:
     """Receive from ``src``; return the manifest, the verified messages and timings."""
     t0 = time.monotonic()
@@ -198,7 +200,7 @@ def stream_receive(
             manifest = json.loads(mbytes)
         except ValueError as e:
             raise StateTransferError(f"state manifest from rank {src} is not valid JSON: {e}") from e
-        buffers, in_place = receive_buffers(manifest, into)
+        buffers, in_place = receive_buffers(manifest, into, arena)
         got = [digest(mbytes)]
         for buf in buffers:
             h = xxhash.xxh3_128()

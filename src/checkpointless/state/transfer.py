@@ -25,10 +25,11 @@ import torch
 
 from checkpointless.comm.communicator import Communicator, Handle
 from checkpointless.errors import StateTransferError
+from checkpointless.state.arena import Arena
 from checkpointless.state.codec import digest, layout, mismatch, receive_buffers, unpack
 from checkpointless.state.stream import StreamRoute, stream_receive, stream_send
 
-__all__ = ["StreamRoute", "receive_state", "send_state"]
+__all__ = ["Arena", "StreamRoute", "receive_state", "send_state"]
 
 _TAG_HEADER, _TAG_MANIFEST, _TAG_TRAILER, _TAG_MESSAGE = 7100, 7101, 7102, 7200
 _DIGEST_LEN = 32  # hex characters of an XXH3-128 digest
@@ -72,16 +73,20 @@ def receive_state(
     timeout: float,
     into: Any = None,
     route: StreamRoute | None = None,
+    arena: Arena | None = None,
 ) -> tuple[Any, dict[str, float]]:
     """Receive a tree from ``src``. Large tensors land in place in ``into``'s tensors of the same
     path, dtype and shape (pass the receiver's own current state): they are overwritten, so the
-    receiver's old state is gone once this starts, verified or not."""
+    receiver's old state is gone once this starts, verified or not. The others land in
+    ``arena`` while it has room (a spare's memory, paged in while it waited)."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     if route is not None:
-        manifest, buffers, stats = stream_receive(route, src, comm.rank, deadline, lambda: comm.aborted, into)
+        manifest, buffers, stats = stream_receive(
+            route, src, comm.rank, deadline, lambda: comm.aborted, into, arena
+        )
     else:
-        manifest, buffers, stats = _receive_gloo(comm, src, deadline, into)
+        manifest, buffers, stats = _receive_gloo(comm, src, deadline, into, arena)
     tree = unpack(manifest, buffers)
     # after the last byte: the digests still being compared, and the tree being rebuilt
     stats["verify_s"] = time.monotonic() - t0 - stats["recv_s"]
@@ -111,7 +116,7 @@ def _send_gloo(
 
 
 def _receive_gloo(
-    comm: Communicator, src: int, deadline: float, into: Any
+    comm: Communicator, src: int, deadline: float, into: Any, arena: Arena | None
 ) -> tuple[dict[str, Any], list[torch.Tensor], dict[str, float]]:
     t0 = time.monotonic()
     header = torch.empty(2, dtype=torch.int64)
@@ -130,7 +135,7 @@ def _receive_gloo(
         raise StateTransferError(f"state manifest from rank {src} is not valid JSON: {e}") from e
     if len(manifest.get("messages", ())) != nmsg:
         raise StateTransferError(f"state manifest from rank {src} does not match its header")
-    buffers, in_place = receive_buffers(manifest, into)
+    buffers, in_place = receive_buffers(manifest, into, arena)
     handles = {i: comm.recv(b, src, _TAG_MESSAGE + i) for i, b in enumerate(buffers) if b.numel()}
     trailer = torch.empty(_DIGEST_LEN * (nmsg + 1), dtype=torch.uint8)
     h_trailer = comm.recv(trailer, src, _TAG_TRAILER)
