@@ -3,11 +3,16 @@
 The public API is small: :func:`init` joins the job, :class:`Job` tracks what makes a replica and
 runs the recoverable step loop, :class:`DataParallel` averages gradients in a way that survives
 an aborted backward. Everything else is reached through the ``checkpointless`` command.
+
+The names are imported on first use: the launcher and its reaper watchdog import this package
+too, and they never need torch (importing it costs them seconds of CPU on every start).
 """
 
 from __future__ import annotations
 
-from checkpointless.comm.data_parallel import DataParallel
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from checkpointless.errors import (
     CheckpointlessError,
     CommAborted,
@@ -18,8 +23,11 @@ from checkpointless.errors import (
     StateTransferError,
     StepAborted,
 )
-from checkpointless.faults.inject import FaultSpec, InjectedFault, parse_faults
-from checkpointless.recovery.job import Job, Step, init
+
+if TYPE_CHECKING:
+    from checkpointless.comm.data_parallel import DataParallel
+    from checkpointless.faults.inject import FaultSpec, InjectedFault, parse_faults
+    from checkpointless.recovery.job import Job, Step, init
 
 __all__ = [
     "CheckpointlessError",
@@ -39,3 +47,22 @@ __all__ = [
     "parse_faults",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "DataParallel": "checkpointless.comm.data_parallel",
+    "FaultSpec": "checkpointless.faults.inject",
+    "InjectedFault": "checkpointless.faults.inject",
+    "parse_faults": "checkpointless.faults.inject",
+    "Job": "checkpointless.recovery.job",
+    "Step": "checkpointless.recovery.job",
+    "init": "checkpointless.recovery.job",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'checkpointless' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
