@@ -56,7 +56,8 @@ def test_fault_is_survived_bitwise(
         # the spare received the state over the direct stream, and its first batch was timed
         assert rec["transport"] == "stream" and rec["state_bytes"] > 0, rec
         assert 0 <= rec["first_batch_s"] < rec["downtime_s"], rec
-        assert "paged in" in res.output, "the spare should have paged in room for the state"
+        if name != "first-step":  # before the first commit nobody knows the state's size yet
+            assert "paged in" in res.output, "the spare should have paged in room for the state"
     if "optimizer" in name:
         plans = [p for p in res.of("plan") if p["generation"] > 0]
         assert 1 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
