@@ -8,6 +8,7 @@ for the shifted targets: sample ``i`` covers tokens ``[i*seq_len, (i+1)*seq_len]
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -27,15 +28,29 @@ class TokenDataset:
     def __init__(self, path: Path, header: TokenFileHeader) -> None:
         self.path = path
         self.header = header
+
+    # The maps are made on first use: a replacement whose first batch comes from the shared-memory
+    # cache needs only the header's fingerprint, and two np.memmap objects cost it more than the
+    # batch itself.
+    @functools.cached_property
+    def tokens(self) -> npt.NDArray[Any]:
+        header = self.header
         # Mapping an empty range is an error in mmap, so an empty token file gets a plain empty array.
-        if header.num_tokens:
-            self.tokens: npt.NDArray[Any] = np.memmap(
-                path, dtype=header.np_dtype, mode="r", offset=header.tokens_offset, shape=(header.num_tokens,)
-            )
-        else:
-            self.tokens = np.zeros(0, dtype=header.np_dtype)
-        self.doc_offsets: npt.NDArray[np.uint64] = np.memmap(
-            path, dtype="<u8", mode="r", offset=header.index_offset, shape=(header.num_docs + 1,)
+        if not header.num_tokens:
+            return np.zeros(0, dtype=header.np_dtype)
+        return np.memmap(
+            self.path,
+            dtype=header.np_dtype,
+            mode="r",
+            offset=header.tokens_offset,
+            shape=(header.num_tokens,),
+        )
+
+    @functools.cached_property
+    def doc_offsets(self) -> npt.NDArray[np.uint64]:
+        header = self.header
+        return np.memmap(
+            self.path, dtype="<u8", mode="r", offset=header.index_offset, shape=(header.num_docs + 1,)
         )
 
     @classmethod

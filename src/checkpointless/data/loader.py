@@ -8,11 +8,12 @@ re-run of the same step, in this process or in a replacement, finds it in memory
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +27,10 @@ from checkpointless.errors import ConfigError
 __all__ = ["BatchLoader"]
 
 log = logging.getLogger(__name__)
+
+# torch sets up its numpy bridge on the first from_numpy (~0.1 ms here): pay it at import, in a
+# spare that is waiting, instead of in the first batch after a recovery.
+torch.from_numpy(np.zeros(1, dtype=np.int64))
 
 I64 = npt.NDArray[np.int64]
 # How long batch() waits for the prefetch thread when it is building exactly the wanted step; beyond
@@ -147,9 +152,6 @@ class BatchLoader:
         shuffle: bool = True,
     ) -> None:
         self.dataset = dataset
-        # A plain ndarray view of the same mapping: slicing an np.memmap builds a memmap object per
-        # slice, which costs more than copying the slice itself for short rows.
-        self._tokens = np.asarray(dataset.tokens)
         self.seq_len = seq_len
         self.sampler = GlobalSampler(dataset.num_samples(seq_len), global_batch, seed, shuffle=shuffle)
         self.per_rank = self.sampler.check_shard(dp_rank, dp_size)
@@ -171,6 +173,13 @@ class BatchLoader:
         self.last_source: Literal["cache", "built", ""] = ""
         #: Digest of the last batch when the cache computed it anyway (None without a cache).
         self.last_digest: str | None = None
+
+    @functools.cached_property
+    def _tokens(self) -> npt.NDArray[Any]:
+        # A plain ndarray view of the same mapping: slicing an np.memmap builds a memmap object per
+        # slice, which costs more than copying the slice itself for short rows. Made on the first
+        # build, so that a cache hit never maps the file.
+        return np.asarray(self.dataset.tokens)
 
     def key(self, step: int) -> BatchKey:
         return BatchKey(
@@ -221,8 +230,11 @@ class BatchLoader:
             self.last_source = "built"
         if cache is not None:
             # Move the window first, so that a re-run of an old step is cached too and the
-            # number of files never exceeds behind + 1 + capacity.
-            cache.trim(step)
+            # number of files never exceeds behind + 1 + capacity. A first call that hit the cache
+            # (a replacement's first batch) leaves the directory scan to the next call: nothing is
+            # published before then, and the batch is wanted now.
+            if got is None or self._served:
+                cache.trim(step)
             if got is None:
                 self.last_digest = cache.put(key, x, y)
             if self._prefetcher is not None:
