@@ -321,7 +321,7 @@ def main() -> int:
         f"(overhead {bl.fmt(overhead_pct, 1)}%); of mean step times: {bl.fmt(ratio_mean, 4)}; "
         f"median of adjacent-pair ratios: {bl.fmt_spread(pr, 4)}",
         f"checkpointless / DDP, CPU time of the whole job per step (all its processes): {bl.fmt(ratio_cpu, 4)} "
-        f"(+{bl.fmt((ratio_cpu - 1) * 100 if ratio_cpu else None, 1)}%); adjacent pairs: {bl.fmt_spread(cpr, 4)}",
+        f"({f'{(ratio_cpu - 1) * 100:+.1f}' if ratio_cpu else '-'}%); adjacent pairs: {bl.fmt_spread(cpr, 4)}",
     ]
     notes = []
     if overhead_pct is not None:

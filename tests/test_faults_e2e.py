@@ -89,3 +89,21 @@ def test_spare_killed_while_waiting_is_replaced(tmp_path: Path, corpus: Path, re
     )
     check_recovered(res, ref)
     assert res.of("spare_lost"), "the launcher must notice the lost spare"
+
+
+@pytest.mark.timeout(240)
+def test_central_store_rendezvous_moves_state_over_gloo(tmp_path: Path, corpus: Path, reference: Any) -> None:
+    """Under --rendezvous tcp there is no key server to stream through: the spare receives the
+    state over the new generation's gloo group instead, still verified and bitwise."""
+    ref = reference(3)
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=3,
+        spares=1,
+        faults=["kill:rank=2:step=4"],
+        extra=["--rendezvous", "tcp"],
+    )
+    check_recovered(res, ref)
+    rec = res.of("recovery")[-1]
+    assert rec["transport"] == "gloo" and rec["state_bytes"] > 0, rec

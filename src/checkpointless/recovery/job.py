@@ -480,6 +480,8 @@ class Job:
             # our own tensors are the landing zone: a receiver's state is replaced anyway, and
             # receiving in place spares a copy and a page fault per 4 KiB of state
             own = collect_state(self._objects, target, capture_rng())
+            if self._arena is not None:
+                self._arena.reset()  # a transfer that failed before may have taken some of it
             state, stats = receive_state(self.comm, source, self.rendezvous_timeout, own, route, self._arena)
             del own
             if self._arena is not None:

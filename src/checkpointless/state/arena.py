@@ -42,6 +42,10 @@ class Arena:
         self.used = start + nbytes
         return self._bytes[start : start + nbytes].view(dtype).reshape(shape)
 
+    def reset(self) -> None:
+        """Hand out from the start again: the tensors of a failed transfer are dropped, not used."""
+        self.used = 0
+
     def release_unused(self) -> int:
         """Give the pages past what was handed out back to the system; return how many bytes."""
         start = -(-self.used // mmap.PAGESIZE) * mmap.PAGESIZE

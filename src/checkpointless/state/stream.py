@@ -90,7 +90,9 @@ def _frame(
     sock: socket.socket, secret: bytes, deadline: float, aborted: Aborted, what: str
 ) -> dict[str, Any]:
     """The next sealed frame, waiting in slices so that an abort is noticed."""
-    while not select.select([sock], [], [], _POLL)[0]:
+    poller = select.poll()  # not select.select: a large job's process holds fds past FD_SETSIZE
+    poller.register(sock, select.POLLIN)
+    while not poller.poll(_POLL * 1000):
         _check(deadline, aborted, what)
     try:
         header, payload = recv_frame(sock, secret, deadline)
