@@ -155,3 +155,33 @@ def test_stream_with_the_wrong_secret_is_refused() -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+def test_stream_groups_small_messages_and_keeps_large_ones_alone() -> None:
+    from checkpointless.state.stream import _CHUNK, _groups
+
+    sizes = [0, 10, _CHUNK, 5, 0, _CHUNK - 6, 7, 3 * _CHUNK, 1]
+    groups = _groups([torch.empty(n, dtype=torch.uint8) for n in sizes])
+    assert [i for g in groups for i in g] == list(range(len(sizes)))  # every message, in order
+    assert groups == [[0, 1], [2], [3, 4, 5], [6], [7], [8]]
+
+
+def test_stream_moves_many_small_tensors_without_packing() -> None:
+    servers, routes = _routes()
+    try:
+        g = torch.Generator().manual_seed(9)
+        sent = {f"p{i}": torch.rand(i % 37, 3, generator=g) for i in range(700)}  # > IOV_MAX tensors
+        sent["flags"] = torch.tensor([True, False])
+        sent["step"] = torch.tensor(3.0)
+        own = {k: torch.zeros_like(v) for k, v in sent.items()}
+        info, (tree, stats) = _pair(
+            lambda c: send_state(c, sent, [1], 20, routes[0]),
+            lambda c: receive_state(c, 0, 20, own, routes[1]),
+        )
+        assert info["messages"] == len(sent)  # one message per tensor, nothing packed
+        assert all(torch.equal(tree[k], v) for k, v in sent.items())
+        assert tree["p36"].data_ptr() == own["p36"].data_ptr()  # landed in place
+        assert stats["in_place_bytes"] == sum(v.numel() * v.element_size() for v in sent.values())
+    finally:
+        for s in servers:
+            s.stop()

@@ -38,7 +38,8 @@ from checkpointless.state.arena import Arena
 __all__ = ["Layout", "digest", "layout", "mismatch", "receive_buffers", "tensor_paths", "unpack"]
 
 _ALIGN = 64  # every packed tensor starts on a 64-byte boundary
-_SOLO_MIN = 1 << 20  # tensors this large travel as their own message, in place
+SOLO_MIN = 1 << 20  # by default tensors this large travel as their own message, in place
+_ARENA_MIN = 64 << 10  # smaller tensors get storage of their own (see unpack), not arena space
 _PACK_MAX = 16 << 20  # a pack of small tensors is cut at this size
 
 
@@ -98,7 +99,10 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def layout(tree: Any) -> Layout:
+def layout(tree: Any, solo_min: int = SOLO_MIN) -> Layout:
+    """Lay ``tree`` out. Tensors of ``solo_min`` bytes or more are messages of their own (sent from
+    and received into tensor memory); smaller ones are packed. A transport whose messages are
+    cheap (the stream) passes 0: then nothing is copied at all."""
     tensors: list[tuple[str, torch.Tensor]] = []
 
     def enc(v: Any, path: str) -> Any:
@@ -132,6 +136,7 @@ def layout(tree: Any) -> Layout:
     metas: list[dict[str, Any]] = []
     messages: list[torch.Tensor] = []
     packs: list[list[tuple[int, torch.Tensor]]] = []  # per pack: (offset, tensor)
+    pack_msgs: list[int] = []  # which messages are packs
     pack_end = _PACK_MAX  # forces a new pack for the first small tensor
     for path, t in tensors:
         nbytes = t.numel() * t.element_size()
@@ -141,12 +146,13 @@ def layout(tree: Any) -> Layout:
             "shape": list(t.shape),
             "nbytes": nbytes,
         }
-        if nbytes >= _SOLO_MIN:
+        if nbytes >= solo_min:
             meta.update(msg=len(messages), offset=0, solo=True)
             messages.append(_as_bytes(t))
         else:
             if pack_end + nbytes > _PACK_MAX:
                 packs.append([])
+                pack_msgs.append(len(messages))
                 messages.append(torch.empty(0, dtype=torch.uint8))  # filled below
                 pack_end = 0
             meta.update(msg=len(messages) - 1, offset=pack_end, solo=False)
@@ -154,7 +160,6 @@ def layout(tree: Any) -> Layout:
             pack_end += -(-nbytes // _ALIGN) * _ALIGN
         metas.append(meta)
     # fill the packs: zeros first, so the padding is hashed as zeros
-    pack_msgs = [i for i, m in enumerate(messages) if m.numel() == 0]
     for i, items in zip(pack_msgs, packs, strict=True):
         size = max(off + t.numel() * t.element_size() for off, t in items) if items else 0
         buf = torch.zeros(-(-size // _ALIGN) * _ALIGN, dtype=torch.uint8)
@@ -203,7 +208,7 @@ def receive_buffers(
             or not dst.is_contiguous()
             or dst.data_ptr() in used
         ):
-            dst = arena.take(dtype, shape) if arena is not None else None
+            dst = arena.take(dtype, shape) if arena is not None and n >= _ARENA_MIN else None
             if dst is None:
                 dst = torch.empty(shape, dtype=dtype)
         else:

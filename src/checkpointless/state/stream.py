@@ -42,6 +42,7 @@ __all__ = ["StreamRoute", "stream_receive", "stream_send"]
 
 _CHUNK = 4 << 20  # a chunk stays in the last-level cache between its socket call and its hash
 _POLL = 0.25
+_IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's IOV_MAX)
 
 Aborted = Callable[[], "str | None"]
 
@@ -71,6 +72,58 @@ def _send_all(sock: socket.socket, view: memoryview, deadline: float, aborted: A
             pos += sock.send(view[pos:])
         except TimeoutError:
             _check(deadline, aborted, "sending")
+
+
+def _send_group(sock: socket.socket, views: list[memoryview], deadline: float, aborted: Aborted) -> None:
+    """Send many small buffers with as few system calls as possible (scatter-gather)."""
+    views = [v for v in views if len(v)]
+    while views:
+        try:
+            n = sock.sendmsg(views[:_IOV_MAX])
+        except TimeoutError:
+            _check(deadline, aborted, "sending")
+            continue
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+
+
+def _recv_group(sock: socket.socket, views: list[memoryview], deadline: float, aborted: Aborted) -> None:
+    """Fill many small buffers in order, with as few system calls as possible."""
+    views = [v for v in views if len(v)]
+    while views:
+        try:
+            n = sock.recvmsg_into(views[:_IOV_MAX])[0]
+        except TimeoutError:
+            _check(deadline, aborted, "receiving")
+            continue
+        if n == 0:
+            raise StateTransferError("the state source closed the stream early: it has died")
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+
+
+def _groups(messages: list[torch.Tensor]) -> list[list[int]]:
+    """Consecutive small messages go together (up to a chunk's worth); a large one goes alone."""
+    out: list[list[int]] = []
+    small: list[int] | None = None  # the group of small messages being filled, if any
+    size = 0
+    for i, m in enumerate(messages):
+        n = int(m.numel())
+        if n >= _CHUNK:
+            out.append([i])
+            small = None
+            continue
+        if small is None or size + n > _CHUNK or len(small) >= _IOV_MAX:
+            small = []
+            out.append(small)
+            size = 0
+        small.append(i)
+        size += n
+    return out
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float, aborted: Aborted) -> None:
@@ -130,11 +183,16 @@ def stream_send(
         for sock in socks.values():
             send_frame(sock, route.secret, {"type": "manifest"}, mbytes)
         digests = [digest(mbytes)]
-        for msg in lay.messages:
+        for group in _groups(lay.messages):
+            views = [memoryview(lay.messages[i].numpy()).cast("B") for i in group]
+            if len(views[0]) < _CHUNK:  # small ones: hashed one by one, sent together
+                digests.extend(xxhash.xxh3_128(v).hexdigest() for v in views)
+                for sock in socks.values():
+                    _send_group(sock, views, deadline, aborted)
+                continue
             h = xxhash.xxh3_128()
-            view = memoryview(msg.numpy()).cast("B")
-            for off in range(0, len(view), _CHUNK):
-                chunk = view[off : off + _CHUNK]
+            for off in range(0, len(views[0]), _CHUNK):
+                chunk = views[0][off : off + _CHUNK]
                 h.update(chunk)
                 for sock in socks.values():
                     _send_all(sock, chunk, deadline, aborted)
@@ -204,11 +262,15 @@ def stream_receive(
             raise StateTransferError(f"state manifest from rank {src} is not valid JSON: {e}") from e
         buffers, in_place = receive_buffers(manifest, into, arena)
         got = [digest(mbytes)]
-        for buf in buffers:
+        for group in _groups(buffers):
+            views = [memoryview(buffers[i].numpy()).cast("B") for i in group]
+            if len(views[0]) < _CHUNK:
+                _recv_group(sock, list(views), deadline, aborted)
+                got.extend(xxhash.xxh3_128(v).hexdigest() for v in views)
+                continue
             h = xxhash.xxh3_128()
-            view = memoryview(buf.numpy()).cast("B")
-            for off in range(0, len(view), _CHUNK):
-                chunk = view[off : off + _CHUNK]
+            for off in range(0, len(views[0]), _CHUNK):
+                chunk = views[0][off : off + _CHUNK]
                 _recv_into(sock, chunk, deadline, aborted)
                 h.update(chunk)
             got.append(h.hexdigest())

@@ -26,7 +26,7 @@ import torch
 from checkpointless.comm.communicator import Communicator, Handle
 from checkpointless.errors import StateTransferError
 from checkpointless.state.arena import Arena
-from checkpointless.state.codec import digest, layout, mismatch, receive_buffers, unpack
+from checkpointless.state.codec import SOLO_MIN, digest, layout, mismatch, receive_buffers, unpack
 from checkpointless.state.stream import StreamRoute, stream_receive, stream_send
 
 __all__ = ["Arena", "StreamRoute", "receive_state", "send_state"]
@@ -50,7 +50,9 @@ def send_state(
     """Send ``tree`` to every receiver; return timings and byte counts."""
     t0 = time.monotonic()
     deadline = t0 + timeout
-    lay = layout(tree)
+    # every tensor is a message of its own on the stream (they are just consecutive bytes there);
+    # over gloo each message costs a work item and a thread, so small tensors are packed
+    lay = layout(tree, solo_min=0 if route is not None else SOLO_MIN)
     mbytes = lay.manifest_bytes()
     t1 = time.monotonic()
     if route is not None:
