@@ -6,11 +6,11 @@ carry are explicit) and tensors travel as raw bytes.
 
 Why a list of messages and not one flat buffer: copying the whole state into one new buffer
 costs a pass over memory plus a page fault per 4 KiB on the sender, and the same again on the
-receiver. Here every large tensor is its own message, sent straight from the tensor's memory,
-and received straight into the receiver's own tensor of the same name when it has one (a
-survivor that fell behind, a spare whose model exists): bytes go from one replica's tensor to
-the other's with no copy on either side. Small tensors (RNG states, step counters, biases) are
-packed into a few buffers, where the per-message cost would otherwise dominate.
+receiver. Here a tensor is its own message, sent straight from the tensor's memory, and received
+straight into the receiver's own tensor of the same name when it has one (a survivor that fell
+behind, a spare whose model exists): bytes go from one replica's tensor to the other's with no
+copy on either side. A transport with a real cost per message (gloo) asks for small tensors (RNG
+states, step counters, biases) to be packed into a few buffers instead.
 
 Each message is checksummed with XXH3-128 (~10 GB/s per core, so it overlaps the wire instead
 of adding to it): it detects corruption, not forgery (the bytes travel only between members of
