@@ -94,7 +94,7 @@ def main() -> int:
         print(
             f"  {what:<20} {detect}downtime {e['downtime_s']:.2f} s  (stop {e['collect_s']:.2f}, rebuild "
             f"{e['rebuild_s']:.3f}, state {e['transfer_s']:.3f} s for {e['state_bytes'] / 1e6:.1f} MB, "
-            f"first step {e['first_step_s']:.2f})"
+            f"first batch {e.get('first_batch_s', 0.0) * 1e3:.1f} ms, first step {e['first_step_s']:.2f})"
         )
     print(f"\n  fault-free run: {t_clean:.1f} s   with 3 faults: {t_faulty:.1f} s")
     print(f"  final weights, fault-free : {clean}")
