@@ -185,3 +185,35 @@ def test_stream_moves_many_small_tensors_without_packing() -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+def test_stream_receiver_leaves_promptly_when_aborted_mid_data() -> None:
+    """The source stalls half-way through the bytes (as a SIGSTOPped one would): an abort must
+    still end the receive within a fraction of a second, not at the transfer's deadline."""
+    from checkpointless.wire import send_frame
+
+    servers, routes = _routes()
+    try:
+        sent = {"w": torch.rand(1 << 21)}  # 8 MiB: several chunks
+
+        def stalling_source(comm: Communicator) -> None:
+            lay = layout(sent, solo_min=0)
+            q = routes[0].server.open_channel(routes[0].channel)
+            sock, _ = q.get(timeout=10)
+            send_frame(sock, routes[0].secret, {"type": "manifest"}, lay.manifest_bytes())
+            sock.sendall(memoryview(lay.messages[0].numpy()).cast("B")[: 1 << 20])
+            time.sleep(3)  # stalled, connection open
+            sock.close()
+
+        def receiver(comm: Communicator) -> float:
+            threading.Timer(0.5, lambda: comm.abort("a newer fault")).start()
+            t0 = time.monotonic()
+            with pytest.raises(StateTransferError, match="aborted"):
+                receive_state(comm, 0, 30, None, routes[1])
+            return time.monotonic() - t0
+
+        _, waited = _pair(stalling_source, receiver)
+        assert isinstance(waited, float) and waited < 1.5, waited
+    finally:
+        for s in servers:
+            s.stop()

@@ -151,9 +151,22 @@ def _frame(
         header, payload = recv_frame(sock, secret, deadline)
     except (FrameError, OSError) as e:
         raise StateTransferError(f"state stream broke during {what}: {e}") from e
+    finally:
+        sock.settimeout(_POLL)  # recv_frame set the deadline's timeout; the data phase polls
     if payload:
         header["payload"] = bytes(payload)
     return header
+
+
+def _send_frame(
+    sock: socket.socket, secret: bytes, deadline: float, header: dict[str, Any], payload: bytes = b""
+) -> None:
+    """A sealed frame, bounded by the deadline (a manifest can be megabytes), then back to polling."""
+    sock.settimeout(max(0.01, deadline - time.monotonic()))
+    try:
+        send_frame(sock, secret, header, payload)
+    finally:
+        sock.settimeout(_POLL)
 
 
 def stream_send(
@@ -181,7 +194,7 @@ def stream_send(
             sock.settimeout(_POLL)
             socks[rank] = sock
         for sock in socks.values():
-            send_frame(sock, route.secret, {"type": "manifest"}, mbytes)
+            _send_frame(sock, route.secret, deadline, {"type": "manifest"}, mbytes)
         digests = [digest(mbytes)]
         for group in _groups(lay.messages):
             views = [memoryview(lay.messages[i].numpy()).cast("B") for i in group]
@@ -198,7 +211,7 @@ def stream_send(
                     _send_all(sock, chunk, deadline, aborted)
             digests.append(h.hexdigest())
         for sock in socks.values():
-            send_frame(sock, route.secret, {"type": "trailer", "digests": digests})
+            _send_frame(sock, route.secret, deadline, {"type": "trailer", "digests": digests})
         for rank, sock in socks.items():
             ack = _frame(sock, route.secret, deadline, aborted, f"rank {rank}'s acknowledgement")
             if ack.get("ok") is not True:
@@ -279,7 +292,7 @@ def stream_receive(
         expected = trailer.get("digests")
         bad = mismatch(got, expected)
         with contextlib.suppress(OSError):
-            send_frame(sock, route.secret, {"ok": bad is None, "error": bad})
+            _send_frame(sock, route.secret, deadline, {"ok": bad is None, "error": bad})
         if bad is not None:
             raise StateTransferError(f"state from rank {src}: {bad}")
     except OSError as e:
