@@ -351,7 +351,10 @@ class KeyServer:
             if q is None:  # not open (yet): the peer retries until its deadline
                 self._send(conn, {"seq": seq, "ok": False, "error": "no-channel"})
                 return
-            if self._send(conn, {"seq": seq, "ok": True}) and not conn.pending:
+            if conn.pending:  # a connection with parked reads cannot leave the loop
+                self._send(conn, {"seq": seq, "ok": False, "error": "busy"})
+                return
+            if self._send(conn, {"seq": seq, "ok": True}):
                 self._conns.discard(conn)
                 with contextlib.suppress(KeyError, ValueError, OSError):
                     self._sel.unregister(conn.sock)
