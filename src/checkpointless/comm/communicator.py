@@ -29,24 +29,42 @@ from checkpointless.errors import CommAborted, RendezvousError
 __all__ = ["Communicator", "Handle"]
 
 
+_POLL_S = 0.01  # a polled wait re-checks for an abort this often
+
+
 class Handle:
-    """Completion of one collective, abortable from another thread."""
+    """Completion of one collective, abortable from another thread.
 
-    __slots__ = ("_done", "_error", "_lock", "_on_finish", "_work", "result")
+    How completion is observed: gloo collectives are *polled* by the thread that waits, in short
+    bounded waits inside gloo (the GIL released), checking between them whether an abort failed
+    the handle. A Python callback on gloo's own thread would be simpler, but it must take the
+    GIL from the training thread in the middle of the backward pass; with more threads than
+    cores that hand-over stalled every bucket's all-reduce issue by about a millisecond.
+    Works without a future (gloo send/recv) are waited on a helper thread; others (NCCL) get a
+    future callback.
+    """
 
-    def __init__(self, work: Any, result: Any, on_finish: Callable[[Handle], None]) -> None:
+    __slots__ = ("_done", "_error", "_lock", "_on_finish", "_poll", "_work", "result")
+
+    def __init__(
+        self, work: Any, result: Any, on_finish: Callable[[Handle], None], poll: bool = False
+    ) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._work = work
         self._on_finish = on_finish
+        self._poll = False
         self.result = result
         try:
             fut = work.get_future()
         except RuntimeError:  # gloo send/recv have no future: wait on a helper thread instead
             threading.Thread(target=self._wait_work, daemon=True, name="cl-work-wait").start()
         else:
-            fut.add_done_callback(self._on_future)
+            if poll:
+                self._poll = True  # completion is seen by wait(); nothing runs on gloo's thread
+            else:
+                fut.add_done_callback(self._on_future)
 
     def _wait_work(self) -> None:
         try:
@@ -79,9 +97,26 @@ class Handle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def _poll_until(self, deadline: float | None) -> None:
+        work = self._work  # _finish (an abort, from any thread) clears the attribute
+        while work is not None and not self._done.is_set():
+            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                return
+            try:
+                work.wait(datetime.timedelta(seconds=left))
+            except Exception as e:
+                if not work.is_completed():
+                    continue  # only our bounded wait ran out; the collective goes on
+                self._finish(e)
+            else:
+                self._finish(None)
+
     def wait(self, timeout: float | None = None) -> Any:
         """Wait for completion; raise :class:`CommAborted` if aborted or the collective failed."""
-        if not self._done.wait(timeout):
+        if self._poll:
+            self._poll_until(None if timeout is None else time.monotonic() + timeout)
+        if not self._done.wait(0 if self._poll else timeout):
             raise CommAborted(f"collective did not complete within {timeout:.1f} s")
         if self._error is not None:
             if isinstance(self._error, CommAborted):
@@ -224,8 +259,9 @@ class Communicator:
         with self._lock:
             if self._aborted is not None or self._pg is None:
                 raise CommAborted(f"generation {self.generation} aborted: {self._aborted}")
-            work = fn(self._cpu_pg if (cpu and self._cpu_pg is not None) else self._pg)
-            h = Handle(work, result, self._forget)
+            pg = self._cpu_pg if (cpu and self._cpu_pg is not None) else self._pg
+            work = fn(pg)
+            h = Handle(work, result, self._forget, poll=pg is not self._pg or self.backend == "gloo")
             if not h.done():
                 self._pending.add(h)
         return h
