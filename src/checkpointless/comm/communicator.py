@@ -4,8 +4,8 @@ Why not plain ``torch.distributed`` calls: gloo's ``abort()`` does not wake a th
 already waiting in a collective (see shared/REFERENCES.md), and a hung peer keeps its sockets open,
 so a waiting survivor would sit until gloo's timeout. Here every collective is issued
 asynchronously and its completion is mirrored into a :class:`Handle` that we own. ``abort()``
-fails every pending handle at once, from any thread, so the training thread leaves the
-collective in microseconds. The gloo work itself is left to finish or time out in the background
+fails every pending handle at once, from any thread, and the training thread, which waits in
+bounded 10 ms slices, leaves the collective within one slice. The gloo work itself is left to finish or time out in the background
 (its process group is parked in a graveyard, never destroyed under a waiting thread).
 
 Each rebuild makes a new gloo process group for a new *generation*, with the same rank numbers,
