@@ -77,3 +77,37 @@ def test_abort_unblocks_a_waiting_collective_and_next_generation_works() -> None
     assert 0.4 < results["aborted"] < 1.5, f"abort took {results['aborted']:.3f} s"
     assert results["gen1-rank0"] == [21.0, 21.0, 21.0]
     assert results["gen1-rank1"] == [21.0, 21.0, 21.0]
+
+
+def test_polled_wait_honours_its_timeout_and_an_abort() -> None:
+    """The waiting thread polls gloo in bounded slices: a wait with a timeout returns at it, and
+    an abort from another thread ends a wait without a timeout within a slice or two."""
+    import torch
+    import torch.distributed as dist
+
+    from checkpointless.comm.communicator import Communicator
+    from checkpointless.errors import CommAborted
+
+    store = dist.HashStore()
+    comms = [Communicator(r, 2, datetime.timedelta(seconds=30), backend="gloo") for r in range(2)]
+    builders = [
+        threading.Thread(
+            target=c.rebuild, args=(0, dist.PrefixStore("g0/", store), r, 2, time.monotonic() + 20)
+        )
+        for r, c in enumerate(comms)
+    ]
+    for th in builders:
+        th.start()
+    for th in builders:
+        th.join(30)
+    c0 = comms[0]  # rank 1 never joins the collectives below
+    t0 = time.monotonic()
+    with pytest.raises(CommAborted, match="did not complete"):
+        c0.wait(c0.allreduce(torch.ones(4)), 0.3)
+    assert 0.25 < time.monotonic() - t0 < 1.0
+    h = c0.allreduce(torch.ones(4))
+    threading.Timer(0.2, lambda: c0.abort("test")).start()
+    t0 = time.monotonic()
+    with pytest.raises(CommAborted, match="test"):
+        c0.wait(h)
+    assert time.monotonic() - t0 < 0.5

@@ -104,7 +104,8 @@ class Handle:
             if left <= 0:
                 return
             try:
-                work.wait(datetime.timedelta(seconds=left))
+                # whole milliseconds, at least one: c10d reads a 0 ms timeout as "wait for ever"
+                work.wait(datetime.timedelta(milliseconds=max(1, int(left * 1000))))
             except Exception as e:
                 if not work.is_completed():
                     continue  # only our bounded wait ran out; the collective goes on
