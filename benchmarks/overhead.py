@@ -94,6 +94,19 @@ def step_times(run_dir: Path, warmup: int) -> tuple[list[float], dict[int, float
     return [done[b] - done[a] for a, b in itertools.pairwise(steps) if b == a + 1 and a >= warmup], done
 
 
+def steady_start(run_dir: Path, done: dict[int, float], warmup: int) -> int:
+    """The first step of the steady state: after the warm-up and, on the checkpointless side,
+    after every hot spare has finished starting (``spare_ready`` events). A spare imports torch
+    on the same cores while the first steps run; that is start-up, not the cost of each step."""
+    ready = [
+        float(e["time"]) for e in bl.read_jsonl(run_dir / "events.jsonl") if e.get("event") == "spare_ready"
+    ]
+    if not ready:
+        return warmup
+    after = [s for s in sorted(done) if s - 1 in done and done[s - 1] >= max(ready)]
+    return max(warmup, after[0]) if after else warmup
+
+
 def cpu_per_step(samples: list[tuple[float, float]], done: dict[int, float], warmup: int) -> float | None:
     """CPU seconds of the whole job (every process it started) per step, after the warm-up:
     unlike wall time, hardly moved by other work on a shared machine."""
@@ -137,7 +150,9 @@ def write_markdown(result: dict[str, Any]) -> None:
         f"Python {info['python']}, torch {info['torch']}",
         f"- Load: {info['load_note']}",
         f"- Source tree: git {info.get('git') or 'unknown'}",
-        f"- Job: examples/train_gpt.py, {p.nproc} ranks, {p.steps} steps (first {p.warmup} left out), dim "
+        f"- Job: examples/train_gpt.py, {p.nproc} ranks, {p.steps} steps (the first {p.warmup} left out, and on "
+        "the checkpointless side every step that began before its hot spare was ready: start-up, not steady "
+        "state), dim "
         f"{p.dim}, {p.layers} layers, {p.heads} heads, seq {p.seq_len}, global batch {p.global_batch}; "
         f"{p.pairs} runs of each design, alternating",
         f"- checkpointless: `checkpointless run --nproc {p.nproc} --spares {p.spares} examples/train_gpt.py`; "
@@ -212,8 +227,10 @@ def main() -> int:
                     run_dir = work / f"{design}-{i}"
                     shutil.rmtree(run_dir, ignore_errors=True)
                     fin = launch(a, design, run_dir)
-                    st, done = step_times(run_dir, a.warmup)
-                    cps = cpu_per_step(fin.cpu_samples, done, a.warmup)
+                    _, done = step_times(run_dir, a.warmup)
+                    start = steady_start(run_dir, done, a.warmup)
+                    st, _ = step_times(run_dir, start)
+                    cps = cpu_per_step(fin.cpu_samples, done, start)
                     digest = (
                         (run_dir / "digest").read_text().strip() if (run_dir / "digest").exists() else None
                     )
@@ -222,13 +239,14 @@ def main() -> int:
                         error = "timed out"
                     elif fin.rc != 0:
                         error = f"exit code {fin.rc}"
-                    elif len(st) < (a.steps - a.warmup - 1):
+                    elif len(st) < min(10, a.steps - start - 1):
                         error = f"only {len(st)} step times in the logs"
                     rec = {
                         "design": design,
                         "pair": i,
                         "rc": fin.rc,
                         "wall_s": round(fin.wall_s, 3),
+                        "steady_from_step": start,
                         "error": error,
                         "digest": digest,
                         "median_step_s": statistics.median(st) if st else None,

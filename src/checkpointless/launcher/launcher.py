@@ -277,6 +277,7 @@ class Launcher:
         elif kind == "spare_ready":
             p.ready = True
             self._early_spare_deaths = 0
+            self.events.emit("spare_ready", worker=p.worker_id)
             if self.state_bytes and p.conn is not None:
                 p.conn.send({"type": "prepare", "state_bytes": self.state_bytes})
         elif kind == "fired":
