@@ -3,10 +3,11 @@ key servers (two ranks as two threads of this process)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -95,66 +96,65 @@ def test_a_corrupted_message_is_refused() -> None:
     assert "checksum mismatch" in str(err) and "message 1" in str(err)
 
 
-def _routes(
-    secrets: tuple[bytes, bytes] = (b"s" * 32, b"s" * 32),
-) -> tuple[list[KeyServer], list[StreamRoute]]:
+@contextlib.contextmanager
+def _routes(secrets: tuple[bytes, bytes] = (b"s" * 32, b"s" * 32)) -> Iterator[list[StreamRoute]]:
+    """Two running key servers (one per rank) and each rank's route to the other; stopped after."""
     servers = [KeyServer("127.0.0.1", 0, secret) for secret in secrets]
     for s in servers:
         s.start()
     peers = [s.address for s in servers]
-    routes = [StreamRoute(s, peers, secret, "state/gen1") for s, secret in zip(servers, secrets, strict=True)]
-    return servers, routes
+    try:
+        yield [
+            StreamRoute(s, peers, secret, "state/gen1") for s, secret in zip(servers, secrets, strict=True)
+        ]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _aborted_receiver(route: StreamRoute, after: float) -> Callable[[Communicator], float]:
+    """A receiver whose communicator is aborted ``after`` seconds in; returns how long it took
+    to give up (it must raise StateTransferError naming the abort)."""
+
+    def receive(comm: Communicator) -> float:
+        threading.Timer(after, lambda: comm.abort("a newer fault")).start()
+        t0 = time.monotonic()
+        with pytest.raises(StateTransferError, match="aborted"):
+            receive_state(comm, 0, 30, None, route)
+        return time.monotonic() - t0
+
+    return receive
 
 
 def test_stream_transport_lands_in_place_and_verifies() -> None:
-    servers, routes = _routes()
-    try:
-        sent, own = _state(4), _state(5)
-        own_w = own["model"]["w"]
+    sent, own = _state(4), _state(5)
+    own_w = own["model"]["w"]
+    with _routes() as routes:
         info, (tree, stats) = _pair(
             lambda c: send_state(c, sent, [1], 20, routes[0]),
             lambda c: receive_state(c, 0, 20, own, routes[1]),
         )
-        assert isinstance(info, dict) and info["bytes"] == stats["bytes"]
-        assert (
-            torch.equal(tree["model"]["w"], sent["model"]["w"])
-            and tree["model"]["w"].data_ptr() == own_w.data_ptr()
-        )
-        assert torch.equal(tree["model"]["b"], sent["model"]["b"]) and tree["step"] == 7
-    finally:
-        for s in servers:
-            s.stop()
+    assert isinstance(info, dict) and info["bytes"] == stats["bytes"]
+    assert (
+        torch.equal(tree["model"]["w"], sent["model"]["w"])
+        and tree["model"]["w"].data_ptr() == own_w.data_ptr()
+    )
+    assert torch.equal(tree["model"]["b"], sent["model"]["b"]) and tree["step"] == 7
 
 
 def test_stream_receiver_leaves_promptly_on_abort() -> None:
-    servers, routes = _routes()
-    try:
+    def idle_source(comm: Communicator) -> None:
+        time.sleep(1.5)  # never opens its channel
 
-        def idle_source(comm: Communicator) -> None:
-            time.sleep(1.5)  # never opens its channel
-
-        def receiver(comm: Communicator) -> float:
-            threading.Timer(0.3, lambda: comm.abort("a newer fault")).start()
-            t0 = time.monotonic()
-            with pytest.raises(StateTransferError, match="aborted"):
-                receive_state(comm, 0, 20, None, routes[1])
-            return time.monotonic() - t0
-
-        _, waited = _pair(idle_source, receiver)
-        assert isinstance(waited, float) and waited < 1.0
-    finally:
-        for s in servers:
-            s.stop()
+    with _routes() as routes:
+        _, waited = _pair(idle_source, _aborted_receiver(routes[1], 0.3))
+    assert isinstance(waited, float) and waited < 1.0, waited
 
 
 def test_stream_with_the_wrong_secret_is_refused() -> None:
-    servers, routes = _routes((b"a" * 32, b"b" * 32))
-    try:
+    with _routes((b"a" * 32, b"b" * 32)) as routes:
         _, err = _pair(lambda c: None, lambda c: receive_state(c, 0, 5, None, routes[1]))
-        assert isinstance(err, StateTransferError) and "authentication" in str(err)
-    finally:
-        for s in servers:
-            s.stop()
+    assert isinstance(err, StateTransferError) and "authentication" in str(err)
 
 
 def test_stream_groups_small_messages_and_keeps_large_ones_alone() -> None:
@@ -167,24 +167,20 @@ def test_stream_groups_small_messages_and_keeps_large_ones_alone() -> None:
 
 
 def test_stream_moves_many_small_tensors_without_packing() -> None:
-    servers, routes = _routes()
-    try:
-        g = torch.Generator().manual_seed(9)
-        sent = {f"p{i}": torch.rand(i % 37, 3, generator=g) for i in range(700)}  # > IOV_MAX tensors
-        sent["flags"] = torch.tensor([True, False])
-        sent["step"] = torch.tensor(3.0)
-        own = {k: torch.zeros_like(v) for k, v in sent.items()}
+    g = torch.Generator().manual_seed(9)
+    sent = {f"p{i}": torch.rand(i % 37, 3, generator=g) for i in range(700)}  # > IOV_MAX tensors
+    sent["flags"] = torch.tensor([True, False])
+    sent["step"] = torch.tensor(3.0)
+    own = {k: torch.zeros_like(v) for k, v in sent.items()}
+    with _routes() as routes:
         info, (tree, stats) = _pair(
             lambda c: send_state(c, sent, [1], 20, routes[0]),
             lambda c: receive_state(c, 0, 20, own, routes[1]),
         )
-        assert info["messages"] == len(sent)  # one message per tensor, nothing packed
-        assert all(torch.equal(tree[k], v) for k, v in sent.items())
-        assert tree["p36"].data_ptr() == own["p36"].data_ptr()  # landed in place
-        assert stats["in_place_bytes"] == sum(v.numel() * v.element_size() for v in sent.values())
-    finally:
-        for s in servers:
-            s.stop()
+    assert info["messages"] == len(sent)  # one message per tensor, nothing packed
+    assert all(torch.equal(tree[k], v) for k, v in sent.items())
+    assert tree["p36"].data_ptr() == own["p36"].data_ptr()  # landed in place
+    assert stats["in_place_bytes"] == sum(v.numel() * v.element_size() for v in sent.values())
 
 
 def test_stream_receiver_leaves_promptly_when_aborted_mid_data() -> None:
@@ -192,28 +188,17 @@ def test_stream_receiver_leaves_promptly_when_aborted_mid_data() -> None:
     still end the receive within a fraction of a second, not at the transfer's deadline."""
     from checkpointless.wire import send_frame
 
-    servers, routes = _routes()
-    try:
-        sent = {"w": torch.rand(1 << 21)}  # 8 MiB: several chunks
+    sent = {"w": torch.rand(1 << 21)}  # 8 MiB: several chunks
+
+    with _routes() as routes:
 
         def stalling_source(comm: Communicator) -> None:
             lay = layout(sent, solo_min=0)
-            q = routes[0].server.open_channel(routes[0].channel)
-            sock, _ = q.get(timeout=10)
+            sock, _ = routes[0].server.open_channel(routes[0].channel).get(timeout=10)
             send_frame(sock, routes[0].secret, {"type": "manifest"}, lay.manifest_bytes())
             sock.sendall(memoryview(lay.messages[0].numpy()).cast("B")[: 1 << 20])
             time.sleep(3)  # stalled, connection open
             sock.close()
 
-        def receiver(comm: Communicator) -> float:
-            threading.Timer(0.5, lambda: comm.abort("a newer fault")).start()
-            t0 = time.monotonic()
-            with pytest.raises(StateTransferError, match="aborted"):
-                receive_state(comm, 0, 30, None, routes[1])
-            return time.monotonic() - t0
-
-        _, waited = _pair(stalling_source, receiver)
-        assert isinstance(waited, float) and waited < 1.5, waited
-    finally:
-        for s in servers:
-            s.stop()
+        _, waited = _pair(stalling_source, _aborted_receiver(routes[1], 0.5))
+    assert isinstance(waited, float) and waited < 1.5, waited

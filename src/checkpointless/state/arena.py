@@ -32,10 +32,9 @@ class Arena:
 
     def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """A tensor of ``dtype`` and ``shape`` in the arena, or None when it no longer fits."""
-        n = 1
+        nbytes = dtype.itemsize
         for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+            nbytes *= s
         start = -(-self.used // _ALIGN) * _ALIGN
         if start + nbytes > self.size:
             return None

@@ -65,17 +65,8 @@ def _check(deadline: float, aborted: Aborted, what: str) -> None:
         raise StateTransferError(f"state transfer timed out during {what}")
 
 
-def _send_all(sock: socket.socket, view: memoryview, deadline: float, aborted: Aborted) -> None:
-    pos = 0
-    while pos < len(view):
-        try:
-            pos += sock.send(view[pos:])
-        except TimeoutError:
-            _check(deadline, aborted, "sending")
-
-
 def _send_group(sock: socket.socket, views: list[memoryview], deadline: float, aborted: Aborted) -> None:
-    """Send many small buffers with as few system calls as possible (scatter-gather)."""
+    """Send buffers in order, many small ones per system call (scatter-gather)."""
     views = [v for v in views if len(v)]
     while views:
         try:
@@ -90,7 +81,7 @@ def _send_group(sock: socket.socket, views: list[memoryview], deadline: float, a
 
 
 def _recv_group(sock: socket.socket, views: list[memoryview], deadline: float, aborted: Aborted) -> None:
-    """Fill many small buffers in order, with as few system calls as possible."""
+    """Fill buffers in order, many small ones per system call."""
     views = [v for v in views if len(v)]
     while views:
         try:
@@ -124,19 +115,6 @@ def _groups(messages: list[torch.Tensor]) -> list[list[int]]:
         small.append(i)
         size += n
     return out
-
-
-def _recv_into(sock: socket.socket, view: memoryview, deadline: float, aborted: Aborted) -> None:
-    pos = 0
-    while pos < len(view):
-        try:
-            n = sock.recv_into(view[pos:])
-        except TimeoutError:
-            _check(deadline, aborted, "receiving")
-            continue
-        if n == 0:
-            raise StateTransferError("the state source closed the stream early: it has died")
-        pos += n
 
 
 def _frame(
@@ -199,7 +177,7 @@ def stream_send(
         for group in _groups(lay.messages):
             views = [memoryview(lay.messages[i].numpy()).cast("B") for i in group]
             if len(views[0]) < _CHUNK:  # small ones: hashed one by one, sent together
-                digests.extend(xxhash.xxh3_128(v).hexdigest() for v in views)
+                digests.extend(digest(lay.messages[i]) for i in group)
                 for sock in socks.values():
                     _send_group(sock, views, deadline, aborted)
                 continue
@@ -208,7 +186,7 @@ def stream_send(
                 chunk = views[0][off : off + _CHUNK]
                 h.update(chunk)
                 for sock in socks.values():
-                    _send_all(sock, chunk, deadline, aborted)
+                    _send_group(sock, [chunk], deadline, aborted)
             digests.append(h.hexdigest())
         for sock in socks.values():
             _send_frame(sock, route.secret, deadline, {"type": "trailer", "digests": digests})
@@ -278,13 +256,13 @@ def stream_receive(
         for group in _groups(buffers):
             views = [memoryview(buffers[i].numpy()).cast("B") for i in group]
             if len(views[0]) < _CHUNK:
-                _recv_group(sock, list(views), deadline, aborted)
-                got.extend(xxhash.xxh3_128(v).hexdigest() for v in views)
+                _recv_group(sock, views, deadline, aborted)
+                got.extend(digest(buffers[i]) for i in group)
                 continue
             h = xxhash.xxh3_128()
             for off in range(0, len(views[0]), _CHUNK):
                 chunk = views[0][off : off + _CHUNK]
-                _recv_into(sock, chunk, deadline, aborted)
+                _recv_group(sock, [chunk], deadline, aborted)
                 h.update(chunk)
             got.append(h.hexdigest())
         t1 = time.monotonic()
