@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,3 +162,39 @@ def test_a_full_arena_falls_back_to_new_memory() -> None:
     manifest = json.loads(lay.manifest_bytes())
     buffers, _ = receive_buffers(manifest, None, arena)
     assert arena.used == 0 and buffers[0].numel() == 1_600_000
+
+
+def _vma_flags(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``addr`` (Linux)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no THP here")
+def test_new_large_tensors_ask_for_huge_pages_and_give_their_memory_back() -> None:
+    from checkpointless.state.arena import new_tensor
+
+    small = new_tensor(torch.float32, (100,))
+    assert small.numel() == 100  # under 2 MiB: torch's allocator, as usual
+    before = _rss()
+    big = new_tensor(torch.float64, (8, 4 << 20))  # 256 MiB
+    big.fill_(1.5)
+    assert big.shape == (8, 4 << 20) and big.dtype == torch.float64 and float(big[7, -1]) == 1.5
+    assert "hg" in _vma_flags(big.data_ptr())  # advised for transparent huge pages
+    assert _rss() - before > 200 << 20
+    del big
+    assert _rss() - before < 32 << 20  # the mapping went with the tensor
+    arena = Arena(8 << 20)
+    assert "hg" in _vma_flags(arena._bytes.data_ptr())

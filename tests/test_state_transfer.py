@@ -202,3 +202,46 @@ def test_stream_receiver_leaves_promptly_when_aborted_mid_data() -> None:
 
         _, waited = _pair(stalling_source, _aborted_receiver(routes[1], 0.5))
     assert isinstance(waited, float) and waited < 1.5, waited
+
+
+def test_stream_sends_large_tensors_to_two_receivers_in_pieces() -> None:
+    """One source, two receivers (two ranks that fell behind), tensors larger than one socket
+    call moves: each receiver gets every byte verified; one lands in place, one in new memory."""
+    g = torch.Generator().manual_seed(11)
+    sent = {"w": torch.rand(6 << 20, generator=g), "v": torch.rand(5 << 20, generator=g), "s": torch.ones(3)}
+    own = {k: torch.zeros_like(v) for k, v in sent.items()}
+    store = dist.HashStore()
+    servers = [KeyServer("127.0.0.1", 0, b"k" * 32) for _ in range(3)]
+    for s in servers:
+        s.start()
+    peers = [s.address for s in servers]
+    out: list[Any] = [None] * 3
+
+    def run(rank: int) -> None:
+        comm = Communicator(rank, 3, datetime.timedelta(seconds=30), backend="gloo")
+        comm.rebuild(0, dist.PrefixStore("g0/", store), rank, 3, time.monotonic() + 30)
+        route = StreamRoute(servers[rank], peers, b"k" * 32, "state/gen1")
+        try:
+            if rank == 0:
+                out[0] = send_state(comm, sent, [1, 2], 30, route)
+            else:
+                out[rank] = receive_state(comm, 0, 30, own if rank == 1 else None, route)
+        except Exception as e:
+            out[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(50)
+    finally:
+        for s in servers:
+            s.stop()
+    assert isinstance(out[0], dict), out[0]
+    for rank in (1, 2):
+        assert isinstance(out[rank], tuple), out[rank]
+        tree, stats = out[rank]
+        assert all(torch.equal(tree[k], v) for k, v in sent.items())
+        assert stats["in_place_bytes"] == (((6 << 20) + (5 << 20) + 3) * 4 if rank == 1 else 0)
+    assert out[1][0]["w"].data_ptr() == own["w"].data_ptr()

@@ -5,17 +5,49 @@ half the speed of receiving into memory already paged in. A spare has the time t
 before any fault: the launcher tells it how large a replica's state is, and it maps and
 populates that much. A transfer then carves the tensors it has no own tensor for (a spare has
 its model, but no optimizer state yet) out of the arena, and gives the unused tail back.
+
+Both the arena and the large tensors a receiver without one has to allocate (``new_tensor``) ask
+for transparent huge pages: one fault per 2 MiB instead of per 4 KiB. Receiving 1 GB over
+loopback into new memory ran at 2.0 GB/s with 4 KiB pages and 3.7 GB/s with huge pages (4.5 into
+memory already paged in), and paging in the arena took 0.07 s per GB instead of 0.4 s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
 
-__all__ = ["Arena"]
+__all__ = ["Arena", "new_tensor"]
 
 _ALIGN = 64
+_HUGE = 2 << 20  # a huge page; smaller tensors come from torch's allocator as usual
+
+
+def _mapping(nbytes: int) -> mmap.mmap:
+    """Anonymous private memory, backed by huge pages where the kernel allows it.
+
+    Under THP's common "madvise" setting only advised ranges get huge pages; under "never" the
+    advice is ignored, and where it does not exist at all the memory is simply 4 KiB pages."""
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            m.madvise(mmap.MADV_HUGEPAGE)
+    return m
+
+
+def new_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised CPU tensor; a large one gets a mapping of its own with huge pages.
+
+    The mapping lives exactly as long as the tensor's storage (which holds the only reference),
+    so dropping the tensor gives the memory back as ``torch.empty`` would."""
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    if nbytes < _HUGE:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(_mapping(nbytes), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 class Arena:
@@ -23,11 +55,11 @@ class Arena:
 
     def __init__(self, nbytes: int) -> None:
         self.size = max(int(nbytes), mmap.PAGESIZE)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._map = mmap.mmap(-1, self.size, flags=flags)
+        self._map = _mapping(self.size)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # keeps the mapping alive
-        if not getattr(mmap, "MAP_POPULATE", 0):
-            self._bytes.fill_(0)  # no MAP_POPULATE on this platform: touch every page instead
+        # Touch every page now. Not MAP_POPULATE: it faults the range in before the huge-page
+        # advice can apply, and MADV_POPULATE_WRITE took 40x longer than this on a 6.x kernel.
+        self._bytes.fill_(0)
         self.used = 0
 
     def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:

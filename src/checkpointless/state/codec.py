@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from checkpointless.errors import StateTransferError
-from checkpointless.state.arena import Arena
+from checkpointless.state.arena import Arena, new_tensor
 
 __all__ = ["Layout", "digest", "layout", "mismatch", "receive_buffers", "tensor_paths", "unpack"]
 
@@ -196,7 +196,7 @@ def receive_buffers(
     for i, n in enumerate(sizes):
         m = solo.get(i)
         if m is None:
-            buffers.append(torch.empty(n, dtype=torch.uint8))
+            buffers.append(new_tensor(torch.uint8, (n,)))
             continue
         dtype, shape = _dtype(m["dtype"]), tuple(int(s) for s in m["shape"])
         dst = own.get(m["path"])
@@ -210,7 +210,7 @@ def receive_buffers(
         ):
             dst = arena.take(dtype, shape) if arena is not None and n >= _ARENA_MIN else None
             if dst is None:
-                dst = torch.empty(shape, dtype=dtype)
+                dst = new_tensor(dtype, shape)
         else:
             in_place += n
         used.add(dst.data_ptr())

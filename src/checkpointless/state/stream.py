@@ -8,9 +8,12 @@ request (sealed with the job secret, with a server-issued nonce, so it cannot be
 the server hands the connection over to the transfer.
 
 On the stream: a sealed frame with the manifest, the messages as raw bytes, a sealed frame with
-the XXH3-128 digests, and the receiver's sealed acknowledgement. Both sides hash each 4 MiB chunk
-right next to its socket call, while the chunk is still in cache: hashing it there costs about
-half of what hashing the same bytes from memory afterwards would (29 against 15 GB/s here).
+the XXH3-128 digests, and the receiver's sealed acknowledgement. A large tensor's bytes are
+hashed piece by piece, exactly the piece each socket call just moved: it is still in cache then
+(XXH3 runs at ~47 GB/s from cache here, ~16 from memory), and the hash never holds up the wire for
+longer than one piece. Hashing whole 4 MiB chunks before sending (and after receiving) them
+instead left each side idle while the other hashed: 77% of raw TCP against 92% for pieces, 2 GB
+over loopback, 7 interleaved repeats.
 
 Every wait is sliced (``_POLL``) so that an abort (a newer fault) or the deadline ends the
 transfer within a fraction of a second, even when the peer is stopped rather than dead.
@@ -40,7 +43,8 @@ from checkpointless.wire import FrameError, recv_frame, send_frame
 
 __all__ = ["StreamRoute", "stream_receive", "stream_send"]
 
-_CHUNK = 4 << 20  # a chunk stays in the last-level cache between its socket call and its hash
+_CHUNK = 4 << 20  # a message this large goes alone; smaller ones go together, up to this much
+_PIECE = 16 << 20  # the most one socket call is offered; the kernel takes what fits its buffer
 _POLL = 0.25
 _IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's IOV_MAX)
 
@@ -95,6 +99,47 @@ def _recv_group(sock: socket.socket, views: list[memoryview], deadline: float, a
             n -= len(views.pop(0))
         if n:
             views[0] = views[0][n:]
+
+
+def _send_hashed(socks: list[socket.socket], view: memoryview, deadline: float, aborted: Aborted) -> str:
+    """Send one large message to every socket; return its digest, hashed piece by piece.
+
+    The first socket sets the pace: each piece is what one ``send`` took, hashed right after
+    (in cache); the other receivers, if any, get the same piece in full."""
+    h = xxhash.xxh3_128()
+    first, rest = socks[0], socks[1:]
+    off = 0
+    while off < len(view):
+        try:
+            n = first.send(view[off : off + _PIECE])
+        except TimeoutError:
+            _check(deadline, aborted, "sending")
+            continue
+        piece = view[off : off + n]
+        h.update(piece)
+        for sock in rest:
+            _send_group(sock, [piece], deadline, aborted)
+        off += n
+        _check(deadline, aborted, "sending")  # a receiver that trickles never times a call out
+    return h.hexdigest()
+
+
+def _recv_hashed(sock: socket.socket, view: memoryview, deadline: float, aborted: Aborted) -> str:
+    """Fill one large message; return its digest, each piece hashed as soon as it has arrived."""
+    h = xxhash.xxh3_128()
+    off = 0
+    while off < len(view):
+        try:
+            n = sock.recv_into(view[off : off + _PIECE])
+        except TimeoutError:
+            _check(deadline, aborted, "receiving")
+            continue
+        if n == 0:
+            raise StateTransferError("the state source closed the stream early: it has died")
+        h.update(view[off : off + n])
+        off += n
+        _check(deadline, aborted, "receiving")
+    return h.hexdigest()
 
 
 def _groups(messages: list[torch.Tensor]) -> list[list[int]]:
@@ -181,13 +226,7 @@ def stream_send(
                 for sock in socks.values():
                     _send_group(sock, views, deadline, aborted)
                 continue
-            h = xxhash.xxh3_128()
-            for off in range(0, len(views[0]), _CHUNK):
-                chunk = views[0][off : off + _CHUNK]
-                h.update(chunk)
-                for sock in socks.values():
-                    _send_group(sock, [chunk], deadline, aborted)
-            digests.append(h.hexdigest())
+            digests.append(_send_hashed(list(socks.values()), views[0], deadline, aborted))
         for sock in socks.values():
             _send_frame(sock, route.secret, deadline, {"type": "trailer", "digests": digests})
         for rank, sock in socks.items():
@@ -259,12 +298,7 @@ def stream_receive(
                 _recv_group(sock, views, deadline, aborted)
                 got.extend(digest(buffers[i]) for i in group)
                 continue
-            h = xxhash.xxh3_128()
-            for off in range(0, len(views[0]), _CHUNK):
-                chunk = views[0][off : off + _CHUNK]
-                _recv_group(sock, [chunk], deadline, aborted)
-                h.update(chunk)
-            got.append(h.hexdigest())
+            got.append(_recv_hashed(sock, views[0], deadline, aborted))
         t1 = time.monotonic()
         trailer = _frame(sock, route.secret, deadline, aborted, "the digests")
         expected = trailer.get("digests")
