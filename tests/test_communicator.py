@@ -111,3 +111,36 @@ def test_polled_wait_honours_its_timeout_and_an_abort() -> None:
     with pytest.raises(CommAborted, match="test"):
         c0.wait(h)
     assert time.monotonic() - t0 < 0.5
+
+
+class _CompletesAsTheWaitGivesUp:
+    """c10d's bounded ``Work.wait`` raises "Operation timed out!" when its slice ends; the
+    collective can complete right between that and our ``is_completed()`` check. This work does
+    exactly that, on its first wait, so the race is reproduced every time."""
+
+    def __init__(self) -> None:
+        self.completed = False
+        self.waits = 0
+
+    def get_future(self) -> object:
+        return object()
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self.waits += 1
+        if self.waits == 1:
+            self.completed = True
+            raise RuntimeError("Operation timed out!")
+        return True
+
+
+def test_polled_wait_does_not_take_its_own_timeout_for_the_collectives_failure() -> None:
+    from checkpointless.comm.communicator import Handle
+
+    work = _CompletesAsTheWaitGivesUp()
+    finished: list[Handle] = []
+    h = Handle(work, "result", finished.append, poll=True)
+    assert h.wait(5) == "result"  # the collective succeeded: no CommAborted
+    assert finished == [h] and work.waits == 2

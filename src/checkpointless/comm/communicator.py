@@ -106,10 +106,12 @@ class Handle:
             try:
                 # whole milliseconds, at least one: c10d reads a 0 ms timeout as "wait for ever"
                 work.wait(datetime.timedelta(milliseconds=max(1, int(left * 1000))))
-            except Exception as e:
+            except Exception:
                 if not work.is_completed():
                     continue  # only our bounded wait ran out; the collective goes on
-                self._finish(e)
+                # It may have completed between our bounded wait giving up and the check: the
+                # exception could be that timeout, not the collective's. Ask for its outcome.
+                self._finish(_outcome(work))
             else:
                 self._finish(None)
 
@@ -124,6 +126,15 @@ class Handle:
                 raise self._error
             raise CommAborted(f"collective failed: {self._error}") from self._error
         return self.result
+
+
+def _outcome(work: Any) -> BaseException | None:
+    """A completed work's own result: its exception, or None (no wait: it has completed)."""
+    try:
+        work.wait(datetime.timedelta(milliseconds=1))
+    except Exception as e:
+        return e
+    return None
 
 
 def default_backend() -> str:
