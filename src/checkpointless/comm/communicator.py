@@ -44,7 +44,7 @@ class Handle:
     future callback.
     """
 
-    __slots__ = ("_done", "_error", "_lock", "_on_finish", "_poll", "_work", "result")
+    __slots__ = ("_done", "_error", "_lock", "_on_finish", "_poll", "_stream_work", "_work", "result")
 
     def __init__(
         self, work: Any, result: Any, on_finish: Callable[[Handle], None], poll: bool = False
@@ -55,6 +55,11 @@ class Handle:
         self._work = work
         self._on_finish = on_finish
         self._poll = False
+        # NCCL: the future completes once the collective is *enqueued* on NCCL's stream, and its
+        # callback runs on a stream of its own. The waiting thread's stream must still be made
+        # to wait for the collective's end, as work.wait() does (on the host it does not block),
+        # or the next kernel on it could read the buffer before the reduction has written it.
+        self._stream_work: Any = None
         self.result = result
         try:
             fut = work.get_future()
@@ -64,6 +69,7 @@ class Handle:
             if poll:
                 self._poll = True  # completion is seen by wait(); nothing runs on gloo's thread
             else:
+                self._stream_work = work
                 fut.add_done_callback(self._on_future)
 
     def _wait_work(self) -> None:
@@ -125,6 +131,12 @@ class Handle:
             if isinstance(self._error, CommAborted):
                 raise self._error
             raise CommAborted(f"collective failed: {self._error}") from self._error
+        work, self._stream_work = self._stream_work, None
+        if work is not None:
+            try:
+                work.wait()  # orders this thread's current stream after the collective
+            except Exception as e:
+                raise CommAborted(f"collective failed: {e}") from e
         return self.result
 
 

@@ -1,0 +1,256 @@
+"""The CUDA / NCCL path on a real GPU, as far as one GPU allows.
+
+NCCL refuses two ranks on one device ("Duplicate GPU detected"), so a multi-rank NCCL job needs
+a machine with several GPUs. On one GPU this checks what can be checked:
+
+1. ``Communicator`` over NCCL (world of one): the group forms through our store, an all-reduce
+   goes through the future-callback ``Handle``, the waiting thread's stream is ordered after the
+   collective (a large reduction followed at once by a kernel that reads its buffer), an abort
+   fails the next collective at once, and a rebuilt generation works again.
+2. State transfer of CUDA tensors (model + AdamW state on the GPU) over the direct stream, between
+   two ranks of a gloo pair (threads): bytes staged through host memory, verified, and loaded
+   back into a model on the GPU, bitwise.
+3. A real job under ``checkpointless run`` on the GPU with NCCL (one rank, one spare): fault-free
+   twice (is the GPU run deterministic at all?), then with an exception in the backward pass and
+   one in the forward pass, each recovered in process. The final weights must be bitwise equal to
+   the fault-free run's. Deterministic kernels are asked for (``benchmarks/gpu_det_job.py``).
+
+    python3 benchmarks/gpu_check.py --out DIR      # writes DIR/gpu-check.json and .md
+
+On a machine without CUDA it says so and exits 0 (nothing to check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+
+def check_communicator() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from checkpointless.comm.communicator import Communicator
+    from checkpointless.errors import CommAborted
+
+    torch.cuda.set_device(0)
+    store = dist.HashStore()
+    comm = Communicator(0, 1, datetime.timedelta(seconds=60), backend="nccl")
+    t0 = time.monotonic()
+    comm.rebuild(0, dist.PrefixStore("g0/", store), 0, 1, time.monotonic() + 60)
+    out: dict[str, Any] = {"form_s": time.monotonic() - t0}
+    x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    got = comm.wait(comm.allreduce(x), 30)
+    out["allreduce_ok"] = bool(torch.equal(got, torch.arange(1 << 20, dtype=torch.float32, device="cuda")))
+    # stream ordering: 256 MB reduced in place, then read at once by a kernel on this stream
+    big = torch.full((64 << 20,), 3.0, device="cuda")
+    comm.wait(comm.allreduce(big), 30)
+    big.mul_(2.0)
+    out["stream_order_ok"] = bool((big == 6.0).all().item())
+    out["abort_pending"] = comm.abort("gpu check")
+    try:
+        comm.allreduce(x)
+        out["abort_refuses_next"] = False
+    except CommAborted:
+        out["abort_refuses_next"] = True
+    t0 = time.monotonic()
+    comm.rebuild(1, dist.PrefixStore("g1/", store), 0, 1, time.monotonic() + 60)
+    out["rebuild_s"] = time.monotonic() - t0
+    y = torch.ones(1000, device="cuda")
+    out["after_rebuild_ok"] = bool(
+        torch.equal(comm.wait(comm.allreduce(y), 30), torch.ones(1000, device="cuda"))
+    )
+    comm.barrier(30)
+    out["ok"] = all(
+        out[k] for k in ("allreduce_ok", "stream_order_ok", "abort_refuses_next", "after_rebuild_ok")
+    )
+    return out
+
+
+def check_cuda_state_transfer() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from checkpointless.comm.communicator import Communicator
+    from checkpointless.rendezvous import KeyServer
+    from checkpointless.state.stream import StreamRoute
+    from checkpointless.state.transfer import receive_state, send_state
+
+    def model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(5)
+        m = torch.nn.Sequential(
+            torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)
+        ).cuda()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        return m, opt
+
+    src_model, src_opt = model()
+    for _ in range(3):  # optimizer state on the GPU, weights moved off their initial values
+        src_model(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+        src_opt.step()
+        src_opt.zero_grad()
+    tree = {"model": src_model.state_dict(), "optimizer": src_opt.state_dict(), "step": 3}
+    dst_model, dst_opt = model()
+    store = dist.HashStore()
+    servers = [KeyServer("127.0.0.1", 0, b"g" * 32) for _ in range(2)]
+    for s in servers:
+        s.start()
+    peers = [s.address for s in servers]
+    result: list[Any] = [None, None]
+
+    def run(rank: int) -> None:
+        comm = Communicator(rank, 2, datetime.timedelta(seconds=60), backend="gloo")
+        comm.rebuild(0, dist.PrefixStore("g0/", store), rank, 2, time.monotonic() + 60)
+        route = StreamRoute(servers[rank], peers, b"g" * 32, "state/gen1")
+        try:
+            if rank == 0:
+                result[0] = send_state(comm, tree, [1], 60, route)
+            else:
+                into = {"model": dst_model.state_dict(), "optimizer": dst_opt.state_dict()}
+                result[1] = receive_state(comm, 0, 60, into, route)
+        except Exception as e:
+            result[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    t0 = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(90)
+    for s in servers:
+        s.stop()
+    if not isinstance(result[1], tuple):
+        return {"ok": False, "error": repr(result[1]), "sender": repr(result[0])}
+    got, stats = result[1]
+    dst_model.load_state_dict(got["model"])
+    dst_opt.load_state_dict(got["optimizer"])
+    same_w = all(
+        torch.equal(a, b)
+        for a, b in zip(src_model.state_dict().values(), dst_model.state_dict().values(), strict=True)
+    )
+    s0, s1 = src_opt.state_dict()["state"], dst_opt.state_dict()["state"]
+    same_opt = all(
+        torch.equal(s0[k][n].cpu(), s1[k][n].cpu())
+        for k in s0
+        for n in s0[k]
+        if isinstance(s0[k][n], torch.Tensor)
+    )
+    on_gpu = all(p.is_cuda for p in dst_model.parameters()) and all(
+        v.is_cuda for st in s1.values() for n, v in st.items() if n != "step"
+    )
+    return {
+        "ok": same_w and same_opt and on_gpu,
+        "weights_equal": same_w,
+        "optimizer_equal": same_opt,
+        "state_on_gpu_after_load": on_gpu,
+        "bytes": stats["bytes"],
+        "seconds": time.monotonic() - t0,
+    }
+
+
+def check_job(work: Path) -> dict[str, Any]:
+    """checkpointless run on the GPU with NCCL; final weights compared with a fault-free run."""
+    script = REPO / "benchmarks" / "gpu_det_job.py"
+    args = ["--steps", "24", "--dim", "128", "--layers", "2", "--heads", "4", "--seq-len", "64"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env.pop("CHECKPOINTLESS_BACKEND", None)  # CUDA present: NCCL is the default
+
+    def run(name: str, faults: list[str]) -> dict[str, Any]:
+        run_dir = work / name
+        digest = work / f"{name}.digest"
+        cmd = [sys.executable, "-m", "checkpointless", "run", "--nproc", "1", "--spares", "1"]
+        cmd += ["--run-dir", str(run_dir), "--hang-timeout", "20"]
+        for f in faults:
+            cmd += ["--inject", f]
+        cmd += [str(script), *args, "--digest-out", str(digest)]
+        t0 = time.monotonic()
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        events = []
+        ev = run_dir / "events.jsonl"
+        if ev.exists():
+            events = [json.loads(line) for line in ev.read_text().splitlines() if line.strip()]
+        rec = [e for e in events if e.get("event") == "recovery"]
+        return {
+            "rc": p.returncode,
+            "wall_s": time.monotonic() - t0,
+            "digest": digest.read_text().strip() if digest.exists() else None,
+            "recoveries": [
+                {k: e.get(k) for k in ("downtime_s", "resume_step", "transport", "first_batch_s") if k in e}
+                for e in rec
+            ],
+            "backend": sorted(
+                {ln.split(":")[-1].strip() for ln in p.stdout.splitlines() if "job backend:" in ln}
+            ),
+            "tail": (p.stdout + p.stderr)[-1500:] if p.returncode else "",
+        }
+
+    out: dict[str, Any] = {"clean_1": run("clean1", []), "clean_2": run("clean2", [])}
+    out["faulted"] = run(
+        "faulted", ["raise:rank=0:step=7:site=backward", "raise:rank=0:step=15:site=forward"]
+    )
+    ref = out["clean_1"]["digest"]
+    out["deterministic"] = ref is not None and ref == out["clean_2"]["digest"]
+    out["bitwise_after_faults"] = ref is not None and out["faulted"]["digest"] == ref
+    out["recovered"] = len(out["faulted"]["recoveries"]) == 2
+    out["nccl"] = all(out[k]["backend"] == ["nccl"] for k in ("clean_1", "faulted"))
+    out["ok"] = out["deterministic"] and out["bitwise_after_faults"] and out["recovered"] and out["nccl"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="where gpu-check.json/.md go")
+    a = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu check: no CUDA device here; nothing to check")
+        return 0
+    info = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "cpus": os.cpu_count(),
+    }
+    print(json.dumps(info), flush=True)
+    results: dict[str, Any] = {"machine": info}
+    checks: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("communicator_nccl", check_communicator),
+        ("cuda_state_transfer", check_cuda_state_transfer),
+    ]
+    with tempfile.TemporaryDirectory(prefix="cl-gpu-check-") as tmp:
+        checks.append(("job_nccl", lambda: check_job(Path(tmp))))
+        for name, fn in checks:
+            t0 = time.monotonic()
+            try:
+                results[name] = fn()
+            except Exception:
+                results[name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
+            results[name]["check_s"] = round(time.monotonic() - t0, 2)
+            print(f"{name}: {json.dumps(results[name], default=str)}", flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-check.json").write_text(json.dumps(results, indent=1, default=str))
+    ok = all(results[n].get("ok") for n, _ in checks)
+    print(f"gpu check: {'all passed' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
