@@ -204,9 +204,14 @@ def test_stream_receiver_leaves_promptly_when_aborted_mid_data() -> None:
     assert isinstance(waited, float) and waited < 1.5, waited
 
 
-def test_stream_sends_large_tensors_to_two_receivers_in_pieces() -> None:
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_stream_sends_large_tensors_to_two_receivers_in_pieces(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One source, two receivers (two ranks that fell behind), tensors larger than one socket
-    call moves: each receiver gets every byte verified; one lands in place, one in new memory."""
+    call moves: each receiver gets every byte verified; one lands in place, one in new memory.
+    Both ways of hashing: on the socket's thread, and on a helper thread."""
+    monkeypatch.setenv("CHECKPOINTLESS_STREAM_HASH", mode)
     g = torch.Generator().manual_seed(11)
     sent = {"w": torch.rand(6 << 20, generator=g), "v": torch.rand(5 << 20, generator=g), "s": torch.ones(3)}
     own = {k: torch.zeros_like(v) for k, v in sent.items()}
@@ -245,3 +250,48 @@ def test_stream_sends_large_tensors_to_two_receivers_in_pieces() -> None:
         assert all(torch.equal(tree[k], v) for k, v in sent.items())
         assert stats["in_place_bytes"] == (((6 << 20) + (5 << 20) + 3) * 4 if rank == 1 else 0)
     assert out[1][0]["w"].data_ptr() == own["w"].data_ptr()
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_stream_hashers_agree_with_the_codec_digest(mode: str) -> None:
+    from checkpointless.state.stream import _Hasher
+
+    g = torch.Generator().manual_seed(12)
+    messages = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (0, 7, 3 << 20, 1000)]
+    hasher = _Hasher(mode == "thread")
+    for m in messages:
+        view = memoryview(m.numpy()).cast("B")
+        for off in range(0, len(view), 65_537):  # uneven pieces, as sockets return them
+            hasher.update(view[off : off + 65_537])
+        hasher.end()
+    assert hasher.digests(time.monotonic() + 10) == [digest(m) for m in messages]
+    hasher.close()
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_stream_refuses_bytes_changed_on_the_way(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source's digests are of the true bytes; one byte differs on the wire."""
+    from checkpointless.wire import send_frame
+
+    monkeypatch.setenv("CHECKPOINTLESS_STREAM_HASH", mode)
+    sent = {"w": torch.rand(3 << 20), "b": torch.rand(10)}  # one large (pieces), one small
+
+    with _routes() as routes:
+
+        def lying_source(comm: Communicator) -> None:
+            lay = layout(sent, solo_min=0)
+            mbytes = lay.manifest_bytes()
+            sock, _ = routes[0].server.open_channel(routes[0].channel).get(timeout=10)
+            send_frame(sock, routes[0].secret, {"type": "manifest"}, mbytes)
+            digests = [digest(mbytes), *(digest(m) for m in lay.messages)]
+            for i, m in enumerate(lay.messages):
+                data = bytearray(memoryview(m.numpy()).cast("B"))
+                if i == 0:
+                    data[5_000_000] ^= 0x01
+                sock.sendall(data)
+            send_frame(sock, routes[0].secret, {"type": "trailer", "digests": digests})
+            time.sleep(0.5)  # the receiver's refusal arrives; nothing more to send
+            sock.close()
+
+        _, err = _pair(lying_source, lambda c: receive_state(c, 0, 20, None, routes[1]))
+    assert isinstance(err, StateTransferError) and "checksum mismatch" in str(err), err
