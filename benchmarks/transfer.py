@@ -408,8 +408,10 @@ def main() -> int:
         f"touch) {min(fresh_pct):.0f}-{max(fresh_pct):.0f}%. A receiver with nothing to land in pays the same faults."
     )
     notes.append(
-        "Both processes share one 2-core machine (with other work): the loopback copy, gloo's I/O threads and "
-        "the checksum threads compete for the same cores."
+        f"Both processes share one {info['nproc']}-core machine: the loopback copy, gloo's I/O threads and the "
+        f"hashing compete for its cores. The stream hashes on a helper thread where a process may use 4 or "
+        f"more cores, else on the socket's thread (CHECKPOINTLESS_STREAM_HASH="
+        f"{os.environ.get('CHECKPOINTLESS_STREAM_HASH') or 'auto'} in this run)."
     )
     print()
     print(tbl)
