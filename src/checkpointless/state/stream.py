@@ -204,8 +204,8 @@ def _send_hashed(
 ) -> None:
     """Send one large message to every socket, feeding the hasher piece by piece.
 
-    The first socket sets the pace: each piece is what one ``send`` took, hashed right after
-    (in cache); the other receivers, if any, get the same piece in full."""
+    The first socket sets the pace: each piece is what one ``send`` took, given to the hasher
+    right after (while it is in cache); the other receivers, if any, get the same piece in full."""
     first, rest = socks[0], socks[1:]
     off = 0
     while off < len(view):
