@@ -182,7 +182,11 @@ def _rss() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
 
 
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no THP here")
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage")
+    or "VmFlags:" not in Path("/proc/self/smaps").read_text(),
+    reason="no transparent huge pages, or no VmFlags in smaps (e.g. gVisor)",
+)
 def test_new_large_tensors_ask_for_huge_pages_and_give_their_memory_back() -> None:
     from checkpointless.state.arena import new_tensor
 
