@@ -15,6 +15,7 @@ memory already paged in), and paging in the arena took 0.07 s per GB instead of 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 
 import torch
@@ -23,6 +24,10 @@ __all__ = ["Arena", "new_tensor"]
 
 _ALIGN = 64
 _HUGE = 2 << 20  # a huge page; smaller tensors come from torch's allocator as usual
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return int(dtype.itemsize) * math.prod(shape)
 
 
 def _mapping(nbytes: int) -> mmap.mmap:
@@ -42,9 +47,7 @@ def new_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
     The mapping lives exactly as long as the tensor's storage (which holds the only reference),
     so dropping the tensor gives the memory back as ``torch.empty`` would."""
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
+    nbytes = _nbytes(dtype, shape)
     if nbytes < _HUGE:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(_mapping(nbytes), dtype=torch.uint8).view(dtype).reshape(shape)
@@ -64,9 +67,7 @@ class Arena:
 
     def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """A tensor of ``dtype`` and ``shape`` in the arena, or None when it no longer fits."""
-        nbytes = dtype.itemsize
-        for s in shape:
-            nbytes *= s
+        nbytes = _nbytes(dtype, shape)
         start = -(-self.used // _ALIGN) * _ALIGN
         if start + nbytes > self.size:
             return None
