@@ -112,6 +112,9 @@ def test_no_spare_in_time_stops_the_job_naming_the_settings(tmp_path: Path) -> N
         "0.5",
         "--inject",
         "kill:rank=1:step=3",
+        # a spare forked from the template is ready within about 0.5 s: start a fresh interpreter
+        # (seconds of imports) so that none can be ready in time
+        "--no-fork-server",
     )
     out, _ = proc.communicate(timeout=110)
     assert proc.returncode == 1, out[-3000:]

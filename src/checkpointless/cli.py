@@ -30,6 +30,10 @@ def _run(args: argparse.Namespace) -> int:
         recovery_timeout=args.recovery_timeout,
         start_timeout=args.start_timeout,
         max_step_failures=args.max_step_failures,
+        max_repeat_faults=args.max_repeat_faults,
+        fault_window=args.fault_window,
+        max_start_failures=args.max_start_failures,
+        fork_server=not args.no_fork_server,
         faults=args.inject,
         host=args.host,
         control_port=args.control_port,
@@ -72,6 +76,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         help="recoveries in a row that resume at the same step before the job stops (default 3)",
+    )
+    run.add_argument(
+        "--max-repeat-faults",
+        type=int,
+        default=3,
+        help="the same rank failing the same way more often than this within --fault-window steps, "
+        "or the same exception on any ranks, stops the job (default 3)",
+    )
+    run.add_argument(
+        "--fault-window", type=int, default=20, help="steps over which repeated faults count (default 20)"
+    )
+    run.add_argument(
+        "--max-start-failures",
+        type=int,
+        default=3,
+        help="processes in a row that die before joining as the same rank before the job stops (default 3)",
+    )
+    run.add_argument(
+        "--no-fork-server",
+        action="store_true",
+        help="start every worker and spare as a fresh interpreter instead of a fork of a template "
+        "process that has imported torch once (slower start-up and spare refills)",
     )
     run.add_argument(
         "--inject", action="append", default=[], metavar="FAULT", help="e.g. kill:rank=1:step=20 (repeatable)"

@@ -24,7 +24,22 @@ from checkpointless.config import ENV
 from checkpointless.errors import ConfigError, NotRecoverableError
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import Connection, ControlServer
-from checkpointless.launcher.model import LaunchConfig, Proc, Round
+from checkpointless.launcher.forkserver import (
+    ForkServer,
+    ForkServerError,
+    become_subreaper,
+    reap_strays,
+)
+from checkpointless.launcher.model import LaunchConfig, Proc, ProcessHandle, Round
+from checkpointless.launcher.output import OutputTail
+from checkpointless.launcher.policy import (
+    FaultRecord,
+    Limits,
+    budget_verdict,
+    progress_limit,
+    start_failure_verdict,
+)
+from checkpointless.launcher.proctable import read_sample
 from checkpointless.launcher.reaper import cleanup_job
 from checkpointless.recovery.decisions import (
     MemberReport,
@@ -73,6 +88,12 @@ class Launcher:
         self._fired_at: float | None = None  # wall time the last injected fault fired
         self._last_target: int | None = None
         self._same_target = 0
+        self.fault_history: list[FaultRecord] = []  # what the fault budget judges
+        self.start_failures: dict[int, int] = {}  # rank -> its processes in a row that died before joining
+        self._limits = Limits(hang_timeout=cfg.hang_timeout, start_timeout=cfg.start_timeout)
+        self._sampled = 0.0
+        self._reaped = 0.0
+        self.forkserver: ForkServer | None = None
 
     # -- processes -----------------------------------------------------------------------------
     def _allocate_ports(self, count: int) -> list[int]:
@@ -106,49 +127,80 @@ class Launcher:
             "choose another range with --port-base / --port-range"
         )
 
-    def _spawn(self, role: str) -> Proc:
-        wid = self.next_worker_id
-        self.next_worker_id += 1
-        listener = self._bind_store_port() if self.cfg.rendezvous == "rootless" else None
-        port = listener.getsockname()[1] if listener is not None else 0
+    def _job_env(self) -> dict[str, str]:
+        """What every process of the job has in its environment (the fork template too)."""
         env = dict(os.environ)
         env.update(
             {
                 ENV.CONTROL: f"{self.server.address[0]}:{self.server.address[1]}",
                 ENV.SECRET_FILE: str(self.secret_file),
-                ENV.WORKER_ID: str(wid),
-                ENV.ROLE: role,
                 ENV.RUN_DIR: str(self.run_dir),
                 ENV.JOB_ID: self.job_id,
-                ENV.STORE_PORT: str(port),  # 0 when the rendezvous is not root-less
                 ENV.HOST: self.cfg.host,
                 "PYTHONUNBUFFERED": "1",
                 # gloo reads all peers' addresses in one batched request per owner
                 "GLOO_ENABLE_STORE_V2_API": "1",
             }
         )
-        if listener is not None:
-            env[ENV.STORE_FD] = str(listener.fileno())
         # N workers each running as many compute threads as there are cores oversubscribe the
         # machine many times over (torchrun sets 1 for the same reason); the user's value wins
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.cfg.nproc)))
+        return env
+
+    def _start_fork_server(self) -> None:
+        if not self.cfg.fork_server or self.cfg.plain or not become_subreaper():
+            return
         out = subprocess.DEVNULL if self.cfg.quiet_workers else None
+        fs = self.forkserver = ForkServer(self.cfg.python, self._job_env(), out)
+        with open(self.run_dir / "pids", "a") as f:
+            f.write(f"{fs.popen.pid}\n")
+
+    def _spawn(self, role: str) -> Proc:
+        wid = self.next_worker_id
+        self.next_worker_id += 1
+        listener = self._bind_store_port() if self.cfg.rendezvous == "rootless" else None
+        port = listener.getsockname()[1] if listener is not None else 0
+        env = self._job_env()
+        env[ENV.WORKER_ID] = str(wid)
+        env[ENV.ROLE] = role
+        env[ENV.STORE_PORT] = str(port)  # 0 when the rendezvous is not root-less
+        argv = [self.cfg.python, self.cfg.script, *self.cfg.script_args]
+        err_r, err_w = os.pipe()
+        handle: ProcessHandle | None = None
         try:
-            popen = subprocess.Popen(
-                [self.cfg.python, self.cfg.script, *self.cfg.script_args],
-                env=env,
-                stdout=out,
-                stderr=None,
-                pass_fds=(listener.fileno(),) if listener is not None else (),
-            )
+            fs = self.forkserver
+            if fs is not None and fs.wait_ready(self.cfg.start_timeout):
+                fds = {"stderr": err_w}
+                if listener is not None:
+                    fds[ENV.STORE_FD] = listener.fileno()
+                try:
+                    handle = fs.spawn(argv, env, os.getcwd(), fds)
+                except ForkServerError as e:
+                    log.warning("fork server failed (%s); starting fresh interpreters from now on", e)
+                    self.forkserver = None
+            elif fs is not None:
+                log.warning("fork server did not start; starting fresh interpreters instead")
+                self.forkserver = None
+            if handle is None:
+                if listener is not None:
+                    env[ENV.STORE_FD] = str(listener.fileno())
+                handle = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdout=subprocess.DEVNULL if self.cfg.quiet_workers else None,
+                    stderr=err_w,
+                    pass_fds=(listener.fileno(),) if listener is not None else (),
+                )
         finally:
+            os.close(err_w)
             if listener is not None:
                 listener.close()  # the worker holds the only copy now
         with open(self.run_dir / "pids", "a") as f:
-            f.write(f"{popen.pid}\n")
-        p = Proc(worker_id=wid, role=role, popen=popen, store_port=port)
+            f.write(f"{handle.pid}\n")
+        p = Proc(worker_id=wid, role=role, popen=handle, store_port=port)
+        p.output = OutputTail(os.fdopen(err_r, "rb"))
         self.procs[wid] = p
-        self.events.emit("spawn", worker=wid, role=role, pid=popen.pid)
+        self.events.emit("spawn", worker=wid, role=role, pid=handle.pid, forked=self.forkserver is not None)
         return p
 
     def _kill(self, p: Proc, why: str) -> None:
@@ -170,6 +222,7 @@ class Launcher:
             start_new_session=True,
         )
         self.store_desc = self._make_rendezvous()
+        self._start_fork_server()
         old_int = signal.signal(signal.SIGINT, self._on_signal)
         old_term = signal.signal(signal.SIGTERM, self._on_signal)
         log.info(
@@ -202,9 +255,10 @@ class Launcher:
             self._stop(f"launcher error: {type(e).__name__}: {e}", 1)
             raise
         finally:
+            # shut down under our own handlers: a second Ctrl-C must not cut the clean-up short
+            self._shutdown()
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)
-            self._shutdown()
         return self.exit_code
 
     def _make_rendezvous(self) -> dict[str, Any]:
@@ -239,6 +293,12 @@ class Launcher:
             except queue.Empty:
                 pass
             self._poll_exits()
+            self._check_procs()
+            if self.forkserver is not None and time.monotonic() - self._reaped > 1.0:
+                self._reaped = time.monotonic()
+                reap_strays(
+                    {p.popen.pid for p in self.procs.values()} | {self.forkserver.popen.pid, self.reaper.pid}
+                )
             self._check_hangs()
             self._advance_round()
             self._check_done()
@@ -315,14 +375,19 @@ class Launcher:
         )
 
     # -- faults --------------------------------------------------------------------------------
-    def _fault(self, rank: int, kind: str, detail: str, replace: bool) -> None:
+    def _fault(self, rank: int, kind: str, detail: str, replace: bool, step: int | None = None) -> None:
         """Record a fault on ``rank`` and make sure a round is handling it."""
-        step = self.members[rank].step if rank in self.members else None
+        if step is None:  # as the rank last said in a heartbeat (it could not tell us itself)
+            step = self.members[rank].step if rank in self.members else None
         record = self.events.emit(
             "fault", rank=rank, kind=kind, detail=detail, generation=self.generation, step=step
         )
         record["detected"] = time.monotonic()
         log.warning("FAULT rank %d: %s (%s) at step %s", rank, kind, detail, step)
+        self.fault_history.append(FaultRecord(rank, kind, step, detail))
+        why = budget_verdict(self.fault_history, self.cfg.fault_window, self.cfg.max_repeat_faults)
+        if why is not None:
+            raise NotRecoverableError(why)
         r = self.round
         if r is None or r.phase == "rebuild":
             self._begin_round(record)
@@ -345,7 +410,7 @@ class Launcher:
             r.started = prev.started
             r.replace = set(prev.replace)
         self.round = r
-        self.pending_downtime = None
+        self._flush_pending_recovery("superseded by a new fault before every rank committed a step")
         for rank, p in self.members.items():
             if p.conn is not None and rank not in r.replace:
                 p.conn.send({"type": "abort", "generation": target, "reason": first_fault["detail"]})
@@ -359,12 +424,17 @@ class Launcher:
             if p.rank is None or self.members.get(p.rank) is not p:
                 if self.stopping is None and p.role == "spare":
                     self.events.emit("spare_lost", worker=p.worker_id, code=code)
-                    self._early_spare_deaths = 0 if p.ready else self._early_spare_deaths + 1
-                    if self._early_spare_deaths >= 3:
+                    if not p.ready and _own_failure(p, code):
+                        self._early_spare_deaths += 1
+                    elif p.ready:
+                        self._early_spare_deaths = 0
+                    if self._early_spare_deaths >= self.cfg.max_start_failures:
+                        tail = p.output.tail() if p.output is not None else ""
                         raise NotRecoverableError(
-                            f"{self._early_spare_deaths} spare processes in a row exited (last code {code}) "
-                            "before they were ready: does the script call checkpointless.init() before "
-                            "anything that can fail? See the output above for its error"
+                            f"{self._early_spare_deaths} spare processes in a row failed before they were "
+                            f"ready (last: exit code {code}{', ' + p.killed_for if p.killed_for else ''}); "
+                            "the script fails before or inside checkpointless.init(), so every replacement "
+                            "would too. Fix what its output shows" + (f":\n{tail}" if tail else "")
                         )
                     log.warning("spare %d exited (code %s); starting another", p.worker_id, code)
                     self._spawn("spare")
@@ -379,7 +449,40 @@ class Launcher:
                 kind, detail = "killed", f"terminated by {signal.Signals(-code).name}"
             else:
                 kind, detail = "exit", f"exited with code {code}"
+                cause = p.output.cause() if p.output is not None else ""
+                if cause:
+                    detail += f": {cause}"
+            if not p.joined and self.stopping is None and _own_failure(p, code):
+                self._start_failed(p, detail)
             self._fault(p.rank, kind, detail, replace=True)
+
+    def _check_procs(self) -> None:
+        """Judge every live process from the process table: a stopped one at once, one that is
+        still starting by its CPU progress (see launcher/policy.py ProcWatch)."""
+        now = time.monotonic()
+        if now - self._sampled < 0.1:
+            return
+        self._sampled = now
+        for p in list(self.procs.values()):
+            if p.killed_for is not None or p.popen.returncode is not None:
+                continue
+            p.watch.observe(read_sample(p.popen.pid), now)
+            why = p.watch.verdict(now, p.conn is not None, self._limits)
+            if why is None:
+                continue
+            who = f"rank {p.rank}" if p.rank is not None else f"{p.role} {p.worker_id}"
+            log.warning("%s (pid %d) %s; killing it", who, p.popen.pid, why)
+            self._kill(p, why)
+
+    def _start_failed(self, p: Proc, detail: str) -> None:
+        """A process died before it ever joined as its rank: count it against a respawn loop."""
+        assert p.rank is not None
+        n = self.start_failures.get(p.rank, 0) + 1
+        self.start_failures[p.rank] = n
+        tail = p.output.tail() if p.output is not None else ""
+        why = start_failure_verdict(p.rank, n, self.cfg.max_start_failures, detail, tail)
+        if why is not None:
+            raise NotRecoverableError(why)
 
     def _check_hangs(self) -> None:
         if any(p.killed_for for p in self.members.values()):
@@ -390,28 +493,25 @@ class Launcher:
             if p.popen.poll() is not None or p.killed_for is not None:
                 continue
             if p.conn is None:
-                # not connected yet: starting (imports take seconds) — judged by the start-up limit
-                if now - p.spawned > self.cfg.start_timeout:
-                    self._kill(p, f"did not connect within --start-timeout {self.cfg.start_timeout:.0f} s")
-                continue
+                continue  # still starting: judged from the process table (_check_procs)
             progress = p.last_progress if (p.progress_known and self.round is None) else now
             health.append(WorkerHealth(rank, p.last_message, progress, p.in_collective))
         # A step may legitimately be slow (a big model, a busy machine): the no-progress limit grows
         # with the step times the workers report, so only a step far slower than usual is a hang.
         times = [p.step_time for p in self.members.values() if p.step_time is not None]
-        progress_limit = max(self.cfg.hang_timeout, self.cfg.hang_factor * max(times, default=0.0))
+        limit = progress_limit(self.cfg.hang_timeout, self.cfg.hang_factor, times)
         r = self.round
         if r is not None and r.phase == "collect" and not r.initial:
             # a member that keeps its heartbeat but never leaves its step after the abort (a busy
             # loop) holds the round up: it is hung like a process that stopped
             for rank, p in self.members.items():
                 waiting = rank not in r.reports and rank not in r.replace and p.conn is not None
-                if waiting and now - max(r.abort_sent, p.assigned_at) > progress_limit:
-                    why = f"did not leave its step within {progress_limit:.1f} s of the abort"
+                if waiting and now - max(r.abort_sent, p.assigned_at) > limit:
+                    why = f"did not leave its step within {limit:.1f} s of the abort"
                     log.warning("rank %d %s; killing it", rank, why)
                     self._kill(p, why)
                     return
-        culprits, why = find_hung(health, now, self.cfg.hang_timeout, progress_limit)
+        culprits, why = find_hung(health, now, self.cfg.hang_timeout, limit)
         if not culprits and why and self.round is None:
             # everyone waits for everyone (a lost message, a wedged link): nobody to replace,
             # but the collective will never finish; rebuild the communicator with the same ranks
@@ -437,7 +537,10 @@ class Launcher:
             # a rank stopped by itself: that is a fault (its own exception, a failed collective
             # or a failed recovery step) unless a round already covers it
             kind = "exception" if cause == "exception" else ("recovery" if cause == "recovery" else "comm")
-            self._fault(rank, kind, str(msg.get("error")), replace=False)
+            step = msg.get("step")
+            self._fault(
+                rank, kind, str(msg.get("error")), replace=False, step=step if isinstance(step, int) else None
+            )
         r = self.round
         assert r is not None
         if gen != r.target or r.phase != "collect":
@@ -524,6 +627,8 @@ class Launcher:
         if r is None or r.phase != "rebuild" or int(msg["generation"]) != r.target or p.rank is None:
             return
         r.recovered[p.rank] = {**msg.get("timings", {}), "time": time.monotonic()}
+        p.joined = True
+        self.start_failures.pop(p.rank, None)
         if len(r.recovered) < self.cfg.nproc:
             return
         self.generation = r.target
@@ -561,7 +666,17 @@ class Launcher:
         self.pending_downtime = None
         self._report_recovery(pend["round"], max(self.first_commits.values()))
 
-    def _report_recovery(self, r: Round, first_step_done: float) -> None:
+    def _flush_pending_recovery(self, why: str) -> None:
+        """Report a recovery whose first step never completed everywhere: every round that
+        formed a generation is counted and reported, even when the job ended (or another fault
+        came) before its first step did."""
+        pend, self.pending_downtime = self.pending_downtime, None
+        if pend is not None:
+            self._report_recovery(pend["round"], None, why)
+
+    def _report_recovery(
+        self, r: Round, first_step_done: float | None, incomplete: str | None = None
+    ) -> None:
         t0 = min(f["detected"] for f in r.faults)
         stopped = max(r.report_times.values()) if r.report_times else r.plan_sent
         rec = r.recovered.values()
@@ -571,14 +686,18 @@ class Launcher:
         formed = max(x["time"] for x in rec)
         # the slowest rank's wait for its first batch; the first step is what remains after it
         first_batch = max(self.first_batches.values(), default=0.0)
-        phases = {
+        phases: dict[str, Any] = {
             "collect_s": round(stopped - t0, 4),
             "rebuild_s": round(rebuild, 4),
             "transfer_s": round(transfer, 4),
             "first_batch_s": round(first_batch, 4),
-            "first_step_s": round(max(0.0, first_step_done - formed - first_batch), 4),
+            "first_step_s": None
+            if first_step_done is None
+            else round(max(0.0, first_step_done - formed - first_batch), 4),
         }
-        downtime = first_step_done - t0
+        if incomplete is not None:
+            phases["incomplete"] = incomplete  # downtime then ends when the generation formed
+        downtime = (formed if first_step_done is None else first_step_done) - t0
         # how long the fault went unnoticed, when we know when it happened (an injected fault)
         first_wall = min(f["time"] for f in r.faults)
         if self._fired_at is not None and 0 <= first_wall - self._fired_at < 600:
@@ -599,7 +718,7 @@ class Launcher:
         self.recoveries.append(record)
         log.info(
             "RECOVERED generation %d from %s: %sstop %.3fs, rebuild %.3fs, state %.3fs (%.1f MB), "
-            "first batch %.3fs, first step %.3fs; downtime %.3f s after detection",
+            "first batch %.3fs, first step %s; downtime %.3f s after detection",
             r.target,
             kinds,
             f"detected after {phases['detect_s']:.3f}s, " if "detect_s" in phases else "",
@@ -608,7 +727,7 @@ class Launcher:
             transfer,
             nbytes / 1e6,
             phases["first_batch_s"],
-            phases["first_step_s"],
+            "n/a" if phases["first_step_s"] is None else f"{phases['first_step_s']:.3f}s",
             downtime,
         )
 
@@ -623,16 +742,31 @@ class Launcher:
             if failed:
                 # training finished everywhere, but the script failed after its loop (saving?)
                 log.error("training finished, but rank(s) %s failed after the loop; see their output", failed)
-            self.events.emit("job_end", status="failed" if failed else "ok", recoveries=len(self.recoveries))
-            log.info("job finished: %d recoveries", len(self.recoveries))
+            self._flush_pending_recovery("the job ended before every rank committed a step after it")
+            faults = len(self.fault_history)
+            self.events.emit(
+                "job_end",
+                status="failed" if failed else "ok",
+                recoveries=len(self.recoveries),
+                faults=faults,
+            )
+            log.info("job finished: %d recoveries from %d faults", len(self.recoveries), faults)
 
     def _stop(self, why: str, code: int) -> None:
         if self.stopping is not None and self.exit_code:
             return
         self.stopping = why
         self.exit_code = code
+        self._flush_pending_recovery("the job stopped")
         log.error("%s", why)
-        self.events.emit("job_end", status="failed", error=why, code=code)
+        self.events.emit(
+            "job_end",
+            status="failed",
+            error=why,
+            code=code,
+            recoveries=len(self.recoveries),
+            faults=len(self.fault_history),
+        )
 
     def _shutdown(self) -> None:
         """Stop every process we started, remove shared memory, close the watchdog."""
@@ -648,6 +782,8 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait(timeout=5)
+        if self.forkserver is not None:
+            self.forkserver.close()
         self.server.stop()
         cleanup_job(self.run_dir, self.job_id)
         try:
@@ -661,3 +797,19 @@ class Launcher:
         except subprocess.TimeoutExpired:
             self.reaper.kill()
         self.events.close()
+
+
+# Signals that come from outside the process (an operator, a scheduler, a chaos test, the OOM
+# killer): a process that dies of one did not fail by itself, and a replacement may well start.
+_OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+def _own_failure(p: Proc, code: int) -> bool:
+    """Whether a process's death says something about the script (so a replacement would die
+    the same way): an error exit, a crash signal, or our own kill for a wedge or a stop."""
+    if p.killed_for is not None:
+        # stopped (SIGSTOP from outside) is not the script's doing; wedged or hung is
+        return p.watch.stopped_since is None
+    if code > 0:
+        return True
+    return code < 0 and signal.Signals(-code) not in _OUTSIDE_SIGNALS

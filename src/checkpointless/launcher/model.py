@@ -12,9 +12,15 @@ from typing import Any
 from checkpointless.errors import ConfigError
 from checkpointless.faults.inject import parse_faults
 from checkpointless.launcher.control import Connection
+from checkpointless.launcher.forkserver import ForkedProcess
+from checkpointless.launcher.output import OutputTail
+from checkpointless.launcher.policy import ProcWatch
 from checkpointless.recovery.decisions import MemberReport
 
-__all__ = ["LaunchConfig", "Proc", "Round"]
+__all__ = ["LaunchConfig", "Proc", "ProcessHandle", "Round"]
+
+# a fresh interpreter, or a fork of the template that has already imported torch
+ProcessHandle = subprocess.Popen[bytes] | ForkedProcess
 
 
 @dataclass
@@ -40,6 +46,13 @@ class LaunchConfig:
     quiet_workers: bool = False
     plain: bool = False  # tier 0: an unchanged script; a fault restarts the whole group
     max_restarts: int = 3
+    # the fault budget (launcher/policy.py): the same rank failing the same way more than this
+    # many times within fault_window steps ends the job; so does a rank whose replacements die
+    # before joining max_start_failures times in a row
+    max_repeat_faults: int = 3
+    fault_window: int = 20
+    max_start_failures: int = 3
+    fork_server: bool = True  # start processes as forks of a template that imported torch once
 
     def validate(self) -> None:
         if self.nproc < 1:
@@ -61,6 +74,12 @@ class LaunchConfig:
             raise ConfigError(f"--hang-factor must be at least 1 (got {self.hang_factor})")
         if self.max_step_failures < 1:
             raise ConfigError(f"--max-step-failures must be at least 1 (got {self.max_step_failures})")
+        if self.max_repeat_faults < 1:
+            raise ConfigError(f"--max-repeat-faults must be at least 1 (got {self.max_repeat_faults})")
+        if self.fault_window < 0:
+            raise ConfigError(f"--fault-window must be 0 or more steps (got {self.fault_window})")
+        if self.max_start_failures < 1:
+            raise ConfigError(f"--max-start-failures must be at least 1 (got {self.max_start_failures})")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
         if self.plain and self.rendezvous != "rootless":
@@ -74,7 +93,7 @@ class LaunchConfig:
 class Proc:
     worker_id: int
     role: str  # worker | spare
-    popen: subprocess.Popen[bytes]
+    popen: ProcessHandle
     store_port: int
     rank: int | None = None
     conn: Connection | None = None
@@ -89,6 +108,9 @@ class Proc:
     killed_for: str | None = None
     spawned: float = field(default_factory=time.monotonic)
     assigned_at: float = field(default_factory=time.monotonic)
+    joined: bool = False  # has formed a generation at least once (reported "recovered")
+    output: OutputTail | None = None  # its stderr, passed through and remembered
+    watch: ProcWatch = field(default_factory=lambda: ProcWatch(time.monotonic()))
 
 
 @dataclass

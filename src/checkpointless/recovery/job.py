@@ -415,7 +415,14 @@ class Job:
             opt.zero_grad(set_to_none=True)
         deadline = time.monotonic() + 10 * self.rendezvous_timeout
         self._report_gen = max(self._report_gen, self._latest_abort, self.generation + 1)
-        report = {"committed_step": committed, "valid": valid, "cause": cause, "error": error}
+        # the step that was running names the fault for the launcher's fault budget
+        report = {
+            "committed_step": committed,
+            "valid": valid,
+            "cause": cause,
+            "error": error,
+            "step": self._step_index,
+        }
         resend = True
         while True:
             gen = self._report_gen
@@ -443,6 +450,7 @@ class Job:
                     "valid": valid,
                     "cause": "recovery",
                     "error": _short(e),
+                    "step": self._step_index,
                 }
                 self._report_gen = max(self._latest_abort, gen + 1)
                 resend = True

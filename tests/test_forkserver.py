@@ -1,0 +1,91 @@
+"""The fork server: workers forked from a template that imported torch once behave like fresh
+interpreters (exit status, signals, environment, descriptors, fresh random seeds)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpointless.launcher.forkserver import ForkServer, become_subreaper, reap_strays
+
+pytestmark = pytest.mark.timeout(90)
+
+SCRIPT = """
+import os, random, sys, socket
+sys.stderr.write(f"role={os.environ['ROLE']} args={sys.argv[1:]} rand={random.random()}\\n")
+if "STORE" in os.environ:
+    s = socket.socket(fileno=int(os.environ["STORE"]))
+    sys.stderr.write(f"listening={s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)}\\n")
+import torch
+sys.stderr.write(f"threads={torch.get_num_threads()} x={float(torch.ones(3).sum())}\\n")
+if os.environ["ROLE"] == "sleeper":
+    import time; time.sleep(60)
+raise SystemExit(int(os.environ.get("CODE", "0")))
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> ForkServer:
+    assert become_subreaper()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    fs = ForkServer(sys.executable, env, None)
+    assert fs.wait_ready(60), "the template did not start"
+    yield fs
+    fs.close()
+
+
+def run(
+    server: ForkServer, tmp_path: Path, name: str, env: dict[str, str], listener: socket.socket | None = None
+):
+    script = tmp_path / "child.py"
+    script.write_text(SCRIPT)
+    r, w = os.pipe()
+    fds = {"stderr": w}
+    if listener is not None:
+        fds["STORE"] = listener.fileno()
+    p = server.spawn([sys.executable, str(script), name], dict(os.environ, **env), str(tmp_path), fds)
+    os.close(w)
+    return p, r
+
+
+def read_all(fd: int) -> str:
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode()
+
+
+def test_exit_status_environment_and_descriptors(server: ForkServer, tmp_path: Path) -> None:
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen()
+        p, r = run(server, tmp_path, "a1", {"ROLE": "worker", "CODE": "3"}, lst)
+        assert p.wait(30) == 3
+    out = read_all(r)
+    assert "role=worker args=['a1']" in out and "listening=1" in out and "threads=1 x=3.0" in out, out
+
+
+def test_each_fork_draws_fresh_python_randomness(server: ForkServer, tmp_path: Path) -> None:
+    values = []
+    for i in range(2):
+        p, r = run(server, tmp_path, f"r{i}", {"ROLE": "worker"})
+        assert p.wait(30) == 0
+        values.append(read_all(r).split("rand=")[1].split()[0])
+    assert values[0] != values[1]
+
+
+def test_a_killed_fork_reports_the_signal_and_strays_are_reaped(server: ForkServer, tmp_path: Path) -> None:
+    p, r = run(server, tmp_path, "s", {"ROLE": "sleeper"})
+    assert os.getppid() != p.pid
+    # the worker is our child (re-parented to this subreaper), not the template's
+    with open(f"/proc/{p.pid}/stat") as f:
+        assert int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    time.sleep(0.5)
+    p.send_signal(signal.SIGKILL)
+    assert p.wait(10) == -signal.SIGKILL
+    os.close(r)
+    reap_strays({server.popen.pid})  # nothing of ours left as a zombie
