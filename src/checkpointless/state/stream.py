@@ -25,7 +25,6 @@ transfer within a fraction of a second, even when the peer is stopped rather tha
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import select
@@ -44,6 +43,7 @@ from checkpointless.rendezvous.peers import parse_address
 from checkpointless.rendezvous.server import KEYSERVER_C2S, KEYSERVER_S2C, PROTOCOL_VERSION, KeyServer
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers
+from checkpointless.state.manifest import parse_manifest
 from checkpointless.wire import FrameError, derive_key, recv_frame, send_frame
 
 __all__ = ["StreamRoute", "stream_receive", "stream_send"]
@@ -404,10 +404,7 @@ def stream_receive(
     try:
         head = _frame(sock, route.reply_key, deadline, aborted, "the manifest")
         mbytes = head.get("payload", b"")
-        try:
-            manifest = json.loads(mbytes)
-        except ValueError as e:
-            raise StateTransferError(f"state manifest from rank {src} is not valid JSON: {e}") from e
+        manifest = parse_manifest(mbytes)  # checked before any buffer is allocated from it
         buffers, in_place = receive_buffers(manifest, into, arena)
         hasher = _Hasher(_hash_on_thread())
         try:
