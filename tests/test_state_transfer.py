@@ -195,7 +195,7 @@ def test_stream_receiver_leaves_promptly_when_aborted_mid_data() -> None:
         def stalling_source(comm: Communicator) -> None:
             lay = layout(sent, solo_min=0)
             sock, _ = routes[0].server.open_channel(routes[0].channel).get(timeout=10)
-            send_frame(sock, routes[0].secret, {"type": "manifest"}, lay.manifest_bytes())
+            send_frame(sock, routes[0].reply_key, {"type": "manifest"}, lay.manifest_bytes())
             sock.sendall(memoryview(lay.messages[0].numpy()).cast("B")[: 1 << 20])
             time.sleep(3)  # stalled, connection open
             sock.close()
@@ -282,14 +282,14 @@ def test_stream_refuses_bytes_changed_on_the_way(mode: str, monkeypatch: pytest.
             lay = layout(sent, solo_min=0)
             mbytes = lay.manifest_bytes()
             sock, _ = routes[0].server.open_channel(routes[0].channel).get(timeout=10)
-            send_frame(sock, routes[0].secret, {"type": "manifest"}, mbytes)
+            send_frame(sock, routes[0].reply_key, {"type": "manifest"}, mbytes)
             digests = [digest(mbytes), *(digest(m) for m in lay.messages)]
             for i, m in enumerate(lay.messages):
                 data = bytearray(memoryview(m.numpy()).cast("B"))
                 if i == 0:
                     data[5_000_000] ^= 0x01
                 sock.sendall(data)
-            send_frame(sock, routes[0].secret, {"type": "trailer", "digests": digests})
+            send_frame(sock, routes[0].reply_key, {"type": "trailer", "digests": digests})
             time.sleep(0.5)  # the receiver's refusal arrives; nothing more to send
             sock.close()
 

@@ -7,12 +7,13 @@ without the launcher sees none of them and runs as a single-process job.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointless.errors import ConfigError
 
-__all__ = ["ENV", "WorkerEnv"]
+__all__ = ["ENV", "WorkerEnv", "job_shm_name"]
 
 
 class ENV:
@@ -25,6 +26,29 @@ class ENV:
     STORE_PORT = "CHECKPOINTLESS_STORE_PORT"  # port of this process's rendezvous key server
     STORE_FD = "CHECKPOINTLESS_STORE_FD"  # that port's socket, already bound by the launcher
     HOST = "CHECKPOINTLESS_HOST"  # address peers reach this process at
+    SHM_KEY = "CHECKPOINTLESS_SHM_KEY"  # random part of the job's private /dev/shm name (never in argv)
+
+
+_SHM_KEY = re.compile(r"^[0-9a-f]{16,64}$")
+
+
+def job_shm_name(job_id: str) -> str:
+    """The name of the job's directory in /dev/shm.
+
+    Under the launcher, ``checkpointless-<uid>-<key>`` with the random key from
+    ``$CHECKPOINTLESS_SHM_KEY``: the job id is visible to every user (in process lists), so a
+    name derived from it alone could be pre-created or blocked by someone else. Without the
+    variable (standalone use), ``checkpointless-<job_id>``.
+    """
+    key = os.environ.get(ENV.SHM_KEY)
+    if key is None:
+        return f"checkpointless-{job_id}"
+    if not _SHM_KEY.match(key):
+        raise ConfigError(
+            f"{ENV.SHM_KEY}={key!r} must be 16-64 lowercase hex digits (the launcher sets it; "
+            "unset it to name the cache after the job id)"
+        )
+    return f"checkpointless-{os.geteuid()}-{key}"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,22 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["EventLog", "RankContext", "get_logger", "set_log_step", "setup_logging"]
+__all__ = ["EventLog", "RankContext", "get_logger", "open_private_append", "set_log_step", "setup_logging"]
+
+
+def open_private_append(path: str | os.PathLike[str]) -> int:
+    """Open ``path`` for appending, created 0600, refusing to follow a symlink.
+
+    A run directory may be shared or predictable: a planted symlink would otherwise redirect our
+    writes into another file, and a pre-created world-writable file would let others forge lines.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if os.path.islink(path):
+            raise OSError(e.errno, f"{path} is a symlink; refusing to write through it (remove it)") from e
+        raise
+    return fd
 
 
 class RankContext:
@@ -75,7 +90,7 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fixed = fixed
         self._lock = threading.Lock()
-        self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives as long as the log
+        self._file = open(open_private_append(self.path), "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives as long as the log
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record: dict[str, Any] = {"time": round(time.time(), 6), "event": event, **self._fixed, **fields}

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpointless.config import ENV
 from checkpointless.errors import CommAborted, RendezvousError
 
 __all__ = ["Communicator", "Handle"]
@@ -163,7 +164,15 @@ def _new_group(backend: str, store: Any, rank: int, world_size: int, timeout: da
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        host = os.environ.get(ENV.HOST)
+        if not host:  # standalone: gloo's own choice (the interface of this machine's host name)
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        # Under the launcher, gloo's listener binds to the job's interface (--host) only; its
+        # default follows the host name, which may be reachable from other machines.
+        gopts = dist.ProcessGroupGloo._Options()
+        gopts._timeout = timeout
+        gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, rank, world_size, gopts)
     raise RendezvousError(f"unknown backend {backend!r}; use gloo or nccl (CHECKPOINTLESS_BACKEND)")
 
 

@@ -1,6 +1,6 @@
 """Batches kept in shared memory (/dev/shm) so that they outlive the process that prepared them.
 
-Layout: ``<root>/checkpointless-<job_id>/rank<NNNNN>/step<NNNNNNNNNNNN>.batch``, one file per
+Layout: ``<root>/<job dir>/rank<NNNNN>/step<NNNNNNNNNNNN>.batch``, one file per
 (rank, step). A file is a 4096-byte header (magic, then JSON naming the dataset fingerprint, seed,
 shuffle, seq_len, global batch, dp rank/size, step, shape, dtype and the batch digest) followed by
 the int64 inputs and targets. Files are written under a hidden temporary name and renamed into
@@ -14,6 +14,11 @@ a window of ``behind`` steps before and ``capacity`` steps after the current ste
 their writer, which is the point: a replacement process (or a re-run of the step) reads them at
 once. The launcher removes the whole directory with :func:`remove_job_cache` when the job ends, and
 :func:`start_cache_janitor` removes it even if the launcher itself is SIGKILLed.
+
+The job directory is ``checkpointless-<uid>-<key>`` when ``$CHECKPOINTLESS_SHM_KEY`` is set (the
+launcher sets a random key and hands it to its processes through the environment only, never a
+command line, so another user can neither predict the name nor plant a directory there first),
+else ``checkpointless-<job_id>`` for standalone use.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from checkpointless.config import job_shm_name
 from checkpointless.data.digest import array_digest
 from checkpointless.errors import ConfigError, DataError
 
@@ -69,10 +75,11 @@ def default_cache_root() -> Path:
 
 
 def job_cache_dir(job_id: str, root: str | os.PathLike[str] | None = None) -> Path:
-    """The directory that holds every cached batch of ``job_id`` on this node."""
+    """The directory that holds every cached batch of ``job_id`` on this node (private and
+    unguessable under the launcher: see the module's notes on ``$CHECKPOINTLESS_SHM_KEY``)."""
     if not _JOB_ID.match(job_id):
         raise ConfigError(f"job_id {job_id!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
-    return Path(root if root is not None else default_cache_root()) / f"checkpointless-{job_id}"
+    return Path(root if root is not None else default_cache_root()) / job_shm_name(job_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,10 +335,10 @@ def remove_job_cache(
 
 
 _JANITOR = (
-    "import shutil, signal, sys\n"
+    "import os, shutil, signal, sys\n"
     "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
     "sys.stdin.buffer.read()\n"  # returns at EOF: the launcher closed the pipe or died
-    "shutil.rmtree(sys.argv[1], ignore_errors=True)\n"
+    "shutil.rmtree(os.environ['CHECKPOINTLESS_JANITOR_PATH'], ignore_errors=True)\n"
 )
 
 
@@ -346,7 +353,9 @@ def start_cache_janitor(job_id: str, root: str | os.PathLike[str] | None = None)
     """
     path = job_cache_dir(job_id, root)
     return subprocess.Popen(
-        [sys.executable, "-I", "-c", _JANITOR, str(path)],
+        [sys.executable, "-I", "-c", _JANITOR],
+        # the path goes through the environment: argv is visible to every user, and the name is private
+        env={**os.environ, "CHECKPOINTLESS_JANITOR_PATH": str(path)},
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         start_new_session=True,  # a Ctrl-C to the launcher's process group must not kill it first

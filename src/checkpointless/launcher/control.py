@@ -1,16 +1,31 @@
 """The control channel between the launcher and its workers.
 
-One TCP connection per worker process, on loopback (or the job's own interface), every frame
-sealed with the per-job secret (:mod:`checkpointless.wire`). Messages are small JSON objects with
-a ``type``. The launcher's side funnels every received message into one queue read by its single
-decision loop; the worker's side runs a reader thread that hands messages to a callback, so an
-``abort`` reaches a worker whose main thread is stuck inside a collective.
+One TCP connection per worker process, on loopback (or the job's own interface). Messages are
+small JSON objects with a ``type``, sealed (:mod:`checkpointless.wire`) with keys derived from the
+per-job secret, one per direction (``control/c2s``, ``control/s2c``).
+
+Replay protection: on accept the launcher sends a fresh nonce; every worker frame carries it and
+a strictly increasing sequence number inside the sealed header, and the worker's first frame adds
+a nonce of the worker's own, which every launcher frame then carries with its own sequence. A
+frame recorded on another connection, or in the other direction, is therefore refused, and a
+refused frame closes the connection without any sealed answer.
+
+The launcher's side is one selector thread for every connection: non-blocking sockets, frames
+assembled incrementally, so an idle or slow peer costs a few hundred bytes, never a thread, and
+never delays anyone else. A connection must authenticate (send one valid frame) within
+:data:`AUTH_DEADLINE_S`, and at most :data:`MAX_UNAUTHENTICATED` may be waiting to do so. Every
+authenticated message lands in :attr:`ControlServer.inbox`, read by the launcher's single decision
+loop. The worker's side runs a reader thread that hands messages to a callback, so an ``abort``
+reaches a worker whose main thread is stuck inside a collective.
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
+import secrets
+import select
+import selectors
 import socket
 import struct
 import threading
@@ -19,20 +34,46 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointless.errors import ConfigError
-from checkpointless.wire import FrameError, recv_frame, send_frame
+from checkpointless.wire import FrameDecoder, FrameError, derive_key, encode_frame, recv_frame, send_frame
 
-__all__ = ["Connection", "ControlClient", "ControlServer"]
+__all__ = [
+    "AUTH_DEADLINE_S",
+    "MAX_CONTROL_HEADER",
+    "MAX_CONTROL_PAYLOAD",
+    "MAX_UNAUTHENTICATED",
+    "Connection",
+    "ControlClient",
+    "ControlServer",
+]
 
-_SEND_TIMEOUT_S = 5
+MAX_CONTROL_HEADER = 64 << 10  # the largest control message (a recovery plan) is a few KiB
+MAX_CONTROL_PAYLOAD = 1 << 20  # control messages carry no payload today; leave room, cap it
+AUTH_DEADLINE_S = 2.0  # a worker sends its hello right after connecting
+MAX_UNAUTHENTICATED = 256  # connections still owing their first valid frame
+_SEND_TIMEOUT_S = 5.0
+_READ_CHUNK = 64 << 10
+_C2S, _S2C = "control/c2s", "control/s2c"
+# protocol fields inside the sealed header; stripped before a message reaches its consumer
+_NONCE, _SEQ, _CLIENT_NONCE = "_n", "_q", "_c"
+_LISTENER, _WAKER = object(), object()
 
 
-def _prepare(sock: socket.socket) -> None:
-    """Blocking reads, bounded writes. A reader thread and writers share the socket, so the
-    send bound is a kernel option (SO_SNDTIMEO) rather than ``settimeout``, which would also
-    make the reader's wait time out in the middle of a frame."""
-    sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_TIMEOUT_S, 0))
+def _send_bounded(sock: socket.socket, key: bytes, msg: dict[str, Any], timeout: float) -> None:
+    """Send a frame on a non-blocking socket shared with a reader, waiting at most ``timeout``."""
+    deadline = time.monotonic() + timeout
+    view = memoryview(encode_frame(key, msg))
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while view:
+        try:
+            view = view[sock.send(view) :]
+            continue
+        except (BlockingIOError, InterruptedError):
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"peer took no control message for {timeout:.0f} s")
+        poller.poll(left * 1000)
 
 
 class Connection:
@@ -40,22 +81,49 @@ class Connection:
 
     def __init__(self, sock: socket.socket, secret: bytes) -> None:
         self.sock = sock
-        self.secret = secret
         self.worker_id: int | None = None
-        self._send_lock = threading.Lock()
         self.closed = False
+        self.authenticated = False
+        self.nonce = secrets.token_hex(16)  # ours; the worker's frames must carry it
+        self.peer_nonce = ""  # the worker's; our frames carry it
+        self.last_in = 0
+        self.accepted_at = time.monotonic()
+        self._tx_key = derive_key(secret, _S2C)
+        self._seq_out = 0
+        self._send_lock = threading.Lock()
+        self.decoder = FrameDecoder(
+            derive_key(secret, _C2S), max_header=MAX_CONTROL_HEADER, max_payload=MAX_CONTROL_PAYLOAD
+        )
+
+    def _send_sealed(self, msg: dict[str, Any]) -> None:
+        with self._send_lock:
+            self._seq_out += 1
+            _send_bounded(self.sock, self._tx_key, {**msg, _SEQ: self._seq_out}, _SEND_TIMEOUT_S)
 
     def send(self, msg: dict[str, Any]) -> bool:
         """Send; return False (and close) if the worker is gone or not reading."""
-        if self.closed:
+        if self.closed or not self.authenticated:
             return False
         try:
-            with self._send_lock:
-                send_frame(self.sock, self.secret, msg)
+            self._send_sealed({**msg, _NONCE: self.peer_nonce})
             return True
         except (OSError, FrameError):
             self.close()
             return False
+
+    def accept_frame(self, header: dict[str, Any]) -> dict[str, Any]:
+        """Check a sealed frame's nonce and sequence; return the message without them."""
+        seq = header.pop(_SEQ, None)
+        if header.pop(_NONCE, None) != self.nonce or not isinstance(seq, int) or seq <= self.last_in:
+            raise FrameError("control frame replayed, reordered or from another connection")
+        client_nonce = header.pop(_CLIENT_NONCE, None)
+        if not self.authenticated:
+            if not isinstance(client_nonce, str) or not client_nonce:
+                raise FrameError("first control frame lacks the worker's nonce")
+            self.peer_nonce = client_nonce
+            self.authenticated = True
+        self.last_in = seq
+        return header
 
     def close(self) -> None:
         self.closed = True
@@ -66,10 +134,9 @@ class Connection:
 
 
 class ControlServer:
-    """Accepts worker connections; every message lands in :attr:`inbox` as (connection, msg).
-
-    A connection's end is delivered as ``{"type": "_closed"}`` so the decision loop sees it.
-    """
+    """Accepts worker connections; every authenticated message lands in :attr:`inbox` as
+    (connection, msg). An authenticated connection's end is delivered as ``{"type": "_closed"}``
+    so the decision loop sees it; connections that never authenticated never reach it."""
 
     def __init__(self, host: str, port: int, secret: bytes) -> None:
         self.secret = secret
@@ -85,48 +152,128 @@ class ControlServer:
                 "choose another with --control-port (0 picks a free one)"
             ) from e
         self._sock.listen(256)
+        self._sock.setblocking(False)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._conns: list[Connection] = []
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._conns: set[Connection] = set()  # read by tests and stop(); written by the loop
+        self._thread: threading.Thread | None = None
+        self.rejected = 0  # connections closed for a bad frame, an overrun cap or the deadline
+
+    @property
+    def unauthenticated(self) -> int:
+        """Connections still owing their first valid frame (safe to read from any thread)."""
+        while True:
+            try:
+                return sum(1 for c in list(self._conns) if not c.authenticated)
+            except RuntimeError:  # the loop changed the set while we copied it: look again
+                continue
 
     def start(self) -> None:
-        t = threading.Thread(target=self._accept_loop, daemon=True, name="cl-control-accept")
-        t.start()
-        self._threads.append(t)
+        self._sel.register(self._sock, selectors.EVENT_READ, _LISTENER)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKER)
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="cl-control")
+        self._thread.start()
 
-    def _accept_loop(self) -> None:
-        self._sock.settimeout(0.2)
-        while not self._stop.is_set():
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for key, _ in self._sel.select(self._next_timeout()):
+                    if key.data is _LISTENER:
+                        self._accept()
+                    elif key.data is _WAKER:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        self._read(key.data)
+                self._expire()
+        finally:
+            for c in list(self._conns):
+                self._drop(c, "launcher stopped", report=False)
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _next_timeout(self) -> float | None:
+        pending = [c.accepted_at for c in self._conns if not c.authenticated]
+        if not pending:
+            return None
+        return max(0.0, min(pending) + AUTH_DEADLINE_S - time.monotonic())
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - AUTH_DEADLINE_S
+        for c in [c for c in self._conns if not c.authenticated and c.accepted_at <= cutoff]:
+            self.rejected += 1
+            self._drop(c, "no authentication before the deadline", report=False)
+
+    def _accept(self) -> None:
+        while True:
             try:
                 sock, _ = self._sock.accept()
-            except TimeoutError:
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. EMFILE: it stays in the backlog; the next select retries
+                return
+            if self.unauthenticated >= MAX_UNAUTHENTICATED:
+                self.rejected += 1  # a flood of idle connections: the newest one pays
+                sock.close()
                 continue
-            except OSError:
-                return
-            _prepare(sock)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock, self.secret)
-            self._conns.append(conn)
-            t = threading.Thread(target=self._read_loop, args=(conn,), daemon=True, name="cl-control-read")
-            t.start()
+            try:  # the greeting: our nonce, which the worker's frames must carry
+                conn._send_sealed({"type": "_greeting", "nonce": conn.nonce})
+            except OSError:
+                sock.close()
+                continue
+            self._conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
 
-    def _read_loop(self, conn: Connection) -> None:
-        while not self._stop.is_set():
-            try:
-                msg, _ = recv_frame(conn.sock, self.secret)
-            except (OSError, FrameError) as e:
-                # an unauthenticated peer never reaches the decision loop as a worker
-                self.inbox.put((conn, {"type": "_closed", "error": str(e)}))
-                conn.close()
-                return
+    def _read(self, conn: Connection) -> None:
+        try:
+            data = conn.sock.recv(min(_READ_CHUNK, conn.decoder.want()))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._drop(conn, str(e), report=True)
+            return
+        if not data:
+            self._drop(conn, "peer closed the connection", report=True)
+            return
+        try:
+            messages = [conn.accept_frame(h) for h, _ in conn.decoder.feed(data)]
+        except FrameError as e:
+            # an unauthenticated peer never reaches the decision loop, not even as "_closed"
+            self.rejected += 1
+            self._drop(conn, str(e), report=True)
+            return
+        for msg in messages:
             self.inbox.put((conn, msg))
 
-    def stop(self) -> None:
+    def _drop(self, conn: Connection, why: str, report: bool) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.discard(conn)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(conn.sock)
+        conn.close()
+        if report and conn.authenticated:
+            self.inbox.put((conn, {"type": "_closed", "error": why}))
+
+    def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         with contextlib.suppress(OSError):
-            self._sock.close()
-        for c in self._conns:
-            c.close()
+            self._wake_w.send(b"\0")
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            with contextlib.suppress(OSError):
+                self._sock.close()
 
 
 class ControlClient:
@@ -141,21 +288,42 @@ class ControlClient:
         on_lost: Callable[[str], None],
         timeout: float = 10.0,
     ) -> None:
-        self.secret = secret
+        self._tx_key = derive_key(secret, _C2S)
+        self._rx_key = derive_key(secret, _S2C)
         deadline = time.monotonic() + timeout
-        last: OSError | None = None
         while True:
             try:
                 self.sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
                 break
             except OSError as e:
-                last = e
                 if time.monotonic() > deadline:
                     raise ConnectionError(
-                        f"cannot reach the launcher at {address[0]}:{address[1]}: {last}"
+                        f"cannot reach the launcher at {address[0]}:{address[1]}: {e}"
                     ) from e
                 time.sleep(0.05)
-        _prepare(self.sock)
+        try:
+            greeting, _ = recv_frame(
+                self.sock, self._rx_key, deadline, MAX_CONTROL_PAYLOAD, max_header=MAX_CONTROL_HEADER
+            )
+        except (OSError, FrameError) as e:
+            self.sock.close()
+            raise ConnectionError(
+                f"the launcher at {address[0]}:{address[1]} sent no valid greeting: {e}"
+            ) from e
+        self._server_nonce = greeting.get("nonce")
+        self._nonce = secrets.token_hex(16)
+        self._seq_out = 0
+        self._last_in = greeting.get(_SEQ, 0)
+        if greeting.get("type") != "_greeting" or not isinstance(self._server_nonce, str):
+            self.sock.close()
+            raise ConnectionError(f"the launcher at {address[0]}:{address[1]} sent an unexpected greeting")
+        # Blocking reads on the reader thread; sends bounded by a kernel option, because a
+        # settimeout would also make the reader's long wait time out mid-frame.
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(_SEND_TIMEOUT_S), 0)
+        )
         self._on_message = on_message
         self._on_lost = on_lost
         self._send_lock = threading.Lock()
@@ -165,12 +333,26 @@ class ControlClient:
 
     def send(self, msg: dict[str, Any]) -> None:
         with self._send_lock:
-            send_frame(self.sock, self.secret, msg)
+            self._seq_out += 1
+            framed = {**msg, _NONCE: self._server_nonce, _SEQ: self._seq_out}
+            if self._seq_out == 1:
+                framed[_CLIENT_NONCE] = self._nonce
+            send_frame(self.sock, self._tx_key, framed)
+
+    def _accept(self, header: dict[str, Any]) -> dict[str, Any]:
+        seq = header.pop(_SEQ, None)
+        if header.pop(_NONCE, None) != self._nonce or not isinstance(seq, int) or seq <= self._last_in:
+            raise FrameError("control frame from the launcher replayed or from another connection")
+        self._last_in = seq
+        return header
 
     def _read_loop(self) -> None:
         while True:
             try:
-                msg, _ = recv_frame(self.sock, self.secret)
+                header, _ = recv_frame(
+                    self.sock, self._rx_key, None, MAX_CONTROL_PAYLOAD, max_header=MAX_CONTROL_HEADER
+                )
+                msg = self._accept(header)
             except (OSError, FrameError) as e:
                 if not self._closing:
                     self._on_lost(str(e))

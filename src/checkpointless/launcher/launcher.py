@@ -14,6 +14,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from typing import Any
 
 from checkpointless.config import ENV
 from checkpointless.errors import ConfigError, NotRecoverableError
-from checkpointless.events import EventLog, get_logger, setup_logging
+from checkpointless.events import EventLog, get_logger, open_private_append, setup_logging
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.forkserver import (
     ForkServer,
@@ -41,6 +42,7 @@ from checkpointless.launcher.policy import (
 )
 from checkpointless.launcher.proctable import read_sample
 from checkpointless.launcher.reaper import cleanup_job
+from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
 from checkpointless.recovery.decisions import (
     MemberReport,
     SpareAction,
@@ -63,13 +65,19 @@ class Launcher:
         self.secret = secrets.token_hex(32).encode()
         self._ports = self._allocate_ports(cfg.nproc + cfg.spares * 4 + 8)
         self.run_dir = cfg.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{self.job_id}"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        secret_file = self.run_dir / "secret"
-        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.secret)
-        self.secret_file = secret_file
-        self.events = EventLog(self.run_dir / "events.jsonl", job=self.job_id)
+        self._created_run_dir = make_run_dir(self.run_dir)
+        self.secret_file = self.run_dir / "secret"
+        write_secret(self.secret_file, self.secret)
+        # The job's /dev/shm name gets a random part that only our processes learn, through the
+        # environment (never argv, which every user can read). Set here so the reaper, cleanup_job
+        # and every worker (plain mode's too) inherit it: one launcher per process.
+        self.shm_key = secrets.token_hex(16)
+        os.environ[ENV.SHM_KEY] = self.shm_key
+        try:
+            self.events = EventLog(self.run_dir / "events.jsonl", job=self.job_id)
+        except BaseException:
+            remove_early(self.run_dir, self._created_run_dir, self.secret_file)
+            raise
         self.procs: dict[int, Proc] = {}
         self.members: dict[int, Proc] = {}  # rank -> process holding it
         self.next_worker_id = 0
@@ -137,6 +145,7 @@ class Launcher:
                 ENV.RUN_DIR: str(self.run_dir),
                 ENV.JOB_ID: self.job_id,
                 ENV.HOST: self.cfg.host,
+                ENV.SHM_KEY: self.shm_key,
                 "PYTHONUNBUFFERED": "1",
                 # gloo reads all peers' addresses in one batched request per owner
                 "GLOO_ENABLE_STORE_V2_API": "1",
@@ -152,7 +161,7 @@ class Launcher:
             return
         out = subprocess.DEVNULL if self.cfg.quiet_workers else None
         fs = self.forkserver = ForkServer(self.cfg.python, self._job_env(), out)
-        with open(self.run_dir / "pids", "a") as f:
+        with open(open_private_append(self.run_dir / "pids"), "w") as f:
             f.write(f"{fs.popen.pid}\n")
 
     def _spawn(self, role: str) -> Proc:
@@ -195,7 +204,7 @@ class Launcher:
             os.close(err_w)
             if listener is not None:
                 listener.close()  # the worker holds the only copy now
-        with open(self.run_dir / "pids", "a") as f:
+        with open(open_private_append(self.run_dir / "pids"), "w") as f:
             f.write(f"{handle.pid}\n")
         p = Proc(worker_id=wid, role=role, popen=handle, store_port=port)
         p.output = OutputTail(os.fdopen(err_r, "rb"))
@@ -214,15 +223,19 @@ class Launcher:
     # -- entry point ---------------------------------------------------------------------------
     def run(self) -> int:
         setup_logging("launcher")
-        self.server = ControlServer(self.cfg.host, self.cfg.control_port, self.secret)
-        self.server.start()
-        self.reaper = subprocess.Popen(
-            [sys.executable, "-m", "checkpointless.launcher.reaper", str(self.run_dir), self.job_id],
-            stdin=subprocess.PIPE,
-            start_new_session=True,
-        )
-        self.store_desc = self._make_rendezvous()
-        self._start_fork_server()
+        try:
+            self.server = ControlServer(self.cfg.host, self.cfg.control_port, self.secret)
+            self.server.start()
+            self.reaper = subprocess.Popen(
+                [sys.executable, "-m", "checkpointless.launcher.reaper", str(self.run_dir), self.job_id],
+                stdin=subprocess.PIPE,
+                start_new_session=True,
+            )
+            self.store_desc = self._make_rendezvous()
+            self._start_fork_server()
+        except BaseException:
+            self._undo_early()
+            raise
         old_int = signal.signal(signal.SIGINT, self._on_signal)
         old_term = signal.signal(signal.SIGTERM, self._on_signal)
         log.info(
@@ -261,12 +274,40 @@ class Launcher:
             signal.signal(signal.SIGTERM, old_term)
         return self.exit_code
 
+    def _undo_early(self) -> None:
+        """A launch that failed before any worker started takes back what it created."""
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
+        if self.forkserver is not None:
+            self.forkserver.close()
+        reaper = getattr(self, "reaper", None)
+        if reaper is not None and reaper.stdin is not None:
+            reaper.stdin.close()  # the reaper cleans up and exits at end-of-file
+            try:
+                reaper.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                reaper.kill()
+                reaper.wait(timeout=5)
+        self.events.close()
+        remove_early(self.run_dir, self._created_run_dir, self.secret_file)
+
     def _make_rendezvous(self) -> dict[str, Any]:
         if self.cfg.rendezvous == "rootless":
             return {"kind": "rootless", "timeout": self.cfg.recovery_timeout}
         import torch.distributed as dist  # only the store-based fallback pays for this import
 
-        self._tcp_store = dist.TCPStore(self.cfg.host, 0, is_master=True, wait_for_workers=False)
+        # The TCP store authenticates nobody, so it must at least listen on the job's interface
+        # only (torch would bind every interface): bind the socket ourselves and hand it over.
+        listener = socket.create_server((self.cfg.host, 0), backlog=512)
+        self._tcp_store_listener = listener  # owned by us; closed with the launcher
+        self._tcp_store = dist.TCPStore(
+            self.cfg.host,
+            listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
         return {
             "kind": "tcp",
             "host": self.cfg.host,

@@ -14,6 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
+from checkpointless.config import job_shm_name
+
 __all__ = ["cleanup_job", "main"]
 
 
@@ -39,7 +41,8 @@ def cleanup_job(run_dir: Path, job_id: str, keep_secret: bool = False) -> int:
                     killed += 1
                 except ProcessLookupError:
                     pass
-    shm = Path(os.environ.get("CHECKPOINTLESS_SHM_DIR", "/dev/shm")) / f"checkpointless-{job_id}"
+    # the name's private part comes from our environment (CHECKPOINTLESS_SHM_KEY), never argv
+    shm = Path(os.environ.get("CHECKPOINTLESS_SHM_DIR", "/dev/shm")) / job_shm_name(job_id)
     if shm.exists():
         shutil.rmtree(shm, ignore_errors=True)
     if not keep_secret:

@@ -29,8 +29,8 @@ from typing import Any
 
 from checkpointless.errors import RendezvousError
 from checkpointless.rendezvous.peers import PeerTable
-from checkpointless.rendezvous.server import MUTATING_OPS, PROTOCOL_VERSION
-from checkpointless.wire import FrameError, recv_frame, send_frame
+from checkpointless.rendezvous.server import KEYSERVER_C2S, KEYSERVER_S2C, MUTATING_OPS, PROTOCOL_VERSION
+from checkpointless.wire import FrameError, derive_key, recv_frame, send_frame
 
 __all__ = ["PeerClient", "Reply", "Request"]
 
@@ -78,6 +78,8 @@ class PeerClient:
     ) -> None:
         self.peers = peers
         self.secret = secret
+        self._tx_key = derive_key(secret, KEYSERVER_C2S)
+        self._rx_key = derive_key(secret, KEYSERVER_S2C)
         self.generation = generation
         self.connect_grace = connect_grace
         self.max_idle = max_idle
@@ -162,13 +164,21 @@ class PeerClient:
 
     def _receive(self, link: _Link, deadline: float, during: str) -> Reply:
         try:
-            return recv_frame(link.sock, self.secret, deadline)
+            return recv_frame(link.sock, self._rx_key, deadline)
         except FrameError as e:
             if "authentication" in str(e):
                 raise self._error(
                     link.rank, f"failed authentication during {during}: wrong job secret?"
                 ) from e
-            raise self._error(link.rank, f"closed the connection during {during}: it has died") from e
+            # An owner closes, unanswered, a request that fails its authentication (a sealed
+            # error would hand a forger a valid frame), so a fresh connection closed at once
+            # may also mean that we hold the wrong secret.
+            why = (
+                "it has died"
+                if link.seq > 1
+                else "it has died, or refused our authentication (wrong job secret?)"
+            )
+            raise self._error(link.rank, f"closed the connection during {during}: {why}") from e
         except TimeoutError:
             raise self._error(link.rank, f"did not answer {during} before the deadline") from None
         except OSError as e:  # ECONNRESET and friends: the owner's kernel tore the socket down
@@ -183,7 +193,7 @@ class PeerClient:
             framed["nonce"] = link.nonce
         try:
             link.sock.settimeout(max(0.001, deadline - time.monotonic()))
-            send_frame(link.sock, self.secret, framed, payload)
+            send_frame(link.sock, self._tx_key, framed, payload)
         except TimeoutError:
             raise self._error(link.rank, f"did not take the {header['op']!r} request in time") from None
         except OSError as e:
@@ -192,8 +202,6 @@ class PeerClient:
 
     def _check_reply(self, link: _Link, op: str, reply: Reply) -> Reply:
         header = reply[0]
-        if header.get("error") == "auth":
-            raise self._error(link.rank, f"could not authenticate our {op!r} request: wrong job secret?")
         if header.get("seq") != link.seq:
             raise self._error(link.rank, f"answered out of order (seq {header.get('seq')} for {link.seq})")
         if header.get("ok") is True:

@@ -6,18 +6,22 @@ wait for a key park as a :class:`~checkpointless.rendezvous.keyspace.Watch` and 
 the key is written, or with a timeout reply at their deadline; the loop itself never blocks on a
 slow key.
 
-Security: every frame is sealed with the job secret (:mod:`checkpointless.wire`), and a frame that
-fails authentication closes its connection before anything in it is parsed (the server first
-answers with a sealed "auth" error, so that a client holding another secret learns why instead
-of taking the owner for dead). Requests carry a strictly increasing sequence number. Requests
-that change a key must also carry a nonce that the server issued on that connection (``hello``),
-so a recorded request cannot be replayed: an ``add`` replayed would corrupt a counter. Reads need
-no nonce: replaying one changes nothing and reveals nothing a recording did not, and skipping the
-extra round trip matters because a full-mesh rendezvous is N-1 single reads per owner.
+Security: every frame is sealed (:mod:`checkpointless.wire`) with keys derived from the job secret,
+one per direction (``keyserver/c2s`` for requests, ``keyserver/s2c`` for replies, so a recorded
+reply can never pass as a request). A frame that fails authentication, announces more than the
+caps, or breaks the sequence closes its connection with no answer at all: a sealed error would
+hand a forger a valid frame for free. Requests carry a strictly increasing sequence number.
+Requests that change a key must also carry a nonce that the server issued on that connection
+(``hello``), so a recorded request cannot be replayed: an ``add`` replayed would corrupt a
+counter. Reads need no nonce: replaying one changes nothing and reveals nothing a recording did
+not, and skipping the extra round trip matters because a full-mesh rendezvous is N-1 single reads
+per owner.
 
-The loop reads a frame once the selector reports its first bytes, with the whole frame bounded by
-``io_timeout``: frames are small and sent in one ``sendall``, so a frame split across a long pause
-only comes from a stopped or hostile client, and it costs at most that bound.
+The loop never blocks on a client's bytes: each connection assembles its frames incrementally
+(:class:`~checkpointless.wire.FrameDecoder`) from whatever the socket holds, so a client that
+dribbles a frame costs only its buffer, and a frame left incomplete for ``io_timeout`` closes the
+connection. (Replies are still written with ``io_timeout`` as their bound: they are small, and a
+client that stops reading its own replies only delays the loop by that much once.)
 """
 
 from __future__ import annotations
@@ -38,11 +42,23 @@ from typing import Any
 from checkpointless.errors import ConfigError
 from checkpointless.rendezvous.keyspace import KeySpace, Watch
 from checkpointless.rendezvous.ports import open_listener
-from checkpointless.wire import FrameError, recv_frame, send_frame
+from checkpointless.wire import FrameDecoder, FrameError, derive_key, send_frame
 
-__all__ = ["MUTATING_OPS", "PROTOCOL_VERSION", "KeyServer", "ServerStats", "join_values", "split_values"]
+__all__ = [
+    "KEYSERVER_C2S",
+    "KEYSERVER_S2C",
+    "MUTATING_OPS",
+    "PROTOCOL_VERSION",
+    "KeyServer",
+    "ServerStats",
+    "join_values",
+    "split_values",
+]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: per-direction keys, no sealed "auth" reply
+KEYSERVER_C2S = "keyserver/c2s"  # key labels (wire.derive_key): requests, and stream acks
+KEYSERVER_S2C = "keyserver/s2c"  # replies, and a stream's manifest and trailer
+_READ_CHUNK = 256 << 10
 # these need the connection's nonce ("stream" too: a replayed one must not get a connection)
 MUTATING_OPS = frozenset({"set", "add", "cas", "append", "del", "stream"})
 _MAX_PAYLOAD = 64 << 20  # rendezvous values are addresses and ids; more is a bug or an attack
@@ -91,13 +107,15 @@ class ServerStats:
 
 
 class _Conn:
-    __slots__ = ("last_seq", "nonce", "pending", "sock")
+    __slots__ = ("decoder", "last_seq", "nonce", "partial_since", "pending", "sock")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, rx_key: bytes) -> None:
         self.sock = sock
         self.nonce: str | None = None  # issued by the first "hello" on this connection
         self.last_seq = 0
         self.pending: set[_Pending] = set()
+        self.decoder = FrameDecoder(rx_key, max_payload=_MAX_PAYLOAD)
+        self.partial_since: float | None = None  # when the frame in progress started arriving
 
 
 class _Pending:
@@ -144,6 +162,8 @@ class KeyServer:
         if io_timeout <= 0:
             raise ConfigError(f"io_timeout must be positive, got {io_timeout}")
         self.secret = secret
+        self._rx_key = derive_key(secret, KEYSERVER_C2S)
+        self._tx_key = derive_key(secret, KEYSERVER_S2C)
         self.io_timeout = io_timeout
         if listen_fd is None:
             self._listener = open_listener(host, port)
@@ -230,9 +250,7 @@ class KeyServer:
     def _loop(self) -> None:
         try:
             while not self._stopping.is_set():
-                timeout = None
-                if self._timers:
-                    timeout = max(0.0, self._timers[0][0] - time.monotonic())
+                timeout = self._next_timeout()
                 for key, _ in self._sel.select(timeout):
                     if key.data is _LISTENER:
                         self._accept()
@@ -243,11 +261,23 @@ class KeyServer:
                         self._serve(key.data)
                 self._answer_ready()
                 self._expire()
+                self._expire_partial()
             # Answers already due go out before the port closes: a rank that leaves right after
             # a barrier must not take with it the reply that lets the last peer leave too.
             self._answer_ready()
         finally:
             self._close_all()
+
+    def _next_timeout(self) -> float | None:
+        due = [self._timers[0][0]] if self._timers else []
+        due += [c.partial_since + self.io_timeout for c in self._conns if c.partial_since is not None]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _expire_partial(self) -> None:
+        """Close connections whose frame stayed incomplete for io_timeout (stopped or hostile)."""
+        cutoff = time.monotonic() - self.io_timeout
+        for conn in [c for c in self._conns if c.partial_since is not None and c.partial_since <= cutoff]:
+            self._drop(conn)
 
     def _close_all(self) -> None:
         for conn in list(self._conns):
@@ -267,9 +297,9 @@ class KeyServer:
                 return
             except OSError:  # e.g. EMFILE: leave it in the backlog; the next select retries
                 return
-            sock.settimeout(self.io_timeout)
+            sock.setblocking(False)  # reads never wait; _send bounds its writes by io_timeout
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
+            conn = _Conn(sock, self._rx_key)
             self._conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self.stats.connections += 1
@@ -289,7 +319,9 @@ class KeyServer:
 
     def _send(self, conn: _Conn, header: dict[str, Any], payload: bytes = b"") -> bool:
         try:
-            send_frame(conn.sock, self.secret, header, payload)
+            conn.sock.settimeout(self.io_timeout)
+            send_frame(conn.sock, self._tx_key, header, payload)
+            conn.sock.setblocking(False)
         except OSError:  # the reader left or stopped reading for io_timeout: forget it
             self._drop(conn)
             return False
@@ -297,19 +329,31 @@ class KeyServer:
         return True
 
     def _serve(self, conn: _Conn) -> None:
+        """Read what the socket holds (never past the frame in progress); serve a completed frame."""
+        frame: tuple[dict[str, Any], bytearray] | None = None
         try:
-            header, payload = recv_frame(
-                conn.sock, self.secret, time.monotonic() + self.io_timeout, max_payload=_MAX_PAYLOAD
-            )
-        except FrameError as e:
-            if "authentication" in str(e):
-                self.stats.rejected += 1
-                self._send(conn, {"ok": False, "error": "auth"})
+            while frame is None:
+                data = conn.sock.recv(min(_READ_CHUNK, conn.decoder.want()))
+                if not data:  # closed, perhaps mid-frame
+                    self._drop(conn)
+                    return
+                frames = conn.decoder.feed(data)
+                if frames:
+                    # want() never asks past the frame in progress, so there is exactly one
+                    frame = frames[0]
+        except (BlockingIOError, InterruptedError):
+            if conn.decoder.partial and conn.partial_since is None:
+                conn.partial_since = time.monotonic()
+            return
+        except FrameError:  # bad seal, or a prefix over the caps: close, answer nothing
+            self.stats.rejected += 1
             self._drop(conn)
             return
-        except OSError:  # reset, or a frame stalled for io_timeout
+        except OSError:  # reset
             self._drop(conn)
             return
+        conn.partial_since = None
+        header, payload = frame
         seq, op = header.get("seq"), header.get("op")
         if (
             not isinstance(seq, int)
@@ -358,6 +402,7 @@ class KeyServer:
                 self._conns.discard(conn)
                 with contextlib.suppress(KeyError, ValueError, OSError):
                     self._sel.unregister(conn.sock)
+                conn.sock.settimeout(self.io_timeout)  # leaves the loop: bounded, blocking calls
                 q.put((conn.sock, h))
             return
         keys = _keys_of(h)

@@ -25,7 +25,6 @@ transfer within a fraction of a second, even when the peer is stopped rather tha
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import select
@@ -41,16 +40,18 @@ import xxhash
 
 from checkpointless.errors import StateTransferError
 from checkpointless.rendezvous.peers import parse_address
-from checkpointless.rendezvous.server import PROTOCOL_VERSION, KeyServer
+from checkpointless.rendezvous.server import KEYSERVER_C2S, KEYSERVER_S2C, PROTOCOL_VERSION, KeyServer
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers
-from checkpointless.wire import FrameError, recv_frame, send_frame
+from checkpointless.state.manifest import parse_manifest
+from checkpointless.wire import FrameError, derive_key, recv_frame, send_frame
 
 __all__ = ["StreamRoute", "stream_receive", "stream_send"]
 
 _CHUNK = 4 << 20  # a message this large goes alone; smaller ones go together, up to this much
 _PIECE = 16 << 20  # the most one socket call is offered; the kernel takes what fits its buffer
 _POLL = 0.25
+_MAX_MANIFEST = 1 << 30  # a frame's cap; a manifest lists every tensor, so it can be megabytes
 _IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's IOV_MAX)
 
 Aborted = Callable[[], "str | None"]
@@ -64,6 +65,16 @@ class StreamRoute:
     peers: list[str]  # rank -> key server address
     secret: bytes
     channel: str  # unique per generation, e.g. "state/gen3"
+
+    # A stream is a key-server connection handed over, so it keeps that connection's keys:
+    # the receiver (the connection's client) seals with the request key, the source with the reply key.
+    @property
+    def request_key(self) -> bytes:
+        return derive_key(self.secret, KEYSERVER_C2S)
+
+    @property
+    def reply_key(self) -> bytes:
+        return derive_key(self.secret, KEYSERVER_S2C)
 
 
 def _check(deadline: float, aborted: Aborted, what: str) -> None:
@@ -271,9 +282,13 @@ def _frame(
     while not poller.poll(_POLL * 1000):
         _check(deadline, aborted, what)
     try:
-        header, payload = recv_frame(sock, secret, deadline)
+        header, payload = recv_frame(sock, secret, deadline, max_payload=_MAX_MANIFEST)
     except (FrameError, OSError) as e:
-        raise StateTransferError(f"state stream broke during {what}: {e}") from e
+        hint = ""
+        if what == "the handshake" and "closed" in str(e):
+            # a key server closes, unanswered, a request that fails authentication
+            hint = " (the source died, or refused our authentication: wrong job secret?)"
+        raise StateTransferError(f"state stream broke during {what}: {e}{hint}") from e
     finally:
         sock.settimeout(_POLL)  # recv_frame set the deadline's timeout; the data phase polls
     if payload:
@@ -318,7 +333,7 @@ def stream_send(
             sock.settimeout(_POLL)
             socks[rank] = sock
         for sock in socks.values():
-            _send_frame(sock, route.secret, deadline, {"type": "manifest"}, mbytes)
+            _send_frame(sock, route.reply_key, deadline, {"type": "manifest"}, mbytes)
         for group in _groups(lay.messages):
             views = [memoryview(lay.messages[i].numpy()).cast("B") for i in group]
             if len(views[0]) < _CHUNK:  # small ones: sent together, then hashed one by one
@@ -330,9 +345,9 @@ def stream_send(
             _send_hashed(list(socks.values()), views[0], hasher, deadline, aborted)
         digests = [digest(mbytes), *hasher.digests(deadline)]
         for sock in socks.values():
-            _send_frame(sock, route.secret, deadline, {"type": "trailer", "digests": digests})
+            _send_frame(sock, route.reply_key, deadline, {"type": "trailer", "digests": digests})
         for rank, sock in socks.items():
-            ack = _frame(sock, route.secret, deadline, aborted, f"rank {rank}'s acknowledgement")
+            ack = _frame(sock, route.request_key, deadline, aborted, f"rank {rank}'s acknowledgement")
             if ack.get("ok") is not True:
                 raise StateTransferError(f"rank {rank} refused the state: {ack.get('error')}")
     except OSError as e:
@@ -353,16 +368,16 @@ def _open(route: StreamRoute, src: int, rank: int, deadline: float, aborted: Abo
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(_POLL)
-        send_frame(sock, route.secret, {"op": "hello", "seq": 1})
-        hello = _frame(sock, route.secret, deadline, aborted, "the handshake")
+        send_frame(sock, route.request_key, {"op": "hello", "seq": 1})
+        hello = _frame(sock, route.reply_key, deadline, aborted, "the handshake")
         if hello.get("v") != PROTOCOL_VERSION or not isinstance(hello.get("nonce"), str):
             raise StateTransferError(f"rank {src} answered the handshake with {hello}")
         seq = 1
         while True:  # the source opens its channel once it has laid its state out: retry till then
             seq += 1
             request = {"op": "stream", "seq": seq, "nonce": hello["nonce"], "channel": route.channel}
-            send_frame(sock, route.secret, {**request, "rank": rank})
-            reply = _frame(sock, route.secret, deadline, aborted, "the stream request")
+            send_frame(sock, route.request_key, {**request, "rank": rank})
+            reply = _frame(sock, route.reply_key, deadline, aborted, "the stream request")
             if reply.get("ok") is True:
                 return sock
             if reply.get("error") != "no-channel":
@@ -387,12 +402,9 @@ def stream_receive(
     t0 = time.monotonic()
     sock = _open(route, src, rank, deadline, aborted)
     try:
-        head = _frame(sock, route.secret, deadline, aborted, "the manifest")
+        head = _frame(sock, route.reply_key, deadline, aborted, "the manifest")
         mbytes = head.get("payload", b"")
-        try:
-            manifest = json.loads(mbytes)
-        except ValueError as e:
-            raise StateTransferError(f"state manifest from rank {src} is not valid JSON: {e}") from e
+        manifest = parse_manifest(mbytes)  # checked before any buffer is allocated from it
         buffers, in_place = receive_buffers(manifest, into, arena)
         hasher = _Hasher(_hash_on_thread())
         try:
@@ -408,11 +420,11 @@ def stream_receive(
         finally:
             hasher.close()
         t1 = time.monotonic()
-        trailer = _frame(sock, route.secret, deadline, aborted, "the digests")
+        trailer = _frame(sock, route.reply_key, deadline, aborted, "the digests")
         expected = trailer.get("digests")
         bad = mismatch(got, expected)
         with contextlib.suppress(OSError):
-            _send_frame(sock, route.secret, deadline, {"ok": bad is None, "error": bad})
+            _send_frame(sock, route.request_key, deadline, {"ok": bad is None, "error": bad})
         if bad is not None:
             raise StateTransferError(f"state from rank {src}: {bad}")
     except OSError as e:

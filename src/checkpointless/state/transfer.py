@@ -16,7 +16,6 @@ Either way a digest mismatch raises: a corrupted replica is a fault, never a war
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -27,6 +26,7 @@ from checkpointless.comm.communicator import Communicator, Handle
 from checkpointless.errors import StateTransferError
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import SOLO_MIN, digest, layout, mismatch, receive_buffers, unpack
+from checkpointless.state.manifest import parse_manifest
 from checkpointless.state.stream import StreamRoute, stream_receive, stream_send
 
 __all__ = ["Arena", "StreamRoute", "receive_state", "send_state"]
@@ -131,10 +131,7 @@ def _receive_gloo(
     mtensor = torch.empty(mlen, dtype=torch.uint8)
     comm.wait(comm.recv(mtensor, src, _TAG_MANIFEST), _left(deadline))
     mbytes = bytes(mtensor.numpy())
-    try:
-        manifest = json.loads(mbytes)
-    except ValueError as e:
-        raise StateTransferError(f"state manifest from rank {src} is not valid JSON: {e}") from e
+    manifest = parse_manifest(mbytes)  # checked before any buffer is allocated from it
     if len(manifest.get("messages", ())) != nmsg:
         raise StateTransferError(f"state manifest from rank {src} does not match its header")
     buffers, in_place = receive_buffers(manifest, into, arena)

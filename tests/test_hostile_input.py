@@ -1,0 +1,381 @@
+"""Hostile or bad input on real sockets and real files: each test is one attack that used to work."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checkpointless.errors import ConfigError
+from checkpointless.launcher.control import (
+    AUTH_DEADLINE_S,
+    MAX_UNAUTHENTICATED,
+    ControlClient,
+    ControlServer,
+)
+from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
+from checkpointless.rendezvous import KeyServer
+from checkpointless.rendezvous.server import KEYSERVER_C2S, KEYSERVER_S2C
+from checkpointless.wire import PREFIX_SIZE, derive_key, recv_frame, send_frame
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"hostile-input-test-secret"
+C2S = derive_key(SECRET, "control/c2s")
+S2C = derive_key(SECRET, "control/s2c")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True when the peer closes (EOF or reset) within ``seconds``; drains what it sends first."""
+    sock.settimeout(seconds)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    return False
+
+
+@pytest.fixture
+def control() -> Any:
+    server = ControlServer("127.0.0.1", 0, SECRET)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _worker(server: ControlServer, worker_id: int = 0) -> ControlClient:
+    got: list[dict[str, Any]] = []
+    client = ControlClient(server.address, SECRET, got.append, lambda why: None)
+    client.send({"type": "hello", "worker_id": worker_id})
+    return client
+
+
+def _next(server: ControlServer, timeout: float = 5.0) -> tuple[Any, dict[str, Any]]:
+    return server.inbox.get(timeout=timeout)
+
+
+# -- caps before allocation -----------------------------------------------------------------
+@pytest.mark.parametrize("announced", [2 << 30, 1 << 40, (1 << 64) - 1])
+def test_an_oversized_prefix_closes_the_control_connection_without_allocating(
+    control: ControlServer, announced: int
+) -> None:
+    before = _rss_bytes()
+    with socket.create_connection(control.address, timeout=5) as sock:
+        recv_frame(sock, S2C, time.monotonic() + 5)  # the greeting
+        sock.sendall(struct.pack(">IQ", 10, announced) + b"\0" * 32)
+        assert _closed_within(sock, 3)
+    assert _rss_bytes() - before < 64 << 20  # nowhere near the announced size
+    # the server is unharmed: a real worker still gets through
+    client = _worker(control)
+    conn, msg = _next(control)
+    assert msg["type"] == "hello" and conn.send({"type": "ping"})
+    client.close()
+
+
+def test_an_oversized_header_prefix_is_refused_by_the_blocking_reader_too() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack(">IQ", 1 << 30, 0) + b"\0" * 32)
+        from checkpointless.wire import FrameTooLarge
+
+        with pytest.raises(FrameTooLarge, match="too large"):
+            recv_frame(b, b"k", time.monotonic() + 2)
+
+
+# -- authentication deadline, bounded unauthenticated connections, one thread ------------------
+def test_idle_connections_cost_no_threads_and_are_closed_after_the_auth_deadline(
+    control: ControlServer,
+) -> None:
+    threads_before = threading.active_count()
+    socks = [socket.create_connection(control.address, timeout=5) for _ in range(300)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() <= threads_before + 1, "a thread per connection is back"
+        assert control.unauthenticated <= MAX_UNAUTHENTICATED
+        t0 = time.monotonic()
+        for s in socks:
+            assert _closed_within(s, AUTH_DEADLINE_S + 3 - (time.monotonic() - t0))
+        assert time.monotonic() - t0 < AUTH_DEADLINE_S + 3
+        assert control.unauthenticated == 0
+        assert control.inbox.empty()  # unauthenticated peers never reach the decision loop
+    finally:
+        for s in socks:
+            s.close()
+    client = _worker(control)
+    assert _next(control)[1]["type"] == "hello"
+    client.close()
+
+
+def test_a_slow_partial_frame_does_not_delay_a_worker(control: ControlServer) -> None:
+    with socket.create_connection(control.address, timeout=5) as slow:
+        slow.sendall(struct.pack(">IQ", 100, 0))  # half a prefix, then nothing
+        t0 = time.monotonic()
+        client = _worker(control)
+        assert _next(control)[1]["type"] == "hello"
+        assert time.monotonic() - t0 < 1.0
+        client.close()
+
+
+# -- replay and reflection ------------------------------------------------------------------
+class _Recorder:
+    """A man in the middle that forwards worker->launcher bytes and keeps a copy."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.target = target
+        self.up = bytearray()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, keep: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if keep:
+                    self.up += data
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def _run(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(self.target)
+        threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+        self._pipe(client, server, True)
+
+
+def test_a_recorded_hello_replayed_on_a_new_connection_is_refused(control: ControlServer) -> None:
+    rec = _Recorder(control.address)
+    client = _worker_at(rec.address)
+    _, msg = _next(control)
+    assert msg == {"type": "hello", "worker_id": 0}
+    time.sleep(0.2)
+    recorded = bytes(rec.up)
+    assert len(recorded) > PREFIX_SIZE
+    with socket.create_connection(control.address, timeout=5) as replayer:
+        recv_frame(replayer, S2C, time.monotonic() + 5)  # a fresh nonce, unlike the recording's
+        replayer.sendall(recorded)
+        assert _closed_within(replayer, 3)
+    assert control.inbox.empty(), "the replayed hello reached the decision loop"
+    assert control.rejected >= 1
+    client.close()
+
+
+def _worker_at(address: tuple[str, int]) -> ControlClient:
+    client = ControlClient(address, SECRET, lambda m: None, lambda why: None)
+    client.send({"type": "hello", "worker_id": 0})
+    return client
+
+
+def test_a_frame_reflected_back_or_sealed_with_the_raw_secret_is_refused(control: ControlServer) -> None:
+    with socket.create_connection(control.address, timeout=5) as sock:
+        greeting, _ = recv_frame(sock, S2C, time.monotonic() + 5)
+        # the launcher's own greeting, sent back: sealed with the other direction's key
+        send_frame(sock, S2C, {**greeting, "_q": 1, "_n": greeting["nonce"], "_c": "x"})
+        assert _closed_within(sock, 3)
+    with socket.create_connection(control.address, timeout=5) as sock:
+        greeting, _ = recv_frame(sock, S2C, time.monotonic() + 5)
+        send_frame(sock, SECRET, {"type": "hello", "_q": 1, "_n": greeting["nonce"], "_c": "x"})
+        assert _closed_within(sock, 3)
+    assert control.inbox.empty()
+
+
+def test_a_repeated_sequence_number_closes_the_connection(control: ControlServer) -> None:
+    with socket.create_connection(control.address, timeout=5) as sock:
+        nonce = recv_frame(sock, S2C, time.monotonic() + 5)[0]["nonce"]
+        send_frame(sock, C2S, {"type": "hello", "_q": 1, "_n": nonce, "_c": "me"})
+        _, msg = _next(control)
+        assert msg == {"type": "hello"}
+        send_frame(sock, C2S, {"type": "hello", "_q": 1, "_n": nonce})  # the same again
+        _, msg = _next(control)
+        assert msg["type"] == "_closed"
+        assert _closed_within(sock, 3)
+
+
+# -- key server ----------------------------------------------------------------------------
+@pytest.fixture
+def keyserver() -> Any:
+    server = KeyServer("127.0.0.1", 0, SECRET, io_timeout=2.0)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _ks_request(address: tuple[str, int], header: dict[str, Any]) -> dict[str, Any]:
+    with socket.create_connection(address, timeout=5) as sock:
+        send_frame(sock, derive_key(SECRET, KEYSERVER_C2S), header)
+        return recv_frame(sock, derive_key(SECRET, KEYSERVER_S2C), time.monotonic() + 5)[0]
+
+
+def test_slow_loris_clients_do_not_delay_another_clients_request(keyserver: KeyServer) -> None:
+    addr = ("127.0.0.1", keyserver.port)
+    lorises = []
+    for _ in range(20):  # each sends a prefix and a few bytes of header, then stalls
+        s = socket.create_connection(addr, timeout=5)
+        s.sendall(struct.pack(">IQ", 200, 0) + b"\0" * 32 + b'{"op"')
+        lorises.append(s)
+    try:
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        reply = _ks_request(addr, {"op": "ping", "seq": 1})
+        took = time.monotonic() - t0
+        assert reply["ok"] is True
+        assert took < 0.5, f"a ping behind stalled clients took {took:.2f} s"
+        # and the stalled ones are closed once their frame stays incomplete for io_timeout
+        assert all(_closed_within(s, keyserver.io_timeout + 3) for s in lorises)
+    finally:
+        for s in lorises:
+            s.close()
+
+
+def test_a_forged_key_server_request_gets_no_sealed_reply(keyserver: KeyServer) -> None:
+    addr = ("127.0.0.1", keyserver.port)
+    for key in (b"another-secret", SECRET, derive_key(SECRET, KEYSERVER_S2C)):  # forged, raw, reflected
+        with socket.create_connection(addr, timeout=5) as sock:
+            send_frame(sock, key, {"op": "set", "keys": ["k"], "lens": [1], "seq": 1}, b"x")
+            sock.settimeout(3)
+            assert sock.recv(65536) == b"", "the server answered a forged request"
+    assert keyserver.stats.rejected == 3
+    assert keyserver.keyspace.missing(["k"]) == ["k"]
+
+
+def test_an_oversized_key_server_prefix_is_closed_before_the_body(keyserver: KeyServer) -> None:
+    before = _rss_bytes()
+    with socket.create_connection(("127.0.0.1", keyserver.port), timeout=5) as sock:
+        sock.sendall(struct.pack(">IQ", 10, 1 << 40) + b"\0" * 32)
+        assert _closed_within(sock, 3)
+    assert _rss_bytes() - before < 64 << 20
+    assert _ks_request(("127.0.0.1", keyserver.port), {"op": "ping", "seq": 1})["ok"] is True
+
+
+# -- files ---------------------------------------------------------------------------------
+def test_the_secret_refuses_a_pre_created_file_and_a_symlink(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert make_run_dir(run) is True
+    assert run.stat().st_mode & 0o777 == 0o700
+    planted = run / "secret"
+    planted.write_bytes(b"")
+    planted.chmod(0o666)
+    with pytest.raises(ConfigError, match="already exists"):
+        write_secret(planted, b"s3cret")
+    assert planted.read_bytes() == b""  # nothing written into someone else's file
+    planted.unlink()
+    target = tmp_path / "elsewhere"
+    planted.symlink_to(target)
+    with pytest.raises(ConfigError, match="already exists"):
+        write_secret(planted, b"s3cret")
+    assert not target.exists()
+    planted.unlink()
+    write_secret(planted, b"s3cret")
+    assert planted.stat().st_mode & 0o777 == 0o600 and planted.read_bytes() == b"s3cret"
+
+
+def test_a_symlinked_run_dir_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(ConfigError, match="symlink"):
+        make_run_dir(tmp_path / "link")
+
+
+def test_remove_early_keeps_a_run_dir_it_did_not_create(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    write_secret(run / "secret", b"s")
+    remove_early(run, False, run / "secret")
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+
+
+def test_event_logs_do_not_follow_symlinks(tmp_path: Path) -> None:
+    from checkpointless.events import EventLog
+
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    (tmp_path / "events.jsonl").symlink_to(target)
+    with pytest.raises(OSError, match="symlink"):
+        EventLog(tmp_path / "events.jsonl")
+    assert target.read_text() == "precious\n"
+    log = EventLog(tmp_path / "rank-0.jsonl")
+    log.emit("x")
+    log.close()
+    assert (tmp_path / "rank-0.jsonl").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_control_port_leaves_no_secret_behind(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        run = tmp_path / "run"
+        proc = subprocess.run(
+            [sys.executable, "-m", "checkpointless", "run", "--run-dir", str(run), "--control-port", str(port),
+             "--nproc", "1", str(Path(__file__).parent / "scripts" / "slow_steps.py")],
+            capture_output=True, text=True, timeout=50,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert not (run / "secret").exists()
+    assert not run.exists(), list(run.iterdir())  # created by this launch, and empty: removed
+
+
+def test_the_shm_name_is_private_and_unguessable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from checkpointless.config import job_shm_name
+
+    monkeypatch.delenv("CHECKPOINTLESS_SHM_KEY", raising=False)
+    assert job_shm_name("job42") == "checkpointless-job42"
+    monkeypatch.setenv("CHECKPOINTLESS_SHM_KEY", "0123456789abcdef0123456789abcdef")
+    name = job_shm_name("job42")
+    assert name == f"checkpointless-{os.geteuid()}-0123456789abcdef0123456789abcdef"
+    assert "job42" not in name  # the public job id gives nothing away
+    monkeypatch.setenv("CHECKPOINTLESS_SHM_KEY", "../../etc")
+    with pytest.raises(ConfigError, match="CHECKPOINTLESS_SHM_KEY"):
+        job_shm_name("job42")
+
+
+# -- network exposure ----------------------------------------------------------------------
+def test_the_tcp_store_listens_on_the_job_interface_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--rendezvous tcp on 127.0.0.2 must not be reachable on 127.0.0.1 (another interface)."""
+    monkeypatch.delenv("CHECKPOINTLESS_SHM_KEY", raising=False)  # the launcher sets it: restored after
+    from checkpointless.launcher.launcher import Launcher
+    from checkpointless.launcher.model import LaunchConfig
+
+    cfg = LaunchConfig(
+        script=str(Path(__file__).parent / "scripts" / "slow_steps.py"),
+        nproc=1,
+        host="127.0.0.2",
+        rendezvous="tcp",
+        run_dir=tmp_path / "run",
+    )
+    launcher = Launcher(cfg)
+    try:
+        desc = launcher._make_rendezvous()
+        assert desc["host"] == "127.0.0.2"
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.2", desc["port"])) == 0
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", desc["port"])) != 0
+    finally:
+        launcher._tcp_store_listener.close()
+        del launcher._tcp_store
+        launcher.events.close()
+        launcher.secret_file.unlink()
