@@ -181,8 +181,14 @@ class TokenFileWriter:
         self._chunk_hashes: list[bytes] = []
         self._chunk = hashlib.sha256()
         self._chunk_fill = 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create the token file {str(self.path)!r} ({e.strerror or e}); "
+                "choose an output path in a writable directory"
+            ) from None
         self._tmp = Path(tmp)
         self._file: BinaryIO | None = os.fdopen(fd, "wb")
         self._file.write(b"\0" * HEADER_BYTES)  # real header goes in at commit, once sizes are known
