@@ -119,8 +119,8 @@ def test_wrong_dtype(token_file: Path) -> None:
 
 @pytest.mark.timeout(20)
 def test_other_format_version(token_file: Path) -> None:
-    _rewrite_header(token_file, format_version=2, new_field=1)
-    with pytest.raises(DataError, match="format version 2 is not supported"):
+    _rewrite_header(token_file, format_version=3, new_field=1)
+    with pytest.raises(DataError, match="format version 3 is not supported"):
         TokenDataset.open(token_file)
 
 

@@ -98,7 +98,8 @@ def test_errors_name_the_input_and_the_fix(
     corpus.write_text(content)
     out = tmp_path / "out.tokens"
     rc, err = _run([str(corpus), "-o", str(out), *extra])
-    assert rc == 1 and needle in err and "error:" in err
+    # a bad flag is a usage error (2); bad contents of an input are a data error (1)
+    assert rc == (2 if extra else 1) and needle in err and "error:" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # no output, no temporary file
 
 
@@ -106,12 +107,12 @@ def test_errors_name_the_input_and_the_fix(
 def test_missing_input_and_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "missing.jsonl"
     rc, err = _run([str(missing), "-o", str(tmp_path / "o.tokens")])
-    assert rc == 1 and f"{missing}: input file not found" in err
+    assert rc == 2 and f"{missing}: input file not found" in err
     assert prepare_main([str(missing)]) == 2  # -o is required: argparse's usage error
     assert "--output" in capsys.readouterr().err
     same = make_synthetic_corpus(tmp_path / "c.jsonl", num_docs=2)
     rc, err = _run([str(same), "-o", str(same)])
-    assert rc == 1 and "is also an input" in err
+    assert rc == 2 and "is also an input" in err
 
 
 @pytest.mark.timeout(30)
@@ -119,7 +120,7 @@ def test_missing_input_and_usage_errors(tmp_path: Path, capsys: pytest.CaptureFi
 def test_missing_optional_tokenizer_package_is_explained(tmp_path: Path) -> None:
     corpus = make_synthetic_corpus(tmp_path / "c.jsonl", num_docs=2)
     rc, err = _run([str(corpus), "-o", str(tmp_path / "o.tokens"), "--tokenizer", "hf:gpt2"])
-    assert rc == 1 and "pip install tokenizers" in err
+    assert rc == 2 and "pip install tokenizers" in err
 
 
 @pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from checkpointless.errors import CheckpointlessError
+from checkpointless.errors import CheckpointlessError, ConfigError
 
 __all__ = ["main"]
 
@@ -15,6 +15,9 @@ def _run(args: argparse.Namespace) -> int:
     from checkpointless.launcher.launcher import LaunchConfig, Launcher
     from checkpointless.rendezvous import port_range_from_env
 
+    if args.run_dir is not None and not args.run_dir.strip():
+        # Path("") is ".", which would scatter the run's files over the current directory
+        raise ConfigError("--run-dir is empty; name a directory, e.g. --run-dir runs/try1")
     base, span = port_range_from_env(29600, 1000)
     args.port_base = base if args.port_base is None else args.port_base
     args.port_range = span if args.port_range is None else args.port_range
@@ -23,7 +26,7 @@ def _run(args: argparse.Namespace) -> int:
         script_args=args.script_args,
         nproc=args.nproc,
         spares=args.spares,
-        run_dir=Path(args.run_dir) if args.run_dir else None,
+        run_dir=Path(args.run_dir) if args.run_dir is not None else None,
         hang_timeout=args.hang_timeout,
         hang_factor=args.hang_factor,
         spare_wait=args.spare_wait,

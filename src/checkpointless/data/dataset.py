@@ -58,8 +58,10 @@ class TokenDataset:
         """Map ``path`` after checking its header, size, dtype and fingerprint.
 
         ``verify="full"`` re-hashes every byte (about 1.6 s per GB here); ``"quick"`` checks the header,
-        sizes and the fingerprint of the chunk table only, for a replacement process that must
-        produce its first batch at once from a file that its job already verified.
+        sizes and the fingerprint of the chunk table, and scans the mapped tokens once for their
+        largest id (a memory pass, no hashing), for a process that must produce its first batch soon
+        from a file that its job already verified. Either way a file holding an id at or beyond
+        ``vocab_size`` is refused here, not by an IndexError in the model's embedding later.
         """
         p = Path(path)
         header = read_header(p)
@@ -73,6 +75,11 @@ class TokenDataset:
     @property
     def vocab_size(self) -> int:
         return self.header.vocab_size
+
+    @property
+    def max_token_id(self) -> int | None:
+        """The largest token id the writer recorded; ``None`` for an empty or a version 1 file."""
+        return self.header.max_token_id
 
     @property
     def num_tokens(self) -> int:

@@ -36,17 +36,27 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "MAGIC",
+    "MAX_CHUNK_BYTES",
+    "MAX_VOCAB",
     "TokenFileHeader",
     "TokenFileWriter",
     "Verify",
     "dtype_for_vocab",
     "read_header",
+    "scan_max_token",
     "verify_token_file",
     "write_token_file",
 ]
 
 MAGIC = b"CKPLTOK1"
-FORMAT_VERSION = 1
+# Version 2 added ``max_token_id``; version 1 files are still read (their max is scanned on open).
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+# No tokenizer in use comes near 2^24 ids; a header claiming more is corrupt, and believing it would
+# make a model allocate an embedding table of that many rows.
+MAX_VOCAB = 1 << 24
+MAX_CHUNK_BYTES = 1 << 30  # full verification reads one chunk at a time: keep that bounded
+_SCAN_BLOCK = 1 << 24  # tokens per block of the max-id scan: a bounded temporary however big the file
 HEADER_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB: a 1 TB file still has a chunk table of only ~8 MB
 _PREFIX = struct.Struct("<8sI")
@@ -61,11 +71,9 @@ def dtype_for_vocab(vocab_size: int) -> str:
     """The narrowest supported dtype that can hold every id below ``vocab_size``."""
     if vocab_size < 1:
         raise ConfigError(f"vocab_size must be at least 1, got {vocab_size}")
-    if vocab_size <= 1 << 16:
-        return "uint16"
-    if vocab_size <= 1 << 32:
-        return "uint32"
-    raise ConfigError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
+    if vocab_size > MAX_VOCAB:
+        raise ConfigError(f"vocab_size {vocab_size} is beyond the supported maximum of {MAX_VOCAB:,} ids")
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 def _align(n: int, to: int) -> int:
@@ -90,6 +98,7 @@ class TokenFileHeader:
     file_size: int
     index_sha256: str
     fingerprint: str = ""
+    max_token_id: int | None = None  # the largest id in the file (None: no tokens, or a version 1 file)
 
     @property
     def np_dtype(self) -> np.dtype[Any]:
@@ -103,6 +112,8 @@ class TokenFileHeader:
         """The header without its fingerprint, in one fixed byte form, as the fingerprint hashes it."""
         fields = dataclasses.asdict(self)
         del fields["fingerprint"]
+        if self.format_version == 1:  # version 1 had no max_token_id: its fingerprints hash without it
+            del fields["max_token_id"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @staticmethod
@@ -122,7 +133,10 @@ def _fingerprint(header: TokenFileHeader, chunk_table: bytes) -> str:
 
 
 def _encode_header(header: TokenFileHeader) -> bytes:
-    body = json.dumps(dataclasses.asdict(header), sort_keys=True).encode()
+    fields = dataclasses.asdict(header)
+    if header.format_version == 1:
+        del fields["max_token_id"]
+    body = json.dumps(fields, sort_keys=True).encode()
     raw = _PREFIX.pack(MAGIC, len(body)) + body
     if len(raw) > HEADER_BYTES:  # only a pathological tokenizer name could get here
         raise ConfigError(
@@ -148,8 +162,10 @@ class TokenFileWriter:
         tokenizer: str = "",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
-        if chunk_bytes < 64 or chunk_bytes % 8:
-            raise ConfigError(f"chunk_bytes must be a multiple of 8 and at least 64, got {chunk_bytes}")
+        if not 64 <= chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 8:
+            raise ConfigError(
+                f"chunk_bytes must be a multiple of 8 from 64 to {MAX_CHUNK_BYTES}, got {chunk_bytes}"
+            )
         if eos_id is not None and not 0 <= eos_id < vocab_size:
             raise ConfigError(f"eos_id {eos_id} is outside the vocabulary [0, {vocab_size})")
         self.path = Path(path)
@@ -161,11 +177,18 @@ class TokenFileWriter:
         self._np_dtype = _DTYPES[self.dtype]
         self._offsets: list[int] = [0]
         self._num_tokens = 0
+        self._max_id = -1
         self._chunk_hashes: list[bytes] = []
         self._chunk = hashlib.sha256()
         self._chunk_fill = 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create the token file {str(self.path)!r} ({e.strerror or e}); "
+                "choose an output path in a writable directory"
+            ) from None
         self._tmp = Path(tmp)
         self._file: BinaryIO | None = os.fdopen(fd, "wb")
         self._file.write(b"\0" * HEADER_BYTES)  # real header goes in at commit, once sizes are known
@@ -206,6 +229,7 @@ class TokenFileWriter:
                 raise ConfigError(
                     f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})"
                 )
+            self._max_id = max(self._max_id, hi)
             data = np.ascontiguousarray(arr, dtype=self._np_dtype)
             view = data.data.cast("B")
             self._file.write(view)
@@ -215,9 +239,27 @@ class TokenFileWriter:
 
     def commit(self) -> TokenFileHeader:
         """Write index, chunk table and header, fsync, and atomically rename over ``path``."""
-        f = self._file
-        if f is None:
+        if self._file is None:
             raise DataError(f"{self.path}: writer is already closed")
+        try:
+            header = self._finish(self._file)
+            os.replace(self._tmp, self.path)
+        except BaseException as e:
+            # Whatever failed (a full disk, an output path that is a directory), no temporary is left.
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self._tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise DataError(
+                    f"{self.path}: cannot write the token file ({e.strerror or e}); "
+                    "check that the path is a file name in a writable directory"
+                ) from e
+            raise
+        _fsync_dir(self.path.parent)
+        return header
+
+    def _finish(self, f: BinaryIO) -> TokenFileHeader:
         if self._chunk_fill:
             self._chunk_hashes.append(self._chunk.digest())
         tokens_offset, index_offset, chunks_offset, file_size = TokenFileHeader.layout(
@@ -242,6 +284,7 @@ class TokenFileWriter:
             chunks_offset=chunks_offset,
             file_size=file_size,
             index_sha256=hashlib.sha256(index).hexdigest(),
+            max_token_id=self._max_id if self._num_tokens else None,
         )
         header = dataclasses.replace(header, fingerprint=_fingerprint(header, table))
         f.seek(0)
@@ -250,8 +293,6 @@ class TokenFileWriter:
         os.fsync(f.fileno())
         f.close()
         self._file = None
-        os.replace(self._tmp, self.path)
-        _fsync_dir(self.path.parent)
         return header
 
     def abort(self) -> None:
@@ -331,20 +372,21 @@ def read_header(path: str | os.PathLike[str]) -> TokenFileHeader:
         raise _bad(p, f"header length {length} is larger than the header page")
     try:
         fields = json.loads(raw[_PREFIX.size : _PREFIX.size + length])
-        version = fields.get("format_version") if isinstance(fields, dict) else None
-        if version != FORMAT_VERSION:  # checked first: another version may have other fields
-            raise _bad(p, f"format version {version} is not supported (expected {FORMAT_VERSION})")
-        header = TokenFileHeader(**fields)
-    except (ValueError, TypeError) as e:
-        raise _bad(p, f"header is not valid ({e})") from None
-    if header.dtype not in _DTYPES:
-        raise _bad(p, f"token dtype {header.dtype!r} is not supported (expected one of {sorted(_DTYPES)})")
-    if not 1 <= header.vocab_size <= 1 << 32:
-        raise _bad(p, f"vocab_size {header.vocab_size} is out of range")
+    except (ValueError, RecursionError) as e:  # RecursionError: a deeply nested, garbled header
+        raise _bad(p, f"header is not valid JSON ({type(e).__name__})") from None
+    header = TokenFileHeader(**_checked_fields(p, fields))
     if header.dtype != dtype_for_vocab(header.vocab_size):
         raise _bad(p, f"token dtype {header.dtype} does not match vocab_size {header.vocab_size}")
-    if header.num_tokens < 0 or header.num_docs < 0 or header.chunk_bytes < 64:
-        raise _bad(p, "header holds negative counts or a bad chunk size")
+    if header.eos_id is not None and not 0 <= header.eos_id < header.vocab_size:
+        raise _bad(p, f"eos_id {header.eos_id} is outside the vocabulary [0, {header.vocab_size})")
+    if header.max_token_id is not None and header.max_token_id >= header.vocab_size:
+        raise _bad(
+            p,
+            f"max_token_id {header.max_token_id} is not below vocab_size {header.vocab_size}: the file "
+            "holds ids the model cannot embed (was it prepared with another tokenizer?)",
+        )
+    if header.format_version >= 2 and (header.max_token_id is None) != (header.num_tokens == 0):
+        raise _bad(p, f"max_token_id {header.max_token_id} contradicts num_tokens {header.num_tokens}")
     expected = TokenFileHeader.layout(header.num_tokens, header.num_docs, header.dtype, header.chunk_bytes)
     actual = (header.tokens_offset, header.index_offset, header.chunks_offset, header.file_size)
     if actual != expected:
@@ -355,8 +397,100 @@ def read_header(path: str | os.PathLike[str]) -> TokenFileHeader:
     return header
 
 
+_INT_FIELDS = (
+    "vocab_size",
+    "num_tokens",
+    "num_docs",
+    "chunk_bytes",
+    "tokens_offset",
+    "index_offset",
+    "chunks_offset",
+    "file_size",
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true would pass as 1
+
+
+def _checked_fields(p: Path, fields: object) -> dict[str, Any]:
+    """The header's fields, each of the right type and range, or a DataError naming the first bad one.
+
+    Every check here runs before any size from the header is used, so a garbled header can never
+    make a reader allocate or map what it claims.
+    """
+    if not isinstance(fields, dict):
+        raise _bad(p, f"header is a JSON {type(fields).__name__}, not an object")
+    version = fields.get("format_version")
+    if not _is_int(version) or version not in _READABLE_VERSIONS:  # first: other versions, other fields
+        raise _bad(
+            p, f"format version {version!r} is not supported (expected one of {list(_READABLE_VERSIONS)})"
+        )
+    known = {f.name for f in dataclasses.fields(TokenFileHeader)}
+    if version == 1:
+        known.discard("max_token_id")
+    required = known - {"max_token_id"} if version == 1 else known
+    for name in sorted(set(fields) - known):
+        raise _bad(p, f"header has an unknown field {name!r}")
+    for name in sorted(required - set(fields)):
+        raise _bad(p, f"header lacks the field {name!r}")
+    for name in _INT_FIELDS:
+        if not _is_int(fields[name]):
+            raise _bad(p, f"header field {name} is {fields[name]!r}, not an integer")
+        if fields[name] < 0:
+            raise _bad(p, f"header field {name} is {fields[name]}, a negative count")
+    for name in ("eos_id", "max_token_id"):
+        value = fields.get(name)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise _bad(p, f"header field {name} is {value!r}, not a token id (an integer >= 0, or null)")
+    for name in ("dtype", "tokenizer", "index_sha256", "fingerprint"):
+        if not isinstance(fields[name], str):
+            raise _bad(p, f"header field {name} is {fields[name]!r}, not a string")
+    for name in ("index_sha256", "fingerprint"):
+        if len(fields[name]) != 64 or not all(c in "0123456789abcdef" for c in fields[name]):
+            raise _bad(p, f"header field {name} is {fields[name][:80]!r}, not a sha256 hex digest")
+    if fields["dtype"] not in _DTYPES:
+        raise _bad(p, f"token dtype {fields['dtype']!r} is not supported (expected one of {sorted(_DTYPES)})")
+    if not 1 <= fields["vocab_size"] <= MAX_VOCAB:
+        raise _bad(p, f"vocab_size {fields['vocab_size']} is out of range (1 to {MAX_VOCAB:,})")
+    chunk = fields["chunk_bytes"]
+    if not 64 <= chunk <= MAX_CHUNK_BYTES or chunk % 8:
+        raise _bad(p, f"chunk_bytes {chunk} is not a multiple of 8 from 64 to {MAX_CHUNK_BYTES}")
+    return fields
+
+
+def scan_max_token(path: str | os.PathLike[str], header: TokenFileHeader) -> tuple[int, int]:
+    """(largest token id, position of its first occurrence) over the mapped tokens; (-1, -1) when empty.
+
+    One vectorised pass in bounded blocks: the mapping is read straight from the page cache, so this
+    costs a memory scan, not a hash (see docs/data.md for the measured rate).
+    """
+    if not header.num_tokens:
+        return -1, -1
+    tokens = np.memmap(
+        path, dtype=header.np_dtype, mode="r", offset=header.tokens_offset, shape=(header.num_tokens,)
+    )
+    best, where = -1, -1
+    try:
+        for start in range(0, header.num_tokens, _SCAN_BLOCK):
+            block = tokens[start : start + _SCAN_BLOCK]
+            top = int(block.max())
+            if top > best:
+                best, where = top, start + int(np.argmax(block == top))
+    finally:
+        del tokens  # drop the mapping now, not at the next garbage collection
+    return best, where
+
+
 def verify_token_file(path: str | os.PathLike[str], header: TokenFileHeader, verify: Verify = "full") -> None:
-    """Check the fingerprint; "full" also re-hashes the index and every token chunk."""
+    """Check the fingerprint and that every token id is below ``vocab_size``.
+
+    "quick" checks the chunk table's fingerprint and scans the tokens for their largest id (one
+    vectorised pass, no hashing): an id beyond the vocabulary, or a largest id other than the one
+    the header records, means the token bytes changed. "full" re-hashes the index and every token
+    chunk instead, which catches any change; it scans for the largest id only in a version 1 file,
+    whose header does not record it.
+    """
     p = Path(path)
     if verify not in ("full", "quick"):
         raise ConfigError(f"verify must be 'full' or 'quick', got {verify!r}")
@@ -365,15 +499,33 @@ def verify_token_file(path: str | os.PathLike[str], header: TokenFileHeader, ver
         table = f.read(_DIGEST_BYTES * header.num_chunks)
         if _fingerprint(header, table) != header.fingerprint:
             raise _bad(p, "fingerprint mismatch: the header or chunk table was modified")
-        if verify == "quick":
-            return
-        f.seek(header.index_offset)
-        if hashlib.sha256(f.read(8 * (header.num_docs + 1))).hexdigest() != header.index_sha256:
-            raise _bad(p, "fingerprint mismatch: the document index was modified")
-        token_bytes = header.num_tokens * header.np_dtype.itemsize
-        f.seek(header.tokens_offset)
-        for i in range(header.num_chunks):
-            start = i * header.chunk_bytes
-            data = f.read(min(header.chunk_bytes, token_bytes - start))
-            if hashlib.sha256(data).digest() != table[i * _DIGEST_BYTES : (i + 1) * _DIGEST_BYTES]:
-                raise _bad(p, f"fingerprint mismatch: token bytes {start}..{start + len(data)} were modified")
+        if verify == "full":
+            _verify_hashes(p, f, header, table)
+    if verify == "full" and header.max_token_id is not None:
+        return  # the hashes prove the tokens are the ones whose largest id the writer recorded
+    top, where = scan_max_token(p, header)
+    if top >= header.vocab_size:
+        raise _bad(
+            p,
+            f"token {where} has id {top}, beyond the vocabulary [0, {header.vocab_size}): the token bytes "
+            "are corrupt or were written for another tokenizer",
+        )
+    if header.max_token_id is not None and top != header.max_token_id:
+        raise _bad(
+            p,
+            f"the largest token id is {top} (token {where}) but the header records {header.max_token_id}: "
+            "the token bytes were modified",
+        )
+
+
+def _verify_hashes(p: Path, f: BinaryIO, header: TokenFileHeader, table: bytes) -> None:
+    f.seek(header.index_offset)
+    if hashlib.sha256(f.read(8 * (header.num_docs + 1))).hexdigest() != header.index_sha256:
+        raise _bad(p, "fingerprint mismatch: the document index was modified")
+    token_bytes = header.num_tokens * header.np_dtype.itemsize
+    f.seek(header.tokens_offset)
+    for i in range(header.num_chunks):
+        start = i * header.chunk_bytes
+        data = f.read(min(header.chunk_bytes, token_bytes - start))
+        if hashlib.sha256(data).digest() != table[i * _DIGEST_BYTES : (i + 1) * _DIGEST_BYTES]:
+            raise _bad(p, f"fingerprint mismatch: token bytes {start}..{start + len(data)} were modified")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from typing import TextIO
 
 import numpy as np
 
-from checkpointless.data.format import DEFAULT_CHUNK_BYTES, TokenFileWriter
+from checkpointless.data.format import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, TokenFileWriter
 from checkpointless.data.tokenize import get_tokenizer
 from checkpointless.errors import ConfigError, DataError
 
@@ -112,10 +113,8 @@ def build_parser(prog: str = "checkpointless data prepare") -> argparse.Argument
         prog=prog,
         description="Tokenize text or JSONL files into a checkpointless token file (written atomically).",
     )
-    p.add_argument(
-        "inputs", nargs="+", type=Path, help="input .jsonl/.json (one object per line) or text files"
-    )
-    p.add_argument("-o", "--output", required=True, type=Path, help="token file to write (e.g. train.tokens)")
+    p.add_argument("inputs", nargs="+", help="input .jsonl/.json (one object per line) or text files")
+    p.add_argument("-o", "--output", required=True, help="token file to write (e.g. train.tokens)")
     p.add_argument(
         "--tokenizer",
         default="byte",
@@ -131,12 +130,52 @@ def build_parser(prog: str = "checkpointless data prepare") -> argparse.Argument
     return p
 
 
-def _prepare(args: argparse.Namespace, stderr: TextIO) -> None:
-    for inp in args.inputs:
+def _check_paths(inputs: list[str], output: str) -> tuple[list[Path], Path]:
+    """Refuse inputs and an output that cannot work, before a temporary file is created."""
+    for text in inputs:
+        inp = Path(text)
+        if not text.strip():
+            raise ConfigError("an input path is empty; pass .jsonl or text files")
+        if inp.is_dir():
+            raise ConfigError(f"input {text!r} is a directory; pass the files in it (e.g. {text}/*.jsonl)")
         if not inp.is_file():
-            raise DataError(f"{inp}: input file not found; check the path")
-    if args.output.resolve() in {i.resolve() for i in args.inputs}:
-        raise ConfigError(f"--output {args.output} is also an input; choose another output path")
+            raise ConfigError(f"{text}: input file not found; check the path")
+        if not os.access(inp, os.R_OK):
+            raise ConfigError(f"input {text!r} is not readable; check its permissions")
+    out = Path(output)
+    if not output.strip():
+        raise ConfigError("--output is empty; name the token file to write, e.g. -o train.tokens")
+    if out.is_dir():
+        raise ConfigError(
+            f"--output {output!r} is a directory; name a file in it, e.g. -o {out / 'train.tokens'}"
+        )
+    if out.exists() and not out.is_file():
+        raise ConfigError(f"--output {output!r} exists and is not a regular file; choose another path")
+    parent = out.parent
+    if not parent.exists():
+        raise ConfigError(
+            f"--output {output!r}: directory {str(parent)!r} does not exist; create it first (mkdir -p {parent})"
+        )
+    if not parent.is_dir():
+        raise ConfigError(
+            f"--output {output!r}: {str(parent)!r} is a file, not a directory; choose another path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--output {output!r}: directory {str(parent)!r} is not writable; choose another path"
+        )
+    paths = [Path(t) for t in inputs]
+    if out.resolve() in {i.resolve() for i in paths}:
+        raise ConfigError(f"--output {output} is also an input; choose another output path")
+    return paths, out
+
+
+def _prepare(args: argparse.Namespace, stderr: TextIO) -> None:
+    args.inputs, args.output = _check_paths(args.inputs, args.output)
+    if not 64 <= args.chunk_bytes <= MAX_CHUNK_BYTES or args.chunk_bytes % 8:
+        raise ConfigError(
+            f"--chunk-bytes {args.chunk_bytes} must be a multiple of 8 from 64 to {MAX_CHUNK_BYTES}"
+        )
     tok = get_tokenizer(args.tokenizer, args.eos_token)
     eos = None if args.no_eos else tok.eos_id
     if not args.no_eos and eos is None:
@@ -183,15 +222,24 @@ def _prepare(args: argparse.Namespace, stderr: TextIO) -> None:
 
 
 def prepare_main(argv: list[str] | None = None, *, stderr: TextIO | None = None) -> int:
-    """Run the prepare command; returns the process exit status (0 ok, 1 data/config error, 2 usage)."""
+    """Run the prepare command; returns the process exit status.
+
+    0: done. 1: the inputs' contents are bad (invalid JSON, no text). 2: a bad argument (a flag's
+    value, a path that cannot work, a tokenizer that is not available) or argparse's usage error.
+    """
     err = stderr if stderr is not None else sys.stderr
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse already printed the usage message
         return e.code if isinstance(e.code, int) else 2
     try:
+        if not args.text_key:
+            raise ConfigError("--text-key is empty; name the JSON field that holds the text, e.g. text")
         _prepare(args, err)
-    except (DataError, ConfigError) as e:
+    except ConfigError as e:
+        err.write(f"checkpointless data prepare: error: {e}\n")
+        return 2
+    except DataError as e:
         err.write(f"checkpointless data prepare: error: {e}\n")
         return 1
     return 0

@@ -17,6 +17,7 @@ that re-runs the step is told which faults have already fired.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -61,65 +62,118 @@ class FaultSpec:
         return ":".join(parts)
 
 
-def _range(text: str, what: str) -> tuple[int, int]:
+_SYNTAX = "KIND:rank=R:step=S[:site=SITE][:seconds=X]"
+_RANDOM_SYNTAX = "random:seed=S:count=N:kinds=a,b:steps=LO-HI[:ranks=LO-HI]"
+_FIELDS = ("rank", "step", "site", "seconds")
+_RANDOM_FIELDS = ("seed", "count", "kinds", "steps", "ranks")
+
+
+def _fields(item: str, parts: list[str], allowed: tuple[str, ...], syntax: str) -> dict[str, str]:
+    """``["rank=1", "step=2"]`` -> ``{"rank": "1", "step": "2"}``; every malformed part is an error."""
+    out: dict[str, str] = {}
+    for part in parts:
+        key, sep, val = part.partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or key not in allowed:
+            raise ConfigError(
+                f"bad fault option {part!r} in {item!r}; use {', '.join(k + '=' for k in allowed)} "
+                f"(syntax {syntax})"
+            )
+        if not val:
+            raise ConfigError(f"fault {item!r}: {key}= has no value; write e.g. {syntax}")
+        if key in out:  # silently keeping the last one would rehearse a fault the user did not mean
+            raise ConfigError(f"fault {item!r} gives {key}= twice; keep one")
+        out[key] = val
+    return out
+
+
+def _int(item: str, key: str, val: str, low: int = 0) -> int:
     try:
-        lo, _, hi = text.partition("-")
-        return int(lo), int(hi or lo)
+        number = int(val)
     except ValueError:
-        raise ConfigError(f"bad {what} range {text!r} in a random fault; write e.g. {what}=5-40") from None
+        raise ConfigError(f"fault {item!r}: {key}={val!r} is not an integer; write e.g. {key}=3") from None
+    if number < low:
+        raise ConfigError(f"fault {item!r}: {key}={number} must be {low} or more")
+    return number
+
+
+def _range(item: str, key: str, val: str, high: int | None = None) -> tuple[int, int]:
+    lo_text, sep, hi_text = val.partition("-")
+    if not lo_text or (sep and not hi_text):
+        raise ConfigError(f"fault {item!r}: {key}={val!r} is not a range; write e.g. {key}=5-40")
+    lo = _int(item, key, lo_text)
+    hi = _int(item, key, hi_text) if sep else lo
+    if hi < lo:
+        raise ConfigError(f"fault {item!r}: {key}={val} is reversed; write the smaller end first ({hi}-{lo})")
+    if high is not None and hi > high:
+        raise ConfigError(f"fault {item!r}: {key}={val} goes past {high}, the largest possible value")
+    return lo, hi
 
 
 def expand_random(text: str, world_size: int, total_steps: int | None = None) -> list[FaultSpec]:
     """``random:seed=S:count=N:kinds=a,b:steps=LO-HI[:ranks=LO-HI]`` -> concrete faults (pure)."""
-    opts = dict(kv.split("=", 1) for kv in text.split(":")[1:] if "=" in kv)
-    rng = random.Random(int(opts.get("seed", 0)))
-    kinds = opts.get("kinds", "raise,kill").split(",")
+    kind, *parts = text.split(":")
+    if kind.strip() != "random":
+        raise ConfigError(f"fault {text!r} is not a random fault; write {_RANDOM_SYNTAX}")
+    opts = _fields(text, parts, _RANDOM_FIELDS, _RANDOM_SYNTAX)
+    seed = _int(text, "seed", opts.get("seed", "0"))
+    kinds = [k.strip() for k in opts.get("kinds", "raise,kill").split(",")]
     for k in kinds:
         if k not in KINDS:
             raise ConfigError(f"unknown fault kind {k!r} in {text!r}; choose from {', '.join(KINDS)}")
-    lo, hi = _range(opts.get("steps", f"1-{max(1, (total_steps or 50) - 1)}"), "steps")
-    rlo, rhi = _range(opts.get("ranks", f"0-{world_size - 1}"), "ranks")
-    count = int(opts.get("count", 1))
+    lo, hi = _range(text, "steps", opts.get("steps", f"1-{max(1, (total_steps or 50) - 1)}"))
+    rlo, rhi = _range(text, "ranks", opts.get("ranks", f"0-{world_size - 1}"), high=world_size - 1)
+    count = _int(text, "count", opts.get("count", "1"))
+    rng = random.Random(seed)
     steps = sorted(rng.sample(range(lo, hi + 1), min(count, hi - lo + 1)))
     return [FaultSpec(kind=rng.choice(kinds), rank=rng.randint(rlo, rhi), step=s) for s in steps]
 
 
+def _parse_one(item: str, world_size: int) -> FaultSpec:
+    kind, *parts = item.split(":")
+    kind = kind.strip()
+    if kind not in KINDS:
+        raise ConfigError(
+            f"unknown fault kind {kind!r} in {item!r}; choose from {', '.join(KINDS)} (syntax {_SYNTAX})"
+        )
+    fields = _fields(item, parts, _FIELDS, _SYNTAX)
+    site = fields.get("site", "step")
+    if site not in SITES:
+        raise ConfigError(f"unknown fault site {site!r} in {item!r}; choose from {', '.join(SITES)}")
+    rank = _int(item, "rank", fields["rank"]) if "rank" in fields else None
+    if rank is not None and rank >= world_size:
+        raise ConfigError(
+            f"fault {item!r} targets rank {rank}, but the job has {world_size} ranks (0..{world_size - 1})"
+        )
+    step = _int(item, "step", fields["step"]) if "step" in fields else None
+    seconds = 3.0
+    if "seconds" in fields:
+        if kind != "slow":
+            raise ConfigError(f"fault {item!r}: seconds= applies to slow faults only; drop it")
+        try:
+            seconds = float(fields["seconds"])
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigError(
+                f"fault {item!r}: seconds={fields['seconds']!r} must be a finite number > 0; write e.g. seconds=2"
+            )
+    return FaultSpec(kind=kind, rank=rank, step=step, site=site, seconds=seconds)
+
+
 def parse_faults(texts: list[str], world_size: int = 1, total_steps: int | None = None) -> list[FaultSpec]:
-    """Parse fault specs; a bad one raises :class:`ConfigError` naming it and the syntax."""
+    """Parse fault specs; a bad one raises :class:`ConfigError` naming the spec, the field and the fix."""
+    if world_size < 1:
+        raise ConfigError(f"faults need a job of at least one rank (got world size {world_size})")
     out: list[FaultSpec] = []
     for text in texts:
         item = text.strip()
-        if item.startswith("random"):
+        if not item:
+            raise ConfigError(f"empty fault spec {text!r}; write e.g. kill:rank=1:step=20 ({_SYNTAX})")
+        if item.split(":", 1)[0].strip() == "random":
             out.extend(expand_random(item, world_size, total_steps))
-            continue
-        kind, *kvs = item.split(":")
-        if kind not in KINDS:
-            raise ConfigError(
-                f"unknown fault kind {kind!r} in {item!r}; choose from {', '.join(KINDS)} "
-                "(syntax KIND:rank=R:step=S[:site=SITE][:seconds=X])"
-            )
-        fields: dict[str, str] = {}
-        for kv in kvs:
-            key, sep, val = kv.partition("=")
-            if not sep or key not in ("rank", "step", "site", "seconds"):
-                raise ConfigError(f"bad fault option {kv!r} in {item!r}; use rank=, step=, site= or seconds=")
-            fields[key] = val
-        site = fields.get("site", "step")
-        if site not in SITES:
-            raise ConfigError(f"unknown fault site {site!r} in {item!r}; choose from {', '.join(SITES)}")
-        try:
-            spec = FaultSpec(
-                kind=kind,
-                rank=int(fields["rank"]) if "rank" in fields else None,
-                step=int(fields["step"]) if "step" in fields else None,
-                site=site,
-                seconds=float(fields.get("seconds", 3.0)),
-            )
-        except ValueError:
-            raise ConfigError(f"fault {item!r}: rank and step must be integers, seconds a number") from None
-        if spec.rank is not None and not 0 <= spec.rank < world_size:
-            raise ConfigError(f"fault {item!r} targets rank {spec.rank}, but the job has {world_size} ranks")
-        out.append(spec)
+        else:
+            out.append(_parse_one(item, world_size))
     return out
 
 

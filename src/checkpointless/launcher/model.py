@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +21,13 @@ from checkpointless.launcher.output import OutputTail
 from checkpointless.launcher.policy import ProcWatch
 from checkpointless.recovery.decisions import MemberReport
 
-__all__ = ["LaunchConfig", "Proc", "ProcessHandle", "Round"]
+__all__ = ["MAX_PROCESSES", "LaunchConfig", "Proc", "ProcessHandle", "Round"]
 
 # a fresh interpreter, or a fork of the template that has already imported torch
 ProcessHandle = subprocess.Popen[bytes] | ForkedProcess
+
+MAX_PROCESSES = 1024  # workers plus spares: far more than one machine runs, far fewer than a typo asks
+_HOST_LOOKUP_S = 5.0
 
 
 @dataclass
@@ -55,12 +62,31 @@ class LaunchConfig:
     fork_server: bool = True  # start processes as forks of a template that imported torch once
 
     def validate(self) -> None:
+        """Refuse every bad setting with a message naming the flag, the value and the fix.
+
+        Runs before the launcher creates anything (run dir, secret, processes), so a refused
+        configuration leaves nothing behind.
+        """
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be at least 1 (got {self.nproc})")
         if self.spares < 0:
             raise ConfigError(f"--spares must be 0 or more (got {self.spares})")
-        if not Path(self.script).is_file():
-            raise ConfigError(f"training script {self.script!r} not found; pass the path of a Python file")
+        if self.nproc + self.spares > MAX_PROCESSES:
+            raise ConfigError(
+                f"--nproc {self.nproc} plus --spares {self.spares} is more than {MAX_PROCESSES} processes, "
+                "more than one machine runs; lower them"
+            )
+        _check_script(self.script)
+        for name, value, example in (
+            ("--hang-timeout", self.hang_timeout, 10),
+            ("--hang-factor", self.hang_factor, 5),
+            ("--spare-wait", self.spare_wait, 60),
+            ("--recovery-timeout", self.recovery_timeout, 120),
+            ("--start-timeout", self.start_timeout, 180),
+        ):
+            # nan passes every "<= limit" test below and inf waits forever: refuse both first
+            if not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number (got {value}); e.g. {name} {example}")
         if self.hang_timeout <= 0.5:
             raise ConfigError(f"--hang-timeout must be more than 0.5 s (got {self.hang_timeout})")
         for name, value in (
@@ -86,7 +112,106 @@ class LaunchConfig:
             raise ConfigError("--plain gives the script a root-less env:// rendezvous; drop --rendezvous tcp")
         if self.rendezvous not in ("rootless", "tcp"):
             raise ConfigError(f"--rendezvous must be rootless or tcp (got {self.rendezvous!r})")
+        _check_ports(self.control_port, self.port_base, self.port_range)
+        _check_host(self.host)
+        _check_run_dir(self.run_dir if self.run_dir is not None else Path("runs"))
         parse_faults(self.faults, self.nproc)  # a bad spec fails now, not at step 40
+
+
+def _check_script(script: str) -> None:
+    if not script.strip():
+        raise ConfigError("the training script path is empty; pass the path of a Python file")
+    path = Path(script)
+    if path.is_dir():
+        raise ConfigError(f"training script {script!r} is a directory; pass the path of a Python file")
+    if not path.is_file():
+        raise ConfigError(f"training script {script!r} not found; pass the path of a Python file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"training script {script!r} is not readable; check its permissions")
+
+
+def _check_ports(control_port: int, port_base: int, port_range: int) -> None:
+    if not 0 <= control_port <= 65535:
+        raise ConfigError(f"--control-port {control_port} is not a port; give 0..65535 (0 picks a free one)")
+    if not 1024 <= port_base <= 65535:
+        raise ConfigError(
+            f"--port-base {port_base} is out of range; give 1024..65535 "
+            "(--port-base or CHECKPOINTLESS_PORT_BASE; ports below 1024 need privileges)"
+        )
+    if port_range < 1:
+        raise ConfigError(
+            f"--port-range {port_range} must be at least 1 (--port-range or CHECKPOINTLESS_PORT_RANGE)"
+        )
+    if port_base + port_range - 1 > 65535:
+        raise ConfigError(
+            f"--port-base {port_base} plus --port-range {port_range} ends at port "
+            f"{port_base + port_range - 1}, past 65535; lower either (or CHECKPOINTLESS_PORT_BASE / "
+            "CHECKPOINTLESS_PORT_RANGE)"
+        )
+
+
+def _resolve(host: str, timeout: float) -> list[Any]:
+    """getaddrinfo with a deadline: a name lookup can hang on a broken resolver, a literal never does."""
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass
+    result: list[Any] = []
+    failure: list[BaseException] = []
+
+    def lookup() -> None:
+        try:
+            result.extend(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+        except (OSError, UnicodeError) as e:
+            failure.append(e)
+
+    deadline = time.monotonic() + timeout
+    worker = threading.Thread(target=lookup, name="host-lookup", daemon=True)
+    worker.start()
+    worker.join(timeout=max(0.0, deadline - time.monotonic()))
+    if worker.is_alive():
+        raise ConfigError(f"--host {host!r} did not resolve within {timeout:.0f} s; give an IP address")
+    if failure or not result:
+        raise ConfigError(
+            f"--host {host!r} is not a known address or host name ({failure[0] if failure else 'no address'}); "
+            "give an address of this machine, e.g. 127.0.0.1"
+        )
+    return result
+
+
+def _check_host(host: str) -> None:
+    if not host.strip():
+        raise ConfigError("--host is empty; give an address of this machine, e.g. 127.0.0.1")
+    family, _, _, _, sockaddr = _resolve(host, _HOST_LOOKUP_S)[0]
+    # The job listens on this address: binding a throw-away socket proves it is one of ours.
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((sockaddr[0], 0))
+        except OSError as e:
+            raise ConfigError(
+                f"--host {host!r} is not an address of this machine ({e.strerror}); "
+                "give a local interface address, e.g. 127.0.0.1"
+            ) from None
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {str(run_dir)!r} exists and is not a directory; choose another path")
+    # The nearest part of the path that exists must be a directory we can create entries in.
+    parent = run_dir
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"--run-dir {str(run_dir)!r} is under {str(parent)!r}, which is a file, not a directory; "
+            "choose another path"
+        )
+    if parent != run_dir and not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"cannot create --run-dir {str(run_dir)!r}: {str(parent)!r} is not writable; choose another path"
+        )
+    if parent == run_dir and not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir {str(run_dir)!r} is not writable; choose another path")
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -28,7 +29,12 @@ from checkpointless.simulate.report import (
 )
 from checkpointless.simulate.topology import JobShape
 
-__all__ = ["build_parser", "main"]
+__all__ = ["MAX_DAYS", "MAX_GPUS", "MAX_SEEDS", "build_parser", "main"]
+
+# Bounds on a study's size: beyond them a typo would run for hours (or forever) before printing anything.
+MAX_DAYS = 3650.0
+MAX_SEEDS = 10_000
+MAX_GPUS = 1 << 20
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -39,6 +45,13 @@ def _gpu_list(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("give at least one GPU count")
     return values
+
+
+def _path(text: str) -> Path:
+    # Path("") is ".", which would silently mean the current directory
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path is empty; name a file or directory")
+    return Path(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,9 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="runs per point, seeds 0..n-1 (default %(default)s)",
     )
-    p.add_argument("--calibration", type=Path, help="JSON file of measured costs (keys: see docs/goodput.md)")
+    p.add_argument(
+        "--calibration", type=_path, help="JSON file of measured costs (keys: see docs/goodput.md)"
+    )
     p.add_argument("--interval", choices=[r.value for r in IntervalRule], default=IntervalRule.YOUNG.value)
-    p.add_argument("--out", type=Path, help="write goodput.json, goodput.md and goodput.png here")
+    p.add_argument("--out", type=_path, help="write goodput.json, goodput.md and goodput.png here")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     p.add_argument("--no-sensitivity", action="store_true", help="skip the what-if table (faster)")
     p.add_argument("--label", help=argparse.SUPPRESS)  # the command a report should name
@@ -96,12 +111,44 @@ def _machine() -> str:
     )
 
 
+def _check_path_parent(flag: str, path: Path) -> None:
+    """The nearest existing part of ``path`` must be a directory (it is created later, if missing)."""
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"{flag} {str(path)!r} is under {str(parent)!r}, which is a file; choose another path"
+        )
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse values that cannot work before the (possibly long) study starts and before any file is written."""
+    if not 1 <= args.seeds <= MAX_SEEDS:
+        raise ConfigError(f"--seeds {args.seeds} must be from 1 to {MAX_SEEDS}")
+    if not (math.isfinite(args.days) and 0 < args.days <= MAX_DAYS):
+        raise ConfigError(f"--days {args.days} must be a number of days > 0 and <= {MAX_DAYS}; e.g. 60")
+    for n in [*(n for group in args.gpus for n in group), args.focus_gpus]:
+        if n > MAX_GPUS:
+            raise ConfigError(f"{n} GPUs is more than the {MAX_GPUS:,} this model is meant for; give fewer")
+    cal = args.calibration
+    if cal is not None:
+        if cal.is_dir():
+            raise ConfigError(f"--calibration {str(cal)!r} is not a file; pass a JSON file of measured costs")
+        if cal.exists() and not os.access(cal, os.R_OK):
+            raise ConfigError(f"--calibration {str(cal)!r} is not readable; check its permissions")
+    out = args.out
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {str(out)!r} exists and is not a directory; choose another path")
+        _check_path_parent("--out", out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the study, print the tables, write the files under ``--out``; 0 on success, 2 on bad input."""
     args = build_parser().parse_args(argv)
     try:
-        if args.seeds < 1:
-            raise ConfigError(f"--seeds {args.seeds} must be >= 1")
+        _check_args(args)
         base = SimConfig(days=args.days, interval_rule=IntervalRule(args.interval))
         if args.calibration is not None:
             base = replace(base, cal=load_calibration(args.calibration))
