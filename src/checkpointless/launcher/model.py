@@ -40,6 +40,7 @@ class LaunchConfig:
     quiet_workers: bool = False
     plain: bool = False  # tier 0: an unchanged script; a fault restarts the whole group
     max_restarts: int = 3
+    snapshot_every: int = 10  # steps between shared-memory snapshots (0: off); see docs/configuration.md
 
     def validate(self) -> None:
         if self.nproc < 1:
@@ -61,6 +62,10 @@ class LaunchConfig:
             raise ConfigError(f"--hang-factor must be at least 1 (got {self.hang_factor})")
         if self.max_step_failures < 1:
             raise ConfigError(f"--max-step-failures must be at least 1 (got {self.max_step_failures})")
+        if self.snapshot_every < 0:
+            raise ConfigError(
+                f"--snapshot-every must be 0 (off) or a number of steps (got {self.snapshot_every})"
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
         if self.plain and self.rendezvous != "rootless":

@@ -51,6 +51,7 @@ from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.errors import ConfigError, StateTransferError
 from checkpointless.events import get_logger
 from checkpointless.state.codec import Layout, digest, layout, mismatch, receive_buffers, unpack
+from checkpointless.state.snapshot import Stateful, capture_rng, collect_state, restore_rng, restore_state
 
 __all__ = [
     "SnapshotInfo",
@@ -58,6 +59,8 @@ __all__ = [
     "guarded_pointers",
     "list_snapshots",
     "load_snapshot",
+    "newest_snapshot",
+    "restore_snapshot",
     "snapshot_dir",
     "snapshot_path",
     "write_snapshot",
@@ -118,7 +121,9 @@ def _private_dir(path: Path) -> None:
         d.mkdir(mode=0o700, exist_ok=True)
         st = os.lstat(d)
         if not os.path.isdir(d) or os.path.islink(d) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise ConfigError(f"{d}: not a private directory owned by this user; remove it and restart the job")
+            raise ConfigError(
+                f"{d}: not a private directory owned by this user; remove it and restart the job"
+            )
 
 
 def guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
@@ -291,7 +296,9 @@ def load_snapshot(directory: Path, step: int, into: Any = None) -> tuple[Any, di
     except (StateTransferError, ValueError, KeyError, TypeError) as e:
         path.unlink(missing_ok=True)
         why = str(e) if isinstance(e, StateTransferError) else f"snapshot {path} is unreadable ({e})"
-        raise StateTransferError(f"{why}; refused and removed (an older snapshot is used if one exists)") from e
+        raise StateTransferError(
+            f"{why}; refused and removed (an older snapshot is used if one exists)"
+        ) from e
     try:
         if int(head["step"]) != step:
             raise StateTransferError(f"snapshot {path} holds step {head['step']}, not {step}")
@@ -307,8 +314,30 @@ def load_snapshot(directory: Path, step: int, into: Any = None) -> tuple[Any, di
             mm.close()
         except BufferError:  # a view is still alive somewhere: the map goes when it does
             pass
-    stats = {"bytes": sum(int(n) for n in head["sizes"]), "in_place": in_place, "load_s": time.monotonic() - t0}
+    stats = {
+        "bytes": sum(int(n) for n in head["sizes"]),
+        "in_place": in_place,
+        "load_s": time.monotonic() - t0,
+    }
     return state, stats
+
+
+def newest_snapshot(directory: Path) -> int | None:
+    steps = list_snapshots(directory)
+    return steps[-1] if steps else None
+
+
+def restore_snapshot(objects: dict[str, Stateful], directory: Path, step: int) -> dict[str, Any]:
+    """Load the verified snapshot of ``step`` into ``objects`` and the RNGs; return its stats.
+    The objects' own tensors are the landing zone, as when a peer sends the state."""
+    own = collect_state(objects, step, capture_rng())
+    state, stats = load_snapshot(directory, step, own)
+    del own
+    got, rng = restore_state(objects, state)
+    if got != step:
+        raise StateTransferError(f"the snapshot holds step {got}, the plan says {step}")
+    restore_rng(rng)
+    return stats
 
 
 class SnapshotWriter:
