@@ -3,6 +3,7 @@ a real job whose every rank dies at once finishing bitwise identical to the faul
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -148,8 +149,8 @@ def _kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Ev
     while not stop.is_set() and time.monotonic() < deadline:
         if job is None and (run_dir / "events.jsonl").exists():
             first = (run_dir / "events.jsonl").read_text().split("\n", 1)[0]
-            if '"job_start"' in first:
-                job = first.split('"job": "')[1].split('"')[0]
+            if first.endswith("}"):
+                job = json.loads(first)["job"]
         if job is not None and snapshot_path(snapshot_dir(job), step).exists():
             for pid in [int(x) for x in (run_dir / "pids").read_text().split()]:
                 try:

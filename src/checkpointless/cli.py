@@ -101,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--snapshot-every",
         type=int,
-        default=10,
+        default=50,
         help="steps between verified snapshots of the state in shared memory, used when every "
-        "replica dies (0: off; default 10)",
+        "replica dies (0: off; default 50)",
     )
     run.add_argument("--max-restarts", type=int, default=3, help="with --plain: restarts before giving up")
     run.add_argument("script")

@@ -40,7 +40,7 @@ class LaunchConfig:
     quiet_workers: bool = False
     plain: bool = False  # tier 0: an unchanged script; a fault restarts the whole group
     max_restarts: int = 3
-    snapshot_every: int = 10  # steps between shared-memory snapshots (0: off); see docs/configuration.md
+    snapshot_every: int = 50  # steps between shared-memory snapshots (0: off); see docs/configuration.md
 
     def validate(self) -> None:
         if self.nproc < 1:

@@ -74,6 +74,7 @@ _ALIGN = 64
 _DATA_ALIGN = 4096
 _NAME = re.compile(r"^snap-(\d{12})\.ckpl$")
 _WRITING = ".writing-"
+_SOLO_MIN = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -178,19 +179,21 @@ def write_snapshot(
     if ``cancel`` was set before it was published (the half-written file is removed)."""
     t0 = time.monotonic()
     _private_dir(directory)
-    _prune(directory)
+    tmp = directory / f"{_WRITING}{os.getpid()}"
+    _prune(directory, tmp)
     manifest, offsets, data_len = _plan_file(lay)
     sizes = [int(m.numel()) for m in lay.messages]
     placeholder = ["0" * 32] * (len(sizes) + 1)  # digests are fixed-length hex: same header size
     head_len = len(_header(step, manifest, offsets, sizes, placeholder))
     data_start = _data_start(head_len, len(manifest))
     total = data_start + data_len
-    tmp = directory / f"{_WRITING}{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
     published = False
     try:
         os.ftruncate(fd, max(total, 1))
-        with mmap.mmap(fd, max(total, 1)) as mm:
+        # populate: one call maps every page, instead of a page fault per 4 KiB during the copy
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(fd, max(total, 1), flags=flags) as mm:
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             copy_s = 0.0
             try:
@@ -233,16 +236,20 @@ def write_snapshot(
             tmp.unlink(missing_ok=True)
 
 
-def _prune(directory: Path) -> None:
-    """Make room for one more snapshot: keep only the newest published one, and remove what a
-    killed writer left. There is one writer per job at a time (rank 0; the launcher kills a rank's
-    old process before a spare takes the rank), so every hidden file here is a dead writer's."""
-    steps = list_snapshots(directory)
-    for s in steps[:-1]:
-        snapshot_path(directory, s).unlink(missing_ok=True)
+def _prune(directory: Path, tmp: Path) -> None:
+    """Make room for one more snapshot: keep only the newest published one, remove what a killed
+    writer left, and recycle the older published one as ``tmp`` (its pages are already allocated,
+    so overwriting them is cheaper than filling new ones). There is one writer per job at a time
+    (rank 0; the launcher kills a rank's old process before a spare takes the rank), so every
+    hidden file here is a dead writer's."""
     for name in os.listdir(directory):
         if name.startswith(_WRITING):
             (directory / name).unlink(missing_ok=True)
+    steps = list_snapshots(directory)
+    for s in steps[:-2]:
+        snapshot_path(directory, s).unlink(missing_ok=True)
+    if len(steps) >= 2:
+        os.rename(snapshot_path(directory, steps[-2]), tmp)
 
 
 def _verified_map(path: Path) -> tuple[mmap.mmap, dict[str, Any], dict[str, Any]]:
@@ -367,7 +374,9 @@ class SnapshotWriter:
             return False
         if snapshot_path(self.directory, step).exists():
             return False  # a replay of steps already covered (after a restore)
-        lay = layout(state)
+        # tensors of 64 KiB or more stay views, copied on the thread; smaller ones are packed (so
+        # copied) right here, which is cheap and keeps the file's message count small
+        lay = layout(state, solo_min=_SOLO_MIN)
         for meta in lay.manifest["tensors"]:
             i = int(meta["msg"])
             if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
