@@ -57,7 +57,9 @@ def cost(steps: int, blocks: int) -> dict[str, Any]:
     gpt = _gpt_module().GPT(256, 128, 4, 4, 64, 0.1)
     opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
     objects: dict[str, Any] = {"model": gpt, "optimizer": opt}
-    work = Path(tempfile.mkdtemp(prefix="cl-snapbench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    work = Path(
+        tempfile.mkdtemp(prefix="cl-snapbench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
     writer = SnapshotWriter(work / "snapshots", every=1)
     waits: list[float] = []
     opt.register_step_pre_hook(lambda *a: waits.append(writer.wait_copied(60.0)))
@@ -111,7 +113,9 @@ def _job(work: Path, corpus: Path, name: str, kill_all: bool) -> dict[str, Any]:
         str(EXAMPLE), "--steps", "12", "--dim", "128", "--layers", "4", "--heads", "4", "--seq-len", "64",
         "--global-batch", "12", "--data", str(corpus),
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
 
     def killer() -> None:
         deadline = time.monotonic() + 120
@@ -144,7 +148,15 @@ def _job(work: Path, corpus: Path, name: str, kill_all: bool) -> dict[str, Any]:
     t.join(timeout=5)
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     rec = [e for e in events if e["event"] == "recovery"]
-    keys = ("downtime_s", "collect_s", "rebuild_s", "transfer_s", "first_batch_s", "first_step_s", "transport")
+    keys = (
+        "downtime_s",
+        "collect_s",
+        "rebuild_s",
+        "transfer_s",
+        "first_batch_s",
+        "first_step_s",
+        "transport",
+    )
     return {"rc": proc.returncode, **({k: rec[-1].get(k) for k in keys} if rec else {"recovery": None})}
 
 

@@ -88,7 +88,7 @@ def test_corrupt_snapshot_is_refused_and_the_older_one_still_loads(tmp_path: Pat
     pos = len(raw) - 100 if where == "data" else 30
     raw[pos] ^= 0x01
     path.write_bytes(bytes(raw))
-    with pytest.raises(StateTransferError, match="corrupt|checksum") as err:
+    with pytest.raises(StateTransferError, match=r"corrupt|checksum") as err:
         load_snapshot(d, 4)
     assert "refused and removed" in str(err.value)
     assert list_snapshots(d) == [2], "a refused snapshot must be removed so the next plan uses the older"
@@ -118,7 +118,9 @@ def test_writer_killed_mid_write_leaves_the_last_snapshot_usable(tmp_path: Path)
     d = tmp_path / "job" / "snapshots"
     mid_write = 0
     for attempt in range(6):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER_LOOP, str(d)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER_LOOP, str(d)], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert proc.stdout is not None
             proc.stdout.readline()  # one snapshot is published
