@@ -196,3 +196,14 @@ def test_every_rank_killed_at_once_restores_from_the_snapshot(
     assert res.of("recovery")[-1]["transport"] == "snapshot"
     snaps = [e["snapshot"] for e in res.events("rank-0.jsonl") if "snapshot" in e]
     assert snaps and all(s["bound_bytes"] == 2 * s["bytes"] for s in snaps)
+
+
+@pytest.mark.timeout(30)
+def test_codec_packs_small_tensors_that_follow_a_solo_one_into_the_pack() -> None:
+    # regression: small tensors laid out after a >= 1 MiB tensor were addressed into its message
+    from checkpointless.state.codec import unpack
+
+    tree = {"a": torch.arange(5.0), "big": torch.ones(300_000), "b": torch.arange(7.0)}
+    lay = layout(tree)
+    back = unpack(lay.manifest, lay.messages)
+    assert all(torch.equal(back[k], v) for k, v in tree.items())
