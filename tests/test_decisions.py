@@ -119,3 +119,29 @@ def test_no_stall_while_one_rank_still_progressed_recently() -> None:
         WorkerHealth(2, 100.0, 91.0, False),
     ]
     assert find_hung(ws, now=100.0, hang_timeout=10) == ([], "")
+
+
+def test_every_replica_gone_restores_the_newest_snapshot_on_every_rank() -> None:
+    # all three ranks were replaced by spares; two members see snapshots (the newest wins)
+    plan = plan_recovery(
+        [MemberReport(0, -1, False, 6), MemberReport(1, -1, False, 4), MemberReport(2, -1, False, None)]
+    )
+    assert (plan.target_step, plan.from_snapshot, plan.receivers) == (6, True, (0, 1, 2))
+    assert plan.to_json()["from_snapshot"] is True
+
+
+def test_survivors_ahead_of_the_snapshot_load_it_too() -> None:
+    # rank 1 faulted mid-update at step 9 (invalid, but ahead): it must go back to the snapshot
+    plan = plan_recovery([MemberReport(0, -1, False, 8), MemberReport(1, 9, False, 8)])
+    assert (plan.target_step, plan.from_snapshot, plan.receivers) == (8, True, (0, 1))
+
+
+def test_a_valid_replica_wins_over_a_snapshot() -> None:
+    plan = plan_recovery([MemberReport(0, 7, True, 6), MemberReport(1, -1, False, 6)])
+    assert (plan.target_step, plan.from_snapshot, plan.source, plan.receivers) == (7, False, 0, (1,))
+    assert "from_snapshot" not in plan.to_json()
+
+
+def test_no_replica_and_no_snapshot_names_the_setting() -> None:
+    with pytest.raises(NotRecoverableError, match="snapshot-every"):
+        plan_recovery([MemberReport(0, 3, False, None), MemberReport(1, -1, False, None)])

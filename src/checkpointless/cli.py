@@ -45,6 +45,7 @@ def _run(args: argparse.Namespace) -> int:
         rendezvous=args.rendezvous,
         plain=args.plain,
         max_restarts=args.max_restarts,
+        snapshot_every=args.snapshot_every,
     )
     return Launcher(cfg).run()
 
@@ -125,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the script does not call checkpointless.init(): give it torchrun-style variables and a "
         "root-less env:// rendezvous, and restart all processes on a fault",
+    )
+    run.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=50,
+        help="steps between verified snapshots of the state in shared memory, used when every "
+        "replica dies (0: off; default 50)",
     )
     run.add_argument("--max-restarts", type=int, default=3, help="with --plain: restarts before giving up")
     run.add_argument("script")

@@ -412,6 +412,7 @@ class Launcher:
                 "generation": generation,
                 "faults": self.cfg.faults,
                 "fired": sorted(self.fired),
+                "snapshot_every": self.cfg.snapshot_every,
             }
         )
 
@@ -586,7 +587,10 @@ class Launcher:
         assert r is not None
         if gen != r.target or r.phase != "collect":
             return
-        r.reports[rank] = MemberReport(rank, int(msg["committed_step"]), bool(msg["valid"]))
+        snap = msg.get("snapshot_step")
+        r.reports[rank] = MemberReport(
+            rank, int(msg["committed_step"]), bool(msg["valid"]), int(snap) if snap is not None else None
+        )
         r.report_times[rank] = time.monotonic()
 
     def _advance_round(self) -> None:

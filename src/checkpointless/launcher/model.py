@@ -60,6 +60,7 @@ class LaunchConfig:
     fault_window: int = 20
     max_start_failures: int = 3
     fork_server: bool = True  # start processes as forks of a template that imported torch once
+    snapshot_every: int = 50  # steps between shared-memory snapshots (0: off); see docs/configuration.md
 
     def validate(self) -> None:
         """Refuse every bad setting with a message naming the flag, the value and the fix.
@@ -106,6 +107,10 @@ class LaunchConfig:
             raise ConfigError(f"--fault-window must be 0 or more steps (got {self.fault_window})")
         if self.max_start_failures < 1:
             raise ConfigError(f"--max-start-failures must be at least 1 (got {self.max_start_failures})")
+        if self.snapshot_every < 0:
+            raise ConfigError(
+                f"--snapshot-every must be 0 (off) or a number of steps (got {self.snapshot_every})"
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
         if self.plain and self.rendezvous != "rootless":

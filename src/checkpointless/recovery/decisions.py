@@ -29,16 +29,26 @@ class MemberReport:
     rank: int
     committed_step: int  # number of steps whose parameter update this rank has applied
     valid: bool  # False: it died, or faulted in the middle of its own update, or is new
+    # the newest complete shared-memory snapshot this member can see on its host (None: none)
+    snapshot_step: int | None = None
 
 
 @dataclass(frozen=True)
 class RecoveryPlan:
     target_step: int  # every rank resumes by running this step
-    source: int  # the rank that sends state
-    receivers: tuple[int, ...]  # ranks that take the source's state
+    source: int  # the rank that sends state; -1 when the state comes from a snapshot
+    receivers: tuple[int, ...]  # ranks that take the source's state (or load the snapshot)
+    from_snapshot: bool = False  # every rank loads the snapshot of target_step, then replays
 
     def to_json(self) -> dict[str, object]:
-        return {"target_step": self.target_step, "source": self.source, "receivers": list(self.receivers)}
+        out: dict[str, object] = {
+            "target_step": self.target_step,
+            "source": self.source,
+            "receivers": list(self.receivers),
+        }
+        if self.from_snapshot:
+            out["from_snapshot"] = True
+        return out
 
 
 def plan_recovery(reports: list[MemberReport], initial: bool = False) -> RecoveryPlan:
@@ -49,6 +59,11 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     step any valid replica has reached (a rank that finished its update never has to undo it),
     and let every rank that is behind, invalid or new receive from the lowest such rank. At the
     job's first generation (``initial``) rank 0's state is the reference, as DDP's broadcast.
+
+    When no replica is valid, the newest complete shared-memory snapshot any member can see is
+    the state: every rank loads it (survivors too, since they may be ahead of it) and the steps
+    since are replayed, which is exact because a step is a pure function of its index. A valid
+    replica always wins over a snapshot: it is never older than the newest snapshot.
     """
     if not reports:
         raise NotRecoverableError("no members to plan a recovery for")
@@ -59,8 +74,12 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
         return RecoveryPlan(0, 0, tuple(r for r in ranks if r != 0))
     valid = [r for r in reports if r.valid]
     if not valid:
+        snaps = [r.snapshot_step for r in reports if r.snapshot_step is not None]
+        if snaps:
+            return RecoveryPlan(max(snaps), -1, tuple(ranks), from_snapshot=True)
         raise NotRecoverableError(
-            "no rank holds a valid replica of the training state (every replica faulted or is new); "
+            "no rank holds a valid replica of the training state (every replica faulted or is new) "
+            "and no intact shared-memory snapshot is left (see --snapshot-every); "
             "restart the job from a checkpoint"
         )
     target = max(r.committed_step for r in valid)

@@ -50,6 +50,13 @@ from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import tensor_paths
+from checkpointless.state.shm_snapshot import (
+    SnapshotWriter,
+    guarded_pointers,
+    newest_snapshot,
+    restore_snapshot,
+    snapshot_dir,
+)
 from checkpointless.state.snapshot import (
     RngState,
     Stateful,
@@ -124,6 +131,7 @@ class Job:
         self._first_commit_after_recovery = False
         self._batch_s: float | None = None  # this step's time until its batch was in the model
         self._arena: Arena | None = None  # a spare's paged-in room for the state it will receive
+        self._snapshots: SnapshotWriter | None = None  # rank 0's shared-memory snapshots
         self._record: dict[str, Any] = {}
         self._interrupted: tuple[int, dict[str, Any]] | None = None
         self._link: LauncherLink | None = None
@@ -172,6 +180,12 @@ class Job:
         )
         if self.comm.backend == "nccl":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        every = int(msg.get("snapshot_every", 0))
+        if every and self.rank == 0:
+            # One copy per host is enough (replicas are identical after each commit), and the
+            # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
+            # rather than a rotation keeps "one writer at a time" true, which pruning relies on.
+            self._snapshots = SnapshotWriter(snapshot_dir(self.env.job_id), every)
         specs = parse_faults(list(msg.get("faults", [])), self.world_size)
         self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
 
@@ -292,6 +306,10 @@ class Job:
         self._record = {}
         self._step_rng = (index, capture_rng())
         set_log_step(index)
+        if self._snapshots is not None and self._snapshots.due(index):
+            # the state as this step begins (its RNG included); copied while forward/backward run
+            state = collect_state(self._objects, index, self._step_rng[1])
+            self._snapshots.start(index, state, guarded_pointers(self._optimizers))
         try:
             self._site("step")
         except Exception as e:  # surfaced at the first hook inside the body (see _site)
@@ -310,6 +328,8 @@ class Job:
 
     def _before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.comm.check()  # never apply an update from a generation that was aborted
+        if self._snapshots is not None:  # the update must not change tensors still being copied
+            self._snapshots.wait_copied(self.rendezvous_timeout)
         self._dirty = True
         if self._step_index is not None and self._injector.due("optimizer", self._step_index):
             # rehearse a fault half-way through the update: some parameters already changed
@@ -329,6 +349,9 @@ class Job:
         self._last_step_time = now - self._progress_t
         self._progress_t = now
         self._retries.pop(index, None)
+        published = self._snapshots.take_published() if self._snapshots is not None else None
+        if published is not None:
+            self._record["snapshot"] = published.to_json()  # size and bound of the snapshot memory
         if self._events is not None:
             self._events.emit("commit", step=index, generation=self.generation, **self._record)
         if self._first_commit_after_recovery and self._link is not None:
@@ -409,6 +432,8 @@ class Job:
         assert self._link is not None
         self._recovering = True
         t_stop = time.monotonic()
+        if self._snapshots is not None:  # a snapshot copy must end before a transfer overwrites state
+            self._snapshots.wait_copied(self.rendezvous_timeout)
         for dp in self._dps:
             dp.reset()
         for opt in self._optimizers:
@@ -427,7 +452,9 @@ class Job:
         while True:
             gen = self._report_gen
             if resend:
-                self._link.send({"type": "stopped", "for_generation": gen, "time": time.time(), **report})
+                snap = self._newest_snapshot()
+                msg_out = {"type": "stopped", "for_generation": gen, "time": time.time(), **report}
+                self._link.send({**msg_out, "snapshot_step": snap})
             resend = False
             msg = self._link.wait_for({"recover", "abort"}, deadline)
             if msg["type"] == "abort":
@@ -478,7 +505,10 @@ class Job:
         info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
         route = self._stream_route(msg["rendezvous"], gen)
         info["transport"] = "gloo" if route is None else "stream"
-        if self.rank == source and receivers:
+        if plan.get("from_snapshot"):
+            info.update(self._restore_snapshot(target))
+            info["role"] = info["transport"] = "snapshot"
+        elif self.rank == source and receivers:
             resume_rng = self._resume_rng(target)
             state = collect_state(self._objects, target, resume_rng)
             info.update(send_state(self.comm, state, receivers, self.rendezvous_timeout, route))
@@ -521,6 +551,16 @@ class Job:
             target,
         )
         return info
+
+    def _newest_snapshot(self) -> int | None:
+        # reported with every stop, so the launcher can plan with it when no replica is left
+        return newest_snapshot(snapshot_dir(self.env.job_id)) if self.env is not None else None
+
+    def _restore_snapshot(self, target: int) -> dict[str, Any]:
+        assert self.env is not None
+        stats = restore_snapshot(self._objects, snapshot_dir(self.env.job_id), target)
+        log.info("restored the shared-memory snapshot of step %d (%.1f MB)", target, stats["bytes"] / 1e6)
+        return stats
 
     def _stream_route(self, desc: dict[str, Any], gen: int) -> StreamRoute | None:
         """State goes over a direct stream through the key servers of a root-less rendezvous;

@@ -155,7 +155,9 @@ def layout(tree: Any, solo_min: int = SOLO_MIN) -> Layout:
                 pack_msgs.append(len(messages))
                 messages.append(torch.empty(0, dtype=torch.uint8))  # filled below
                 pack_end = 0
-            meta.update(msg=len(messages) - 1, offset=pack_end, solo=False)
+            meta.update(
+                msg=pack_msgs[-1], offset=pack_end, solo=False
+            )  # not len-1: a solo may follow the pack
             packs[-1].append((pack_end, t))
             pack_end += -(-nbytes // _ALIGN) * _ALIGN
         metas.append(meta)
