@@ -14,6 +14,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.model import LaunchConfig, Proc, Round
 from checkpointless.launcher.reaper import cleanup_job
+from checkpointless.observe.hooks import start_observers
 from checkpointless.recovery.decisions import (
     MemberReport,
     SpareAction,
@@ -162,6 +164,13 @@ class Launcher:
     # -- entry point ---------------------------------------------------------------------------
     def run(self) -> int:
         setup_logging("launcher")
+        try:  # metrics and progress only listen to the events (observe/hooks.py)
+            self.observers = start_observers(
+                self.run_dir, self.events, self.cfg.host, self.cfg.metrics_port, self.cfg.progress
+            )
+        except ConfigError:
+            self.secret_file.unlink(missing_ok=True)
+            raise
         self.server = ControlServer(self.cfg.host, self.cfg.control_port, self.secret)
         self.server.start()
         self.reaper = subprocess.Popen(
@@ -180,7 +189,14 @@ class Launcher:
             self.cfg.script,
             self.run_dir,
         )
-        self.events.emit("job_start", nproc=self.cfg.nproc, spares=self.cfg.spares, script=self.cfg.script)
+        self.events.emit(
+            "job_start",
+            nproc=self.cfg.nproc,
+            spares=self.cfg.spares,
+            script=self.cfg.script,
+            pid=os.getpid(),  # with host: lets `checkpointless status` tell a live launcher from a dead one
+            host=socket.gethostname(),
+        )
         try:
             if self.cfg.plain:
                 from checkpointless.launcher.plain import run_plain
@@ -649,6 +665,7 @@ class Launcher:
                 p.popen.kill()
                 p.popen.wait(timeout=5)
         self.server.stop()
+        self.observers.close()
         cleanup_job(self.run_dir, self.job_id)
         try:
             self.secret_file.unlink()

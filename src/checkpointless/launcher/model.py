@@ -40,6 +40,8 @@ class LaunchConfig:
     quiet_workers: bool = False
     plain: bool = False  # tier 0: an unchanged script; a fault restarts the whole group
     max_restarts: int = 3
+    metrics_port: int | None = None  # serve Prometheus /metrics on --host (0: any free port)
+    progress: float | None = None  # seconds between one-line progress summaries
 
     def validate(self) -> None:
         if self.nproc < 1:

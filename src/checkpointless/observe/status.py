@@ -140,16 +140,16 @@ def build_status(
     open_round = any(float(f["time"]) > last_rec and f.get("generation", -1) >= 0 for f in faults) and running
     ranks = []
     for r in range(nproc):
-        wid = holder.get(r)
-        pid = pids.get(wid) if wid is not None else None
-        c = last.get(r)
-        p = prev.get(r)
+        holder_id = holder.get(r)
+        rank_pid = pids.get(holder_id) if holder_id is not None else None
+        lc = last.get(r)
+        before = prev.get(r)
         step_time = None
-        if c is not None and p is not None and int(c["step"]) == int(p["step"]) + 1:
-            step_time = float(c["time"]) - float(p["time"])
+        if lc is not None and before is not None and int(lc["step"]) == int(before["step"]) + 1:
+            step_time = float(lc["time"]) - float(before["time"])
         if ended:
             state = "finished" if ended[-1].get("status") == "ok" else "stopped"
-        elif pid is None or not alive(pid):
+        elif rank_pid is None or not alive(rank_pid):
             state = "dead"
         elif open_round:
             state = "recovering"
@@ -158,14 +158,14 @@ def build_status(
         ranks.append(
             RankStatus(
                 rank=r,
-                worker=wid,
-                pid=pid,
+                worker=holder_id,
+                pid=rank_pid,
                 host=host,
                 state=state,
-                step=int(c["step"]) if c is not None else None,
+                step=int(lc["step"]) if lc is not None else None,
                 step_time_s=step_time,
-                generation=int(c["generation"]) if c is not None and "generation" in c else None,
-                last_commit_age_s=now - float(c["time"]) if c is not None else None,
+                generation=int(lc["generation"]) if lc is not None and "generation" in lc else None,
+                last_commit_age_s=now - float(lc["time"]) if lc is not None else None,
             )
         )
     spares = []

@@ -38,6 +38,7 @@ def write_timeline(
 
         matplotlib.use("Agg")  # no display: a file is all we make
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
     except ImportError:
         raise ConfigError(
@@ -90,11 +91,11 @@ def write_timeline(
         f"of {ledger.wall_s:.1f} s ({ledger.status})"
     )
     used = [b for b in COLORS if ledger.totals.get(b, 0.0) > 0]
-    handles = [Patch(color=_STEP_SHADES[0], label="committed step")]
+    handles: list[Any] = [Patch(color=_STEP_SHADES[0], label="committed step")]
     handles += [Patch(color=COLORS[b], alpha=0.55, label=BUCKET_LABELS[b]) for b in used]
     handles += [
-        plt.Line2D([], [], marker="X", color="black", ls="", label="fault"),
-        plt.Line2D([], [], marker="v", color="#6a1b9a", ls="", label="spare swap"),
+        Line2D([], [], marker="X", color="black", ls="", label="fault"),
+        Line2D([], [], marker="v", color="#6a1b9a", ls="", label="spare swap"),
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     curve = goodput_curve(ledger)
