@@ -145,7 +145,12 @@ def build_status(
         lc = last.get(r)
         before = prev.get(r)
         step_time = None
-        if lc is not None and before is not None and int(lc["step"]) == int(before["step"]) + 1:
+        if (
+            lc is not None
+            and before is not None
+            and int(lc["step"]) == int(before["step"]) + 1
+            and lc.get("generation") == before.get("generation")  # a gap across a recovery is no step
+        ):
             step_time = float(lc["time"]) - float(before["time"])
         if ended:
             state = "finished" if ended[-1].get("status") == "ok" else "stopped"
