@@ -103,7 +103,11 @@ def main() -> int:
         print("  MISMATCH: the faulted run diverged from the fault-free run")
         return 1
     print("  bitwise identical: no step lost, no sample skipped or repeated")
-    return 0
+    # where the faulted run's wall time went, next to a checkpoint-restart estimate, plus the PNG
+    from checkpointless.observe.report import main as report_main
+
+    print("\n=== goodput ledger (checkpointless report)")
+    return report_main([str(out / "faults"), "--png", str(out / "faults" / "timeline.png")])
 
 
 if __name__ == "__main__":

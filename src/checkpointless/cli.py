@@ -46,6 +46,8 @@ def _run(args: argparse.Namespace) -> int:
         plain=args.plain,
         max_restarts=args.max_restarts,
         snapshot_every=args.snapshot_every,
+        metrics_port=args.metrics_port,
+        progress=args.progress,
     )
     return Launcher(cfg).run()
 
@@ -135,12 +137,30 @@ def build_parser() -> argparse.ArgumentParser:
         "replica dies (0: off; default 50)",
     )
     run.add_argument("--max-restarts", type=int, default=3, help="with --plain: restarts before giving up")
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics on --host (0: any free port; off by default)",
+    )
+    run.add_argument(
+        "--progress",
+        nargs="?",
+        type=float,
+        const=10.0,
+        default=None,
+        metavar="SECONDS",
+        help="print a one-line summary every SECONDS (default 10)",
+    )
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     data = sub.add_parser("data", help="dataset tools")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     data_sub.add_parser("prepare", help="tokenize text/JSONL into a token file", add_help=False)
     sub.add_parser("simulate", help="goodput at scale: checkpointless vs checkpoint-restart", add_help=False)
+    sub.add_parser("status", help="one screen about a job, from its run directory", add_help=False)
+    sub.add_parser("report", help="goodput ledger, checkpoint-restart estimate and timeline", add_help=False)
     return ap
 
 
@@ -155,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         from checkpointless.simulate import main as simulate_main
 
         return simulate_main(argv[1:])
+    if argv[:1] == ["status"]:
+        from checkpointless.observe.status import main as status_main
+
+        return status_main(argv[1:])
+    if argv[:1] == ["report"]:
+        from checkpointless.observe.report import main as report_main
+
+        return report_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "run":

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -91,6 +92,13 @@ class EventLog:
         self._fixed = fixed
         self._lock = threading.Lock()
         self._file = open(open_private_append(self.path), "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives as long as the log
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener(record)`` after each event is written (metrics, progress). It runs on the
+        emitting thread, so it must be quick; an exception in it is logged, never raised into the
+        code that emitted the event."""
+        self._listeners.append(listener)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record: dict[str, Any] = {"time": round(time.time(), 6), "event": event, **self._fixed, **fields}
@@ -98,6 +106,11 @@ class EventLog:
         with self._lock:
             if not self._file.closed:
                 self._file.write(line)
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:  # observing the job must never break it
+                get_logger().exception("event listener failed on %s", event)
         return record
 
     def close(self) -> None:

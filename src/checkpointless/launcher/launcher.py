@@ -43,6 +43,7 @@ from checkpointless.launcher.policy import (
 from checkpointless.launcher.proctable import read_sample
 from checkpointless.launcher.reaper import cleanup_job
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
+from checkpointless.observe.hooks import start_observers
 from checkpointless.recovery.decisions import (
     MemberReport,
     SpareAction,
@@ -224,6 +225,10 @@ class Launcher:
     def run(self) -> int:
         setup_logging("launcher")
         try:
+            # metrics and progress only listen to the events (observe/hooks.py)
+            self.observers = start_observers(
+                self.run_dir, self.events, self.cfg.host, self.cfg.metrics_port, self.cfg.progress
+            )
             self.server = ControlServer(self.cfg.host, self.cfg.control_port, self.secret)
             self.server.start()
             self.reaper = subprocess.Popen(
@@ -246,7 +251,14 @@ class Launcher:
             self.cfg.script,
             self.run_dir,
         )
-        self.events.emit("job_start", nproc=self.cfg.nproc, spares=self.cfg.spares, script=self.cfg.script)
+        self.events.emit(
+            "job_start",
+            nproc=self.cfg.nproc,
+            spares=self.cfg.spares,
+            script=self.cfg.script,
+            pid=os.getpid(),  # with host: lets `checkpointless status` tell a live launcher from a dead one
+            host=socket.gethostname(),
+        )
         try:
             if self.cfg.plain:
                 from checkpointless.launcher.plain import run_plain
@@ -276,6 +288,9 @@ class Launcher:
 
     def _undo_early(self) -> None:
         """A launch that failed before any worker started takes back what it created."""
+        observers = getattr(self, "observers", None)
+        if observers is not None:
+            observers.close()
         server = getattr(self, "server", None)
         if server is not None:
             server.stop()
@@ -830,6 +845,7 @@ class Launcher:
         if self.forkserver is not None:
             self.forkserver.close()
         self.server.stop()
+        self.observers.close()
         cleanup_job(self.run_dir, self.job_id)
         try:
             self.secret_file.unlink()

@@ -61,6 +61,8 @@ class LaunchConfig:
     max_start_failures: int = 3
     fork_server: bool = True  # start processes as forks of a template that imported torch once
     snapshot_every: int = 50  # steps between shared-memory snapshots (0: off); see docs/configuration.md
+    metrics_port: int | None = None  # serve Prometheus /metrics on --host (0: any free port)
+    progress: float | None = None  # seconds between one-line progress summaries
 
     def validate(self) -> None:
         """Refuse every bad setting with a message naming the flag, the value and the fix.

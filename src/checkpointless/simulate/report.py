@@ -16,6 +16,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from checkpointless.simulate.calibration import CommModel
 from checkpointless.simulate.des import SimConfig, simulate_run
 from checkpointless.simulate.failures import META_RSC_RATE_PER_GPU_HOUR, sample_faults
@@ -106,7 +108,8 @@ def _variants(cfg: SimConfig) -> list[tuple[str, Policy, SimConfig]]:
 def sweep(base: SimConfig, gpus: Sequence[int], seeds: Sequence[int]) -> list[Summary]:
     """Goodput of every variant at every job size."""
     out: list[Summary] = []
-    for n in gpus:
+    # a bar on a terminal only (disable=None): long sweeps show where they are, logs stay clean
+    for n in tqdm(gpus, desc="simulate: job sizes", unit="size", disable=None, leave=False):
         cfg = replace(base, shape=replace(base.shape, gpus=n))
         out.extend(summarise(name, policy, c, seeds) for name, policy, c in _variants(cfg))
     return out
@@ -196,7 +199,7 @@ def sensitivity(base: SimConfig, gpus: int, seeds: Sequence[int]) -> list[Sensit
     """Both policies at ``gpus`` under each case of :data:`SENSITIVITY_CASES`."""
     cfg0 = replace(base, shape=replace(base.shape, gpus=gpus))
     rows = []
-    for name, change in SENSITIVITY_CASES:
+    for name, change in tqdm(SENSITIVITY_CASES, desc="simulate: what-if cases", disable=None, leave=False):
         cfg = change(cfg0)
         rows.append(
             SensitivityRow(
