@@ -35,7 +35,26 @@ class JobResult:
     rc: int
     output: str
     run_dir: Path
-    digest: str | None
+    digests: dict[int, str]  # rank -> SHA-256 of that rank's final weights (ranks that wrote one)
+
+    @property
+    def digest(self) -> str | None:
+        """The final weights' digest when every rank wrote the same one, else None."""
+        values = set(self.digests.values())
+        return values.pop() if len(values) == 1 else None
+
+    def assert_same_weights(self, ref: JobResult, nproc: int) -> None:
+        """Every rank ended with the fault-free run's weights, and so all ranks agree."""
+        ref_values = set(ref.digests.values())
+        assert len(ref_values) == 1 and sorted(ref.digests) == list(range(nproc)), (
+            f"the fault-free run's ranks disagree or are missing: {ref.digests}"
+        )
+        want = ref_values.pop()
+        assert sorted(self.digests) == list(range(nproc)), (
+            f"ranks {sorted(set(range(nproc)) - set(self.digests))} wrote no final digest"
+        )
+        wrong = {r: d[:16] for r, d in self.digests.items() if d != want}
+        assert not wrong, f"final weights differ from the fault-free run's ({want[:16]}) on ranks {wrong}"
 
     def events(self, name: str = "events.jsonl") -> list[dict[str, Any]]:
         path = self.run_dir / name
@@ -75,7 +94,10 @@ def run_job(
     timeout: float = 150,
     script: Path = EXAMPLE,
 ) -> JobResult:
-    digest_file = run_dir.parent / (run_dir.name + ".digest")
+    # one file per rank: "{rank}" is filled in by the example
+    digest_pattern = run_dir.parent / (run_dir.name + ".digest-{rank}")
+    for old in run_dir.parent.glob(run_dir.name + ".digest-*"):
+        old.unlink()  # a stale digest from an earlier run must not pass for this one's
     cmd = [
         sys.executable,
         "-m",
@@ -94,7 +116,7 @@ def run_job(
         cmd += ["--inject", f]
     cmd += extra or []
     cmd += [str(script), *(script_args if script_args is not None else TINY), "--data", str(data)]
-    cmd += ["--digest-out", str(digest_file)]
+    cmd += ["--digest-out", str(digest_pattern)]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -104,8 +126,17 @@ def run_job(
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"job did not finish within {timeout} s:\n{out[-6000:]}") from None
-    digest = digest_file.read_text().strip() if digest_file.exists() else None
-    return JobResult(proc.returncode, out, run_dir, digest)
+    return JobResult(proc.returncode, out, run_dir, read_digests(run_dir.parent, run_dir.name + ".digest-"))
+
+
+def read_digests(folder: Path, prefix: str) -> dict[int, str]:
+    """rank -> digest from the files ``<folder>/<prefix><rank>``."""
+    out: dict[int, str] = {}
+    for f in folder.glob(prefix + "*"):
+        suffix = f.name[len(prefix) :]
+        if suffix.isdigit():
+            out[int(suffix)] = f.read_text().strip()
+    return out
 
 
 def alive(pid: int) -> bool:
