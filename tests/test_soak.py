@@ -439,7 +439,19 @@ def _check(res: JobResult, ref: JobResult, chaos: _Chaos) -> None:
     why = _evidence(res, chaos)
     assert res.rc == 0, f"the job failed (exit status {res.rc}){why}"
     res.assert_same_weights(ref, NPROC)
-    assert res.batches() == ref.batches(), f"some rank trained on other samples than the fault-free run{why}"
+    got, want = res.batches(), ref.batches()
+    wrong = sorted(k for k in got if got[k] != want.get(k))
+    assert not wrong, f"(rank, step) {wrong[:10]} trained on other samples than the fault-free run{why}"
+    missing = sorted(set(want) - set(got))
+    if missing:
+        # Seen in the soak: a rank SIGKILLed after its step's all-reduce but before it wrote its
+        # commit line. The step counted (the others committed it, the weights match), only the
+        # record is gone. Tolerated where that explains it, reported so it stays visible.
+        faulted = {e["rank"] for e in res.of("fault")}
+        done = {s for _, s in got}
+        unexplained = [(r, s) for r, s in missing if r not in faulted or s not in done]
+        assert not unexplained, f"(rank, step) {unexplained[:10]} never committed{why}"
+        print(f"commit records lost by killed ranks (the step itself committed): {missing}", flush=True)
     if chaos.fired:
         assert res.of("recovery"), f"faults fired but no recovery was recorded{why}"
     left = _leftovers(res)
