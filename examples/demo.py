@@ -18,19 +18,26 @@ ROOT = Path(__file__).resolve().parents[1]
 FAULTS = ["raise:rank=2:step=12:site=backward", "kill:rank=1:step=25", "hang:rank=3:step=40"]
 
 
+NPROC = 4
+
+
 def run(
     label: str, run_dir: Path, data: Path, args: argparse.Namespace, faults: list[str]
-) -> tuple[str, float]:
+) -> tuple[dict[int, str], float]:
+    """Run the job; return every rank's final-weights digest and the wall time."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    digest_file = run_dir.with_suffix(".digest")
-    digest_file.unlink(missing_ok=True)
+    # every rank writes its own digest ("{rank}" is filled in by the example): a fault that left
+    # one replica different from the others must not hide behind rank 0's file
+    digest_files = {r: run_dir.parent / f"{run_dir.name}.digest-{r}" for r in range(NPROC)}
+    for f in digest_files.values():
+        f.unlink(missing_ok=True)
     cmd = [
         sys.executable,
         "-m",
         "checkpointless",
         "run",
         "--nproc",
-        "4",
+        str(NPROC),
         "--spares",
         "0" if not faults else "1",
         "--run-dir",
@@ -57,15 +64,19 @@ def run(
         "--data",
         str(data),
         "--digest-out",
-        str(digest_file),
+        str(run_dir.parent / f"{run_dir.name}.digest-{{rank}}"),
     ]
     print(f"\n=== {label}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd, cwd=ROOT, timeout=900)
     took = time.monotonic() - t0
-    if rc != 0 or not digest_file.exists():
-        raise SystemExit(f"demo: the {label} run failed (exit code {rc}); see {run_dir}/events.jsonl")
-    return digest_file.read_text().strip(), took
+    missing = [r for r, f in digest_files.items() if not f.exists()]
+    if rc != 0 or missing:
+        raise SystemExit(
+            f"demo: the {label} run failed (exit code {rc}; no final digest from ranks {missing}); "
+            f"see {run_dir}/events.jsonl"
+        )
+    return {r: f.read_text().strip() for r, f in digest_files.items()}, took
 
 
 def main() -> int:
@@ -97,12 +108,16 @@ def main() -> int:
             f"first batch {e.get('first_batch_s', 0.0) * 1e3:.1f} ms, first step {e['first_step_s']:.2f})"
         )
     print(f"\n  fault-free run: {t_clean:.1f} s   with 3 faults: {t_faulty:.1f} s")
-    print(f"  final weights, fault-free : {clean}")
-    print(f"  final weights, with faults: {faulty}")
-    if clean != faulty:
-        print("  MISMATCH: the faulted run diverged from the fault-free run")
+    print(f"  final weights, fault-free : {clean[0]}")
+    print(f"  final weights, with faults: {faulty[0]}")
+    if len(set(clean.values())) != 1:
+        print(f"  MISMATCH: the fault-free run's ranks disagree with each other: {clean}")
         return 1
-    print("  bitwise identical: no step lost, no sample skipped or repeated")
+    wrong = sorted(r for r, d in faulty.items() if d != clean[0])
+    if wrong:
+        print(f"  MISMATCH: ranks {wrong} of the faulted run diverged from the fault-free run")
+        return 1
+    print(f"  bitwise identical on all {NPROC} ranks: no step lost, no sample skipped or repeated")
     # where the faulted run's wall time went, next to a checkpoint-restart estimate, plus the PNG
     from checkpointless.observe.report import main as report_main
 

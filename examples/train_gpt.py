@@ -6,7 +6,9 @@ Run it plainly (one process) or under the launcher:
     checkpointless run --nproc 4 --spares 1 --inject kill:rank=1:step=20 examples/train_gpt.py
 
 It prints the loss per step and, at the end, the SHA-256 of the final weights (also written to
---digest-out), so a run with faults can be compared bit for bit with one without.
+--digest-out), so a run with faults can be compared bit for bit with one without. A ``{rank}`` in
+the --digest-out path makes every rank write its own file, so that all replicas can be compared,
+not rank 0's alone (a broken gradient average leaves rank 0 looking fine).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -85,7 +88,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--data", help="token file from `checkpointless data prepare` (default: random tokens)")
-    ap.add_argument("--digest-out", help="write the final weights' SHA-256 here")
+    ap.add_argument(
+        "--digest-out",
+        help="write the final weights' SHA-256 here (rank 0 only); a {rank} in the path, e.g. "
+        "runs/w.{rank}.digest, makes every rank write its own file",
+    )
     args = ap.parse_args()
 
     # Everything that does not depend on the rank is built before init(): a hot spare builds it
@@ -150,8 +157,15 @@ def main() -> None:
     digest = weights_digest(model)
     if job.rank == 0:
         print(f"final weights sha256 {digest}", flush=True)
-        if args.digest_out:
-            Path(args.digest_out).write_text(digest + "\n")
+    if args.digest_out and ("{rank}" in args.digest_out or job.rank == 0):
+        write_digest(Path(args.digest_out.replace("{rank}", str(job.rank))), digest)
+
+
+def write_digest(path: Path, digest: str) -> None:
+    """Write the file whole or not at all: a reader must never take half a digest for a mismatch."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

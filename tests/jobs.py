@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,26 @@ class JobResult:
     rc: int
     output: str
     run_dir: Path
-    digest: str | None
+    digests: dict[int, str]  # rank -> SHA-256 of that rank's final weights (ranks that wrote one)
+
+    @property
+    def digest(self) -> str | None:
+        """The final weights' digest when every rank wrote the same one, else None."""
+        values = set(self.digests.values())
+        return values.pop() if len(values) == 1 else None
+
+    def assert_same_weights(self, ref: JobResult, nproc: int) -> None:
+        """Every rank ended with the fault-free run's weights, and so all ranks agree."""
+        ref_values = set(ref.digests.values())
+        assert len(ref_values) == 1 and sorted(ref.digests) == list(range(nproc)), (
+            f"the fault-free run's ranks disagree or are missing: {ref.digests}"
+        )
+        want = ref_values.pop()
+        assert sorted(self.digests) == list(range(nproc)), (
+            f"ranks {sorted(set(range(nproc)) - set(self.digests))} wrote no final digest"
+        )
+        wrong = {r: d[:16] for r, d in self.digests.items() if d != want}
+        assert not wrong, f"final weights differ from the fault-free run's ({want[:16]}) on ranks {wrong}"
 
     def events(self, name: str = "events.jsonl") -> list[dict[str, Any]]:
         path = self.run_dir / name
@@ -64,7 +84,31 @@ class JobResult:
         return [int(x) for x in p.read_text().split()] if p.exists() else []
 
 
-def run_job(
+@dataclass
+class RunningJob:
+    """A launcher started by :func:`start_job`; its output goes to ``log`` (read at the end)."""
+
+    proc: subprocess.Popen[bytes]
+    run_dir: Path
+    log: Path
+    started: float  # time.monotonic() at launch
+
+    def finish(self, timeout: float) -> JobResult:
+        """Wait for the launcher (at most ``timeout`` s from the launch); kill its group if late."""
+        try:
+            self.proc.wait(timeout=max(0.1, self.started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            raise AssertionError(f"job did not finish within {timeout} s:\n{self.output()[-6000:]}") from None
+        digests = read_digests(self.run_dir.parent, self.run_dir.name + ".digest-")
+        return JobResult(self.proc.returncode, self.output(), self.run_dir, digests)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def start_job(
     run_dir: Path,
     data: Path,
     nproc: int = 3,
@@ -72,10 +116,14 @@ def run_job(
     faults: list[str] | None = None,
     extra: list[str] | None = None,
     script_args: list[str] | None = None,
-    timeout: float = 150,
     script: Path = EXAMPLE,
-) -> JobResult:
-    digest_file = run_dir.parent / (run_dir.name + ".digest")
+    hang_timeout: float = 8,
+) -> RunningJob:
+    """Launch the example under the launcher without waiting for it."""
+    # one file per rank: "{rank}" is filled in by the example
+    digest_pattern = run_dir.parent / (run_dir.name + ".digest-{rank}")
+    for old in run_dir.parent.glob(run_dir.name + ".digest-*"):
+        old.unlink()  # a stale digest from an earlier run must not pass for this one's
     cmd = [
         sys.executable,
         "-m",
@@ -88,24 +136,44 @@ def run_job(
         "--run-dir",
         str(run_dir),
         "--hang-timeout",
-        "8",
+        str(hang_timeout),
     ]
     for f in faults or []:
         cmd += ["--inject", f]
     cmd += extra or []
     cmd += [str(script), *(script_args if script_args is not None else TINY), "--data", str(data)]
-    cmd += ["--digest-out", str(digest_file)]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job did not finish within {timeout} s:\n{out[-6000:]}") from None
-    digest = digest_file.read_text().strip() if digest_file.exists() else None
-    return JobResult(proc.returncode, out, run_dir, digest)
+    cmd += ["--digest-out", str(digest_pattern)]
+    log = run_dir.parent / (run_dir.name + ".out")
+    # a file, not a pipe: a caller that is busy injecting faults must not stall the job's output
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return RunningJob(proc, run_dir, log, time.monotonic())
+
+
+def run_job(
+    run_dir: Path,
+    data: Path,
+    nproc: int = 3,
+    spares: int = 1,
+    faults: list[str] | None = None,
+    extra: list[str] | None = None,
+    script_args: list[str] | None = None,
+    timeout: float = 150,
+    script: Path = EXAMPLE,
+) -> JobResult:
+    """Run the example under the launcher to the end."""
+    job = start_job(run_dir, data, nproc, spares, faults, extra, script_args, script)
+    return job.finish(timeout)
+
+
+def read_digests(folder: Path, prefix: str) -> dict[int, str]:
+    """rank -> digest from the files ``<folder>/<prefix><rank>``."""
+    out: dict[int, str] = {}
+    for f in folder.glob(prefix + "*"):
+        suffix = f.name[len(prefix) :]
+        if suffix.isdigit():
+            out[int(suffix)] = f.read_text().strip()
+    return out
 
 
 def alive(pid: int) -> bool:
