@@ -3,6 +3,7 @@ a real job whose every rank dies at once finishing bitwise identical to the faul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from checkpointless.data.shm_cache import default_cache_root
 from checkpointless.errors import StateTransferError
 from checkpointless.state.codec import layout
 from checkpointless.state.shm_snapshot import (
@@ -24,7 +26,6 @@ from checkpointless.state.shm_snapshot import (
     list_snapshots,
     load_snapshot,
     restore_snapshot,
-    snapshot_dir,
     snapshot_path,
     write_snapshot,
 )
@@ -144,6 +145,26 @@ def test_writer_killed_mid_write_leaves_the_last_snapshot_usable(tmp_path: Path)
     assert len(list_snapshots(d)) == 2
 
 
+def _snapshot_dir_of(run_dir: Path) -> Path | None:
+    """The job's snapshot directory. Its name has a random part that only the job's processes
+    know (from their environment), so it is read from a worker's environment."""
+    for e in [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]:
+        if e["event"] != "spawn":
+            continue
+        with contextlib.suppress(OSError):
+            env = dict(
+                kv.split(b"=", 1)
+                for kv in Path(f"/proc/{e['pid']}/environ").read_bytes().split(b"\0")
+                if b"=" in kv
+            )
+            key = env.get(b"CHECKPOINTLESS_SHM_KEY")
+            if key:
+                return (
+                    Path(default_cache_root()) / f"checkpointless-{os.geteuid()}-{key.decode()}" / "snapshots"
+                )
+    return None
+
+
 def _kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Event) -> None:
     """Once the snapshot of ``step`` is published, SIGKILL every process holding a rank at once."""
     deadline = time.monotonic() + 120
@@ -153,14 +174,13 @@ def _kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Ev
             first = (run_dir / "events.jsonl").read_text().split("\n", 1)[0]
             if first.endswith("}"):
                 job = json.loads(first)["job"]
-        if job is not None and snapshot_path(snapshot_dir(job), step).exists():
-            for pid in [int(x) for x in (run_dir / "pids").read_text().split()]:
-                try:
-                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if b"CHECKPOINTLESS_ROLE=worker" in env and f"CHECKPOINTLESS_JOB_ID={job}".encode() in env:
-                    os.kill(pid, signal.SIGKILL)
+        if job is not None and (where := _snapshot_dir_of(run_dir)) and snapshot_path(where, step).exists():
+            # the processes holding ranks: the workers the launcher spawned (none was replaced yet)
+            events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+            for e in events:
+                if e["event"] == "spawn" and e["role"] == "worker":
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(e["pid"]), signal.SIGKILL)
             return
         time.sleep(0.01)
 

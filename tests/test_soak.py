@@ -371,8 +371,7 @@ def _leftovers(res: JobResult) -> list[str]:
         time.sleep(0.2)
     if procs:
         found.append(f"processes still alive: {sorted(set(procs))}")
-    job = res.of("job_start")[0]["job"] if res.of("job_start") else "?"
-    found += [f"shared memory {p}" for p in Path("/dev/shm").glob(f"checkpointless-{job}*")]
+    found += [f"shared memory {p}" for p in Path("/dev/shm").glob(f"checkpointless-{os.geteuid()}-*")]
     if (run_dir / "secret").exists():
         found.append("the job's secret file")
     found += [f"temporary file {p}" for p in run_dir.parent.glob("*.tmp")]
