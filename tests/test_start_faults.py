@@ -7,6 +7,7 @@ line that names the rank, the cause and the setting to change, leaving nothing b
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from jobs import alive, run_job
-from test_launcher import SCRIPTS, assert_nothing_left, job_pids, launch, wait_for_event
+from test_launcher import SCRIPTS, assert_nothing_left, launch, wait_for_event
 
 
 @pytest.mark.timeout(180)
@@ -34,10 +35,13 @@ def test_worker_stopped_while_importing_is_replaced_and_the_job_ends_bitwise(
     def stop_first_worker() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not stopped:
-            pids = job_pids(run_dir)
-            if len(pids) >= 2:
-                os.kill(pids[1], signal.SIGSTOP)  # rank 1, still importing torch
-                stopped.append(pids[1])
+            events = run_dir / "events.jsonl"
+            lines = events.read_text().splitlines() if events.exists() else []
+            spawns = [json.loads(x) for x in lines if '"spawn"' in x and x.endswith("}")]
+            pid = next((e["pid"] for e in spawns if e["worker"] == 1), None)
+            if pid is not None:
+                os.kill(pid, signal.SIGSTOP)  # rank 1, still starting (before generation 0)
+                stopped.append(pid)
                 return
             time.sleep(0.005)
 
@@ -95,3 +99,40 @@ def test_a_fault_that_moves_with_the_steps_exhausts_the_budget(tmp_path: Path) -
     recoveries = [e for e in (run_dir / "events.jsonl").read_text().splitlines() if '"recovery"' in e]
     assert end["recoveries"] == len(recoveries) == 3, (end, len(recoveries))
     assert_nothing_left(run_dir, str(end["job"]))
+
+
+@pytest.mark.timeout(180)
+def test_fork_template_stopped_falls_back_to_fresh_interpreters(
+    tmp_path: Path, corpus: Path, reference: Any
+) -> None:
+    """The template that workers are forked from is stopped while it imports torch: the launch
+    must not wait for the start-up limit, but start fresh interpreters and finish bitwise."""
+    ref = reference(3)
+    run_dir = tmp_path / "run"
+    import threading
+
+    stopped: list[int] = []
+
+    def stop_template() -> None:
+        deadline = time.monotonic() + 60
+        events = run_dir / "events.jsonl"
+        while time.monotonic() < deadline:
+            lines = events.read_text().splitlines() if events.exists() else []
+            pid = next((json.loads(x)["pid"] for x in lines if '"fork_server"' in x), None)
+            if pid is not None:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+                return
+            time.sleep(0.002)
+
+    t = threading.Thread(target=stop_template)
+    t.start()
+    res = run_job(run_dir, corpus, nproc=3, spares=1, timeout=150)
+    t.join()
+    assert stopped, "the test never found the template to stop"
+    assert res.rc == 0, res.output[-5000:]
+    assert res.digest == ref.digest and res.batches() == ref.batches()
+    assert "fork server stopped" in res.output, res.output[-3000:]
+    assert not [e for e in res.of("spawn") if e["forked"]], "no process may come from the stopped template"
+    assert not alive(stopped[0]), "the stopped template was left behind"
+    assert not [p for p in res.pids() if alive(p)]

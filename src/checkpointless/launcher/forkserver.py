@@ -205,7 +205,7 @@ class ForkServer:
         try:
             self.popen.wait(timeout=2)
         except Exception:
-            self.popen.kill()
+            self.popen.kill()  # stopped or wedged: SIGKILL works on a stopped process too
             self.popen.wait(timeout=5)
 
 

@@ -36,6 +36,7 @@ from checkpointless.launcher.output import OutputTail
 from checkpointless.launcher.policy import (
     FaultRecord,
     Limits,
+    ProcWatch,
     budget_verdict,
     progress_limit,
     start_failure_verdict,
@@ -164,6 +165,21 @@ class Launcher:
         fs = self.forkserver = ForkServer(self.cfg.python, self._job_env(), out)
         with open(open_private_append(self.run_dir / "pids"), "w") as f:
             f.write(f"{fs.popen.pid}\n")
+        self.events.emit("fork_server", pid=fs.popen.pid)
+
+    def _fork_server_ready(self, fs: ForkServer) -> bool:
+        """Wait for the template's imports, judging it like any starting process: a template
+        that is stopped or wedged must not hold the launch up for the whole start-up limit."""
+        watch = ProcWatch(time.monotonic())
+        while not fs.wait_ready(0.1):
+            now = time.monotonic()
+            watch.observe(read_sample(fs.popen.pid), now)
+            why = "exited" if fs.popen.poll() is not None else watch.verdict(now, False, self._limits)
+            if why is not None:
+                log.warning("the fork server %s; starting fresh interpreters instead", why)
+                fs.close()
+                return False
+        return True
 
     def _spawn(self, role: str) -> Proc:
         wid = self.next_worker_id
@@ -179,7 +195,7 @@ class Launcher:
         handle: ProcessHandle | None = None
         try:
             fs = self.forkserver
-            if fs is not None and fs.wait_ready(self.cfg.start_timeout):
+            if fs is not None and self._fork_server_ready(fs):
                 fds = {"stderr": err_w}
                 if listener is not None:
                     fds[ENV.STORE_FD] = listener.fileno()
@@ -189,7 +205,6 @@ class Launcher:
                     log.warning("fork server failed (%s); starting fresh interpreters from now on", e)
                     self.forkserver = None
             elif fs is not None:
-                log.warning("fork server did not start; starting fresh interpreters instead")
                 self.forkserver = None
             if handle is None:
                 if listener is not None:
