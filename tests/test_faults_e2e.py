@@ -8,7 +8,6 @@ batch of the fault-free run, a recovery was recorded, and no process of the job 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,8 @@ def check_recovered(res: JobResult, ref: JobResult, recoveries: int = 1) -> None
     recs = res.of("recovery")
     assert len(recs) >= recoveries, res.output[-6000:]
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
-    # the job's shared memory has a private random name: nothing of ours may be left at all
-    assert not list(Path("/dev/shm").glob(f"checkpointless-{os.geteuid()}-*")), "shared memory left behind"
+    shm = res.of("job_start")[0]["shm"]
+    assert shm.startswith("/dev/shm/checkpointless-") and not Path(shm).exists(), "shared memory left behind"
 
 
 CASES: list[tuple[str, list[str]]] = [

@@ -49,8 +49,10 @@ def assert_nothing_left(run_dir: Path, job: str, timeout: float = 10.0) -> None:
             break
         time.sleep(0.1)
     assert not [p for p in job_pids(run_dir) if alive(p)], "job processes were left behind"
-    # the job's shared memory has a private random name: nothing of ours may be left at all
-    assert not list(Path("/dev/shm").glob(f"checkpointless-{os.geteuid()}-*")), "shared memory left behind"
+    events = run_dir / "events.jsonl"
+    starts = [json.loads(x) for x in events.read_text().splitlines() if '"job_start"' in x]
+    assert starts, "no job_start event"
+    assert not Path(starts[0]["shm"]).exists(), "shared memory left behind"
 
 
 @pytest.mark.timeout(30)

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from checkpointless.data.shm_cache import default_cache_root
 from checkpointless.errors import StateTransferError
 from checkpointless.state.codec import layout
 from checkpointless.state.shm_snapshot import (
@@ -146,22 +145,10 @@ def test_writer_killed_mid_write_leaves_the_last_snapshot_usable(tmp_path: Path)
 
 
 def _snapshot_dir_of(run_dir: Path) -> Path | None:
-    """The job's snapshot directory. Its name has a random part that only the job's processes
-    know (from their environment), so it is read from a worker's environment."""
-    for e in [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]:
-        if e["event"] != "spawn":
-            continue
-        with contextlib.suppress(OSError):
-            env = dict(
-                kv.split(b"=", 1)
-                for kv in Path(f"/proc/{e['pid']}/environ").read_bytes().split(b"\0")
-                if b"=" in kv
-            )
-            key = env.get(b"CHECKPOINTLESS_SHM_KEY")
-            if key:
-                return (
-                    Path(default_cache_root()) / f"checkpointless-{os.geteuid()}-{key.decode()}" / "snapshots"
-                )
+    """The job's snapshot directory, inside its private shared-memory directory (job_start says where)."""
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        if '"job_start"' in line and line.endswith("}"):
+            return Path(json.loads(line)["shm"]) / "snapshots"
     return None
 
 

@@ -371,7 +371,9 @@ def _leftovers(res: JobResult) -> list[str]:
         time.sleep(0.2)
     if procs:
         found.append(f"processes still alive: {sorted(set(procs))}")
-    found += [f"shared memory {p}" for p in Path("/dev/shm").glob(f"checkpointless-{os.geteuid()}-*")]
+    starts = res.of("job_start")
+    if starts and Path(starts[0]["shm"]).exists():
+        found.append(f"shared memory {starts[0]['shm']}")
     if (run_dir / "secret").exists():
         found.append("the job's secret file")
     found += [f"temporary file {p}" for p in run_dir.parent.glob("*.tmp")]

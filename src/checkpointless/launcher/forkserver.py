@@ -317,6 +317,8 @@ def _serve(sock: socket.socket) -> None:
 def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    with contextlib.suppress(OSError):  # die with the launcher, even if it is SIGKILLed
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     # The expensive part, once. Nothing here may run a torch operation (see the module notes).
     import numpy  # noqa: F401
     import torch

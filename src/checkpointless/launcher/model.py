@@ -1,11 +1,10 @@
-"""What the launcher knows: its settings, each process it started, and each recovery round."""
+"""The launcher's settings (``checkpointless run``'s flags), validated before anything starts."""
 
 from __future__ import annotations
 
 import math
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -15,16 +14,8 @@ from typing import Any
 
 from checkpointless.errors import ConfigError
 from checkpointless.faults.inject import parse_faults
-from checkpointless.launcher.control import Connection
-from checkpointless.launcher.forkserver import ForkedProcess
-from checkpointless.launcher.output import OutputTail
-from checkpointless.launcher.policy import ProcWatch
-from checkpointless.recovery.decisions import MemberReport
 
-__all__ = ["MAX_PROCESSES", "LaunchConfig", "Proc", "ProcessHandle", "Round"]
-
-# a fresh interpreter, or a fork of the template that has already imported torch
-ProcessHandle = subprocess.Popen[bytes] | ForkedProcess
+__all__ = ["MAX_PROCESSES", "LaunchConfig"]
 
 MAX_PROCESSES = 1024  # workers plus spares: far more than one machine runs, far fewer than a typo asks
 _HOST_LOOKUP_S = 5.0
@@ -219,43 +210,3 @@ def _check_run_dir(run_dir: Path) -> None:
         )
     if parent == run_dir and not os.access(run_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"--run-dir {str(run_dir)!r} is not writable; choose another path")
-
-
-@dataclass
-class Proc:
-    worker_id: int
-    role: str  # worker | spare
-    popen: ProcessHandle
-    store_port: int
-    rank: int | None = None
-    conn: Connection | None = None
-    ready: bool = False  # a spare that finished warming up
-    done: bool = False
-    last_message: float = field(default_factory=time.monotonic)
-    last_progress: float = field(default_factory=time.monotonic)
-    progress_known: bool = False
-    in_collective: bool = False
-    step: int | None = None
-    step_time: float | None = None  # the last committed step's duration, as the worker measured it
-    killed_for: str | None = None
-    spawned: float = field(default_factory=time.monotonic)
-    assigned_at: float = field(default_factory=time.monotonic)
-    joined: bool = False  # has formed a generation at least once (reported "recovered")
-    output: OutputTail | None = None  # its stderr, passed through and remembered
-    watch: ProcWatch = field(default_factory=lambda: ProcWatch(time.monotonic()))
-
-
-@dataclass
-class Round:
-    target: int
-    initial: bool
-    started: float
-    abort_sent: float = field(default_factory=time.monotonic)
-    faults: list[dict[str, Any]] = field(default_factory=list)
-    reports: dict[int, MemberReport] = field(default_factory=dict)
-    report_times: dict[int, float] = field(default_factory=dict)
-    replace: set[int] = field(default_factory=set)
-    waiting_since: float | None = None
-    phase: str = "collect"  # collect -> rebuild
-    plan_sent: float = 0.0
-    recovered: dict[int, dict[str, Any]] = field(default_factory=dict)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.config import ENV
-from checkpointless.events import get_logger
+from checkpointless.events import get_logger, open_private_append
 from checkpointless.launcher.reaper import cleanup_job
 
 __all__ = ["run_plain"]
@@ -36,7 +36,8 @@ def run_plain(launcher: object, max_restarts: int) -> int:
     # The launcher keeps every rank's listening socket for the whole job and hands it to each
     # attempt: no other job can take the port between restarts, and a rank whose key server is
     # not up yet has its peers' connections queued rather than refused.
-    listeners = [launcher._bind_store_port() for _ in range(cfg.nproc)]
+    assert launcher.agent is not None
+    listeners = [launcher.agent.bind_store_port() for _ in range(cfg.nproc)]
     ports = [sock.getsockname()[1] for sock in listeners]
     peers = ",".join(f"{cfg.host}:{p}" for p in ports)
     try:
@@ -79,7 +80,7 @@ def _attempts(launcher: Any, listeners: list[Any], ports: list[int], peers: str,
             p = subprocess.Popen(
                 [cfg.python, cfg.script, *cfg.script_args], env=env, pass_fds=(listeners[rank].fileno(),)
             )
-            with open(launcher.run_dir / "pids", "a") as f:
+            with open(open_private_append(launcher.run_dir / "pids"), "w") as f:
                 f.write(f"{p.pid}\n")
             procs.append(p)
         events.emit("plain_start", attempt=attempt, pids=[p.pid for p in procs])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from checkpointless.config import job_shm_name
 
-__all__ = ["cleanup_job", "main"]
+__all__ = ["cleanup_job", "job_shm_dir", "main"]
 
 
 def _belongs_to(pid: int, job_id: str) -> bool:
@@ -26,6 +26,12 @@ def _belongs_to(pid: int, job_id: str) -> bool:
     except OSError:
         return False
     return f"CHECKPOINTLESS_JOB_ID={job_id}".encode() in environ.split(b"\0")
+
+
+def job_shm_dir(job_id: str) -> Path:
+    """The job's shared-memory directory on this host. The name's private part comes from our
+    environment (CHECKPOINTLESS_SHM_KEY), never argv."""
+    return Path(os.environ.get("CHECKPOINTLESS_SHM_DIR", "/dev/shm")) / job_shm_name(job_id)
 
 
 def cleanup_job(run_dir: Path, job_id: str, keep_secret: bool = False) -> int:
@@ -41,8 +47,7 @@ def cleanup_job(run_dir: Path, job_id: str, keep_secret: bool = False) -> int:
                     killed += 1
                 except ProcessLookupError:
                     pass
-    # the name's private part comes from our environment (CHECKPOINTLESS_SHM_KEY), never argv
-    shm = Path(os.environ.get("CHECKPOINTLESS_SHM_DIR", "/dev/shm")) / job_shm_name(job_id)
+    shm = job_shm_dir(job_id)
     if shm.exists():
         shutil.rmtree(shm, ignore_errors=True)
     if not keep_secret:

@@ -1,0 +1,566 @@
+"""The coordinator: the job's decisions, as a state machine with events in and commands out.
+
+It owns the ranks, the generations, the recovery rounds, the spare pool, hang and stall
+decisions and the fault budget. It touches no socket, process or clock: the shell around it
+(``launcher/launcher.py`` for one machine) feeds it what it observed — a worker's message, a
+process exit, a process-table verdict, the passing of time — and carries out the commands it
+queues (:mod:`checkpointless.coordinator.state`): start or kill a process, send a message, write an
+event, log a line, stop the job. The rules themselves are pure functions in
+``recovery/decisions.py`` and ``launcher/policy.py``; this class applies them to its state.
+
+A round, in brief: a fault aborts the current generation (``Abort`` to every member), dead or hung
+ranks are replaced by ready spares (``Assign``), every member reports its state (``Stopped``), the
+plan goes out (``Recover``), and once every rank has ``Recovered`` the new generation has formed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from checkpointless.coordinator.downtime import recovery_fields
+from checkpointless.coordinator.state import Command, Emit, Kill, Log, Member, Round, Send, Spawn, Stop
+from checkpointless.errors import NotRecoverableError
+from checkpointless.launcher.model import LaunchConfig
+from checkpointless.launcher.policy import FaultRecord, budget_verdict, progress_limit, start_failure_verdict
+from checkpointless.protocol import (
+    Abort,
+    Assign,
+    Committed,
+    Done,
+    Fatal,
+    Fired,
+    Heartbeat,
+    Message,
+    Prepare,
+    Recover,
+    Recovered,
+    Shutdown,
+    SpareReady,
+    Stopped,
+)
+from checkpointless.recovery.decisions import (
+    MemberReport,
+    SpareAction,
+    WorkerHealth,
+    find_hung,
+    plan_recovery,
+    spare_policy,
+)
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    def __init__(self, cfg: LaunchConfig, job_id: str, rendezvous: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.job_id = job_id
+        self.rendezvous = rendezvous
+        self.procs: dict[int, Member] = {}  # live processes, by worker id
+        self.ranks: dict[int, Member] = {}  # rank -> the process holding it
+        self.next_worker_id = 0
+        self.generation = -1
+        self.round: Round | None = None
+        self.fired: set[str] = set()
+        self.pending: Round | None = None  # a formed round whose first step is not done everywhere
+        self.first_commits: dict[int, float] = {}
+        self.first_batches: dict[int, float] = {}
+        self.state_bytes = 0  # a replica's state, as rank 0 last reported it
+        self.stopping: str | None = None
+        self.exit_code = 0
+        self.recoveries: list[dict[str, Any]] = []
+        self.fault_history: list[FaultRecord] = []
+        self.start_failures: dict[int, int] = {}  # rank -> its processes in a row that died before joining
+        self._early_spare_deaths = 0
+        self._fired_at: float | None = None  # wall time the last injected fault fired
+        self._last_target: int | None = None
+        self._same_target = 0
+        self._out: list[Command] = []
+
+    # -- the shell's interface ----------------------------------------------------------------
+    def drain(self) -> list[Command]:
+        out, self._out = self._out, []
+        return out
+
+    def start(self, now: float) -> None:
+        """Launch: the initial round, and one process per rank (spares come once it has formed)."""
+        self.round = Round(target=0, initial=True, started=now)
+        for rank in range(self.cfg.nproc):
+            m = self._spawn("worker", now)
+            m.rank = rank
+            self.ranks[rank] = m
+
+    def on_started(self, worker_id: int, store_address: str) -> None:
+        m = self.procs.get(worker_id)
+        if m is not None:
+            m.store_address = store_address
+
+    def on_connected(self, worker_id: int, now: float) -> bool:
+        """A connection said hello as ``worker_id``; False if no such process is expected."""
+        m = self.procs.get(worker_id)
+        if m is None or m.connected:
+            return False
+        m.connected = True
+        m.last_message = now
+        if m.role == "worker" and m.rank is not None:
+            self._assign(m, m.rank, 0, now)
+        return True
+
+    def on_closed(self, worker_id: int) -> None:
+        m = self.procs.get(worker_id)
+        if m is not None:
+            m.connected = False
+
+    def on_message(self, worker_id: int, msg: Message, now: float, wall: float) -> None:
+        self._guarded(self._handle, worker_id, msg, now, wall)
+
+    def on_exit(
+        self, worker_id: int, code: int, own_failure: bool, detail: str, tail: str, now: float, wall: float
+    ) -> None:
+        self._guarded(self._exited, worker_id, code, own_failure, detail, tail, now, wall)
+
+    def on_verdict(self, worker_id: int, why: str, now: float) -> None:
+        """The agent's process-table reading says this process must go (stopped, wedged)."""
+        m = self.procs.get(worker_id)
+        if m is not None and m.killed_for is None and not m.exited:
+            who = f"rank {m.rank}" if m.rank is not None else f"{m.role} {m.worker_id}"
+            self._log("warning", f"{who} {why}; killing it")
+            self._kill(m, why)
+
+    def tick(self, now: float, wall: float) -> None:
+        """Time passed: judge hangs, move the round on, notice the end of the job."""
+        self._guarded(self._tick, now, wall)
+
+    def on_signal(self, name: str, code: int) -> None:
+        self._stop(f"launcher received {name}; stopping the job", code)
+
+    def fail(self, why: str) -> None:
+        """The shell hit an error it cannot recover from (a launcher bug, a spawn that failed)."""
+        self._stop(why, 1)
+
+    def live_connected(self) -> list[int]:
+        return [m.worker_id for m in self.procs.values() if m.connected and not m.exited]
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        if self.stopping is not None:
+            return
+        try:
+            fn(*args)
+        except NotRecoverableError as e:
+            self._stop(str(e), 1)
+
+    def _log(self, level: str, text: str) -> None:
+        self._out.append(Log(level, text))
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        self._out.append(Emit(event, fields))
+
+    def _send(self, m: Member, msg: Message) -> None:
+        if m.connected and not m.exited:
+            self._out.append(Send(m.worker_id, msg))
+
+    def _spawn(self, role: str, now: float) -> Member:
+        wid = self.next_worker_id
+        self.next_worker_id += 1
+        m = Member(worker_id=wid, role=role, spawned=now)
+        self.procs[wid] = m
+        self._out.append(Spawn(wid, role))
+        return m
+
+    def _kill(self, m: Member, why: str) -> None:
+        if not m.exited:
+            m.killed_for = why
+            self._out.append(Kill(m.worker_id, why))
+
+    def _assign(self, m: Member, rank: int, generation: int, now: float) -> None:
+        m.rank = rank
+        m.assigned_at = now
+        self._send(
+            m,
+            Assign(
+                rank=rank,
+                world_size=self.cfg.nproc,
+                generation=generation,
+                faults=list(self.cfg.faults),
+                fired=sorted(self.fired),
+                snapshot_every=self.cfg.snapshot_every,
+            ),
+        )
+
+    def _idle_spares(self) -> int:
+        return sum(1 for m in self.procs.values() if m.role == "spare" and m.rank is None)
+
+    # -- messages -----------------------------------------------------------------------------
+    def _handle(self, worker_id: int, msg: Message, now: float, wall: float) -> None:
+        m = self.procs.get(worker_id)
+        if m is None:
+            return
+        m.last_message = now
+        if isinstance(msg, Heartbeat):
+            m.in_collective = msg.in_collective
+            if msg.progress_age is not None:
+                m.progress_known = True
+                m.last_progress = now - msg.progress_age
+            m.step = msg.step
+            if msg.step_time is not None:
+                m.step_time = msg.step_time
+        elif isinstance(msg, SpareReady):
+            m.ready = True
+            self._early_spare_deaths = 0
+            self._emit("spare_ready", worker=m.worker_id)
+            if self.state_bytes:
+                self._send(m, Prepare(self.state_bytes))
+        elif isinstance(msg, Fired):
+            self.fired.add(msg.id)
+            self._fired_at = msg.time
+            self._emit("fault_injected", rank=m.rank, id=msg.id, kind=msg.kind, fired_at=msg.time)
+        elif isinstance(msg, Stopped):
+            self._on_stopped(m, msg, now, wall)
+        elif isinstance(msg, Recovered):
+            self._on_recovered(m, msg, now)
+        elif isinstance(msg, Committed):
+            self._on_committed(m, msg, now)
+        elif isinstance(msg, Done):
+            m.done = True
+        elif isinstance(msg, Fatal):
+            raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
+
+    # -- faults -------------------------------------------------------------------------------
+    def _fault(
+        self,
+        rank: int,
+        kind: str,
+        detail: str,
+        replace: bool,
+        now: float,
+        wall: float,
+        step: int | None = None,
+    ) -> None:
+        """Record a fault on ``rank`` and make sure a round is handling it."""
+        if step is None:  # as the rank last said in a heartbeat (it could not tell us itself)
+            step = self.ranks[rank].step if rank in self.ranks else None
+        record: dict[str, Any] = {
+            "time": wall,
+            "event": "fault",
+            "job": self.job_id,
+            "rank": rank,
+            "kind": kind,
+            "detail": detail,
+            "generation": self.generation,
+            "step": step,
+        }
+        self._emit("fault", **{k: v for k, v in record.items() if k not in ("event", "job")})
+        self._log("warning", f"FAULT rank {rank}: {kind} ({detail}) at step {step}")
+        record["detected"] = now
+        self.fault_history.append(FaultRecord(rank, kind, step, detail))
+        why = budget_verdict(self.fault_history, self.cfg.fault_window, self.cfg.max_repeat_faults)
+        if why is not None:
+            raise NotRecoverableError(why)
+        r = self.round
+        if r is None or r.phase == "rebuild":
+            self._begin_round(record, now)
+        else:
+            r.faults.append(record)
+        assert self.round is not None
+        if replace:
+            self.round.replace.add(rank)
+            self.round.reports.pop(rank, None)
+
+    def _begin_round(self, first_fault: dict[str, Any], now: float) -> None:
+        prev = self.round
+        target = (prev.target if prev is not None else self.generation) + 1
+        # a generation that never formed its first state sync still needs it
+        initial = prev is not None and prev.initial
+        r = Round(target=target, initial=initial, started=now, abort_sent=now)
+        r.faults.append(first_fault)
+        if prev is not None:  # a fault while a generation was forming: keep the earlier faults
+            r.faults = prev.faults + r.faults
+            r.started = prev.started
+            r.replace = set(prev.replace)
+        self.round = r
+        self._flush_pending("superseded by a new fault before every rank committed a step")
+        for rank, m in self.ranks.items():
+            if rank not in r.replace:
+                self._send(m, Abort(generation=target, reason=first_fault["detail"]))
+
+    def _exited(
+        self, worker_id: int, code: int, own_failure: bool, detail: str, tail: str, now: float, wall: float
+    ) -> None:
+        m = self.procs.pop(worker_id, None)
+        if m is None:
+            return
+        m.exited = True
+        m.exit_code = code
+        m.connected = False
+        if m.rank is None or self.ranks.get(m.rank) is not m:
+            if m.role == "spare":
+                self._spare_lost(m, code, own_failure, detail, tail, now)
+            return
+        if m.done:
+            if code != 0:  # its work was complete: the final barrier had passed everywhere
+                self._log("warning", f"rank {m.rank} exited with code {code} after finishing")
+            return
+        if m.killed_for is not None:
+            kind = "hang"
+        elif code < 0:
+            kind = "killed"
+        else:
+            kind = "exit"
+        if not m.joined and own_failure:
+            self._start_failed(m.rank, detail, tail)
+        self._fault(m.rank, kind, detail, True, now, wall)
+
+    def _spare_lost(
+        self, m: Member, code: int, own_failure: bool, detail: str, tail: str, now: float
+    ) -> None:
+        self._emit("spare_lost", worker=m.worker_id, code=code)
+        if not m.ready and own_failure:
+            self._early_spare_deaths += 1
+        elif m.ready:
+            self._early_spare_deaths = 0
+        if self._early_spare_deaths >= self.cfg.max_start_failures:
+            raise NotRecoverableError(
+                f"{self._early_spare_deaths} spare processes in a row failed before they were ready "
+                f"(last: {detail}); the script fails before or inside checkpointless.init(), so every "
+                "replacement would too. Fix what its output shows" + (f":\n{tail}" if tail else "")
+            )
+        self._log("warning", f"spare {m.worker_id} exited (code {code}); starting another")
+        self._spawn("spare", now)
+
+    def _start_failed(self, rank: int, detail: str, tail: str) -> None:
+        """A process died before it ever joined as its rank: count it against a respawn loop."""
+        n = self.start_failures.get(rank, 0) + 1
+        self.start_failures[rank] = n
+        why = start_failure_verdict(rank, n, self.cfg.max_start_failures, detail, tail)
+        if why is not None:
+            raise NotRecoverableError(why)
+
+    def _check_hangs(self, now: float, wall: float) -> None:
+        if any(m.killed_for and not m.exited for m in self.ranks.values()):
+            return  # a culprit is being killed: its exit starts the round; judge nobody meanwhile
+        health = []
+        for rank, m in self.ranks.items():
+            if m.exited or m.killed_for is not None or not m.connected:
+                continue  # a process still starting is judged from the process table (the agent)
+            progress = m.last_progress if (m.progress_known and self.round is None) else now
+            health.append(WorkerHealth(rank, m.last_message, progress, m.in_collective))
+        times = [m.step_time for m in self.ranks.values() if m.step_time is not None]
+        limit = progress_limit(self.cfg.hang_timeout, self.cfg.hang_factor, times)
+        r = self.round
+        if r is not None and r.phase == "collect" and not r.initial:
+            # a member that keeps its heartbeat but never leaves its step after the abort (a busy
+            # loop) holds the round up: it is hung like a process that stopped
+            for rank, m in self.ranks.items():
+                waiting = rank not in r.reports and rank not in r.replace and m.connected
+                if waiting and now - max(r.abort_sent, m.assigned_at) > limit:
+                    why = f"did not leave its step within {limit:.1f} s of the abort"
+                    self._log("warning", f"rank {rank} {why}; killing it")
+                    self._kill(m, why)
+                    return
+        culprits, why = find_hung(health, now, self.cfg.hang_timeout, limit)
+        if not culprits and why and self.round is None:
+            # everyone waits for everyone (a lost message, a wedged link): nobody to replace,
+            # but the collective will never finish; rebuild the communicator with the same ranks
+            self._fault(min(h.rank for h in health), "stall", why, False, now, wall)
+            return
+        for rank in culprits:
+            self._log("warning", f"rank {rank} is hung: {why}; killing it")
+            self._kill(self.ranks[rank], why)
+
+    # -- rounds -------------------------------------------------------------------------------
+    def _on_stopped(self, m: Member, msg: Stopped, now: float, wall: float) -> None:
+        rank = m.rank
+        if rank is None or self.ranks.get(rank) is not m:
+            return
+        gen = msg.for_generation
+        r = self.round
+        if r is not None and r.phase == "rebuild" and gen <= r.target and msg.cause != "recovery":
+            return  # a duplicate of a report this round already has
+        if r is None and gen <= self.generation:
+            return  # stale: about a generation that has already formed
+        if r is None or r.phase == "rebuild":
+            # a rank stopped by itself: that is a fault (its own exception, a failed collective
+            # or a failed recovery step) unless a round already covers it
+            kind = msg.cause if msg.cause in ("exception", "recovery") else "comm"
+            self._fault(rank, kind, str(msg.error), False, now, wall, step=msg.step)
+        r = self.round
+        assert r is not None
+        if gen != r.target or r.phase != "collect":
+            return
+        r.reports[rank] = MemberReport(rank, msg.committed_step, msg.valid, msg.snapshot_step)
+        r.report_times[rank] = now
+
+    def _advance_round(self, now: float) -> None:
+        r = self.round
+        if r is None or r.phase != "collect":
+            return
+        if r.replace:
+            self._replace(r, sorted(r.replace), now)
+            return
+        if len(r.reports) < self.cfg.nproc:
+            if now - r.started > self.cfg.recovery_timeout:
+                missing = sorted(set(range(self.cfg.nproc)) - set(r.reports))
+                raise NotRecoverableError(
+                    f"generation {r.target}: ranks {missing} never reported within --recovery-timeout"
+                )
+            return
+        plan = plan_recovery([r.reports[k] for k in sorted(r.reports)], initial=r.initial)
+        # every round counts, the start-up ones too: a recovery that fails the same way each time
+        # must end the job, not spin through generations
+        self._same_target = self._same_target + 1 if plan.target_step == self._last_target else 1
+        self._last_target = plan.target_step
+        if self._same_target > self.cfg.max_step_failures + (1 if r.initial else 0):
+            raise NotRecoverableError(
+                f"faults keep recurring at step {plan.target_step}: {self._same_target} recoveries in a "
+                "row made no progress; this looks like a bug or a bad node, not a transient fault "
+                "(raise --max-step-failures to allow more)"
+            )
+        desc = dict(self.rendezvous)
+        if desc["kind"] == "rootless":
+            desc["peers"] = [self.ranks[k].store_address for k in range(self.cfg.nproc)]
+        for m in self.ranks.values():
+            self._send(m, Recover(generation=r.target, rendezvous=desc, plan=plan.to_json()))
+        r.phase = "rebuild"
+        r.plan_sent = now
+        self._emit("plan", generation=r.target, **plan.to_json())
+
+    def _replace(self, r: Round, ranks: list[int], now: float) -> None:
+        spares = [m for m in self.procs.values() if m.role == "spare" and m.rank is None]
+        ready = [m for m in spares if m.ready and m.connected]
+        starting = [m for m in spares if not m.ready]
+        if r.waiting_since is None:
+            r.waiting_since = now
+        d = spare_policy(len(ready), len(starting), len(ranks), now - r.waiting_since, self.cfg.spare_wait)
+        if d.action == SpareAction.FAIL:
+            raise NotRecoverableError(d.reason)
+        for _ in range(d.spawn):
+            self._log(
+                "warning",
+                f"no hot spare ready for rank(s) {ranks}; starting one (waits up to {self.cfg.spare_wait:.0f} s)",
+            )
+            self._spawn("spare", now)
+        if d.action == SpareAction.WAIT and not ready:
+            return
+        for rank, spare in zip(ranks, ready, strict=False):
+            old = self.ranks.get(rank)
+            if old is not None:
+                self._kill(old, old.killed_for or "replaced")
+            self.ranks[rank] = spare
+            self._assign(spare, rank, r.target, now)
+            r.replace.discard(rank)  # settled once the spare reports; re-added if it dies first
+            self._emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)
+            self._log("info", f"spare {spare.worker_id} takes rank {rank}")
+            if self._idle_spares() < self.cfg.spares:
+                self._spawn("spare", now)  # refill the pool in the background
+        r.waiting_since = None
+
+    def _on_recovered(self, m: Member, msg: Recovered, now: float) -> None:
+        r = self.round
+        if r is None or r.phase != "rebuild" or msg.generation != r.target or m.rank is None:
+            return
+        r.recovered[m.rank] = {**msg.timings, "time": now}
+        m.joined = True
+        self.start_failures.pop(m.rank, None)
+        if len(r.recovered) < self.cfg.nproc:
+            return
+        self.generation = r.target
+        self.round = None
+        for member in self.ranks.values():
+            member.last_progress = now  # the hang clock restarts with the new generation
+        if r.initial:
+            self._log("info", f"generation {r.target} formed in {now - r.started:.2f} s after launch")
+            self._emit("started", generation=r.target, seconds=now - r.started)
+            while self._idle_spares() < self.cfg.spares:
+                self._spawn("spare", now)
+            return
+        self.pending = r
+        self.first_commits = {}
+        self.first_batches = {}
+
+    def _on_committed(self, m: Member, msg: Committed, now: float) -> None:
+        size = msg.state_bytes
+        if size is not None and size > self.state_bytes:
+            # spares page in room for this much state while they wait (see state/arena.py)
+            self.state_bytes = size
+            for spare in self.procs.values():
+                if spare.role == "spare" and spare.rank is None and spare.ready:
+                    self._send(spare, Prepare(size))
+        pend = self.pending
+        if pend is None or m.rank is None or msg.generation != self.generation:
+            return
+        self.first_commits[m.rank] = now
+        if msg.first_batch_s is not None:
+            self.first_batches[m.rank] = msg.first_batch_s
+        if len(self.first_commits) < self.cfg.nproc:
+            return
+        self.pending = None
+        self._report_recovery(pend, max(self.first_commits.values()))
+
+    def _flush_pending(self, why: str) -> None:
+        """Report a recovery whose first step never completed everywhere: every round that formed
+        a generation is counted and reported, even when the job ended (or another fault came)
+        before its first step did."""
+        pend, self.pending = self.pending, None
+        if pend is not None:
+            self._report_recovery(pend, None, why)
+
+    def _report_recovery(
+        self, r: Round, first_step_done: float | None, incomplete: str | None = None
+    ) -> None:
+        fields, summary, used_fired = recovery_fields(
+            r, first_step_done, self.first_batches, self._fired_at, incomplete
+        )
+        if used_fired:
+            self._fired_at = None
+        self._emit("recovery", **fields)
+        self.recoveries.append(fields)
+        self._log("info", summary)
+
+    # -- time ---------------------------------------------------------------------------------
+    def _tick(self, now: float, wall: float) -> None:
+        self._check_hangs(now, wall)
+        if self.stopping is None:
+            self._advance_round(now)
+        if self.stopping is None:
+            self._check_done()
+
+    def _check_done(self) -> None:
+        if self.round is not None or not self.ranks:
+            return
+        if all(m.done and m.exited for m in self.ranks.values()):
+            failed = sorted(r for r, m in self.ranks.items() if m.exit_code != 0)
+            if failed:
+                # training finished everywhere, but the script failed after its loop (saving?)
+                self._log(
+                    "error",
+                    f"training finished, but rank(s) {failed} failed after the loop; see their output",
+                )
+            self._flush_pending("the job ended before every rank committed a step after it")
+            faults = len(self.fault_history)
+            self._emit(
+                "job_end", status="failed" if failed else "ok", recoveries=len(self.recoveries), faults=faults
+            )
+            self._log("info", f"job finished: {len(self.recoveries)} recoveries from {faults} faults")
+            self._end("done", 1 if failed else 0)
+
+    def _stop(self, why: str, code: int) -> None:
+        if self.stopping is not None and self.exit_code:
+            return
+        self._flush_pending("the job stopped")
+        self._log("error", why)
+        self._emit(
+            "job_end",
+            status="failed",
+            error=why,
+            code=code,
+            recoveries=len(self.recoveries),
+            faults=len(self.fault_history),
+        )
+        self._end(why, code)
+
+    def _end(self, why: str, code: int) -> None:
+        self.stopping = why
+        self.exit_code = code
+        for m in self.procs.values():
+            self._send(m, Shutdown(code=0 if code == 0 else 1, reason=why))
+        self._out.append(Stop(code, why))

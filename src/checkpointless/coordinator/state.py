@@ -1,0 +1,110 @@
+"""What the coordinator knows: each member process as it sees it, each recovery round, and the
+commands it hands to the shell that does the I/O.
+
+Nothing here touches a socket, a process or the clock: times are the ``now`` (monotonic) and
+``wall`` (Unix) values the shell passes in with every event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkpointless.protocol import Message
+from checkpointless.recovery.decisions import MemberReport
+
+__all__ = ["Command", "Emit", "Kill", "Log", "Member", "Round", "Send", "Spawn", "Stop"]
+
+
+@dataclass
+class Member:
+    """One worker or spare process, as the coordinator knows it from messages and agent reports."""
+
+    worker_id: int
+    role: str  # worker | spare
+    spawned: float  # monotonic time the agent started it
+    store_address: str = ""  # host:port of its rendezvous key server ("" without one)
+    rank: int | None = None
+    connected: bool = False
+    ready: bool = False  # a spare that finished warming up
+    done: bool = False  # passed the final barrier
+    joined: bool = False  # has formed a generation at least once
+    exited: bool = False
+    exit_code: int | None = None
+    last_message: float = 0.0
+    last_progress: float = 0.0
+    progress_known: bool = False
+    in_collective: bool = False
+    step: int | None = None
+    step_time: float | None = None  # the last committed step's duration, as the worker measured it
+    killed_for: str | None = None  # why we asked the agent to kill it
+    assigned_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.last_message = self.last_progress = self.assigned_at = self.spawned
+
+
+@dataclass
+class Round:
+    """One recovery round: the faults it covers, the reports it collects, the plan it sends."""
+
+    target: int
+    initial: bool
+    started: float
+    abort_sent: float = 0.0
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    reports: dict[int, MemberReport] = field(default_factory=dict)
+    report_times: dict[int, float] = field(default_factory=dict)
+    replace: set[int] = field(default_factory=set)
+    waiting_since: float | None = None
+    phase: str = "collect"  # collect -> rebuild
+    plan_sent: float = 0.0
+    recovered: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+# -- commands: what the shell must do -------------------------------------------------------------
+@dataclass(frozen=True)
+class Command:
+    pass
+
+
+@dataclass(frozen=True)
+class Spawn(Command):
+    """Start a process; the shell reports it back with ``Coordinator.on_started``."""
+
+    worker_id: int
+    role: str
+
+
+@dataclass(frozen=True)
+class Kill(Command):
+    worker_id: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Send(Command):
+    worker_id: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class Emit(Command):
+    """A structured event for events.jsonl (the shell adds the time and the job id)."""
+
+    event: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Log(Command):
+    level: str  # info | warning | error
+    text: str
+
+
+@dataclass(frozen=True)
+class Stop(Command):
+    """The job ends: ``code`` is the launcher's exit code."""
+
+    code: int
+    why: str

@@ -1,0 +1,272 @@
+"""The messages between the coordinator, the agents and the workers, as typed records.
+
+Every message is a frozen dataclass with a ``TYPE`` name. On the wire it is a JSON object: the
+dataclass's fields, plus ``"type"`` and the protocol version ``"v"`` (sealed frames, see
+:mod:`checkpointless.wire`). :func:`decode` turns a received object back into its dataclass and
+checks every field's type on the way, so the decision code never sees a malformed message:
+anything wrong (an unknown type, a missing field, a string where a number belongs) raises
+:class:`ProtocolError`, which the receiver treats as a broken peer. Fields a receiver does not know
+are ignored, so a newer sender can add optional fields without breaking an older receiver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+from checkpointless.errors import CheckpointlessError
+
+__all__ = [
+    "VERSION",
+    "Abort",
+    "Assign",
+    "Committed",
+    "Done",
+    "Fatal",
+    "Fired",
+    "Heartbeat",
+    "Hello",
+    "Message",
+    "Prepare",
+    "ProtocolError",
+    "Recover",
+    "Recovered",
+    "Shutdown",
+    "SpareReady",
+    "Stopped",
+    "decode",
+    "encode",
+]
+
+VERSION = 1
+
+
+class ProtocolError(CheckpointlessError):
+    """A message that is not one of ours, or whose fields have the wrong types."""
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+# -- worker -> coordinator ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello(Message):
+    """The first message on a worker's connection: which process this is."""
+
+    TYPE: ClassVar[str] = "hello"
+    worker_id: int
+    pid: int = 0
+    role: str = "worker"
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Every 0.25 s from a worker's heartbeat thread: enough to judge hangs and stalls."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    step: int | None = None
+    progress_age: float | None = None  # seconds since the main thread last made step progress
+    in_collective: bool = False
+    step_time: float | None = None  # the last committed step's duration
+
+
+@dataclass(frozen=True)
+class SpareReady(Message):
+    TYPE: ClassVar[str] = "spare_ready"
+
+
+@dataclass(frozen=True)
+class Fired(Message):
+    """An injected fault is about to fire (it fires once per job)."""
+
+    TYPE: ClassVar[str] = "fired"
+    id: str
+    kind: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Stopped(Message):
+    """A member left its step (a fault, an abort) and reports its state for the next generation."""
+
+    TYPE: ClassVar[str] = "stopped"
+    for_generation: int
+    committed_step: int
+    valid: bool
+    cause: str = "comm"  # start | join | exception | comm | recovery
+    error: str | None = None
+    step: int | None = None  # the step that was running
+    snapshot_step: int | None = None  # newest complete shared-memory snapshot it can see
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Recovered(Message):
+    TYPE: ClassVar[str] = "recovered"
+    generation: int
+    time: float = 0.0
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Committed(Message):
+    """The first step a member committed after a recovery (and rank 0's state size)."""
+
+    TYPE: ClassVar[str] = "committed"
+    generation: int
+    step: int
+    time: float = 0.0
+    first_batch_s: float | None = None
+    state_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    TYPE: ClassVar[str] = "done"
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class Fatal(Message):
+    TYPE: ClassVar[str] = "fatal"
+    error: str = ""
+
+
+# -- coordinator -> worker ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Assign(Message):
+    """A rank for a worker (at start) or a spare (taking a failed rank's place)."""
+
+    TYPE: ClassVar[str] = "assign"
+    rank: int
+    world_size: int
+    generation: int
+    faults: list[str] = field(default_factory=list)
+    fired: list[str] = field(default_factory=list)
+    snapshot_every: int = 0
+
+
+@dataclass(frozen=True)
+class Prepare(Message):
+    """A spare should page in this much memory for the state it will receive."""
+
+    TYPE: ClassVar[str] = "prepare"
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    TYPE: ClassVar[str] = "abort"
+    generation: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Recover(Message):
+    """The plan of a round: where to resume, who sends state to whom, how to meet."""
+
+    TYPE: ClassVar[str] = "recover"
+    generation: int
+    rendezvous: dict[str, Any]
+    plan: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    TYPE: ClassVar[str] = "shutdown"
+    code: int = 0
+    reason: str | None = None
+
+
+_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello,
+        Heartbeat,
+        SpareReady,
+        Fired,
+        Stopped,
+        Recovered,
+        Committed,
+        Done,
+        Fatal,
+        Assign,
+        Prepare,
+        Abort,
+        Recover,
+        Shutdown,
+    )
+}
+
+
+def encode(msg: Message) -> dict[str, Any]:
+    """The JSON object a message travels as."""
+    out: dict[str, Any] = {"type": msg.TYPE, "v": VERSION}
+    for f in dataclasses.fields(msg):
+        out[f.name] = getattr(msg, f.name)
+    return out
+
+
+def _check(name: str, value: Any, hint: Any) -> Any:
+    """``value`` if it fits the annotation ``hint`` (the few shapes our messages use)."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        for arm in typing.get_args(hint):
+            if arm is type(None) and value is None:
+                return None
+            if arm is not type(None):
+                try:
+                    return _check(name, value, arm)
+                except ProtocolError:
+                    continue
+        raise ProtocolError(f"field {name!r}: {value!r} is not {hint}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, list):
+            return [_check(name, v, item) for v in value]
+    elif origin is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return value
+    raise ProtocolError(f"field {name!r}: {value!r} is not {getattr(hint, '__name__', hint)}")
+
+
+_HINTS: dict[type[Message], dict[str, Any]] = {}
+
+
+def decode(obj: Any) -> Message:
+    """The typed message in a received JSON object; :class:`ProtocolError` if it is not one."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message must be a JSON object, not {type(obj).__name__}")
+    kind = obj.get("type")
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {obj.get('type')!r}")
+    version = obj.get("v", VERSION)
+    if version != VERSION:
+        raise ProtocolError(f"{cls.TYPE}: protocol version {version!r}, this side speaks {VERSION}")
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in obj:
+            kwargs[f.name] = _check(f"{cls.TYPE}.{f.name}", obj[f.name], hints[f.name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
+    return cls(**kwargs)

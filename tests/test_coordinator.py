@@ -1,0 +1,251 @@
+"""The coordinator is a pure state machine: observations in, commands out. These tests drive it
+through whole rounds with no process, socket or clock, and check the commands it returns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checkpointless.coordinator import Command, Coordinator, Emit, Kill, Log, Send, Spawn, Stop
+from checkpointless.launcher.model import LaunchConfig
+from checkpointless.protocol import (
+    Abort,
+    Assign,
+    Committed,
+    Done,
+    Heartbeat,
+    Message,
+    Recover,
+    Recovered,
+    Shutdown,
+    SpareReady,
+    Stopped,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "slow_steps.py")
+
+
+class Harness:
+    """Feeds the coordinator and plays the shell: spawns get an address, time only moves when told."""
+
+    def __init__(self, nproc: int = 3, spares: int = 1, **cfg: Any) -> None:
+        self.cfg = LaunchConfig(script=SCRIPT, nproc=nproc, spares=spares, **cfg)
+        self.c = Coordinator(self.cfg, "job", {"kind": "rootless", "timeout": 60})
+        self.now = 100.0
+        self.log: list[Command] = []
+        self.c.start(self.now)
+        self.flush()
+
+    def flush(self) -> list[Command]:
+        out = self.c.drain()
+        for cmd in out:
+            if isinstance(cmd, Spawn):
+                self.c.on_started(cmd.worker_id, f"127.0.0.1:{30000 + cmd.worker_id}")
+        self.log += out
+        return out
+
+    def advance(self, seconds: float) -> list[Command]:
+        self.now += seconds
+        self.c.tick(self.now, 1e9 + self.now)
+        return self.flush()
+
+    def msg(self, wid: int, m: Message) -> list[Command]:
+        self.c.on_message(wid, m, self.now, 1e9 + self.now)
+        return self.flush()
+
+    def connect(self, wid: int) -> list[Command]:
+        assert self.c.on_connected(wid, self.now)
+        return self.flush()
+
+    def exit(
+        self, wid: int, code: int, own: bool = False, detail: str = "terminated by SIGKILL"
+    ) -> list[Command]:
+        self.c.on_exit(wid, code, own, detail, "", self.now, 1e9 + self.now)
+        return self.flush()
+
+    def sent(self, out: list[Command], kind: type[Message]) -> dict[int, Any]:
+        return {c.worker_id: c.message for c in out if isinstance(c, Send) and isinstance(c.message, kind)}
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [c.fields for c in self.log if isinstance(c, Emit) and c.event == name]
+
+    def form_generation(
+        self, gen: int, ranks: dict[int, int], committed: int, receivers: set[int] = frozenset()
+    ) -> None:
+        """Every member reports, the plan goes out, everyone recovers."""
+        out: list[Command] = []
+        for rank, wid in ranks.items():
+            valid = rank not in receivers
+            out += self.msg(
+                wid,
+                Stopped(
+                    for_generation=gen,
+                    committed_step=committed if valid else -1,
+                    valid=valid,
+                    cause="start" if gen == 0 else "comm",
+                ),
+            )
+        out += self.advance(0.01)
+        plans = self.sent(out, Recover)
+        assert set(plans) == set(ranks.values()), out
+        for wid in ranks.values():
+            self.msg(wid, Recovered(generation=gen))
+
+
+def start_job(h: Harness) -> None:
+    spawns = [c for c in h.log if isinstance(c, Spawn)]
+    assert [(s.worker_id, s.role) for s in spawns] == [(0, "worker"), (1, "worker"), (2, "worker")]
+    for wid in range(3):
+        out = h.connect(wid)
+        assign = h.sent(out, Assign)[wid]
+        assert (assign.rank, assign.world_size, assign.generation) == (wid, 3, 0)
+    h.form_generation(0, {0: 0, 1: 1, 2: 2}, committed=0)
+    assert h.events("started"), "generation 0 formed"
+    spare = [c for c in h.log if isinstance(c, Spawn) and c.role == "spare"]
+    assert [s.worker_id for s in spare] == [3], "the spare pool fills once generation 0 has formed"
+    h.connect(3)
+    h.msg(3, SpareReady())
+
+
+def test_a_killed_rank_is_replaced_by_the_ready_spare_and_receives_state() -> None:
+    h = Harness()
+    start_job(h)
+    for wid in range(3):
+        h.msg(wid, Heartbeat(step=7, progress_age=0.1))
+    out = h.exit(1, -9)
+    faults = h.events("fault")
+    assert faults[-1]["rank"] == 1 and faults[-1]["kind"] == "killed" and faults[-1]["step"] == 7
+    aborts = h.sent(out, Abort)
+    assert set(aborts) == {0, 2} and all(a.generation == 1 for a in aborts.values())
+    out += h.advance(0.01)
+    assign = h.sent(out, Assign)
+    assert assign[3].rank == 1 and assign[3].generation == 1, "the ready spare takes rank 1"
+    assert any(isinstance(c, Spawn) and c.role == "spare" for c in out), "the pool is refilled"
+    out = []
+    for wid, committed, valid in ((0, 7, True), (2, 7, True), (3, -1, False)):
+        out += h.msg(wid, Stopped(for_generation=1, committed_step=committed, valid=valid))
+    out += h.advance(0.01)
+    plan = next(iter(h.sent(out, Recover).values())).plan
+    assert plan["target_step"] == 7 and plan["source"] == 0 and plan["receivers"] == [1]
+    peers = next(iter(h.sent(out, Recover).values())).rendezvous["peers"]
+    assert peers == ["127.0.0.1:30000", "127.0.0.1:30003", "127.0.0.1:30002"], "rank 1 is the spare now"
+    for wid in (0, 2, 3):
+        h.msg(wid, Recovered(generation=1, timings={"rebuild_s": 0.01}))
+    assert not h.events("recovery"), "reported once every rank has committed a step"
+    for wid in (0, 2, 3):
+        h.advance(0.1)
+        h.msg(wid, Committed(generation=1, step=7))
+    rec = h.events("recovery")
+    assert len(rec) == 1 and rec[0]["first_step_s"] is not None and rec[0]["downtime_s"] > 0
+
+
+def test_every_round_is_reported_even_when_the_job_ends_first() -> None:
+    h = Harness()
+    start_job(h)
+    h.exit(2, -9)
+    h.advance(0.01)
+    for wid, committed, valid in ((0, 9, True), (1, 9, True), (3, -1, False)):
+        h.msg(wid, Stopped(for_generation=1, committed_step=committed, valid=valid))
+    h.advance(0.01)
+    for wid in (0, 1, 3):
+        h.msg(wid, Recovered(generation=1))
+    # the job was already at its last step: every rank finishes without committing another
+    for wid in (0, 1, 3):
+        h.msg(wid, Done(step=9))
+        h.c.on_exit(wid, 0, False, "exited with code 0", "", h.now, 0)
+    out = h.advance(0.01)
+    rec = h.events("recovery")
+    assert len(rec) == 1 and rec[0]["first_step_s"] is None and "ended" in rec[0]["incomplete"]
+    end = h.events("job_end")[-1]
+    assert end["status"] == "ok" and end["recoveries"] == 1 and end["faults"] == 1
+    assert any(isinstance(c, Stop) and c.code == 0 for c in out)
+
+
+def test_a_moving_fault_exhausts_the_budget_and_stops_with_one_line() -> None:
+    h = Harness()
+    start_job(h)
+    out: list[Command] = []
+    for gen, step in enumerate(range(11, 16), start=1):
+        out += h.msg(
+            1,
+            Stopped(
+                for_generation=gen,
+                committed_step=step,
+                valid=True,
+                cause="exception",
+                error=f"ValueError: bad row {step}",
+                step=step,
+            ),
+        )
+        if h.c.stopping:
+            break
+        for wid in (0, 2):
+            h.msg(wid, Stopped(for_generation=gen, committed_step=step, valid=True))
+        h.advance(0.01)
+        for wid in (0, 1, 2):
+            h.msg(wid, Recovered(generation=gen))
+    stops = [c for c in h.log if isinstance(c, Stop)]
+    assert len(stops) == 1 and stops[0].code == 1
+    assert "rank 1 failed 4 times with exception" in stops[0].why and "bad row 14" in stops[0].why
+    assert h.events("job_end")[-1]["recoveries"] == 3
+    assert {wid for wid, m in h.sent(h.log, Shutdown).items()} >= {0, 1, 2, 3}, "every process is told"
+
+
+def test_spares_that_die_before_ready_end_the_job_naming_the_cause() -> None:
+    h = Harness(max_start_failures=3)
+    start_job(h)
+    h.exit(3, 1, own=True, detail="exited with code 1")  # it had been ready: not a start failure
+    h.exit(4, 1, own=True, detail="exited with code 1: ImportError: no module named foo")
+    h.exit(5, 1, own=True, detail="exited with code 1: ImportError: no module named foo")
+    assert not h.c.stopping
+    h.exit(6, 1, own=True, detail="exited with code 1: ImportError: no module named foo")
+    stop = [c for c in h.log if isinstance(c, Stop)]
+    assert stop and "3 spare processes in a row failed" in stop[0].why and "ImportError" in stop[0].why
+
+
+def test_spares_killed_from_outside_do_not_use_up_the_budget() -> None:
+    h = Harness(max_start_failures=2)
+    start_job(h)
+    for wid in (3, 4, 5, 6):
+        h.exit(wid, -9, own=False)
+    assert not h.c.stopping
+    assert len([c for c in h.log if isinstance(c, Spawn) and c.role == "spare"]) == 5
+
+
+def test_a_silent_rank_is_killed_but_ranks_waiting_for_it_are_not() -> None:
+    h = Harness(hang_timeout=5.0)
+    start_job(h)
+    for wid in (0, 2):
+        h.msg(wid, Heartbeat(step=4, progress_age=0.0, in_collective=True))
+    h.msg(1, Heartbeat(step=4, progress_age=0.0))
+    out: list[Command] = []
+    for _ in range(6):  # ranks 0 and 2 keep talking, rank 1 has gone quiet
+        out += h.advance(1.0)
+        for wid in (0, 2):
+            h.msg(wid, Heartbeat(step=4, progress_age=0.5, in_collective=True))
+    kills = [c for c in out if isinstance(c, Kill)]
+    assert [k.worker_id for k in kills] == [1] and "no heartbeat" in kills[0].why
+    assert any(isinstance(c, Log) and "rank 1 is hung" in c.text for c in out)
+
+
+def test_a_stopped_process_reported_by_the_agent_is_killed_once() -> None:
+    h = Harness()
+    start_job(h)
+    h.c.on_verdict(2, "stopped (process state T for 0.5 s)", h.now)
+    h.c.on_verdict(2, "stopped (process state T for 0.6 s)", h.now)
+    kills = [c for c in h.flush() if isinstance(c, Kill)]
+    assert [k.worker_id for k in kills] == [2]
+    h.exit(2, -9)
+    fault = h.events("fault")[-1]
+    assert fault["kind"] == "hang" and fault["rank"] == 2
+
+
+def test_a_second_hello_or_an_unknown_worker_is_refused() -> None:
+    h = Harness()
+    assert h.c.on_connected(0, h.now)
+    assert not h.c.on_connected(0, h.now), "a replayed hello must not take over a worker"
+    assert not h.c.on_connected(99, h.now)
