@@ -151,7 +151,7 @@ def write_timeline(
     nproc = max(ledger.nproc, 1 + max((int(c.get("rank", 0)) for c in commits), default=0))
     nrec = len(ledger.faults)
     heights = [nproc + 1.5, 2.2] + ([0.9 + 0.45 * nrec] if nrec else [])
-    fig = plt.figure(figsize=(13, 1.2 + 0.55 * sum(heights)))
+    fig = plt.figure(figsize=(13, 1.2 + 0.55 * sum(heights)), layout="constrained")
     grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
     ax = fig.add_subplot(grid[0])
     gx = fig.add_subplot(grid[1], sharex=ax)
@@ -179,7 +179,6 @@ def write_timeline(
     gx.grid(alpha=0.3)
     if nrec:
         _breakdown(fig.add_subplot(grid[2]), ledger)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
