@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm import tqdm
 
 from checkpointless.data import (
     BatchLoader,
@@ -169,7 +170,7 @@ def _line(proc: subprocess.Popen[str], timeout: float) -> str:
     return proc.stdout.readline()
 
 
-def fresh_process(cfg: dict[str, Any], expected: str, repeats: int) -> dict[str, Any]:
+def fresh_process(cfg: dict[str, Any], expected: str, repeats: int, bar: tqdm[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in ("cache", "mmap", "dataloader"):
         after_imports, from_spawn = [], []
@@ -182,11 +183,14 @@ def fresh_process(cfg: dict[str, Any], expected: str, repeats: int) -> dict[str,
             assert res["digest"] == expected, f"{mode}: wrong batch"
             assert mode != "cache" or res["source"] == "cache", res
             after_imports.append(res["ms"])
+            bar.update()
         out[mode] = {"after_imports_ms": after_imports, "from_spawn_ms": from_spawn}
     return out
 
 
-def in_process(cfg: dict[str, Any], ds: TokenDataset, expected: str, repeats: int) -> dict[str, Any]:
+def in_process(
+    cfg: dict[str, Any], ds: TokenDataset, expected: str, repeats: int, bar: tqdm[Any]
+) -> dict[str, Any]:
     step = cfg["step"]
     res: dict[str, list[float]] = {"cache_same_loader": [], "cache_new_loader": [], "mmap_new_loader": []}
     res["dataloader_rebuild"], res["dataloader_teardown"] = [], []
@@ -214,6 +218,7 @@ def in_process(cfg: dict[str, Any], ds: TokenDataset, expected: str, repeats: in
         x, y = make_loader(cfg, ds, None).batch(step)
         res["mmap_new_loader"].append((time.perf_counter() - t0) * 1e3)
         assert batch_digest(x, y) == expected
+        bar.update()
     it = iter(make_dataloader(cfg, step, 4))
     next(it)
     for _ in range(max(2, repeats // 4)):  # each rebuild costs ~1 s of worker start-up
@@ -348,10 +353,17 @@ def main() -> None:
         print(
             f"dataset: {ds.num_tokens:,} tokens ({setup['dataset_mb']:.0f} MB), {json.dumps(cfg)}", flush=True
         )
-        rec = in_process(cfg, ds, expected, args.repeats * 10)
-        fresh = fresh_process(cfg, expected, args.repeats)  # the cache left by in_process serves `step`
-        steady = steady_state(cfg, ds, args.steady_steps)
-        mem = memory(cfg, args.dp)
+        # a bar over the measurements, on stderr and only on a terminal: the results are unchanged
+        total = args.repeats * 10 + 3 * args.repeats + 2
+        with tqdm(total=total, desc="data_first_batch", unit="run", disable=None, leave=False) as bar:
+            rec = in_process(cfg, ds, expected, args.repeats * 10, bar)
+            fresh = fresh_process(
+                cfg, expected, args.repeats, bar
+            )  # the cache left by in_process serves `step`
+            steady = steady_state(cfg, ds, args.steady_steps)
+            bar.update()
+            mem = memory(cfg, args.dp)
+            bar.update()
     finally:
         remove_job_cache(job)
         shutil.rmtree(work, ignore_errors=True)

@@ -220,7 +220,7 @@ def main() -> int:
         f"overhead benchmark: {2 * a.pairs} runs of {a.steps} steps, {a.nproc} ranks, in {work}", flush=True
     )
     try:
-        with bl.cleanup_on_exit():
+        with bl.cleanup_on_exit(), bl.run_bar(2 * a.pairs, "overhead") as bar:
             for i in range(a.pairs):
                 order = DESIGNS if i % 2 == 0 else tuple(reversed(DESIGNS))
                 for design in order:
@@ -256,13 +256,13 @@ def main() -> int:
                     }
                     runs.append(rec)
                     med = rec["median_step_s"]
-                    print(
+                    bl.say(
                         f"  {design:<15} #{i}: {fin.wall_s:6.1f} s, median step "
                         f"{'-' if med is None else f'{med * 1000:.1f} ms'}, CPU/step "
                         f"{'-' if cps is None else f'{cps * 1000:.1f} ms'}"
-                        + (f"  FAILED: {error}" if error else ""),
-                        flush=True,
+                        + (f"  FAILED: {error}" if error else "")
                     )
+                    bar.update()
     except KeyboardInterrupt:
         print("interrupted; all job processes were stopped", file=sys.stderr)
         return 130

@@ -351,9 +351,7 @@ def collect(a: argparse.Namespace, cfg: Config, kind: str, repeat: int, work: Pa
     status = "ok" if rec.error is None else f"FAILED: {rec.error} (logs in {run_dir})"
     dt = rec.metrics.get("downtime_s")
     extra = f", downtime {dt:.2f} s, lost {rec.metrics.get('lost_steps')}" if dt is not None else ""
-    print(
-        f"  {cfg.label:<22} {KIND_LABEL[kind]:<15} #{repeat}: {fin.wall_s:6.1f} s{extra} {status}", flush=True
-    )
+    bl.say(f"  {cfg.label:<22} {KIND_LABEL[kind]:<15} #{repeat}: {fin.wall_s:6.1f} s{extra} {status}")
     return rec
 
 
@@ -833,13 +831,14 @@ def main() -> int:
     n_total = a.repeats * len(configs) * (1 + len(a.kinds))
     print(f"recovery benchmark: {n_total} job runs in {work}", flush=True)
     try:
-        with bl.cleanup_on_exit():
+        with bl.cleanup_on_exit(), bl.run_bar(n_total, "recovery") as bar:
             for rep in range(a.repeats):
                 # interleaved: every design sees the same drift in the machine's load
                 for kind in ["none", *a.kinds]:
                     order = configs if rep % 2 == 0 else list(reversed(configs))
                     for cfg in order:
                         runs.append(collect(a, cfg, kind, rep, work))
+                        bar.update()
     except KeyboardInterrupt:
         print("interrupted; all job processes were stopped", file=sys.stderr)
         return 130

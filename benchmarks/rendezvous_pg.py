@@ -30,6 +30,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SECRET = b"benchmark-secret"
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -181,7 +183,9 @@ def _ms(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1e3
 
 
-def run(ctx: Any, kind: str, n: int, rebuilds: int, late_s: float, repeats: int) -> dict[str, Any]:
+def run(
+    ctx: Any, kind: str, n: int, rebuilds: int, late_s: float, repeats: int, bar: tqdm[Any]
+) -> dict[str, Any]:
     """``repeats`` fresh groups: each a start-up, ``rebuilds`` rebuilds, then rank 0 replaced."""
     startups, rebuilt, replaced = [], [], []
     for _ in range(repeats):
@@ -192,6 +196,7 @@ def run(ctx: Any, kind: str, n: int, rebuilds: int, late_s: float, repeats: int)
             replaced.append(g.kill_rank0_and_rebuild(rebuilds + 1, late_s))
         finally:
             g.close()
+        bar.update()
     up = [r["from_last_arrival_s"] for r in startups if r["ok"]]
     times = [r["from_last_arrival_s"] for r in rebuilt if r["ok"]]
     row: dict[str, Any] = {
@@ -235,13 +240,23 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     load_at_start = os.getloadavg()
     rows = []
-    for n in [int(x) for x in args.sizes.split(",")]:
-        for kind in KINDS:
-            rows.append(run(ctx, kind, n, args.rebuilds, args.late_ms / 1000, args.repeats))
-            r = rows[-1]
-            print(
-                f"{kind:9s} n={n}: start-up {r['startup_median_ms']:.1f} ms, rebuild {r['rebuild_median_ms']:.1f} ms"
-            )
+    sizes = [int(x) for x in args.sizes.split(",")]
+    # a bar over the groups formed, on stderr and only on a terminal; stdout and the JSON are unchanged
+    with tqdm(
+        total=len(sizes) * len(KINDS) * args.repeats,
+        desc="rendezvous_pg",
+        unit="group",
+        disable=None,
+        leave=False,
+    ) as bar:
+        for n in sizes:
+            for kind in KINDS:
+                rows.append(run(ctx, kind, n, args.rebuilds, args.late_ms / 1000, args.repeats, bar))
+                r = rows[-1]
+                tqdm.write(
+                    f"{kind:9s} n={n}: start-up {r['startup_median_ms']:.1f} ms, "
+                    f"rebuild {r['rebuild_median_ms']:.1f} ms"
+                )
     doc = {
         "command": " ".join(
             ["python benchmarks/rendezvous_pg.py", *(sys.argv[1:] if argv is None else argv)]

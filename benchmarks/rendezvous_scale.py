@@ -40,6 +40,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SECRET = b"benchmark-secret"
 BATCH = 128  # gloo's multi_get batch (kDefaultBatchSize in gloo/transport/tcp/context.cc)
@@ -621,19 +623,32 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     machine = _machine()
     tcp, full, owners, readers = [], [], [], []
-    for n in sizes:
-        tcp.append(run_tcpstore(ctx, n, args.procs, args.value_bytes))
-        print(f"N={n:5d} TCPStore exchange: wall {tcp[-1]['wall_s']:.2f} s", flush=True)
-        if n <= args.full_max:
-            full.append(run_rootless_full(ctx, n, args.procs, args.value_bytes))
-            print(f"N={n:5d} root-less exchange: wall {full[-1]['wall_s']:.2f} s", flush=True)
-        owners.append(probe_owner(ctx, n, args.procs, args.value_bytes))
-        readers.append(probe_reader(ctx, n, args.procs, args.value_bytes))
-        print(
-            f"N={n:5d} probes: owner {owners[-1]['owner_wall_s']:.2f} s, reader {readers[-1]['reader_wall_s']:.2f} s",
-            flush=True,
-        )
-    unbatched = run_tcpstore(ctx, args.unbatched_size, args.procs, args.value_bytes, batched=False)
+    # a bar over the measurements (exchanges and probes), on stderr and only on a terminal
+    total = sum(3 + (n <= args.full_max) for n in sizes) + 1
+    bar = tqdm(total=total, desc="rendezvous_scale", unit="run", disable=None, leave=False)
+
+    def say(line: str) -> None:
+        with tqdm.external_write_mode():  # lift the bar off the terminal while the line is printed
+            print(line, flush=True)
+
+    with bar:
+        for n in sizes:
+            tcp.append(run_tcpstore(ctx, n, args.procs, args.value_bytes))
+            bar.update()
+            say(f"N={n:5d} TCPStore exchange: wall {tcp[-1]['wall_s']:.2f} s")
+            if n <= args.full_max:
+                full.append(run_rootless_full(ctx, n, args.procs, args.value_bytes))
+                bar.update()
+                say(f"N={n:5d} root-less exchange: wall {full[-1]['wall_s']:.2f} s")
+            owners.append(probe_owner(ctx, n, args.procs, args.value_bytes))
+            readers.append(probe_reader(ctx, n, args.procs, args.value_bytes))
+            bar.update(2)
+            say(
+                f"N={n:5d} probes: owner {owners[-1]['owner_wall_s']:.2f} s, "
+                f"reader {readers[-1]['reader_wall_s']:.2f} s"
+            )
+        unbatched = run_tcpstore(ctx, args.unbatched_size, args.procs, args.value_bytes, batched=False)
+        bar.update()
     doc = {
         "command": " ".join(
             ["python benchmarks/rendezvous_scale.py", *(sys.argv[1:] if argv is None else argv)]

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from checkpointless.data import make_synthetic_corpus, prepare_main
 from checkpointless.state.shm_snapshot import SnapshotWriter, guarded_pointers, snapshot_dir, snapshot_path
@@ -51,7 +52,7 @@ def _gpt_module() -> Any:
     return mod
 
 
-def cost(steps: int, blocks: int) -> dict[str, Any]:
+def cost(steps: int, blocks: int, bar: tqdm[Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     gpt = _gpt_module().GPT(256, 128, 4, 4, 64, 0.1)
@@ -79,6 +80,7 @@ def cost(steps: int, blocks: int) -> dict[str, Any]:
             loss.backward()
             opt.step()
         writer.wait_idle(60.0)
+        bar.update()
         return (time.monotonic() - t0) / steps, (time.process_time() - c0) / steps
 
     block(False)  # warm-up
@@ -160,14 +162,17 @@ def _job(work: Path, corpus: Path, name: str, kill_all: bool) -> dict[str, Any]:
     return {"rc": proc.returncode, **({k: rec[-1].get(k) for k in keys} if rec else {"recovery": None})}
 
 
-def downtime() -> dict[str, Any]:
+def downtime(bar: tqdm[Any]) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="cl-snapbench-jobs-"))
     make_synthetic_corpus(work / "corpus.jsonl", num_docs=400, seed=0)
     prepare_main([str(work / "corpus.jsonl"), "-o", str(work / "corpus.tokens"), "--quiet"])
-    out = {
-        "peer (1 rank killed)": _job(work, work / "corpus.tokens", "peer", kill_all=False),
-        "snapshot (3 ranks killed)": _job(work, work / "corpus.tokens", "snap", kill_all=True),
-    }
+    out = {}
+    for label, name, kill_all in (
+        ("peer (1 rank killed)", "peer", False),
+        ("snapshot (3 ranks killed)", "snap", True),
+    ):
+        out[label] = _job(work, work / "corpus.tokens", name, kill_all=kill_all)
+        bar.update()
     subprocess.run(["rm", "-rf", str(work)], check=False)
     return out
 
@@ -179,10 +184,15 @@ def main() -> int:
     ap.add_argument("--skip-downtime", action="store_true")
     a = ap.parse_args()
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
-    result["cost"] = cost(a.steps, a.blocks)
-    print(json.dumps(result["cost"], indent=1), flush=True)
-    if not a.skip_downtime:
-        result["downtime"] = downtime()
+    # a bar over the timed blocks and the jobs, on stderr and only on a terminal; stdout is unchanged
+    total = 2 * a.blocks + 1 + (0 if a.skip_downtime else 2)
+    with tqdm(total=total, desc="snapshot", unit="part", disable=None, leave=False) as bar:
+        result["cost"] = cost(a.steps, a.blocks, bar)
+        with tqdm.external_write_mode():
+            print(json.dumps(result["cost"], indent=1), flush=True)
+        if not a.skip_downtime:
+            result["downtime"] = downtime(bar)
+    if "downtime" in result:
         print(json.dumps(result["downtime"], indent=1), flush=True)
     out = REPO / "benchmarks" / "results" / "snapshot.json"
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -205,6 +205,9 @@ def worker(a: argparse.Namespace) -> None:
                 gc.collect()
             comm.barrier(a.op_timeout)
             records.append(rec)
+            if rank == 0:  # one byte per finished round, for the driver's bar (outside every timing)
+                with open(Path(a.out_dir, "rounds-done"), "ab") as done:
+                    done.write(b".")
         if rank == 0 and tree is not None:
             rec0 = tree["model"]["layer0.weight"]
             for r in records:
@@ -319,9 +322,13 @@ def main() -> int:
             threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in (0, 1)]
             for th in threads:
                 th.start()
-            while any(th.is_alive() for th in threads):
-                for th in threads:
-                    th.join(0.2)
+            rounds = tmp / "rounds-done"
+            with bl.run_bar(len(sizes) * a.repeats, "transfer", unit="round") as bar:
+                while any(th.is_alive() for th in threads):
+                    for th in threads:
+                        th.join(0.2)
+                    if rounds.exists():
+                        bar.update(rounds.stat().st_size - bar.n)
             failed = {r: f for r, f in results.items() if f.rc != 0}
             if failed or len(results) < 2:
                 for r in (0, 1):

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import io
 import json
+import os
+import pty
+import select
+import struct
+import termios
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +42,8 @@ def test_prepare_jsonl_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "c.tokens"
     rc, err = _run([str(corpus), "-o", str(out), "--tokenizer", "byte"])
     assert rc == 0, err
-    assert "prepare [" in err and "100.0%" in err and f"wrote {out}" in err
+    # not a terminal and not asked for: the summary line only, no bar in a log
+    assert err.startswith(f"wrote {out}") and "prepare:" not in err and err.count("\n") == 1
     ds = TokenDataset.open(out)
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
     assert ds.num_docs == 300 and ds.header.tokenizer == "byte" and ds.eos_id == 256
@@ -47,6 +54,36 @@ def test_prepare_jsonl_end_to_end(tmp_path: Path) -> None:
         assert tok.decode(doc) == texts[i]
     assert ds.num_tokens == sum(len(t.encode()) + 1 for t in texts)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "c.tokens"]
+
+
+@pytest.mark.timeout(30)
+def test_progress_bar_on_a_terminal_only_or_when_asked(tmp_path: Path) -> None:
+    corpus = make_synthetic_corpus(tmp_path / "c.jsonl", num_docs=200, seed=3)
+    size = corpus.stat().st_size
+    # a real terminal (a pseudo-terminal): tqdm draws the bar there without being asked
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
+    try:
+        with open(follower, "w", encoding="utf-8", closefd=False) as term:
+            assert term.isatty()
+            rc = prepare_main([str(corpus), "-o", str(tmp_path / "t.tokens")], stderr=term)
+            term.flush()
+        drawn = b""
+        while select.select([leader], [], [], 0.5)[0]:
+            drawn += os.read(leader, 65536)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    text = drawn.decode("utf-8", errors="replace")
+    assert rc == 0 and "prepare: 100%" in text and "wrote " in text, text
+    # asked for in a log: the bar (ASCII, total in input bytes) comes before the summary
+    rc, err = _run([str(corpus), "-o", str(tmp_path / "l.tokens"), "--progress"])
+    assert rc == 0 and "prepare: 100%|##########|" in err, err
+    assert f"/{size / 1024:.1f}k" in err, err  # the total is the inputs' size in KiB
+    assert err.index("prepare:") < err.index("wrote ")
+    # --quiet and --progress contradict each other: argparse's usage error, nothing written
+    rc, err = _run([str(corpus), "-o", str(tmp_path / "q.tokens"), "--quiet", "--progress"])
+    assert rc == 2 and not (tmp_path / "q.tokens").exists()
 
 
 @pytest.mark.timeout(30)

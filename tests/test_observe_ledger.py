@@ -4,6 +4,7 @@ recovery event's own, and a running, finished or orphaned job each reads as what
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,3 +163,24 @@ def test_status_of_running_finished_and_orphaned_jobs() -> None:
     done = build_status("d", ev_done, commits_done, now=T0 + 99, alive=lambda p: False)
     assert done.state == "finished" and done.elapsed_s == pytest.approx(60.0)
     assert "secret" not in repr(done)
+
+
+@pytest.mark.timeout(60)
+def test_timeline_png_has_a_breakdown_row_per_recovery(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    from checkpointless.observe.timeline import write_timeline
+
+    heights = {}
+    for n in (0, 1, 3):
+        ev, commits = _job([(20.0 + 5 * i, 0.4, 0.0) for i in range(n)], steps=10_000)
+        ledger = build_ledger(ev, commits)
+        assert len(ledger.faults) == n
+        png = tmp_path / f"t{n}.png"
+        write_timeline(ledger, ev, commits, png)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        heights[n] = imread(png).shape[0]
+    # no recovery: no breakdown panel; each recovery adds one row to it
+    assert heights[0] < heights[1] < heights[3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t0.png", "t1.png", "t3.png"]  # no temporary left

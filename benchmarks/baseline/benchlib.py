@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 BENCH = Path(__file__).resolve().parents[1]
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
@@ -197,6 +199,19 @@ def run_command(
             if f is not subprocess.DEVNULL:
                 f.close()  # type: ignore[union-attr]
     return Finished(None if timed_out else proc.returncode, wall, started, timed_out, samples)
+
+
+# -- progress ----------------------------------------------------------------------------------
+def run_bar(total: int, desc: str, unit: str = "run") -> tqdm[Any]:
+    """A bar over a benchmark's runs, on stderr and only when stderr is a terminal (tqdm's
+    ``disable=None``), so logs and the results files are exactly what they were without it."""
+    return tqdm(total=total, desc=desc, unit=unit, disable=None, leave=False, dynamic_ncols=True)
+
+
+def say(line: str) -> None:
+    """Print a result line to stdout without tearing the bar: tqdm lifts it off the terminal first."""
+    with tqdm.external_write_mode():
+        print(line, flush=True)
 
 
 @contextmanager

@@ -18,60 +18,36 @@ from pathlib import Path
 from typing import TextIO
 
 import numpy as np
+from tqdm import tqdm
 
 from checkpointless.data.format import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, TokenFileWriter
 from checkpointless.data.tokenize import get_tokenizer
 from checkpointless.errors import ConfigError, DataError
 
-__all__ = ["Progress", "build_parser", "iter_documents", "prepare_main"]
+__all__ = ["build_parser", "iter_documents", "prepare_main"]
 
 _BATCH_DOCS = 512  # documents per encode_batch call: enough to amortise tokenizer overhead
 
 
-class Progress:
-    """A byte-based progress bar on a stream: redrawn in place on a terminal, a line per 10% otherwise."""
+def _progress_bar(total: int, stream: TextIO, *, quiet: bool, forced: bool) -> tqdm[None]:
+    """A tqdm bar over input bytes on ``stream``.
 
-    def __init__(
-        self, total: int, stream: TextIO, *, enabled: bool = True, min_interval: float = 0.1
-    ) -> None:
-        self.total = max(total, 1)
-        self.stream = stream
-        self.enabled = enabled
-        self.done = 0
-        self._tty = stream.isatty()
-        self._min_interval = min_interval
-        self._last_draw = 0.0
-        self._last_decile = -1
-        self._start = time.monotonic()
-
-    def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if self._tty:
-            if now - self._last_draw >= self._min_interval:
-                self._last_draw = now
-                self._draw(now, end="\r")
-        else:
-            decile = min(10, self.done * 10 // self.total)
-            if decile > self._last_decile:
-                self._last_decile = decile
-                self._draw(now, end="\n")
-
-    def _draw(self, now: float, end: str) -> None:
-        frac = min(1.0, self.done / self.total)
-        filled = int(frac * 30)
-        rate = self.done / max(now - self._start, 1e-9) / 1e6
-        bar = "#" * filled + "." * (30 - filled)
-        self.stream.write(f"prepare [{bar}] {frac:6.1%} {self.done / 1e6:9.1f} MB {rate:7.1f} MB/s{end}")
-        self.stream.flush()
-
-    def finish(self) -> None:
-        if self.enabled:
-            self.done = max(self.done, self.total)
-            if self._tty or self._last_decile < 10:
-                self._draw(time.monotonic(), end="\n")
+    Drawn on a terminal only, unless ``--progress`` asks for it (a CI log that wants to see it move);
+    ``--quiet`` wins. In a log the bar is redrawn at most every few seconds so it does not swamp it.
+    """
+    tty = stream.isatty()
+    return tqdm(
+        total=max(total, 1),
+        desc="prepare",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=stream,
+        disable=quiet or not (tty or forced),
+        mininterval=0.1 if tty else 5.0,
+        ascii=not tty,  # a log file gets '#' rather than block characters it may not render
+        dynamic_ncols=tty,
+    )
 
 
 def iter_documents(path: Path, *, text_key: str, split_lines: bool) -> Iterator[tuple[str, int]]:
@@ -126,7 +102,13 @@ def build_parser(prog: str = "checkpointless data prepare") -> argparse.Argument
     p.add_argument("--split-lines", action="store_true", help="text files: one document per non-empty line")
     p.add_argument("--no-eos", action="store_true", help="do not append the end-of-document id")
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help=argparse.SUPPRESS)
-    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    shown.add_argument(
+        "--progress",
+        action="store_true",
+        help="draw the progress bar even when stderr is not a terminal (default: only on a terminal)",
+    )
     return p
 
 
@@ -181,13 +163,16 @@ def _prepare(args: argparse.Namespace, stderr: TextIO) -> None:
     if not args.no_eos and eos is None:
         raise ConfigError(f"{tok.name} has no end-of-document token; pass --eos-token or --no-eos")
     total = sum(i.stat().st_size for i in args.inputs)
-    progress = Progress(total, stderr, enabled=not args.quiet)
+    bar = _progress_bar(total, stderr, quiet=args.quiet, forced=args.progress)
     start = time.monotonic()
     suffix = np.asarray([eos] if eos is not None else [], dtype=np.int64)
 
-    with TokenFileWriter(
-        args.output, tok.vocab_size, eos_id=eos, tokenizer=tok.name, chunk_bytes=args.chunk_bytes
-    ) as writer:
+    with (
+        bar,
+        TokenFileWriter(
+            args.output, tok.vocab_size, eos_id=eos, tokenizer=tok.name, chunk_bytes=args.chunk_bytes
+        ) as writer,
+    ):
         texts: list[str] = []
         pending = 0
 
@@ -196,7 +181,7 @@ def _prepare(args: argparse.Namespace, stderr: TextIO) -> None:
             for ids in tok.encode_batch(texts):
                 writer.add_document(np.concatenate([ids, suffix]) if suffix.size else ids)
             texts.clear()
-            progress.advance(pending)
+            bar.update(pending)
             pending = 0
 
         for inp in args.inputs:
@@ -212,7 +197,6 @@ def _prepare(args: argparse.Namespace, stderr: TextIO) -> None:
                 f"{', '.join(map(str, args.inputs))}: no text found; check --text-key and the inputs"
             )
         header = writer.commit()
-    progress.finish()
     if not args.quiet:
         stderr.write(
             f"wrote {args.output}: {header.num_tokens:,} tokens ({header.dtype}), {header.num_docs:,} documents, "
