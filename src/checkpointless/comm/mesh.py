@@ -144,8 +144,48 @@ def make_device_mesh(
 
 
 def reset_fsdp(module: nn.Module) -> None:
-    """Forget an abandoned forward/backward in every FSDP2 module under ``module``.
+    """Forget an abandoned forward or backward in every FSDP2 module under ``module``, so that
+    the step can be replayed from the start (after :meth:`ResilientMesh.configure`).
 
-    TODO: filled in below once FSDP2's internal state after an abort is pinned down.
+    What an abort leaves behind, and why each part is cleared (torch 2.13's FSDP2):
+
+    - a parameter group's pending all-gather result (``_all_gather_result``) holds the aborted
+      work; waiting on it again would raise, so it is dropped, not waited;
+    - parameters may be left unsharded (all-gathered, or half-way): ``_to_sharded`` frees the
+      unsharded storage and puts the sharded DTensors back on the module;
+    - training states stuck in FORWARD / PRE_BACKWARD, prefetch indices and the root's
+      ``post_backward_final_callback_queued`` flag: the final callback never ran, and with
+      the flag set FSDP2 would never queue it again, so gradients would not be finished;
+    - the shared comm context's retained reduce-scatter states and forward order;
+    - gradients: reduce-scatters that completed before the abort left sharded gradients that
+      the replay would add to, so every parameter's ``grad`` is set to None.
     """
-    del module
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        ctx = state._state_ctx
+        ctx.iter_forward_root = None
+        ctx.post_backward_final_callback_queued = False
+        state._training_state = TrainingState.IDLE
+        state._modules_to_run_forward.clear()
+        comm = state._comm_ctx
+        comm.all_gather_state = None
+        comm.reduce_scatter_states.clear()
+        comm.post_forward_order.clear()
+        for group in state._fsdp_param_groups:
+            group._all_gather_result = None
+            group._post_reduce_event = None
+            group._all_reduce_state = None
+            group._reshard_after_forward_event = None
+            group._partial_reduce_output = None
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+            for fp in group.fsdp_params:
+                fp.unsharded_accumulated_grad = None
+    for p in module.parameters():
+        p.grad = None

@@ -88,7 +88,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
     bitwise reproducible from one generation to the next.
     """
 
-    def __init__(self, rank: int, size: int, global_ranks: Sequence[int], timeout: datetime.timedelta):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        global_ranks: Sequence[int],
+        timeout: datetime.timedelta,
+        key: str | None = None,
+    ):
         super().__init__(rank, size)
         if not 0 <= rank < size or len(global_ranks) != size:
             raise ValueError(
@@ -98,7 +105,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._group_rank = rank
         self._group_size = size
         self.global_ranks = tuple(global_ranks)
-        self.key = "r" + ".".join(str(r) for r in self.global_ranks)
+        # the default group needs a key of its own: a 1-D mesh's group has the same members
+        self.key = key or "r" + ".".join(str(r) for r in self.global_ranks)
         self.timeout = timeout
         self.generation = -1
         # re-entrant: a collective that fails at once completes its Handle inside _issue, and
@@ -328,7 +336,11 @@ def register_backend() -> None:
 
     def create(opts: Any, _backend_options: Any) -> ResilientProcessGroup:
         # the default group is created with no member list: it is every rank
-        members = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+        members = list(opts.global_ranks_in_group)
+        if not members:
+            return ResilientProcessGroup(
+                opts.group_rank, opts.group_size, range(opts.group_size), opts.timeout, key="world"
+            )
         return ResilientProcessGroup(opts.group_rank, opts.group_size, members, opts.timeout)
 
     dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])
