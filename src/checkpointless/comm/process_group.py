@@ -24,6 +24,7 @@ the global-to-group rank map.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -134,7 +135,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
     @property
     def group_name(self) -> str:
         if self._name is None:
-            raise RuntimeError(f"ResilientProcessGroup {self.key}: no name yet; create it with dist.new_group")
+            raise RuntimeError(
+                f"ResilientProcessGroup {self.key}: no name yet; create it with dist.new_group"
+            )
         return self._name
 
     def _set_group_name(self, name: str) -> None:
@@ -279,9 +282,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AbortableWork:
-        # Issued one after another on the same group: gloo matches them in issue order.
         opts = dist.AllgatherOptions() if opts is None else opts
-        return self._chain([lambda pg, o=o, i=i: pg._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)], outputs)
+        return self._chain("_allgather_base", outputs, inputs, opts)
 
     def reduce_scatter_single(  # type: ignore[override]
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -301,13 +303,22 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AbortableWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
-        return self._chain([lambda pg, o=o, i=i: pg._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)], outputs)
+        return self._chain("_reduce_scatter_base", outputs, inputs, opts)
 
-    def _chain(self, fns: list[Callable[[Any], Any]], result: Any) -> AbortableWork:
-        works = [self._issue(fn, None) for fn in fns]
-        # one handle standing for all: waiting on the last suffices (gloo runs a group's
-        # collectives in issue order), but each is waited so that an error is not lost
-        return _ChainWork(works, result)
+    def _chain(
+        self, method: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> AbortableWork:
+        # Issued one after another on the same group (gloo matches them in issue order); the
+        # returned work waits on each, so an error in any of them is not lost.
+        works = [
+            self._issue(functools.partial(_call, method, o, i, opts), None)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return _ChainWork(works, outputs)
+
+
+def _call(method: str, output: torch.Tensor, input: torch.Tensor, opts: Any, pg: Any) -> Any:
+    return getattr(pg, method)(output, input, opts)
 
 
 class _ChainWork(AbortableWork):
