@@ -198,7 +198,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             self.generation = generation
             self._aborted = None
 
-    def abort(self, reason: str) -> int:  # type: ignore[override]
+    def abort(self, reason: str = "aborted") -> int:  # type: ignore[override]
         """Fail every pending collective now (thread-safe) and refuse new ones until the next
         :meth:`configure`; return how many were pending."""
         with self._lock:
