@@ -1,0 +1,191 @@
+"""A DeviceMesh whose process groups survive a recovery, and FSDP2's reset after an abort.
+
+:func:`make_device_mesh` builds a ``DeviceMesh`` (for ``fully_shard``: 1-D for FSDP,
+``("replicate", "shard")`` for HSDP) over :class:`ResilientProcessGroup` objects, one per line
+of the mesh along each dimension, plus the default (world) group that ``DeviceMesh`` asks for
+the global rank. :meth:`ResilientMesh.configure` gives every one of them the next generation's
+gloo communicator; FSDP2's parameter groups, DTensors and the mesh keep the same objects.
+
+:func:`reset_fsdp` forgets what an abandoned forward or backward left in FSDP2's state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from checkpointless.comm.process_group import BACKEND_NAME, ResilientProcessGroup, register_backend
+from checkpointless.errors import ConfigError
+
+__all__ = ["ResilientMesh", "make_device_mesh", "mesh_lines", "reset_fsdp"]
+
+
+def mesh_lines(shape: Sequence[int]) -> list[list[list[int]]]:
+    """For each mesh dimension, the groups of global ranks along it, in a fixed order.
+
+    Ranks are laid out row-major over ``shape`` (as ``init_device_mesh`` does). For shape
+    (2, 2): dimension 0 (replicate) has groups [0, 2] and [1, 3]; dimension 1 (shard) has
+    [0, 1] and [2, 3]. Pure, so every rank and every generation agrees on it."""
+    mesh = torch.arange(_product(shape)).view(*shape)
+    out: list[list[list[int]]] = []
+    for d, n in enumerate(shape):
+        rows = mesh.movedim(d, -1).reshape(-1, n)
+        out.append([[int(x) for x in row] for row in rows])
+    return out
+
+
+def _product(shape: Sequence[int]) -> int:
+    p = 1
+    for n in shape:
+        p *= n
+    return p
+
+
+@dataclass
+class ResilientMesh:
+    """The mesh and the groups under it. ``groups`` is in configure order: the world group,
+    then this rank's group along each mesh dimension."""
+
+    device_mesh: DeviceMesh
+    world: ResilientProcessGroup
+    dim_groups: list[ResilientProcessGroup]
+    generation: int = -1
+    groups: list[ResilientProcessGroup] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.groups = [self.world, *self.dim_groups]
+
+    def configure(
+        self,
+        generation: int,
+        store: dist.Store,
+        deadline: float,
+        cancelled: threading.Event | None = None,
+    ) -> None:
+        """Form every group's communicator of ``generation`` under the store prefix
+        ``gen<generation>/`` (blocks until all members joined or ``deadline``, a
+        ``time.monotonic()`` value). Every rank configures its groups in the same global order
+        (world, then dimension 0's groups, then dimension 1's), so no two ranks wait on each
+        other crosswise."""
+        gen_store = dist.PrefixStore(f"gen{generation}/", store)
+        for pg in self.groups:
+            pg.configure(generation, gen_store, deadline, cancelled)
+        self.generation = generation
+
+    def abort(self, reason: str) -> int:
+        """Abort every group (thread-safe); return how many collectives were pending."""
+        return sum(pg.abort(reason) for pg in self.groups)
+
+    def release_graveyard(self) -> None:
+        for pg in self.groups:
+            pg.release_graveyard()
+
+
+def make_device_mesh(
+    mesh_dim_names: Sequence[str],
+    shape: Sequence[int],
+    rank: int,
+    world_size: int,
+    store: dist.Store,
+    timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+) -> ResilientMesh:
+    """Build the mesh; its groups have no communicator until :meth:`ResilientMesh.configure`.
+
+    ``store`` is only handed to c10d's bookkeeping here (no traffic); each generation's
+    communicators form from the store given to ``configure``. If the default group is not yet
+    initialised it becomes a :class:`ResilientProcessGroup` of all ranks. Every rank must call
+    this with the same arguments (but its own ``rank``), like ``init_device_mesh``.
+    """
+    names, dims = tuple(mesh_dim_names), tuple(int(n) for n in shape)
+    if len(names) != len(dims) or not 1 <= len(dims) <= 2 or len(set(names)) != len(names):
+        raise ConfigError(
+            f"make_device_mesh: mesh_dim_names {names} and shape {dims} must be one or two "
+            "distinct names with one size each, e.g. ('replicate', 'shard') and (2, 2)"
+        )
+    if any(n < 1 for n in dims) or _product(dims) != world_size:
+        raise ConfigError(
+            f"make_device_mesh: shape {dims} does not cover world_size {world_size}; "
+            "the product of the sizes must equal the number of ranks"
+        )
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"make_device_mesh: rank {rank} is outside 0..{world_size - 1}")
+    register_backend()
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=BACKEND_NAME, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+    world = dist.distributed_c10d._get_default_group()
+    if not isinstance(world, ResilientProcessGroup):
+        raise ConfigError(
+            f"make_device_mesh: the default process group is {type(world).__name__}, not ours; "
+            "call make_device_mesh before (instead of) dist.init_process_group"
+        )
+    mine: list[ResilientProcessGroup] = []
+    for lines in mesh_lines(dims):
+        for members in lines:
+            # every rank creates every group, in the same order, as c10d requires
+            pg = dist.new_group(members, backend=BACKEND_NAME, timeout=timeout)
+            if rank in members:
+                assert isinstance(pg, ResilientProcessGroup)
+                mine.append(pg)
+    mesh_t = torch.arange(world_size, dtype=torch.int).view(*dims)
+    if len(dims) == 1:
+        dm = DeviceMesh.from_group(mine[0], "cpu", mesh_dim_names=names)
+    else:
+        dm = DeviceMesh.from_group(mine, "cpu", mesh=mesh_t, mesh_dim_names=names)
+    return ResilientMesh(device_mesh=dm, world=world, dim_groups=mine)
+
+
+def reset_fsdp(module: nn.Module) -> None:
+    """Forget an abandoned forward or backward in every FSDP2 module under ``module``, so that
+    the step can be replayed from the start (after :meth:`ResilientMesh.configure`).
+
+    What an abort leaves behind, and why each part is cleared (torch 2.13's FSDP2):
+
+    - a parameter group's pending all-gather result (``_all_gather_result``) holds the aborted
+      work; waiting on it again would raise, so it is dropped, not waited;
+    - parameters may be left unsharded (all-gathered, or half-way): ``_to_sharded`` frees the
+      unsharded storage and puts the sharded DTensors back on the module;
+    - training states stuck in FORWARD / PRE_BACKWARD, prefetch indices and the root's
+      ``post_backward_final_callback_queued`` flag: the final callback never ran, and with
+      the flag set FSDP2 would never queue it again, so gradients would not be finished;
+    - the shared comm context's retained reduce-scatter states and forward order;
+    - gradients: reduce-scatters that completed before the abort left sharded gradients that
+      the replay would add to, so every parameter's ``grad`` is set to None.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        ctx = state._state_ctx
+        ctx.iter_forward_root = None
+        ctx.post_backward_final_callback_queued = False
+        state._training_state = TrainingState.IDLE
+        state._modules_to_run_forward.clear()
+        comm = state._comm_ctx
+        comm.all_gather_state = None
+        comm.reduce_scatter_states.clear()
+        comm.post_forward_order.clear()
+        for group in state._fsdp_param_groups:
+            group._all_gather_result = None
+            group._post_reduce_event = None
+            group._all_reduce_state = None
+            group._reshard_after_forward_event = None
+            group._partial_reduce_output = None
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+            for fp in group.fsdp_params:
+                fp.unsharded_accumulated_grad = None
+    for p in module.parameters():
+        p.grad = None

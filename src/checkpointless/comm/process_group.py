@@ -1,0 +1,358 @@
+"""Process groups that outlive a generation: the same Python object, the next communicator.
+
+FSDP2 and DTensor hold on to their process groups: ``fully_shard`` stores the mesh's groups in
+every parameter group, and DTensor resolves a mesh dimension's group by name from c10d's
+registry. After a recovery the same objects must therefore carry the next generation's
+communicator; rebuilding them would mean re-running ``fully_shard`` and rebuilding the model.
+
+:class:`ResilientProcessGroup` is a ``torch.distributed.ProcessGroup`` subclass that c10d's
+Python front end (``dist.all_reduce``, ``dist.all_gather_single``, ``dist.reduce_scatter_single``,
+...) and FSDP2 call like any other group. Each collective is forwarded to the current
+generation's gloo group and returned as an :class:`AbortableWork`, whose ``wait()`` polls in
+10 ms slices (the same :class:`~checkpointless.comm.communicator.Handle` as the data-parallel
+communicator), so :meth:`ResilientProcessGroup.abort` from another thread wakes a waiter with
+:class:`~checkpointless.errors.CommAborted` at once. Between an abort and the next
+:meth:`~ResilientProcessGroup.configure` every collective is refused. Aborted gloo groups are
+parked, never destroyed under a waiting thread.
+
+The groups are made through c10d's backend-plugin path (``init_process_group`` and
+``new_group`` with :data:`BACKEND_NAME`), so torch does its own bookkeeping: the group name,
+the registry that ``DeviceMesh.get_group`` and functional collectives resolve names in, and
+the global-to-group rank map.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpointless.comm.communicator import Handle, _new_group
+from checkpointless.errors import CommAborted, RendezvousError
+
+__all__ = ["BACKEND_NAME", "AbortableWork", "ResilientProcessGroup", "register_backend"]
+
+BACKEND_NAME = "checkpointless"
+
+
+class AbortableWork(dist.Work):
+    """A collective's completion as c10d code expects it (a ``dist.Work``), abortable.
+
+    ``wait()`` raises :class:`CommAborted` when the group is aborted while it waits; FSDP2
+    calls it from its copy-out after an all-gather and from ``dist.*`` with ``async_op=False``.
+    """
+
+    def __init__(self, handle: Handle, result: Any) -> None:
+        super().__init__()
+        self._handle = handle
+        self._result = result
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]
+        secs = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
+        self._handle.wait(secs)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._handle.done()
+
+    def is_success(self) -> bool:
+        return self._handle.done() and self._handle._error is None
+
+    def result(self) -> Any:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        # Completed eagerly by waiting here: the only callers on a CPU path are functional
+        # collectives, which wait straight away anyway.
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        try:
+            self.wait()
+        except CommAborted as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(self._result)
+        return fut
+
+
+class ResilientProcessGroup(dist.ProcessGroup):
+    """One group of fixed members (global ranks), carried across generations.
+
+    ``key`` names the group inside each generation's store prefix (the same on every member,
+    derived from its members), so each generation's gloo group forms from
+    ``<prefix>/<key>/`` with fixed rank numbers: reductions keep their order and results stay
+    bitwise reproducible from one generation to the next.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        global_ranks: Sequence[int],
+        timeout: datetime.timedelta,
+        key: str | None = None,
+    ):
+        super().__init__(rank, size)
+        if not 0 <= rank < size or len(global_ranks) != size:
+            raise ValueError(
+                f"ResilientProcessGroup: rank {rank} and members {list(global_ranks)} do not fit "
+                f"a group of size {size}; pass the group rank and all {size} global ranks"
+            )
+        self._group_rank = rank
+        self._group_size = size
+        self.global_ranks = tuple(global_ranks)
+        # the default group needs a key of its own: a 1-D mesh's group has the same members
+        self.key = key or "r" + ".".join(str(r) for r in self.global_ranks)
+        self.timeout = timeout
+        self.generation = -1
+        # re-entrant: a collective that fails at once completes its Handle inside _issue, and
+        # the completion callback takes this lock again to forget the handle
+        self._lock = threading.RLock()
+        self._pg: Any = None
+        self._pending: set[Handle] = set()
+        self._aborted: str | None = "not configured yet"
+        self._graveyard: list[Any] = []
+        self._name: str | None = None
+        self._desc = self.key
+
+    # -- identity: what FSDP2, DeviceMesh and c10d ask ----------------------------------------
+    def rank(self) -> int:
+        return self._group_rank
+
+    def size(self) -> int:
+        return self._group_size
+
+    def getBackendName(self) -> str:
+        return "gloo"
+
+    # c10d keeps a group's name in its backends, and this group has none of c10d's kind: the
+    # name that c10d assigns (and DeviceMesh and functional collectives look up) lives here.
+    @property
+    def group_name(self) -> str:
+        if self._name is None:
+            raise RuntimeError(
+                f"ResilientProcessGroup {self.key}: no name yet; create it with dist.new_group"
+            )
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    def __repr__(self) -> str:
+        return f"ResilientProcessGroup({self.key}, rank {self._group_rank}, gen {self.generation})"
+
+    # -- generations ----------------------------------------------------------------------------
+    def configure(
+        self,
+        generation: int,
+        store: dist.Store,
+        deadline: float,
+        cancelled: threading.Event | None = None,
+        backend: str = "gloo",
+    ) -> None:
+        """Form this group's communicator of ``generation`` from ``store`` (a prefix store of
+        that generation) and make it current. Blocks until every member has joined, the
+        ``deadline`` (``time.monotonic()``) passes, or ``cancelled`` is set. Construction runs
+        on a helper thread so that a cancel ends the wait even while gloo is connecting."""
+        self.abort(f"superseded by generation {generation}")
+        result: dict[str, Any] = {}
+        sub = dist.PrefixStore(f"{self.key}/", store)
+
+        def build() -> None:
+            try:
+                left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+                result["pg"] = _new_group(backend, sub, self._group_rank, self._group_size, left)
+            except Exception as e:
+                result["error"] = e
+
+        th = threading.Thread(target=build, daemon=True, name=f"cl-rpg-{self.key}-gen{generation}")
+        th.start()
+        while th.is_alive():
+            th.join(0.005)
+            if cancelled is not None and cancelled.is_set():
+                raise RendezvousError(f"group {self.key} generation {generation}: cancelled by a newer fault")
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"group {self.key} generation {generation}: timed out; some member never joined"
+                )
+        if "error" in result:
+            raise RendezvousError(f"group {self.key} generation {generation} failed: {result['error']}")
+        with self._lock:
+            if self._pg is not None:
+                self._graveyard.append(self._pg)
+            self._pg = result["pg"]
+            # a Python store must outlive its process group: torch keeps only the C++ half
+            self._graveyard.append(sub)
+            self.generation = generation
+            self._aborted = None
+
+    def abort(self, reason: str = "aborted") -> int:  # type: ignore[override]
+        """Fail every pending collective now (thread-safe) and refuse new ones until the next
+        :meth:`configure`; return how many were pending."""
+        with self._lock:
+            self._aborted = reason
+            pending = list(self._pending)
+            if self._pg is not None:
+                self._graveyard.append(self._pg)  # parked: destroying it could block on gloo
+                self._pg = None
+        for h in pending:
+            h.abort(f"group {self.key} generation {self.generation} aborted: {reason}")
+        return len(pending)
+
+    @property
+    def aborted(self) -> str | None:
+        return self._aborted
+
+    def release_graveyard(self) -> None:
+        """Drop parked gloo groups (their destructors join gloo threads: off this thread)."""
+        with self._lock:
+            parked, self._graveyard = self._graveyard, []
+        if parked:
+            threading.Thread(target=parked.clear, daemon=True, name="cl-rpg-reaper").start()
+
+    # -- collectives ----------------------------------------------------------------------------
+    def _issue(self, fn: Callable[[Any], Any], result: Any) -> AbortableWork:
+        with self._lock:
+            if self._aborted is not None or self._pg is None:
+                raise CommAborted(f"group {self.key} generation {self.generation} aborted: {self._aborted}")
+            work = fn(self._pg)
+            h = Handle(work, result, self._forget, poll=True)
+            if not h.done():
+                self._pending.add(h)
+        return AbortableWork(h, result)
+
+    def _forget(self, h: Handle) -> None:
+        with self._lock:
+            self._pending.discard(h)
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> AbortableWork:  # type: ignore[override]
+        if isinstance(opts, dist.ReduceOp | dist.ReduceOp.RedOpType) or opts is None:
+            op = dist.ReduceOp.SUM if opts is None else opts
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        return self._issue(lambda pg: pg.allreduce(tensors, opts), tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AbortableWork:  # type: ignore[override]
+        opts = dist.AllreduceCoalescedOptions() if opts is None else opts
+        return self._issue(lambda pg: pg.allreduce_coalesced(tensors, opts), tensors)
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> AbortableWork:  # type: ignore[override]
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if isinstance(opts, int):
+            root, opts = opts, dist.BroadcastOptions()
+            opts.rootRank = root
+        opts = dist.BroadcastOptions() if opts is None else opts
+        return self._issue(lambda pg: pg.broadcast(tensors, opts), tensors)
+
+    def barrier(self, opts: Any = None) -> AbortableWork:  # type: ignore[override]
+        # An all-reduce of one element: gloo's barrier has no bounded wait of its own.
+        t = torch.zeros(1)
+        aopts = dist.AllreduceOptions()
+        return self._issue(lambda pg: pg.allreduce([t], aopts), None)
+
+    def allgather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> AbortableWork:
+        opts = dist.AllgatherOptions() if opts is None else opts
+        return self._issue(lambda pg: pg.allgather(output_tensors, input_tensors, opts), output_tensors)
+
+    def all_gather_single(  # type: ignore[override]
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> AbortableWork:
+        opts = dist.AllgatherOptions() if opts is None else opts
+        return self._issue(lambda pg: pg._allgather_base(output, input, opts), output)
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]
+
+    def allgather_into_tensor_coalesced(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> AbortableWork:
+        opts = dist.AllgatherOptions() if opts is None else opts
+        return self._chain("_allgather_base", outputs, inputs, opts)
+
+    def reduce_scatter_single(  # type: ignore[override]
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> AbortableWork:
+        opts = dist.ReduceScatterOptions() if opts is None else opts
+        return self._issue(lambda pg: pg._reduce_scatter_base(output, input, opts), output)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> AbortableWork:
+        opts = dist.ReduceScatterOptions() if opts is None else opts
+        return self._issue(lambda pg: pg.reduce_scatter(outputs, inputs, opts), outputs)
+
+    def reduce_scatter_tensor_coalesced(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> AbortableWork:
+        opts = dist.ReduceScatterOptions() if opts is None else opts
+        return self._chain("_reduce_scatter_base", outputs, inputs, opts)
+
+    def _chain(
+        self, method: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> AbortableWork:
+        # Issued one after another on the same group (gloo matches them in issue order); the
+        # returned work waits on each, so an error in any of them is not lost.
+        works = [
+            self._issue(functools.partial(_call, method, o, i, opts), None)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return _ChainWork(works, outputs)
+
+
+def _call(method: str, output: torch.Tensor, input: torch.Tensor, opts: Any, pg: Any) -> Any:
+    return getattr(pg, method)(output, input, opts)
+
+
+class _ChainWork(AbortableWork):
+    def __init__(self, works: list[AbortableWork], result: Any) -> None:
+        super().__init__(works[-1]._handle, result)
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+_registered = False
+
+
+def register_backend() -> None:
+    """Teach c10d the :data:`BACKEND_NAME` backend (idempotent): ``init_process_group`` and
+    ``new_group`` with it return a :class:`ResilientProcessGroup` with no communicator yet."""
+    global _registered
+    if _registered:
+        return
+
+    def create(opts: Any, _backend_options: Any) -> ResilientProcessGroup:
+        # the default group is created with no member list: it is every rank
+        members = list(opts.global_ranks_in_group)
+        if not members:
+            return ResilientProcessGroup(
+                opts.group_rank, opts.group_size, range(opts.group_size), opts.timeout, key="world"
+            )
+        return ResilientProcessGroup(opts.group_rank, opts.group_size, members, opts.timeout)
+
+    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])
+    _registered = True
