@@ -102,6 +102,11 @@ def main() -> None:
         if step.committed and step.index == args.break_after:
             break
 
+    if job.job_id is not None and job.rank == 0:
+        # for the test's leftover check: the job's private /dev/shm name (other jobs may run too)
+        from checkpointless.config import job_shm_name
+
+        Path(args.digest_out.replace("{rank}", "shm")).write_text(job_shm_name(job.job_id))
     h = hashlib.sha256()
     for name, t in sorted(net.state_dict().items()):
         h.update(name.encode() + t.contiguous().numpy().tobytes())
