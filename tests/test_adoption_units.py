@@ -115,7 +115,7 @@ def test_loaders_that_cannot_seek_are_refused_with_what_to_do() -> None:
         StepLoader(DataLoader(Counting(8), batch_size=2, shuffle=True))
     with pytest.raises(ConfigError, match="batch_size=None"):
         StepLoader(DataLoader(Counting(8), batch_size=None))
-    with pytest.raises(ConfigError, match="takes a torch.utils.data.DataLoader, got list"):
+    with pytest.raises(ConfigError, match=r"takes a torch\.utils\.data\.DataLoader, got list"):
         StepLoader([1, 2, 3])  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"num_replicas=2, but this job has 4.*num_replicas=job.world_size"):
         StepLoader(make()[1], dp_rank=0, dp_size=4)
