@@ -9,6 +9,7 @@ step) must have trained on the fault-free run's batch.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,27 @@ def check_bitwise(res: JobResult, ref: JobResult, faults: int) -> None:
     shm_name = (res.run_dir.parent / (res.run_dir.name + ".digest-shm")).read_text().strip()
     assert shm_name.startswith(f"checkpointless-{os.geteuid()}-")
     assert not (Path("/dev/shm") / shm_name).exists(), "shared memory left behind"
+    # DataLoader workers are not the launcher's children: find them by the job's private key,
+    # which every process of the job inherits. A worker whose rank died leaves by torch's own
+    # watchdog within about 5 s.
+    key = shm_name.rsplit("-", 1)[1].encode()
+    deadline = time.monotonic() + 20
+    while (left := processes_with_key(key)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes of the job (DataLoader workers?) were left behind: {left}"
+
+
+def processes_with_key(key: bytes) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"CHECKPOINTLESS_SHM_KEY=" + key in env and alive(int(d.name)):
+                out.append(int(d.name))
+    return out
 
 
 def commits(res: JobResult, field: str) -> dict[tuple[int, int], object]:
