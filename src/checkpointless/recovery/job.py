@@ -46,8 +46,13 @@ from checkpointless.errors import (
 )
 from checkpointless.events import EventLog, get_logger, set_log_step, setup_logging
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
+from checkpointless.recovery.amp import finish_cut_off_update, is_grad_scaler, reset_step_state
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
+from checkpointless.recovery.loader import StepLoader
+from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
 from checkpointless.recovery.rendezvous_client import make_store
+from checkpointless.recovery.rng import StepStreams
+from checkpointless.recovery.torchrun import export_torchrun_env
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import tensor_paths
 from checkpointless.state.shm_snapshot import (
@@ -115,6 +120,10 @@ class Job:
         self._modules: list[nn.Module] = []
         self._dps: list[DataParallel] = []
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._scalers: list[Any] = []  # GradScalers: per-step bookkeeping reset on a restart
+        self._loaders: list[StepLoader] = []
+        self._streams = StepStreams()
+        self._loop = LoopControl()
         self._dirty = False  # inside an optimizer update: state not valid if we fault now
         self._updated = False  # the current step's update has been applied
         self._step_index: int | None = None
@@ -228,6 +237,26 @@ class Job:
                 self._optimizers.append(obj)
                 obj.register_step_pre_hook(self._before_update)
                 obj.register_step_post_hook(self._after_update)
+            if is_grad_scaler(obj):
+                self._scalers.append(obj)
+
+    def loader(self, dataloader: Any) -> StepLoader:
+        """Make a map-style ``DataLoader`` step-addressable: ``.batch(step.index)`` (docs/adoption.md)."""
+        self._loaders.append(StepLoader(dataloader, dp_rank=self.rank, dp_size=self.world_size))
+        return self._loaders[-1]
+
+    def generator(self, name: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+        """Inside a step: a generator seeded from (seed, name, rank, step), for randomness that
+        differs per rank yet is reproduced by a replay or a replacement (recovery/rng.py)."""
+        inside = self._step_index is not None and self._step_index == self.committed_step
+        step = self._step_index if inside else None
+        return self._streams.get(name, seed=seed, rank=self.rank, step=step, device=device)
+
+    def stop(self) -> None:
+        """End the loop after the running step commits (or now, between steps). Call it on every
+        rank at the same step, from replicated values (an all-reduced loss, the step index)."""
+        inside = self._step_index is not None and self._step_index == self.committed_step
+        self._loop.request_stop(self.committed_step + 1 if inside else self.committed_step)
 
     def record(self, **fields: Any) -> None:
         """Attach fields (loss, a batch digest, ...) to this step's commit event."""
@@ -271,20 +300,33 @@ class Job:
                 "diverge; call job.track(model=..., optimizer=...) before job.steps()"
             )
         if self._link is not None:
+            self._objects[LOOP_STATE_NAME] = self._loop  # an early end travels to a replacement
             if self.is_replacement:
                 self._recover(cause="join", error=None, committed=-1, valid=False)
             else:
                 self._recover(cause="start", error=None, committed=0, valid=True)
-        while True:
-            if self.committed_step >= total:
-                if self._link is None or self._finish_barrier():
-                    break
-                continue
-            step = Step(self, self.committed_step)
-            yield step
+        step: Step | None = None
+        try:
+            while not self._finished(total):
+                step = Step(self, self.committed_step)
+                yield step
+        except GeneratorExit:  # the script left the loop with `break`
+            if step is None or not step.committed:  # an error escaping the loop, not a clean end
+                log.warning("left job.steps() in a step that did not commit: not a clean end")
+                return
+            self._loop.request_stop(self.committed_step)
+            while self._link is not None and not self._finish_barrier():
+                pass
+        for loader in self._loaders:
+            loader.close()
         if self._link is not None:
             self._link.send({"type": "done", "step": self.committed_step})
             _install_fast_exit()
+
+    def _finished(self, total: int) -> bool:
+        if self.committed_step < self._loop.end(total):
+            return False
+        return self._link is None or self._finish_barrier()
 
     def _finish_barrier(self) -> bool:
         # Nobody leaves before everyone has the final state: a rank that left early could be
@@ -305,6 +347,7 @@ class Job:
         self._updated = False
         self._record = {}
         self._step_rng = (index, capture_rng())
+        self._streams.begin_step()
         set_log_step(index)
         if self._snapshots is not None and self._snapshots.due(index):
             # the state as this step begins (its RNG included); copied while forward/backward run
@@ -400,6 +443,9 @@ class Job:
             committed, valid = index + 1, True
         else:
             committed, valid = index, True
+        if self._updated and not self._dirty:  # the update stands: so must its scaler update
+            for scaler in self._scalers:
+                finish_cut_off_update(scaler)
         self._dirty = False
         self._interrupted = (index, dict(self._record))
         if cause == "exception":
@@ -483,6 +529,8 @@ class Job:
                 resend = True
                 continue
             timings["stopped_s"] = t_stop
+            for scaler in self._scalers:  # every step starts again with scaled gradients
+                reset_step_state(scaler)
             self._progress_t = time.monotonic()  # the hang clock restarts with the new generation
             self._recovering = False
             self._first_commit_after_recovery = True
@@ -650,9 +698,10 @@ def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
     if env is None:
         setup_logging("rank 0")
         job._standalone()
+        export_torchrun_env(0, 1, keep_existing=True)
     else:
         setup_logging(f"{env.role} {env.worker_id}")
         job._connect()
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(job.rank), str(job.world_size)
+        export_torchrun_env(job.rank, job.world_size)  # RANK, WORLD_SIZE, LOCAL_RANK, ...
     _JOB = job
     return job

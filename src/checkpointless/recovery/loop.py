@@ -1,0 +1,38 @@
+"""Where the step loop ends, as state a replacement receives.
+
+A script may leave ``job.steps()`` before its total: ``break`` after a committed step, or
+``job.stop()`` inside one. Every rank takes that decision at the same step (it must be computed
+from replicated values, such as an all-reduced loss). The end travels with the tracked state, so a
+replacement that joins while the others wait at the final barrier ends its loop there too, rather
+than running steps nobody else runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LOOP_STATE_NAME", "LoopControl"]
+
+# the name under which the loop's own state travels next to the user's tracked objects
+LOOP_STATE_NAME = "checkpointless.loop"
+
+
+class LoopControl:
+    """The step count at which the loop ends early (``-1``: run to the total)."""
+
+    def __init__(self) -> None:
+        self.stop_at = -1
+
+    def end(self, total: int) -> int:
+        """The number of committed steps after which the loop ends."""
+        return total if self.stop_at < 0 else min(total, self.stop_at)
+
+    def request_stop(self, after: int) -> None:
+        # the earliest request wins: a replay asking again must not move the end later
+        self.stop_at = after if self.stop_at < 0 else min(self.stop_at, after)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stop_at": self.stop_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stop_at = int(state["stop_at"])

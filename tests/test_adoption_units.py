@@ -1,0 +1,187 @@
+"""Pure parts of the adoption helpers: StepLoader's index arithmetic, per-rank streams, the
+torchrun variables, the early loop end, GradScaler bookkeeping. Real DataLoaders and real
+GradScalers, in one process; the end-to-end fault tests are in test_adoption_e2e.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from checkpointless.errors import ConfigError
+from checkpointless.recovery.amp import finish_cut_off_update, reset_step_state
+from checkpointless.recovery.loader import StepLoader
+from checkpointless.recovery.loop import LoopControl
+from checkpointless.recovery.rng import StepStreams, stream_seed
+from checkpointless.recovery.torchrun import torchrun_env
+
+
+class Counting(Dataset[int]):
+    """Sample i is i; remembers which samples were read."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.read.append(i)
+        return i
+
+
+def make(n: int = 40, batch: int = 3, rank: int = 0, world: int = 2) -> tuple[Counting, DataLoader[int]]:
+    ds = Counting(n)
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=5)
+    return ds, DataLoader(ds, batch_size=batch, sampler=sampler, drop_last=True)
+
+
+def plain_epochs(dl: DataLoader[int], epochs: int) -> list[list[int]]:
+    """What a user's own `for epoch: sampler.set_epoch(epoch); for batch in dl` loop sees."""
+    out: list[list[int]] = []
+    for e in range(epochs):
+        dl.sampler.set_epoch(e)  # type: ignore[attr-defined]
+        out += [b.tolist() for b in dl]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_batches_follow_the_plain_epoch_loop_across_epochs() -> None:
+    _, dl = make()
+    want = plain_epochs(dl, 3)
+    loader = StepLoader(dl, dp_rank=0, dp_size=2)
+    assert loader.batches_per_epoch == 6  # 20 samples per rank, batches of 3, last dropped
+    assert [loader.batch(s).tolist() for s in range(18)] == want
+    assert loader.seeks == 0
+    loader.close()
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=25, deadline=None)
+@given(step=st.integers(0, 17))
+def test_a_seek_reads_no_sample_before_its_position(step: int) -> None:
+    _, ref = make()
+    want = plain_epochs(ref, 3)
+    ds, dl = make()
+    loader = StepLoader(dl)
+    assert loader.batch(step).tolist() == want[step]
+    # only the batch itself was read: the skipped part of the epoch cost index arithmetic alone
+    assert sorted(ds.read) == sorted(want[step])
+    assert loader.position(step) == divmod(step, 6)
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_returns_the_batch_it_holds_and_a_jump_back_seeks() -> None:
+    ds, dl = make()
+    loader = StepLoader(dl)
+    first = loader.batch(4)
+    n_read = len(ds.read)
+    assert loader.batch(4) is first and len(ds.read) == n_read  # replay: nothing read again
+    loader.batch(5)
+    again = loader.batch(2)  # a restore from an older snapshot goes back
+    assert loader.seeks == 1
+    assert again.tolist() == plain_epochs(make()[1], 1)[2]
+
+
+@pytest.mark.timeout(60)
+def test_workers_and_prefetch_give_the_same_batches() -> None:
+    _, dl = make()
+    want = plain_epochs(dl, 2)
+    ds = Counting(40)
+    sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=5)
+    dlw = DataLoader(ds, batch_size=3, sampler=sampler, drop_last=True, num_workers=2, prefetch_factor=2)
+    loader = StepLoader(dlw)
+    try:
+        assert [loader.batch(s).tolist() for s in (7, 8, 9, 10, 11)] == want[7:12]
+    finally:
+        loader.close()
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(10))
+
+
+@pytest.mark.timeout(60)
+def test_loaders_that_cannot_seek_are_refused_with_what_to_do() -> None:
+    with pytest.raises(ConfigError, match=r"cannot seek in the iterable dataset Stream.*map-style"):
+        StepLoader(DataLoader(Stream(), batch_size=2))
+    with pytest.raises(ConfigError, match=r"RandomSampler has no set_epoch.*DistributedSampler"):
+        StepLoader(DataLoader(Counting(8), batch_size=2, shuffle=True))
+    with pytest.raises(ConfigError, match="batch_size=None"):
+        StepLoader(DataLoader(Counting(8), batch_size=None))
+    with pytest.raises(ConfigError, match=r"takes a torch\.utils\.data\.DataLoader, got list"):
+        StepLoader([1, 2, 3])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"num_replicas=2, but this job has 4.*num_replicas=job.world_size"):
+        StepLoader(make()[1], dp_rank=0, dp_size=4)
+    with pytest.raises(ConfigError, match=r"rank=1, but this job has 0"):
+        StepLoader(make(rank=1)[1], dp_rank=0, dp_size=2)
+    with pytest.raises(ConfigError, match="non-zero number of batches"):
+        StepLoader(DataLoader(Counting(2), batch_size=3, drop_last=True))
+    # sequential order is a function of nothing: accepted
+    assert StepLoader(DataLoader(Counting(8), batch_size=2)).batch(3).tolist() == [6, 7]
+
+
+@pytest.mark.timeout(60)
+def test_streams_are_keyed_by_seed_name_rank_and_step() -> None:
+    seeds = {stream_seed(s, n, r, t) for s in (0, 1) for n in ("a", "b") for r in (0, 1) for t in (0, 1)}
+    assert len(seeds) == 16 and all(0 <= x < 2**63 for x in seeds)
+    assert stream_seed(3, "drop", 1, 9) == stream_seed(3, "drop", 1, 9)
+    streams = StepStreams()
+    g = streams.get("d", seed=1, rank=2, step=5, device="cpu")
+    first = torch.rand(4, generator=g)
+    # the same step, asked again: the stream continues; a replay (begin_step) starts it over
+    assert streams.get("d", seed=1, rank=2, step=5, device="cpu") is g
+    streams.begin_step()
+    again = torch.rand(4, generator=streams.get("d", seed=1, rank=2, step=5, device="cpu"))
+    assert torch.equal(first, again)
+    other_rank = torch.rand(4, generator=StepStreams().get("d", seed=1, rank=3, step=5, device="cpu"))
+    assert not torch.equal(first, other_rank)
+    with pytest.raises(ConfigError, match="outside a step"):
+        streams.get("d", seed=1, rank=0, step=None, device="cpu")
+    with pytest.raises(ConfigError, match="seed must be an int, got '7'"):
+        streams.get("d", seed="7", rank=0, step=1, device="cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_torchrun_variables_for_one_machine() -> None:
+    assert torchrun_env(2, 4) == {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}
+    with pytest.raises(ValueError, match="rank 4 is outside a world of 4"):
+        torchrun_env(4, 4)
+
+
+@pytest.mark.timeout(60)
+def test_loop_end_is_the_earliest_request_and_travels_as_state() -> None:
+    loop = LoopControl()
+    assert loop.end(20) == 20
+    loop.request_stop(7)
+    loop.request_stop(9)  # a later request never moves the end later
+    assert loop.end(20) == 7 and loop.end(5) == 5
+    other = LoopControl()
+    other.load_state_dict(loop.state_dict())
+    assert other.end(20) == 7
+
+
+@pytest.mark.timeout(60)
+def test_scaler_bookkeeping_reset_and_cut_off_update() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    scaler.scale(p.sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="unscale_"):
+        scaler.unscale_(opt)  # what a replay hits without the reset
+    assert not finish_cut_off_update(scaler)  # unscaled, not stepped: no update to finish
+    reset_step_state(scaler)
+    opt.zero_grad()
+    scaler.scale(p.sum()).backward()
+    scaler.unscale_(opt)
+    assert torch.equal(p.grad, torch.ones(3))  # unscaled exactly once
+    scaler.step(opt)
+    assert finish_cut_off_update(scaler)  # stepped, update cut off: the scale grows as it would
+    assert scaler.get_scale() == 8.0
