@@ -11,7 +11,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from types import FrameType
 
 import pytest
@@ -77,13 +76,13 @@ def netns_hosts() -> Iterator[Callable[..., NetnsCluster]]:
 
 
 @pytest.fixture
-def slurm_cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
+def slurm_cluster() -> Iterator[SlurmCluster]:
     """A running Slurm cluster (munged, slurmctld, 3 slurmd) private to this test; stopped after."""
     reason = slurm_unavailable_reason()
     if reason:
         _unavailable(reason)
     _exit_on_sigterm()
-    cluster = SlurmCluster(tmp_path / "slurm", nodes=3)
+    cluster = SlurmCluster(nodes=3)
     try:
         cluster.start()
         yield cluster
