@@ -9,7 +9,15 @@ from collections.abc import Callable
 
 import pytest
 
-from harness.hosts import PREFIX, NetemUnsupported, NetnsCluster, list_namespaces, sweep_stale
+from harness.fixtures import unavailable
+from harness.hosts import (
+    PREFIX,
+    NetemUnsupported,
+    NetnsCluster,
+    list_namespaces,
+    netns_unavailable_reason,
+    sweep_stale,
+)
 from harness.netprobe import start_tcp_echo, start_udp_receiver, tcp_roundtrip, udp_received, udp_send
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
@@ -128,10 +136,9 @@ def test_host_loss_kills_every_process_inside(netns_hosts: Make) -> None:
 
 
 def test_stale_namespaces_of_a_dead_run_are_swept() -> None:
-    from harness.hosts import netns_unavailable_reason
-
-    if netns_unavailable_reason():
-        pytest.skip(str(netns_unavailable_reason()))
+    reason = netns_unavailable_reason()
+    if reason:
+        unavailable(reason)
     # a namespace named as if by a run whose process is gone (pid 0 never owns anything)
     stale = f"{PREFIX}-0-abcdef-h0"
     subprocess.run(["ip", "netns", "add", stale], check=True, timeout=10)

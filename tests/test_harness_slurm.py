@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.fixtures import unavailable
 from harness.slurm import SlurmCluster, slurm_unavailable_reason, sweep_stale, tagged_pids
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
@@ -72,8 +73,9 @@ def test_node_set_down_while_a_job_runs_is_observable(slurm_cluster: SlurmCluste
 
 
 def test_stop_leaves_nothing_behind() -> None:
-    if slurm_unavailable_reason():
-        pytest.skip(str(slurm_unavailable_reason()))
+    reason = slurm_unavailable_reason()
+    if reason:
+        unavailable(reason)
     c = SlurmCluster(nodes=2)
     try:
         c.start()

@@ -19,10 +19,11 @@ from ._common import REQUIRE_ENV, HarnessUnavailable, required
 from .hosts import NetnsCluster, netns_unavailable_reason
 from .slurm import SlurmCluster, slurm_unavailable_reason
 
-__all__ = ["netns_hosts", "slurm_cluster"]
+__all__ = ["netns_hosts", "slurm_cluster", "unavailable"]
 
 
-def _unavailable(reason: str) -> None:
+def unavailable(reason: str) -> None:
+    """Skip the test for ``reason``, or fail it when the harness is required (CI)."""
     if required():
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1 makes this a failure, not a skip)", pytrace=False)
     pytest.skip(reason)
@@ -49,7 +50,7 @@ def netns_hosts() -> Iterator[Callable[..., NetnsCluster]]:
     """A factory: ``netns_hosts(3)`` -> a NetnsCluster of 3 hosts, removed after the test."""
     reason = netns_unavailable_reason()
     if reason:
-        _unavailable(reason)
+        unavailable(reason)
     _exit_on_sigterm()
     made: list[NetnsCluster] = []
 
@@ -57,7 +58,7 @@ def netns_hosts() -> Iterator[Callable[..., NetnsCluster]]:
         try:
             c = NetnsCluster(n, **kwargs)
         except HarnessUnavailable as e:
-            _unavailable(str(e))
+            unavailable(str(e))
             raise
         made.append(c)
         return c
@@ -80,7 +81,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     """A running Slurm cluster (munged, slurmctld, 3 slurmd) private to this test; stopped after."""
     reason = slurm_unavailable_reason()
     if reason:
-        _unavailable(reason)
+        unavailable(reason)
     _exit_on_sigterm()
     cluster = SlurmCluster(nodes=3)
     try:

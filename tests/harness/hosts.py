@@ -60,9 +60,9 @@ class NetemUnsupported(HarnessUnavailable):
     """The kernel has no sch_netem; delay/loss tests skip (never a CI failure: it is the kernel)."""
 
 
-def netns_unavailable_reason() -> str | None:
+def netns_unavailable_reason(euid: int | None = None) -> str | None:
     """Why this machine cannot run the namespace harness, or None when it can."""
-    if os.geteuid() != 0:
+    if (os.geteuid() if euid is None else euid) != 0:
         return "needs root (creates network namespaces); run `sudo make test` or in CI (.ci/run)"
     missing = missing_tools(["ip"])
     if missing:

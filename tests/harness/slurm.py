@@ -76,9 +76,9 @@ FINAL_STATES = frozenset(
 )
 
 
-def slurm_unavailable_reason() -> str | None:
+def slurm_unavailable_reason(euid: int | None = None) -> str | None:
     """Why this machine cannot run the Slurm harness, or None when it can."""
-    if os.geteuid() != 0:
+    if (os.geteuid() if euid is None else euid) != 0:
         return "needs root (runs slurmctld/slurmd as SlurmUser=root); run `sudo make test` or in CI (.ci/run)"
     missing = missing_tools(_TOOLS)
     if missing:
