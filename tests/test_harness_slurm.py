@@ -65,11 +65,16 @@ def test_node_set_down_while_a_job_runs_is_observable(slurm_cluster: SlurmCluste
     assert c.node_state(victim).startswith("down")
     end = c.wait(job, timeout=60)
     assert end.state == "NODE_FAIL", end
+    # the node stays DOWN (no job can land there) until it is resumed
+    time.sleep(1.0)
+    assert c.node_state(victim).startswith("down")
+    assert c.srun("-N3", "--immediate=3", "true", timeout=30).returncode != 0
     c.resume_node(victim)
     deadline = time.monotonic() + 30
     while c.node_state(victim) != "idle" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert c.node_state(victim) == "idle"
+    assert c.srun("-N3", "true", timeout=30).returncode == 0
 
 
 def test_stop_leaves_nothing_behind() -> None:

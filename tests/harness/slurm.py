@@ -21,11 +21,13 @@ leftovers are removed by :func:`sweep_stale` at the next start.
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import os
 import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -83,6 +85,18 @@ def slurm_unavailable_reason(euid: int | None = None) -> str | None:
     missing = missing_tools(_TOOLS)
     if missing:
         return f"missing {missing}: apt-get install slurmctld slurmd slurm-client munge"
+    # with NoInAddrAny, srun and slurmd bind to what this machine's name resolves to; refuse to
+    # run rather than listen on a real interface
+    name = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError as e:
+        return f"this machine's name {name!r} does not resolve ({e}): add '127.0.1.1 {name}' to /etc/hosts"
+    if not ipaddress.ip_address(addr).is_loopback:
+        return (
+            f"this machine's name {name!r} resolves to {addr}, not loopback, and srun would listen "
+            f"there: add '127.0.1.1 {name}' to /etc/hosts (before other lines naming it)"
+        )
     return None
 
 
@@ -333,7 +347,9 @@ class SlurmCluster:
             "SelectType=select/linear",
             # node config is authoritative: N small nodes on one small machine
             "SlurmdParameters=config_overrides",
-            "ReturnToService=2",
+            # a node a test set DOWN stays down until it resumes it (2 would return it as soon
+            # as its slurmd re-registers, within a second); one that stopped answering comes back
+            "ReturnToService=1",
             # fast reactions: a test waits seconds, not Slurm's production minutes
             "SlurmdTimeout=10",
             "KillWait=2",
