@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +173,43 @@ def test_bad_arguments_name_the_value(netns_hosts: Make) -> None:
     h0 = netns_hosts(1).hosts[0]
     with pytest.raises(ValueError, match="sideways"):
         h0.partition("sideways")  # type: ignore[arg-type]
+
+
+_OWNER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from harness._common import exit_on_sigterm
+from harness.hosts import NetnsCluster
+exit_on_sigterm()
+c = NetnsCluster(2)
+c.hosts[1].popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(" ".join(c.namespaces()), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_an_interrupted_or_killed_owner_leaves_nothing(sig: signal.Signals) -> None:
+    reason = netns_unavailable_reason()
+    if reason:
+        unavailable(reason)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER.format(tests=str(Path(__file__).parent))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None
+        names = owner.stdout.readline().split()
+        assert len(names) == 3 and set(names) <= set(list_namespaces())
+        owner.send_signal(sig)
+        owner.wait(timeout=30)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
+    if sig == signal.SIGKILL:
+        # no chance to clean up: the names stay until the next run's sweep (the owner pid is dead)
+        assert set(names) <= set(list_namespaces())
+        assert set(names) <= set(sweep_stale())
+    assert not set(names) & set(list_namespaces())

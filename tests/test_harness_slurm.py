@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,3 +122,38 @@ def _first_node(nodelist: str) -> str:
         prefix, rest = nodelist.split("[", 1)
         return prefix + rest.split("-", 1)[0].split(",", 1)[0].rstrip("]")
     return nodelist.split(",")[0]
+
+
+_OWNER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from harness.slurm import SlurmCluster
+c = SlurmCluster(nodes=2)
+c.start()
+c.sbatch("srun --ntasks-per-node=1 sleep 300\\n", "-N2")
+print(c.tag, c.base, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_owner_is_swept_by_the_next_run() -> None:
+    reason = slurm_unavailable_reason()
+    if reason:
+        unavailable(reason)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER.format(tests=str(Path(__file__).parent))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None
+        tag, base = owner.stdout.readline().split()
+        owner.kill()  # no cleanup at all: its daemons (own sessions) and the directory stay
+        owner.wait(timeout=30)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
+    assert tagged_pids(tag) and Path(base).exists()
+    assert Path(base) in sweep_stale(Path(base).parent)
+    assert tagged_pids(tag) == [] and not Path(base).exists()

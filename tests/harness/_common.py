@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from types import FrameType
 
 __all__ = [
     "REQUIRE_ENV",
     "HarnessError",
     "HarnessUnavailable",
     "check",
+    "exit_on_sigterm",
     "free_tcp_ports",
     "missing_tools",
     "owner_alive",
@@ -63,6 +68,22 @@ def check(argv: Sequence[str], *, timeout: float = 10.0, ok_codes: Sequence[int]
             f"{' '.join(argv)!r} exited {res.returncode}: {(res.stderr or res.stdout).strip()[-2000:]}"
         )
     return res.stdout
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so finalizers and atexit still remove namespaces and daemons.
+
+    Only when nobody else installed a handler, and only from the main thread (signal's rule).
+    """
+
+    def _raise(signum: int, frame: FrameType | None) -> None:
+        sys.exit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
+        signal.SIG_DFL,
+        None,
+    ):
+        signal.signal(signal.SIGTERM, _raise)
 
 
 def owner_alive(pid: int) -> bool:

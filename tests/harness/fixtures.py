@@ -7,15 +7,11 @@ skip with the missing prerequisite named, or fail instead when CHECKPOINTLESS_RE
 
 from __future__ import annotations
 
-import signal
-import sys
-import threading
 from collections.abc import Callable, Iterator
-from types import FrameType
 
 import pytest
 
-from ._common import REQUIRE_ENV, HarnessUnavailable, required
+from ._common import REQUIRE_ENV, HarnessUnavailable, exit_on_sigterm, required
 from .hosts import NetnsCluster, netns_unavailable_reason
 from .slurm import SlurmCluster, slurm_unavailable_reason
 
@@ -29,29 +25,13 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit, so finalizers and atexit still remove namespaces and daemons.
-
-    Only when nobody else installed a handler, and only from the main thread (signal's rule).
-    """
-
-    def _raise(signum: int, frame: FrameType | None) -> None:
-        sys.exit(128 + signum)
-
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
-        signal.SIG_DFL,
-        None,
-    ):
-        signal.signal(signal.SIGTERM, _raise)
-
-
 @pytest.fixture
 def netns_hosts() -> Iterator[Callable[..., NetnsCluster]]:
     """A factory: ``netns_hosts(3)`` -> a NetnsCluster of 3 hosts, removed after the test."""
     reason = netns_unavailable_reason()
     if reason:
         unavailable(reason)
-    _exit_on_sigterm()
+    exit_on_sigterm()
     made: list[NetnsCluster] = []
 
     def make(n: int, **kwargs: str) -> NetnsCluster:
@@ -82,7 +62,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     reason = slurm_unavailable_reason()
     if reason:
         unavailable(reason)
-    _exit_on_sigterm()
+    exit_on_sigterm()
     cluster = SlurmCluster(nodes=3)
     try:
         cluster.start()
