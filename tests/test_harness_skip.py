@@ -33,3 +33,32 @@ def test_failure_in_ci(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(REQUIRE_ENV, value)
     with pytest.raises(pytest.fail.Exception, match=f"needs root.*{REQUIRE_ENV}=1"):
         unavailable("needs root")
+
+
+def test_slurm_conf_gives_each_node_its_own_port_and_paths() -> None:
+    from pathlib import Path
+
+    from harness.slurm_conf import render_conf
+
+    text = render_conf(
+        base=Path("/tmp/cpls-1-abcdef"),
+        cluster_name="cplabcdef",
+        munge_socket=Path("/tmp/cpls-1-abcdef/munge/sock/munge.socket"),
+        ctld_port=7000,
+        node_ports={"n1": 7001, "n2": 7002},
+        cpus_per_node=1,
+    )
+    nodes = [line for line in text.splitlines() if line.startswith("NodeName=")]
+    assert [n.split()[0] for n in nodes] == ["NodeName=n1", "NodeName=n2"]
+    assert "Port=7001" in nodes[0] and "Port=7002" in nodes[1]
+    assert "SlurmdSpoolDir=/tmp/cpls-1-abcdef/spool/%n" in text and "slurmd-%n.log" in text
+    assert "NoInAddrAny" in text and "AuthInfo=socket=/tmp/cpls-1-abcdef/munge/sock/munge.socket" in text
+    with pytest.raises(ValueError, match="distinct"):
+        render_conf(
+            base=Path("/x"),
+            cluster_name="c",
+            munge_socket=Path("/x/s"),
+            ctld_port=7000,
+            node_ports={"n1": 7000},
+            cpus_per_node=1,
+        )

@@ -6,9 +6,9 @@ Every socket has a timeout; no probe can block a test past its deadline.
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ._common import HarnessError
@@ -20,15 +20,18 @@ _SCRIPT = str(Path(__file__).resolve().with_name("_probe.py"))
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], what: str, timeout: float = 20.0) -> None:
+    """Wait for the child's one "ready" line, at most ``timeout`` seconds."""
     assert proc.stdout is not None
-    # one line is all the child prints before serving; readline is bounded by the child's own
-    # start-up, and a dead child closes the pipe (b"")
-    deadline = time.monotonic() + timeout
-    line = proc.stdout.readline()
-    if line.strip() != b"ready" or time.monotonic() > deadline:
+    # select first, so a child wedged before printing cannot block us; a dead child makes the
+    # pipe readable with b""
+    readable, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if readable else b""
+    if line.strip() != b"ready":
         proc.kill()
         proc.wait(timeout=5.0)
-        raise HarnessError(f"{what} did not start (rc={proc.returncode}, said {line!r})")
+        raise HarnessError(
+            f"{what} did not start within {timeout:.0f}s (rc={proc.returncode}, said {line!r})"
+        )
 
 
 def start_tcp_echo(host: Host, port: int) -> subprocess.Popen[bytes]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._common import HarnessError, HarnessUnavailable, free_tcp_ports, missing_tools, owner_alive
+from .slurm_conf import render_conf
 
 __all__ = [
     "TAG_ENV",
@@ -312,62 +313,17 @@ class SlurmCluster:
 
     def _write_conf(self) -> None:
         ports = free_tcp_ports(1 + len(self.node_names))
-        b = self.base
-        lines = [
-            "# written by tests/harness/slurm.py for one test; removed when the test ends",
-            f"ClusterName=cpl{self.tag.rsplit('-', 1)[1]}",
-            "SlurmctldHost=localhost",
-            f"SlurmctldPort={ports[0]}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            f"AuthInfo=socket={self.munge_socket}",
-            "CredType=cred/munge",
-            # bind to what localhost resolves to, never to every interface
-            "CommunicationParameters=NoInAddrAny,NoCtldInAddrAny",
-            f"StateSaveLocation={b / 'state'}",
-            f"SlurmdSpoolDir={b / 'spool'}/%n",
-            f"SlurmctldPidFile={b / 'state'}/slurmctld.pid",
-            f"SlurmdPidFile={b / 'spool'}/%n/slurmd.pid",
-            f"SlurmctldLogFile={self.ctld_log}",
-            f"SlurmdLogFile={self.log_dir}/slurmd-%n.log",
-            f"TmpFS={b / 'tmp'}",
-            f"PlugStackConfig={b / 'etc' / 'plugstack.conf'}",
-            "SlurmctldDebug=info",
-            "SlurmdDebug=info",
-            # process tracking that needs no cgroup set-up (CI machines differ); stop() catches
-            # any process that escapes it through the tag in its environment
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/none",
-            "MpiDefault=none",
-            "SchedulerType=sched/builtin",
-            "SelectType=select/linear",
-            # node config is authoritative: N small nodes on one small machine
-            "SlurmdParameters=config_overrides",
-            # a node a test set DOWN stays down until it resumes it (2 would return it as soon
-            # as its slurmd re-registers, within a second); one that stopped answering comes back
-            "ReturnToService=1",
-            # fast reactions: a test waits seconds, not Slurm's production minutes
-            "SlurmdTimeout=10",
-            "KillWait=2",
-            "MessageTimeout=10",
-            "InactiveLimit=0",
-            "MinJobAge=600",
-            "SchedulerParameters=sched_interval=1",
-        ]
-        for node, port in zip(self.node_names, ports[1:], strict=True):
-            lines.append(
-                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
-                f"CPUs={self.cpus_per_node} RealMemory=256 State=UNKNOWN"
+        (self.base / "etc" / "plugstack.conf").write_text("")
+        self.conf.write_text(
+            render_conf(
+                base=self.base,
+                cluster_name=f"cpl{self.tag.rsplit('-', 1)[1]}",
+                munge_socket=self.munge_socket,
+                ctld_port=ports[0],
+                node_ports=dict(zip(self.node_names, ports[1:], strict=True)),
+                cpus_per_node=self.cpus_per_node,
             )
-        lines.append(
-            f"PartitionName=test Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE State=UP"
         )
-        (b / "etc" / "plugstack.conf").write_text("")
-        self.conf.write_text("\n".join(lines) + "\n")
 
     def _spawn(self, name: str, argv: list[str], log: Path) -> None:
         env = self.env()
