@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -34,8 +33,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._common import HarnessError, HarnessUnavailable, free_tcp_ports, missing_tools, owner_alive
+from ._common import HarnessError, HarnessUnavailable, free_tcp_ports, missing_tools
 from .slurm_conf import render_conf
+from .slurm_procs import BASE_PREFIX, DAEMON_COMMS, TAG_ENV, kill_tagged, proc_comm, sweep_stale, tagged_pids
 
 __all__ = [
     "TAG_ENV",
@@ -46,11 +46,6 @@ __all__ = [
     "tagged_pids",
 ]
 
-TAG_ENV = "CHECKPOINTLESS_SLURM_TAG"
-_BASE_PREFIX = "cpls"
-_DIR_RE = re.compile(rf"^{_BASE_PREFIX}-(\d+)-([0-9a-f]{{6}})$")
-# the cluster's own long-lived processes (slurmscriptd is slurmctld's script helper)
-_DAEMON_COMMS = frozenset({"munged", "slurmctld", "slurmscriptd", "slurmd"})
 _TOOLS = [
     "munged",
     "munge",
@@ -101,61 +96,6 @@ def slurm_unavailable_reason(euid: int | None = None) -> str | None:
     return None
 
 
-def tagged_pids(tag: str) -> list[int]:
-    """Every process whose environment carries ``CHECKPOINTLESS_SLURM_TAG=<tag>``."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
-            continue  # gone meanwhile, or a kernel thread
-        if needle in env.split(b"\0"):
-            found.append(int(entry))
-    return found
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _kill_tagged(tag: str, timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    killed: list[int] = []
-    while True:
-        pids = tagged_pids(tag)
-        if not pids:
-            return killed
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except ProcessLookupError:
-                pass
-        if time.monotonic() >= deadline:
-            raise HarnessError(f"Slurm processes {pids} (tag {tag}) survived SIGKILL for {timeout:.0f}s")
-        time.sleep(0.05)
-
-
-def sweep_stale(tmp: Path = Path("/tmp")) -> list[Path]:
-    """Kill the processes and remove the directories of clusters whose creating process is gone."""
-    removed = []
-    for d in tmp.glob(f"{_BASE_PREFIX}-*"):
-        m = _DIR_RE.match(d.name)
-        if m and not owner_alive(int(m.group(1))):
-            _kill_tagged(d.name, timeout=10.0)
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
-
-
 @dataclass(frozen=True)
 class JobInfo:
     """One job as ``scontrol show job`` reports it."""
@@ -193,7 +133,7 @@ class SlurmCluster:
             raise ValueError(f"cpus_per_node={cpus_per_node}: use 1 or more")
         self.node_names = [f"n{i + 1}" for i in range(nodes)]
         self.cpus_per_node = cpus_per_node
-        self.tag = f"{_BASE_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.tag = f"{BASE_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
         self.base = tmp / self.tag
         self.conf = self.base / "etc" / "slurm.conf"
         self.munge_socket = self.base / "munge" / "sock" / "munge.socket"
@@ -389,7 +329,7 @@ class SlurmCluster:
                 p.kill()
                 p.wait(timeout=5.0)
         try:
-            _kill_tagged(self.tag, timeout=10.0)
+            kill_tagged(self.tag, timeout=10.0)
         except HarnessError as e:
             errors.append(str(e))
         shutil.rmtree(self.base, ignore_errors=True)
@@ -479,7 +419,7 @@ class SlurmCluster:
 
     def job_pids(self) -> list[int]:
         """Processes of this cluster that are not its daemons: job scripts, slurmstepd, tasks."""
-        return [p for p in tagged_pids(self.tag) if _comm(p) not in _DAEMON_COMMS]
+        return [p for p in tagged_pids(self.tag) if proc_comm(p) not in DAEMON_COMMS]
 
     def scancel(self, job_id: int, *args: str) -> None:
         self._client(["scancel", *args, str(job_id)])
