@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit soak bench clean env
+.PHONY: demo test lint typecheck unit soak bench clean env harness
 
 env: $(STAMP)
 
@@ -24,9 +24,15 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+	$(BIN)/mypy --strict tests/harness
 
 test: lint typecheck
 	$(BIN)/python -m pytest -q -x --durations=15
+
+# only the multi-host harness tests (network namespaces, real Slurm); they need root, and skip
+# without it unless CHECKPOINTLESS_REQUIRE_HARNESS=1 (set by .ci/run) makes that a failure
+harness: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'netns or slurm' --durations=10
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak

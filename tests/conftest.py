@@ -7,7 +7,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from harness.fixtures import netns_hosts, slurm_cluster
 from jobs import JobResult, run_job
+
+__all__ = ["corpus", "netns_hosts", "reference", "slurm_cluster"]  # fixtures pytest finds here
 
 
 @pytest.fixture(scope="session")
