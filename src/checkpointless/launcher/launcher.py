@@ -31,7 +31,7 @@ from checkpointless.launcher.forkserver import (
     become_subreaper,
     reap_strays,
 )
-from checkpointless.launcher.model import LaunchConfig, Proc, ProcessHandle, Round
+from checkpointless.launcher.model import LaunchConfig, Proc, ProcessHandle, Round, checkpoint_root
 from checkpointless.launcher.output import OutputTail
 from checkpointless.launcher.policy import (
     FaultRecord,
@@ -53,6 +53,7 @@ from checkpointless.recovery.decisions import (
     plan_recovery,
     spare_policy,
 )
+from checkpointless.state.durable import remove_partial
 
 __all__ = ["LaunchConfig", "Launcher"]  # LaunchConfig re-exported for callers of this module
 
@@ -443,6 +444,8 @@ class Launcher:
                 "faults": self.cfg.faults,
                 "fired": sorted(self.fired),
                 "snapshot_every": self.cfg.snapshot_every,
+                "checkpoint_every": self.cfg.checkpoint_every,
+                "checkpoint_dir": str(checkpoint_root(self.cfg, self.run_dir, self.job_id)),
             }
         )
 
@@ -617,9 +620,13 @@ class Launcher:
         assert r is not None
         if gen != r.target or r.phase != "collect":
             return
-        snap = msg.get("snapshot_step")
+        snap, ckpt = msg.get("snapshot_step"), msg.get("checkpoint_step")
         r.reports[rank] = MemberReport(
-            rank, int(msg["committed_step"]), bool(msg["valid"]), int(snap) if snap is not None else None
+            rank,
+            int(msg["committed_step"]),
+            bool(msg["valid"]),
+            int(snap) if snap is not None else None,
+            int(ckpt) if ckpt is not None else None,
         )
         r.report_times[rank] = time.monotonic()
 
@@ -862,6 +869,7 @@ class Launcher:
         self.server.stop()
         self.observers.close()
         cleanup_job(self.run_dir, self.job_id)
+        remove_partial(checkpoint_root(self.cfg, self.run_dir, self.job_id))  # checkpoints stay, .tmp go
         try:
             self.secret_file.unlink()
         except OSError:
