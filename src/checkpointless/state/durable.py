@@ -7,8 +7,8 @@ fallback chain: replica, snapshot, checkpoint, stop.
 
 What is saved: the same state a peer would send (``snapshot.collect_state``: every tracked
 object's state, the RNG states as the step began, the step). It goes through ``codec.layout``
-with every tensor as its own message, and DCP writes a flat dict: ``manifest`` (the codec's JSON
-manifest as a uint8 tensor) and ``tensor/<i>`` (each tensor, typed). Why not hand DCP the nested
+and DCP writes a flat dict: ``manifest`` (the codec's JSON manifest as a uint8 tensor) and
+``message/<i>`` (each tensor of 64 KiB or more, typed; the small ones packed into uint8 messages). Why not hand DCP the nested
 state itself: DCP flattens nested dicts by turning every key into a string (and rebuilds any
 integer-keyed level as a list), so an optimizer's ``state`` dict ``{0: ...}`` would come back as
 ``{"0": ...}`` and ``load_state_dict`` would silently drop it. The codec's manifest keeps tuples,
@@ -79,6 +79,7 @@ log = get_logger()
 KEEP = 2  # complete checkpoints kept: the newest, and one more in case the newest is unreadable
 _NAME = re.compile(r"^step-(\d+)$")
 _PARTIAL = re.compile(r"^step-\d+\.(tmp|old)(-\d+)?$")
+_SOLO_MIN = 64 << 10
 _EVERY = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
 # DCP warns on every single-process save that it assumes one process: that is exactly our intent
@@ -189,17 +190,22 @@ def _prune(directory: Path) -> None:
 
 
 def _flat(state: Any) -> tuple[dict[str, torch.Tensor], int]:
-    """The dict DCP writes, and the tensors' bytes. Every tensor is its own codec message."""
-    lay = layout(state, solo_min=0)
+    """The dict DCP writes, and the tensors' bytes. Tensors of 64 KiB or more are messages of
+    their own (saved typed, straight from the live tensor); smaller ones are packed by the codec
+    into a few uint8 messages right here: DCP pays a planning and serialisation cost per item, and
+    a model's biases, norms and step counters are hundreds of items otherwise."""
+    lay = layout(state, solo_min=_SOLO_MIN)
     flat: dict[str, torch.Tensor] = {
         "manifest": torch.frombuffer(bytearray(lay.manifest_bytes()), dtype=torch.uint8)
     }
-    nbytes = 0
-    for meta, msg in zip(lay.manifest["tensors"], lay.messages, strict=True):
-        shape = [int(s) for s in meta["shape"]]
-        flat[f"tensor/{int(meta['msg'])}"] = msg.view(_dtype(meta["dtype"])).reshape(shape)
-        nbytes += int(meta["nbytes"])
-    return flat, nbytes
+    for meta in lay.manifest["tensors"]:
+        if meta["solo"]:
+            i = int(meta["msg"])
+            shape = [int(s) for s in meta["shape"]]
+            lay.messages[i] = lay.messages[i].view(_dtype(meta["dtype"])).reshape(shape)
+    for i, msg in enumerate(lay.messages):
+        flat[f"message/{i}"] = msg
+    return flat, sum(int(m["nbytes"]) for m in lay.manifest["tensors"])
 
 
 def _publish(directory: Path, step: int) -> Path:
@@ -380,12 +386,12 @@ def load_checkpoint(directory: Path, step: int, into: Any = None) -> tuple[Any, 
         dcp.load(raw, storage_reader=dcp.FileSystemReader(path), no_dist=True)
         manifest = parse_manifest(raw["manifest"].numpy().tobytes())
         buffers, in_place = receive_buffers(manifest, into)
-        flat: dict[str, torch.Tensor] = {}
+        flat: dict[str, torch.Tensor] = {f"message/{i}": b for i, b in enumerate(buffers)}
         for meta in manifest["tensors"]:
-            i = int(meta["msg"])
-            flat[f"tensor/{i}"] = (
-                buffers[i].view(_dtype(meta["dtype"])).reshape([int(s) for s in meta["shape"]])
-            )
+            if meta["solo"]:  # saved typed: load through a typed view of the same memory
+                i = int(meta["msg"])
+                shape = [int(s) for s in meta["shape"]]
+                flat[f"message/{i}"] = buffers[i].view(_dtype(meta["dtype"])).reshape(shape)
         dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=True)
         state = unpack(manifest, buffers)
     except FileNotFoundError:
