@@ -6,14 +6,14 @@ lost), the last resort is a checkpoint on disk, ideally on shared storage. It is
 fallback chain: replica, snapshot, checkpoint, stop.
 
 What is saved: the same state a peer would send (``snapshot.collect_state``: every tracked
-object's state, the RNG states as the step began, the step). It goes through ``codec.layout``
+object's state, the RNG states as the step began, the step). It goes through ``codec.layout``,
 and DCP writes a flat dict: ``manifest`` (the codec's JSON manifest as a uint8 tensor) and
-``message/<i>`` (each tensor of 64 KiB or more, typed; the small ones packed into uint8 messages). Why not hand DCP the nested
-state itself: DCP flattens nested dicts by turning every key into a string (and rebuilds any
-integer-keyed level as a list), so an optimizer's ``state`` dict ``{0: ...}`` would come back as
-``{"0": ...}`` and ``load_state_dict`` would silently drop it. The codec's manifest keeps tuples,
-integer keys, floats and NumPy RNG state exact, so the round trip is bitwise, and nothing of ours
-needs DCP's pickled "bytes" items.
+``message/<i>`` (each tensor of 64 KiB or more, typed; the small ones packed into uint8
+messages). Why not hand DCP the nested state itself: DCP's unflattening rebuilds each level from
+its key path and reads an integer key as a list index, so an optimizer's ``state`` dict
+``{0: ...}`` would not come back as that dict. The codec's manifest keeps tuples, integer keys,
+floats and NumPy RNG state exact, so the round trip is bitwise, and nothing of ours needs DCP's
+pickled "bytes" items.
 
 How it stays off the training thread, yet consistent: when a due step begins, the state is
 collected and every tensor that is *not* a parameter or optimizer state is cloned at once (they
@@ -21,7 +21,9 @@ are small, and a forward pass may change buffers). The rest is staged to CPU mem
 ``DefaultStager`` on its staging thread while forward and backward run; the job's optimizer
 pre-hook waits for that staging (:meth:`CheckpointWriter.wait_staged`) before any update starts.
 DCP's upload thread then writes the files. The stager is kept for the writer's life, so its CPU
-copies are reused from one checkpoint to the next instead of allocated again.
+copies are reused from one checkpoint to the next instead of allocated again. (Not yet for GPU
+state: ``codec.layout`` copies a device tensor to the host on the training thread; handing DCP
+the device tensors themselves would move that copy to the staging thread. Untested on a GPU.)
 
 Why a crash never leaves a half checkpoint that looks whole: DCP writes into ``step-<N>.tmp``;
 only when its metadata file is written (DCP's own mark of a complete checkpoint) is the directory
