@@ -237,7 +237,7 @@ def test_every_rank_killed_without_snapshots_restores_from_the_checkpoint(
     ref = reference(3)
     run_dir = tmp_path / "run"
     stop = threading.Event()
-    # rank 0 sleeps 5 s as step 3 begins (its checkpoint of step 3 is written meanwhile); the
+    # rank 0 sleeps 8 s as step 3 begins (room for a slow disk on a busy machine) (its checkpoint of step 3 is written meanwhile); the
     # others wait for it in the all-reduce; then every rank is SIGKILLed at the same moment
     killer = threading.Thread(target=_kill_every_rank_after_checkpoint, args=(run_dir, 3, stop), daemon=True)
     killer.start()
@@ -247,7 +247,7 @@ def test_every_rank_killed_without_snapshots_restores_from_the_checkpoint(
             corpus,
             nproc=3,
             spares=3,
-            faults=["slow:rank=0:step=3:seconds=5"],
+            faults=["slow:rank=0:step=3:seconds=8"],
             extra=["--snapshot-every", "0", "--checkpoint-every", "3"],
             timeout=240,
         )
