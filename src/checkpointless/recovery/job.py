@@ -51,7 +51,13 @@ from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import tensor_paths
-from checkpointless.state.durable import CheckpointWriter, newest_checkpoint, parse_every, restore_checkpoint
+from checkpointless.state.durable import (
+    CheckpointWriter,
+    newest_checkpoint,
+    parse_every,
+    preload,
+    restore_checkpoint,
+)
 from checkpointless.state.shm_snapshot import (
     SnapshotWriter,
     guarded_pointers,
@@ -193,6 +199,8 @@ class Job:
         if msg.get("checkpoint_dir"):
             self._checkpoint_dir = Path(msg["checkpoint_dir"])
             ckpt_every = parse_every(msg.get("checkpoint_every", "0"))
+            if not ckpt_every.off:
+                preload()  # every rank may have to load one after a loss of every replica
             if self.rank == 0 and not ckpt_every.off:
                 # one writer, as for snapshots: replicas are identical after each commit
                 self._checkpoints = CheckpointWriter(self._checkpoint_dir, ckpt_every)

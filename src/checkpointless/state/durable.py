@@ -50,10 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from checkpointless.errors import ConfigError, StateTransferError
 from checkpointless.events import get_logger
@@ -71,6 +67,7 @@ __all__ = [
     "load_checkpoint",
     "newest_checkpoint",
     "parse_every",
+    "preload",
     "remove_partial",
     "restore_checkpoint",
     "save_checkpoint",
@@ -86,6 +83,27 @@ _EVERY = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
 # DCP warns on every single-process save that it assumes one process: that is exactly our intent
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _dcp() -> Any:
+    # imported on first use: it adds about half a second to a worker's start-up, and most jobs
+    # never save a checkpoint (the fork server's template imports torch, not this)
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _checkpoint_error() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    exc: type[BaseException] = CheckpointException
+    return exc
+
+
+def preload() -> None:
+    """Import DCP now (a rank that may save or load a checkpoint calls this before training), so
+    the import's half second lands neither on a training step nor inside a recovery."""
+    _dcp()
 
 
 @dataclass(frozen=True)
@@ -231,7 +249,7 @@ def save_checkpoint(directory: Path, step: int, state: Any) -> CheckpointInfo:
     _private_dir(directory)
     remove_partial(directory)
     flat, nbytes = _flat(state)
-    dcp.save(flat, checkpoint_id=directory / f"step-{step}.tmp", no_dist=True)
+    _dcp().save(flat, checkpoint_id=directory / f"step-{step}.tmp", no_dist=True)
     final = _publish(directory, step)
     return CheckpointInfo(step, final, nbytes, 0.0, time.monotonic() - t0)
 
@@ -243,6 +261,8 @@ class CheckpointWriter:
     def __init__(self, directory: Path, every: CheckpointEvery) -> None:
         self.directory = directory
         self.every = every
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
         self._stager = DefaultStager(
             StagingOptions(
                 use_pinned_memory=False,
@@ -286,7 +306,7 @@ class CheckpointWriter:
         self._idle.clear()
         self._cancel.clear()
         try:
-            resp = dcp.async_save(
+            resp = _dcp().async_save(
                 flat,
                 checkpoint_id=self.directory / f"step-{step}.tmp",
                 async_stager=self._stager,
@@ -329,7 +349,7 @@ class CheckpointWriter:
                     info.stage_s,
                     info.total_s,
                 )
-        except (Exception, CheckpointException) as e:  # a failed save must not fail training
+        except (Exception, _checkpoint_error()) as e:  # a failed save must not fail training
             log.warning("checkpoint of step %d failed: %s", step, e)
             shutil.rmtree(tmp, ignore_errors=True)
         finally:
@@ -353,7 +373,7 @@ class CheckpointWriter:
                         "checkpoint staging took over %.0f s; cancelled it, the older ones stay", timeout
                     )
                     break
-            except (Exception, CheckpointException):
+            except (Exception, _checkpoint_error()):
                 break  # the save failed; _finish logs it
         return time.monotonic() - t0
 
@@ -376,6 +396,9 @@ def load_checkpoint(directory: Path, step: int, into: Any = None) -> tuple[Any, 
     tensors of the same path, dtype and shape (the caller's live state) where it has them. An
     unreadable checkpoint is refused with :class:`StateTransferError` and renamed aside, so the
     next recovery round plans with the older one."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    dcp = _dcp()
     path = checkpoint_path(directory, step)
     t0 = time.monotonic()
     try:
@@ -398,7 +421,7 @@ def load_checkpoint(directory: Path, step: int, into: Any = None) -> tuple[Any, 
         state = unpack(manifest, buffers)
     except FileNotFoundError:
         raise StateTransferError(f"checkpoint of step {step} ({path}) is gone") from None
-    except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
+    except (Exception, _checkpoint_error()) as e:  # DCP's own error is a BaseException
         aside = directory / f"step-{step}.bad-{os.getpid()}"
         try:
             os.rename(path, aside)
