@@ -63,6 +63,10 @@ RUN_CASES = [
     (["--run-dir", "{tmp}/afile/run"], "is under '{tmp}/afile', which is a file"),
     (["--run-dir", "{tmp}/afile"], "'{tmp}/afile' exists and is not a directory"),
     (["--run-dir", ""], "--run-dir is empty"),
+    (["--checkpoint-every", "5d"], "--checkpoint-every '5d' is not a step count or a time"),
+    (["--checkpoint-every", "-2"], "give 0 (off), a number of steps such as 500, or a time such as 90s"),
+    (["--checkpoint-dir", "{tmp}/afile/ck"], "'{tmp}/afile' is not a directory"),
+    (["--checkpoint-dir", ""], "--checkpoint-dir is empty"),
 ]
 
 

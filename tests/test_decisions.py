@@ -145,3 +145,35 @@ def test_a_valid_replica_wins_over_a_snapshot() -> None:
 def test_no_replica_and_no_snapshot_names_the_setting() -> None:
     with pytest.raises(NotRecoverableError, match="snapshot-every"):
         plan_recovery([MemberReport(0, 3, False, None), MemberReport(1, -1, False, None)])
+
+
+def _lost(rank: int, snap: int | None, ckpt: int | None, committed: int = -1) -> MemberReport:
+    return MemberReport(rank, committed, False, snapshot_step=snap, checkpoint_step=ckpt)
+
+
+def test_no_replica_and_no_snapshot_restores_the_newest_checkpoint_on_every_rank() -> None:
+    # --snapshot-every 0 (or the host's memory was lost): the durable checkpoint is what is left
+    plan = plan_recovery([_lost(0, None, 9), _lost(1, None, 6), _lost(2, None, None, committed=11)])
+    assert (plan.target_step, plan.source, plan.receivers) == (9, -1, (0, 1, 2))
+    assert plan.from_checkpoint and not plan.from_snapshot
+    assert plan.to_json()["from_checkpoint"] is True and "from_snapshot" not in plan.to_json()
+
+
+def test_the_newer_of_snapshot_and_checkpoint_wins_and_a_tie_goes_to_the_snapshot() -> None:
+    newer_ckpt = plan_recovery([_lost(0, 4, 10), _lost(1, 4, 10)])
+    assert (newer_ckpt.target_step, newer_ckpt.from_checkpoint, newer_ckpt.from_snapshot) == (10, True, False)
+    newer_snap = plan_recovery([_lost(0, 12, 10), _lost(1, None, 10)])
+    assert (newer_snap.target_step, newer_snap.from_snapshot, newer_snap.from_checkpoint) == (12, True, False)
+    tie = plan_recovery([_lost(0, 10, 10), _lost(1, 10, 10)])
+    assert tie.from_snapshot and not tie.from_checkpoint  # memory is faster to read than the disk
+
+
+def test_a_valid_replica_wins_over_a_checkpoint() -> None:
+    plan = plan_recovery([MemberReport(0, 7, True, None, 9), _lost(1, None, 9)])
+    assert (plan.target_step, plan.source, plan.from_checkpoint) == (7, 0, False)
+    assert "from_checkpoint" not in plan.to_json()
+
+
+def test_nothing_left_names_both_settings() -> None:
+    with pytest.raises(NotRecoverableError, match=r"--snapshot-every.*--checkpoint-every"):
+        plan_recovery([_lost(0, None, None, committed=3), _lost(1, None, None)])

@@ -15,6 +15,8 @@ def _run(args: argparse.Namespace) -> int:
     from checkpointless.launcher.launcher import LaunchConfig, Launcher
     from checkpointless.rendezvous import port_range_from_env
 
+    if args.checkpoint_dir is not None and not args.checkpoint_dir.strip():
+        raise ConfigError("--checkpoint-dir is empty; name a directory, e.g. --checkpoint-dir /shared/ckpt")
     if args.run_dir is not None and not args.run_dir.strip():
         # Path("") is ".", which would scatter the run's files over the current directory
         raise ConfigError("--run-dir is empty; name a directory, e.g. --run-dir runs/try1")
@@ -46,6 +48,8 @@ def _run(args: argparse.Namespace) -> int:
         plain=args.plain,
         max_restarts=args.max_restarts,
         snapshot_every=args.snapshot_every,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir is not None else None,
         metrics_port=args.metrics_port,
         progress=args.progress,
     )
@@ -135,6 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=50,
         help="steps between verified snapshots of the state in shared memory, used when every "
         "replica dies (0: off; default 50)",
+    )
+    run.add_argument(
+        "--checkpoint-every",
+        default="0",
+        metavar="N|TIME",
+        help="durable torch.distributed.checkpoint saves, written off the training thread by rank 0 "
+        "every N steps or every TIME (90s, 10m, 1h); used when no replica and no snapshot survives "
+        "(default 0: off)",
+    )
+    run.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="where checkpoints go, in a folder per job (default <run dir>/checkpoints; "
+        "on a cluster, shared storage); kept after the job",
     )
     run.add_argument("--max-restarts", type=int, default=3, help="with --plain: restarts before giving up")
     run.add_argument(

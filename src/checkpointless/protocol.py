@@ -102,6 +102,7 @@ class Stopped(Message):
     error: str | None = None
     step: int | None = None  # the step that was running
     snapshot_step: int | None = None  # newest complete shared-memory snapshot it can see
+    checkpoint_step: int | None = None  # newest complete durable checkpoint it can see
     time: float = 0.0
 
 
@@ -149,6 +150,8 @@ class Assign(Message):
     faults: list[str] = field(default_factory=list)
     fired: list[str] = field(default_factory=list)
     snapshot_every: int = 0
+    checkpoint_every: str = "0"  # durable checkpoints: "0" (off), steps or a time (state/durable.py)
+    checkpoint_dir: str = ""  # where this job's checkpoints are ("" without any)
 
 
 @dataclass(frozen=True)

@@ -51,10 +51,13 @@ __all__ = ["Coordinator"]
 
 
 class Coordinator:
-    def __init__(self, cfg: LaunchConfig, job_id: str, rendezvous: dict[str, Any]) -> None:
+    def __init__(
+        self, cfg: LaunchConfig, job_id: str, rendezvous: dict[str, Any], checkpoint_dir: str = ""
+    ) -> None:
         self.cfg = cfg
         self.job_id = job_id
         self.rendezvous = rendezvous
+        self.checkpoint_dir = checkpoint_dir  # where durable checkpoints go ("" when they are off)
         self.procs: dict[int, Member] = {}  # live processes, by worker id
         self.ranks: dict[int, Member] = {}  # rank -> the process holding it
         self.next_worker_id = 0
@@ -184,6 +187,8 @@ class Coordinator:
                 faults=list(self.cfg.faults),
                 fired=sorted(self.fired),
                 snapshot_every=self.cfg.snapshot_every,
+                checkpoint_every=str(self.cfg.checkpoint_every),
+                checkpoint_dir=self.checkpoint_dir,
             ),
         )
 
@@ -387,7 +392,9 @@ class Coordinator:
         assert r is not None
         if gen != r.target or r.phase != "collect":
             return
-        r.reports[rank] = MemberReport(rank, msg.committed_step, msg.valid, msg.snapshot_step)
+        r.reports[rank] = MemberReport(
+            rank, msg.committed_step, msg.valid, msg.snapshot_step, msg.checkpoint_step
+        )
         r.report_times[rank] = now
 
     def _advance_round(self, now: float) -> None:

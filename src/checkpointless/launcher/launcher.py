@@ -28,12 +28,13 @@ from checkpointless.config import ENV
 from checkpointless.coordinator import Coordinator, Emit, Kill, Log, Send, Spawn, Stop
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import Connection, ControlServer
-from checkpointless.launcher.model import LaunchConfig
+from checkpointless.launcher.model import LaunchConfig, checkpoint_root
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import cleanup_job, job_shm_dir
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
 from checkpointless.observe.hooks import start_observers
 from checkpointless.protocol import Hello, ProtocolError, decode, encode
+from checkpointless.state.checkpoint_dir import remove_partial
 
 __all__ = ["LaunchConfig", "Launcher"]  # LaunchConfig re-exported for callers of this module
 
@@ -116,7 +117,12 @@ class Launcher:
                 self.exit_code = run_plain(self, self.cfg.max_restarts)
                 self.stopping = "plain"
                 return self.exit_code
-            self.coordinator = Coordinator(self.cfg, self.job_id, self.store_desc)
+            self.coordinator = Coordinator(
+                self.cfg,
+                self.job_id,
+                self.store_desc,
+                str(checkpoint_root(self.cfg, self.run_dir, self.job_id)),
+            )
             self.coordinator.start(time.monotonic())
             self._execute()
             self._loop()
@@ -308,6 +314,7 @@ class Launcher:
         self.server.stop()
         self.observers.close()
         cleanup_job(self.run_dir, self.job_id)
+        remove_partial(checkpoint_root(self.cfg, self.run_dir, self.job_id))  # checkpoints stay, .tmp go
         try:
             self.secret_file.unlink()
         except OSError:

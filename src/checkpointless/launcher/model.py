@@ -14,8 +14,9 @@ from typing import Any
 
 from checkpointless.errors import ConfigError
 from checkpointless.faults.inject import parse_faults
+from checkpointless.state.checkpoint_dir import parse_every
 
-__all__ = ["MAX_PROCESSES", "LaunchConfig"]
+__all__ = ["MAX_PROCESSES", "LaunchConfig", "checkpoint_root"]
 
 MAX_PROCESSES = 1024  # workers plus spares: far more than one machine runs, far fewer than a typo asks
 _HOST_LOOKUP_S = 5.0
@@ -52,6 +53,9 @@ class LaunchConfig:
     max_start_failures: int = 3
     fork_server: bool = True  # start processes as forks of a template that imported torch once
     snapshot_every: int = 50  # steps between shared-memory snapshots (0: off); see docs/configuration.md
+    # durable DCP checkpoints: "0" (off), steps ("500") or a time ("10m"); see state/durable.py
+    checkpoint_every: str = "0"
+    checkpoint_dir: Path | None = None  # default <run dir>/checkpoints; the job's id is added below it
     metrics_port: int | None = None  # serve Prometheus /metrics on --host (0: any free port)
     progress: float | None = None  # seconds between one-line progress summaries
 
@@ -104,6 +108,9 @@ class LaunchConfig:
             raise ConfigError(
                 f"--snapshot-every must be 0 (off) or a number of steps (got {self.snapshot_every})"
             )
+        parse_every(self.checkpoint_every)
+        if self.checkpoint_dir is not None:
+            _check_checkpoint_dir(self.checkpoint_dir)
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
         if self.plain and self.rendezvous != "rootless":
@@ -114,6 +121,30 @@ class LaunchConfig:
         _check_host(self.host)
         _check_run_dir(self.run_dir if self.run_dir is not None else Path("runs"))
         parse_faults(self.faults, self.nproc)  # a bad spec fails now, not at step 40
+
+
+def checkpoint_root(cfg: LaunchConfig, run_dir: Path, job_id: str) -> Path:
+    """Where this job's checkpoints go: a folder named after the job below --checkpoint-dir (or
+    the run directory's ``checkpoints``), so another job's checkpoints in a shared directory are
+    never taken for this job's."""
+    return (cfg.checkpoint_dir if cfg.checkpoint_dir is not None else run_dir / "checkpoints") / job_id
+
+
+def _check_checkpoint_dir(path: Path) -> None:
+    if not str(path).strip():
+        raise ConfigError("--checkpoint-dir is empty; name a directory, e.g. --checkpoint-dir /shared/ckpt")
+    # the nearest part that exists decides: a file there, or no write access, fails at the first save
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(
+            f"--checkpoint-dir {str(path)!r}: {str(probe)!r} is not a directory; give a directory path"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--checkpoint-dir {str(path)!r}: {str(probe)!r} is not writable by this user; give a directory you can write"
+        )
 
 
 def _check_script(script: str) -> None:

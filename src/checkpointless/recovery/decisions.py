@@ -31,6 +31,8 @@ class MemberReport:
     valid: bool  # False: it died, or faulted in the middle of its own update, or is new
     # the newest complete shared-memory snapshot this member can see on its host (None: none)
     snapshot_step: int | None = None
+    # the newest complete durable (DCP) checkpoint this member can see (None: none, or off)
+    checkpoint_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class RecoveryPlan:
     source: int  # the rank that sends state; -1 when the state comes from a snapshot
     receivers: tuple[int, ...]  # ranks that take the source's state (or load the snapshot)
     from_snapshot: bool = False  # every rank loads the snapshot of target_step, then replays
+    from_checkpoint: bool = False  # every rank loads the durable checkpoint of target_step, then replays
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -48,6 +51,8 @@ class RecoveryPlan:
         }
         if self.from_snapshot:
             out["from_snapshot"] = True
+        if self.from_checkpoint:
+            out["from_checkpoint"] = True
         return out
 
 
@@ -64,6 +69,10 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     the state: every rank loads it (survivors too, since they may be ahead of it) and the steps
     since are replayed, which is exact because a step is a pure function of its index. A valid
     replica always wins over a snapshot: it is never older than the newest snapshot.
+
+    Below the snapshots lies the durable checkpoint (``--checkpoint-every``): used the same way
+    when it is newer than every snapshot (fewer steps to replay), or when no snapshot is left; on
+    a tie the snapshot wins, since it is read from memory, not from disk.
     """
     if not reports:
         raise NotRecoverableError("no members to plan a recovery for")
@@ -75,12 +84,16 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     valid = [r for r in reports if r.valid]
     if not valid:
         snaps = [r.snapshot_step for r in reports if r.snapshot_step is not None]
-        if snaps:
+        ckpts = [r.checkpoint_step for r in reports if r.checkpoint_step is not None]
+        if snaps and (not ckpts or max(snaps) >= max(ckpts)):
             return RecoveryPlan(max(snaps), -1, tuple(ranks), from_snapshot=True)
+        if ckpts:
+            return RecoveryPlan(max(ckpts), -1, tuple(ranks), from_checkpoint=True)
         raise NotRecoverableError(
-            "no rank holds a valid replica of the training state (every replica faulted or is new) "
-            "and no intact shared-memory snapshot is left (see --snapshot-every); "
-            "restart the job from a checkpoint"
+            "no rank holds a valid replica of the training state (every replica faulted or is new), "
+            "no intact shared-memory snapshot is left (--snapshot-every) and no complete durable "
+            "checkpoint exists (--checkpoint-every); keep snapshots on, and on a cluster add "
+            "--checkpoint-every with --checkpoint-dir on shared storage"
         )
     target = max(r.committed_step for r in valid)
     source = min(r.rank for r in valid if r.committed_step == target)

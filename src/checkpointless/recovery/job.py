@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,13 @@ from checkpointless.recovery.rng import StepStreams
 from checkpointless.recovery.torchrun import export_torchrun_env
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import tensor_paths
+from checkpointless.state.durable import (
+    CheckpointWriter,
+    newest_checkpoint,
+    parse_every,
+    preload,
+    restore_checkpoint,
+)
 from checkpointless.state.shm_snapshot import (
     SnapshotWriter,
     guarded_pointers,
@@ -141,6 +149,8 @@ class Job:
         self._batch_s: float | None = None  # this step's time until its batch was in the model
         self._arena: Arena | None = None  # a spare's paged-in room for the state it will receive
         self._snapshots: SnapshotWriter | None = None  # rank 0's shared-memory snapshots
+        self._checkpoints: CheckpointWriter | None = None  # rank 0's durable DCP checkpoints
+        self._checkpoint_dir: Path | None = None  # every rank reads it to report and restore
         self._record: dict[str, Any] = {}
         self._interrupted: tuple[int, dict[str, Any]] | None = None
         self._link: LauncherLink | None = None
@@ -195,6 +205,14 @@ class Job:
             # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
             # rather than a rotation keeps "one writer at a time" true, which pruning relies on.
             self._snapshots = SnapshotWriter(snapshot_dir(self.env.job_id), every)
+        if msg.get("checkpoint_dir"):
+            self._checkpoint_dir = Path(msg["checkpoint_dir"])
+            ckpt_every = parse_every(msg.get("checkpoint_every", "0"))
+            if not ckpt_every.off:
+                preload()  # every rank may have to load one after a loss of every replica
+            if self.rank == 0 and not ckpt_every.off:
+                # one writer, as for snapshots: replicas are identical after each commit
+                self._checkpoints = CheckpointWriter(self._checkpoint_dir, ckpt_every)
         specs = parse_faults(list(msg.get("faults", [])), self.world_size)
         self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
 
@@ -319,6 +337,9 @@ class Job:
                 pass
         for loader in self._loaders:
             loader.close()
+        if self._checkpoints is not None and not self._checkpoints.wait_idle(self.rendezvous_timeout):
+            # the process leaves with os._exit: a save still running would be cut off as a .tmp
+            log.warning("the last checkpoint was still being written after %.0f s", self.rendezvous_timeout)
         if self._link is not None:
             self._link.send({"type": "done", "step": self.committed_step})
             _install_fast_exit()
@@ -353,6 +374,12 @@ class Job:
             # the state as this step begins (its RNG included); copied while forward/backward run
             state = collect_state(self._objects, index, self._step_rng[1])
             self._snapshots.start(index, state, guarded_pointers(self._optimizers))
+        if self._checkpoints is not None and self._checkpoints.due(index, self._progress_t):
+            state = collect_state(self._objects, index, self._step_rng[1])
+            try:
+                self._checkpoints.start(index, state, guarded_pointers(self._optimizers))
+            except Exception as e:  # the disk's trouble must not fail a training step
+                log.warning("checkpoint of step %d not started: %s", index, e)
         try:
             self._site("step")
         except Exception as e:  # surfaced at the first hook inside the body (see _site)
@@ -373,6 +400,8 @@ class Job:
         self.comm.check()  # never apply an update from a generation that was aborted
         if self._snapshots is not None:  # the update must not change tensors still being copied
             self._snapshots.wait_copied(self.rendezvous_timeout)
+        if self._checkpoints is not None:  # nor tensors DCP is still staging
+            self._checkpoints.wait_staged(self.rendezvous_timeout)
         self._dirty = True
         if self._step_index is not None and self._injector.due("optimizer", self._step_index):
             # rehearse a fault half-way through the update: some parameters already changed
@@ -395,6 +424,9 @@ class Job:
         published = self._snapshots.take_published() if self._snapshots is not None else None
         if published is not None:
             self._record["snapshot"] = published.to_json()  # size and bound of the snapshot memory
+        saved = self._checkpoints.take_published() if self._checkpoints is not None else None
+        if saved is not None:
+            self._record["checkpoint"] = saved.to_json()
         if self._events is not None:
             self._events.emit("commit", step=index, generation=self.generation, **self._record)
         if self._first_commit_after_recovery and self._link is not None:
@@ -480,6 +512,8 @@ class Job:
         t_stop = time.monotonic()
         if self._snapshots is not None:  # a snapshot copy must end before a transfer overwrites state
             self._snapshots.wait_copied(self.rendezvous_timeout)
+        if self._checkpoints is not None:  # nor tensors DCP is still staging
+            self._checkpoints.wait_staged(self.rendezvous_timeout)
         for dp in self._dps:
             dp.reset()
         for opt in self._optimizers:
@@ -500,7 +534,8 @@ class Job:
             if resend:
                 snap = self._newest_snapshot()
                 msg_out = {"type": "stopped", "for_generation": gen, "time": time.time(), **report}
-                self._link.send({**msg_out, "snapshot_step": snap})
+                ckpt = newest_checkpoint(self._checkpoint_dir)
+                self._link.send({**msg_out, "snapshot_step": snap, "checkpoint_step": ckpt})
             resend = False
             msg = self._link.wait_for({"recover", "abort"}, deadline)
             if msg["type"] == "abort":
@@ -556,6 +591,14 @@ class Job:
         if plan.get("from_snapshot"):
             info.update(self._restore_snapshot(target))
             info["role"] = info["transport"] = "snapshot"
+        elif plan.get("from_checkpoint"):
+            if self._checkpoint_dir is None:
+                raise StateTransferError(
+                    "the plan restores a checkpoint, but this rank has no --checkpoint-dir"
+                )
+            info.update(restore_checkpoint(self._objects, self._checkpoint_dir, target))
+            info["role"] = info["transport"] = "checkpoint"
+            log.info("restored the checkpoint of step %d from %s", target, self._checkpoint_dir)
         elif self.rank == source and receivers:
             resume_rng = self._resume_rng(target)
             state = collect_state(self._objects, target, resume_rng)
