@@ -37,7 +37,8 @@ assert TINY[0] == "--steps"
 # A chaos run hits the same step again and again on purpose; the launcher's "same step keeps
 # failing" guard is for bad nodes, so it gets more room here. Start-up limit: a SIGSTOP before a
 # worker connects is only noticed by it.
-LAUNCH_EXTRA = ["--max-step-failures", "10", "--start-timeout", "60"]
+# The fault budget (--max-repeat-faults) likewise: chaos kills the same rank again and again.
+LAUNCH_EXTRA = ["--max-step-failures", "10", "--max-repeat-faults", "50", "--start-timeout", "60"]
 HANG_TIMEOUT = 4.0
 JOB_TIMEOUT = 480.0
 TRIGGER_TIMEOUT = 90.0  # a strike whose moment never comes is skipped after this long
