@@ -615,7 +615,9 @@ class Coordinator:
     def _tick(self, now: float, wall: float) -> None:
         for h in list(self.hosts.values()):
             if h.remote and not h.lost and now - h.last_seen > self.cfg.lease:
-                self._host_lost(h.host, f"no word from its agent for {self.cfg.lease:.1f} s (lease)", now, wall)
+                self._host_lost(
+                    h.host, f"no word from its agent for {self.cfg.lease:.1f} s (lease)", now, wall
+                )
         self._check_hangs(now, wall)
         if self.stopping is None:
             self._advance_round(now)

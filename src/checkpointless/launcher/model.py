@@ -132,6 +132,8 @@ class LaunchConfig:
             _check_checkpoint_dir(self.checkpoint_dir)
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
+        if self.plain and (self.agents_needed > 1 or not self.local_agent):
+            raise ConfigError("--plain runs on one machine; drop --nnodes/--spare-nodes or --plain")
         if self.plain and self.rendezvous != "rootless":
             raise ConfigError("--plain gives the script a root-less env:// rendezvous; drop --rendezvous tcp")
         if self.rendezvous not in ("rootless", "tcp"):

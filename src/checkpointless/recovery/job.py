@@ -750,6 +750,8 @@ def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
     else:
         setup_logging(f"{env.role} {env.worker_id}")
         job._connect()
-        export_torchrun_env(job.rank, job.world_size, placement=job.placement)  # RANK, WORLD_SIZE, LOCAL_RANK, ...
+        export_torchrun_env(
+            job.rank, job.world_size, placement=job.placement
+        )  # RANK, WORLD_SIZE, LOCAL_RANK, ...
     _JOB = job
     return job
