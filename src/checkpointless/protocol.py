@@ -35,6 +35,7 @@ __all__ = [
     "KillCmd",
     "Message",
     "Prepare",
+    "ProcConnected",
     "ProcExited",
     "ProcStarted",
     "ProcVerdict",
@@ -280,6 +281,14 @@ class SpawnCmd(Message):
 
 
 @dataclass(frozen=True)
+class ProcConnected(Message):
+    """A process of the agent's host said hello to the coordinator: it is no longer starting."""
+
+    TYPE: ClassVar[str] = "proc_connected"
+    worker_id: int
+
+
+@dataclass(frozen=True)
 class KillCmd(Message):
     TYPE: ClassVar[str] = "kill"
     worker_id: int
@@ -311,6 +320,7 @@ _TYPES: dict[str, type[Message]] = {
         AgentWelcome,
         SpawnCmd,
         KillCmd,
+        ProcConnected,
     )
 }
 

@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from checkpointless.protocol import (
     AgentWelcome,
     KillCmd,
     Message,
+    ProcConnected,
     ProcExited,
     ProcStarted,
     ProcVerdict,
@@ -86,12 +88,21 @@ class _Session:
         self.inbox = inbox
         self.w = w
         self.last_in = time.monotonic()
-        self.last_out = 0.0
+        self.broken = threading.Event()
+        self.done = threading.Event()
+        # heartbeats on a thread of their own: starting a process can block this agent's loop
+        # for seconds (the fork template's imports), longer than the coordinator's lease
+        threading.Thread(target=self._beat, daemon=True, name="cl-agent-beat").start()
+
+    def _beat(self) -> None:
+        while not self.done.wait(_HEARTBEAT_S):
+            if not self.send(AgentHeartbeat(time.time())):
+                self.broken.set()
+                return
 
     def send(self, msg: Message) -> bool:
         try:
             self.client.send(encode(msg))
-            self.last_out = time.monotonic()
             return True
         except OSError:
             return False
@@ -122,6 +133,8 @@ class _Session:
                     self.send(ProcStarted(msg.worker_id, address, pid))
                 elif isinstance(msg, KillCmd):
                     agent.kill(msg.worker_id, msg.why)
+                elif isinstance(msg, ProcConnected):
+                    agent.mark_connected(msg.worker_id)  # judged by heartbeats from now on
                 elif isinstance(msg, Shutdown):
                     return "shutdown"
             for seen in agent.poll(now):
@@ -129,7 +142,7 @@ class _Session:
                     self.send(ProcExited(seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail))
                 else:
                     self.send(ProcVerdict(seen.worker_id, seen.pid, seen.why))
-            if now - self.last_out >= _HEARTBEAT_S and not self.send(AgentHeartbeat(time.time())):
+            if self.broken.is_set():
                 return "fenced"
             if now - self.last_in > self.w.lease:
                 log.warning(
@@ -231,6 +244,7 @@ def _serve(
     secret_file: Path,
     stop: list[int],
 ) -> str:
+    session = _Session(client, inbox, w)  # heartbeats first: setting up (port probes) takes time
     env = agent_env(w, host, secret_file)
     os.environ[ENV.SHM_KEY] = w.shm_key  # job_shm_dir reads it
     cfg = AgentConfig(
@@ -254,8 +268,9 @@ def _serve(
     outcome = "fenced"
     try:
         agent.start()
-        outcome = _Session(client, inbox, w).run(agent, stop)
+        outcome = session.run(agent, stop)
     finally:
+        session.done.set()
         if outcome == "shutdown":
             agent.close(grace=5.0)  # the workers got their own shutdown and are finishing
             shutil.rmtree(job_shm_dir(w.job_id), ignore_errors=True)  # this host's shared memory

@@ -11,6 +11,7 @@ in the agent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from checkpointless.protocol import (
     AgentWelcome,
     Hello,
     KillCmd,
+    ProcConnected,
     ProcExited,
     ProcStarted,
     ProcVerdict,
@@ -54,6 +57,22 @@ __all__ = ["LaunchConfig", "Launcher"]  # LaunchConfig re-exported for callers o
 
 log = get_logger()
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def _hang_up(conn: Connection) -> None:
+    """End a connection from the decision loop. Only a shutdown, not a close: the server's
+    selector thread still has the socket registered, sees the end and closes it itself (closing
+    here would free the descriptor for reuse while it is still registered there)."""
+    with contextlib.suppress(OSError):
+        conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _beat_agents(agents: dict[int, Connection], stop: threading.Event) -> None:
+    """The coordinator's side of the lease, on a thread of its own: a decision loop busy for a
+    few seconds (starting a process, a slow disk) must not make every agent fence its host."""
+    while not stop.wait(0.5):
+        for conn in list(agents.values()):
+            conn.send(encode(AgentHeartbeat(time.time())))
 
 
 class Launcher:
@@ -85,7 +104,7 @@ class Launcher:
         self._agents: dict[int, Connection] = {}  # agent (host) id -> a remote agent's connection
         self._agent_of: dict[Connection, int] = {}
         self._next_host = 1 if cfg.local_agent else 0  # the embedded agent is host 0
-        self._beat = 0.0
+        self._beat_stop = threading.Event()
 
     # -- entry point ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -97,6 +116,9 @@ class Launcher:
             )
             self.server = ControlServer(self.cfg.host, self.cfg.control_port, self.secret)
             self.server.start()
+            threading.Thread(
+                target=_beat_agents, args=(self._agents, self._beat_stop), daemon=True, name="cl-agent-beat"
+            ).start()
             self.reaper = subprocess.Popen(
                 [sys.executable, "-m", "checkpointless.launcher.reaper", str(self.run_dir), self.job_id],
                 stdin=subprocess.PIPE,
@@ -289,10 +311,6 @@ class Launcher:
                 return
             self._drain_inbox()
             now, wall = time.monotonic(), time.time()
-            if now - self._beat >= 0.5:
-                self._beat = now
-                for conn in list(self._agents.values()):
-                    conn.send(encode(AgentHeartbeat(wall)))
             for seen in agent.poll(now) if agent is not None else []:
                 if isinstance(seen, ProcExit):
                     coord.on_exit(
@@ -322,7 +340,7 @@ class Launcher:
             msg = decode(raw)
         except ProtocolError as e:
             log.warning("closing a control connection: %s", e)
-            conn.close()
+            _hang_up(conn)
             return
         if conn in self._agent_of or isinstance(msg, AgentHello):
             self._from_agent(conn, msg, now)
@@ -330,11 +348,14 @@ class Launcher:
             return
         if isinstance(msg, Hello):
             if conn.worker_id is not None or not coord.on_connected(msg.worker_id, now):
-                conn.close()  # a process we did not start (or of a lost host), or a second hello
+                _hang_up(conn)  # a process we did not start (or of a lost host), or a second hello
             else:
                 conn.worker_id = msg.worker_id
                 self._conns[msg.worker_id] = conn
-                if agent is not None:
+                host = coord.procs[msg.worker_id].host
+                if host in self._agents:
+                    self._agents[host].send(encode(ProcConnected(msg.worker_id)))
+                elif agent is not None:
                     agent.mark_connected(msg.worker_id)
             self._execute()
             return
@@ -349,7 +370,7 @@ class Launcher:
         assert coord is not None
         if isinstance(msg, AgentHello):
             if conn in self._agent_of or conn.worker_id is not None or coord.stopping is not None:
-                conn.close()
+                _hang_up(conn)
                 return
             host = self._next_host
             self._next_host += 1
@@ -361,7 +382,7 @@ class Launcher:
             return
         host = self._agent_of[conn]
         if not coord.host_alive(host):
-            conn.close()  # a fenced host: its reports are about ranks that moved on
+            _hang_up(conn)  # a fenced host: its reports are about ranks that moved on
             return
         coord.on_agent_seen(host, now)
         if isinstance(msg, ProcStarted):
@@ -422,7 +443,7 @@ class Launcher:
         for host, conn in list(self._agents.items()):
             if not coord.host_alive(host):  # fenced: cut it off; it rejoins as a new agent
                 del self._agents[host]
-                conn.close()
+                _hang_up(conn)
 
     # -- the end -------------------------------------------------------------------------------
     def _release_agents(self, grace: float) -> None:
@@ -447,6 +468,7 @@ class Launcher:
         if self.agent is not None:
             self.agent.close(grace=3.0)
         self._release_agents(grace=8.0)
+        self._beat_stop.set()
         self.server.stop()
         self.observers.close()
         cleanup_job(self.run_dir, self.job_id)
