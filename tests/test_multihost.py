@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from harness.hosts import NetnsCluster
 from jobs import ROOT, TINY, JobResult, alive, read_digests, run_job
 
@@ -120,9 +121,7 @@ def _wait_for(cond: Any, deadline: float, what: str) -> None:
 
 @pytest.mark.netns
 @pytest.mark.timeout(240)
-def test_host_loss_moves_its_ranks_to_the_spare_host(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
-) -> None:
+def test_host_loss_moves_its_ranks_to_the_spare_host(netns_hosts: Any, tmp_path: Path, corpus: Path) -> None:
     ref = _reference(tmp_path / "ref", corpus)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
