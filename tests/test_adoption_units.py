@@ -150,7 +150,14 @@ def test_streams_are_keyed_by_seed_name_rank_and_step() -> None:
 
 @pytest.mark.timeout(60)
 def test_torchrun_variables_for_one_machine() -> None:
-    assert torchrun_env(2, 4) == {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}
+    assert torchrun_env(2, 4) == {
+        "RANK": "2",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "2",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "0",
+        "NODE_RANK": "0",
+    }
     with pytest.raises(ValueError, match="rank 4 is outside a world of 4"):
         torchrun_env(4, 4)
 

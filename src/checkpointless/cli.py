@@ -11,7 +11,35 @@ from checkpointless.errors import CheckpointlessError, ConfigError
 __all__ = ["main"]
 
 
-def _run(args: argparse.Namespace) -> int:
+def _placement(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(ranks, spare processes, ranks per node) from --nproc/--spares or the many-host flags."""
+    per_node = args.nproc_per_node if args.nproc_per_node is not None else args.nproc
+    if args.nnodes == 1 and args.spare_nodes == 0:
+        return per_node, args.spares, per_node  # one machine, as before
+    # many hosts: spare processes live on spare hosts, a node's worth each
+    return args.nnodes * per_node, args.spare_nodes * per_node, per_node
+
+
+def _agent(args: argparse.Namespace) -> int:
+    import os
+
+    from checkpointless.agent.remote import run_agent
+
+    order = args.node_order
+    if order is None:  # under Slurm, the node's place in the allocation
+        env = os.environ.get("SLURM_NODEID", "")
+        order = int(env) if env.isdigit() else -1
+    return run_agent(
+        args.coordinator,
+        args.host,
+        Path(args.secret_file),
+        order=order,
+        connect_timeout=args.connect_timeout,
+        rejoin=not args.no_rejoin,
+    )
+
+
+def _run(args: argparse.Namespace, local_agent: bool = True) -> int:
     from checkpointless.launcher.launcher import LaunchConfig, Launcher
     from checkpointless.rendezvous import port_range_from_env
 
@@ -23,11 +51,18 @@ def _run(args: argparse.Namespace) -> int:
     base, span = port_range_from_env(29600, 1000)
     args.port_base = base if args.port_base is None else args.port_base
     args.port_range = span if args.port_range is None else args.port_range
+    nproc, spares, per_node = _placement(args)
     cfg = LaunchConfig(
         script=args.script,
         script_args=args.script_args,
-        nproc=args.nproc,
-        spares=args.spares,
+        nproc=nproc,
+        spares=spares,
+        nnodes=args.nnodes,
+        nproc_per_node=per_node,
+        spare_nodes=args.spare_nodes,
+        lease=args.lease,
+        local_agent=local_agent,
+        agent_wait=args.agent_wait,
         run_dir=Path(args.run_dir) if args.run_dir is not None else None,
         hang_timeout=args.hang_timeout,
         hang_factor=args.hang_factor,
@@ -60,6 +95,46 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="checkpointless", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="launch a training script with workers and hot spares")
+    coord = sub.add_parser(
+        "coordinator",
+        help="run a job over many hosts: the coordinator only; every host runs `checkpointless agent`",
+    )
+    for p in (run, coord):
+        _job_flags(p)
+    agent = sub.add_parser("agent", help="run one host's processes for a coordinator elsewhere")
+    agent.add_argument(
+        "--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's control address"
+    )
+    agent.add_argument("--host", required=True, help="this host's address: its processes listen on it")
+    agent.add_argument(
+        "--secret-file",
+        required=True,
+        metavar="F",
+        help="the job's secret (the coordinator's <run dir>/secret)",
+    )
+    agent.add_argument(
+        "--node-order",
+        type=int,
+        default=None,
+        metavar="N",
+        help="placement hint: hosts with lower N become lower node ranks (default $SLURM_NODEID, else arrival)",
+    )
+    agent.add_argument(
+        "--connect-timeout", type=float, default=60.0, help="seconds to wait for the coordinator (default 60)"
+    )
+    agent.add_argument(
+        "--no-rejoin", action="store_true", help="exit once fenced instead of rejoining as a spare host"
+    )
+    data = sub.add_parser("data", help="dataset tools")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    data_sub.add_parser("prepare", help="tokenize text/JSONL into a token file", add_help=False)
+    sub.add_parser("simulate", help="goodput at scale: checkpointless vs checkpoint-restart", add_help=False)
+    sub.add_parser("status", help="one screen about a job, from its run directory", add_help=False)
+    sub.add_parser("report", help="goodput ledger, checkpoint-restart estimate and timeline", add_help=False)
+    return ap
+
+
+def _job_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--nproc", type=int, default=2, help="data-parallel workers (default 2)")
     run.add_argument("--spares", type=int, default=1, help="hot spare processes (default 1)")
     run.add_argument("--run-dir", help="where events.jsonl and per-rank logs go (default runs/<time>-<job>)")
@@ -172,15 +247,30 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="print a one-line summary every SECONDS (default 10)",
     )
+    run.add_argument("--nnodes", type=int, default=1, help="hosts that hold ranks (default 1: this machine)")
+    run.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="ranks per host (default --nproc); ranks go host-major",
+    )
+    run.add_argument(
+        "--spare-nodes", type=int, default=0, help="hot-spare hosts, each running a node's worth of spares"
+    )
+    run.add_argument(
+        "--lease",
+        type=float,
+        default=5.0,
+        help="seconds of silence after which a host is lost and its agent fences its workers (default 5)",
+    )
+    run.add_argument(
+        "--agent-wait",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every agent to join (default 300)",
+    )
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
-    data = sub.add_parser("data", help="dataset tools")
-    data_sub = data.add_subparsers(dest="data_command", required=True)
-    data_sub.add_parser("prepare", help="tokenize text/JSONL into a token file", add_help=False)
-    sub.add_parser("simulate", help="goodput at scale: checkpointless vs checkpoint-restart", add_help=False)
-    sub.add_parser("status", help="one screen about a job, from its run directory", add_help=False)
-    sub.add_parser("report", help="goodput ledger, checkpoint-restart estimate and timeline", add_help=False)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "coordinator":
+            return _run(args, local_agent=False)
+        if args.command == "agent":
+            return _agent(args)
     except CheckpointlessError as e:
         print(f"checkpointless: error: {e}", file=sys.stderr)
         return 2

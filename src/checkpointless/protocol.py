@@ -22,6 +22,9 @@ from checkpointless.errors import CheckpointlessError
 __all__ = [
     "VERSION",
     "Abort",
+    "AgentHeartbeat",
+    "AgentHello",
+    "AgentWelcome",
     "Assign",
     "Committed",
     "Done",
@@ -29,13 +32,19 @@ __all__ = [
     "Fired",
     "Heartbeat",
     "Hello",
+    "KillCmd",
     "Message",
     "Prepare",
+    "ProcConnected",
+    "ProcExited",
+    "ProcStarted",
+    "ProcVerdict",
     "ProtocolError",
     "Recover",
     "Recovered",
     "Shutdown",
     "SpareReady",
+    "SpawnCmd",
     "Stopped",
     "decode",
     "encode",
@@ -152,6 +161,11 @@ class Assign(Message):
     snapshot_every: int = 0
     checkpoint_every: str = "0"  # durable checkpoints: "0" (off), steps or a time (state/durable.py)
     checkpoint_dir: str = ""  # where this job's checkpoints are ("" without any)
+    # placement, host-major (coordinator/placement.py): torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE
+    # and GROUP_RANK; -1 from an older coordinator means "one machine" (local == global)
+    local_rank: int = -1
+    local_world_size: int = -1
+    node_rank: int = -1
 
 
 @dataclass(frozen=True)
@@ -186,6 +200,101 @@ class Shutdown(Message):
     reason: str | None = None
 
 
+# -- agent -> coordinator -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgentHello(Message):
+    """The first message on an agent's connection: the host it runs on and what it offers."""
+
+    TYPE: ClassVar[str] = "agent_hello"
+    host: str  # the address this host's processes listen on (the agent's --host)
+    slots: int = 0  # processes it may run (0: as many as the coordinator asks)
+    pid: int = 0
+    hostname: str = ""
+    order: int = -1  # a placement hint (Slurm's node id): lower first; -1 keeps arrival order
+
+
+@dataclass(frozen=True)
+class ProcStarted(Message):
+    TYPE: ClassVar[str] = "proc_started"
+    worker_id: int
+    store_address: str = ""
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class ProcExited(Message):
+    TYPE: ClassVar[str] = "proc_exited"
+    worker_id: int
+    code: int
+    own_failure: bool
+    detail: str = ""
+    tail: str = ""
+
+
+@dataclass(frozen=True)
+class ProcVerdict(Message):
+    """The agent's process table says a live process must go (stopped, wedged)."""
+
+    TYPE: ClassVar[str] = "proc_verdict"
+    worker_id: int
+    pid: int
+    why: str
+
+
+@dataclass(frozen=True)
+class AgentHeartbeat(Message):
+    """Both ways, every half second: each side fences the other after a lease of silence."""
+
+    TYPE: ClassVar[str] = "agent_heartbeat"
+    time: float = 0.0
+
+
+# -- coordinator -> agent -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgentWelcome(Message):
+    """The coordinator accepted an agent: its id, its lease and how to start the job's processes."""
+
+    TYPE: ClassVar[str] = "agent_welcome"
+    agent_id: int
+    lease: float
+    job_id: str
+    control: str  # host:port the workers connect to
+    run_dir: str
+    shm_key: str
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nproc: int = 1  # processes this host runs at most at once (sets the thread count)
+    rendezvous: str = "rootless"
+    port_base: int = 29600
+    port_range: int = 1000
+    hang_timeout: float = 10.0
+    start_timeout: float = 180.0
+    quiet_workers: bool = False
+    fork_server: bool = True
+
+
+@dataclass(frozen=True)
+class SpawnCmd(Message):
+    TYPE: ClassVar[str] = "spawn"
+    worker_id: int
+    role: str
+
+
+@dataclass(frozen=True)
+class ProcConnected(Message):
+    """A process of the agent's host said hello to the coordinator: it is no longer starting."""
+
+    TYPE: ClassVar[str] = "proc_connected"
+    worker_id: int
+
+
+@dataclass(frozen=True)
+class KillCmd(Message):
+    TYPE: ClassVar[str] = "kill"
+    worker_id: int
+    why: str = ""
+
+
 _TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -203,6 +312,15 @@ _TYPES: dict[str, type[Message]] = {
         Abort,
         Recover,
         Shutdown,
+        AgentHello,
+        ProcStarted,
+        ProcExited,
+        ProcVerdict,
+        AgentHeartbeat,
+        AgentWelcome,
+        SpawnCmd,
+        KillCmd,
+        ProcConnected,
     )
 }
 

@@ -18,7 +18,19 @@ from __future__ import annotations
 from typing import Any
 
 from checkpointless.coordinator.downtime import recovery_fields
-from checkpointless.coordinator.state import Command, Emit, Kill, Log, Member, Round, Send, Spawn, Stop
+from checkpointless.coordinator.placement import HostView, assign_hosts, pick_spares, placement, spare_host
+from checkpointless.coordinator.state import (
+    Command,
+    Emit,
+    HostState,
+    Kill,
+    Log,
+    Member,
+    Round,
+    Send,
+    Spawn,
+    Stop,
+)
 from checkpointless.errors import NotRecoverableError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.launcher.policy import FaultRecord, budget_verdict, progress_limit, start_failure_verdict
@@ -77,6 +89,8 @@ class Coordinator:
         self._fired_at: float | None = None  # wall time the last injected fault fired
         self._last_target: int | None = None
         self._same_target = 0
+        self.hosts: dict[int, HostState] = {}  # agent id -> its host (one machine: host 0 only)
+        self.started = False
         self._out: list[Command] = []
 
     # -- the shell's interface ----------------------------------------------------------------
@@ -84,11 +98,59 @@ class Coordinator:
         out, self._out = self._out, []
         return out
 
+    def add_host(self, host: int, address: str, remote: bool, now: float, order: int = -1) -> None:
+        """An agent joined. Before the start it is counted for placement; after it, it is a spare
+        host (a healed host too: it never gets its old ranks back, they have moved on)."""
+        self.hosts[host] = HostState(host, address, remote, now, order)
+        self._emit("host_joined", host=host, address=address, spare=self.started)
+        if self.started and self.stopping is None and self.round is None:
+            self._refill_spares(now)
+
+    def on_agent_seen(self, host: int, now: float) -> None:
+        h = self.hosts.get(host)
+        if h is not None:
+            h.last_seen = now
+
+    def host_alive(self, host: int) -> bool:
+        h = self.hosts.get(host)
+        return h is not None and not h.lost
+
+    def on_host_lost(self, host: int, why: str, now: float, wall: float) -> None:
+        """An agent went away (its connection closed, or its lease ran out): every process of
+        its host counts as dead, and nothing from that host is accepted again."""
+        self._guarded(self._host_lost, host, why, now, wall)
+
+    def _host_lost(self, host: int, why: str, now: float, wall: float) -> None:
+        h = self.hosts.get(host)
+        if h is None or h.lost:
+            return
+        h.lost = True
+        lost = sorted(wid for wid, m in self.procs.items() if m.host == host)
+        ranks = sorted(m.rank for m in self.procs.values() if m.host == host and m.rank is not None)
+        self._emit("host_lost", host=host, address=h.address, why=why, ranks=ranks, processes=len(lost))
+        self._log("warning", f"host {h.address} (agent {host}) lost: {why}; ranks {ranks} move to spares")
+        for wid in lost:
+            self._exited(wid, -9, False, f"host {h.address} lost: {why}", "", now, wall)
+
     def start(self, now: float) -> None:
         """Launch: the initial round, and one process per rank (spares come once it has formed)."""
+        if not self.hosts:  # one machine: the embedded agent is host 0
+            self.hosts[0] = HostState(0, self.cfg.host, False, now)
+        agents = [(h.host, h.order) for h in self.hosts.values()]
+        nodes, _spares = assign_hosts(agents, self.cfg.nnodes, self.cfg.spare_nodes)
+        by_node = {node: host for host, node in nodes.items()}
+        for host, node in nodes.items():
+            self.hosts[host].node_rank = node
+        self._emit(
+            "placement",
+            nodes={str(n): self.hosts[h].address for n, h in sorted(by_node.items())},
+            spare_hosts=[self.hosts[h].address for h in _spares],
+        )
+        self.started = True
         self.round = Round(target=0, initial=True, started=now)
         for rank in range(self.cfg.nproc):
-            m = self._spawn("worker", now)
+            m = self._spawn("worker", now, host=by_node[placement(rank, self.cfg.per_node).node_rank])
+            assert m is not None
             m.rank = rank
             self.ranks[rank] = m
 
@@ -162,22 +224,46 @@ class Coordinator:
         if m.connected and not m.exited:
             self._out.append(Send(m.worker_id, msg))
 
-    def _spawn(self, role: str, now: float) -> Member:
+    def _spawn(self, role: str, now: float, host: int | None = None) -> Member | None:
+        """Start a process; a spare goes to a spare host (None when no live host may take one)."""
+        if host is None:
+            host = self._spare_host()
+            if host is None:
+                self._log("warning", "no live spare host left for a new spare; the job runs without it")
+                return None
         wid = self.next_worker_id
         self.next_worker_id += 1
-        m = Member(worker_id=wid, role=role, spawned=now)
+        m = Member(worker_id=wid, role=role, spawned=now, host=host)
         self.procs[wid] = m
-        self._out.append(Spawn(wid, role))
+        self._out.append(Spawn(wid, role, host))
         return m
+
+    def _spare_host(self) -> int | None:
+        live = [h for h in self.hosts.values() if not h.lost]
+        views = [
+            HostView(
+                h.host,
+                sum(1 for m in self.ranks.values() if m.host == h.host),
+                sum(1 for m in self.procs.values() if m.host == h.host),
+            )
+            for h in live
+        ]
+        return spare_host(views, self.cfg.per_node, single_host=self.cfg.nnodes == 1 and len(self.hosts) == 1)
+
+    def _refill_spares(self, now: float) -> None:
+        while self._idle_spares() < self.cfg.spares:
+            if self._spawn("spare", now) is None:
+                return
 
     def _kill(self, m: Member, why: str) -> None:
         if not m.exited:
             m.killed_for = why
-            self._out.append(Kill(m.worker_id, why))
+            self._out.append(Kill(m.worker_id, why, m.host))
 
     def _assign(self, m: Member, rank: int, generation: int, now: float) -> None:
         m.rank = rank
         m.assigned_at = now
+        where = placement(rank, self.cfg.per_node)
         self._send(
             m,
             Assign(
@@ -189,6 +275,9 @@ class Coordinator:
                 snapshot_every=self.cfg.snapshot_every,
                 checkpoint_every=str(self.cfg.checkpoint_every),
                 checkpoint_dir=self.checkpoint_dir,
+                local_rank=where.local_rank,
+                local_world_size=where.local_world_size,
+                node_rank=where.node_rank,
             ),
         )
 
@@ -330,7 +419,7 @@ class Coordinator:
                 "replacement would too. Fix what its output shows" + (f":\n{tail}" if tail else "")
             )
         self._log("warning", f"spare {m.worker_id} exited (code {code}); starting another")
-        self._spawn("spare", now)
+        self._refill_spares(now)
 
     def _start_failed(self, rank: int, detail: str, tail: str) -> None:
         """A process died before it ever joined as its rank: count it against a respawn loop."""
@@ -433,11 +522,12 @@ class Coordinator:
 
     def _replace(self, r: Round, ranks: list[int], now: float) -> None:
         spares = [m for m in self.procs.values() if m.role == "spare" and m.rank is None]
-        ready = [m for m in spares if m.ready and m.connected]
+        pool = [(m.worker_id, m.host) for m in spares if m.ready and m.connected]
+        ready = [self.procs[wid] for wid in pick_spares(len(ranks), pool)]
         starting = [m for m in spares if not m.ready]
         if r.waiting_since is None:
             r.waiting_since = now
-        d = spare_policy(len(ready), len(starting), len(ranks), now - r.waiting_since, self.cfg.spare_wait)
+        d = spare_policy(len(pool), len(starting), len(ranks), now - r.waiting_since, self.cfg.spare_wait)
         if d.action == SpareAction.FAIL:
             raise NotRecoverableError(d.reason)
         for _ in range(d.spawn):
@@ -457,8 +547,7 @@ class Coordinator:
             r.replace.discard(rank)  # settled once the spare reports; re-added if it dies first
             self._emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)
             self._log("info", f"spare {spare.worker_id} takes rank {rank}")
-            if self._idle_spares() < self.cfg.spares:
-                self._spawn("spare", now)  # refill the pool in the background
+            self._refill_spares(now)  # refill the pool in the background
         r.waiting_since = None
 
     def _on_recovered(self, m: Member, msg: Recovered, now: float) -> None:
@@ -477,8 +566,7 @@ class Coordinator:
         if r.initial:
             self._log("info", f"generation {r.target} formed in {now - r.started:.2f} s after launch")
             self._emit("started", generation=r.target, seconds=now - r.started)
-            while self._idle_spares() < self.cfg.spares:
-                self._spawn("spare", now)
+            self._refill_spares(now)
             return
         self.pending = r
         self.first_commits = {}
@@ -525,6 +613,11 @@ class Coordinator:
 
     # -- time ---------------------------------------------------------------------------------
     def _tick(self, now: float, wall: float) -> None:
+        for h in list(self.hosts.values()):
+            if h.remote and not h.lost and now - h.last_seen > self.cfg.lease:
+                self._host_lost(
+                    h.host, f"no word from its agent for {self.cfg.lease:.1f} s (lease)", now, wall
+                )
         self._check_hangs(now, wall)
         if self.stopping is None:
             self._advance_round(now)

@@ -13,7 +13,20 @@ from typing import Any
 from checkpointless.protocol import Message
 from checkpointless.recovery.decisions import MemberReport
 
-__all__ = ["Command", "Emit", "Kill", "Log", "Member", "Round", "Send", "Spawn", "Stop"]
+__all__ = ["Command", "Emit", "HostState", "Kill", "Log", "Member", "Round", "Send", "Spawn", "Stop"]
+
+
+@dataclass
+class HostState:
+    """One host (one agent), as the coordinator knows it."""
+
+    host: int  # the agent's id
+    address: str  # the interface its processes listen on
+    remote: bool  # reached over a control connection (the embedded agent never goes silent)
+    last_seen: float  # monotonic time of its last message
+    order: int = -1  # placement hint from the agent (Slurm's node id)
+    node_rank: int | None = None  # None: a spare host
+    lost: bool = False
 
 
 @dataclass
@@ -23,6 +36,7 @@ class Member:
     worker_id: int
     role: str  # worker | spare
     spawned: float  # monotonic time the agent started it
+    host: int = 0  # the agent (host) it runs on
     store_address: str = ""  # host:port of its rendezvous key server ("" without one)
     rank: int | None = None
     connected: bool = False
@@ -74,12 +88,14 @@ class Spawn(Command):
 
     worker_id: int
     role: str
+    host: int = 0  # which agent starts it
 
 
 @dataclass(frozen=True)
 class Kill(Command):
     worker_id: int
     why: str
+    host: int = 0
 
 
 @dataclass(frozen=True)

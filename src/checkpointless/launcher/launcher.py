@@ -11,6 +11,7 @@ in the agent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,13 +35,44 @@ from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import cleanup_job, job_shm_dir
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
 from checkpointless.observe.hooks import start_observers
-from checkpointless.protocol import Hello, ProtocolError, decode, encode
+from checkpointless.protocol import (
+    AgentHeartbeat,
+    AgentHello,
+    AgentWelcome,
+    Hello,
+    KillCmd,
+    ProcConnected,
+    ProcExited,
+    ProcStarted,
+    ProcVerdict,
+    ProtocolError,
+    Shutdown,
+    SpawnCmd,
+    decode,
+    encode,
+)
 from checkpointless.state.checkpoint_dir import remove_partial
 
 __all__ = ["LaunchConfig", "Launcher"]  # LaunchConfig re-exported for callers of this module
 
 log = get_logger()
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def _hang_up(conn: Connection) -> None:
+    """End a connection from the decision loop. Only a shutdown, not a close: the server's
+    selector thread still has the socket registered, sees the end and closes it itself (closing
+    here would free the descriptor for reuse while it is still registered there)."""
+    with contextlib.suppress(OSError):
+        conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _beat_agents(agents: dict[int, Connection], stop: threading.Event) -> None:
+    """The coordinator's side of the lease, on a thread of its own: a decision loop busy for a
+    few seconds (starting a process, a slow disk) must not make every agent fence its host."""
+    while not stop.wait(0.5):
+        for conn in list(agents.values()):
+            conn.send(encode(AgentHeartbeat(time.time())))
 
 
 class Launcher:
@@ -68,6 +101,10 @@ class Launcher:
         self.agent: Agent | None = None
         self.coordinator: Coordinator | None = None
         self._conns: dict[int, Connection] = {}  # worker id -> its control connection
+        self._agents: dict[int, Connection] = {}  # agent (host) id -> a remote agent's connection
+        self._agent_of: dict[Connection, int] = {}
+        self._next_host = 1 if cfg.local_agent else 0  # the embedded agent is host 0
+        self._beat_stop = threading.Event()
 
     # -- entry point ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -79,15 +116,19 @@ class Launcher:
             )
             self.server = ControlServer(self.cfg.host, self.cfg.control_port, self.secret)
             self.server.start()
+            threading.Thread(
+                target=_beat_agents, args=(self._agents, self._beat_stop), daemon=True, name="cl-agent-beat"
+            ).start()
             self.reaper = subprocess.Popen(
                 [sys.executable, "-m", "checkpointless.launcher.reaper", str(self.run_dir), self.job_id],
                 stdin=subprocess.PIPE,
                 start_new_session=True,
             )
             self.store_desc = self._make_rendezvous()
-            self.agent = Agent(self._agent_config(), self._job_env(), self.events)
-            if not self.cfg.plain:
-                self.agent.start()
+            if self.cfg.local_agent:
+                self.agent = Agent(self._agent_config(), self._job_env(), self.events)
+                if not self.cfg.plain:
+                    self.agent.start()
         except BaseException:
             self._undo_early()
             raise
@@ -123,6 +164,10 @@ class Launcher:
                 self.store_desc,
                 str(checkpoint_root(self.cfg, self.run_dir, self.job_id)),
             )
+            if self.cfg.local_agent:
+                self.coordinator.add_host(0, self.cfg.host, False, time.monotonic())
+            if self.cfg.agents_needed > (1 if self.cfg.local_agent else 0) and not self._gather_agents():
+                return self.exit_code
             self.coordinator.start(time.monotonic())
             self._execute()
             self._loop()
@@ -224,24 +269,49 @@ class Launcher:
         self._signal = signum
 
     # -- the loop: observations in, commands out -----------------------------------------------
+    def _gather_agents(self) -> bool:
+        """Wait for the job's hosts: --nnodes plus --spare-nodes agents (the embedded one counts)."""
+        coord = self.coordinator
+        assert coord is not None
+        deadline = time.monotonic() + self.cfg.agent_wait
+        log.info("waiting for %d agents on %s:%d", self.cfg.agents_needed, *self.server.address[:2])
+        while len([h for h in coord.hosts.values() if not h.lost]) < self.cfg.agents_needed:
+            if self._signal is not None or time.monotonic() > deadline:
+                why = (
+                    f"launcher received {signal.Signals(self._signal).name}"
+                    if self._signal is not None
+                    else f"only {len(coord.hosts)} of {self.cfg.agents_needed} agents joined within "
+                    f"{self.cfg.agent_wait:.0f} s; start `checkpointless agent --coordinator "
+                    f"{self.cfg.host}:{self.server.address[1]}` on each host"
+                )
+                coord.fail(why)
+                self._execute()
+                return False
+            self._drain_inbox()
+            self._execute()
+        return True
+
+    def _drain_inbox(self) -> None:
+        try:
+            conn, msg = self.server.inbox.get(timeout=0.02)
+            self._receive(conn, msg)
+            while True:
+                conn, msg = self.server.inbox.get_nowait()
+                self._receive(conn, msg)
+        except queue.Empty:
+            pass
+
     def _loop(self) -> None:
         coord, agent = self.coordinator, self.agent
-        assert coord is not None and agent is not None
+        assert coord is not None
         while self.stopping is None:
             if self._signal is not None:
                 coord.on_signal(signal.Signals(self._signal).name, 128 + self._signal)
                 self._execute()
                 return
-            try:
-                conn, msg = self.server.inbox.get(timeout=0.02)
-                self._receive(conn, msg)
-                while True:
-                    conn, msg = self.server.inbox.get_nowait()
-                    self._receive(conn, msg)
-            except queue.Empty:
-                pass
+            self._drain_inbox()
             now, wall = time.monotonic(), time.time()
-            for seen in agent.poll(now):
+            for seen in agent.poll(now) if agent is not None else []:
                 if isinstance(seen, ProcExit):
                     coord.on_exit(
                         seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail, now, wall
@@ -254,10 +324,15 @@ class Launcher:
 
     def _receive(self, conn: Connection, raw: dict[str, Any]) -> None:
         coord, agent = self.coordinator, self.agent
-        assert coord is not None and agent is not None
+        assert coord is not None
         now = time.monotonic()
         if raw.get("type") == "_closed":
-            if conn.worker_id is not None and self._conns.get(conn.worker_id) is conn:
+            if conn in self._agent_of:
+                host = self._agent_of.pop(conn)
+                self._agents.pop(host, None)
+                coord.on_host_lost(host, "its agent's connection closed", now, time.time())
+                self._execute()
+            elif conn.worker_id is not None and self._conns.get(conn.worker_id) is conn:
                 del self._conns[conn.worker_id]
                 coord.on_closed(conn.worker_id)
             return
@@ -265,15 +340,23 @@ class Launcher:
             msg = decode(raw)
         except ProtocolError as e:
             log.warning("closing a control connection: %s", e)
-            conn.close()
+            _hang_up(conn)
+            return
+        if conn in self._agent_of or isinstance(msg, AgentHello):
+            self._from_agent(conn, msg, now)
+            self._execute()
             return
         if isinstance(msg, Hello):
             if conn.worker_id is not None or not coord.on_connected(msg.worker_id, now):
-                conn.close()  # a process we did not start, or a second hello
+                _hang_up(conn)  # a process we did not start (or of a lost host), or a second hello
             else:
                 conn.worker_id = msg.worker_id
                 self._conns[msg.worker_id] = conn
-                agent.mark_connected(msg.worker_id)
+                host = coord.procs[msg.worker_id].host
+                if host in self._agents:
+                    self._agents[host].send(encode(ProcConnected(msg.worker_id)))
+                elif agent is not None:
+                    agent.mark_connected(msg.worker_id)
             self._execute()
             return
         if conn.worker_id is None or self._conns.get(conn.worker_id) is not conn:
@@ -281,10 +364,59 @@ class Launcher:
         coord.on_message(conn.worker_id, msg, now, time.time())
         self._execute()
 
+    def _from_agent(self, conn: Connection, msg: Any, now: float) -> None:
+        """A remote agent's hello or report (see agent/remote.py)."""
+        coord = self.coordinator
+        assert coord is not None
+        if isinstance(msg, AgentHello):
+            if conn in self._agent_of or conn.worker_id is not None or coord.stopping is not None:
+                _hang_up(conn)
+                return
+            host = self._next_host
+            self._next_host += 1
+            self._agent_of[conn] = host
+            self._agents[host] = conn
+            conn.send(encode(self._welcome(host)))
+            coord.add_host(host, msg.host, True, now, msg.order)
+            log.info("agent %d joined from %s (%s)", host, msg.host, msg.hostname or "?")
+            return
+        host = self._agent_of[conn]
+        if not coord.host_alive(host):
+            _hang_up(conn)  # a fenced host: its reports are about ranks that moved on
+            return
+        coord.on_agent_seen(host, now)
+        if isinstance(msg, ProcStarted):
+            coord.on_started(msg.worker_id, msg.store_address)
+        elif isinstance(msg, ProcExited):
+            coord.on_exit(msg.worker_id, msg.code, msg.own_failure, msg.detail, msg.tail, now, time.time())
+        elif isinstance(msg, ProcVerdict):
+            coord.on_verdict(msg.worker_id, f"(pid {msg.pid}) {msg.why}", now)
+
+    def _welcome(self, host: int) -> AgentWelcome:
+        c = self.cfg
+        return AgentWelcome(
+            agent_id=host,
+            lease=c.lease,
+            job_id=self.job_id,
+            control=f"{self.server.address[0]}:{self.server.address[1]}",
+            run_dir=str(self.run_dir.resolve()),
+            shm_key=self.shm_key,
+            script=str(Path(c.script).resolve()),
+            script_args=list(c.script_args),
+            nproc=c.per_node,
+            rendezvous=c.rendezvous,
+            port_base=c.port_base,
+            port_range=c.port_range,
+            hang_timeout=c.hang_timeout,
+            start_timeout=c.start_timeout,
+            quiet_workers=c.quiet_workers,
+            fork_server=c.fork_server,
+        )
+
     def _execute(self) -> None:
         """Carry out what the coordinator decided, in order."""
         coord, agent = self.coordinator, self.agent
-        assert coord is not None and agent is not None
+        assert coord is not None
         while commands := coord.drain():
             for c in commands:
                 if isinstance(c, Send):
@@ -292,9 +424,15 @@ class Launcher:
                     if conn is not None:
                         conn.send(encode(c.message))
                 elif isinstance(c, Spawn):
-                    coord.on_started(c.worker_id, agent.spawn(c.worker_id, c.role))
+                    if c.host in self._agents:
+                        self._agents[c.host].send(encode(SpawnCmd(c.worker_id, c.role)))
+                    elif agent is not None and c.host == 0:
+                        coord.on_started(c.worker_id, agent.spawn(c.worker_id, c.role))
                 elif isinstance(c, Kill):
-                    agent.kill(c.worker_id, c.why)
+                    if c.host in self._agents:
+                        self._agents[c.host].send(encode(KillCmd(c.worker_id, c.why)))
+                    elif agent is not None and c.host == 0:
+                        agent.kill(c.worker_id, c.why)
                 elif isinstance(c, Emit):
                     self.events.emit(c.event, **c.fields)
                 elif isinstance(c, Log):
@@ -302,8 +440,26 @@ class Launcher:
                 elif isinstance(c, Stop):
                     self.stopping = c.why
                     self.exit_code = c.code
+        for host, conn in list(self._agents.items()):
+            if not coord.host_alive(host):  # fenced: cut it off; it rejoins as a new agent
+                del self._agents[host]
+                _hang_up(conn)
 
     # -- the end -------------------------------------------------------------------------------
+    def _release_agents(self, grace: float) -> None:
+        """Tell every remote agent the job is over and wait (bounded) until they hang up, so
+        that their processes are gone before the job's shared memory is removed."""
+        for conn in self._agents.values():
+            conn.send(encode(Shutdown(code=self.exit_code, reason=self.stopping)))
+        deadline = time.monotonic() + grace
+        while self._agents and time.monotonic() < deadline:
+            try:
+                conn, raw = self.server.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if raw.get("type") == "_closed" and conn in self._agent_of:
+                self._agents.pop(self._agent_of.pop(conn), None)
+
     def _shutdown(self) -> None:
         """Stop every process we started, remove shared memory, close the watchdog."""
         if self.coordinator is not None and self.stopping is None:
@@ -311,6 +467,8 @@ class Launcher:
             self._execute()
         if self.agent is not None:
             self.agent.close(grace=3.0)
+        self._release_agents(grace=8.0)
+        self._beat_stop.set()
         self.server.stop()
         self.observers.close()
         cleanup_job(self.run_dir, self.job_id)

@@ -58,6 +58,24 @@ class LaunchConfig:
     checkpoint_dir: Path | None = None  # default <run dir>/checkpoints; the job's id is added below it
     metrics_port: int | None = None  # serve Prometheus /metrics on --host (0: any free port)
     progress: float | None = None  # seconds between one-line progress summaries
+    # many hosts (docs/operations.md): nproc == nnodes * nproc_per_node ranks, placed host-major,
+    # and spares == spare_nodes * nproc_per_node processes on hot-spare hosts. nnodes 1 is the
+    # one-machine job, where nproc_per_node is nproc.
+    nnodes: int = 1
+    nproc_per_node: int = 0  # 0: nproc (one node)
+    spare_nodes: int = 0
+    lease: float = 5.0  # seconds of silence after which an agent and the coordinator fence each other
+    local_agent: bool = True  # False for `checkpointless coordinator`: every host has its own agent
+    agent_wait: float = 300.0  # seconds the coordinator waits for its agents to join
+
+    @property
+    def per_node(self) -> int:
+        return self.nproc_per_node or self.nproc
+
+    @property
+    def agents_needed(self) -> int:
+        """Agents (hosts) the job waits for before it starts: its nodes and its spare hosts."""
+        return self.nnodes + self.spare_nodes
 
     def validate(self) -> None:
         """Refuse every bad setting with a message naming the flag, the value and the fix.
@@ -67,6 +85,7 @@ class LaunchConfig:
         """
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be at least 1 (got {self.nproc})")
+        _check_hosts(self)
         if self.spares < 0:
             raise ConfigError(f"--spares must be 0 or more (got {self.spares})")
         if self.nproc + self.spares > MAX_PROCESSES:
@@ -113,6 +132,8 @@ class LaunchConfig:
             _check_checkpoint_dir(self.checkpoint_dir)
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
+        if self.plain and (self.agents_needed > 1 or not self.local_agent):
+            raise ConfigError("--plain runs on one machine; drop --nnodes/--spare-nodes or --plain")
         if self.plain and self.rendezvous != "rootless":
             raise ConfigError("--plain gives the script a root-less env:// rendezvous; drop --rendezvous tcp")
         if self.rendezvous not in ("rootless", "tcp"):
@@ -121,6 +142,22 @@ class LaunchConfig:
         _check_host(self.host)
         _check_run_dir(self.run_dir if self.run_dir is not None else Path("runs"))
         parse_faults(self.faults, self.nproc)  # a bad spec fails now, not at step 40
+
+
+def _check_hosts(cfg: LaunchConfig) -> None:
+    if cfg.nnodes < 1:
+        raise ConfigError(f"--nnodes must be at least 1 (got {cfg.nnodes})")
+    if cfg.spare_nodes < 0:
+        raise ConfigError(f"--spare-nodes must be 0 or more (got {cfg.spare_nodes})")
+    if cfg.nproc_per_node < 0:
+        raise ConfigError(f"--nproc-per-node must be at least 1 (got {cfg.nproc_per_node})")
+    if cfg.nnodes * cfg.per_node != cfg.nproc:
+        raise ConfigError(
+            f"--nnodes {cfg.nnodes} x --nproc-per-node {cfg.per_node} is not --nproc {cfg.nproc}; "
+            "give --nnodes and --nproc-per-node (the world size follows)"
+        )
+    if not math.isfinite(cfg.lease) or cfg.lease < 1.0:
+        raise ConfigError(f"--lease must be at least 1 second (got {cfg.lease}); e.g. --lease 5")
 
 
 def checkpoint_root(cfg: LaunchConfig, run_dir: Path, job_id: str) -> Path:

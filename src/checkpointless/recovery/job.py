@@ -191,6 +191,11 @@ class Job:
             self._prepare(int(msg["state_bytes"]))
         self.rank = int(msg["rank"])
         self.world_size = int(msg["world_size"])
+        self.placement = (  # host-major placement (multi-host); -1s from a one-machine launcher
+            int(msg.get("local_rank", -1)),
+            int(msg.get("local_world_size", -1)),
+            int(msg.get("node_rank", -1)),
+        )
         self._report_gen = int(msg["generation"])
         self.is_replacement = self.env.role == "spare"
         setup_logging(f"rank {self.rank}")
@@ -745,6 +750,8 @@ def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
     else:
         setup_logging(f"{env.role} {env.worker_id}")
         job._connect()
-        export_torchrun_env(job.rank, job.world_size)  # RANK, WORLD_SIZE, LOCAL_RANK, ...
+        export_torchrun_env(
+            job.rank, job.world_size, placement=job.placement
+        )  # RANK, WORLD_SIZE, LOCAL_RANK, ...
     _JOB = job
     return job

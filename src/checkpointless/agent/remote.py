@@ -1,0 +1,283 @@
+"""``checkpointless agent``: one process per host that runs that host's workers and spares for a
+coordinator elsewhere.
+
+It connects to the coordinator's control server (sealed frames, the job's secret, one key per
+direction, as the workers do), says :class:`~checkpointless.protocol.AgentHello`, and learns the
+job from :class:`~checkpointless.protocol.AgentWelcome`. Then it carries out ``SpawnCmd`` and
+``KillCmd`` with an :class:`~checkpointless.agent.Agent` and reports what its processes do
+(``ProcStarted``, ``ProcExited``, ``ProcVerdict``). The workers themselves connect straight to the
+coordinator: one hop for every abort and plan, and an agent that dies does not cut its host's
+workers off from the decisions they are already part of.
+
+Fencing: both sides send ``AgentHeartbeat`` every half second. An agent that hears nothing for a
+lease (the coordinator's ``--lease``) kills every process it started, so that a partitioned host
+cannot keep acting as its ranks after the coordinator gave them to a spare host; the coordinator
+declares the host lost after the same lease. The agent then tries to join again, as a new agent:
+the coordinator makes a rejoined host a spare host, never its old ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
+from checkpointless.config import ENV
+from checkpointless.errors import ConfigError
+from checkpointless.events import EventLog, get_logger, setup_logging
+from checkpointless.launcher.control import ControlClient
+from checkpointless.launcher.policy import Limits
+from checkpointless.launcher.reaper import job_shm_dir
+from checkpointless.protocol import (
+    AgentHeartbeat,
+    AgentHello,
+    AgentWelcome,
+    KillCmd,
+    Message,
+    ProcConnected,
+    ProcExited,
+    ProcStarted,
+    ProcVerdict,
+    ProtocolError,
+    Shutdown,
+    SpawnCmd,
+    decode,
+    encode,
+)
+
+__all__ = ["agent_env", "run_agent"]
+
+log = get_logger()
+_HEARTBEAT_S = 0.5
+_LOST = "_lost"
+
+
+def agent_env(w: AgentWelcome, host: str, secret_file: Path) -> dict[str, str]:
+    """The environment of every process this agent starts (the job's, with this host's address)."""
+    env = dict(os.environ)
+    env.update(
+        {
+            ENV.CONTROL: w.control,
+            ENV.SECRET_FILE: str(secret_file),
+            ENV.RUN_DIR: w.run_dir,
+            ENV.JOB_ID: w.job_id,
+            ENV.HOST: host,
+            ENV.SHM_KEY: w.shm_key,
+            "PYTHONUNBUFFERED": "1",
+            "GLOO_ENABLE_STORE_V2_API": "1",
+        }
+    )
+    # this host's cores are shared by its own processes only
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, w.nproc))))
+    return env
+
+
+class _Session:
+    """One connection to the coordinator, from hello to shutdown or fencing."""
+
+    def __init__(self, client: ControlClient, inbox: queue.Queue[dict[str, Any]], w: AgentWelcome) -> None:
+        self.client = client
+        self.inbox = inbox
+        self.w = w
+        self.last_in = time.monotonic()
+        self.broken = threading.Event()
+        self.done = threading.Event()
+        # heartbeats on a thread of their own: starting a process can block this agent's loop
+        # for seconds (the fork template's imports), longer than the coordinator's lease
+        threading.Thread(target=self._beat, daemon=True, name="cl-agent-beat").start()
+
+    def _beat(self) -> None:
+        while not self.done.wait(_HEARTBEAT_S):
+            if not self.send(AgentHeartbeat(time.time())):
+                self.broken.set()
+                return
+
+    def send(self, msg: Message) -> bool:
+        try:
+            self.client.send(encode(msg))
+            return True
+        except OSError:
+            return False
+
+    def run(self, agent: Agent, stop: list[int]) -> str:
+        """Serve until "shutdown" (the job ended), "fenced" (coordinator lost) or "signal"."""
+        while True:
+            if stop:
+                return "signal"
+            now = time.monotonic()
+            try:
+                raw = self.inbox.get(timeout=0.05)
+            except queue.Empty:
+                raw = None
+            if raw is not None:
+                if raw.get("type") == _LOST:
+                    log.warning("lost the coordinator: %s", raw.get("why"))
+                    return "fenced"
+                self.last_in = now
+                try:
+                    msg = decode(raw)
+                except ProtocolError as e:
+                    log.warning("bad message from the coordinator (%s); fencing", e)
+                    return "fenced"
+                if isinstance(msg, SpawnCmd):
+                    address = agent.spawn(msg.worker_id, msg.role)
+                    pid = agent.procs[msg.worker_id].handle.pid
+                    self.send(ProcStarted(msg.worker_id, address, pid))
+                elif isinstance(msg, KillCmd):
+                    agent.kill(msg.worker_id, msg.why)
+                elif isinstance(msg, ProcConnected):
+                    agent.mark_connected(msg.worker_id)  # judged by heartbeats from now on
+                elif isinstance(msg, Shutdown):
+                    return "shutdown"
+            for seen in agent.poll(now):
+                if isinstance(seen, ProcExit):
+                    self.send(ProcExited(seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail))
+                else:
+                    self.send(ProcVerdict(seen.worker_id, seen.pid, seen.why))
+            if self.broken.is_set():
+                return "fenced"
+            if now - self.last_in > self.w.lease:
+                log.warning(
+                    "no word from the coordinator for %.1f s (the lease); fencing this host", self.w.lease
+                )
+                return "fenced"
+
+
+def _connect(
+    coordinator: tuple[str, int], secret: bytes, hello: AgentHello, timeout: float
+) -> tuple[ControlClient, queue.Queue[dict[str, Any]], AgentWelcome]:
+    inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+    client = ControlClient(
+        coordinator, secret, inbox.put, lambda why: inbox.put({"type": _LOST, "why": why}), timeout=timeout
+    )
+    client.send(encode(hello))
+    deadline = time.monotonic() + max(timeout, 10.0)
+    while True:
+        try:
+            raw = inbox.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            client.close()
+            raise ConnectionError("the coordinator did not welcome this agent in time") from None
+        msg = decode(raw) if raw.get("type") != _LOST else None
+        if isinstance(msg, AgentWelcome):
+            return client, inbox, msg
+        client.close()
+        raise ConnectionError(f"the coordinator refused this agent ({raw.get('reason') or raw.get('why')})")
+
+
+def _read_secret(path: Path, deadline: float) -> bytes:
+    """The job's secret; a batch script may start agents before the coordinator has written it."""
+    while True:
+        try:
+            secret = path.read_bytes().strip()
+            if secret:
+                return secret
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise ConfigError(
+                f"--secret-file {str(path)!r}: {e.strerror}; give the job's secret file"
+            ) from None
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"--secret-file {str(path)!r} did not appear; give the coordinator's <run dir>/secret "
+                "(on storage this host shares with the coordinator)"
+            )
+        time.sleep(0.2)
+
+
+def run_agent(
+    coordinator: str,
+    host: str,
+    secret_file: Path,
+    order: int = -1,
+    connect_timeout: float = 60.0,
+    rejoin: bool = True,
+) -> int:
+    """Serve one host until the job ends; 0 when the coordinator shut it down."""
+    setup_logging(f"agent {host}")
+    addr, _, port = coordinator.rpartition(":")
+    if not addr or not port.isdigit():
+        raise ConfigError(
+            f"--coordinator {coordinator!r} is not HOST:PORT; e.g. --coordinator 10.0.0.1:29400"
+        )
+    target = (addr, int(port))
+    secret = _read_secret(secret_file, time.monotonic() + connect_timeout)
+    hello = AgentHello(host=host, pid=os.getpid(), hostname=socket.gethostname(), order=order)
+    stop: list[int] = []
+    old_term = signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+    old_int = signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
+    try:
+        while True:
+            try:
+                client, inbox, welcome = _connect(target, secret, hello, connect_timeout)
+            except (ConnectionError, ProtocolError) as e:
+                log.error("cannot join the coordinator at %s: %s", coordinator, e)
+                return 1
+            log.info(
+                "joined job %s as agent %d (lease %.1f s)", welcome.job_id, welcome.agent_id, welcome.lease
+            )
+            outcome = _serve(client, inbox, welcome, host, secret_file, stop)
+            if outcome == "shutdown":
+                return 0
+            if outcome == "signal" or not rejoin:
+                return 128 + stop[0] if stop else 1
+            log.info("rejoining the coordinator as a new agent (a spare host)")
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+
+
+def _serve(
+    client: ControlClient,
+    inbox: queue.Queue[dict[str, Any]],
+    w: AgentWelcome,
+    host: str,
+    secret_file: Path,
+    stop: list[int],
+) -> str:
+    session = _Session(client, inbox, w)  # heartbeats first: setting up (port probes) takes time
+    env = agent_env(w, host, secret_file)
+    os.environ[ENV.SHM_KEY] = w.shm_key  # job_shm_dir reads it
+    cfg = AgentConfig(
+        python=sys.executable,
+        script=w.script,
+        script_args=list(w.script_args),
+        host=host,
+        run_dir=Path(w.run_dir),
+        nproc=w.nproc,
+        rendezvous=w.rendezvous,
+        port_base=w.port_base,
+        port_range=w.port_range,
+        limits=Limits(hang_timeout=w.hang_timeout, start_timeout=w.start_timeout),
+        quiet_workers=w.quiet_workers,
+        fork_server=w.fork_server,
+    )
+    events = EventLog(
+        Path(w.run_dir) / f"agent-{w.agent_id}.jsonl", job=w.job_id, agent=w.agent_id, host=host
+    )
+    agent = Agent(cfg, env, events)
+    outcome = "fenced"
+    try:
+        agent.start()
+        outcome = session.run(agent, stop)
+    finally:
+        session.done.set()
+        if outcome == "shutdown":
+            agent.close(grace=5.0)  # the workers got their own shutdown and are finishing
+            shutil.rmtree(job_shm_dir(w.job_id), ignore_errors=True)  # this host's shared memory
+        else:
+            # fenced (or stopped): nobody may act as these ranks any longer
+            agent.signal_all(signal.SIGKILL)
+            agent.close(grace=2.0)
+        client.close()
+        events.close()
+    return outcome

@@ -1,0 +1,90 @@
+"""Where ranks and spares live when a job spans many hosts: pure functions, no I/O.
+
+Hosts are the agents that said hello (one per machine). The coordinator turns their arrival into
+node ranks and spare hosts (:func:`assign_hosts`), places ranks host-major (:func:`placement`:
+rank ``r`` is local rank ``r % P`` on node ``r // P``, as torchrun does), picks the spares that
+take a lost host's ranks (:func:`pick_spares`: all from one spare host where one has enough, so a
+lost node is replaced by one node) and the host a new spare starts on (:func:`spare_host`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from checkpointless.errors import ConfigError
+
+__all__ = ["HostView", "Placement", "assign_hosts", "pick_spares", "placement", "spare_host"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+
+
+def placement(rank: int, nproc_per_node: int) -> Placement:
+    """Host-major placement of ``rank`` with ``nproc_per_node`` ranks on each node."""
+    if nproc_per_node < 1 or rank < 0:
+        raise ValueError(f"no placement for rank {rank} with {nproc_per_node} per node")
+    return Placement(rank % nproc_per_node, nproc_per_node, rank // nproc_per_node)
+
+
+def assign_hosts(
+    agents: list[tuple[int, int]], nnodes: int, spare_nodes: int
+) -> tuple[dict[int, int], list[int]]:
+    """Node ranks and spare hosts from ``agents`` = [(host id, order hint)] in arrival order.
+
+    Hosts with an order hint (>= 0, e.g. Slurm's node id) come first, lowest first; the rest in
+    arrival order. The first ``nnodes`` become nodes 0.., the next ``spare_nodes`` spare hosts;
+    extra agents also become spare hosts (more spares never hurt). Returns ({host: node rank},
+    [spare host ids]).
+    """
+    if len(agents) < nnodes:
+        raise ConfigError(f"{len(agents)} agents joined, but the job needs {nnodes} nodes (--nnodes)")
+    hints = [order for _, order in agents if order >= 0]
+    dup = [h for h, n in Counter(hints).items() if n > 1]
+    if dup:
+        raise ConfigError(f"two agents gave the same --node-order {dup[0]}; give each host its own")
+    arrival = {host: i for i, (host, _) in enumerate(agents)}
+    ordered = sorted(agents, key=lambda a: (a[1] < 0, a[1], arrival[a[0]]))
+    nodes = {host: i for i, (host, _) in enumerate(ordered[:nnodes])}
+    spares = [host for host, _ in ordered[nnodes:]]
+    del spare_nodes  # the count to wait for; every agent past the nodes is a spare host
+    return nodes, spares
+
+
+@dataclass(frozen=True)
+class HostView:
+    """What :func:`spare_host` needs to know about a live host."""
+
+    host: int
+    ranks: int  # ranks it holds now
+    procs: int  # live processes it runs (ranks and spares)
+
+
+def spare_host(hosts: list[HostView], per_host: int, single_host: bool) -> int | None:
+    """The host a new spare starts on, or None when no host should take one.
+
+    A spare belongs on a host that holds no ranks (a hot-spare host), so that a lost node's ranks
+    move together to one healthy host; the least loaded first, at most ``per_host`` processes each.
+    A one-machine job has only its own host, which then takes the spares itself.
+    """
+    if single_host:
+        return hosts[0].host if hosts else None
+    free = [h for h in hosts if h.ranks == 0 and h.procs < per_host]
+    if not free:
+        return None
+    return min(free, key=lambda h: (h.procs, h.host)).host
+
+
+def pick_spares(count: int, ready: list[tuple[int, int]]) -> list[int]:
+    """Worker ids of ``count`` ready spares from ``ready`` = [(worker id, host id)].
+
+    Takes them from as few hosts as possible: the host with the most ready spares first (so the
+    ranks of a lost node land on one spare host together), lower ids first on ties.
+    """
+    per_host = Counter(host for _, host in ready)
+    ordered = sorted(ready, key=lambda s: (-per_host[s[1]], s[1], s[0]))
+    return [wid for wid, _ in ordered[:count]]
