@@ -173,9 +173,10 @@ def reset_fsdp(module: nn.Module) -> None:
         state._training_state = TrainingState.IDLE
         state._modules_to_run_forward.clear()
         comm = state._comm_ctx
-        comm.all_gather_state = None
-        comm.reduce_scatter_states.clear()
-        comm.post_forward_order.clear()
+        if hasattr(comm, "reduce_scatter_states"):  # set up by FSDP2's lazy init (first forward)
+            comm.all_gather_state = None
+            comm.reduce_scatter_states.clear()
+            comm.post_forward_order.clear()
         for group in state._fsdp_param_groups:
             group._all_gather_result = None
             group._post_reduce_event = None
