@@ -157,8 +157,9 @@ def reset_fsdp(module: nn.Module) -> None:
       ``post_backward_final_callback_queued`` flag: the final callback never ran, and with
       the flag set FSDP2 would never queue it again, so gradients would not be finished;
     - the shared comm context's retained reduce-scatter states and forward order;
-    - gradients: reduce-scatters that completed before the abort left sharded gradients that
-      the replay would add to, so every parameter's ``grad`` is set to None.
+    - gradients: reduce-scatters that completed before the abort left sharded gradients, and
+      unsharded parameters may hold gradients computed before the abort that no reduce-scatter
+      took yet; the replay would add to both, so every one of them is set to None.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -188,5 +189,10 @@ def reset_fsdp(module: nn.Module) -> None:
             group._to_sharded()
             for fp in group.fsdp_params:
                 fp.unsharded_accumulated_grad = None
+                # backward computed this gradient but the abort came before its reduce-scatter
+                # took it: the replay's backward would add to it
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
     for p in module.parameters():
         p.grad = None
