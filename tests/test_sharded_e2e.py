@@ -74,6 +74,21 @@ def test_hsdp_fault_is_recovered_from_the_replica_peer(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "faults",
+    [["hang:rank=3:step=4"], ["kill:rank=1:step=4", "kill:rank=2:step=4:site=recovery"]],
+    ids=["sigstop", "second-fault-during-recovery"],
+)
+def test_hsdp_hang_and_fault_during_recovery(
+    tmp_path: Path, corpus: Path, hsdp_reference: JobResult, faults: list[str]
+) -> None:
+    res = run_job(tmp_path / "run", corpus, nproc=4, spares=2, faults=faults, script_args=HSDP, timeout=100)
+    check_shards(res, hsdp_reference)
+    assert len(res.of("fault_injected")) == len(faults), res.output[-4000:]
+    assert res.of("spare_assigned"), "a dead or stopped rank must be replaced by a spare"
+
+
+@pytest.mark.timeout(120)
 def test_hsdp_whole_replica_group_lost_is_recovered_from_the_other_group(
     tmp_path: Path, corpus: Path, hsdp_reference: JobResult
 ) -> None:
