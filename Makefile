@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit soak bench clean env harness
+.PHONY: demo demo-hsdp test lint typecheck unit soak bench clean env harness
 
 env: $(STAMP)
 
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# the same through faults with the model sharded by FSDP2 over a 2x2 (replicate, shard) mesh:
+# every rank's final shards compared with the fault-free run's
+demo-hsdp: $(STAMP)
+	$(BIN)/python examples/demo.py --fsdp 2,2 --out runs/demo-hsdp
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks

@@ -3,6 +3,10 @@ and recovered in place, and the final weights compared bit for bit with a fault-
 
     python examples/demo.py [--steps 120] [--hang-timeout 5] [--out runs/demo]
 
+With ``--fsdp 2,2`` (``make demo-hsdp``) the model is sharded with torch's FSDP2 over a 2x2
+(replicate, shard) mesh, the faults include the loss of a whole replica group, and each rank's
+final *shards* are compared with the same rank's in the fault-free run.
+
 Afterwards ``checkpointless report runs/demo/faults`` prints the ledger again; the timeline is
 ``runs/demo/faults/timeline.png``.
 """
@@ -19,6 +23,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS = ["raise:rank=2:step=12:site=backward", "kill:rank=1:step=25", "hang:rank=3:step=40"]
+# HSDP 2x2: a raise inside FSDP's reduce-scatter, a SIGKILL, then replica group 0 (ranks 0 and 1)
+# killed at once, whose shards come from group 1
+HSDP_FAULTS = [
+    "raise:rank=2:step=12:site=backward",
+    "kill:rank=1:step=25",
+    "kill:rank=0:step=40",
+    "kill:rank=1:step=40",
+]
 
 
 NPROC = 4
@@ -42,7 +54,7 @@ def run(
         "--nproc",
         str(NPROC),
         "--spares",
-        "0" if not faults else "1",
+        "0" if not faults else ("2" if args.fsdp else "1"),
         "--run-dir",
         str(run_dir),
         "--hang-timeout",
@@ -68,6 +80,7 @@ def run(
         str(data),
         "--digest-out",
         str(run_dir.parent / f"{run_dir.name}.digest-{{rank}}"),
+        *(["--fsdp", args.fsdp] if args.fsdp else []),
     ]
     print(f"\n=== {label}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
@@ -99,7 +112,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--hang-timeout", type=float, default=5.0)
     ap.add_argument("--out", default=str(ROOT / "runs" / "demo"))
+    ap.add_argument("--fsdp", metavar="R,S", help="shard the model over an R x S mesh (make demo-hsdp: 2,2)")
     args = ap.parse_args()
+    faults = HSDP_FAULTS if args.fsdp else FAULTS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = out / "corpus.tokens"
@@ -110,7 +125,7 @@ def main() -> int:
         if prepare_main([str(out / "corpus.jsonl"), "-o", str(data)]) != 0:
             return 1
     clean, t_clean = run("fault-free run", out / "clean", data, args, [])
-    faulty, t_faulty = run("run with 3 faults", out / "faults", data, args, FAULTS)
+    faulty, t_faulty = run(f"run with {len(faults)} faults", out / "faults", data, args, faults)
     events = [json.loads(x) for x in (out / "faults" / "events.jsonl").read_text().splitlines()]
     print("\n=== recoveries")
     for e in (e for e in events if e["event"] == "recovery"):
@@ -122,7 +137,9 @@ def main() -> int:
             f"{e['rebuild_s']:.3f}, state {e['transfer_s']:.3f} s for {e['state_bytes'] / 1e6:.1f} MB, "
             f"first batch {e.get('first_batch_s', 0.0) * 1e3:.1f} ms, first step {e['first_step_s']:.2f})"
         )
-    print(f"\n  fault-free run: {t_clean:.1f} s   with 3 faults: {t_faulty:.1f} s")
+    print(f"\n  fault-free run: {t_clean:.1f} s   with {len(faults)} faults: {t_faulty:.1f} s")
+    if args.fsdp:
+        return compare_shards(clean, faulty, out)
     print(f"  final weights, fault-free : {clean[0]}")
     print(f"  final weights, with faults: {faulty[0]}")
     if len(set(clean.values())) != 1:
@@ -134,6 +151,22 @@ def main() -> int:
         return 1
     print(f"  bitwise identical on all {NPROC} ranks: no step lost, no sample skipped or repeated")
     # where the faulted run's wall time went, next to a checkpoint-restart estimate, plus the PNG
+    from checkpointless.observe.report import main as report_main
+
+    print("\n=== goodput ledger (checkpointless report)")
+    return report_main([str(out / "faults"), "--png", str(out / "faults" / "timeline.png")])
+
+
+def compare_shards(clean: dict[int, str], faulty: dict[int, str], out: Path) -> int:
+    """Each rank's final shards against the same rank's in the fault-free run."""
+    for r in sorted(clean):
+        same = "same" if faulty[r] == clean[r] else "DIFFERENT"
+        print(f"  rank {r} shards, fault-free {clean[r][:16]}  with faults {faulty[r][:16]}  {same}")
+    wrong = sorted(r for r in clean if faulty[r] != clean[r])
+    if wrong:
+        print(f"  MISMATCH: the shards of ranks {wrong} diverged from the fault-free run")
+        return 1
+    print(f"  bitwise identical shards on all {NPROC} ranks: no step lost, no sample skipped or repeated")
     from checkpointless.observe.report import main as report_main
 
     print("\n=== goodput ledger (checkpointless report)")

@@ -63,8 +63,13 @@ class GPT(nn.Module):
 
 
 def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of this rank's weights: the whole model, or under --fsdp this rank's shards."""
+    from torch.distributed.tensor import DTensor
+
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
+        if isinstance(t, DTensor):
+            t = t.to_local()
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -93,6 +98,11 @@ def main() -> None:
         help="write the final weights' SHA-256 here (rank 0 only); a {rank} in the path, e.g. "
         "runs/w.{rank}.digest, makes every rank write its own file",
     )
+    ap.add_argument(
+        "--fsdp",
+        metavar="R,S",
+        help="shard with torch's FSDP2 over an R x S (replicate, shard) mesh: 1,S is FSDP, R,S HSDP",
+    )
     args = ap.parse_args()
 
     # Everything that does not depend on the rank is built before init(): a hot spare builds it
@@ -105,10 +115,23 @@ def main() -> None:
         ds = TokenDataset.open(args.data, verify="quick")
         vocab = ds.vocab_size
     model = GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
+    if not args.fsdp:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
 
     job = cl.init()  # a hot spare waits here until it is given a rank
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        # the mesh's groups are the job's: they are re-formed, never rebuilt, after a fault
+        shape = tuple(int(n) for n in args.fsdp.split(","))
+        mesh = job.device_mesh(("replicate", "shard"), shape)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # after fully_shard: the optimizer must hold the sharded parameters
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
     if args.global_batch % job.world_size:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {job.world_size} ranks")
     local_batch = args.global_batch // job.world_size
@@ -123,11 +146,12 @@ def main() -> None:
             seq_len=args.seq_len,
             global_batch=args.global_batch,
             seed=args.seed,
-            dp_rank=job.rank,
-            dp_size=job.world_size,
+            dp_rank=job.dp_rank,  # the flat rank over (replicate, shard) on a mesh
+            dp_size=job.dp_size,
             cache=cache,
         )
-    dp = job.data_parallel(model.to(job.device))  # in place: the optimizer keeps its parameters
+    # in place: the optimizer keeps its parameters; FSDP2 does its own gradient reduction
+    dp = model if args.fsdp else job.data_parallel(model.to(job.device))
     job.track(model=model, optimizer=opt, scheduler=sched)
 
     for step in job.steps(args.steps):

@@ -177,3 +177,64 @@ def test_a_valid_replica_wins_over_a_checkpoint() -> None:
 def test_nothing_left_names_both_settings() -> None:
     with pytest.raises(NotRecoverableError, match=r"--snapshot-every.*--checkpoint-every"):
         plan_recovery([_lost(0, None, None, committed=3), _lost(1, None, None)])
+
+
+# -- sharded meshes: rank r holds shard r % S in replica group r // S ------------------------------
+def _mesh_reports(
+    shape: tuple[int, int], states: dict[int, tuple[int, bool]], step: int = 5
+) -> list[MemberReport]:
+    n = shape[0] * shape[1]
+    return [MemberReport(r, *states.get(r, (step, True)), mesh=shape) for r in range(n)]
+
+
+def test_sharded_receiver_takes_its_own_shard_from_the_other_replica_group() -> None:
+    # HSDP 2x2: rank 1 (shard 1, group 0) died; rank 3 holds shard 1 in group 1
+    plan = plan_recovery(_mesh_reports((2, 2), {1: (-1, False)}))
+    assert plan.target_step == 5 and plan.receivers == (1,)
+    assert plan.source_of() == {1: 3}
+    assert plan.to_json()["sources"] == [[1, 3]]
+
+
+def test_whole_replica_group_lost_is_recovered_from_the_other_group() -> None:
+    plan = plan_recovery(_mesh_reports((2, 2), {0: (-1, False), 1: (-1, False)}))
+    assert plan.source_of() == {0: 2, 1: 3}
+
+
+def test_several_receivers_of_one_shard_spread_over_its_holders() -> None:
+    # 4 replica groups x 2 shards; shard 0 lost in groups 0 and 1: holders 4 and 6 send one each
+    plan = plan_recovery(_mesh_reports((4, 2), {0: (-1, False), 2: (-1, False)}))
+    assert plan.source_of() == {0: 4, 2: 6}
+
+
+def test_sharded_target_is_a_step_every_shard_holds() -> None:
+    # rank 0 applied step 5's update (at 6); shard 1's only valid holder (rank 3) is at 5:
+    # everybody resumes at 5, and rank 0 takes shard 0 at step 5 from rank 2
+    plan = plan_recovery(_mesh_reports((2, 2), {0: (6, True), 1: (-1, False)}))
+    assert plan.target_step == 5 and plan.source_of() == {0: 2, 1: 3}
+
+
+def test_sharded_initial_generation_syncs_each_shard_from_replica_group_zero() -> None:
+    plan = plan_recovery([MemberReport(r, 0, True, mesh=(2, 2)) for r in range(4)], initial=True)
+    assert plan.source_of() == {2: 0, 3: 1}
+    plan = plan_recovery([MemberReport(r, 0, True, mesh=(1, 4)) for r in range(4)], initial=True)
+    assert plan.receivers == () and plan.source_of() == {}
+
+
+def test_fsdp_without_replicas_ends_with_a_clear_error_never_a_wrong_shard() -> None:
+    reports = _mesh_reports((1, 4), {2: (-1, False)})
+    reports = [MemberReport(r.rank, r.committed_step, r.valid, snapshot_step=3, mesh=(1, 4)) for r in reports]
+    with pytest.raises(NotRecoverableError, match=r"shard\(s\) \[2\].*R >= 2"):
+        plan_recovery(reports)
+
+
+def test_data_parallel_mesh_falls_back_to_the_snapshot() -> None:
+    # S = 1: every rank holds the whole model, so rank 0's snapshot serves everyone
+    reports = [MemberReport(r, -1, False, snapshot_step=3, mesh=(2, 1)) for r in range(2)]
+    plan = plan_recovery(reports)
+    assert plan.from_snapshot and plan.target_step == 3 and plan.source_of() == {}
+
+
+def test_ranks_that_disagree_about_the_mesh_are_refused() -> None:
+    reports = [MemberReport(0, 5, True, mesh=(2, 2)), MemberReport(1, 5, True, mesh=(1, 2))]
+    with pytest.raises(NotRecoverableError, match="disagree about the device mesh"):
+        plan_recovery(reports)

@@ -113,6 +113,7 @@ class Stopped(Message):
     snapshot_step: int | None = None  # newest complete shared-memory snapshot it can see
     checkpoint_step: int | None = None  # newest complete durable checkpoint it can see
     time: float = 0.0
+    mesh: list[int] | None = None  # (replicate, shard) of a sharded job's mesh; None: data parallel
 
 
 @dataclass(frozen=True)

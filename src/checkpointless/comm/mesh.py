@@ -157,8 +157,9 @@ def reset_fsdp(module: nn.Module) -> None:
       ``post_backward_final_callback_queued`` flag: the final callback never ran, and with
       the flag set FSDP2 would never queue it again, so gradients would not be finished;
     - the shared comm context's retained reduce-scatter states and forward order;
-    - gradients: reduce-scatters that completed before the abort left sharded gradients that
-      the replay would add to, so every parameter's ``grad`` is set to None.
+    - gradients: reduce-scatters that completed before the abort left sharded gradients, and
+      unsharded parameters may hold gradients computed before the abort that no reduce-scatter
+      took yet; the replay would add to both, so every one of them is set to None.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -173,9 +174,10 @@ def reset_fsdp(module: nn.Module) -> None:
         state._training_state = TrainingState.IDLE
         state._modules_to_run_forward.clear()
         comm = state._comm_ctx
-        comm.all_gather_state = None
-        comm.reduce_scatter_states.clear()
-        comm.post_forward_order.clear()
+        if hasattr(comm, "reduce_scatter_states"):  # set up by FSDP2's lazy init (first forward)
+            comm.all_gather_state = None
+            comm.reduce_scatter_states.clear()
+            comm.post_forward_order.clear()
         for group in state._fsdp_param_groups:
             group._all_gather_result = None
             group._post_reduce_event = None
@@ -187,5 +189,10 @@ def reset_fsdp(module: nn.Module) -> None:
             group._to_sharded()
             for fp in group.fsdp_params:
                 fp.unsharded_accumulated_grad = None
+                # backward computed this gradient but the abort came before its reduce-scatter
+                # took it: the replay's backward would add to it
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
     for p in module.parameters():
         p.grad = None

@@ -36,9 +36,20 @@ import torch.distributed as dist
 from checkpointless.comm.communicator import Handle, _new_group
 from checkpointless.errors import CommAborted, RendezvousError
 
-__all__ = ["BACKEND_NAME", "AbortableWork", "ResilientProcessGroup", "register_backend"]
+__all__ = ["BACKEND_NAME", "AbortableWork", "ResilientProcessGroup", "register_backend", "waiting_since"]
 
 BACKEND_NAME = "checkpointless"
+
+# When this process began waiting on one of these groups' collectives (None: not waiting). Read
+# by the worker's heartbeat so the launcher's hang triage sees a rank blocked in an FSDP
+# collective as a victim, not a culprit. Per process, not per group: the main thread waits on
+# one collective at a time.
+_waiting_since: float | None = None
+
+
+def waiting_since() -> float | None:
+    """``time.monotonic()`` when this process began waiting in a group collective, or None."""
+    return _waiting_since
 
 
 class AbortableWork(dist.Work):
@@ -54,8 +65,13 @@ class AbortableWork(dist.Work):
         self._result = result
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]
+        global _waiting_since
         secs = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
-        self._handle.wait(secs)
+        _waiting_since = time.monotonic()
+        try:
+            self._handle.wait(secs)
+        finally:
+            _waiting_since = None
         return True
 
     def is_completed(self) -> bool:
@@ -119,6 +135,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._graveyard: list[Any] = []
         self._name: str | None = None
         self._desc = self.key
+        # called with "allreduce" or "reduce_scatter" before such a collective is issued: the
+        # job's fault-injection sites (an exception raised here surfaces inside FSDP's backward)
+        self.before_collective: Callable[[str], None] | None = None
 
     # -- identity: what FSDP2, DeviceMesh and c10d ask ----------------------------------------
     def rank(self) -> int:
@@ -237,6 +256,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         with self._lock:
             self._pending.discard(h)
 
+    def _before(self, kind: str) -> None:
+        if self.before_collective is not None:
+            self.before_collective(kind)
+
     def allreduce(self, tensors: Any, opts: Any = None) -> AbortableWork:  # type: ignore[override]
         if isinstance(opts, dist.ReduceOp | dist.ReduceOp.RedOpType) or opts is None:
             op = dist.ReduceOp.SUM if opts is None else opts
@@ -244,6 +267,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             opts.reduceOp = op
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
+        self._before("allreduce")
         return self._issue(lambda pg: pg.allreduce(tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AbortableWork:  # type: ignore[override]
@@ -289,6 +313,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AbortableWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
+        self._before("reduce_scatter")
         return self._issue(lambda pg: pg._reduce_scatter_base(output, input, opts), output)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
@@ -297,12 +322,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> AbortableWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
+        self._before("reduce_scatter")
         return self._issue(lambda pg: pg.reduce_scatter(outputs, inputs, opts), outputs)
 
     def reduce_scatter_tensor_coalesced(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AbortableWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
+        self._before("reduce_scatter")
         return self._chain("_reduce_scatter_base", outputs, inputs, opts)
 
     def _chain(

@@ -482,7 +482,12 @@ class Coordinator:
         if gen != r.target or r.phase != "collect":
             return
         r.reports[rank] = MemberReport(
-            rank, msg.committed_step, msg.valid, msg.snapshot_step, msg.checkpoint_step
+            rank,
+            msg.committed_step,
+            msg.valid,
+            msg.snapshot_step,
+            msg.checkpoint_step,
+            mesh=(msg.mesh[0], msg.mesh[1]) if msg.mesh and len(msg.mesh) == 2 else None,
         )
         r.report_times[rank] = now
 

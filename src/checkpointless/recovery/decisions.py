@@ -33,6 +33,9 @@ class MemberReport:
     snapshot_step: int | None = None
     # the newest complete durable (DCP) checkpoint this member can see (None: none, or off)
     checkpoint_step: int | None = None
+    # (replicate, shard) sizes of the job's device mesh (None: replicated data parallel); rank r
+    # holds shard coordinate r % shard in replica group r // shard (row-major, comm/mesh.py)
+    mesh: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,17 @@ class RecoveryPlan:
     receivers: tuple[int, ...]  # ranks that take the source's state (or load the snapshot)
     from_snapshot: bool = False  # every rank loads the snapshot of target_step, then replays
     from_checkpoint: bool = False  # every rank loads the durable checkpoint of target_step, then replays
+    # (receiver, source) pairs when receivers take state from different ranks (a sharded mesh:
+    # each from a holder of its own shard); empty: every receiver takes ``source``'s state
+    sources: tuple[tuple[int, int], ...] = ()
+
+    def source_of(self) -> dict[int, int]:
+        """receiver -> the rank it takes state from (empty for snapshot and checkpoint plans)."""
+        if self.from_snapshot or self.from_checkpoint:
+            return {}
+        if self.sources:
+            return dict(self.sources)
+        return {r: self.source for r in self.receivers}
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -49,6 +63,8 @@ class RecoveryPlan:
             "source": self.source,
             "receivers": list(self.receivers),
         }
+        if self.sources:
+            out["sources"] = [list(pair) for pair in self.sources]
         if self.from_snapshot:
             out["from_snapshot"] = True
         if self.from_checkpoint:
@@ -79,28 +95,106 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     ranks = sorted(r.rank for r in reports)
     if ranks != list(range(len(ranks))):
         raise NotRecoverableError(f"generation members are not ranks 0..{len(ranks) - 1}: {ranks}")
+    mesh = _common_mesh(reports)
+    if mesh is not None:
+        return _plan_sharded(reports, mesh, initial)
     if initial:
         return RecoveryPlan(0, 0, tuple(r for r in ranks if r != 0))
     valid = [r for r in reports if r.valid]
     if not valid:
-        snaps = [r.snapshot_step for r in reports if r.snapshot_step is not None]
-        ckpts = [r.checkpoint_step for r in reports if r.checkpoint_step is not None]
-        if snaps and (not ckpts or max(snaps) >= max(ckpts)):
-            return RecoveryPlan(max(snaps), -1, tuple(ranks), from_snapshot=True)
-        if ckpts:
-            return RecoveryPlan(max(ckpts), -1, tuple(ranks), from_checkpoint=True)
-        raise NotRecoverableError(
-            "no rank holds a valid replica of the training state (every replica faulted or is new), "
-            "no intact shared-memory snapshot is left (--snapshot-every) and no complete durable "
-            "checkpoint exists (--checkpoint-every); keep snapshots on, and on a cluster add "
-            "--checkpoint-every with --checkpoint-dir on shared storage"
-        )
+        return _fallback(reports, ranks)
     target = max(r.committed_step for r in valid)
     source = min(r.rank for r in valid if r.committed_step == target)
     receivers = tuple(
         r.rank for r in sorted(reports, key=lambda r: r.rank) if not r.valid or r.committed_step != target
     )
     return RecoveryPlan(target, source, receivers)
+
+
+def _fallback(reports: list[MemberReport], ranks: list[int]) -> RecoveryPlan:
+    """No rank holds what is needed: every rank loads a snapshot or a checkpoint, or the job ends."""
+    snaps = [r.snapshot_step for r in reports if r.snapshot_step is not None]
+    ckpts = [r.checkpoint_step for r in reports if r.checkpoint_step is not None]
+    if snaps and (not ckpts or max(snaps) >= max(ckpts)):
+        return RecoveryPlan(max(snaps), -1, tuple(ranks), from_snapshot=True)
+    if ckpts:
+        return RecoveryPlan(max(ckpts), -1, tuple(ranks), from_checkpoint=True)
+    raise NotRecoverableError(
+        "no rank holds a valid replica of the training state (every replica faulted or is new), "
+        "no intact shared-memory snapshot is left (--snapshot-every) and no complete durable "
+        "checkpoint exists (--checkpoint-every); keep snapshots on, and on a cluster add "
+        "--checkpoint-every with --checkpoint-dir on shared storage"
+    )
+
+
+def _common_mesh(reports: list[MemberReport]) -> tuple[int, int] | None:
+    meshes = {r.mesh for r in reports}
+    if len(meshes) > 1:
+        detail = ", ".join(f"rank {r.rank}: {r.mesh}" for r in reports)
+        raise NotRecoverableError(
+            f"ranks disagree about the device mesh ({detail}); every rank must call "
+            "job.device_mesh() with the same shape before job.steps()"
+        )
+    mesh = meshes.pop()
+    if mesh is not None and mesh[0] * mesh[1] != len(reports):
+        raise NotRecoverableError(
+            f"device mesh {mesh[0]}x{mesh[1]} does not cover the generation's {len(reports)} ranks"
+        )
+    return mesh
+
+
+def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: bool) -> RecoveryPlan:
+    """The plan for a (replicate, shard) mesh: every receiver takes the state of its own shard
+    coordinate from a rank of another replica group that holds it at the target step.
+
+    Rank r holds shard ``r % S``; ranks with the same shard coordinate hold identical state
+    after each commit (the replicate dimension all-reduces their gradients). The target is the
+    newest step at which every shard coordinate still has a valid holder: a rank ahead of it
+    receives and replays, exactly as a replica behind the target does in data parallelism. Among
+    a shard's holders the least loaded sends (the lowest rank on a tie), so when several ranks
+    fail at once their transfers are spread over different sources.
+
+    When some shard has no valid holder at any common step (``R = 1``, or every replica of one
+    shard lost), the job can only go on from a copy of every rank's state. With ``S = 1`` each
+    rank holds the whole model, so rank 0's snapshot or checkpoint serves every rank as in data
+    parallelism. With ``S > 1`` those copies (written by rank 0 alone) do not hold the other
+    shards: the job ends with an error rather than go on with a missing shard.
+    """
+    ranks = sorted(r.rank for r in reports)
+    shards = mesh[1]
+    if initial:
+        # the first replica group's shards are the reference, as DDP's broadcast from rank 0
+        pairs = tuple((r, r % shards) for r in ranks if r >= shards)
+        return RecoveryPlan(0, 0, tuple(p[0] for p in pairs), sources=pairs)
+    valid = [r for r in reports if r.valid]
+    target: int | None = None
+    for step in sorted({r.committed_step for r in valid}, reverse=True):
+        held = {r.rank % shards for r in valid if r.committed_step == step}
+        if len(held) == shards:
+            target = step
+            break
+    if target is None:
+        if shards == 1:
+            return _fallback(reports, ranks)
+        lost = sorted(set(range(shards)) - {r.rank % shards for r in valid})
+        which = f"shard(s) {lost} have" if lost else "the shards have"
+        raise NotRecoverableError(
+            f"{which} no valid replica at a common step on the {mesh[0]}x{shards} mesh "
+            f"(valid ranks and steps: {[(r.rank, r.committed_step) for r in valid]}); a sharded job "
+            "recovers from a peer of another replica group only, since snapshots and checkpoints "
+            "are written by rank 0 and hold its shard alone (docs/architecture.md); run with "
+            "more than one replica group (job.device_mesh(..., (R, S)) with R >= 2)"
+        )
+    holders = [r.rank for r in valid if r.committed_step == target]
+    load = dict.fromkeys(holders, 0)
+    pairs_list: list[tuple[int, int]] = []
+    for r in sorted(reports, key=lambda m: m.rank):
+        if r.valid and r.committed_step == target:
+            continue
+        src = min((h for h in holders if h % shards == r.rank % shards), key=lambda h: (load[h], h))
+        load[src] += 1
+        pairs_list.append((r.rank, src))
+    return RecoveryPlan(target, min(holders), tuple(p[0] for p in pairs_list), sources=tuple(pairs_list))
 
 
 @dataclass

@@ -37,6 +37,7 @@ from torch import nn
 
 from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.data_parallel import DataParallel
+from checkpointless.comm.process_group import waiting_since
 from checkpointless.config import WorkerEnv
 from checkpointless.errors import (
     CheckpointlessError,
@@ -53,6 +54,7 @@ from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.rng import StepStreams
+from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun, local_stateful, mesh_shape_error
 from checkpointless.recovery.torchrun import export_torchrun_env
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import tensor_paths
@@ -127,6 +129,7 @@ class Job:
         self._objects: dict[str, Stateful] = {}
         self._modules: list[nn.Module] = []
         self._dps: list[DataParallel] = []
+        self._mesh: ShardedRun | None = None  # job.device_mesh(): FSDP2/HSDP over resilient groups
         self._optimizers: list[torch.optim.Optimizer] = []
         self._scalers: list[Any] = []  # GradScalers: per-step bookkeeping reset on a restart
         self._loaders: list[StepLoader] = []
@@ -243,13 +246,48 @@ class Job:
         self._dps.append(dp)
         return dp
 
+    def device_mesh(self, names: tuple[str, ...], shape: tuple[int, ...]) -> Any:
+        """A ``DeviceMesh`` for torch's ``fully_shard(module, mesh=...)`` whose groups survive
+        recoveries: ``(("replicate", "shard"), (R, S))`` for HSDP, ``(("shard",), (S,))`` for
+        FSDP. Call it once, after ``init()`` and before ``track()`` (docs/adoption.md)."""
+        if self._mesh is not None or self._started:
+            raise ConfigError("job.device_mesh() can be called once, before job.steps()")
+        err = mesh_shape_error(names, shape, self.world_size)
+        if err is not None:
+            raise err
+        timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
+        self._mesh = ShardedRun(names, shape, self.rank, self.world_size, timeout, self._on_collective)
+        self._objects[SHARD_STATE_NAME] = self._mesh.identity()
+        if self._mesh.shards > 1 and (self._snapshots is not None or self._checkpoints is not None):
+            # rank 0 alone writes them, and on a sharded mesh it holds one shard only
+            log.warning("snapshots and checkpoints are off for a sharded mesh: shards recover from replicas")
+            self._snapshots = self._checkpoints = None
+        if self._link is None:  # run plainly: a world of one, formed at once
+            self._mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
+        return self._mesh.device_mesh
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel coordinate: the flat rank over (replicate, shard), since
+        FSDP splits the batch over the shard dimension too; give it to the data loader."""
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    def _on_collective(self, kind: str) -> None:
+        # an FSDP reduce-scatter runs inside backward; the replicate all-reduce is the job's
+        self._site("backward" if kind == "reduce_scatter" else "allreduce")
+
     def track(self, **objects: Any) -> None:
         """Register what makes a replica: modules, optimizers, schedulers, your own objects with
         ``state_dict``/``load_state_dict``. Registered state travels to a replacement."""
         if self._started:
             raise ConfigError("track() must be called before job.steps() starts")
         for name, obj in objects.items():
-            self._objects[name] = check_stateful(name, obj)
+            # a sharded module or optimizer travels as its local shards (recovery/sharded.py)
+            self._objects[name] = local_stateful(check_stateful(name, obj))
             if isinstance(obj, nn.Module):
                 self._modules.append(obj)
                 obj.register_forward_pre_hook(lambda m, a: self._site("forward"))
@@ -403,6 +441,8 @@ class Job:
 
     def _before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.comm.check()  # never apply an update from a generation that was aborted
+        if self._mesh is not None:
+            self._mesh.check()
         if self._snapshots is not None:  # the update must not change tensors still being copied
             self._snapshots.wait_copied(self.rendezvous_timeout)
         if self._checkpoints is not None:  # nor tensors DCP is still staging
@@ -455,11 +495,13 @@ class Job:
             self._latest_abort = gen
             self._cancel.set()
             n = self.comm.abort(str(msg.get("reason", "launcher abort")))
+            if self._mesh is not None:
+                n += self._mesh.abort(str(msg.get("reason", "launcher abort")))
             if n:
                 log.info("aborted %d pending collective(s) for generation %d", n, gen)
 
     def _status(self) -> dict[str, Any]:
-        since = self.comm.in_collective_since
+        since = self.comm.in_collective_since or waiting_since()
         return {
             "step": self._step_index,
             # no progress clock while recovering: the launcher times recoveries by their own rules
@@ -502,6 +544,8 @@ class Job:
         else:
             log.info("step %d interrupted: %s", index, _short(exc))
         self.comm.abort(f"rank {self.rank} left step {index}")
+        if self._mesh is not None:
+            self._mesh.abort(f"rank {self.rank} left step {index}")
         self._recover(cause, f"{type(exc).__name__}: {exc}", committed, valid)
 
     def _fatal(self, why: str) -> None:
@@ -521,6 +565,8 @@ class Job:
             self._checkpoints.wait_staged(self.rendezvous_timeout)
         for dp in self._dps:
             dp.reset()
+        if self._mesh is not None:  # what the abandoned forward/backward left in FSDP2
+            self._mesh.reset(self._modules)
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
         deadline = time.monotonic() + 10 * self.rendezvous_timeout
@@ -540,7 +586,8 @@ class Job:
                 snap = self._newest_snapshot()
                 msg_out = {"type": "stopped", "for_generation": gen, "time": time.time(), **report}
                 ckpt = newest_checkpoint(self._checkpoint_dir)
-                self._link.send({**msg_out, "snapshot_step": snap, "checkpoint_step": ckpt})
+                mesh = list(self._mesh.shape) if self._mesh is not None else None
+                self._link.send({**msg_out, "snapshot_step": snap, "checkpoint_step": ckpt, "mesh": mesh})
             resend = False
             msg = self._link.wait_for({"recover", "abort"}, deadline)
             if msg["type"] == "abort":
@@ -576,18 +623,24 @@ class Job:
             self._first_commit_after_recovery = True
             self._link.send({"type": "recovered", "generation": gen, "time": time.time(), "timings": timings})
             self.comm.release_graveyard()
+            if self._mesh is not None:
+                self._mesh.release()
             return
 
     def _join_generation(self, msg: dict[str, Any], committed: int, valid: bool) -> dict[str, Any]:
         gen = int(msg["generation"])
         plan = msg["plan"]
-        target, source, receivers = int(plan["target_step"]), int(plan["source"]), list(plan["receivers"])
+        target, receivers = int(plan["target_step"]), list(plan["receivers"])
+        sources = plan_sources(plan)  # receiver -> its source (on a mesh, a holder of its shard)
+        to_send = sorted(r for r, s in sources.items() if s == self.rank)
         self._injector.maybe_fire("recovery", target)
         t0 = time.monotonic()
         store = make_store(msg["rendezvous"], self.rank, self.world_size, gen, self._store_state, self.env)
         wait_s = self.comm.rebuild(
             gen, store, self.rank, self.world_size, time.monotonic() + self.rendezvous_timeout, self._cancel
         )
+        if self._mesh is not None:
+            self._mesh.configure(gen, store, time.monotonic() + self.rendezvous_timeout, self._cancel)
         self.generation = gen
         t1 = time.monotonic()
         info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
@@ -604,10 +657,10 @@ class Job:
             info.update(restore_checkpoint(self._objects, self._checkpoint_dir, target))
             info["role"] = info["transport"] = "checkpoint"
             log.info("restored the checkpoint of step %d from %s", target, self._checkpoint_dir)
-        elif self.rank == source and receivers:
+        elif to_send:
             resume_rng = self._resume_rng(target)
             state = collect_state(self._objects, target, resume_rng)
-            info.update(send_state(self.comm, state, receivers, self.rendezvous_timeout, route))
+            info.update(send_state(self.comm, state, to_send, self.rendezvous_timeout, route))
             info["role"] = "source"
             restore_rng(resume_rng)
         elif self.rank in receivers:
@@ -616,7 +669,9 @@ class Job:
             own = collect_state(self._objects, target, capture_rng())
             if self._arena is not None:
                 self._arena.reset()  # a transfer that failed before may have taken some of it
-            state, stats = receive_state(self.comm, source, self.rendezvous_timeout, own, route, self._arena)
+            state, stats = receive_state(
+                self.comm, sources[self.rank], self.rendezvous_timeout, own, route, self._arena
+            )
             del own
             if self._arena is not None:
                 self._arena.release_unused()
@@ -677,6 +732,16 @@ class Job:
         log.warning("injecting fault %s", spec.to_text())
         if self._link is not None:
             self._link.send({"type": "fired", "id": spec.id, "kind": spec.kind, "time": time.time()})
+
+
+def plan_sources(plan: dict[str, Any]) -> dict[int, int]:
+    """receiver -> source from a plan's JSON: per-receiver pairs when present (a sharded mesh),
+    else one source for every receiver; empty for snapshot and checkpoint plans."""
+    if plan.get("from_snapshot") or plan.get("from_checkpoint"):
+        return {}
+    if plan.get("sources"):
+        return {int(r): int(s) for r, s in plan["sources"]}
+    return {int(r): int(plan["source"]) for r in plan["receivers"]}
 
 
 def _state_bytes(objects: dict[str, Any]) -> int:

@@ -1,0 +1,241 @@
+"""Sharded jobs (FSDP2, HSDP): the mesh a job carries through recoveries, and a shard's replica.
+
+``job.device_mesh(("replicate", "shard"), (R, S))`` builds a :class:`ShardedRun`: a
+``DeviceMesh`` over :class:`~checkpointless.comm.process_group.ResilientProcessGroup` objects
+(comm/mesh.py) that the script hands to torch's own ``fully_shard``. The job drives it through
+each recovery next to its data-parallel communicator: :meth:`ShardedRun.abort` with
+``Communicator.abort``, :meth:`ShardedRun.configure` from the same store as
+``Communicator.rebuild``, :meth:`ShardedRun.reset` (FSDP2's leftovers) before the replay, and
+:meth:`ShardedRun.release` once the generation has formed.
+
+What a rank's replica is, on a mesh: the *local* shards of its DTensors. :class:`LocalModuleState`
+and :class:`LocalOptimizerState` stand in for a module and an optimizer whose tensors are
+DTensors: their ``state_dict`` gives each DTensor's ``to_local()`` (the very storage FSDP2
+computes with, so a transfer lands in place), and ``load_state_dict`` puts local tensors back
+(for the optimizer, wrapped as DTensors laid out like their parameter). :class:`ShardIdentity`
+travels with the state and refuses a shard of another coordinate: a plan bug can never
+leave a rank training on somebody else's shard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from checkpointless.comm.mesh import ResilientMesh, make_device_mesh, reset_fsdp
+from checkpointless.errors import CommAborted, ConfigError, StateTransferError
+from checkpointless.state.snapshot import Stateful
+
+__all__ = [
+    "SHARD_STATE_NAME",
+    "LocalModuleState",
+    "LocalOptimizerState",
+    "ShardIdentity",
+    "ShardedRun",
+    "has_dtensors",
+    "local_stateful",
+    "mesh_shape_error",
+]
+
+SHARD_STATE_NAME = "__shard__"  # the registered name of the ShardIdentity
+
+
+class ShardedRun:
+    """A job's (replicate, shard) mesh over resilient groups, and this rank's place in it.
+
+    A 1-D mesh (``("shard",), (S,)``) is plain FSDP: one replica group, ``R = 1``. Ranks are
+    laid out row-major, so rank r holds shard coordinate ``r % S`` in replica group ``r // S``.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        shape: Sequence[int],
+        rank: int,
+        world_size: int,
+        timeout: datetime.timedelta,
+        on_collective: Callable[[str], None] | None = None,
+    ) -> None:
+        dims = tuple(int(n) for n in shape)
+        # c10d's bookkeeping needs a store object but sends nothing over it (comm/mesh.py); each
+        # generation's communicators form from the store given to configure()
+        self.mesh: ResilientMesh = make_device_mesh(names, dims, rank, world_size, dist.HashStore(), timeout)
+        self.replicate, self.shards = (1, dims[0]) if len(dims) == 1 else (dims[0], dims[1])
+        self.rank = rank
+        for pg in self.mesh.groups:
+            pg.before_collective = on_collective
+
+    @property
+    def device_mesh(self) -> Any:
+        return self.mesh.device_mesh
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(replicate, shard) sizes, as the recovery plan learns them."""
+        return (self.replicate, self.shards)
+
+    @property
+    def coordinate(self) -> tuple[int, int]:
+        """(replica group, shard) of this rank."""
+        return (self.rank // self.shards, self.rank % self.shards)
+
+    def abort(self, reason: str) -> int:
+        return self.mesh.abort(reason)
+
+    def check(self) -> None:
+        """Raise CommAborted if any group was aborted: an update must not follow a dead step."""
+        for pg in self.mesh.groups:
+            if pg.aborted is not None:
+                raise CommAborted(f"mesh group {pg.key} aborted: {pg.aborted}")
+
+    def configure(
+        self, generation: int, store: dist.Store, deadline: float, cancelled: threading.Event | None
+    ) -> None:
+        # a prefix of our own: the data-parallel communicator forms from the same store
+        self.mesh.configure(generation, dist.PrefixStore("mesh/", store), deadline, cancelled)
+
+    def reset(self, modules: Sequence[nn.Module]) -> None:
+        for m in modules:
+            reset_fsdp(m)
+
+    def release(self) -> None:
+        self.mesh.release_graveyard()
+
+    def identity(self) -> ShardIdentity:
+        return ShardIdentity(self.shape, self.coordinate[1])
+
+
+class ShardIdentity:
+    """Travels with a rank's state: which shard coordinate of which mesh it is."""
+
+    def __init__(self, shape: tuple[int, int], shard: int) -> None:
+        self.shape = shape
+        self.shard = shard
+
+    def state_dict(self) -> dict[str, int]:
+        return {"replicate": self.shape[0], "shards": self.shape[1], "shard": self.shard}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        got = (int(state["replicate"]), int(state["shards"]), int(state["shard"]))
+        want = (*self.shape, self.shard)
+        if got != want:
+            raise StateTransferError(
+                f"received the state of shard {got[2]} of a {got[0]}x{got[1]} mesh; this rank holds "
+                f"shard {want[2]} of a {want[0]}x{want[1]} mesh (a wrong source in the plan)"
+            )
+
+
+def has_dtensors(obj: object) -> bool:
+    """Whether a module's parameters or an optimizer's parameters are DTensors (fully_shard)."""
+    if isinstance(obj, nn.Module):
+        return any(isinstance(p, DTensor) for p in obj.parameters())
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(isinstance(p, DTensor) for g in obj.param_groups for p in g["params"])
+    return False
+
+
+def local_stateful(obj: Stateful) -> Stateful:
+    """The object to register for ``obj``: a local-shard view when it holds DTensors."""
+    if isinstance(obj, nn.Module) and has_dtensors(obj):
+        return LocalModuleState(obj)
+    if isinstance(obj, torch.optim.Optimizer) and has_dtensors(obj):
+        return LocalOptimizerState(obj)
+    return obj
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LocalModuleState:
+    """A sharded module's replica: its parameters' and buffers' local shards, by name."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return {k: _local(v) for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        mine = self.state_dict()
+        if set(mine) != set(state):
+            raise StateTransferError(
+                f"sharded module state differs: missing {sorted(set(mine) - set(state))}, "
+                f"unexpected {sorted(set(state) - set(mine))}"
+            )
+        with torch.no_grad():
+            for k, dst in mine.items():
+                src = state[k]
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    raise StateTransferError(
+                        f"shard {k!r}: received {tuple(src.shape)} {src.dtype}, this rank holds "
+                        f"{tuple(dst.shape)} {dst.dtype}"
+                    )
+                if src.data_ptr() != dst.data_ptr():  # landed in place already: nothing to copy
+                    dst.copy_(src)
+
+
+class LocalOptimizerState:
+    """A sharded optimizer's replica: its state with every DTensor replaced by its local shard.
+
+    Loading wraps each local tensor back into a DTensor laid out like its parameter (mesh,
+    placements, global shape), which is what the optimizer's step expects; scalar entries (AdamW's
+    ``step``) are plain tensors in FSDP2 and stay so.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = self.optimizer.state_dict()
+        state = {i: {k: _local(v) for k, v in s.items()} for i, s in sd["state"].items()}
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state: dict[Any, dict[str, Any]] = {}
+        for i, s in sd["state"].items():
+            p = params[int(i)]
+            state[i] = {k: _like(v, p, k) for k, v in s.items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def _like(v: Any, p: torch.Tensor, key: str) -> Any:
+    if not isinstance(p, DTensor) or not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return v
+    local = p.to_local()
+    if v.shape != local.shape:
+        raise StateTransferError(
+            f"optimizer state {key!r}: received a {tuple(v.shape)} shard, the parameter's is "
+            f"{tuple(local.shape)}"
+        )
+    return DTensor.from_local(
+        v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
+def mesh_shape_error(names: Sequence[str], shape: Sequence[int], world_size: int) -> ConfigError | None:
+    """A clear error for a mesh that cannot be a job's, or None."""
+    dims = tuple(shape)
+    if len(dims) not in (1, 2) or len(tuple(names)) != len(dims):
+        return ConfigError(
+            f"job.device_mesh({tuple(names)}, {dims}): give ('replicate', 'shard') with (R, S), or "
+            "('shard',) with (S,)"
+        )
+    product = 1
+    for n in dims:
+        product *= int(n)
+    if product != world_size or any(int(n) < 1 for n in dims):
+        return ConfigError(
+            f"job.device_mesh: shape {dims} covers {product} ranks but the job has {world_size}; "
+            "choose sizes whose product is the number of ranks (--nproc)"
+        )
+    return None

@@ -1,0 +1,119 @@
+"""Sharded jobs (torch's FSDP2 over job.device_mesh) through real faults, bitwise on every shard.
+
+Each test runs examples/train_gpt.py --fsdp R,S under the launcher (4 ranks, gloo, CPU), injects
+a real fault and checks that every rank's final *shards* (not rank 0's alone) are bit for bit
+those of the fault-free run, that every (rank, step) trained on the fault-free run's batch, and
+that a receiver took its state from a holder of its own shard in the other replica group. FSDP
+1x4 has no replica to recover from: it must end with the documented error, never a wrong result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs import TINY, JobResult, alive, run_job
+
+HSDP = [*TINY, "--fsdp", "2,2"]
+_REF: dict[str, JobResult] = {}
+
+
+@pytest.fixture()
+def hsdp_reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> JobResult:
+    """The fault-free HSDP 2x2 run (computed once per session)."""
+    if "hsdp" not in _REF:
+        res = run_job(
+            tmp_path_factory.mktemp("hsdp-ref") / "run", corpus, nproc=4, spares=0, script_args=HSDP
+        )
+        assert res.rc == 0, res.output[-4000:]
+        d = res.digests
+        assert sorted(d) == [0, 1, 2, 3], d
+        # replicas of a shard agree, and the two shards differ: these really are shards
+        assert d[0] == d[2] and d[1] == d[3] and d[0] != d[1], d
+        _REF["hsdp"] = res
+    return _REF["hsdp"]
+
+
+def check_shards(res: JobResult, ref: JobResult) -> None:
+    assert res.rc == 0, res.output[-6000:]
+    wrong = {
+        r: (res.digests.get(r, "none")[:12], d[:12])
+        for r, d in ref.digests.items()
+        if res.digests.get(r) != d
+    }
+    assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
+    assert res.batches() == ref.batches(), "some rank trained on other samples than the fault-free run"
+    assert res.of("recovery"), res.output[-4000:]
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+def fault_plans(res: JobResult) -> list[dict[int, int]]:
+    """receiver -> source of every recovery plan after the first generation."""
+    return [{r: s for r, s in e.get("sources", [])} for e in res.of("plan") if e["generation"] > 0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "fault,receivers",
+    [
+        ("kill:rank=1:step=4", {1: 3}),  # rank 1 (shard 1) takes shard 1 from rank 3
+        ("raise:rank=2:step=3:site=backward", None),  # raised inside FSDP's reduce-scatter
+        ("raise:rank=1:step=4:site=optimizer", {1: 3}),  # half-updated: its shard is invalid
+    ],
+    ids=["sigkill", "raise-in-reduce-scatter", "raise-mid-optimizer"],
+)
+def test_hsdp_fault_is_recovered_from_the_replica_peer(
+    tmp_path: Path, corpus: Path, hsdp_reference: JobResult, fault: str, receivers: dict[int, int] | None
+) -> None:
+    res = run_job(tmp_path / "run", corpus, nproc=4, spares=1, faults=[fault], script_args=HSDP, timeout=100)
+    check_shards(res, hsdp_reference)
+    assert len(res.of("fault_injected")) == 1, res.output[-4000:]
+    if receivers is not None:
+        assert receivers in fault_plans(res), fault_plans(res)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "faults",
+    [["hang:rank=3:step=4"], ["kill:rank=1:step=4", "kill:rank=2:step=4:site=recovery"]],
+    ids=["sigstop", "second-fault-during-recovery"],
+)
+def test_hsdp_hang_and_fault_during_recovery(
+    tmp_path: Path, corpus: Path, hsdp_reference: JobResult, faults: list[str]
+) -> None:
+    res = run_job(tmp_path / "run", corpus, nproc=4, spares=2, faults=faults, script_args=HSDP, timeout=100)
+    check_shards(res, hsdp_reference)
+    assert len(res.of("fault_injected")) == len(faults), res.output[-4000:]
+    assert res.of("spare_assigned"), "a dead or stopped rank must be replaced by a spare"
+
+
+@pytest.mark.timeout(120)
+def test_hsdp_whole_replica_group_lost_is_recovered_from_the_other_group(
+    tmp_path: Path, corpus: Path, hsdp_reference: JobResult
+) -> None:
+    faults = ["kill:rank=0:step=4", "kill:rank=1:step=4"]  # replica group 0 is ranks 0 and 1
+    res = run_job(tmp_path / "run", corpus, nproc=4, spares=2, faults=faults, script_args=HSDP, timeout=100)
+    check_shards(res, hsdp_reference)
+    # each took its own shard from the other group (one plan, or two if the kills were apart)
+    got: dict[int, int] = {}
+    for plan in fault_plans(res):
+        got.update(plan)
+    assert got.get(0) == 2 and got.get(1) == 3, fault_plans(res)
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_without_replica_ends_with_the_documented_error(tmp_path: Path, corpus: Path) -> None:
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=4,
+        spares=1,
+        faults=["kill:rank=2:step=4"],
+        script_args=[*TINY, "--fsdp", "1,4"],
+        timeout=80,
+    )
+    assert res.rc != 0, "an FSDP job that lost its only copy of a shard must not go on"
+    assert "no valid replica" in res.output and "R >= 2" in res.output, res.output[-4000:]
+    assert not res.digests, f"no rank may finish with a result: {res.digests}"
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"

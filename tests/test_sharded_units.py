@@ -1,0 +1,49 @@
+"""Pure parts of sharded jobs: the shard identity a transfer carries, and mesh-shape checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpointless.errors import StateTransferError
+from checkpointless.recovery.job import plan_sources
+from checkpointless.recovery.sharded import ShardIdentity, mesh_shape_error
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_a_shard_of_another_coordinate_is_refused() -> None:
+    sent = ShardIdentity((2, 2), 0).state_dict()
+    ShardIdentity((2, 2), 0).load_state_dict(sent)  # the same coordinate: accepted
+    with pytest.raises(StateTransferError, match="shard 0 of a 2x2 mesh; this rank holds shard 1"):
+        ShardIdentity((2, 2), 1).load_state_dict(sent)
+    with pytest.raises(StateTransferError, match="1x4"):
+        ShardIdentity((1, 4), 0).load_state_dict(sent)
+
+
+@pytest.mark.parametrize(
+    "names,shape,world,match",
+    [
+        (("replicate", "shard"), (2, 2), 4, None),
+        (("shard",), (4,), 4, None),
+        (("replicate", "shard"), (2, 3), 4, "covers 6 ranks but the job has 4"),
+        (("replicate",), (2, 2), 4, r"give \('replicate', 'shard'\)"),
+        (("a", "b", "c"), (1, 2, 2), 4, r"give \('replicate', 'shard'\)"),
+        (("replicate", "shard"), (0, 4), 4, "covers 0 ranks"),
+    ],
+)
+def test_mesh_shape_errors_name_the_bad_value(
+    names: tuple[str, ...], shape: tuple[int, ...], world: int, match: str | None
+) -> None:
+    err = mesh_shape_error(names, shape, world)
+    if match is None:
+        assert err is None
+    else:
+        assert err is not None
+        with pytest.raises(type(err), match=match):
+            raise err
+
+
+def test_plan_sources_per_receiver_and_single_source() -> None:
+    assert plan_sources({"source": 0, "receivers": [1, 3], "sources": [[1, 3], [3, 1]]}) == {1: 3, 3: 1}
+    assert plan_sources({"source": 2, "receivers": [0, 1]}) == {0: 2, 1: 2}
+    assert plan_sources({"source": -1, "receivers": [0, 1], "from_snapshot": True}) == {}
