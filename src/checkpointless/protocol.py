@@ -152,6 +152,7 @@ class Assign(Message):
     snapshot_every: int = 0
     checkpoint_every: str = "0"  # durable checkpoints: "0" (off), steps or a time (state/durable.py)
     checkpoint_dir: str = ""  # where this job's checkpoints are ("" without any)
+    divergence_check: int = 100  # steps between replica digest comparisons (0: off)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from checkpointless.errors import (
 from checkpointless.events import EventLog, get_logger, set_log_step, setup_logging
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
 from checkpointless.recovery.amp import finish_cut_off_update, is_grad_scaler, reset_step_state
+from checkpointless.recovery.divergence import DEFAULT_EVERY, due, judge, state_digest
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
@@ -102,6 +103,7 @@ class Step:
         if exc is None:
             self.job._commit(self.index)
             self.committed = True
+            self.job._check_divergence()
             return False
         if not isinstance(exc, Exception) or self.job._link is None:
             return False  # KeyboardInterrupt/SystemExit, or no launcher to recover with
@@ -159,6 +161,7 @@ class Job:
         self._store_state: dict[str, Any] = {}
         self.last_recovery: dict[str, Any] = {}
         self.is_replacement = False
+        self.divergence_every = DEFAULT_EVERY  # steps between replica digest comparisons (0: off)
 
     # -- start-up ------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -213,6 +216,7 @@ class Job:
             if self.rank == 0 and not ckpt_every.off:
                 # one writer, as for snapshots: replicas are identical after each commit
                 self._checkpoints = CheckpointWriter(self._checkpoint_dir, ckpt_every)
+        self.divergence_every = int(msg.get("divergence_check", DEFAULT_EVERY))
         specs = parse_faults(list(msg.get("faults", [])), self.world_size)
         self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
 
@@ -442,6 +446,32 @@ class Job:
                     "state_bytes": _state_bytes(self._objects) if self.rank == 0 else None,
                 }
             )
+
+    def _check_divergence(self) -> None:
+        """Every ``divergence_every`` commits: compare the replicas' digests (recovery/divergence.py);
+        a rank that differs from the majority reports itself invalid and receives its state."""
+        step = self.committed_step
+        if self._link is None or self.world_size < 2 or not due(step, self.divergence_every):
+            return
+        digest = state_digest(self._modules, self._optimizers)
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
+        try:
+            gathered = self.comm.wait(self.comm.allgather(mine), self.rendezvous_timeout)
+        except Exception as e:  # a peer failed meanwhile: this step stands, recover as usual
+            self.comm.abort(f"rank {self.rank} left the divergence check after step {step - 1}")
+            self._recover("comm", _short(e), step, True)
+            return
+        verdict = judge([int(t.item()) for t in gathered])
+        if not verdict.divergent:
+            return
+        why = verdict.describe(step)
+        mine_bad = self.rank in verdict.divergent
+        log.error("%s%s", why, " (this rank is one of them)" if mine_bad else "")
+        if self._events is not None:
+            self._events.emit("divergence", step=step - 1, ranks=list(verdict.divergent))
+        self.comm.abort(f"divergence check after step {step - 1}")
+        # the odd rank is the fault (it names itself); the others only follow it into the round
+        self._recover("exception" if mine_bad else "comm", why, step, not mine_bad)
 
     # -- recovery ------------------------------------------------------------------------------
     def _on_abort(self, msg: dict[str, Any]) -> None:
