@@ -89,9 +89,14 @@ def test_first_step_gets_its_own_allowance_and_message() -> None:
     assert limit == 300.0 and first_step_limit(400.0, 300.0) == 400.0
     assert find_hung(health, now, 10.0, 10.0, limit) == ([], "")
     later = now + 250  # heartbeats kept coming; progress did not
-    health = [WorkerHealth(0, later, now - 100, True), WorkerHealth(1, later, now - 100, False, first_step=True)]
+    health = [
+        WorkerHealth(0, later, now - 100, True),
+        WorkerHealth(1, later, now - 100, False, first_step=True),
+    ]
     culprits, why = find_hung(health, later, 10.0, 10.0, limit)
-    assert culprits == [1] and "first step" in why and "--first-step-timeout" in why and "torch.compile" in why
+    assert (
+        culprits == [1] and "first step" in why and "--first-step-timeout" in why and "torch.compile" in why
+    )
 
 
 def test_a_seasoned_rank_is_still_judged_by_the_ordinary_limit() -> None:

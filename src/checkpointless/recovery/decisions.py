@@ -63,7 +63,8 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     makes every rank that applied the update hold the *same* new state. So resume at the newest
     step any valid replica has reached (a rank that finished its update never has to undo it),
     and let every rank that is behind, invalid or new receive from the lowest such rank. At the
-    job's first generation (``initial``) rank 0's state is the reference, as DDP's broadcast.
+    job's first generation (``initial``) rank 0's state is the reference, as DDP's broadcast, and
+    rank 0's committed step is where the job starts (non-zero when the script resumed).
 
     When no replica is valid, the newest complete shared-memory snapshot any member can see is
     the state: every rank loads it (survivors too, since they may be ahead of it) and the steps
@@ -80,7 +81,9 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     if ranks != list(range(len(ranks))):
         raise NotRecoverableError(f"generation members are not ranks 0..{len(ranks) - 1}: {ranks}")
     if initial:
-        return RecoveryPlan(0, 0, tuple(r for r in ranks if r != 0))
+        # rank 0's step too: a script that restored its own checkpoint starts there (job.steps(start=))
+        start = max(0, next(r.committed_step for r in reports if r.rank == 0))
+        return RecoveryPlan(start, 0, tuple(r for r in ranks if r != 0))
     valid = [r for r in reports if r.valid]
     if not valid:
         snaps = [r.snapshot_step for r in reports if r.snapshot_step is not None]

@@ -36,7 +36,9 @@ def due(committed_steps: int, every: int) -> bool:
     return every > 0 and committed_steps > 0 and committed_steps % every == 0
 
 
-def _tensors(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> Iterable[torch.Tensor]:
+def _tensors(
+    modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]
+) -> Iterable[torch.Tensor]:
     for module in modules:
         yield from module.state_dict().values()
     for opt in optimizers:
