@@ -542,9 +542,14 @@ class Job:
         log.error("%s%s", why, " (this rank is one of them)" if mine_bad else "")
         if self._events is not None:
             self._events.emit("divergence", step=step - 1, ranks=list(verdict.divergent))
+        if not mine_bad:
+            # Only a divergent rank reports. Were the majority to report too, the launcher's abort
+            # could cut a slower divergent rank's all-gather short before it saw the verdict, and
+            # it would report itself valid. The majority goes on; its next collective is aborted
+            # by the round the divergent rank starts, and it reports then (valid, at this step).
+            return
         self.comm.abort(f"divergence check after step {step - 1}")
-        # the odd rank is the fault (it names itself); the others only follow it into the round
-        self._recover("exception" if mine_bad else "comm", why, step, not mine_bad)
+        self._recover("exception", why, step, False)
 
     # -- recovery ------------------------------------------------------------------------------
     def _on_abort(self, msg: dict[str, Any]) -> None:
