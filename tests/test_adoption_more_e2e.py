@@ -38,10 +38,11 @@ def sections(res: JobResult) -> dict[tuple[int, int], list[list[str]]]:
     return out
 
 
-def check(res: JobResult, ref: JobResult) -> None:
+def check(res: JobResult, ref: JobResult, first: int = 0) -> None:
     assert res.rc == 0, res.output[-6000:]
     res.assert_same_weights(ref, nproc=NPROC)
-    assert res.batches() == ref.batches(), "some rank trained on other samples than the fault-free run"
+    want = {k: v for k, v in ref.batches().items() if k[1] >= first}
+    assert res.batches() == want, "some rank trained on other samples than the fault-free run"
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
 
 
@@ -126,7 +127,7 @@ def test_resume_from_the_scripts_own_checkpoint_and_a_replacement_does_not_load_
     res = run_job(
         tmp_path / "run", NOWHERE, NPROC, 1, ["kill:rank=2:step=9"], script=SCRIPT, script_args=args
     )
-    check(res, ref)
+    check(res, ref, first=7)
     assert [e["rank"] for e in res.of("spare_assigned")] == [2]
     loads = log.read_text().split()
     assert sorted(loads[0::2]) == ["0", "1", "2"], f"only the original ranks load the checkpoint: {loads}"
