@@ -104,3 +104,16 @@ def test_a_seasoned_rank_is_still_judged_by_the_ordinary_limit() -> None:
     health = [WorkerHealth(0, now, now - 20, False), WorkerHealth(1, now, now - 20, False, first_step=True)]
     culprits, why = find_hung(health, now, 10.0, 10.0, 300.0)
     assert culprits == [0] and "first step" not in why
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flag"),
+    [("divergence_check", -1, "--divergence-check"), ("first_step_timeout", 0.0, "--first-step-timeout")],
+)
+def test_bad_new_flags_are_refused_naming_the_flag(field: str, value: float, flag: str) -> None:
+    from checkpointless.errors import ConfigError
+    from checkpointless.launcher.model import LaunchConfig
+
+    cfg = LaunchConfig(script=__file__, **{field: value})
+    with pytest.raises(ConfigError, match=flag):
+        cfg.validate()
