@@ -16,6 +16,13 @@ ratios of adjacent pairs.
     .venv/bin/python benchmarks/overhead.py            # 6 pairs of 200-step runs, 2 ranks (~5 min)
     .venv/bin/python benchmarks/overhead.py --nproc 4 --pairs 4 --out benchmarks/results/overhead-4ranks.json
     .venv/bin/python benchmarks/overhead.py --quick    # 1 pair of 60-step runs
+    .venv/bin/python benchmarks/overhead.py --divergence-cost  # the divergence check's share alone
+
+The divergence check (``--divergence-check N``, default every 100 steps) is on in the
+checkpointless runs. Its share is far below what run-to-run noise on a shared machine lets the
+paired runs resolve, so ``--divergence-cost`` measures it directly: the time to digest the example
+model's parameters and AdamW state, plus one all-gather of an int64 between two gloo processes,
+divided by N times the median step time.
 
 Two ranks by default: this machine has 2 cores, and 4 ranks sharing them made the step time swing
 so much between runs (pair ratios 0.89-1.49) that a 2% difference could not be resolved.
@@ -49,6 +56,92 @@ def model_args(a: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
+def _allgather_s(rounds: int) -> float:
+    """The median time of a one-int64 all-gather between two gloo processes on this machine."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as tmp
+
+    port = bl.free_port()
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gather_worker, args=(r, port, rounds, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = [q.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    del torch, dist, datetime
+    return float(max(got))
+
+
+def _gather_worker(rank: int, port: int, rounds: int, q: Any) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    t = torch.tensor([rank], dtype=torch.int64)
+    outs = [torch.empty_like(t) for _ in range(2)]
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        dist.all_gather(outs, t)
+        times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    q.put(statistics.median(times))
+
+
+def divergence_cost(a: argparse.Namespace) -> int:
+    """Digest time of the example GPT (+ AdamW state) and one all-gather, as a share of N steps."""
+    import torch
+
+    from checkpointless.recovery.divergence import DEFAULT_EVERY, state_digest
+
+    sys.path.insert(0, str(bl.EXAMPLE.parent))
+    from train_gpt import GPT
+
+    torch.set_num_threads(a.threads)
+    every = a.divergence_check if a.divergence_check is not None else DEFAULT_EVERY
+    model = GPT(256, a.dim, a.layers, a.heads, a.seq_len, 0.0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 256, (2, a.seq_len))).sum().backward()
+    opt.step()  # the optimizer state exists, as it does after step 0
+    times = []
+    for _ in range(21):
+        t0 = time.perf_counter()
+        state_digest([model], [opt])
+        times.append(time.perf_counter() - t0)
+    digest_s = statistics.median(times)
+    gather_s = _allgather_s(50)
+    step_s = a.step_s
+    if step_s is None:
+        run_dir = Path(tempfile.mkdtemp(prefix="cl-bench-divergence-"))
+        try:
+            launch(a, "checkpointless", run_dir / "run")
+            _, done = step_times(run_dir / "run", a.warmup)
+            st, _ = step_times(run_dir / "run", steady_start(run_dir / "run", done, a.warmup))
+            step_s = statistics.median(st)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    params = sum(p.numel() for p in model.parameters())
+    share = (digest_s + gather_s) / (every * step_s)
+    print(
+        f"divergence check every {every} steps: digest {digest_s * 1e3:.2f} ms ({params / 1e6:.2f} M params "
+        f"+ AdamW state), all-gather {gather_s * 1e3:.3f} ms, median step {step_s * 1e3:.1f} ms: "
+        f"{100 * share:.3f} % of training time"
+    )
+    return 0
+
+
 def launch(a: argparse.Namespace, design: str, run_dir: Path) -> bl.Finished:
     run_dir.mkdir(parents=True, exist_ok=True)
     if design == "checkpointless":
@@ -56,6 +149,7 @@ def launch(a: argparse.Namespace, design: str, run_dir: Path) -> bl.Finished:
         cmd = [
             bl.PYTHON, "-m", "checkpointless", "run", "--nproc", str(a.nproc), "--spares", str(a.spares),
             "--run-dir", str(run_dir), "--port-base", str(port_base), "--port-range", "200",
+            *(["--divergence-check", str(a.divergence_check)] if a.divergence_check is not None else []),
             str(bl.EXAMPLE), *model_args(a), *bl.example_batch_args(a.global_batch, a.nproc),
             "--digest-out", str(run_dir / "digest"),
         ]  # fmt: skip
@@ -199,7 +293,16 @@ def main() -> int:
     ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
     ap.add_argument("--out", help="JSON output (default results/overhead.json; --quick: overhead-quick.json)")
     ap.add_argument("--report-only", action="store_true", help="rewrite overhead.md from overhead.json")
+    ap.add_argument("--divergence-check", type=int, help="pass --divergence-check N to the launcher")
+    ap.add_argument(
+        "--divergence-cost", action="store_true", help="measure only the divergence check's per-step share"
+    )
+    ap.add_argument(
+        "--step-s", type=float, help="--divergence-cost: the step time to divide by (default: measure)"
+    )
     a = ap.parse_args()
+    if a.divergence_cost:
+        return divergence_cost(a)
     if a.report_only:
         write_markdown(json.loads((bl.RESULTS / "overhead.json").read_text()))
         return 0

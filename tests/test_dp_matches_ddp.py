@@ -8,6 +8,10 @@ and only a correct average makes them agree. The bucket cap is tiny, so the mode
 out in several buckets: a skipped bucket, a sum instead of a mean, or a bucket reduced into the
 wrong parameters all show up. After a few optimizer steps the parameters must match too.
 
+Then gradient accumulation, both DDP idioms on both wrappers: ``with model.no_sync():`` on one
+step, ``model.require_backward_grad_sync = False`` on the next. A micro-batch inside must leave
+the local (unreduced) gradient; the last one reduces the sum, and both must agree again.
+
 The comparison is against DDP within float tolerance, not bitwise: DDP divides before it sums, we
 divide after, and the two roundings differ in the last bits.
 """
@@ -28,6 +32,8 @@ pytestmark = pytest.mark.timeout(120)
 
 WORLD = 3
 STEPS = 4
+ACCUM_STEPS = 2  # then steps of gradient accumulation over MICRO micro-batches each
+MICRO = 3
 SEED = 99
 
 
@@ -123,6 +129,40 @@ def _train_and_compare(rank: int, port: int) -> dict[str, Any]:
         opt_ours.step()
         worst_param = max(worst_param, _compare(list(ours_net.parameters()), list(theirs_net.parameters())))
 
+    accum_local = True
+    for step in range(ACCUM_STEPS):
+        micro = []
+        for m in range(MICRO):
+            g = torch.Generator().manual_seed(7000 + 100 * step + 10 * m + rank)
+            micro.append((torch.randint(0, 50, (4, 6), generator=g), torch.randint(0, 10, (4,), generator=g)))
+        local_net = _model()
+        local_net.load_state_dict(ours_net.state_dict())
+        F.cross_entropy(local_net(micro[0][0]), micro[0][1]).backward()
+        local = [p.grad.clone() for p in local_net.parameters() if p.grad is not None]
+        for net, opt in ((theirs, opt_theirs), (ours, opt_ours)):
+            opt.zero_grad(set_to_none=True)
+            for m, (x, y) in enumerate(micro):
+                if m == MICRO - 1:  # the last micro-batch reduces the accumulated sum
+                    F.cross_entropy(net(x), y).backward()
+                elif step % 2 == 0:
+                    with net.no_sync():
+                        F.cross_entropy(net(x), y).backward()
+                else:
+                    net.require_backward_grad_sync = False
+                    F.cross_entropy(net(x), y).backward()
+                    net.require_backward_grad_sync = True
+                if m == 0 and net is ours:  # no all-reduce yet: the gradient is this rank's own
+                    accum_local = accum_local and all(
+                        torch.equal(a, p.grad) for a, p in zip(local, ours_net.parameters(), strict=True)
+                    )
+        worst_grad = max(
+            worst_grad,
+            _compare([p.grad for p in ours_net.parameters()], [p.grad for p in theirs_net.parameters()]),
+        )
+        opt_theirs.step()
+        opt_ours.step()
+        worst_param = max(worst_param, _compare(list(ours_net.parameters()), list(theirs_net.parameters())))
+
     # ours must also leave every replica with bitwise the same weights: gather one checksum each
     flat = torch.cat([p.detach().reshape(-1) for p in ours_net.parameters()])
     sums = torch.zeros(WORLD, dtype=torch.float64)
@@ -134,6 +174,7 @@ def _train_and_compare(rank: int, port: int) -> dict[str, Any]:
         "worst_grad": worst_grad,
         "worst_param": worst_param,
         "local_differs": local_differs,
+        "accum_local": accum_local,
         "sums": sums.tolist(),
     }
 
@@ -172,6 +213,7 @@ def test_data_parallel_averages_like_ddp_on_every_rank() -> None:
     for rank, (_, res) in sorted(results.items()):
         assert res["buckets"] >= 3, f"the test needs several buckets to catch a skipped one: {res}"
         assert res["local_differs"], f"rank {rank}: the reduced gradient equals its local one; no averaging?"
+        assert res["accum_local"], f"rank {rank}: a micro-batch under no_sync was all-reduced: {res}"
     sums = [res["sums"] for _, res in results.values()]
     assert all(s == sums[0] for s in sums), sums
     assert len(set(sums[0])) == 1, f"the replicas' weights differ after {STEPS} steps: {sums[0]}"

@@ -83,6 +83,8 @@ def _run(args: argparse.Namespace, local_agent: bool = True) -> int:
         plain=args.plain,
         max_restarts=args.max_restarts,
         snapshot_every=args.snapshot_every,
+        divergence_check=args.divergence_check,
+        first_step_timeout=args.first_step_timeout,
         checkpoint_every=args.checkpoint_every,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir is not None else None,
         metrics_port=args.metrics_port,
@@ -214,6 +216,22 @@ def _job_flags(run: argparse.ArgumentParser) -> None:
         default=50,
         help="steps between verified snapshots of the state in shared memory, used when every "
         "replica dies (0: off; default 50)",
+    )
+    run.add_argument(
+        "--divergence-check",
+        type=int,
+        default=100,
+        metavar="N",
+        help="every N steps the replicas compare a digest of their parameters and optimizer state; "
+        "a rank that differs from the majority is healed from it (0: off; default 100)",
+    )
+    run.add_argument(
+        "--first-step-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long a fresh process's first step may run without progress (torch.compile, "
+        "cache warm-up) before it counts as hung (default 600)",
     )
     run.add_argument(
         "--checkpoint-every",

@@ -167,6 +167,7 @@ class Assign(Message):
     local_rank: int = -1
     local_world_size: int = -1
     node_rank: int = -1
+    divergence_check: int = 100  # steps between replica digest comparisons (0: off)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,8 @@ class DataParallel(nn.Module):
                 self._where[p] = bi
         self._next_launch = 0
         self._callback_queued = False
-        self._sync = True
+        self._sync = True  # require_backward_grad_sync
+        self._reduce = True  # what the last forward decided for its backward
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -110,12 +111,25 @@ class DataParallel(nn.Module):
             # a backward was abandoned half-way (an exception in a hook): start clean, or this
             # rank would issue its collectives out of step with the others
             self.reset()
+        # As in DDP, the forward decides: a backward reduces when its forward ran with sync on,
+        # so `with no_sync(): loss = model(x)` then `loss.backward()` outside still accumulates.
+        self._reduce = self._sync
         return self.module(*args, **kwargs)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch for gradient accumulation: False makes the following forward/backward
+        accumulate gradients locally, without an all-reduce (what ``no_sync()`` sets)."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (gradient accumulation); the next backward outside
-        this block reduces the sum."""
+        this block reduces the sum, as DDP's ``no_sync()``."""
         old, self._sync = self._sync, False
         try:
             yield
@@ -132,7 +146,7 @@ class DataParallel(nn.Module):
 
     # -- the backward pass ---------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._sync or self._comm.world_size == 1:
+        if not self._reduce or self._comm.world_size == 1:
             return
         if not self._callback_queued:
             self._callback_queued = True

@@ -33,7 +33,13 @@ from checkpointless.coordinator.state import (
 )
 from checkpointless.errors import NotRecoverableError
 from checkpointless.launcher.model import LaunchConfig
-from checkpointless.launcher.policy import FaultRecord, budget_verdict, progress_limit, start_failure_verdict
+from checkpointless.launcher.policy import (
+    FaultRecord,
+    budget_verdict,
+    first_step_limit,
+    progress_limit,
+    start_failure_verdict,
+)
 from checkpointless.protocol import (
     Abort,
     Assign,
@@ -278,6 +284,7 @@ class Coordinator:
                 local_rank=where.local_rank,
                 local_world_size=where.local_world_size,
                 node_rank=where.node_rank,
+                divergence_check=self.cfg.divergence_check,
             ),
         )
 
@@ -437,7 +444,8 @@ class Coordinator:
             if m.exited or m.killed_for is not None or not m.connected:
                 continue  # a process still starting is judged from the process table (the agent)
             progress = m.last_progress if (m.progress_known and self.round is None) else now
-            health.append(WorkerHealth(rank, m.last_message, progress, m.in_collective))
+            # no step time yet: this process has not finished a step (its first may be compiling)
+            health.append(WorkerHealth(rank, m.last_message, progress, m.in_collective, m.step_time is None))
         times = [m.step_time for m in self.ranks.values() if m.step_time is not None]
         limit = progress_limit(self.cfg.hang_timeout, self.cfg.hang_factor, times)
         r = self.round
@@ -451,7 +459,8 @@ class Coordinator:
                     self._log("warning", f"rank {rank} {why}; killing it")
                     self._kill(m, why)
                     return
-        culprits, why = find_hung(health, now, self.cfg.hang_timeout, limit)
+        first = first_step_limit(limit, self.cfg.first_step_timeout)
+        culprits, why = find_hung(health, now, self.cfg.hang_timeout, limit, first)
         if not culprits and why and self.round is None:
             # everyone waits for everyone (a lost message, a wedged link): nobody to replace,
             # but the collective will never finish; rebuild the communicator with the same ranks

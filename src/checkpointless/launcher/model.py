@@ -52,6 +52,11 @@ class LaunchConfig:
     fault_window: int = 20
     max_start_failures: int = 3
     fork_server: bool = True  # start processes as forks of a template that imported torch once
+    # steps between replica digest comparisons (0: off); the worker's default is
+    # recovery/divergence.py's DEFAULT_EVERY, kept equal here so the launcher never imports torch
+    divergence_check: int = 100
+    # the no-progress limit for a fresh process's first step (torch.compile, warm-up); policy.py
+    first_step_timeout: float = 600.0
     snapshot_every: int = 50  # steps between shared-memory snapshots (0: off); see docs/configuration.md
     # durable DCP checkpoints: "0" (off), steps ("500") or a time ("10m"); see state/durable.py
     checkpoint_every: str = "0"
@@ -100,6 +105,7 @@ class LaunchConfig:
             ("--spare-wait", self.spare_wait, 60),
             ("--recovery-timeout", self.recovery_timeout, 120),
             ("--start-timeout", self.start_timeout, 180),
+            ("--first-step-timeout", self.first_step_timeout, 600),
         ):
             # nan passes every "<= limit" test below and inf waits forever: refuse both first
             if not math.isfinite(value):
@@ -123,6 +129,16 @@ class LaunchConfig:
             raise ConfigError(f"--fault-window must be 0 or more steps (got {self.fault_window})")
         if self.max_start_failures < 1:
             raise ConfigError(f"--max-start-failures must be at least 1 (got {self.max_start_failures})")
+        if self.first_step_timeout <= 0:
+            raise ConfigError(
+                f"--first-step-timeout must be a positive number of seconds (got {self.first_step_timeout}); "
+                "e.g. --first-step-timeout 600"
+            )
+        if self.divergence_check < 0:
+            raise ConfigError(
+                f"--divergence-check must be 0 (off) or a number of steps (got {self.divergence_check}); "
+                "e.g. --divergence-check 100"
+            )
         if self.snapshot_every < 0:
             raise ConfigError(
                 f"--snapshot-every must be 0 (off) or a number of steps (got {self.snapshot_every})"

@@ -26,6 +26,7 @@ __all__ = [
     "Limits",
     "ProcWatch",
     "budget_verdict",
+    "first_step_limit",
     "progress_limit",
     "start_failure_verdict",
 ]
@@ -94,6 +95,14 @@ def progress_limit(hang_timeout: float, hang_factor: float, step_times: Sequence
     own steps is a hang, and never sooner than the fixed timeout.
     """
     return max(hang_timeout, hang_factor * max(step_times, default=0.0))
+
+
+def first_step_limit(progress_limit: float, first_step_timeout: float) -> float:
+    """The no-progress limit for a process's first step: at the job's start and for a replacement
+    after a recovery. That step may compile the model (``torch.compile`` takes minutes on a big
+    one) and there is no measured step time yet to scale from, so it gets its own allowance,
+    never shorter than the ordinary limit."""
+    return max(progress_limit, first_step_timeout)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,8 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     makes every rank that applied the update hold the *same* new state. So resume at the newest
     step any valid replica has reached (a rank that finished its update never has to undo it),
     and let every rank that is behind, invalid or new receive from the lowest such rank. At the
-    job's first generation (``initial``) rank 0's state is the reference, as DDP's broadcast.
+    job's first generation (``initial``) rank 0's state is the reference, as DDP's broadcast, and
+    rank 0's committed step is where the job starts (non-zero when the script resumed).
 
     When no replica is valid, the newest complete shared-memory snapshot any member can see is
     the state: every rank loads it (survivors too, since they may be ahead of it) and the steps
@@ -99,7 +100,9 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     if mesh is not None:
         return _plan_sharded(reports, mesh, initial)
     if initial:
-        return RecoveryPlan(0, 0, tuple(r for r in ranks if r != 0))
+        # rank 0's step too: a script that restored its own checkpoint starts there (job.steps(start=))
+        start = max(0, next(r.committed_step for r in reports if r.rank == 0))
+        return RecoveryPlan(start, 0, tuple(r for r in ranks if r != 0))
     valid = [r for r in reports if r.valid]
     if not valid:
         return _fallback(reports, ranks)
@@ -205,10 +208,15 @@ class WorkerHealth:
     last_message: float  # monotonic time of the last frame received (heartbeats included)
     last_progress: float  # monotonic time the main thread last started or finished a step
     in_collective: bool  # the main thread is waiting for peers
+    first_step: bool = False  # a fresh process that has not finished a step yet (may be compiling)
 
 
 def find_hung(
-    workers: list[WorkerHealth], now: float, hang_timeout: float, progress_limit: float | None = None
+    workers: list[WorkerHealth],
+    now: float,
+    hang_timeout: float,
+    progress_limit: float | None = None,
+    first_step_limit: float | None = None,
 ) -> tuple[list[int], str]:
     """Decide which ranks hold the job up. Returns (culprit ranks, why).
 
@@ -218,18 +226,29 @@ def find_hung(
     replaced: the caller rebuilds the communicator with the same members.
 
     ``hang_timeout`` bounds heartbeat silence; ``progress_limit`` (default the same) bounds the
-    time without step progress, which the caller scales with the observed step time.
+    time without step progress, which the caller scales with the observed step time. A worker in
+    its first step (``first_step``: a fresh process, which may be compiling its model) has
+    ``first_step_limit`` instead when that is longer (``--first-step-timeout``).
     """
     limit = hang_timeout if progress_limit is None else progress_limit
+    first_limit = max(limit, first_step_limit if first_step_limit is not None else limit)
     silent = [w.rank for w in workers if now - w.last_message > hang_timeout]
     if silent:
         return sorted(silent), f"no heartbeat for more than {hang_timeout:.1f} s (process stopped?)"
-    stalled = [w for w in workers if now - w.last_progress > limit]
+    stalled = [w for w in workers if now - w.last_progress > (first_limit if w.first_step else limit)]
     if not stalled:
         return [], ""
-    busy = [w.rank for w in stalled if not w.in_collective]
+    busy = [w for w in stalled if not w.in_collective]
+    if busy and all(w.first_step for w in busy):
+        return sorted(w.rank for w in busy), (
+            f"its first step made no progress for more than {first_limit:.1f} s outside any collective "
+            "(a fresh process's first step may compile the model with torch.compile or warm caches; "
+            "if it needs longer, raise --first-step-timeout)"
+        )
     if busy:
-        return sorted(busy), f"no step progress for more than {limit:.1f} s outside any collective"
+        return sorted(w.rank for w in busy), (
+            f"no step progress for more than {limit:.1f} s outside any collective"
+        )
     if len(stalled) < len(workers):
         return [], ""  # someone still made progress recently: it may be the one holding the others
     if any(now - w.last_message > _FRESH_S for w in workers):

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,13 @@ from checkpointless.errors import (
 from checkpointless.events import EventLog, get_logger, set_log_step, setup_logging
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
 from checkpointless.recovery.amp import finish_cut_off_update, is_grad_scaler, reset_step_state
+from checkpointless.recovery.divergence import DEFAULT_EVERY, due, judge, state_digest
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.rng import StepStreams
+from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun, local_stateful, mesh_shape_error
 from checkpointless.recovery.torchrun import export_torchrun_env
 from checkpointless.state.arena import Arena
@@ -96,6 +98,16 @@ class Step:
         self.index = index
         self.committed = False
 
+    @property
+    def epoch(self) -> int:
+        """The epoch this step belongs to (``steps_per_epoch`` of job.steps(), or its loader's)."""
+        return self.index // self.job._per_epoch()
+
+    @property
+    def index_in_epoch(self) -> int:
+        """The step's place inside its epoch, from 0."""
+        return self.index % self.job._per_epoch()
+
     def __enter__(self) -> Step:
         self.job._enter_step(self.index)
         return self
@@ -104,6 +116,7 @@ class Step:
         if exc is None:
             self.job._commit(self.index)
             self.committed = True
+            self.job._check_divergence()
             return False
         if not isinstance(exc, Exception) or self.job._link is None:
             return False  # KeyboardInterrupt/SystemExit, or no launcher to recover with
@@ -162,6 +175,10 @@ class Job:
         self._store_state: dict[str, Any] = {}
         self.last_recovery: dict[str, Any] = {}
         self.is_replacement = False
+        self.divergence_every = DEFAULT_EVERY  # steps between replica digest comparisons (0: off)
+        self._sections: list[Section] = []
+        self._in_section: str | None = None
+        self._steps_per_epoch: int | None = None
 
     # -- start-up ------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -221,6 +238,7 @@ class Job:
             if self.rank == 0 and not ckpt_every.off:
                 # one writer, as for snapshots: replicas are identical after each commit
                 self._checkpoints = CheckpointWriter(self._checkpoint_dir, ckpt_every)
+        self.divergence_every = int(msg.get("divergence_check", DEFAULT_EVERY))
         specs = parse_faults(list(msg.get("faults", [])), self.world_size)
         self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
 
@@ -313,6 +331,16 @@ class Job:
         step = self._step_index if inside else None
         return self._streams.get(name, seed=seed, rank=self.rank, step=step, device=device)
 
+    def section(self, name: str, fn: Callable[[], Any], every: int, at_start: bool = False) -> None:
+        """Run ``fn()`` after every ``every``-th committed step (evaluation, anything with
+        collectives outside a step); a fault inside it is recovered and ``fn`` runs again on every
+        rank, a replacement included (recovery/sections.py). Register before job.steps()."""
+        if self._started:
+            raise ConfigError(f"job.section({name!r}, ...) must be called before job.steps() starts")
+        if any(s.name == name for s in self._sections):
+            raise ConfigError(f"a section named {name!r} is already registered; give each its own name")
+        self._sections.append(Section(name, fn, every, at_start))
+
     def stop(self) -> None:
         """End the loop after the running step commits (or now, between steps). Call it on every
         rank at the same step, from replicated values (an all-reduced loss, the step index)."""
@@ -350,11 +378,23 @@ class Job:
         return self.env.job_id if self.env is not None else None
 
     # -- the loop ------------------------------------------------------------------------------
-    def steps(self, total: int) -> Iterator[Step]:
-        """Yield steps until ``total`` have committed on every rank."""
+    def steps(self, total: int, start: int = 0, steps_per_epoch: int | None = None) -> Iterator[Step]:
+        """Yield steps until ``total`` have committed on every rank.
+
+        ``start``: the number of steps the state the script restored (its own checkpoint, a
+        torch.distributed.checkpoint) had committed; rank 0's restored state and start are every
+        rank's. A replacement ignores it: it receives state and step from a peer, so guard the
+        loading code with ``if not job.is_replacement``. ``steps_per_epoch`` gives ``step.epoch``
+        (default: the length of the one ``job.loader()``)."""
         if self._started:
             raise ConfigError("job.steps() can run only once per process")
+        if not 0 <= start <= total:
+            raise ConfigError(f"job.steps(total={total}, start={start}): start must be in 0..total")
+        if steps_per_epoch is not None and steps_per_epoch < 1:
+            raise ConfigError(f"steps_per_epoch must be a positive number of steps (got {steps_per_epoch})")
+        self._steps_per_epoch = steps_per_epoch
         self._started = True
+        self.committed_step = start
         if self._link is not None and not self._objects:
             self._fatal(
                 "job.track() registered nothing: a replacement rank would start from scratch and "
@@ -365,10 +405,10 @@ class Job:
             if self.is_replacement:
                 self._recover(cause="join", error=None, committed=-1, valid=False)
             else:
-                self._recover(cause="start", error=None, committed=0, valid=True)
+                self._recover(cause="start", error=None, committed=start, valid=True)
         step: Step | None = None
         try:
-            while not self._finished(total):
+            while self._run_sections() or not self._finished(total):
                 step = Step(self, self.committed_step)
                 yield step
         except GeneratorExit:  # the script left the loop with `break`
@@ -386,6 +426,43 @@ class Job:
         if self._link is not None:
             self._link.send({"type": "done", "step": self.committed_step})
             _install_fast_exit()
+
+    def _per_epoch(self) -> int:
+        if self._steps_per_epoch is not None:
+            return self._steps_per_epoch
+        if len(self._loaders) == 1:
+            return self._loaders[0].batches_per_epoch
+        raise ConfigError(
+            f"step.epoch needs the epoch length: pass job.steps(total, steps_per_epoch=N) (this job "
+            f"has {len(self._loaders)} job.loader()s, so the length is not implied)"
+        )
+
+    def _run_sections(self) -> bool:
+        """Run the sections due at this step boundary until each completes; always False (so it
+        can sit in the loop's condition)."""
+        while due := due_sections(self._sections, self.committed_step, self._loop.sections_done):
+            sec, at = due[0], self.committed_step
+            self._record = {}
+            self._in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
+            try:
+                sec.fn()
+            except Exception as exc:
+                if self._link is None:
+                    raise
+                self._in_section = None
+                log.info("section %r after step %d interrupted: %s", sec.name, at - 1, _short(exc))
+                self._recover_from(at, exc)  # nothing was updated: every survivor stays valid
+                continue
+            finally:
+                self._in_section = None
+            self._loop.sections_done[sec.name] = at
+            if self._events is not None:
+                self._events.emit(
+                    "section", name=sec.name, step=at, generation=self.generation, **self._record
+                )
+            self._record = {}
+            self._progress_t = time.monotonic()
+        return False
 
     def _finished(self, total: int) -> bool:
         if self.committed_step < self._loop.end(total):
@@ -488,6 +565,37 @@ class Job:
                 }
             )
 
+    def _check_divergence(self) -> None:
+        """Every ``divergence_every`` commits: compare the replicas' digests (recovery/divergence.py);
+        a rank that differs from the majority reports itself invalid and receives its state."""
+        step = self.committed_step
+        if self._link is None or self.world_size < 2 or not due(step, self.divergence_every):
+            return
+        digest = state_digest(self._modules, self._optimizers)
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
+        try:
+            gathered = self.comm.wait(self.comm.allgather(mine), self.rendezvous_timeout)
+        except Exception as e:  # a peer failed meanwhile: this step stands, recover as usual
+            self.comm.abort(f"rank {self.rank} left the divergence check after step {step - 1}")
+            self._recover("comm", _short(e), step, True)
+            return
+        verdict = judge([int(t.item()) for t in gathered])
+        if not verdict.divergent:
+            return
+        why = verdict.describe(step)
+        mine_bad = self.rank in verdict.divergent
+        log.error("%s%s", why, " (this rank is one of them)" if mine_bad else "")
+        if self._events is not None:
+            self._events.emit("divergence", step=step - 1, ranks=list(verdict.divergent))
+        if not mine_bad:
+            # Only a divergent rank reports. Were the majority to report too, the launcher's abort
+            # could cut a slower divergent rank's all-gather short before it saw the verdict, and
+            # it would report itself valid. The majority goes on; its next collective is aborted
+            # by the round the divergent rank starts, and it reports then (valid, at this step).
+            return
+        self.comm.abort(f"divergence check after step {step - 1}")
+        self._recover("exception", why, step, False)
+
     # -- recovery ------------------------------------------------------------------------------
     def _on_abort(self, msg: dict[str, Any]) -> None:
         gen = int(msg["generation"])
@@ -506,7 +614,7 @@ class Job:
             "step": self._step_index,
             # no progress clock while recovering: the launcher times recoveries by their own rules
             "progress_age": None
-            if (self._recovering or not self._started)
+            if (self._recovering or not self._started or self._in_section is not None)
             else time.monotonic() - self._progress_t,
             "in_collective": since is not None,
             "step_time": self._last_step_time,

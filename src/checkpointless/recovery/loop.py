@@ -22,6 +22,9 @@ class LoopControl:
 
     def __init__(self) -> None:
         self.stop_at = -1
+        # protected sections (recovery/sections.py) finished at the current step boundary: a
+        # replacement that receives this skips them, one that does not runs them with the others
+        self.sections_done: dict[str, int] = {}
 
     def end(self, total: int) -> int:
         """The number of committed steps after which the loop ends."""
@@ -32,7 +35,8 @@ class LoopControl:
         self.stop_at = after if self.stop_at < 0 else min(self.stop_at, after)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stop_at": self.stop_at}
+        return {"stop_at": self.stop_at, "sections_done": dict(self.sections_done)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stop_at = int(state["stop_at"])
+        self.sections_done = {str(k): int(v) for k, v in state.get("sections_done", {}).items()}

@@ -1,0 +1,55 @@
+"""Protected sections: evaluation (or any collective-using code) between steps, redone after a fault.
+
+A section is a function the job runs at step boundaries: after every ``every``-th committed step,
+before the next step begins. It is registered, not called inline, because a replacement must take
+part in the redone section with the survivors, and a replacement enters the script at
+``job.steps()``, never at a line in the middle of the loop body. So the loop itself runs the due
+sections at each boundary, on every rank alike: a fault inside one (a killed rank, an exception, an
+aborted collective) is recovered like a fault in a step that changed nothing (every survivor's
+replica is valid), and the section starts over on every rank. What it recorded with
+``job.record()`` is emitted once, when it completes, as a ``section`` event.
+
+Which sections completed at the current boundary travels with the loop state
+(``LoopControl.sections_done``), so a fault in the next step does not run an evaluation again,
+and a replacement that joins during a section runs it with the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from checkpointless.errors import ConfigError
+
+__all__ = ["Section", "due_sections"]
+
+
+@dataclass(frozen=True)
+class Section:
+    """A registered section: ``fn()`` runs after every ``every``-th committed step."""
+
+    name: str
+    fn: Callable[[], Any]
+    every: int
+    at_start: bool = False  # also before step 0 (a baseline evaluation)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("a section needs a name, e.g. job.section('eval', evaluate, every=100)")
+        if self.every < 1:
+            raise ConfigError(
+                f"section {self.name!r}: every must be a positive number of steps (got {self.every})"
+            )
+
+
+def due_sections(sections: list[Section], committed: int, done: dict[str, int]) -> list[Section]:
+    """The sections to run at the boundary after ``committed`` steps, in registration order:
+    those whose period divides it and that have not completed at this boundary yet."""
+    out = []
+    for s in sections:
+        if committed == 0 and not s.at_start:
+            continue
+        if committed % s.every == 0 and done.get(s.name) != committed:
+            out.append(s)
+    return out
