@@ -65,7 +65,10 @@ from checkpointless.state.checkpoint_dir import (
 )
 from checkpointless.state.codec import _dtype, layout, receive_buffers, unpack
 from checkpointless.state.manifest import parse_manifest
-from checkpointless.state.snapshot import Stateful, capture_rng, collect_state, restore_rng, restore_state
+from checkpointless.state.snapshot import (
+    Stateful,
+    restore_from,
+)
 
 __all__ = [
     "KEEP",
@@ -362,11 +365,4 @@ def load_checkpoint(directory: Path, step: int, into: Any = None) -> tuple[Any, 
 
 def restore_checkpoint(objects: dict[str, Stateful], directory: Path, step: int) -> dict[str, Any]:
     """Load the checkpoint of ``step`` into ``objects`` and the RNGs; return its stats."""
-    own = collect_state(objects, step, capture_rng())
-    state, stats = load_checkpoint(directory, step, own)
-    del own
-    got, rng = restore_state(objects, state)
-    if got != step:
-        raise StateTransferError(f"the checkpoint holds step {got}, the plan says {step}")
-    restore_rng(rng)
-    return stats
+    return restore_from(objects, step, lambda own: load_checkpoint(directory, step, own), "checkpoint")

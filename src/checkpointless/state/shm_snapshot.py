@@ -51,7 +51,10 @@ from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.errors import ConfigError, StateTransferError
 from checkpointless.events import get_logger
 from checkpointless.state.codec import Layout, digest, layout, mismatch, receive_buffers, unpack
-from checkpointless.state.snapshot import Stateful, capture_rng, collect_state, restore_rng, restore_state
+from checkpointless.state.snapshot import (
+    Stateful,
+    restore_from,
+)
 
 __all__ = [
     "SnapshotInfo",
@@ -335,16 +338,8 @@ def newest_snapshot(directory: Path) -> int | None:
 
 
 def restore_snapshot(objects: dict[str, Stateful], directory: Path, step: int) -> dict[str, Any]:
-    """Load the verified snapshot of ``step`` into ``objects`` and the RNGs; return its stats.
-    The objects' own tensors are the landing zone, as when a peer sends the state."""
-    own = collect_state(objects, step, capture_rng())
-    state, stats = load_snapshot(directory, step, own)
-    del own
-    got, rng = restore_state(objects, state)
-    if got != step:
-        raise StateTransferError(f"the snapshot holds step {got}, the plan says {step}")
-    restore_rng(rng)
-    return stats
+    """Load the verified snapshot of ``step`` into ``objects`` and the RNGs; return its stats."""
+    return restore_from(objects, step, lambda own: load_snapshot(directory, step, own), "snapshot")
 
 
 class SnapshotWriter:

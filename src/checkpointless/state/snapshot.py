@@ -9,6 +9,7 @@ the data pipeline derives its samples from the step).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -16,7 +17,15 @@ import torch
 
 from checkpointless.errors import ConfigError, StateTransferError
 
-__all__ = ["RngState", "Stateful", "capture_rng", "collect_state", "restore_rng", "restore_state"]
+__all__ = [
+    "RngState",
+    "Stateful",
+    "capture_rng",
+    "collect_state",
+    "restore_from",
+    "restore_rng",
+    "restore_state",
+]
 
 
 @runtime_checkable
@@ -77,6 +86,28 @@ def restore_state(objects: dict[str, Stateful], state: dict[str, Any]) -> tuple[
     for name, obj in objects.items():
         obj.load_state_dict(sent[name])
     return int(state["step"]), state["rng"]
+
+
+def restore_from(
+    objects: dict[str, Stateful],
+    step: int,
+    load: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]],
+    what: str,
+) -> dict[str, Any]:
+    """Load a stored replica of ``step`` (a snapshot, a checkpoint) into ``objects`` and the RNGs.
+
+    ``load(own)`` reads and verifies it, landing tensors in ``own`` (the objects' current state, so
+    the objects' own tensors are the landing zone, as when a peer sends the state), and returns
+    (state, stats). Returns the stats.
+    """
+    own = collect_state(objects, step, capture_rng())
+    state, stats = load(own)
+    del own
+    got, rng = restore_state(objects, state)
+    if got != step:
+        raise StateTransferError(f"the {what} holds step {got}, the plan says {step}")
+    restore_rng(rng)
+    return stats
 
 
 def check_stateful(name: str, obj: object) -> Stateful:
