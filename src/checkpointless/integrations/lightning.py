@@ -127,7 +127,7 @@ class CheckpointlessStrategy(DDPStrategy):
         self._pending: Step | None = None  # a step taken from the generator, not yet run
         self._done = False  # the generator ended: every rank holds the final state
         self._inside = False  # in a step: collectives are real and abortable
-        self._skipping = False  # training_step returns None: a batch the state already holds
+        self._skipping = False  # training_step is skipped: a batch the state already holds
         self._catch_up_rng: RngState | None = None  # a replacement's RNG for its first real step
         self._ledger = SchedulerLedger()
         self._sigterm: Any = None
@@ -222,7 +222,9 @@ class CheckpointlessStrategy(DDPStrategy):
     # -- the step ------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._skipping:
-            return None  # Lightning skips backward for a None loss; nothing of the state changes
+            # A loss connected to no parameter: Lightning refuses None from training_step in a
+            # distributed run, and this one's backward reaches no gradient hook, no collective
+            return torch.zeros((), device=self.root_device, requires_grad=True)
         # Called directly, not redirected through the wrapper's forward as DDP needs: our
         # DataParallel has no per-forward set-up, and a redirection that a fault interrupts
         # leaves the module's forward patched for the replay.
@@ -275,7 +277,7 @@ class CheckpointlessStrategy(DDPStrategy):
 
     def _skip(self, closure: Callable[[], Any]) -> None:
         # Lightning's closure must still run once (its result is read after the step), but with
-        # training_step returning None it does no forward, no backward, no collective
+        # training_step returning a detached zero it does no forward, no collective, no update
         self._skipping = True
         try:
             closure()
