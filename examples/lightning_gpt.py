@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import GPT, weights_digest, write_digest  # noqa: E402
+from train_gpt import GPT, weights_digest, write_digest
 
-from checkpointless.integrations.lightning import CheckpointlessStrategy  # noqa: E402  # checkpointless
+from checkpointless.integrations.lightning import CheckpointlessStrategy  # checkpointless
 
 
 class TokenWindows(Dataset[torch.Tensor]):
@@ -102,10 +102,14 @@ def main() -> None:
     pl.seed_everything(args.seed, workers=True)  # the same seed on every rank
     data = TokenWindows(args.data, args.seq_len, args.seed)
     module = LitGPT(data.vocab, args)
-    strategy: Any = CheckpointlessStrategy() if args.strategy == "checkpointless" else args.strategy  # checkpointless
+    strategy: Any = (
+        CheckpointlessStrategy() if args.strategy == "checkpointless" else args.strategy
+    )  # checkpointless
     callbacks: list[Any] = []
     if args.ckpt_dir:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=5, save_last=True))
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=5, save_last=True)
+        )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,  # under checkpointless, `checkpointless run --nproc` decides the ranks

@@ -15,7 +15,7 @@ from typing import Any
 
 from checkpointless.errors import ConfigError
 
-__all__ = ["BatchAction", "SchedulerLedger", "TESTED_LIGHTNING", "batch_action"]
+__all__ = ["TESTED_LIGHTNING", "BatchAction", "SchedulerLedger", "batch_action"]
 
 # The Lightning release the strategy is tested against (tests/test_lightning_unit.py pins it);
 # it uses only public hooks, but Lightning's loop order is what makes them mean what they mean.

@@ -27,6 +27,7 @@ abortable collectives. See docs/adoption.md, "PyTorch Lightning".
 
 from __future__ import annotations
 
+import importlib.metadata
 import signal
 import warnings
 from collections.abc import Callable
@@ -113,15 +114,18 @@ class CheckpointlessStrategy(DDPStrategy):
     strategy_name = "checkpointless"
 
     def __init__(self, *, rendezvous_timeout: float = 60.0, max_step_retries: int = 3, **kwargs: Any) -> None:
-        if pl.__version__ != TESTED_LIGHTNING:
+        installed = importlib.metadata.version("lightning")
+        if installed != TESTED_LIGHTNING:
             warnings.warn(
                 f"CheckpointlessStrategy is tested with lightning=={TESTED_LIGHTNING}, this is "
-                f"{pl.__version__}; install the `checkpointless[lightning]` extra for the tested pair",
+                f"{installed}; install the `checkpointless[lightning]` extra for the tested pair",
                 stacklevel=2,
             )
         # Join now rather than in setup_environment: a spare then waits with the model already
         # built, and Lightning's rank-zero helpers see the real rank from the Trainer's start.
-        self._job = checkpointless.init(rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries)
+        self._job = checkpointless.init(
+            rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries
+        )
         super().__init__(cluster_environment=CheckpointlessEnvironment(self._job), **kwargs)
         self._steps: Any = None  # the job.steps() generator, driven one step per optimizer_step
         self._pending: Step | None = None  # a step taken from the generator, not yet run
@@ -142,10 +146,12 @@ class CheckpointlessStrategy(DDPStrategy):
         return {"num_replicas": self._job.world_size, "rank": self._job.rank}
 
     def set_world_ranks(self) -> None:
-        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+        import lightning_utilities.core.rank_zero as utils_rank_zero
+        from lightning.pytorch.utilities import rank_zero
 
-        rank_zero_only.rank = fabric_rank_zero_only.rank = self._job.rank
+        # the rank Lightning's @rank_zero_only helpers compare with (as DDPStrategy sets it)
+        for fn in (utils_rank_zero.rank_zero_only, rank_zero.rank_zero_only):
+            setattr(fn, "rank", self._job.rank)  # noqa: B010
 
     def setup_distributed(self) -> None:
         # the job's communicator is made by checkpointless.init(); Lightning must not make a
@@ -165,9 +171,16 @@ class CheckpointlessStrategy(DDPStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
         return self._job.data_parallel(model)
 
+    @property
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise ConfigError("CheckpointlessStrategy used before Lightning connected a LightningModule")
+        return module
+
     # -- the first generation ------------------------------------------------------------------
     def on_train_start(self) -> None:
-        trainer = self.lightning_module.trainer
+        trainer = self._module.trainer
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
         if trainer.global_step != 0:
@@ -182,7 +195,7 @@ class CheckpointlessStrategy(DDPStrategy):
                 "by CheckpointlessStrategy yet: a step is one batch; use a larger batch instead"
             )
         self._guard_schedulers(trainer)
-        objects: dict[str, Any] = {"model": self.lightning_module, "lightning_schedulers": self._ledger}
+        objects: dict[str, Any] = {"model": self._module, "lightning_schedulers": self._ledger}
         for i, opt in enumerate(self.optimizers):
             objects[f"optimizer{i}"] = opt
         for i, cfg in enumerate(trainer.lr_scheduler_configs):
@@ -207,9 +220,11 @@ class CheckpointlessStrategy(DDPStrategy):
     def _guard_schedulers(self, trainer: pl.Trainer) -> None:
         # Lightning steps schedulers after the optimizer step, outside the strategy: a rank that
         # received a replica's scheduler must not step it again for batches the replica covered
-        module = self.lightning_module
+        module = self._module
         inner = module.lr_scheduler_step
-        keys = {id(cfg.scheduler): (str(i), cfg.interval) for i, cfg in enumerate(trainer.lr_scheduler_configs)}
+        keys = {
+            id(cfg.scheduler): (str(i), cfg.interval) for i, cfg in enumerate(trainer.lr_scheduler_configs)
+        }
 
         def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
             key, interval = keys[id(scheduler)]
@@ -229,7 +244,7 @@ class CheckpointlessStrategy(DDPStrategy):
         # DataParallel has no per-forward set-up, and a redirection that a fault interrupts
         # leaves the module's forward patched for the replay.
         with self.precision_plugin.train_step_context():
-            return self.lightning_module.training_step(*args, **kwargs)
+            return self._module.training_step(*args, **kwargs)
 
     def optimizer_step(
         self,
@@ -240,7 +255,7 @@ class CheckpointlessStrategy(DDPStrategy):
     ) -> Any:
         if self._steps is None:  # not fitting under the job (e.g. a manual call): plain step
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        lightning_step = self.lightning_module.trainer.global_step
+        lightning_step = self._module.trainer.global_step
         while True:
             if self._done or batch_action(lightning_step, self._job.step) is BatchAction.SKIP:
                 return self._skip(closure)
@@ -312,16 +327,22 @@ class CheckpointlessStrategy(DDPStrategy):
         out = self._job.all_reduce(tensor.clone().float() if op.endswith(("mean", "avg")) else tensor.clone())
         return out / self._job.world_size if op.endswith(("mean", "avg")) else out
 
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
         if self._job.world_size == 1:
             return tensor.unsqueeze(0)
-        raise ConfigError("all_gather is not supported by CheckpointlessStrategy yet; use self.log(sync_dist=True)")
+        raise ConfigError(
+            "all_gather is not supported by CheckpointlessStrategy yet; use self.log(sync_dist=True)"
+        )
 
     def _in_step(self) -> bool:
         return self._inside and not self._skipping
 
     # -- files and faults ----------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
         if self._skipping or self._catch_up_rng is not None:
             return  # a replacement catching up holds a later state than the step it walks past
         super().save_checkpoint(checkpoint, filepath, storage_options)
