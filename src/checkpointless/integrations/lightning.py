@@ -150,7 +150,7 @@ class CheckpointlessStrategy(DDPStrategy):
         from lightning.pytorch.utilities import rank_zero
 
         # the rank Lightning's @rank_zero_only helpers compare with (as DDPStrategy sets it)
-        for fn in (utils_rank_zero.rank_zero_only, rank_zero.rank_zero_only):
+        for fn in (utils_rank_zero.rank_zero_only, getattr(rank_zero, "rank_zero_only")):  # noqa: B009
             setattr(fn, "rank", self._job.rank)  # noqa: B010
 
     def setup_distributed(self) -> None:
