@@ -24,8 +24,31 @@ _REF: dict[str, JobResult] = {}
 
 
 def run(run_dir: Path, corpus: Path, faults: list[str], spares: int = 1) -> JobResult:
-    job = start_job(run_dir, corpus, 3, spares, faults, script_args=ARGS, script=SCRIPT, hang_timeout=6)
+    # ModelCheckpoint (rank 0 writes, every 5 steps and last.ckpt) runs in every job
+    args = [*ARGS, "--ckpt-dir", str(run_dir.parent / "ckpt")]
+    job = start_job(run_dir, corpus, 3, spares, faults, script_args=args, script=SCRIPT, hang_timeout=6)
     return job.finish(150)
+
+
+def assert_same_checkpoints(res: JobResult, ref: JobResult) -> None:
+    """Lightning's checkpoint files hold what the fault-free run's hold: weights, optimizer,
+    scheduler and loop counters, whichever process was rank 0 when each was written."""
+    import torch
+
+    got_dir, want_dir = res.run_dir.parent / "ckpt", ref.run_dir.parent / "ckpt"
+    names = sorted(p.name for p in want_dir.glob("*.ckpt"))
+    assert names == ["epoch=0-step=5.ckpt", "last.ckpt"], names
+    assert sorted(p.name for p in got_dir.glob("*.ckpt")) == names
+    for name in names:
+        got = torch.load(got_dir / name, weights_only=False)
+        want = torch.load(want_dir / name, weights_only=False)
+        for key in ("global_step", "epoch", "loops", "lr_schedulers"):
+            assert got[key] == want[key], f"{name}: {key} differs"
+        for k, t in want["state_dict"].items():
+            assert torch.equal(got["state_dict"][k], t), f"{name}: weight {k} differs"
+        for a, b in zip(got["optimizer_states"], want["optimizer_states"], strict=True):
+            for pa, pb in zip(a["state"].values(), b["state"].values(), strict=True):
+                assert all(torch.equal(pa[k], pb[k]) for k in pb), f"{name}: optimizer state differs"
 
 
 def batches(res: JobResult) -> dict[tuple[int, int], str]:
@@ -53,7 +76,9 @@ CASES = [
     ("raise-backward", "raise:rank=2:step=4:site=backward"),
     ("raise-mid-optimizer", "raise:rank=1:step=4:site=optimizer"),
     ("sigstop-hang", "hang:rank=2:step=5"),
-    ("rank0-killed", "kill:rank=0:step=3"),
+    # rank 0 writes the checkpoints; its replacement walks past step 5 and must not overwrite
+    # epoch=0-step=5.ckpt with its later state
+    ("rank0-killed-after-a-save", "kill:rank=0:step=6"),
 ]
 
 
@@ -67,6 +92,7 @@ def test_lightning_fault_is_survived_bitwise(
     res.assert_same_weights(reference, nproc=3)
     assert batches(res) == batches(reference), "some rank trained on other samples than the fault-free run"
     assert len(res.of("fault_injected")) == 1 and res.of("recovery"), res.output[-4000:]
+    assert_same_checkpoints(res, reference)
     if fault.startswith(("kill", "hang")):
         assert res.of("spare_assigned"), "a dead or hung rank must be replaced by a spare"
         assert "Lightning's loop catches up" in res.output

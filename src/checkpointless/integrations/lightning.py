@@ -42,6 +42,7 @@ from torch import nn
 import checkpointless
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
+from checkpointless.integrations._lightning_internals import ProgressMark
 from checkpointless.integrations._lightning_state import (
     TESTED_LIGHTNING,
     BatchAction,
@@ -255,8 +256,14 @@ class CheckpointlessStrategy(DDPStrategy):
     ) -> Any:
         if self._steps is None:  # not fitting under the job (e.g. a manual call): plain step
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        lightning_step = self._module.trainer.global_step
+        trainer = self._module.trainer
+        lightning_step = trainer.global_step
+        mark = ProgressMark(trainer)
+        replay = False
         while True:
+            if replay:
+                mark.restore()  # Lightning counts the batch once, however often its closure ran
+            replay = True
             if self._done or batch_action(lightning_step, self._job.step) is BatchAction.SKIP:
                 return self._skip(closure)
             if self._catch_up_rng is not None:
