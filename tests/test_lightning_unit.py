@@ -40,3 +40,20 @@ def test_installed_lightning_is_the_tested_version() -> None:
     re-tested before this pin moves."""
     lightning = pytest.importorskip("lightning")
     assert lightning.__version__ == TESTED_LIGHTNING
+
+
+@pytest.mark.timeout(60)
+def test_progress_mark_puts_back_what_a_replayed_closure_counted() -> None:
+    """The one reach into Lightning's internals (integrations/_lightning_internals.py)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from checkpointless.integrations._lightning_internals import ProgressMark
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+    before = progress.state_dict()
+    mark = ProgressMark(trainer)
+    progress.optimizer.zero_grad.increment_ready()  # what a closure that ran again counts
+    progress.optimizer.zero_grad.increment_completed()
+    assert progress.state_dict() != before
+    mark.restore()
+    assert progress.state_dict() == before
