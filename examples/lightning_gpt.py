@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,14 @@ class LitGPT(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class StepTimes(pl.Callback):
+    """Rank 0 prints when each step ended (wall clock), for benchmarks/lightning_recovery.py."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 0:
+            print(f"steptime {trainer.global_step} {time.time():.6f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
@@ -95,6 +104,8 @@ def main() -> None:
     ap.add_argument("--strategy", default="checkpointless", help="checkpointless, or ddp for plain Lightning")
     ap.add_argument("--devices", type=int, default=1, help="processes Lightning starts (ddp only)")
     ap.add_argument("--ckpt-dir", help="keep Lightning checkpoints here (ModelCheckpoint, every 5 steps)")
+    ap.add_argument("--resume", action="store_true", help="ckpt_path='last' (Lightning's restart path)")
+    ap.add_argument("--step-times", action="store_true")
     ap.add_argument("--print-batches", action="store_true")
     ap.add_argument("--digest-out", help="write the final weights' SHA-256 here; {rank} is filled in")
     args = ap.parse_args()
@@ -105,7 +116,7 @@ def main() -> None:
     strategy: Any = (
         CheckpointlessStrategy() if args.strategy == "checkpointless" else args.strategy
     )  # checkpointless
-    callbacks: list[Any] = []
+    callbacks: list[Any] = [StepTimes()] if args.step_times else []
     if args.ckpt_dir:
         callbacks.append(
             pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=5, save_last=True)
@@ -125,7 +136,8 @@ def main() -> None:
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} ranks")
     loader = DataLoader(data, batch_size=args.global_batch // world, shuffle=True, drop_last=True)
-    trainer.fit(module, loader)
+    resume = args.resume and args.ckpt_dir and (Path(args.ckpt_dir) / "last.ckpt").exists()
+    trainer.fit(module, loader, ckpt_path="last" if resume else None)
 
     digest = weights_digest(module)
     if trainer.global_rank == 0:

@@ -1,0 +1,137 @@
+"""Recovery of the Lightning example: CheckpointlessStrategy against Lightning's own restart path.
+
+Both designs run examples/lightning_gpt.py on 2 ranks with the same model, data and seed, and lose
+rank 1 to a SIGKILL right after step F has begun:
+
+* checkpointless: ``checkpointless run --nproc 2 --spares 1 --inject kill:rank=1:step=F``;
+* Lightning's path: ``torchrun --nproc-per-node 2 --max-restarts 1`` with ``strategy="ddp"``,
+  ``ModelCheckpoint(every_n_train_steps=5, save_last=True)`` and ``fit(ckpt_path="last")`` on the
+  restart; this script SIGKILLs the worker with RANK=1 when rank 0 reports F steps done.
+
+Downtime is from the kill to the first step completed after it (rank 0's wall clock; both
+processes run on this host). Lost steps are the completed steps computed again. One run each:
+
+    .venv/bin/python benchmarks/lightning_recovery.py [--fault-step 12] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "lightning_gpt.py"
+MODEL = ["--dim", "64", "--layers", "2", "--heads", "2", "--seq-len", "32", "--global-batch", "8"]
+
+
+def step_times(text: str) -> list[tuple[int, float]]:
+    return [(int(s), float(t)) for s, t in re.findall(r"steptime (\d+) ([\d.]+)", text)]
+
+
+def first_step_after(times: list[tuple[int, float]], t0: float) -> tuple[int, float]:
+    later = [(s, t) for s, t in times if t > t0]
+    if not later:
+        raise SystemExit("no step completed after the fault")
+    return later[0]
+
+
+def checkpointless(a: argparse.Namespace, work: Path) -> dict[str, float | int]:
+    cmd = [sys.executable, "-m", "checkpointless", "run", "--nproc", "2", "--spares", "1"]
+    cmd += ["--run-dir", str(work / "cl"), "--inject", f"kill:rank=1:step={a.fault_step}"]
+    cmd += [
+        str(EXAMPLE),
+        "--steps",
+        str(a.steps),
+        *MODEL,
+        "--step-times",
+        "--ckpt-dir",
+        str(work / "cl.ckpt"),
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise SystemExit(f"checkpointless run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    events = [json.loads(x) for x in (work / "cl" / "events.jsonl").read_text().splitlines() if x.strip()]
+    fired = next(e["fired_at"] for e in events if e["event"] == "fault_injected")
+    step, t = first_step_after(step_times(out.stdout + out.stderr), fired)
+    # a step that ended after the fault but was the fault step itself was computed once: none lost
+    return {"downtime_s": t - fired, "first_step_after": step, "lost_steps": 0}
+
+
+def rank1_child(parent: int) -> int | None:
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().split()
+            if int(stat[3]) == parent and b"\0RANK=1\0" in b"\0" + (d / "environ").read_bytes():
+                return int(d.name)
+        except OSError:
+            continue
+    return None
+
+
+def lightning_restart(a: argparse.Namespace, work: Path) -> dict[str, float | int]:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-endpoint",
+        "127.0.0.1:29561",
+    ]
+    cmd += [str(EXAMPLE), "--strategy", "ddp", "--devices", "2", "--steps", str(a.steps), *MODEL]
+    cmd += ["--step-times", "--resume", "--ckpt-dir", str(work / "lt.ckpt")]
+    log = work / "torchrun.out"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    killed_at = None
+    deadline = time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            text = log.read_text(errors="replace")
+            if killed_at is None and any(s == a.fault_step for s, _ in step_times(text)):
+                pid = rank1_child(proc.pid)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at = time.time()
+            time.sleep(0.02)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = log.read_text(errors="replace")
+    if proc.returncode or killed_at is None:
+        raise SystemExit(f"torchrun run failed (rc {proc.returncode}, killed {killed_at}):\n{text[-3000:]}")
+    step, t = first_step_after(step_times(text), killed_at)
+    done_before = a.fault_step  # steps 0..F-1 had completed (global_step F reported)
+    return {"downtime_s": t - killed_at, "first_step_after": step, "lost_steps": done_before - (step - 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--fault-step", type=int, default=12)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lightning-bench-") as tmp:
+        work = Path(tmp)
+        cl = checkpointless(a, work)
+        lt = lightning_restart(a, work)
+    ratio = float(cl["downtime_s"]) / float(lt["downtime_s"])
+    print(f"checkpointless  downtime {cl['downtime_s']:.2f} s  lost steps {cl['lost_steps']}")
+    print(f"torchrun+ckpt   downtime {lt['downtime_s']:.2f} s  lost steps {lt['lost_steps']}")
+    print(f"ratio {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
