@@ -9,7 +9,7 @@ rank 1 to a SIGKILL right after step F has begun:
   restart; this script SIGKILLs the worker with RANK=1 when rank 0 reports F steps done.
 
 Downtime is from the kill to the first step completed after it (rank 0's wall clock; both
-processes run on this host). Lost steps are the completed steps computed again. One run each:
+processes run on this host). Lost steps are the completed steps computed again. Medians of --repeats:
 
     .venv/bin/python benchmarks/lightning_recovery.py [--fault-step 12] [--steps 20]
 """
@@ -21,6 +21,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -122,15 +123,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--fault-step", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="lightning-bench-") as tmp:
-        work = Path(tmp)
-        cl = checkpointless(a, work)
-        lt = lightning_restart(a, work)
-    ratio = float(cl["downtime_s"]) / float(lt["downtime_s"])
-    print(f"checkpointless  downtime {cl['downtime_s']:.2f} s  lost steps {cl['lost_steps']}")
-    print(f"torchrun+ckpt   downtime {lt['downtime_s']:.2f} s  lost steps {lt['lost_steps']}")
-    print(f"ratio {ratio:.3f}")
+    rows: dict[str, list[dict[str, float | int]]] = {"checkpointless": [], "torchrun+ckpt": []}
+    for i in range(a.repeats):
+        with tempfile.TemporaryDirectory(prefix="lightning-bench-") as tmp:
+            rows["checkpointless"].append(checkpointless(a, Path(tmp)))
+            rows["torchrun+ckpt"].append(lightning_restart(a, Path(tmp)))
+        print(
+            f"repeat {i}: " + ", ".join(f"{k} {v[-1]['downtime_s']:.2f} s" for k, v in rows.items()),
+            flush=True,
+        )
+    med = {k: statistics.median(float(r["downtime_s"]) for r in v) for k, v in rows.items()}
+    for k, v in rows.items():
+        spread = ", ".join(f"{float(r['downtime_s']):.2f}" for r in v)
+        print(f"{k:15s} downtime median {med[k]:.2f} s [{spread}]  lost steps {[r['lost_steps'] for r in v]}")
+    print(f"ratio {med['checkpointless'] / med['torchrun+ckpt']:.3f}")
 
 
 if __name__ == "__main__":
