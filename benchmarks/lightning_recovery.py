@@ -21,6 +21,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +66,12 @@ def checkpointless(a: argparse.Namespace, work: Path) -> dict[str, float | int]:
     step, t = first_step_after(step_times(out.stdout + out.stderr), fired)
     # a step that ended after the fault but was the fault step itself was computed once: none lost
     return {"downtime_s": t - fired, "first_step_after": step, "lost_steps": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def rank1_child(parent: int) -> int | None:
