@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from checkpointless.errors import ConfigError
@@ -11,6 +15,7 @@ from checkpointless.integrations._lightning_state import (
     SchedulerLedger,
     batch_action,
 )
+from jobs import ROOT
 
 
 @pytest.mark.timeout(30)
@@ -57,3 +62,33 @@ def test_progress_mark_puts_back_what_a_replayed_closure_counted() -> None:
     assert progress.state_dict() != before
     mark.restore()
     assert progress.state_dict() == before
+
+
+@pytest.mark.timeout(120)
+def test_unsupported_trainer_settings_are_refused_with_the_fix(tmp_path: Path) -> None:
+    """Gradient accumulation would make a step of several batches: refused before training,
+    naming the setting and what to do instead (run in a process of its own: init() is global)."""
+    pytest.importorskip("lightning")
+    script = tmp_path / "accumulate.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "import lightning.pytorch as pl, torch\n"
+        "from torch.utils.data import DataLoader\n"
+        "from lightning_gpt import LitGPT, TokenWindows\n"
+        "from checkpointless.integrations.lightning import CheckpointlessStrategy\n"
+        "import argparse\n"
+        "args = argparse.Namespace(dim=16, layers=1, heads=2, seq_len=8, dropout=0.0, lr=1e-3, steps=4,\n"
+        "                          print_batches=False)\n"
+        "data = TokenWindows(None, 8, 0, size=64)\n"
+        "trainer = pl.Trainer(accelerator='cpu', strategy=CheckpointlessStrategy(), max_steps=4,\n"
+        "                     accumulate_grad_batches=2, logger=False, enable_checkpointing=False)\n"
+        "trainer.fit(LitGPT(data.vocab, args), DataLoader(data, batch_size=4))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path
+    )
+    assert out.returncode != 0
+    assert "accumulate_grad_batches=2" in out.stderr and "use a larger batch" in out.stderr, out.stderr[
+        -3000:
+    ]

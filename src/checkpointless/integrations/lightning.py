@@ -190,6 +190,12 @@ class CheckpointlessStrategy(DDPStrategy):
                 "starts a job from step 0; to resume from Lightning's own checkpoints run the "
                 "script with the ddp strategy under `checkpointless run --plain`"
             )
+        if not self._module.automatic_optimization:
+            raise ConfigError(
+                "manual optimization (automatic_optimization = False) is not supported by "
+                "CheckpointlessStrategy yet: the strategy makes a step of Lightning's closure and "
+                "optimizer.step(); use automatic optimization"
+            )
         if trainer.accumulate_grad_batches != 1:
             raise ConfigError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported "
