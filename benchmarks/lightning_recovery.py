@@ -89,15 +89,9 @@ def rank1_child(parent: int) -> int | None:
 
 def lightning_restart(a: argparse.Namespace, work: Path) -> dict[str, float | int]:
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [
-        str(torchrun),
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "--rdzv-endpoint",
-        "127.0.0.1:29561",
-    ]
+    # c10d rendezvous on a free port, as benchmarks/recovery.py: each restart gets a fresh round
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d"]
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     cmd += [str(EXAMPLE), "--strategy", "ddp", "--devices", "2", "--steps", str(a.steps), *MODEL]
     cmd += ["--step-times", "--resume", "--ckpt-dir", str(work / "lt.ckpt")]
     work.mkdir(parents=True, exist_ok=True)
