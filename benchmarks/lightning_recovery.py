@@ -89,8 +89,9 @@ def rank1_child(parent: int) -> int | None:
 
 def lightning_restart(a: argparse.Namespace, work: Path) -> dict[str, float | int]:
     torchrun = Path(sys.executable).with_name("torchrun")
-    # c10d rendezvous on a free port, as benchmarks/recovery.py: each restart gets a fresh round
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d"]
+    # torchrun's default (static) rendezvous on a free port: with c10d, Lightning's restarted
+    # workers hung in init_process_group here
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--max-restarts", "3"]
     cmd += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     cmd += [str(EXAMPLE), "--strategy", "ddp", "--devices", "2", "--steps", str(a.steps), *MODEL]
     cmd += ["--step-times", "--resume", "--ckpt-dir", str(work / "lt.ckpt")]
@@ -99,7 +100,7 @@ def lightning_restart(a: argparse.Namespace, work: Path) -> dict[str, float | in
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     killed_at = None
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 180  # a restart that hangs counts as failed
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             text = log.read_text(errors="replace")
@@ -115,7 +116,7 @@ def lightning_restart(a: argparse.Namespace, work: Path) -> dict[str, float | in
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
     text = log.read_text(errors="replace")
-    if proc.returncode or killed_at is None:
+    if proc.returncode or killed_at is None:  # also a run killed at the deadline
         raise SystemExit(f"torchrun run failed (rc {proc.returncode}, killed {killed_at}):\n{text[-3000:]}")
     step, t = first_step_after(step_times(text), killed_at)
     done_before = a.fault_step  # steps 0..F-1 had completed (global_step F reported)
