@@ -110,7 +110,10 @@ def lightning_restart(a: argparse.Namespace, work: Path) -> dict[str, float | in
                     os.kill(pid, signal.SIGKILL)
                     killed_at = time.time()
             time.sleep(0.02)
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass  # killed below, and reported as a failed run
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
