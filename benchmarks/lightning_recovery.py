@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +40,12 @@ def step_times(text: str) -> list[tuple[int, float]]:
     return [(int(s), float(t)) for s, t in re.findall(r"steptime (\d+) ([\d.]+)", text)]
 
 
-def first_step_after(times: list[tuple[int, float]], t0: float) -> tuple[int, float]:
-    later = [(s, t) for s, t in times if t > t0]
+def first_step_after(
+    times: list[tuple[int, float]], t0: float, ok: Callable[[int], bool]
+) -> tuple[int, float]:
+    """The first step end after t0 among the steps ``ok`` accepts (rank 0 may still report the
+    step before the fault a moment after the fault fired on rank 1)."""
+    later = [(s, t) for s, t in times if t > t0 and ok(s)]
     if not later:
         raise SystemExit("no step completed after the fault")
     return later[0]
@@ -63,7 +68,8 @@ def checkpointless(a: argparse.Namespace, work: Path) -> dict[str, float | int]:
         raise SystemExit(f"checkpointless run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
     events = [json.loads(x) for x in (work / "cl" / "events.jsonl").read_text().splitlines() if x.strip()]
     fired = next(e["fired_at"] for e in events if e["event"] == "fault_injected")
-    step, t = first_step_after(step_times(out.stdout + out.stderr), fired)
+    # "steptime S" means S steps done: the fault step F is done at S = F + 1
+    step, t = first_step_after(step_times(out.stdout + out.stderr), fired, lambda s: s > a.fault_step)
     # a step that ended after the fault but was the fault step itself was computed once: none lost
     return {"downtime_s": t - fired, "first_step_after": step, "lost_steps": 0}
 
@@ -121,7 +127,8 @@ def lightning_restart(a: argparse.Namespace, work: Path) -> dict[str, float | in
     text = log.read_text(errors="replace")
     if proc.returncode or killed_at is None:  # also a run killed at the deadline
         raise SystemExit(f"torchrun run failed (rc {proc.returncode}, killed {killed_at}):\n{text[-3000:]}")
-    step, t = first_step_after(step_times(text), killed_at)
+    # after the restart, steps resume from the last checkpoint, at or before the fault step
+    step, t = first_step_after(step_times(text), killed_at, lambda s: s <= a.fault_step)
     done_before = a.fault_step  # steps 0..F-1 had completed (global_step F reported)
     return {"downtime_s": t - killed_at, "first_step_after": step, "lost_steps": done_before - (step - 1)}
 
