@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,3 +94,27 @@ def test_unsupported_trainer_settings_are_refused_with_the_fix(tmp_path: Path) -
     assert "accumulate_grad_batches=2" in out.stderr and "use a larger batch" in out.stderr, out.stderr[
         -3000:
     ]
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_still_ends_a_worker_during_fit(tmp_path: Path) -> None:
+    """Lightning's own SIGTERM handler turns the signal into a quiet end of fit (exit code 0 here,
+    as if training had finished); the strategy puts the previous handler back, so the launcher's
+    SIGTERM ends a worker in the middle of fit, as it ends any other worker."""
+    pytest.importorskip("lightning")
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_gpt.py"), "--steps", "100000"]
+    cmd += ["--dim", "16", "--layers", "1", "--heads", "2", "--seq-len", "8", "--step-times"]
+    log = tmp_path / "out"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        while "steptime 3 " not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == -signal.SIGTERM, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -161,8 +161,8 @@ class CheckpointlessStrategy(DDPStrategy):
 
         reset_seed()
         self.set_world_ranks()
-        # Lightning installs a SIGTERM handler that only sets a flag (it acts on it through a
-        # default process group we do not have); the launcher's SIGTERM must still end a worker
+        # Lightning installs a SIGTERM handler that turns the signal into a quiet end of fit (a
+        # worker would leave with exit code 0 as if done); the launcher's SIGTERM must end it
         self._sigterm = signal.getsignal(signal.SIGTERM)
 
     def configure_ddp(self) -> None:
