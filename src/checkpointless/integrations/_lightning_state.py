@@ -1,0 +1,74 @@
+"""Pure bookkeeping for the Lightning strategy: where a rank stands against the job's step.
+
+Lightning owns the training loop, so the strategy cannot move the loop to a step; it can only
+decide, for each batch Lightning hands it, whether to train on it, skip it (a replacement that
+received a replica's state is behind in Lightning's loop) or refuse it (the loop is behind the
+job in a way that cannot be repaired). These rules are kept here, free of Lightning and torch,
+so they are tested as plain functions.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkpointless.errors import ConfigError
+
+__all__ = ["TESTED_LIGHTNING", "BatchAction", "SchedulerLedger", "batch_action"]
+
+# The Lightning release the strategy is tested against (tests/test_lightning_unit.py pins it);
+# it uses only public hooks, but Lightning's loop order is what makes them mean what they mean.
+TESTED_LIGHTNING = "2.6.6"
+
+
+class BatchAction(enum.Enum):
+    TRAIN = "train"  # the batch is the job's next step: run it inside a checkpointless Step
+    SKIP = "skip"  # the replica state this rank holds already includes this batch's update
+
+
+def batch_action(lightning_step: int, job_step: int) -> BatchAction:
+    """What to do with the batch Lightning is about to step on.
+
+    ``lightning_step`` is ``trainer.global_step`` (optimizer steps Lightning has completed);
+    ``job_step`` is the job's committed step (updates in this rank's state). A replacement joins
+    with a replica's state, so its job step is ahead until Lightning's loop has walked through
+    the batches that state already contains; the loop can never be ahead of the state.
+    """
+    if lightning_step < job_step:
+        return BatchAction.SKIP
+    if lightning_step == job_step:
+        return BatchAction.TRAIN
+    raise ConfigError(
+        f"Lightning is at optimizer step {lightning_step} but this rank's state holds only "
+        f"{job_step} updates: the strategy cannot move Lightning's loop back. This happens when "
+        "the job restores an older snapshot or checkpoint (every replica was lost); run the script "
+        "under `checkpointless run --plain` with ckpt_path='last' for that case."
+    )
+
+
+@dataclass
+class SchedulerLedger:
+    """Which scheduler calls each scheduler has had, so that a call is never applied twice.
+
+    Lightning steps schedulers after the optimizer step, outside the strategy. A rank that
+    received a replica's state already has the replica's scheduler; the calls Lightning then makes
+    for batches that state already covers must be dropped. ``marks[i]`` is the position
+    (``global_step`` for interval "step", epochs finished for "epoch") of scheduler i's last call.
+    It is tracked with the model, so it travels with the scheduler it describes.
+    """
+
+    marks: dict[str, int] = field(default_factory=dict)
+
+    def should_step(self, key: str, mark: int) -> bool:
+        """Record and allow the call at ``mark`` unless the state already contains it."""
+        if self.marks.get(key, -1) >= mark:
+            return False
+        self.marks[key] = mark
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"marks": dict(self.marks)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.marks = {str(k): int(v) for k, v in state["marks"].items()}

@@ -1,0 +1,371 @@
+"""PyTorch Lightning under checkpointless: ``Trainer(strategy=CheckpointlessStrategy())``.
+
+Lightning owns the training loop, so the strategy works from the hooks Lightning gives every
+strategy, and nothing else:
+
+- ``__init__`` joins the job (``checkpointless.init()``; a hot spare blocks there until it is given
+  a rank), and the cluster environment reports the job's rank and world size, so Lightning's
+  rank-zero logic, loggers and the ``DistributedSampler`` it injects see the right numbers.
+- ``configure_ddp`` wraps the LightningModule in the job's abortable ``DataParallel`` instead of DDP.
+- ``on_train_start`` registers the replica state (module, optimizers, schedulers, and the small
+  ledger below) and forms the job's first generation; a spare joins here and receives a replica.
+- ``optimizer_step`` is the step: Lightning's closure (``training_step`` and backward) and the
+  optimizer update run inside a checkpointless ``Step``. A fault anywhere in it (this rank's
+  exception, or a collective aborted because another rank failed) is caught there; after the
+  recovery the closure runs again on the very batch Lightning handed in, so Lightning's progress
+  counters and its DataLoader position never move back.
+- A replacement holds a replica's state for step C while Lightning's loop starts at batch 0: it
+  walks the loop forward, skipping ``training_step`` and the update, until the loop reaches C.
+  The batches come from the same DataLoader and ``DistributedSampler`` as on every other rank, so
+  the data position is exact; nothing it skips touches the received state.
+
+What runs outside a step (Lightning's barriers, broadcasts, metric reductions between batches)
+cannot be replayed, so the strategy keeps those local: ranks are replicas and compute the same
+values. Reductions inside a step (``self.log(..., sync_dist=True)`` in ``training_step``) are real,
+abortable collectives. See docs/adoption.md, "PyTorch Lightning".
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import signal
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+
+import checkpointless
+from checkpointless.errors import ConfigError
+from checkpointless.events import get_logger
+from checkpointless.integrations._lightning_internals import ProgressMark
+from checkpointless.integrations._lightning_state import (
+    TESTED_LIGHTNING,
+    BatchAction,
+    SchedulerLedger,
+    batch_action,
+)
+from checkpointless.recovery.job import Job, Step
+from checkpointless.state.snapshot import RngState, capture_rng, restore_rng
+
+__all__ = ["CheckpointlessEnvironment", "CheckpointlessStrategy"]
+
+log = get_logger()
+
+
+class CheckpointlessEnvironment(ClusterEnvironment):
+    """Ranks come from the checkpointless launcher, which also starts every process."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        # unused: the job's own communicator carries every collective, no default process group
+        return "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return 0
+
+    @staticmethod
+    def detect() -> bool:
+        return False  # chosen explicitly by CheckpointlessStrategy, never auto-detected
+
+    def world_size(self) -> int:
+        return self._job.world_size
+
+    def set_world_size(self, size: int) -> None:
+        pass  # the launcher decides (--nproc); Lightning's `devices` flag does not
+
+    def global_rank(self) -> int:
+        return self._job.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return self._job.rank  # every rank of a job runs on one host today
+
+    def node_rank(self) -> int:
+        return 0
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ConfigError(
+                f"Trainer(num_nodes={num_nodes}): a checkpointless job runs on one host; "
+                "leave num_nodes at 1 and set the number of ranks with `checkpointless run --nproc`"
+            )
+
+
+class CheckpointlessStrategy(DDPStrategy):
+    """Data-parallel training that survives faults in process (docs/adoption.md).
+
+    ``rendezvous_timeout`` and ``max_step_retries`` are passed to ``checkpointless.init()``.
+    """
+
+    strategy_name = "checkpointless"
+
+    def __init__(self, *, rendezvous_timeout: float = 60.0, max_step_retries: int = 3, **kwargs: Any) -> None:
+        installed = importlib.metadata.version("lightning")
+        if installed != TESTED_LIGHTNING:
+            warnings.warn(
+                f"CheckpointlessStrategy is tested with lightning=={TESTED_LIGHTNING}, this is "
+                f"{installed}; install the `checkpointless[lightning]` extra for the tested pair",
+                stacklevel=2,
+            )
+        # Join now rather than in setup_environment: a spare then waits with the model already
+        # built, and Lightning's rank-zero helpers see the real rank from the Trainer's start.
+        self._job = checkpointless.init(
+            rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries
+        )
+        super().__init__(cluster_environment=CheckpointlessEnvironment(self._job), **kwargs)
+        self._steps: Any = None  # the job.steps() generator, driven one step per optimizer_step
+        self._pending: Step | None = None  # a step taken from the generator, not yet run
+        self._done = False  # the generator ended: every rank holds the final state
+        self._inside = False  # in a step: collectives are real and abortable
+        self._skipping = False  # training_step is skipped: a batch the state already holds
+        self._catch_up_rng: RngState | None = None  # a replacement's RNG for its first real step
+        self._ledger = SchedulerLedger()
+        self._sigterm: Any = None
+
+    # -- ranks, devices, data ------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        return self._job.device
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self._job.world_size, "rank": self._job.rank}
+
+    def set_world_ranks(self) -> None:
+        import lightning_utilities.core.rank_zero as utils_rank_zero
+        from lightning.pytorch.utilities import rank_zero
+
+        # the rank Lightning's @rank_zero_only helpers compare with (as DDPStrategy sets it)
+        for fn in (utils_rank_zero.rank_zero_only, getattr(rank_zero, "rank_zero_only")):  # noqa: B009
+            setattr(fn, "rank", self._job.rank)  # noqa: B010
+
+    def setup_distributed(self) -> None:
+        # the job's communicator is made by checkpointless.init(); Lightning must not make a
+        # default process group (it would be a second, unabortable one)
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        # Lightning installs a SIGTERM handler that turns the signal into a quiet end of fit (a
+        # worker would leave with exit code 0 as if done); the launcher's SIGTERM must end it
+        self._sigterm = signal.getsignal(signal.SIGTERM)
+
+    def configure_ddp(self) -> None:
+        assert self.model is not None
+        self.model = self._setup_model(self.model)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
+        return self._job.data_parallel(model)
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise ConfigError("CheckpointlessStrategy used before Lightning connected a LightningModule")
+        return module
+
+    # -- the first generation ------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        trainer = self._module.trainer
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+        if trainer.global_step != 0:
+            raise ConfigError(
+                f"fit resumed at step {trainer.global_step} (ckpt_path): CheckpointlessStrategy "
+                "starts a job from step 0; to resume from Lightning's own checkpoints run the "
+                "script with the ddp strategy under `checkpointless run --plain`"
+            )
+        if not self._module.automatic_optimization:
+            raise ConfigError(
+                "manual optimization (automatic_optimization = False) is not supported by "
+                "CheckpointlessStrategy yet: the strategy makes a step of Lightning's closure and "
+                "optimizer.step(); use automatic optimization"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported "
+                "by CheckpointlessStrategy yet: a step is one batch; use a larger batch instead"
+            )
+        self._guard_schedulers(trainer)
+        objects: dict[str, Any] = {"model": self._module, "lightning_schedulers": self._ledger}
+        for i, opt in enumerate(self.optimizers):
+            objects[f"optimizer{i}"] = opt
+        for i, cfg in enumerate(trainer.lr_scheduler_configs):
+            objects[f"scheduler{i}"] = cfg.scheduler
+        self._job.track(**objects)
+        self._steps = self._job.steps(2**62)  # Lightning decides the end; see on_train_end
+        self._pending = self._next_step()
+        if self._job.is_replacement:
+            # the replica's generators as its next step began: restored when this rank reaches
+            # that step, because walking Lightning's loop there may draw from them
+            self._catch_up_rng = capture_rng()
+            log.info("joined at step %d; Lightning's loop catches up from 0", self._job.step)
+
+    def _next_step(self) -> Step | None:
+        try:
+            step: Step = next(self._steps)
+            return step
+        except StopIteration:
+            self._done = True
+            return None
+
+    def _guard_schedulers(self, trainer: pl.Trainer) -> None:
+        # Lightning steps schedulers after the optimizer step, outside the strategy: a rank that
+        # received a replica's scheduler must not step it again for batches the replica covered
+        module = self._module
+        inner = module.lr_scheduler_step
+        keys = {
+            id(cfg.scheduler): (str(i), cfg.interval) for i, cfg in enumerate(trainer.lr_scheduler_configs)
+        }
+
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            key, interval = keys[id(scheduler)]
+            mark = trainer.global_step if interval == "step" else trainer.current_epoch + 1
+            if self._ledger.should_step(key, mark):
+                inner(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+
+    # -- the step ------------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._skipping:
+            # A loss connected to no parameter: Lightning refuses None from training_step in a
+            # distributed run, and this one's backward reaches no gradient hook, no collective
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        # Called directly, not redirected through the wrapper's forward as DDP needs: our
+        # DataParallel has no per-forward set-up, and a redirection that a fault interrupts
+        # leaves the module's forward patched for the replay.
+        with self.precision_plugin.train_step_context():
+            return self._module.training_step(*args, **kwargs)
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self._steps is None:  # not fitting under the job (e.g. a manual call): plain step
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self._module.trainer
+        lightning_step = trainer.global_step
+        mark = ProgressMark(trainer)
+        replay = False
+        while True:
+            if replay:
+                mark.restore()  # Lightning counts the batch once, however often its closure ran
+            replay = True
+            if self._done or batch_action(lightning_step, self._job.step) is BatchAction.SKIP:
+                return self._skip(closure)
+            if self._catch_up_rng is not None:
+                restore_rng(self._catch_up_rng)
+                self._catch_up_rng = None
+            step = self._pending if self._pending is not None else self._next_step()
+            self._pending = None
+            if step is None:
+                continue  # the job ended (it cannot while Lightning still steps; skip safely)
+            out: Any = None
+            self._inside = True
+            try:
+                with step:
+                    out = self._closure_then_update(optimizer, closure, model, **kwargs)
+            finally:
+                self._inside = False
+            if step.committed:
+                return out
+            # recovered: the job now stands at the step it settled on; train this batch again
+            # if that is this batch, or skip it if the update is already in this rank's state
+
+    def _closure_then_update(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None,
+        **kwargs: Any,
+    ) -> Any:
+        # Run training_step and backward before optimizer.step(): the optimizer's pre-hook marks
+        # the state as mid-update, and a fault in the forward pass must leave it valid.
+        result = closure()
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def _skip(self, closure: Callable[[], Any]) -> None:
+        # Lightning's closure must still run once (its result is read after the step), but with
+        # training_step returning a detached zero it does no forward, no collective, no update
+        self._skipping = True
+        try:
+            closure()
+        finally:
+            self._skipping = False
+
+    def on_train_end(self) -> None:
+        if self._steps is None or self._done:
+            return
+        # every rank ends at the same batch (Lightning's max_steps/max_epochs); the job's end
+        # waits until all hold the final state, recovering a rank that fails meanwhile
+        self._job.stop()
+        while not self._done:
+            self._next_step()
+
+    # -- collectives outside a step ------------------------------------------------------------
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass  # see the module docstring: nothing outside a step may block on a peer
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj  # replicas compute the same value
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor) or not self._in_step():
+            return tensor
+        op = str(reduce_op).lower() if reduce_op is not None else "mean"
+        if op.endswith(("max", "min")):
+            red = torch.distributed.ReduceOp.MAX if op.endswith("max") else torch.distributed.ReduceOp.MIN
+            return self._job.all_reduce(tensor.clone(), red)
+        if not op.endswith(("sum", "mean", "avg")):
+            raise ConfigError(f"reduce_op={reduce_op!r}: CheckpointlessStrategy reduces sum, mean, max, min")
+        out = self._job.all_reduce(tensor.clone().float() if op.endswith(("mean", "avg")) else tensor.clone())
+        return out / self._job.world_size if op.endswith(("mean", "avg")) else out
+
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
+        if self._job.world_size == 1:
+            return tensor.unsqueeze(0)
+        raise ConfigError(
+            "all_gather is not supported by CheckpointlessStrategy yet; use self.log(sync_dist=True)"
+        )
+
+    def _in_step(self) -> bool:
+        return self._inside and not self._skipping
+
+    # -- files and faults ----------------------------------------------------------------------
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self._skipping or self._catch_up_rng is not None:
+            return  # a replacement catching up holds a later state than the step it walks past
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self._catch_up_rng is not None:
+            return  # the files belong to the rank this one replaced; keep them
+        super().remove_checkpoint(filepath)
+
+    def teardown(self) -> None:
+        if isinstance(self.model, nn.Module) and self.model is not self.lightning_module:
+            self.model = self.lightning_module  # unwrap our DataParallel, as DDP's teardown does
+        super().teardown()

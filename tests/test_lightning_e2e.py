@@ -1,0 +1,102 @@
+"""The Lightning example under `checkpointless run`, with real faults, bitwise on every rank.
+
+Each run is examples/lightning_gpt.py (a LightningModule, a Trainer with CheckpointlessStrategy,
+the DataLoader into which Lightning injects its DistributedSampler) on 3 ranks and 1 spare. It
+must end with every rank's final weights equal to a fault-free run's, and every (rank, step) must
+have trained on the batch the fault-free run trained on.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from jobs import ROOT, JobResult, alive, start_job
+
+pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
+
+SCRIPT = ROOT / "examples" / "lightning_gpt.py"
+ARGS = ["--steps", "8", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16"]
+ARGS += ["--global-batch", "12", "--print-batches"]
+_REF: dict[str, JobResult] = {}
+
+
+def run(run_dir: Path, corpus: Path, faults: list[str], spares: int = 1) -> JobResult:
+    # ModelCheckpoint (rank 0 writes, every 5 steps and last.ckpt) runs in every job
+    args = [*ARGS, "--ckpt-dir", str(run_dir.parent / "ckpt")]
+    job = start_job(run_dir, corpus, 3, spares, faults, script_args=args, script=SCRIPT, hang_timeout=6)
+    return job.finish(150)
+
+
+def assert_same_checkpoints(res: JobResult, ref: JobResult) -> None:
+    """Lightning's checkpoint files hold what the fault-free run's hold: weights, optimizer,
+    scheduler and loop counters, whichever process was rank 0 when each was written."""
+    import torch
+
+    got_dir, want_dir = res.run_dir.parent / "ckpt", ref.run_dir.parent / "ckpt"
+    names = sorted(p.name for p in want_dir.glob("*.ckpt"))
+    assert names == ["epoch=0-step=5.ckpt", "last.ckpt"], names
+    assert sorted(p.name for p in got_dir.glob("*.ckpt")) == names
+    for name in names:
+        got = torch.load(got_dir / name, weights_only=False)
+        want = torch.load(want_dir / name, weights_only=False)
+        for key in ("global_step", "epoch", "loops", "lr_schedulers"):
+            assert got[key] == want[key], f"{name}: {key} differs"
+        for k, t in want["state_dict"].items():
+            assert torch.equal(got["state_dict"][k], t), f"{name}: weight {k} differs"
+        for a, b in zip(got["optimizer_states"], want["optimizer_states"], strict=True):
+            for pa, pb in zip(a["state"].values(), b["state"].values(), strict=True):
+                assert all(torch.equal(pa[k], pb[k]) for k in pb), f"{name}: optimizer state differs"
+
+
+def batches(res: JobResult) -> dict[tuple[int, int], str]:
+    """(rank, step) -> digest of the batch trained on; a replay must train on the same batch."""
+    out: dict[tuple[int, int], str] = {}
+    for rank, step, digest in re.findall(r"batch rank=(\d+) step=(\d+) (\w+)", res.output):
+        key = (int(rank), int(step))
+        assert out.get(key, digest) == digest, f"rank/step {key} trained on two different batches"
+        out[key] = digest
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> JobResult:
+    res = run(tmp_path_factory.mktemp("lightning-ref") / "run", corpus, [], spares=0)
+    assert res.rc == 0, res.output[-4000:]
+    assert sorted(res.digests) == [0, 1, 2] and res.digest, res.digests
+    assert len(batches(res)) == 3 * 8, "every rank trains on one batch per step"
+    return res
+
+
+CASES = [
+    ("sigkill", "kill:rank=1:step=4"),
+    ("raise-forward", "raise:rank=1:step=3:site=forward"),
+    ("raise-backward", "raise:rank=2:step=4:site=backward"),
+    ("raise-mid-optimizer", "raise:rank=1:step=4:site=optimizer"),
+    ("sigstop-hang", "hang:rank=2:step=5"),
+    # rank 0 writes the checkpoints; its replacement walks past step 5 and must not overwrite
+    # epoch=0-step=5.ckpt with its later state
+    ("rank0-killed-after-a-save", "kill:rank=0:step=6"),
+]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("fault", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_lightning_fault_is_survived_bitwise(
+    tmp_path: Path, corpus: Path, reference: JobResult, fault: str
+) -> None:
+    res = run(tmp_path / "run", corpus, [fault])
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(reference, nproc=3)
+    assert batches(res) == batches(reference), "some rank trained on other samples than the fault-free run"
+    assert len(res.of("fault_injected")) == 1 and res.of("recovery"), res.output[-4000:]
+    assert_same_checkpoints(res, reference)
+    if fault.startswith(("kill", "hang")):
+        assert res.of("spare_assigned"), "a dead or hung rank must be replaced by a spare"
+        assert "Lightning's loop catches up" in res.output
+    if "optimizer" in fault:
+        plans = [p for p in res.of("plan") if p["generation"] > 0]
+        assert 1 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
