@@ -21,6 +21,7 @@ applied its update). Models, optimizers and data objects stay in memory througho
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import os
 import sys
@@ -48,6 +49,16 @@ from checkpointless.errors import (
 )
 from checkpointless.events import EventLog, get_logger, set_log_step, setup_logging
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
+from checkpointless.protocol import (
+    Committed,
+    Done,
+    Fatal,
+    Fired,
+    Heartbeat,
+    Recovered,
+    SpareReady,
+    Stopped,
+)
 from checkpointless.recovery.amp import finish_cut_off_update, is_grad_scaler, reset_step_state
 from checkpointless.recovery.divergence import DEFAULT_EVERY, due, judge, state_digest
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
@@ -203,7 +214,7 @@ class Job:
         self._link = LauncherLink(self.env, self._on_abort, self._status)
         if self.env.role == "spare":
             log.info("spare %d ready, waiting for a rank", self.env.worker_id)
-            self._link.send({"type": "spare_ready"})
+            self._link.send(SpareReady())
         while True:
             msg = self._link.wait_for({"assign", "prepare"}, time.monotonic() + 10 * 365 * 86400.0)
             if msg["type"] == "assign":
@@ -424,7 +435,7 @@ class Job:
             # the process leaves with os._exit: a save still running would be cut off as a .tmp
             log.warning("the last checkpoint was still being written after %.0f s", self.rendezvous_timeout)
         if self._link is not None:
-            self._link.send({"type": "done", "step": self.committed_step})
+            self._link.send(Done(step=self.committed_step))
             _install_fast_exit()
 
     def _per_epoch(self) -> int:
@@ -554,15 +565,14 @@ class Job:
         if self._first_commit_after_recovery and self._link is not None:
             self._first_commit_after_recovery = False
             self._link.send(
-                {
-                    "type": "committed",
-                    "generation": self.generation,
-                    "step": index,
-                    "time": time.time(),
-                    "first_batch_s": self._batch_s,
+                Committed(
+                    generation=self.generation,
+                    step=index,
+                    time=time.time(),
+                    first_batch_s=self._batch_s,
                     # how much memory a spare should page in for this replica's state
-                    "state_bytes": _state_bytes(self._objects) if self.rank == 0 else None,
-                }
+                    state_bytes=_state_bytes(self._objects) if self.rank == 0 else None,
+                )
             )
 
     def _check_divergence(self) -> None:
@@ -608,17 +618,17 @@ class Job:
             if n:
                 log.info("aborted %d pending collective(s) for generation %d", n, gen)
 
-    def _status(self) -> dict[str, Any]:
+    def _status(self) -> Heartbeat:
         since = self.comm.in_collective_since or waiting_since()
-        return {
-            "step": self._step_index,
+        return Heartbeat(
+            step=self._step_index,
             # no progress clock while recovering: the launcher times recoveries by their own rules
-            "progress_age": None
+            progress_age=None
             if (self._recovering or not self._started or self._in_section is not None)
             else time.monotonic() - self._progress_t,
-            "in_collective": since is not None,
-            "step_time": self._last_step_time,
-        }
+            in_collective=since is not None,
+            step_time=self._last_step_time,
+        )
 
     def _recover_from(self, index: int, exc: BaseException) -> None:
         # the rank's own error counts as its own even if an abort arrived at the same moment:
@@ -658,7 +668,7 @@ class Job:
 
     def _fatal(self, why: str) -> None:
         if self._link is not None:
-            self._link.send({"type": "fatal", "error": why})
+            self._link.send(Fatal(error=why))
         raise NotRecoverableError(why)
 
     def _recover(self, cause: str, error: str | None, committed: int, valid: bool) -> None:
@@ -680,22 +690,29 @@ class Job:
         deadline = time.monotonic() + 10 * self.rendezvous_timeout
         self._report_gen = max(self._report_gen, self._latest_abort, self.generation + 1)
         # the step that was running names the fault for the launcher's fault budget
-        report = {
-            "committed_step": committed,
-            "valid": valid,
-            "cause": cause,
-            "error": error,
-            "step": self._step_index,
-        }
+        report = Stopped(
+            for_generation=0,
+            committed_step=committed,
+            valid=valid,
+            cause=cause,
+            error=error,
+            step=self._step_index,
+        )
         resend = True
         while True:
             gen = self._report_gen
             if resend:
                 snap = self._newest_snapshot()
-                msg_out = {"type": "stopped", "for_generation": gen, "time": time.time(), **report}
-                ckpt = newest_checkpoint(self._checkpoint_dir)
-                mesh = list(self._mesh.shape) if self._mesh is not None else None
-                self._link.send({**msg_out, "snapshot_step": snap, "checkpoint_step": ckpt, "mesh": mesh})
+                self._link.send(
+                    dataclasses.replace(
+                        report,
+                        for_generation=gen,
+                        time=time.time(),
+                        snapshot_step=snap,
+                        checkpoint_step=newest_checkpoint(self._checkpoint_dir),
+                        mesh=list(self._mesh.shape) if self._mesh is not None else None,
+                    )
+                )
             resend = False
             msg = self._link.wait_for({"recover", "abort"}, deadline)
             if msg["type"] == "abort":
@@ -713,13 +730,7 @@ class Job:
                 # our own state is still what it was unless we were loading a peer's
                 if isinstance(e, StateTransferError) or self.rank in msg["plan"]["receivers"]:
                     valid = valid and self.rank not in msg["plan"]["receivers"]
-                report = {
-                    "committed_step": committed,
-                    "valid": valid,
-                    "cause": "recovery",
-                    "error": _short(e),
-                    "step": self._step_index,
-                }
+                report = dataclasses.replace(report, valid=valid, cause="recovery", error=_short(e))
                 self._report_gen = max(self._latest_abort, gen + 1)
                 resend = True
                 continue
@@ -729,7 +740,7 @@ class Job:
             self._progress_t = time.monotonic()  # the hang clock restarts with the new generation
             self._recovering = False
             self._first_commit_after_recovery = True
-            self._link.send({"type": "recovered", "generation": gen, "time": time.time(), "timings": timings})
+            self._link.send(Recovered(generation=gen, time=time.time(), timings=timings))
             self.comm.release_graveyard()
             if self._mesh is not None:
                 self._mesh.release()
@@ -839,7 +850,7 @@ class Job:
     def _announce_fault(self, spec: FaultSpec) -> None:
         log.warning("injecting fault %s", spec.to_text())
         if self._link is not None:
-            self._link.send({"type": "fired", "id": spec.id, "kind": spec.kind, "time": time.time()})
+            self._link.send(Fired(id=spec.id, kind=spec.kind, time=time.time()))
 
 
 def plan_sources(plan: dict[str, Any]) -> dict[int, int]:

@@ -18,6 +18,7 @@ from typing import Any
 from checkpointless.config import WorkerEnv
 from checkpointless.events import get_logger
 from checkpointless.launcher.control import ControlClient
+from checkpointless.protocol import Heartbeat, Hello, Message, encode
 
 __all__ = ["LauncherLink", "set_parent_death_signal"]
 
@@ -38,7 +39,7 @@ class LauncherLink:
         self,
         env: WorkerEnv,
         on_abort: Callable[[dict[str, Any]], None],
-        status: Callable[[], dict[str, Any]],
+        status: Callable[[], Heartbeat],
         heartbeat_s: float = 0.25,
     ) -> None:
         self.env = env
@@ -47,15 +48,15 @@ class LauncherLink:
         self._status = status
         self._stop = threading.Event()
         self.client = ControlClient(env.control, env.secret, self._on_message, self._on_lost)
-        self.send({"type": "hello", "worker_id": env.worker_id, "pid": os.getpid(), "role": env.role})
+        self.send(Hello(worker_id=env.worker_id, pid=os.getpid(), role=env.role))
         self._hb = threading.Thread(
             target=self._heartbeat, args=(heartbeat_s,), daemon=True, name="cl-heartbeat"
         )
         self._hb.start()
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: Message) -> None:
         try:
-            self.client.send(msg)
+            self.client.send(encode(msg))
         except OSError as e:
             self._on_lost(f"send failed: {e}")
 
@@ -80,7 +81,7 @@ class LauncherLink:
     def _heartbeat(self, every: float) -> None:
         while not self._stop.wait(every):
             try:
-                self.client.send({"type": "heartbeat", **self._status()})
+                self.client.send(encode(self._status()))
             except OSError:
                 return
 
