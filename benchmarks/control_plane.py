@@ -328,7 +328,10 @@ def model(
     startup_k = _slope(xs, [r.startup_s for r in medians])
     # a Recover grows by one peer address per rank: bytes = fixed + per_rank * ranks
     small = min(medians, key=lambda r: r.ranks)
-    per_rank_b = (big.recover_frame_bytes - small.recover_frame_bytes) / max(1, big.ranks - small.ranks)
+    if big.ranks > small.ranks:
+        per_rank_b = (big.recover_frame_bytes - small.recover_frame_bytes) / (big.ranks - small.ranks)
+    else:  # one size measured: charge the whole frame to the ranks (an upper bound)
+        per_rank_b = big.recover_frame_bytes / big.ranks
     recover_b = big.recover_frame_bytes + per_rank_b * (ranks - big.ranks)
     seal_per_b = big.recover_seal_ms * 1e-3 / big.recover_frame_bytes
     rows = []
