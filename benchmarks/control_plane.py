@@ -250,6 +250,10 @@ class WireCost:
     worker_encode_seal_us: float  # protocol.encode + the nonce/sequence fields + HMAC seal (c2s key)
     coordinator_verify_decode_us: float  # Connection: FrameDecoder.feed + accept_frame + protocol.decode
     inbox_us: float  # the reader thread's queue.put + the loop's queue.get (the launcher's inbox)
+    # one frame carrying 8 workers' heartbeats (what an agent forwarding them would send; no such
+    # message exists today): verify + JSON once, protocol.decode per worker
+    aggregated_frame_bytes: int
+    aggregated_verify_decode_us: float
 
 
 def wire_cost(n: int = 20000) -> WireCost:
@@ -288,10 +292,35 @@ def wire_cost(n: int = 20000) -> WireCost:
                 inbox.get_nowait()
 
         inbox_s, _ = _cpu(through_inbox)
+        agg_key = derive_key(secret, "control/c2s")
+        batch = {
+            "type": "worker_heartbeats",
+            _NONCE: conn.nonce,
+            _SEQ: 1,
+            "beats": [{**encode(beat), "worker": w} for w in range(8)],
+        }
+        agg = encode_frame(agg_key, batch)
+        agg_dec = FrameDecoder(agg_key)
+
+        def aggregated() -> None:
+            for _ in range(n // 8):
+                ((header, _),) = agg_dec.feed(agg)
+                for b in header["beats"]:
+                    b.pop("worker")
+                    decode(b)
+
+        agg_s, _ = _cpu(aggregated)
     finally:
         a.close()
         b.close()
-    return WireCost(len(frames[1]), seal_s / n * 1e6, verify_s / n * 1e6, inbox_s / n * 1e6)
+    return WireCost(
+        len(frames[1]),
+        seal_s / n * 1e6,
+        verify_s / n * 1e6,
+        inbox_s / n * 1e6,
+        len(agg),
+        agg_s / (n // 8) * 1e6,
+    )
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -343,7 +372,12 @@ def model(
                 "interval_s": interval,
                 "heartbeats_per_s": hb_per_s,
                 "direct_core_s_per_s": hb_per_s * per_frame_us * 1e-6 + bookkeeping,
-                "aggregated_core_s_per_s": hosts / interval * per_frame_us * 1e-6 + bookkeeping,
+                "aggregated_core_s_per_s": hosts
+                / interval
+                * (wire.aggregated_verify_decode_us + wire.inbox_us)
+                * 1e-6
+                * (per_host / 8)
+                + bookkeeping,
                 "tick_core_s_per_s": tick_s * TICKS_PER_S,
             }
         )
@@ -412,7 +446,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wire = _median_wire([wire_cost() for _ in range(a.repeats)])
     print(
         f"wire: {wire.frame_bytes} B frame, worker encode+seal {wire.worker_encode_seal_us:.1f} us, "
-        f"launcher verify+decode {wire.coordinator_verify_decode_us:.1f} us + inbox {wire.inbox_us:.1f} us"
+        f"launcher verify+decode {wire.coordinator_verify_decode_us:.1f} us + inbox {wire.inbox_us:.1f} us; "
+        f"8 heartbeats in one {wire.aggregated_frame_bytes} B frame: {wire.aggregated_verify_decode_us:.1f} us"
     )
     mod = model(medians, wire)
     for row in mod["per_interval"]:
@@ -451,6 +486,8 @@ def _median_wire(ws: list[WireCost]) -> WireCost:
         statistics.median(w.worker_encode_seal_us for w in ws),
         statistics.median(w.coordinator_verify_decode_us for w in ws),
         statistics.median(w.inbox_us for w in ws),
+        ws[0].aggregated_frame_bytes,
+        statistics.median(w.aggregated_verify_decode_us for w in ws),
     )
 
 
