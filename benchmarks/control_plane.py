@@ -336,7 +336,7 @@ def model(
     wire: WireCost,
     hosts: int = 10000,
     per_host: int = 8,
-    intervals: tuple[float, ...] = (0.25, 1.0),
+    intervals: tuple[float, ...] = (0.25, 0.5, 1.0),
 ) -> dict[str, Any]:
     """The control plane at ``hosts`` x ``per_host`` ranks, from the measured per-event costs.
 
@@ -363,6 +363,19 @@ def model(
         per_rank_b = big.recover_frame_bytes / big.ranks
     recover_b = big.recover_frame_bytes + per_rank_b * (ranks - big.ranks)
     seal_per_b = big.recover_seal_ms * 1e-3 / big.recover_frame_bytes
+
+    def one_core_load(n: float, interval: float) -> float:
+        # the reader thread and the loop share one interpreter (the GIL): one core in all
+        tick = big.tick_ms * 1e-3 * (n / big.ranks) ** tick_k * TICKS_PER_S
+        return n / interval * (per_frame_us + big.heartbeat_us) * 1e-6 + tick
+
+    def max_ranks(interval: float) -> int:
+        lo, hi = 1.0, 1e8
+        while hi - lo > 1:  # the load grows with n: bisect for where it reaches one core
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if one_core_load(mid, interval) <= 1.0 else (lo, mid)
+        return int(lo)
+
     rows = []
     for interval in intervals:
         hb_per_s = ranks / interval
@@ -379,6 +392,7 @@ def model(
                 * (per_host / 8)
                 + bookkeeping,
                 "tick_core_s_per_s": tick_s * TICKS_PER_S,
+                "max_ranks_one_core": max_ranks(interval),
             }
         )
     return {
@@ -454,7 +468,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"model {mod['ranks']} ranks, heartbeat every {row['interval_s']} s: "
             f"{row['heartbeats_per_s']:,.0f}/s = {row['direct_core_s_per_s']:.2f} cores one frame per rank, "
-            f"{row['aggregated_core_s_per_s']:.2f} one per host; ticks {row['tick_core_s_per_s']:.2f} cores"
+            f"{row['aggregated_core_s_per_s']:.2f} one per host; ticks {row['tick_core_s_per_s']:.2f} cores; "
+            f"one core (heartbeats + ticks) holds {row['max_ranks_one_core']:,} ranks"
         )
     print(
         f"model fault round at {mod['ranks']} ranks: coordinator {mod['fault_round_coordinator_s']:.2f} s "

@@ -37,7 +37,7 @@ def test_benchmark_runs_at_four_hosts_and_writes_its_results(tmp_path: Path) -> 
     assert run["heartbeat_us"] > 0 and run["heartbeats_per_core_s"] > 0
     assert result["wire"]["coordinator_verify_decode_us"] > 0 and result["wire"]["frame_bytes"] > 100
     model = result["model"]
-    assert model["ranks"] == 80000 and [r["interval_s"] for r in model["per_interval"]] == [0.25, 1.0]
+    assert model["ranks"] == 80000 and [r["interval_s"] for r in model["per_interval"]] == [0.25, 0.5, 1.0]
     assert json.loads(out.read_text())["runs"] == result["runs"]
     assert not list(tmp_path.glob("*.tmp")), "no half-written file is left"
 
