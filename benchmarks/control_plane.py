@@ -19,7 +19,7 @@ Every figure is process CPU time (``time.process_time``): the machine is shared,
 would measure the neighbours. Medians over ``--repeats``. Then a model for 10k hosts x 8 ranks
 from the per-event costs, with the heartbeat interval as its parameter.
 
-Run: ``python benchmarks/control_plane.py`` (about a minute on 2 cores; ``--hosts 4 --repeats 1
+Run: ``python benchmarks/control_plane.py`` (about 5 s on 2 cores; ``--hosts 4 --repeats 1
 --no-write`` for a smoke run). Writes benchmarks/results/control_plane.json.
 """
 
