@@ -15,6 +15,7 @@ plan goes out (``Recover``), and once every rank has ``Recovered`` the new gener
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from checkpointless.coordinator.downtime import recovery_fields
@@ -245,15 +246,11 @@ class Coordinator:
         return m
 
     def _spare_host(self) -> int | None:
-        live = [h for h in self.hosts.values() if not h.lost]
-        views = [
-            HostView(
-                h.host,
-                sum(1 for m in self.ranks.values() if m.host == h.host),
-                sum(1 for m in self.procs.values() if m.host == h.host),
-            )
-            for h in live
-        ]
+        # one pass over the ranks and processes, not one per host: a many-host job spawns a spare
+        # host's worth of spares at once, and hosts x ranks per spawn was quadratic in the job size
+        ranks = Counter(m.host for m in self.ranks.values())
+        procs = Counter(m.host for m in self.procs.values())
+        views = [HostView(h.host, ranks[h.host], procs[h.host]) for h in self.hosts.values() if not h.lost]
         return spare_host(views, self.cfg.per_node, single_host=self.cfg.nnodes == 1 and len(self.hosts) == 1)
 
     def _refill_spares(self, now: float) -> None:
@@ -528,11 +525,14 @@ class Coordinator:
         desc = dict(self.rendezvous)
         if desc["kind"] == "rootless":
             desc["peers"] = [self.ranks[k].store_address for k in range(self.cfg.nproc)]
+        # one plan object for every member: its receivers list can name every rank (generation
+        # 0), so building it per member was quadratic in the job size
+        plan_json = plan.to_json()
         for m in self.ranks.values():
-            self._send(m, Recover(generation=r.target, rendezvous=desc, plan=plan.to_json()))
+            self._send(m, Recover(generation=r.target, rendezvous=desc, plan=plan_json))
         r.phase = "rebuild"
         r.plan_sent = now
-        self._emit("plan", generation=r.target, **plan.to_json())
+        self._emit("plan", generation=r.target, **plan_json)
 
     def _replace(self, r: Round, ranks: list[int], now: float) -> None:
         spares = [m for m in self.procs.values() if m.role == "spare" and m.rank is None]
