@@ -93,10 +93,13 @@ class LaunchConfig:
         _check_hosts(self)
         if self.spares < 0:
             raise ConfigError(f"--spares must be 0 or more (got {self.spares})")
-        if self.nproc + self.spares > MAX_PROCESSES:
+        # the cap is per host: a many-host job may hold any number of ranks in all
+        on_one_host = self.per_node + (self.spares if self.agents_needed == 1 else 0)
+        if on_one_host > MAX_PROCESSES:
             raise ConfigError(
-                f"--nproc {self.nproc} plus --spares {self.spares} is more than {MAX_PROCESSES} processes, "
-                "more than one machine runs; lower them"
+                f"--nproc {self.per_node} plus --spares {self.spares if self.agents_needed == 1 else 0} "
+                f"is more than {MAX_PROCESSES} processes on one host, more than one machine runs; "
+                "lower them, or spread the ranks with --nnodes/--nproc-per-node"
             )
         _check_script(self.script)
         for name, value, example in (
