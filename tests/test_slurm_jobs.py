@@ -21,22 +21,23 @@ import pytest
 
 from harness.slurm import SlurmCluster
 from harness.slurm_procs import proc_comm
-from jobs import EXAMPLE, TINY, JobResult, alive, read_digests, run_job
+from jobs import EXAMPLE, ROOT, TINY, JobResult, alive, read_digests, run_job
 from test_multihost import check_recovered
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.timeout(240)]
 
 ARGS = [*TINY[2:], "--steps", "30"]  # long enough to lose a node mid-run
-# README.md's sbatch example; TRAIN stands for "train.py" and its arguments there
+# README.md's and docs/operations.md's sbatch example, character for character (the test below
+# checks); the tests put the example's path in place of train.py and pass its arguments to sbatch
 SCRIPT = """\
 #!/bin/bash
 #SBATCH --nodes=3 --ntasks-per-node=1 --no-kill
 # 2 nodes x 2 ranks + 1 hot-spare node; the coordinator runs on the batch host.
-# --no-kill: a failed node must not end the job, the spare node takes its ranks
+# --no-kill: a failed node leaves the allocation instead of ending (requeueing) the whole job
 RUN=runs/$SLURM_JOB_ID; PORT=$((20000 + SLURM_JOB_ID % 20000))
 HOST=$(hostname -i)
 checkpointless coordinator --nnodes 2 --nproc-per-node 2 --spare-nodes 1 \\
-    --host $HOST --control-port $PORT --run-dir $RUN TRAIN &
+    --host $HOST --control-port $PORT --run-dir $RUN train.py "$@" &
 COORD=$!
 srun --ntasks-per-node=1 --no-kill bash -c 'exec checkpointless agent --coordinator '$HOST:$PORT' \\
     --host $(hostname -i) --secret-file '$RUN'/secret'
@@ -58,8 +59,8 @@ def _reference(tmp: Path, corpus: Path) -> JobResult:
 def _submit(c: SlurmCluster, out: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> int:
     # the job finds `checkpointless` on PATH as a user's would (sbatch exports our environment)
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}")
-    train = " ".join([str(EXAMPLE), *ARGS, "--data", str(corpus), "--digest-out", f"{out}/digest-{{rank}}"])
-    return c.sbatch(SCRIPT.replace("TRAIN", train))
+    args = (*ARGS, "--data", str(corpus), "--digest-out", f"{out}/digest-{{rank}}")
+    return c.sbatch(SCRIPT.replace("train.py", str(EXAMPLE)), script_args=args)
 
 
 def _run_dir(c: SlurmCluster, job: int) -> Path:
@@ -130,6 +131,7 @@ def _check_clean(res: JobResult) -> None:
     assert not Path(shm).exists(), f"shared memory {shm} left behind"
 
 
+@pytest.mark.slurm
 def test_sbatch_job_finishes_bitwise(
     slurm_cluster: SlurmCluster, tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,6 +147,7 @@ def test_sbatch_job_finishes_bitwise(
     _check_clean(res)
 
 
+@pytest.mark.slurm
 def test_node_lost_mid_run_is_recovered_on_the_spare_node(
     slurm_cluster: SlurmCluster, tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -192,6 +195,7 @@ def test_node_lost_mid_run_is_recovered_on_the_spare_node(
     )
 
 
+@pytest.mark.slurm
 def test_scancel_leaves_nothing_behind(
     slurm_cluster: SlurmCluster, tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -212,3 +216,12 @@ def test_scancel_leaves_nothing_behind(
     assert not left, f"processes left after scancel: {[(p, proc_comm(p)) for p in left]}"
     assert not shm.exists(), f"shared memory {shm} left behind"
     assert not (run_dir / "secret").exists(), "the job's secret was left behind"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/operations.md"])
+def test_the_docs_show_the_tested_script(doc: str) -> None:
+    text = (ROOT / doc).read_text()
+    start = text.index("#!/bin/bash\n#SBATCH")
+    assert text[start : text.index("```", start)] == SCRIPT, (
+        f"{doc}'s sbatch example is not the one tested here"
+    )
