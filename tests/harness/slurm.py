@@ -350,8 +350,9 @@ class SlurmCluster:
             raise HarnessError(f"{' '.join(argv)!r} exited {res.returncode}: {res.stderr.strip()[-2000:]}")
         return res
 
-    def sbatch(self, script: str, *args: str) -> int:
-        """Submit a batch script (its text); returns the job id. ``args`` go to sbatch before the script."""
+    def sbatch(self, script: str, *args: str, script_args: tuple[str, ...] = ()) -> int:
+        """Submit a batch script (its text); returns the job id. ``args`` go to sbatch before the
+        script, ``script_args`` after it (the script's "$@")."""
         path = self.jobs_dir / f"job-{secrets.token_hex(4)}.sh"
         path.write_text(script if script.startswith("#!") else "#!/bin/bash\n" + script)
         path.chmod(0o755)
@@ -363,6 +364,7 @@ class SlurmCluster:
                 f"--output={self.jobs_dir}/slurm-%j.out",
                 *args,
                 str(path),
+                *script_args,
             ]
         )
         return int(res.stdout.strip().split(";")[0])
