@@ -47,3 +47,21 @@ def test_default_group_standalone_world_of_one(tmp_path: Path) -> None:
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert len((tmp_path / "d0").read_text().strip()) == 64
+
+
+@pytest.mark.timeout(60)
+def test_init_after_a_default_group_of_the_script_is_a_clear_error(tmp_path: Path) -> None:
+    # two default groups cannot coexist; the error must name the call to remove
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.distributed as dist, checkpointless as cl\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "cl.init()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHECKPOINTLESS_")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
+    assert p.returncode != 0
+    assert "ConfigError" in p.stderr and "dist.init_process_group ran before" in p.stderr, p.stderr[-2000:]
