@@ -54,7 +54,8 @@ def assert_same_checkpoints(res: JobResult, ref: JobResult) -> None:
 def batches(res: JobResult) -> dict[tuple[int, int], str]:
     """(rank, step) -> digest of the batch trained on; a replay must train on the same batch."""
     out: dict[tuple[int, int], str] = {}
-    for rank, step, digest in re.findall(r"batch rank=(\d+) step=(\d+) (\w+)", res.output):
+    # exactly 16 hex digits: lines printed by two ranks at once can be glued together
+    for rank, step, digest in re.findall(r"batch rank=(\d+) step=(\d+) ([0-9a-f]{16})", res.output):
         key = (int(rank), int(step))
         assert out.get(key, digest) == digest, f"rank/step {key} trained on two different batches"
         out[key] = digest

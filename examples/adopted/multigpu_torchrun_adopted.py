@@ -117,7 +117,7 @@ def load_train_objs():
 
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=DistributedSampler(dataset, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])))  # fmt: skip
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=DistributedSampler(dataset))
 
 
 def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str, digest_out: str):

@@ -60,6 +60,7 @@ from checkpointless.protocol import (
     Stopped,
 )
 from checkpointless.recovery.amp import finish_cut_off_update, is_grad_scaler, reset_step_state
+from checkpointless.recovery.default_group import DefaultGroup, configure_standalone, install_default_group
 from checkpointless.recovery.divergence import DEFAULT_EVERY, due, judge, state_digest
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.loader import StepLoader
@@ -154,6 +155,7 @@ class Job:
         self._modules: list[nn.Module] = []
         self._dps: list[DataParallel] = []
         self._mesh: ShardedRun | None = None  # job.device_mesh(): FSDP2/HSDP over resilient groups
+        self._default: DefaultGroup | None = None  # torch's default group (dist.all_reduce, barrier)
         self._optimizers: list[torch.optim.Optimizer] = []
         self._scalers: list[Any] = []  # GradScalers: per-step bookkeeping reset on a restart
         self._loaders: list[StepLoader] = []
@@ -268,6 +270,12 @@ class Job:
         self.comm.rebuild(0, store, 0, 1, time.monotonic() + 30)
         self.generation = 0
 
+    def _install_default_group(self) -> DefaultGroup:
+        # after the rank is known; recovery/default_group.py says why every job gets one
+        timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
+        self._default = install_default_group(self.rank, self.world_size, timeout, self._on_collective)
+        return self._default
+
     # -- registration --------------------------------------------------------------------------
     def data_parallel(self, module: nn.Module, bucket_cap_mb: float = 25.0) -> DataParallel:
         """Wrap ``module`` to average gradients over the job's ranks (instead of DDP)."""
@@ -286,6 +294,8 @@ class Job:
             raise err
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
         self._mesh = ShardedRun(names, shape, self.rank, self.world_size, timeout, self._on_collective)
+        if self._default is not None:  # the mesh's world group is this one: the mesh drives it now
+            self._default.handed_to_mesh()
         self._objects[SHARD_STATE_NAME] = self._mesh.identity()
         if self._mesh.shards > 1 and (self._snapshots is not None or self._checkpoints is not None):
             # rank 0 alone writes them, and on a sharded mesh it holds one shard only
@@ -529,6 +539,8 @@ class Job:
 
     def _before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.comm.check()  # never apply an update from a generation that was aborted
+        if self._default is not None:
+            self._default.check()
         if self._mesh is not None:
             self._mesh.check()
         if self._snapshots is not None:  # the update must not change tensors still being copied
@@ -613,6 +625,8 @@ class Job:
             self._latest_abort = gen
             self._cancel.set()
             n = self.comm.abort(str(msg.get("reason", "launcher abort")))
+            if self._default is not None:
+                n += self._default.abort(str(msg.get("reason", "launcher abort")))
             if self._mesh is not None:
                 n += self._mesh.abort(str(msg.get("reason", "launcher abort")))
             if n:
@@ -662,6 +676,8 @@ class Job:
         else:
             log.info("step %d interrupted: %s", index, _short(exc))
         self.comm.abort(f"rank {self.rank} left step {index}")
+        if self._default is not None:
+            self._default.abort(f"rank {self.rank} left step {index}")
         if self._mesh is not None:
             self._mesh.abort(f"rank {self.rank} left step {index}")
         self._recover(cause, f"{type(exc).__name__}: {exc}", committed, valid)
@@ -742,6 +758,8 @@ class Job:
             self._first_commit_after_recovery = True
             self._link.send(Recovered(generation=gen, time=time.time(), timings=timings))
             self.comm.release_graveyard()
+            if self._default is not None:
+                self._default.release()
             if self._mesh is not None:
                 self._mesh.release()
             return
@@ -758,6 +776,8 @@ class Job:
         wait_s = self.comm.rebuild(
             gen, store, self.rank, self.world_size, time.monotonic() + self.rendezvous_timeout, self._cancel
         )
+        if self._default is not None:
+            self._default.configure(gen, store, time.monotonic() + self.rendezvous_timeout, self._cancel)
         if self._mesh is not None:
             self._mesh.configure(gen, store, time.monotonic() + self.rendezvous_timeout, self._cancel)
         self.generation = gen
@@ -930,10 +950,12 @@ def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
     if env is None:
         setup_logging("rank 0")
         job._standalone()
+        configure_standalone(job._install_default_group())
         export_torchrun_env(0, 1, keep_existing=True)
     else:
         setup_logging(f"{env.role} {env.worker_id}")
         job._connect()
+        job._install_default_group()
         export_torchrun_env(
             job.rank, job.world_size, placement=job.placement
         )  # RANK, WORLD_SIZE, LOCAL_RANK, ...

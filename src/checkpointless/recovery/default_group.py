@@ -1,0 +1,99 @@
+"""torch's default process group for every job: a resilient world group that follows generations.
+
+Plain data-parallel scripts reach for torch's default group without naming it:
+``dist.get_rank()``, ``DistributedSampler(dataset)`` with no ``rank``/``num_replicas``,
+``dist.all_reduce(metric)`` and ``dist.barrier()``. :func:`install_default_group` makes
+that group a :class:`~checkpointless.comm.process_group.ResilientProcessGroup` of all ranks
+right after ``init()`` learns this rank, so those calls work with no change to the script.
+
+The group carries no communicator until the job forms a generation; the job then drives it
+like the groups of a device mesh: :meth:`DefaultGroup.abort` with the data-parallel
+communicator (a metric all-reduce blocked on a dead peer wakes with ``CommAborted``, which
+replays the step), :meth:`DefaultGroup.configure` from the generation's store, and
+:meth:`DefaultGroup.release` once the generation has formed. When the script later calls
+``job.device_mesh(...)``, the mesh adopts this very group as its world group and configures it
+itself, so :meth:`DefaultGroup.handed_to_mesh` turns this driver off rather than forming the
+group twice.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from checkpointless.comm.process_group import BACKEND_NAME, ResilientProcessGroup, register_backend
+from checkpointless.errors import CommAborted, ConfigError
+
+__all__ = ["DefaultGroup", "configure_standalone", "install_default_group"]
+
+_STORE_PREFIX = "default/"  # apart from the data-parallel communicator's and the mesh's keys
+
+
+class DefaultGroup:
+    """The job's handle on torch's default group, while the job (not a mesh) drives it."""
+
+    def __init__(self, pg: ResilientProcessGroup) -> None:
+        self.pg = pg
+        self.active = True  # False once a device mesh drives the same group
+
+    def handed_to_mesh(self) -> None:
+        self.active = False
+
+    def configure(
+        self, generation: int, store: dist.Store, deadline: float, cancelled: threading.Event | None
+    ) -> None:
+        if not self.active:
+            return
+        gen_store = dist.PrefixStore(f"{_STORE_PREFIX}gen{generation}/", store)
+        self.pg.configure(generation, gen_store, deadline, cancelled)
+
+    def abort(self, reason: str) -> int:
+        return self.pg.abort(reason) if self.active else 0
+
+    def check(self) -> None:
+        """Raise CommAborted if the group was aborted during this step: an update must not
+        follow a step whose metric reduction was cut off by a fault."""
+        if self.active and self.pg.aborted is not None:
+            raise CommAborted(f"default group aborted: {self.pg.aborted}")
+
+    def release(self) -> None:
+        if self.active:
+            self.pg.release_graveyard()
+
+
+def install_default_group(
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    on_collective: Callable[[str], None] | None = None,
+) -> DefaultGroup:
+    """Make a resilient group of all ranks torch's default group (no communicator yet).
+
+    Raises ConfigError when the script already initialised torch.distributed itself: two
+    default groups cannot coexist, and a plain gloo group would hang on a fault."""
+    if dist.is_initialized():
+        raise ConfigError(
+            "torch.distributed is already initialised (dist.init_process_group ran before "
+            "checkpointless.init()); remove that call: checkpointless.init() sets up the default "
+            "group itself"
+        )
+    register_backend()
+    # c10d's bookkeeping wants a store but sends nothing over it here; every generation's
+    # communicator forms from the store handed to configure()
+    dist.init_process_group(
+        backend=BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size, timeout=timeout
+    )
+    pg = dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ResilientProcessGroup):  # pragma: no cover - c10d changed its plugin path
+        raise ConfigError(f"the default process group is {type(pg).__name__}, expected ours")
+    pg.before_collective = on_collective
+    return DefaultGroup(pg)
+
+
+def configure_standalone(group: DefaultGroup) -> None:
+    """A world of one, formed at once (the script was run without the launcher)."""
+    group.configure(0, dist.HashStore(), time.monotonic() + 30, None)
