@@ -69,7 +69,8 @@ class CheckpointlessEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        # unused: the job's own communicator carries every collective, no default process group
+        # unused: checkpointless.init() has already made torch's default group (a resilient one,
+        # recovery/default_group.py), so Lightning never connects to a main address
         return "127.0.0.1"
 
     @property
@@ -155,8 +156,8 @@ class CheckpointlessStrategy(DDPStrategy):
             setattr(fn, "rank", self._job.rank)  # noqa: B010
 
     def setup_distributed(self) -> None:
-        # the job's communicator is made by checkpointless.init(); Lightning must not make a
-        # default process group (it would be a second, unabortable one)
+        # checkpointless.init() has made the job's communicator and torch's default group (a
+        # resilient one); Lightning must not make another (it would be unabortable)
         from lightning.fabric.utilities.seed import reset_seed
 
         reset_seed()
