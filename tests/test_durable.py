@@ -248,7 +248,8 @@ def test_every_rank_killed_without_snapshots_restores_from_the_checkpoint(
             nproc=3,
             spares=3,
             faults=["slow:rank=0:step=3:seconds=8"],
-            extra=["--snapshot-every", "0", "--checkpoint-every", "3"],
+            # the 8 s sleep must not itself be judged a hang (run_job's default limit is 8 s)
+            extra=["--snapshot-every", "0", "--checkpoint-every", "3", "--hang-timeout", "30"],
             timeout=240,
         )
     finally:

@@ -108,6 +108,28 @@ def _checkpoint_error() -> type[BaseException]:
     return exc
 
 
+_LOCAL_GROUP: Any = None
+
+
+def _local_cpu_group() -> Any:
+    """A process group of this process alone, with a CPU backend, for DCP's async save.
+
+    ``async_save`` asserts that its group (by default torch's default group) has a CPU backend
+    before it looks at ``no_dist``. The job's default group is a resilient group whose
+    collectives are ours (recovery/default_group.py) and shows no c10d backend; rank 0 saves
+    alone (``no_dist=True``), so a gloo group of this rank alone, which no collective ever uses,
+    satisfies the check without touching the job's communicators. ``use_local_synchronization``
+    makes it a local call: no other rank takes part."""
+    global _LOCAL_GROUP
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None  # no default group: async_save makes no such check
+    if _LOCAL_GROUP is None:
+        _LOCAL_GROUP = dist.new_group(ranks=[dist.get_rank()], backend="gloo", use_local_synchronization=True)
+    return _LOCAL_GROUP
+
+
 def preload() -> None:
     """Import DCP now (a rank that may save or load a checkpoint calls this before training), so
     the import's half second lands neither on a training step nor inside a recovery."""
@@ -235,6 +257,7 @@ class CheckpointWriter:
                 checkpoint_id=self.directory / f"step-{step}.tmp",
                 async_stager=self._stager,
                 no_dist=True,
+                process_group=_local_cpu_group(),
             )
         except BaseException:
             self._idle.set()
