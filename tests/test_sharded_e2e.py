@@ -70,7 +70,10 @@ def test_hsdp_fault_is_recovered_from_the_replica_peer(
     check_shards(res, hsdp_reference)
     assert len(res.of("fault_injected")) == 1, res.output[-4000:]
     if receivers is not None:
-        assert receivers in fault_plans(res), fault_plans(res)
+        # the named ranks must take their shards from those sources; a rank of the other replica
+        # group that was caught mid-update by the abort may receive as well (timing-dependent)
+        plans = fault_plans(res)
+        assert any(all(p.get(r) == src for r, src in receivers.items()) for p in plans), plans
 
 
 @pytest.mark.timeout(120)
