@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,3 +185,23 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def kill_workers_when(run_dir: Path, ready: Callable[[str], bool], stop: threading.Event) -> None:
+    """Once ``ready(job_id)`` holds, SIGKILL every worker the launcher spawned, all at once (the
+    processes holding ranks, as long as none was replaced yet). Gives up after 120 s or ``stop``."""
+    events = run_dir / "events.jsonl"
+    deadline = time.monotonic() + 120
+    job = None
+    while not stop.is_set() and time.monotonic() < deadline:
+        if job is None and events.exists():
+            first = events.read_text().split("\n", 1)[0]
+            if first.endswith("}"):
+                job = json.loads(first)["job"]
+        if job is not None and ready(job):
+            for e in [json.loads(x) for x in events.read_text().splitlines() if x.strip()]:
+                if e["event"] == "spawn" and e["role"] == "worker":
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(e["pid"]), signal.SIGKILL)
+            return
+        time.sleep(0.01)

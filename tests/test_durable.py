@@ -5,8 +5,6 @@ bitwise identical to the fault-free run."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import random
 import signal
@@ -36,7 +34,7 @@ from checkpointless.state.durable import (
 )
 from checkpointless.state.shm_snapshot import guarded_pointers
 from checkpointless.state.snapshot import capture_rng, collect_state, restore_rng
-from jobs import EXAMPLE, run_job
+from jobs import EXAMPLE, kill_workers_when, run_job
 from test_faults_e2e import check_recovered
 
 
@@ -213,21 +211,7 @@ def test_checkpoint_every_parses_steps_and_times_and_refuses_the_rest(tmp_path: 
 
 def _kill_every_rank_after_checkpoint(run_dir: Path, step: int, stop: threading.Event) -> None:
     """Once the checkpoint of ``step`` is complete, SIGKILL every process holding a rank at once."""
-    deadline = time.monotonic() + 120
-    job = None
-    while not stop.is_set() and time.monotonic() < deadline:
-        if job is None and (run_dir / "events.jsonl").exists():
-            first = (run_dir / "events.jsonl").read_text().split("\n", 1)[0]
-            if first.endswith("}"):
-                job = json.loads(first)["job"]
-        if job is not None and step in list_checkpoints(run_dir / "checkpoints" / job):
-            events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
-            for e in events:
-                if e["event"] == "spawn" and e["role"] == "worker":
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(e["pid"]), signal.SIGKILL)
-            return
-        time.sleep(0.01)
+    kill_workers_when(run_dir, lambda job: step in list_checkpoints(run_dir / "checkpoints" / job), stop)
 
 
 @pytest.mark.timeout(300)

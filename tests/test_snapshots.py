@@ -3,7 +3,6 @@ a real job whose every rank dies at once finishing bitwise identical to the faul
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -29,7 +28,7 @@ from checkpointless.state.shm_snapshot import (
     write_snapshot,
 )
 from checkpointless.state.snapshot import capture_rng, collect_state
-from jobs import run_job
+from jobs import kill_workers_when, run_job
 from test_faults_e2e import check_recovered
 
 
@@ -154,22 +153,12 @@ def _snapshot_dir_of(run_dir: Path) -> Path | None:
 
 def _kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Event) -> None:
     """Once the snapshot of ``step`` is published, SIGKILL every process holding a rank at once."""
-    deadline = time.monotonic() + 120
-    job = None
-    while not stop.is_set() and time.monotonic() < deadline:
-        if job is None and (run_dir / "events.jsonl").exists():
-            first = (run_dir / "events.jsonl").read_text().split("\n", 1)[0]
-            if first.endswith("}"):
-                job = json.loads(first)["job"]
-        if job is not None and (where := _snapshot_dir_of(run_dir)) and snapshot_path(where, step).exists():
-            # the processes holding ranks: the workers the launcher spawned (none was replaced yet)
-            events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
-            for e in events:
-                if e["event"] == "spawn" and e["role"] == "worker":
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(e["pid"]), signal.SIGKILL)
-            return
-        time.sleep(0.01)
+
+    def ready(job: str) -> bool:
+        where = _snapshot_dir_of(run_dir)
+        return where is not None and snapshot_path(where, step).exists()
+
+    kill_workers_when(run_dir, ready, stop)
 
 
 @pytest.mark.timeout(300)
