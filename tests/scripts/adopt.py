@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--rank-dropout", action="store_true", help="per-rank masks from job.generator")
     ap.add_argument("--break-after", type=int, default=-1, help="break after this step commits")
     ap.add_argument("--stop-at", type=int, default=-1, help="call job.stop() in this step")
+    ap.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     ap.add_argument("--digest-out", required=True)
     args = ap.parse_args()
@@ -72,7 +73,10 @@ def main() -> None:
 
     ds = Points(args.samples)
     sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=7)
-    dl = DataLoader(ds, batch_size=args.batch, sampler=sampler, num_workers=args.workers, drop_last=True)
+    loader_type = DataLoader
+    if args.stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader as loader_type
+    dl = loader_type(ds, batch_size=args.batch, sampler=sampler, num_workers=args.workers, drop_last=True)
     loader = job.loader(dl)
     model = job.data_parallel(net)
     job.track(model=net, optimizer=opt, scaler=scaler)
@@ -80,7 +84,7 @@ def main() -> None:
     for step in job.steps(args.steps):
         with step:
             x, y = loader.batch(step.index)
-            job.record(batch=digest(x, y), epoch=loader.position(step.index)[0])
+            job.record(batch=digest(x, y), epoch=step.epoch)
             with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 out = model(x)
             if args.rank_dropout:

@@ -69,6 +69,7 @@ from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.rng import StepStreams
 from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun, local_stateful, mesh_shape_error
+from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.torchrun import export_torchrun_env
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import tensor_paths
@@ -158,7 +159,7 @@ class Job:
         self._default: DefaultGroup | None = None  # torch's default group (dist.all_reduce, barrier)
         self._optimizers: list[torch.optim.Optimizer] = []
         self._scalers: list[Any] = []  # GradScalers: per-step bookkeeping reset on a restart
-        self._loaders: list[StepLoader] = []
+        self._loaders: list[StepLoader | StatefulStepLoader] = []
         self._streams = StepStreams()
         self._loop = LoopControl()
         self._dirty = False  # inside an optimizer update: state not valid if we fault now
@@ -340,10 +341,16 @@ class Job:
             if is_grad_scaler(obj):
                 self._scalers.append(obj)
 
-    def loader(self, dataloader: Any) -> StepLoader:
-        """Make a map-style ``DataLoader`` step-addressable: ``.batch(step.index)`` (docs/adoption.md)."""
-        self._loaders.append(StepLoader(dataloader, dp_rank=self.rank, dp_size=self.world_size))
-        return self._loaders[-1]
+    def loader(self, dataloader: Any) -> StepLoader | StatefulStepLoader:
+        """Make a map-style ``DataLoader`` step-addressable: ``.batch(step.index)``; a torchdata
+        ``StatefulDataLoader`` goes through its own state, tracked with the job's (docs/adoption.md)."""
+        if is_stateful_loader(dataloader):
+            wrapped: StepLoader | StatefulStepLoader = StatefulStepLoader(dataloader)
+            self.track(**{f"_loader{len(self._loaders)}": wrapped})  # its position travels too
+        else:
+            wrapped = StepLoader(dataloader, dp_rank=self.rank, dp_size=self.world_size)
+        self._loaders.append(wrapped)
+        return wrapped
 
     def generator(self, name: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
         """Inside a step: a generator seeded from (seed, name, rank, step), for randomness that
@@ -451,7 +458,7 @@ class Job:
     def _per_epoch(self) -> int:
         if self._steps_per_epoch is not None:
             return self._steps_per_epoch
-        if len(self._loaders) == 1:
+        if len(self._loaders) == 1 and self._loaders[0].batches_per_epoch:
             return self._loaders[0].batches_per_epoch
         raise ConfigError(
             f"step.epoch needs the epoch length: pass job.steps(total, steps_per_epoch=N) (this job "

@@ -1,0 +1,179 @@
+"""torchdata's ``StatefulDataLoader`` made step-addressable through its own state.
+
+A ``StatefulDataLoader`` knows how to save where it is (``state_dict()``) and to go on from there
+(``load_state_dict()``), workers included. :class:`StatefulStepLoader` uses exactly that instead
+of index arithmetic, so it also works where arithmetic cannot: an ``IterableDataset`` that is
+itself stateful, a sampler whose order is not a function of the epoch, or a loader of unknown
+length.
+
+The wrapper iterates the user's loader directly and keeps two positions, each a loader state
+tagged with the step whose batch the loader yields next:
+
+- *before*: the loader's state just before it yielded the batch of the step in progress (or of the
+  last step handed out). A replay returns the batch it holds; a rank that sends its state for that
+  step sends this one, so the receiver yields that very batch again.
+- *after*: the loader's state now, that is before the batch of the following step.
+
+Both travel in :meth:`state_dict` (the job tracks the wrapper like any other object), and
+:meth:`load_state_dict` keeps them until ``batch(step)`` says which step is wanted: the job's
+recovery settles on the interrupted step or the next one, and this object is not told which.
+
+The positions are per loader, not per rank: a replacement loads the state a *peer* saved into its
+own loader, whose sampler still carries its own rank. That is right for the usual loader states
+(batch counters, sampler offsets, a ``DistributedSampler`` of this rank) and for stateful iterable
+datasets whose state is a position that every rank shares. A dataset whose state holds something
+that differs per rank (a per-rank file offset) would give the replacement the peer's position.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sized
+from typing import Any
+
+from torch.utils.data import IterableDataset
+
+from checkpointless.errors import ConfigError
+
+__all__ = ["StatefulStepLoader", "is_stateful_loader"]
+
+
+def is_stateful_loader(obj: object) -> bool:
+    """True for torchdata's StatefulDataLoader (checked by name: torchdata is an optional extra)."""
+    return any(
+        c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.")
+        for c in type(obj).__mro__
+    )
+
+
+def _stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class StatefulStepLoader:
+    """``batch(step)`` for a ``StatefulDataLoader``; build it with :meth:`checkpointless.Job.loader`."""
+
+    def __init__(self, loader: Any) -> None:
+        if not is_stateful_loader(loader):
+            raise ConfigError(
+                f"StatefulStepLoader takes torchdata's StatefulDataLoader, got {type(loader).__name__}"
+            )
+        dataset = loader.dataset
+        if isinstance(dataset, IterableDataset) and not _stateful(dataset):
+            # the loader would "resume" by reading and dropping every sample before the position
+            raise ConfigError(
+                f"job.loader() cannot seek in the iterable dataset {type(dataset).__name__}: it has no "
+                "state_dict()/load_state_dict(), so a replacement rank would have to read every sample "
+                "before its position. Give the dataset state_dict()/load_state_dict() that save and "
+                "restore its position, use a map-style Dataset (__getitem__ + __len__) with a "
+                "DistributedSampler, or make the batch a pure function of the step "
+                "(checkpointless.data.BatchLoader)"
+            )
+        if loader.batch_sampler is None and not isinstance(dataset, IterableDataset):
+            raise ConfigError(
+                "job.loader() needs batches: the StatefulDataLoader was built with batch_size=None; "
+                "give it a batch_size (or a batch_sampler)"
+            )
+        self.loader = loader
+        # step.epoch needs it; an iterable dataset's loader may have no length
+        self.batches_per_epoch: int | None = None
+        if isinstance(loader, Sized):
+            try:
+                self.batches_per_epoch = len(loader) or None
+            except TypeError:
+                pass
+        self._iter: Iterator[Any] | None = None
+        self._epoch = 0
+        self._next = 0  # the step whose batch the live iterator yields next
+        self._held: tuple[int, Any] | None = None  # the last batch handed out, for a replay
+        self._before: dict[str, Any] | None = None  # position before the held batch
+        self._restored: dict[int, dict[str, Any]] = {}  # step -> position, from load_state_dict
+        self.seeks = 0  # positions loaded into the loader after it had started
+
+    def batch(self, step: int) -> Any:
+        """The batch of ``step``: held for a replay, next from the loader, or from a restored position."""
+        if step < 0:
+            raise ConfigError(f"step {step} is negative; steps count from 0")
+        if self._held is not None and self._held[0] == step and not self._restored:
+            return self._held[1]  # a replay trains on the very batch it had
+        if self._restored or self._iter is None or step != self._next:
+            self._seek(step)
+        assert self._iter is not None
+        before = self._position()
+        try:
+            data = next(self._iter)
+        except StopIteration:  # the epoch ended: the next one starts with this step
+            self._epoch += 1
+            self._iter = iter(self._start_epoch())
+            before = self._position()
+            try:
+                data = next(self._iter)
+            except StopIteration:
+                raise ConfigError(
+                    f"the StatefulDataLoader yielded no batch in epoch {self._epoch}; job.loader() "
+                    "needs at least one batch per epoch"
+                ) from None
+        self._before = before
+        self._next = step + 1
+        self._held = (step, data)
+        return data
+
+    def _position(self) -> dict[str, Any]:
+        # deep-copied: the loader may update the dicts of its state in place as it goes on
+        return {"step": self._next, "epoch": self._epoch, "loader": copy.deepcopy(self.loader.state_dict())}
+
+    def _seek(self, step: int) -> None:
+        pos = self._restored.get(step)
+        if pos is None and self._restored:
+            raise ConfigError(
+                f"the received StatefulDataLoader position is for step(s) {sorted(self._restored)}, "
+                f"not for step {step}: the loader cannot be placed there"
+            )
+        self._restored.clear()
+        self._held = None
+        if pos is not None:
+            self.loader.load_state_dict(pos["loader"])  # consumed by the next iter()
+            self._epoch = int(pos["epoch"])
+            if self._iter is not None:
+                self.seeks += 1
+        elif self._iter is None:
+            # the first batch of the run: the loader is where the script put it (at its start,
+            # or at a state the script restored with its own checkpoint, for job.steps(start=))
+            per = self.batches_per_epoch
+            self._epoch = step // per if per else 0
+        else:
+            raise ConfigError(
+                f"the StatefulDataLoader is before step {self._next}, and step {step} was asked for with "
+                "no saved position for it; with a StatefulDataLoader, ask for the steps in order "
+                "(loader.batch(step.index) once per step)"
+            )
+        self._next = step
+        self._iter = iter(self._start_epoch())
+
+    def _start_epoch(self) -> Any:
+        # what a `for epoch: sampler.set_epoch(epoch); for batch in loader` loop does
+        sampler = self.loader.sampler
+        batch_sampler = self.loader.batch_sampler
+        for obj in (sampler, getattr(batch_sampler, "sampler", None), batch_sampler):
+            set_epoch = getattr(obj, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self._epoch)
+        return self.loader
+
+    # -- tracked state: the positions travel to a replacement ----------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position before the held step's batch and its position now."""
+        if self._iter is None:
+            return {"positions": []}
+        positions = [self._position()]
+        if self._before is not None and self._held is not None:
+            positions.insert(0, self._before)
+        return {"positions": positions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = {int(p["step"]): p for p in state["positions"]}
+
+    def close(self) -> None:
+        """Drop the iterator (its workers stop unless the loader keeps them persistent)."""
+        self._iter = None
+        self._held = None
