@@ -70,7 +70,13 @@ from checkpointless.recovery.rng import StepStreams
 from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun, local_stateful, mesh_shape_error
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
-from checkpointless.recovery.torchrun import export_torchrun_env
+from checkpointless.recovery.torchrun import (
+    export_torchrun_env,
+    join_torchrun_group,
+    start_from_rank0,
+    started_by_torchrun,
+    torchrun_warning,
+)
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import tensor_paths
 from checkpointless.state.durable import (
@@ -193,6 +199,7 @@ class Job:
         self._sections: list[Section] = []
         self._in_section: str | None = None
         self._steps_per_epoch: int | None = None
+        self.under_torchrun = False  # started by plain torchrun: one job, without recovery
 
     # -- start-up ------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -270,6 +277,20 @@ class Job:
         store = dist.HashStore()
         self.comm.rebuild(0, store, 0, 1, time.monotonic() + 30)
         self.generation = 0
+
+    def _join_torchrun(self) -> None:
+        """Started by plain torchrun: torchrun's group is the default group, and the job's own
+        communicator forms once from torchrun's store (recovery/torchrun.py says why)."""
+        timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
+        self.rank, self.world_size, store = join_torchrun_group(timeout)
+        setup_logging(f"rank {self.rank}")
+        if self.comm.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank)) % torch.cuda.device_count())
+        deadline = time.monotonic() + self.rendezvous_timeout
+        self.comm.rebuild(0, dist.PrefixStore("checkpointless/", store), self.rank, self.world_size, deadline)
+        self.generation = 0
+        self.under_torchrun = True
+        log.warning("%s", torchrun_warning(self.rank, self.world_size))
 
     def _install_default_group(self) -> DefaultGroup:
         # after the rank is known; recovery/default_group.py says why every job gets one
@@ -423,6 +444,10 @@ class Job:
         self._steps_per_epoch = steps_per_epoch
         self._started = True
         self.committed_step = start
+        if self.under_torchrun:  # what the launcher's first round does: rank 0's state everywhere
+            self.committed_step = start_from_rank0(
+                self.comm, self._objects, start, self.rank, self.world_size, self.rendezvous_timeout
+            )
         if self._link is not None and not self._objects:
             self._fatal(
                 "job.track() registered nothing: a replacement rank would start from scratch and "
@@ -598,13 +623,17 @@ class Job:
         """Every ``divergence_every`` commits: compare the replicas' digests (recovery/divergence.py);
         a rank that differs from the majority reports itself invalid and receives its state."""
         step = self.committed_step
-        if self._link is None or self.world_size < 2 or not due(step, self.divergence_every):
+        if self.world_size < 2 or not due(step, self.divergence_every):
+            return
+        if self._link is None and not self.under_torchrun:
             return
         digest = state_digest(self._modules, self._optimizers)
         mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
         try:
             gathered = self.comm.wait(self.comm.allgather(mine), self.rendezvous_timeout)
         except Exception as e:  # a peer failed meanwhile: this step stands, recover as usual
+            if self._link is None:
+                raise
             self.comm.abort(f"rank {self.rank} left the divergence check after step {step - 1}")
             self._recover("comm", _short(e), step, True)
             return
@@ -616,6 +645,8 @@ class Job:
         log.error("%s%s", why, " (this rank is one of them)" if mine_bad else "")
         if self._events is not None:
             self._events.emit("divergence", step=step - 1, ranks=list(verdict.divergent))
+        if self._link is None:  # under plain torchrun: nothing can heal it
+            raise NotRecoverableError(why)
         if not mine_bad:
             # Only a divergent rank reports. Were the majority to report too, the launcher's abort
             # could cut a slower divergent rank's all-gather short before it saw the verdict, and
@@ -945,7 +976,8 @@ _JOB: Job | None = None
 
 def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
     """Join the job. Under ``checkpointless run`` this connects to the launcher (and, in a spare,
-    waits to be given a rank); run plainly, it makes a single-process job."""
+    waits to be given a rank); under plain torchrun it joins torchrun's group as a job without
+    recovery (one warning per rank); run plainly, it makes a single-process job."""
     global _JOB
     if _JOB is not None:
         return _JOB
@@ -954,7 +986,9 @@ def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
     except CheckpointlessError:
         raise
     job = Job(env, rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries)
-    if env is None:
+    if env is None and started_by_torchrun():
+        job._join_torchrun()  # torchrun's variables stay as torchrun set them
+    elif env is None:
         setup_logging("rank 0")
         job._standalone()
         configure_standalone(job._install_default_group())

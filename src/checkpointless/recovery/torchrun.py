@@ -5,13 +5,43 @@ processes per node is local rank ``r % P`` on node ``r // P``, and the ``Assign`
 those numbers. A job on one machine is one node, so there the local numbers are the global ones.
 A hot spare has none of the variables while it waits: they are set when ``init()`` returns with
 the rank it was given, before any line of the script after ``init()`` runs.
+
+The other direction: an adopted script started by plain ``torchrun`` has torchrun's variables and
+store but no launcher of ours. It must not become N single-process jobs (each training alone and
+all writing the same files), so ``init()`` joins torchrun's group as one job that does not
+recover (:func:`join_torchrun_group`), says so once per rank, and starts every rank from rank 0's
+state as the launcher's first round would (:func:`start_from_rank0`).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["TORCHRUN_VARIABLES", "export_torchrun_env", "torchrun_env"]
+import torch
+import torch.distributed as dist
+
+from checkpointless.errors import ConfigError
+from checkpointless.state.snapshot import (
+    Stateful,
+    capture_rng,
+    collect_state,
+    restore_rng,
+    restore_state,
+)
+from checkpointless.state.transfer import receive_state, send_state
+
+__all__ = [
+    "TORCHRUN_VARIABLES",
+    "export_torchrun_env",
+    "join_torchrun_group",
+    "start_from_rank0",
+    "started_by_torchrun",
+    "torchrun_env",
+    "torchrun_warning",
+]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 
@@ -52,3 +82,62 @@ def export_torchrun_env(
     for name, value in torchrun_env(rank, world_size, *placement).items():
         if not (keep_existing and name in os.environ):
             os.environ[name] = value
+
+
+# -- a script started by plain torchrun ---------------------------------------------------------
+# torchrun (torch.distributed.run) sets these for every process it starts; TORCHELASTIC_RUN_ID is
+# torchrun's alone, the others are the env:// rendezvous every launcher of that style provides.
+_TORCHRUN_MARKERS = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
+def started_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """True when another launcher (torchrun or the like) started N processes of this script:
+    its rendezvous variables are there and its world is larger than one."""
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in env and not all(v in env for v in _TORCHRUN_MARKERS[1:]):
+        return False
+    try:
+        return int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" in env
+    except ValueError as e:
+        raise ConfigError(
+            f"WORLD_SIZE={env.get('WORLD_SIZE')!r} is not a number; torchrun sets it to the number of processes"
+        ) from e
+
+
+def torchrun_warning(rank: int, world_size: int) -> str:
+    """The one line each rank prints when it runs under plain torchrun."""
+    return (
+        f"rank {rank} of {world_size}: started by torchrun, so this job runs WITHOUT in-process "
+        "recovery (a fault ends it, as under torchrun); for recovery start it with "
+        f"`checkpointless run --nproc {world_size} --spares 1 <script> [args...]`"
+    )
+
+
+def join_torchrun_group(timeout: datetime.timedelta) -> tuple[int, int, dist.Store]:
+    """Join torchrun's default process group (env:// rendezvous) unless the script already did;
+    return (rank, world size, torchrun's store) for the job's own communicator."""
+    if not dist.is_initialized():
+        # gloo for CPU tensors always; NCCL next to it for CUDA tensors when there is a GPU
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, timeout=timeout)
+    store = dist.distributed_c10d._get_default_store()
+    return dist.get_rank(), dist.get_world_size(), store
+
+
+def start_from_rank0(
+    comm: Any, objects: dict[str, Stateful], start: int, rank: int, world_size: int, timeout: float
+) -> int:
+    """What the launcher's first round does, done over the job's own group: every rank takes
+    rank 0's tracked state, its RNG state and its start step (as DDP broadcasts rank 0's weights
+    at construction). Returns the start step."""
+    if world_size < 2:
+        return start
+    rng = capture_rng()
+    if rank == 0:
+        send_state(comm, collect_state(objects, start, rng), list(range(1, world_size)), timeout)
+        return start
+    own = collect_state(objects, start, rng)
+    state, _ = receive_state(comm, 0, timeout, own)
+    step, rng0 = restore_state(objects, state)
+    restore_rng(rng0)
+    return step

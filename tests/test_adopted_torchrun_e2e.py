@@ -1,0 +1,80 @@
+"""An adopted script started by plain ``torchrun`` is one job, not N single-process jobs.
+
+Under real ``torchrun --nproc-per-node 2`` (the one in .venv/bin), the adopted DDP tutorial
+(examples/adopted/multigpu_torchrun_adopted.py: DistributedSampler(dataset), job.loader, job.steps,
+job.data_parallel, rank 0's snapshot after every epoch) must average gradients over both ranks and
+end with weights bitwise equal on both ranks and to the same job under ``checkpointless run``;
+each rank says once that it runs without in-process recovery and how to get it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpointless.recovery.torchrun import started_by_torchrun
+from jobs import ROOT, read_digests, run_job
+
+TUTORIAL = ROOT / "examples" / "adopted" / "multigpu_torchrun_adopted.py"
+WARNING = "runs WITHOUT in-process recovery"
+
+
+def torchrun_env() -> dict[str, str]:
+    # nothing of a surrounding checkpointless job may leak in: this must be torchrun alone
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINTLESS_", "TORCHELASTIC_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.mark.timeout(400)
+def test_adopted_tutorial_under_plain_torchrun_is_one_job_bitwise_equal_to_checkpointless_run(
+    tmp_path: Path,
+) -> None:
+    # 3 epochs of 32 steps (2048 samples, 2 ranks, batches of 32), a snapshot every epoch
+    def args(name: str) -> list[str]:
+        return ["3", "1", "--snapshot_path", str(tmp_path / f"{name}.pt")]
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    digest = tmp_path / "torchrun.digest-{rank}"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(TUTORIAL), *args("torchrun")]
+    proc = subprocess.run(
+        [*cmd, "--digest-out", str(digest)],
+        cwd=ROOT,
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    digests = read_digests(tmp_path, "torchrun.digest-")
+    assert sorted(digests) == [0, 1], out[-4000:]
+    # both ranks hold the same weights, and (below) the weights of a 2-rank job: N independent
+    # jobs would each have trained a world of one on the whole dataset
+    assert digests[0] == digests[1], "the ranks trained apart"
+    warnings = [line for line in out.splitlines() if WARNING in line]
+    assert len(warnings) == 2, out[-4000:]
+    assert any("rank 0 of 2" in w for w in warnings) and any("rank 1 of 2" in w for w in warnings)
+    assert all("checkpointless run --nproc 2" in w for w in warnings), warnings
+    assert (tmp_path / "torchrun.pt").exists(), "rank 0's per-epoch snapshot was not written"
+
+    ref = run_job(tmp_path / "ref", Path("/nonexistent"), 2, 0, script=TUTORIAL, script_args=args("ref"))
+    assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
+    assert ref.digest == digests[0], "torchrun's run differs from the same job under checkpointless run"
+    assert WARNING not in ref.output
+
+
+def test_torchrun_is_recognised_only_with_its_variables_and_a_world_of_many() -> None:
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2"}
+    assert started_by_torchrun(torchrun)
+    assert started_by_torchrun({"MASTER_ADDR": "h", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "4"})
+    # a world of one, or RANK alone (set by init() itself in a single process), is not torchrun
+    assert not started_by_torchrun({**torchrun, "WORLD_SIZE": "1"})
+    assert not started_by_torchrun({"RANK": "0", "WORLD_SIZE": "2"})
+    assert not started_by_torchrun({})
