@@ -68,8 +68,7 @@ class Trainer:
             print("Loading snapshot")
             self._load_snapshot(snapshot_path)
 
-        job.track(model=self.model, optimizer=self.optimizer)
-        self.model = job.data_parallel(self.model)
+        self.model = job.data_parallel(self.model, optimizer=self.optimizer)
 
     def _load_snapshot(self, snapshot_path):
         snapshot = torch.load(snapshot_path)
@@ -100,12 +99,12 @@ class Trainer:
         print(f"Epoch {epoch} | Training snapshot saved at {self.snapshot_path}")
 
     def train(self, max_epochs: int):
-        loader, n = self.job.loader(self.train_data), len(self.train_data)
-        for step in self.job.steps(max_epochs * n, start=self.epochs_run * n):
-            with step:
-                self._run_batch(*loader.batch(step.index))
-            if step.committed and step.index_in_epoch == n - 1 and self.gpu_id == 0 and step.epoch % self.save_every == 0:  # fmt: skip
-                self._save_snapshot(step.epoch)
+        for epoch in self.job.epochs(max_epochs, self.train_data, start=self.epochs_run):
+            for step in self.job.epoch_steps():
+                with step:
+                    self._run_batch(*step.batch)
+            if self.gpu_id == 0 and epoch % self.save_every == 0:
+                self._save_snapshot(epoch)
 
 
 def load_train_objs():

@@ -56,8 +56,7 @@ class Trainer:
             self.config.snapshot_path = "snapshot.pt"
         if not self.job.is_replacement:  # a replacement receives the state from a peer
             self._load_snapshot()
-        self.job.track(model=self.model, optimizer=self.optimizer)
-        self.model = self.job.data_parallel(self.model)
+        self.model = self.job.data_parallel(self.model, optimizer=self.optimizer)
 
     def _prepare_dataloader(self, dataset: Dataset):
         return DataLoader(
@@ -124,13 +123,11 @@ class Trainer:
         print(f"Snapshot saved at epoch {epoch}")
 
     def train(self):
-        loader, n = self.job.loader(self.train_loader), len(self.train_loader)
-        for step in self.job.steps(self.config.max_epochs * n, start=self.epochs_run * n):
-            with step:
-                self._run_batch(*loader.batch(step.index))
-            if not (step.committed and step.index_in_epoch == n - 1):
-                continue  # the rest runs once an epoch, after its last step
-            epoch = step.epoch + 1
+        for epoch in self.job.epochs(self.config.max_epochs, self.train_loader, start=self.epochs_run):
+            epoch += 1
+            for step in self.job.epoch_steps():
+                with step:
+                    self._run_batch(*step.batch)
             if self.local_rank == 0 and epoch % self.save_every == 0:
                 self._save_snapshot(epoch)
             # eval run

@@ -62,6 +62,7 @@ from checkpointless.protocol import (
 from checkpointless.recovery.amp import finish_cut_off_update, is_grad_scaler, reset_step_state
 from checkpointless.recovery.default_group import DefaultGroup, configure_standalone, install_default_group
 from checkpointless.recovery.divergence import DEFAULT_EVERY, due, judge, state_digest
+from checkpointless.recovery.epochs import EpochDriver
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
@@ -127,6 +128,12 @@ class Step:
         """The step's place inside its epoch, from 0."""
         return self.index % self.job._per_epoch()
 
+    @property
+    def batch(self) -> Any:
+        """This step's batch (the same object in a replay), from job.epochs()' loader or the one
+        job.loader(); read it inside ``with step:``."""
+        return self.job._batch(self.index)
+
     def __enter__(self) -> Step:
         self.job._enter_step(self.index)
         return self
@@ -159,6 +166,7 @@ class Job:
         self.comm = Communicator(0, 1, datetime.timedelta(seconds=rendezvous_timeout))
         self.comm.before_allreduce = lambda: self._site("allreduce")
         self._objects: dict[str, Stateful] = {}
+        self._tracked: dict[int, str] = {}  # id(object) -> its name in track()
         self._modules: list[nn.Module] = []
         self._dps: list[DataParallel] = []
         self._mesh: ShardedRun | None = None  # job.device_mesh(): FSDP2/HSDP over resilient groups
@@ -200,6 +208,8 @@ class Job:
         self._in_section: str | None = None
         self._steps_per_epoch: int | None = None
         self.under_torchrun = False  # started by plain torchrun: one job, without recovery
+        self._epochs: EpochDriver | None = None  # job.epochs(): the step loop split into epochs
+        self._step_loader: StepLoader | StatefulStepLoader | None = None  # step.batch's loader
 
     # -- start-up ------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -299,8 +309,13 @@ class Job:
         return self._default
 
     # -- registration --------------------------------------------------------------------------
-    def data_parallel(self, module: nn.Module, bucket_cap_mb: float = 25.0) -> DataParallel:
-        """Wrap ``module`` to average gradients over the job's ranks (instead of DDP)."""
+    def data_parallel(
+        self, module: nn.Module, bucket_cap_mb: float = 25.0, *, optimizer: Any = None
+    ) -> DataParallel:
+        """Wrap ``module`` to average gradients over the job's ranks (instead of DDP). With
+        ``optimizer``, also ``track(model=module, optimizer=optimizer)``: the replica's state."""
+        if optimizer is not None:
+            self.track(model=module, optimizer=optimizer)
         dp = DataParallel(module, self.comm, bucket_cap_mb=bucket_cap_mb)
         self._dps.append(dp)
         return dp
@@ -347,6 +362,15 @@ class Job:
         if self._started:
             raise ConfigError("track() must be called before job.steps() starts")
         for name, obj in objects.items():
+            known = self._tracked.get(id(obj))
+            if known == name:
+                continue  # tracked already (data_parallel(..., optimizer=) tracks both)
+            if known is not None:
+                raise ConfigError(
+                    f"{name!r} is already tracked as {known!r} (data_parallel(..., optimizer=...) tracks "
+                    "the model as 'model' and the optimizer as 'optimizer'); track each object once"
+                )
+            self._tracked[id(obj)] = name
             # a sharded module or optimizer travels as its local shards (recovery/sharded.py)
             self._objects[name] = local_stateful(check_stateful(name, obj))
             if isinstance(obj, nn.Module):
@@ -372,6 +396,38 @@ class Job:
             wrapped = StepLoader(dataloader, dp_rank=self.rank, dp_size=self.world_size)
         self._loaders.append(wrapped)
         return wrapped
+
+    def epochs(self, count: int, loader: Any, start: int = 0) -> Iterator[int]:
+        """``range(start, count)`` over epochs of ``loader`` (a DataLoader, a StatefulDataLoader or
+        a job.loader()), recoverable: run each epoch's steps with ``job.epoch_steps()`` and read
+        ``step.batch``; code after the inner loop runs once per epoch (recovery/epochs.py)."""
+        wrapped = loader if isinstance(loader, (StepLoader, StatefulStepLoader)) else self.loader(loader)
+        per = wrapped.batches_per_epoch
+        if not per:
+            raise ConfigError(
+                "job.epochs() needs a loader of known length (len(loader)); for one without, use "
+                "job.steps(total, steps_per_epoch=N) and loader.batch(step.index)"
+            )
+        if not 0 <= start <= count:
+            raise ConfigError(f"job.epochs({count}, start={start}): start must be in 0..{count}")
+        self._step_loader = wrapped
+        self._epochs = EpochDriver(self.steps(count * per, start * per, steps_per_epoch=per), per)
+        return self._epochs.epochs()
+
+    def epoch_steps(self) -> Iterator[Step]:
+        """The steps of the current epoch of ``job.epochs()`` (use as its inner loop)."""
+        if self._epochs is None:
+            raise ConfigError("job.epoch_steps() runs inside `for epoch in job.epochs(...)`")
+        return self._epochs.epoch_steps()
+
+    def _batch(self, index: int) -> Any:
+        loader = self._step_loader or (self._loaders[0] if len(self._loaders) == 1 else None)
+        if loader is None:
+            raise ConfigError(
+                f"step.batch needs one loader, and this job has {len(self._loaders)} job.loader()s; "
+                "call loader.batch(step.index) on the one you mean"
+            )
+        return loader.batch(index)
 
     def generator(self, name: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
         """Inside a step: a generator seeded from (seed, name, rank, step), for randomness that
