@@ -88,7 +88,7 @@ def test_adoption_costs_at_most_15_lines_and_the_docs_show_the_real_diff(title: 
     )
     intro, shown = doc_block(title)
     assert shown == got.lines, "docs/adoption.md shows another diff than the files':\n" + "\n".join(got.lines)
-    claim = f"{got.changed} changed lines ({got.added} added, {got.removed} removed)"
+    claim = f"{got.changed} changed lines ({got.added} added, {got.removed} removed"
     assert claim in intro, f"docs/adoption.md should say {claim!r}"
 
 

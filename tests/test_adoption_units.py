@@ -5,6 +5,7 @@ GradScalers, in one process; the end-to-end fault tests are in test_adoption_e2e
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -192,3 +193,84 @@ def test_scaler_bookkeeping_reset_and_cut_off_update() -> None:
     scaler.step(opt)
     assert finish_cut_off_update(scaler)  # stepped, update cut off: the scale grows as it would
     assert scaler.get_scale() == 8.0
+
+
+# -- job.epochs() / job.epoch_steps(): the step loop split into epochs (recovery/epochs.py) ---------
+class _FakeStep:
+    """What EpochDriver reads of a Step: its index, and whether its body committed."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.committed = False
+
+
+def _steps_of(indices: list[int], closed: list[bool]) -> Iterator[_FakeStep]:
+    # stands for job.steps(): yields the step at the committed position; records close()
+    try:
+        for i in indices:
+            yield _FakeStep(i)
+    finally:
+        closed.append(True)
+
+
+def _run_epochs(indices: list[int], per: int, fail: set[int], stop_after_epoch: int = -1) -> list[Any]:
+    """Drive EpochDriver like a script does; the n-th steps yielded, n in ``fail``, do not commit."""
+    from checkpointless.recovery.epochs import EpochDriver
+
+    closed: list[bool] = []
+    driver = EpochDriver(_steps_of(indices, closed), per)
+    trace: list[Any] = []
+    n = 0
+    for epoch in driver.epochs():
+        for step in driver.epoch_steps():
+            step.committed, n = n not in fail, n + 1
+            trace.append(step.index)
+        trace.append(f"end {epoch}")  # the script's per-epoch work
+        if epoch == stop_after_epoch:
+            break
+    trace.append(f"closed={bool(closed)}")
+    return trace
+
+
+def test_epoch_loops_run_per_epoch_work_after_each_epochs_last_commit() -> None:
+    assert _run_epochs([0, 1, 2, 3, 4, 5], per=3, fail=set()) == [
+        0,
+        1,
+        2,
+        "end 0",
+        3,
+        4,
+        5,
+        "end 1",
+        "closed=True",
+    ]
+    # a replayed step (step 1 faulted, then ran again) stays in its epoch
+    assert _run_epochs([0, 1, 1, 2, 3], per=3, fail={1}) == [0, 1, 1, 2, "end 0", 3, "end 1", "closed=True"]
+    # a replacement that resumes at step 4 starts in epoch 1
+    assert _run_epochs([4, 5, 6], per=3, fail=set()) == [4, 5, "end 1", 6, "end 2", "closed=True"]
+
+
+def test_a_rolled_forward_last_step_still_ends_its_epoch() -> None:
+    # step 2 faulted after its update was applied: the recovery resumed at 3, so 2 never commits here
+    trace = _run_epochs([0, 1, 2, 3, 4, 5], per=3, fail={2})
+    assert trace[:4] == [0, 1, 2, "end 0"]
+    assert trace == [0, 1, 2, "end 0", 3, 4, 5, "end 1", "closed=True"]
+
+
+def test_break_out_of_the_epoch_loop_closes_the_step_loop_at_a_committed_step() -> None:
+    assert _run_epochs([0, 1, 2, 3, 4, 5], per=3, fail=set(), stop_after_epoch=0) == [
+        0,
+        1,
+        2,
+        "end 0",
+        "closed=True",
+    ]
+
+
+def test_an_epoch_without_its_inner_loop_is_an_error() -> None:
+    from checkpointless.recovery.epochs import EpochDriver
+
+    driver = EpochDriver(_steps_of([0, 1], []), 2)
+    with pytest.raises(ConfigError, match="ran none of its steps"):
+        for _epoch in driver.epochs():
+            pass
