@@ -8,6 +8,11 @@ against the same digest):
 * ``dataloader`` -- a standard ``torch.utils.data.DataLoader`` (num_workers=2) over the same file,
                     rebuilt from the resumed step as a restarted job would rebuild it.
 
+``--job-loader`` instead times ``job.loader(DataLoader(..., num_workers=2))`` (a plain DataLoader
+over the same file with a ``DistributedSampler``, made step-addressable by
+``checkpointless.recovery.loader.StepLoader``) against BatchLoader: the first batch of a
+replacement that seeks to the step, and a survivor's replay.
+
 Scenarios: a fresh worker process (a replacement; timed from the end of its imports, and from its
 spawn), an in-process recovery (the training process survives and re-runs the step), steady-state
 batches/s, and the resident memory of 4 ranks mapping the file (PSS: the page cache shared between
@@ -15,6 +20,7 @@ them) against 4 ranks that each read the data into their own memory.
 
     .venv/bin/python benchmarks/data_first_batch.py            # ~2 minutes on 2 cores
     .venv/bin/python benchmarks/data_first_batch.py --docs 5000 --repeats 2 --steady-steps 50  # smoke
+    .venv/bin/python benchmarks/data_first_batch.py --job-loader  # job.loader() vs BatchLoader, ~1 min
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from tqdm import tqdm
 
 from checkpointless.data import (
@@ -50,6 +56,7 @@ from checkpointless.data import (
     prepare_main,
     remove_job_cache,
 )
+from checkpointless.recovery.loader import StepLoader
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -100,6 +107,15 @@ def make_dataloader(cfg: dict[str, Any], start_step: int, steps: int, workers: i
     )
 
 
+def make_job_loader(cfg: dict[str, Any], workers: int = 2) -> StepLoader:
+    """What ``job.loader(dl)`` builds for a script's own DataLoader + DistributedSampler."""
+    ds = WindowDataset(cfg["path"], cfg["seq_len"])
+    sampler = DistributedSampler(ds, num_replicas=cfg["dp"], rank=cfg["rank"], shuffle=True, seed=cfg["seed"])
+    per_rank = cfg["global_batch"] // cfg["dp"]
+    dl = DataLoader(ds, batch_size=per_rank, sampler=sampler, num_workers=workers, drop_last=True)
+    return StepLoader(dl, dp_rank=cfg["rank"], dp_size=cfg["dp"])
+
+
 def make_loader(cfg: dict[str, Any], ds: TokenDataset, cache: ShmBatchCache | None) -> BatchLoader:
     return BatchLoader(
         ds, cfg["seq_len"], cfg["global_batch"], cfg["seed"], cfg["rank"], cfg["dp"], cache=cache
@@ -117,6 +133,10 @@ def child_first_batch(cfg: dict[str, Any], mode: str) -> None:
         it = iter(make_dataloader(cfg, step, 4))
         x, y = next(it)
         source = "dataloader"
+    elif mode == "job-loader":  # a replacement's job.loader(): seeks to the step, starts 2 workers
+        job_loader = make_job_loader(cfg)
+        x, y = job_loader.batch(step)
+        source = "job.loader"
     else:
         ds = TokenDataset.open(cfg["path"], verify="quick")
         cache = ShmBatchCache(cfg["job"], cfg["rank"], capacity=8) if mode == "cache" else None
@@ -125,7 +145,9 @@ def child_first_batch(cfg: dict[str, Any], mode: str) -> None:
         source = loader.last_source
     ms = (time.perf_counter() - t0) * 1e3
     print(json.dumps({"ms": ms, "source": source, "digest": batch_digest(x, y)}), flush=True)
-    if mode != "dataloader":
+    if mode == "job-loader":
+        job_loader.close()
+    elif mode != "dataloader":
         loader.close()
 
 
@@ -170,9 +192,16 @@ def _line(proc: subprocess.Popen[str], timeout: float) -> str:
     return proc.stdout.readline()
 
 
-def fresh_process(cfg: dict[str, Any], expected: str, repeats: int, bar: tqdm[Any]) -> dict[str, Any]:
+def fresh_process(
+    cfg: dict[str, Any],
+    expected: str,
+    repeats: int,
+    bar: tqdm[Any],
+    modes: tuple[str, ...] = ("cache", "mmap", "dataloader"),
+    expected_for: dict[str, str] | None = None,
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for mode in ("cache", "mmap", "dataloader"):
+    for mode in modes:
         after_imports, from_spawn = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -180,7 +209,7 @@ def fresh_process(cfg: dict[str, Any], expected: str, repeats: int, bar: tqdm[An
             res = json.loads(_line(proc, 120))
             from_spawn.append((time.perf_counter() - t0) * 1e3)
             proc.wait(60)
-            assert res["digest"] == expected, f"{mode}: wrong batch"
+            assert res["digest"] == (expected_for or {}).get(mode, expected), f"{mode}: wrong batch"
             assert mode != "cache" or res["source"] == "cache", res
             after_imports.append(res["ms"])
             bar.update()
@@ -232,6 +261,65 @@ def in_process(
         assert batch_digest(x, y) == expected
     del it
     return res
+
+
+def job_loader_bench(
+    cfg: dict[str, Any], ds: TokenDataset, expected: str, repeats: int, bar: tqdm[Any]
+) -> dict[str, Any]:
+    """job.loader(DataLoader(num_workers=2)) against BatchLoader: a replacement's first batch (a
+    fresh process that seeks) and a survivor's (the replay of the held batch, or a new loader)."""
+    step = cfg["step"]
+    # the reference batch of the DistributedSampler order, read without workers (another path)
+    want = batch_digest(*make_job_loader(cfg, workers=0).batch(step))
+    # fill the shared-memory cache around `step`, as training up to the fault would have
+    cache = ShmBatchCache(cfg["job"], cfg["rank"], capacity=8)
+    loader = make_loader(cfg, ds, cache)
+    for s in range(step - 3, step + 1):
+        loader.batch(s)
+    deadline = time.monotonic() + 10
+    while cache.steps()[-1:] != [step + 8] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    loader.close()
+    fresh = fresh_process(
+        cfg, expected, repeats, bar, modes=("cache", "mmap", "job-loader"), expected_for={"job-loader": want}
+    )
+    res: dict[str, list[float]] = {"new_job_loader": [], "replay_job_loader": [], "next_job_loader": []}
+    res["new_batch_loader_cache"] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()  # the recovery rebuilds the loader in the surviving process
+        jl = make_job_loader(cfg)
+        x, y = jl.batch(step)
+        res["new_job_loader"].append((time.perf_counter() - t0) * 1e3)
+        assert batch_digest(x, y) == want
+        t0 = time.perf_counter()  # the usual case: the survivor replays the batch it holds
+        x, y = jl.batch(step)
+        res["replay_job_loader"].append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()  # and goes on to the next step from the running iterator
+        jl.batch(step + 1)
+        res["next_job_loader"].append((time.perf_counter() - t0) * 1e3)
+        jl.close()
+        t0 = time.perf_counter()
+        bl = make_loader(cfg, ds, ShmBatchCache(cfg["job"], cfg["rank"], capacity=8))
+        x, y = bl.batch(step)
+        res["new_batch_loader_cache"].append((time.perf_counter() - t0) * 1e3)
+        assert bl.last_source == "cache" and batch_digest(x, y) == expected
+        bl.close()
+        bar.update()
+    return {"fresh_process": fresh, "in_process": res}
+
+
+def print_job_loader(res: dict[str, Any]) -> None:
+    f = {m: v["after_imports_ms"] for m, v in res["fresh_process"].items()}
+    print(f"\nfirst batch (median ms, min-max)      {'cache':>18} {'cold mmap':>18} {'job.loader':>18}")
+    row = " ".join(f"{_med(f[m]):8.2f} ({min(f[m]):.1f}-{max(f[m]):.1f})".rjust(18) for m in f)
+    print(f"replacement process, after imports    {row}")
+    r = res["in_process"]
+    print(
+        f"survivor: new loader                  {_med(r['new_batch_loader_cache']):18.2f} {'':>18}"
+        f" {_med(r['new_job_loader']):18.2f}"
+    )
+    print(f"survivor: replay of the held batch    {'':>18} {'':>18} {_med(r['replay_job_loader']):18.4f}")
+    print(f"next step from the running iterator   {'':>18} {'':>18} {_med(r['next_job_loader']):18.2f}")
 
 
 def steady_state(cfg: dict[str, Any], ds: TokenDataset, steps: int) -> dict[str, float]:
@@ -311,6 +399,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes per mode (x10 in-process)")
     ap.add_argument("--steady-steps", type=int, default=300)
     ap.add_argument("--out", type=Path, default=RESULTS / "data_first_batch.json")
+    ap.add_argument("--job-loader", action="store_true", help="only job.loader(DataLoader) vs BatchLoader")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -353,6 +442,22 @@ def main() -> None:
         print(
             f"dataset: {ds.num_tokens:,} tokens ({setup['dataset_mb']:.0f} MB), {json.dumps(cfg)}", flush=True
         )
+        if args.job_loader:
+            with tqdm(
+                total=args.repeats * 4, desc="job.loader", unit="run", disable=None, leave=False
+            ) as bar:
+                jl = job_loader_bench(cfg, ds, expected, args.repeats, bar)
+            out = (
+                args.out
+                if args.out != RESULTS / "data_first_batch.json"
+                else RESULTS / "data_job_loader.json"
+            )
+            jl.update({"machine": machine(), "config": {**cfg, "path": None}})
+            jl["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+            out.write_text(json.dumps(jl, indent=2) + "\n")
+            print_job_loader(jl)
+            print(f"\nwrote {out}")
+            return
         # a bar over the measurements, on stderr and only on a terminal: the results are unchanged
         total = args.repeats * 10 + 3 * args.repeats + 2
         with tqdm(total=total, desc="data_first_batch", unit="run", disable=None, leave=False) as bar:
