@@ -274,3 +274,17 @@ def test_an_epoch_without_its_inner_loop_is_an_error() -> None:
     with pytest.raises(ConfigError, match="ran none of its steps"):
         for _epoch in driver.epochs():
             pass
+
+
+def test_data_parallel_with_optimizer_tracks_the_replica_once() -> None:
+    from checkpointless.recovery.job import Job
+
+    job = Job(None)  # not joined: only the registration is exercised
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    job.data_parallel(net, optimizer=opt)
+    assert list(job._objects) == ["model", "optimizer"]
+    job.track(model=net, optimizer=opt)  # what scripts written before the shortcut also do
+    assert list(job._objects) == ["model", "optimizer"] and job._optimizers == [opt]
+    with pytest.raises(ConfigError, match="'net' is already tracked as 'model'"):
+        job.track(net=net)
