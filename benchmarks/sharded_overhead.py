@@ -26,7 +26,6 @@ readers are those of benchmarks/overhead.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -73,10 +72,14 @@ def buddy_fields(run_dir: Path) -> dict[str, float]:
     for e in bl.read_jsonl(run_dir / "events.jsonl"):
         ev = str(e.get("event", ""))
         for k, v in e.items():
-            if isinstance(v, int | float) and not isinstance(v, bool) and ("buddy" in k or "buddy" in ev):
-                if k not in ("time", "rank", "generation", "step"):
-                    key = f"{ev}.{k}"
-                    out[key] = max(float(v), out.get(key, float("-inf")))
+            numeric = isinstance(v, int | float) and not isinstance(v, bool)
+            if (
+                numeric
+                and ("buddy" in k or "buddy" in ev)
+                and k not in ("time", "rank", "generation", "step")
+            ):
+                key = f"{ev}.{k}"
+                out[key] = max(float(v), out.get(key, float("-inf")))
     return out
 
 
@@ -96,7 +99,7 @@ def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, w
         error = f"exit code {fin.rc} (logs in {run_dir})"
     elif len(st) < min(5, a.steps - start - 1):
         error = f"only {len(st)} step times in the logs"
-    rec = {
+    rec: dict[str, Any] = {
         "design": design,
         "mesh": f"{mesh[0]}x{mesh[1]}",
         "round": i,
@@ -121,7 +124,7 @@ def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, w
 
 def summarize(runs: list[dict[str, Any]], mesh: str, designs: list[str], rounds: int) -> dict[str, Any]:
     ok = [r for r in runs if r["error"] is None and r["mesh"] == mesh]
-    per = {}
+    per: dict[str, Any] = {}
     for d in designs:
         rs = [r for r in ok if r["design"] == d]
         per[d] = {
@@ -161,7 +164,9 @@ def summarize(runs: list[dict[str, Any]], mesh: str, designs: list[str], rounds:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--meshes", default="1,2;2,2", help="R,S meshes separated by ';' (default FSDP 1,2 and HSDP 2,2)")
+    ap.add_argument(
+        "--meshes", default="1,2;2,2", help="R,S meshes separated by ';' (default FSDP 1,2 and HSDP 2,2)"
+    )
     ap.add_argument("--rounds", type=int, default=2, help="runs of each design per mesh, alternating")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=15, help="steps left out at the start of each run")
@@ -198,7 +203,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     print(f"sharded overhead: {len(meshes)} mesh(es) x {len(designs)} designs x {a.rounds} rounds in {work}")
     try:
-        with bl.cleanup_on_exit(), bl.run_bar(len(meshes) * len(designs) * a.rounds, "sharded overhead") as bar:
+        with (
+            bl.cleanup_on_exit(),
+            bl.run_bar(len(meshes) * len(designs) * a.rounds, "sharded overhead") as bar,
+        ):
             for mesh in meshes:
                 for i in range(a.rounds):
                     order = designs if i % 2 == 0 else list(reversed(designs))
@@ -210,8 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
 
     per_mesh = {f"{m[0]}x{m[1]}": summarize(runs, f"{m[0]}x{m[1]}", designs, a.rounds) for m in meshes}
-    rows = []
-    for mesh, s in per_mesh.items():
+    rows: list[list[str]] = []
+    for key, s in per_mesh.items():
         for d in designs:
             p = s["designs"][d]
             v = s["vs_fsdp"].get(d)
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cpu = {k: (x * 1000 if isinstance(x, float) else x) for k, x in p["cpu_per_step_s"].items()}
             rows.append(
                 [
-                    mesh,
+                    key,
                     d,
                     str(p["runs"]),
                     bl.fmt_spread(ms, 1),
@@ -234,21 +242,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
          "round ratios", "CPU/step ratio"],
         rows,
     )  # fmt: skip
-    for mesh, s in per_mesh.items():
+    for key, s in per_mesh.items():
         for d, v in s["vs_fsdp"].items():
             pct, pr = v["overhead_pct"], v["pair_ratios"]
             if pct is None:
-                notes.append(f"{mesh} {d}: no ratio (failed runs).")
+                notes.append(f"{key} {d}: no ratio (failed runs).")
                 continue
-            spread = f"; round ratios spread {100 * (pr['max'] - pr['min']):.1f} points" if pr["n"] >= 2 else ""
+            spread = (
+                f"; round ratios spread {100 * (pr['max'] - pr['min']):.1f} points" if pr["n"] >= 2 else ""
+            )
             notes.append(
-                f"{mesh} {d}: overhead {pct:.1f}% against target ≤ {v['target_pct']:g}% "
+                f"{key} {d}: overhead {pct:.1f}% against target ≤ {v['target_pct']:g}% "
                 f"({'met' if pct <= v['target_pct'] else 'NOT met'}){spread}."
             )
         if s["buddy_fields"]:
-            notes.append(f"{mesh} buddy copies, event fields: {s['buddy_fields']}")
+            notes.append(f"{key} buddy copies, event fields: {s['buddy_fields']}")
         elif "buddy" in designs:
-            notes.append(f"{mesh} buddy copies: the events carry no buddy memory field.")
+            notes.append(f"{key} buddy copies: the events carry no buddy memory field.")
     failed = [f"{r['mesh']} {r['design']} #{r['round']}: {r['error']}" for r in runs if r["error"]]
     if failed:
         notes.append("Failed runs: " + "; ".join(failed))

@@ -47,7 +47,11 @@ def launch(a: argparse.Namespace, cfg: rv.Config, kind: str, run_dir: Path) -> b
     inject = rv.inject_spec(a, kind)
     if cfg.design == "checkpointless":
         cmd = sl.checkpointless_command(
-            a, a.mesh, run_dir, spares=a.spares, launcher_args=["--hang-timeout", str(a.hang_timeout), *inject]
+            a,
+            a.mesh,
+            run_dir,
+            spares=a.spares,
+            launcher_args=["--hang-timeout", str(a.hang_timeout), *inject],
         )
     else:
         cmd = sl.torchrun_command(
@@ -114,18 +118,26 @@ def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[rv.RunRec
     cl = agg["configs"]["a"]["kinds"]["kill"]
     if cl["n"]:
         lost = cl["lost_steps"]["max"]
-        notes.append(f"Lost steps of checkpointless, target 0: max {lost:.0f} ({'met' if lost == 0 else 'NOT met'}).")
+        notes.append(
+            f"Lost steps of checkpointless, target 0: max {lost:.0f} ({'met' if lost == 0 else 'NOT met'})."
+        )
     if not a.no_reference:
         for c in agg["configs"].values():
             k = c["kinds"]["kill"]
             if k["n"] and not k["digest_equal"]:
                 notes.append(f"{c['label']}: final shards differ from the fault-free run's.")
             elif k["n"]:
-                notes.append(f"{c['label']}: every rank's final shards bitwise equal to the fault-free run's.")
-    srcs = [r.metrics.get("sources") for r in runs if r.config.design == "checkpointless" and r.kind == "kill"]
+                notes.append(
+                    f"{c['label']}: every rank's final shards bitwise equal to the fault-free run's."
+                )
+    srcs = [
+        r.metrics.get("sources") for r in runs if r.config.design == "checkpointless" and r.kind == "kill"
+    ]
     if srcs:
         notes.append(f"checkpointless plans (receiver, source): {srcs}; rank r holds shard r % {a.mesh[1]}.")
-    resume = ", ".join(f"K={k} resumes from step {a.fault_step // k * k} and redoes {a.fault_step % k}" for k in a.ckpt_every)
+    resume = ", ".join(
+        f"K={k} resumes from step {a.fault_step // k * k} and redoes {a.fault_step % k}" for k in a.ckpt_every
+    )
     notes.append(f"SIGKILL of rank {a.fault_rank} as it begins step {a.fault_step} of {a.steps}: {resume}.")
     failed = [f"{r.config.label} {r.kind} #{r.repeat}: {r.error}" for r in runs if r.error]
     if failed:
@@ -140,7 +152,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ckpt-every", default="10,50", help="checkpoint intervals K of the baseline")
     ap.add_argument("--steps", type=int, default=78)
     ap.add_argument(
-        "--fault-step", type=int, default=75, help="default 75: K/2 steps after a checkpoint for K=10 and K=50"
+        "--fault-step",
+        type=int,
+        default=75,
+        help="default 75: K/2 steps after a checkpoint for K=10 and K=50",
     )
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--spares", type=int, default=1)
@@ -156,7 +171,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError as e:
         ap.error(str(e))
     if a.mesh[0] < 2:
-        ap.error(f"--mesh {a.mesh[0]},{a.mesh[1]}: R must be >= 2, a shard with no replica is not recoverable")
+        ap.error(
+            f"--mesh {a.mesh[0]},{a.mesh[1]}: R must be >= 2, a shard with no replica is not recoverable"
+        )
     if not 0 <= a.fault_rank < a.mesh[0] * a.mesh[1]:
         ap.error(f"--fault-rank {a.fault_rank} is not a rank of a {a.mesh[0]}x{a.mesh[1]} mesh")
     if not 0 < a.fault_step < a.steps:
@@ -176,7 +193,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: list[rv.RunRecord] = []
     print(f"sharded recovery: {a.repeats * len(configs) * len(kinds)} job runs in {work}", flush=True)
     try:
-        with bl.cleanup_on_exit(), bl.run_bar(a.repeats * len(configs) * len(kinds), "sharded recovery") as bar:
+        with (
+            bl.cleanup_on_exit(),
+            bl.run_bar(a.repeats * len(configs) * len(kinds), "sharded recovery") as bar,
+        ):
             for rep in range(a.repeats):
                 for kind in kinds:
                     for cfg in configs if rep % 2 == 0 else list(reversed(configs)):

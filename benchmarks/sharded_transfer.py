@@ -83,7 +83,9 @@ def loopback_rate(nbytes: int, streams: int, timeout: float = 120.0) -> float:
             except BaseException as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=f, args=(i,), daemon=True) for i in range(streams) for f in (send, recv)]
+        threads = [
+            threading.Thread(target=f, args=(i,), daemon=True) for i in range(streams) for f in (send, recv)
+        ]
         for t in threads:
             t.start()
         start.wait(timeout)
@@ -136,7 +138,7 @@ def job_record(run_dir: Path, group: list[int]) -> dict[str, Any]:
 
 
 def one_run(a: argparse.Namespace, i: int, work: Path) -> dict[str, Any]:
-    r_, s_ = a.mesh
+    s_ = a.mesh[1]
     group = list(range(s_))  # replica group 0: ranks 0..S-1 (row-major mesh)
     run_dir = work / f"run-{i}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -203,7 +205,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="cl-bench-shxfer-"))
     work.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    print(f"sharded transfer: {a.repeats} HSDP {a.mesh[0]}x{a.mesh[1]} jobs losing replica group 0, in {work}")
+    print(
+        f"sharded transfer: {a.repeats} HSDP {a.mesh[0]}x{a.mesh[1]} jobs losing replica group 0, in {work}"
+    )
     try:
         with bl.cleanup_on_exit(), bl.run_bar(a.repeats, "sharded transfer") as bar:
             for i in range(a.repeats):
@@ -217,7 +221,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ok = [r for r in runs if "error" not in r]
     summary = {
         k: bl.summary([r[k] for r in ok])
-        for k in ("state_bytes", "transfer_s", "aggregate_mbps", "loopback_n_mbps", "loopback_1_mbps", "share_of_loopback")
+        for k in (
+            "state_bytes",
+            "transfer_s",
+            "aggregate_mbps",
+            "loopback_n_mbps",
+            "loopback_1_mbps",
+            "share_of_loopback",
+        )
     }
     summary["receivers"] = bl.summary([r["receivers"] for r in ok])
     notes = []
@@ -229,7 +240,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"MB/s aggregate, {100 * share:.1f}% of {summary['loopback_n_mbps']['median']:.0f} MB/s for the same "
             "concurrent plain loopback copies (end to end: collect, stream, XXH3 check, restore into the shards)."
         )
-        notes.append(f"plans (receiver, source): {[r['sources'] for r in ok]}; rank r holds shard r % {a.mesh[1]}.")
+        notes.append(
+            f"plans (receiver, source): {[r['sources'] for r in ok]}; rank r holds shard r % {a.mesh[1]}."
+        )
     failed = [f"#{r['run']}: {r['error']}" for r in runs if "error" in r]
     if failed:
         notes.append("Failed runs: " + "; ".join(failed))

@@ -74,7 +74,9 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=10, help="save a checkpoint every K steps (0: never)")
     ap.add_argument("--ckpt-dir", help="checkpoint directory (default: <log-dir>/ckpt)")
     ap.add_argument("--log-dir", required=True, help="where rank-<r>.jsonl and fault markers go")
-    ap.add_argument("--hang-timeout", type=float, default=10.0, help="gloo timeout once the first step is done")
+    ap.add_argument(
+        "--hang-timeout", type=float, default=10.0, help="gloo timeout once the first step is done"
+    )
     ap.add_argument("--start-timeout", type=float, default=120.0, help="gloo timeout until the first step")
     ap.add_argument("--inject", action="append", default=[], metavar="FAULT")
     ap.add_argument("--digest-out", help="write the final shards' SHA-256 here; {rank}: one file per rank")
