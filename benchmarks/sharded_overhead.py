@@ -18,7 +18,7 @@ ratio of the medians, the median of adjacent-run ratios, and the job's CPU secon
 process it started), which a shared machine moves less than wall time. The step-time and CPU
 readers are those of benchmarks/overhead.py.
 
-    .venv/bin/python benchmarks/sharded_overhead.py              # FSDP 1x2 and HSDP 2x2, 2 rounds (~3 min)
+    .venv/bin/python benchmarks/sharded_overhead.py              # FSDP 1x2 and HSDP 2x2, 2 rounds of 50 steps (~3 min; 5 at load 15)
     .venv/bin/python benchmarks/sharded_overhead.py --rounds 4 --steps 120
     .venv/bin/python benchmarks/sharded_overhead.py --meshes 1,4 --rounds 3
 """
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--meshes", default="1,2;2,2", help="R,S meshes separated by ';' (default FSDP 1,2 and HSDP 2,2)"
     )
     ap.add_argument("--rounds", type=int, default=2, help="runs of each design per mesh, alternating")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=15, help="steps left out at the start of each run")
     ap.add_argument("--spares", type=int, default=1)
     ap.add_argument("--no-buddy", action="store_true", help="leave out the --buddy-copies on column")
