@@ -1,0 +1,295 @@
+"""Steady-state cost of a recoverable sharded job: checkpointless FSDP2/HSDP versus plain FSDP2/HSDP.
+
+The example GPT (``examples/train_gpt.py --fsdp R,S``) is trained without faults, per mesh:
+
+* ``fsdp``: torch alone -- ``torchrun benchmarks/baseline/train_fsdp_ckpt.py --fsdp R,S
+  --ckpt-every 0`` (gloo ``init_process_group`` + ``init_device_mesh``, ``fully_shard`` per block
+  and at the root, AdamW); the same model, data and seed;
+* ``checkpointless``: ``checkpointless run --nproc R*S --spares 1 examples/train_gpt.py --fsdp R,S``
+  (launcher, heartbeats, resilient process groups under the same ``fully_shard``, commit
+  bookkeeping, one idle hot spare);
+* ``buddy``: the same with ``--buddy-copies on``, when the launcher knows that flag (another branch
+  adds it); otherwise the column is skipped with a note.
+
+Runs alternate (A B C, C B A, ...) so every design sees the same drift of the machine's load. Step
+time is the time between consecutive steps completed on every rank (per-rank commit logs) after
+the warm-up and, on the checkpointless side, after the hot spare is ready; the figures are the
+ratio of the medians, the median of adjacent-run ratios, and the job's CPU seconds per step (every
+process it started), which a shared machine moves less than wall time. The step-time and CPU
+readers are those of benchmarks/overhead.py.
+
+    .venv/bin/python benchmarks/sharded_overhead.py              # FSDP 1x2 and HSDP 2x2, 2 rounds of 50 steps (~3 min; 5 at load 15)
+    .venv/bin/python benchmarks/sharded_overhead.py --rounds 4 --steps 120
+    .venv/bin/python benchmarks/sharded_overhead.py --meshes 1,4 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl
+import overhead
+import shardlib as sl
+
+__all__ = ["main"]
+
+DESIGNS = ("fsdp", "checkpointless", "buddy")
+TARGET_PCT = {"checkpointless": 2.0, "buddy": 5.0}
+
+
+def launch(a: argparse.Namespace, design: str, mesh: tuple[int, int], run_dir: Path) -> bl.Finished:
+    if design == "fsdp":
+        cmd = sl.torchrun_command(a, mesh, run_dir, ckpt_every=0)
+    else:
+        extra = ["--buddy-copies", "on"] if design == "buddy" else []
+        cmd = sl.checkpointless_command(a, mesh, run_dir, spares=a.spares, launcher_args=extra)
+    sl.write_command(run_dir, cmd)
+    return bl.run_command(
+        cmd,
+        timeout=a.run_timeout,
+        env=bl.bench_env(a.threads),
+        stdout=run_dir / "stdout.log",
+        stderr=run_dir / "stderr.log",
+        sample_cpu=True,
+    )
+
+
+def buddy_fields(run_dir: Path) -> dict[str, float]:
+    """Numeric event fields that name the buddy copies (their memory per rank), by event.field;
+    the flag's branch owns their names, so any field with 'buddy' in its key or event is kept."""
+    out: dict[str, float] = {}
+    for e in bl.read_jsonl(run_dir / "events.jsonl"):
+        ev = str(e.get("event", ""))
+        for k, v in e.items():
+            numeric = isinstance(v, int | float) and not isinstance(v, bool)
+            if (
+                numeric
+                and ("buddy" in k or "buddy" in ev)
+                and k not in ("time", "rank", "generation", "step")
+            ):
+                key = f"{ev}.{k}"
+                out[key] = max(float(v), out.get(key, float("-inf")))
+    return out
+
+
+def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, work: Path) -> dict[str, Any]:
+    run_dir = work / f"{design}-{mesh[0]}x{mesh[1]}-{i}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    fin = launch(a, design, mesh, run_dir)
+    _, done = overhead.step_times(run_dir, a.warmup)
+    start = overhead.steady_start(run_dir, done, a.warmup)
+    st, _ = overhead.step_times(run_dir, start)
+    cps = overhead.cpu_per_step(fin.cpu_samples, done, start)
+    digest = sl.combine_digests(run_dir, mesh[0] * mesh[1])
+    error = None
+    if fin.timed_out:
+        error = "timed out"
+    elif fin.rc != 0:
+        error = f"exit code {fin.rc} (logs in {run_dir})"
+    elif len(st) < min(5, a.steps - start - 1):
+        error = f"only {len(st)} step times in the logs"
+    rec: dict[str, Any] = {
+        "design": design,
+        "mesh": f"{mesh[0]}x{mesh[1]}",
+        "round": i,
+        "rc": fin.rc,
+        "wall_s": round(fin.wall_s, 3),
+        "steady_from_step": start,
+        "error": error,
+        "digest": digest,
+        "median_step_s": statistics.median(st) if st else None,
+        "cpu_per_step_s": cps,
+        "buddy": buddy_fields(run_dir) if design == "buddy" else {},
+        "step_s": [round(x, 5) for x in st],
+    }
+    med = rec["median_step_s"]
+    bl.say(
+        f"  {rec['mesh']} {design:<15} #{i}: {fin.wall_s:6.1f} s, median step "
+        f"{'-' if med is None else f'{med * 1000:.1f} ms'}, CPU/step {'-' if cps is None else f'{cps * 1000:.1f} ms'}"
+        + (f"  FAILED: {error}" if error else "")
+    )
+    return rec
+
+
+def summarize(runs: list[dict[str, Any]], mesh: str, designs: list[str], rounds: int) -> dict[str, Any]:
+    ok = [r for r in runs if r["error"] is None and r["mesh"] == mesh]
+    per: dict[str, Any] = {}
+    for d in designs:
+        rs = [r for r in ok if r["design"] == d]
+        per[d] = {
+            "runs": len(rs),
+            "median_step_s": bl.summary([r["median_step_s"] for r in rs]),
+            "cpu_per_step_s": bl.summary([r["cpu_per_step_s"] for r in rs]),
+            "digests": sorted({r["digest"] for r in rs} - {None}),
+        }
+    out: dict[str, Any] = {"designs": per, "vs_fsdp": {}}
+    base = per["fsdp"]
+    for d in designs:
+        if d == "fsdp":
+            continue
+        pairs, cpu_pairs = [], []
+        for i in range(rounds):
+            x = [r for r in ok if r["round"] == i and r["design"] == d]
+            y = [r for r in ok if r["round"] == i and r["design"] == "fsdp"]
+            if x and y:
+                pairs.append(x[0]["median_step_s"] / y[0]["median_step_s"])
+                if x[0]["cpu_per_step_s"] and y[0]["cpu_per_step_s"]:
+                    cpu_pairs.append(x[0]["cpu_per_step_s"] / y[0]["cpu_per_step_s"])
+        m, b = per[d]["median_step_s"]["median"], base["median_step_s"]["median"]
+        c, cb = per[d]["cpu_per_step_s"]["median"], base["cpu_per_step_s"]["median"]
+        ratio = m / b if m and b else None
+        out["vs_fsdp"][d] = {
+            "ratio_median_step": ratio,
+            "overhead_pct": (ratio - 1) * 100 if ratio else None,
+            "pair_ratios": bl.summary(pairs),
+            "ratio_cpu_per_step": c / cb if c and cb else None,
+            "cpu_pair_ratios": bl.summary(cpu_pairs),
+            "target_pct": TARGET_PCT[d],
+        }
+    buddy = [r["buddy"] for r in ok if r["design"] == "buddy" and r["buddy"]]
+    out["buddy_fields"] = {k: max(b[k] for b in buddy if k in b) for b0 in buddy for k in b0}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--meshes", default="1,2;2,2", help="R,S meshes separated by ';' (default FSDP 1,2 and HSDP 2,2)"
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each design per mesh, alternating")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=15, help="steps left out at the start of each run")
+    ap.add_argument("--spares", type=int, default=1)
+    ap.add_argument("--no-buddy", action="store_true", help="leave out the --buddy-copies on column")
+    sl.add_model_args(ap)
+    ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
+    ap.add_argument("--out", default=str(bl.RESULTS / "sharded_overhead.json"), help="JSON output")
+    a = ap.parse_args(argv)
+    try:
+        meshes = [sl.parse_mesh(m) for m in a.meshes.split(";") if m.strip()]
+    except ValueError as e:
+        ap.error(str(e))
+    if a.warmup + 5 > a.steps:
+        ap.error(f"--steps {a.steps} must leave at least 5 measured steps after --warmup {a.warmup}")
+
+    notes: list[str] = []
+    designs = ["fsdp", "checkpointless"]
+    if a.no_buddy:
+        notes.append("The --buddy-copies on column was left out (--no-buddy).")
+    elif sl.buddy_flag_known():
+        designs.append("buddy")
+    else:
+        notes.append(
+            "The --buddy-copies on column was skipped: `checkpointless run` does not know --buddy-copies yet "
+            "(another branch adds it); rerun this benchmark once it is merged."
+        )
+    cmd = "python benchmarks/sharded_overhead.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    info = bl.machine_info()
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="cl-bench-shov-"))
+    runs: list[dict[str, Any]] = []
+    print(f"sharded overhead: {len(meshes)} mesh(es) x {len(designs)} designs x {a.rounds} rounds in {work}")
+    try:
+        with (
+            bl.cleanup_on_exit(),
+            bl.run_bar(len(meshes) * len(designs) * a.rounds, "sharded overhead") as bar,
+        ):
+            for mesh in meshes:
+                for i in range(a.rounds):
+                    order = designs if i % 2 == 0 else list(reversed(designs))
+                    for design in order:
+                        runs.append(one_run(a, design, mesh, i, work))
+                        bar.update()
+    finally:
+        if not a.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+    per_mesh = {f"{m[0]}x{m[1]}": summarize(runs, f"{m[0]}x{m[1]}", designs, a.rounds) for m in meshes}
+    rows: list[list[str]] = []
+    for key, s in per_mesh.items():
+        for d in designs:
+            p = s["designs"][d]
+            v = s["vs_fsdp"].get(d)
+            ms = {k: (x * 1000 if isinstance(x, float) else x) for k, x in p["median_step_s"].items()}
+            cpu = {k: (x * 1000 if isinstance(x, float) else x) for k, x in p["cpu_per_step_s"].items()}
+            rows.append(
+                [
+                    key,
+                    d,
+                    str(p["runs"]),
+                    bl.fmt_spread(ms, 1),
+                    bl.fmt_spread(cpu, 1),
+                    "-" if v is None else f"{bl.fmt(v['overhead_pct'], 1)}% (≤ {v['target_pct']:g}%)",
+                    "-" if v is None else bl.fmt_spread(v["pair_ratios"], 3),
+                    "-" if v is None else bl.fmt(v["ratio_cpu_per_step"], 3),
+                ]
+            )
+    tbl = bl.table(
+        ["mesh", "design", "runs", "median step ms", "job CPU ms/step", "overhead vs fsdp (target)",
+         "round ratios", "CPU/step ratio"],
+        rows,
+    )  # fmt: skip
+    for key, s in per_mesh.items():
+        for d, v in s["vs_fsdp"].items():
+            pct, pr = v["overhead_pct"], v["pair_ratios"]
+            if pct is None:
+                notes.append(f"{key} {d}: no ratio (failed runs).")
+                continue
+            spread = (
+                f"; round ratios spread {100 * (pr['max'] - pr['min']):.1f} points" if pr["n"] >= 2 else ""
+            )
+            notes.append(
+                f"{key} {d}: overhead {pct:.1f}% against target ≤ {v['target_pct']:g}% "
+                f"({'met' if pct <= v['target_pct'] else 'NOT met'}){spread}."
+            )
+        if s["buddy_fields"]:
+            notes.append(f"{key} buddy copies, event fields: {s['buddy_fields']}")
+        elif "buddy" in designs:
+            notes.append(f"{key} buddy copies: the events carry no buddy memory field.")
+    failed = [f"{r['mesh']} {r['design']} #{r['round']}: {r['error']}" for r in runs if r["error"]]
+    if failed:
+        notes.append("Failed runs: " + "; ".join(failed))
+    cores = os.cpu_count() or 1
+    notes.append(
+        f"{cores} cores; up to {max(m[0] * m[1] for m in meshes)} ranks share them; the checkpointless side also "
+        f"runs the launcher and {a.spares} idle hot spare(s); OMP_NUM_THREADS={a.threads} everywhere."
+    )
+    info["bench_wall_s"] = time.monotonic() - t0
+    info["load_note"] = bl.load_note(load0, os.getloadavg())
+    print()
+    print(tbl)
+    print()
+    for n in notes:
+        print(f"- {n}")
+    result = {
+        "benchmark": "sharded_overhead",
+        "command": cmd,
+        "machine": info,
+        "params": {k: v for k, v in vars(a).items() if k != "out"},
+        "designs": designs,
+        "summary": per_mesh,
+        "table": tbl,
+        "notes": notes,
+        "runs": runs,
+    }
+    bl.write_json(Path(a.out), result)
+    print(f"\nwrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    res = main()
+    sys.exit(1 if any(r["error"] for r in res["runs"]) else 0)

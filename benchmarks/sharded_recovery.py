@@ -1,0 +1,248 @@
+"""Recovery of a sharded (HSDP) job from a SIGKILL: checkpointless versus torchrun + DCP checkpoints.
+
+One HSDP job (``examples/train_gpt.py --fsdp 2,2``: 4 ranks, two replica groups of two shards)
+runs, per repeat, side by side:
+
+* (a) ``checkpointless run --nproc 4 --spares 1 --inject kill:rank=1:step=F``: the survivors abort
+  the in-flight collectives, a hot spare takes rank 1 and receives shard 1 from its replica peer
+  (rank 3), and the interrupted step is replayed;
+* (b) ``torchrun --max-restarts 3 benchmarks/baseline/train_fsdp_ckpt.py --fsdp 2,2`` with
+  ``torch.distributed.checkpoint.save`` of the FSDP2 state dict (each rank's shards of model and
+  AdamW state) every K steps, once per K (default 10 and 50): the same kill makes torchrun restart
+  every worker, which loads the newest checkpoint and redoes the steps after it;
+* (c) each design without the fault, for the bitwise check and the job-time comparison
+  (``--no-reference`` leaves it out).
+
+Measured from the per-rank commit logs and the launchers' records, with the readers of
+benchmarks/recovery.py: downtime from the kill to the next step completed on every rank and its
+phases (detect, abort, rebuild, state, first batch, first step), steps computed twice, the time to
+be back at the fault's step, and whether every rank's final shards are bitwise (c)'s.
+
+    .venv/bin/python benchmarks/sharded_recovery.py             # 1 repeat: 6 jobs (~3 min)
+    .venv/bin/python benchmarks/sharded_recovery.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl
+import recovery as rv
+import shardlib as sl
+
+__all__ = ["main"]
+
+
+def launch(a: argparse.Namespace, cfg: rv.Config, kind: str, run_dir: Path) -> bl.Finished:
+    inject = rv.inject_spec(a, kind)
+    if cfg.design == "checkpointless":
+        cmd = sl.checkpointless_command(
+            a,
+            a.mesh,
+            run_dir,
+            spares=a.spares,
+            launcher_args=["--hang-timeout", str(a.hang_timeout), *inject],
+        )
+    else:
+        cmd = sl.torchrun_command(
+            a, a.mesh, run_dir, ckpt_every=cfg.ckpt_every, max_restarts=3,
+            script_args=["--hang-timeout", str(a.hang_timeout), *inject],
+        )  # fmt: skip
+    sl.write_command(run_dir, cmd)
+    return bl.run_command(
+        cmd, timeout=a.run_timeout, env=bl.bench_env(a.threads), stdout=run_dir / "stdout.log",
+        stderr=run_dir / "stderr.log",
+    )  # fmt: skip
+
+
+def plan_sources(run_dir: Path) -> list[list[int]]:
+    """[receiver, source] pairs of every recovery plan after the first generation."""
+    out: list[list[int]] = []
+    for e in bl.read_jsonl(run_dir / "events.jsonl"):
+        if e.get("event") == "plan" and int(e.get("generation", 0)) > 0:
+            out.extend([int(r), int(s)] for r, s in e.get("sources", []))
+    return out
+
+
+def collect(a: argparse.Namespace, cfg: rv.Config, kind: str, repeat: int, work: Path) -> rv.RunRecord:
+    run_dir = work / f"{cfg.key}-{kind}-{repeat}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    fin = launch(a, cfg, kind, run_dir)
+    rec = rv.RunRecord(cfg, kind, repeat, fin.rc, fin.wall_s)
+    sl.combine_digests(run_dir, a.mesh[0] * a.mesh[1])  # every rank's shards, into run_dir/digest
+    try:
+        if cfg.design == "checkpointless":
+            rec.metrics = rv.checkpointless_metrics(run_dir, a.fault_step)
+            rec.metrics["sources"] = plan_sources(run_dir)
+        else:
+            rec.metrics = rv.torchrun_metrics(run_dir, a.fault_step)
+        if rec.metrics.get("first_step_done") is not None:
+            rec.metrics["launch_to_first_step_s"] = rec.metrics["first_step_done"] - fin.started
+    except Exception as e:  # a broken log is a failed run, reported, not a crashed benchmark
+        rec.error = f"could not read the logs: {type(e).__name__}: {e}"
+    if fin.timed_out:
+        rec.error = f"timed out after {a.run_timeout:.0f} s"
+    elif fin.rc != 0:
+        rec.error = rec.error or f"exit code {fin.rc}"
+    elif rec.metrics.get("incomplete"):
+        rec.error = str(rec.metrics["incomplete"])
+    elif kind != "none" and "phases" not in rec.metrics:
+        rec.error = "no recovery measured"
+    if rec.error is not None:
+        rec.error += f" (logs in {run_dir})"
+    dt = rec.metrics.get("downtime_s")
+    extra = f", downtime {dt:.2f} s, lost {rec.metrics.get('lost_steps')}" if dt is not None else ""
+    status = "ok" if rec.error is None else f"FAILED: {rec.error}"
+    bl.say(f"  {cfg.label:<22} {rv.KIND_LABEL[kind]:<9} #{repeat}: {fin.wall_s:6.1f} s{extra} {status}")
+    return rec
+
+
+def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[rv.RunRecord]) -> list[str]:
+    notes = []
+    for key, r in agg["ratios"].items():
+        if r["downtime"] is not None:
+            verdict = "met" if r["downtime"] <= 0.1 else "NOT met"
+            notes.append(
+                f"Downtime ratio (a)/(b) against target ≤ 0.1, K={key.split('/b')[1]}: {r['downtime']:.3f} ({verdict})."
+            )
+    cl = agg["configs"]["a"]["kinds"]["kill"]
+    if cl["n"]:
+        lost = cl["lost_steps"]["max"]
+        notes.append(
+            f"Lost steps of checkpointless, target 0: max {lost:.0f} ({'met' if lost == 0 else 'NOT met'})."
+        )
+    if not a.no_reference:
+        for c in agg["configs"].values():
+            k = c["kinds"]["kill"]
+            if k["n"] and not k["digest_equal"]:
+                notes.append(f"{c['label']}: final shards differ from the fault-free run's.")
+            elif k["n"]:
+                notes.append(
+                    f"{c['label']}: every rank's final shards bitwise equal to the fault-free run's."
+                )
+    srcs = [
+        r.metrics.get("sources") for r in runs if r.config.design == "checkpointless" and r.kind == "kill"
+    ]
+    if srcs:
+        notes.append(f"checkpointless plans (receiver, source): {srcs}; rank r holds shard r % {a.mesh[1]}.")
+    resume = ", ".join(
+        f"K={k} resumes from step {a.fault_step // k * k} and redoes {a.fault_step % k}" for k in a.ckpt_every
+    )
+    notes.append(f"SIGKILL of rank {a.fault_rank} as it begins step {a.fault_step} of {a.steps}: {resume}.")
+    failed = [f"{r.config.label} {r.kind} #{r.repeat}: {r.error}" for r in runs if r.error]
+    if failed:
+        notes.append("Failed runs: " + "; ".join(failed))
+    return notes
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mesh", default="2,2", help="R,S of the HSDP job (R >= 2: a shard needs a replica)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--ckpt-every", default="10,50", help="checkpoint intervals K of the baseline")
+    ap.add_argument("--steps", type=int, default=78)
+    ap.add_argument(
+        "--fault-step",
+        type=int,
+        default=75,
+        help="default 75: K/2 steps after a checkpoint for K=10 and K=50",
+    )
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--spares", type=int, default=1)
+    ap.add_argument("--hang-timeout", type=float, default=5.0, help="same value for both designs")
+    ap.add_argument("--no-reference", action="store_true", help="skip the fault-free runs (c)")
+    sl.add_model_args(ap)
+    ap.add_argument("--run-timeout", type=float, default=300.0, help="limit per job run, seconds")
+    ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
+    ap.add_argument("--out", default=str(bl.RESULTS / "sharded_recovery.json"), help="JSON output")
+    a = ap.parse_args(argv)
+    try:
+        a.mesh = sl.parse_mesh(a.mesh)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.mesh[0] < 2:
+        ap.error(
+            f"--mesh {a.mesh[0]},{a.mesh[1]}: R must be >= 2, a shard with no replica is not recoverable"
+        )
+    if not 0 <= a.fault_rank < a.mesh[0] * a.mesh[1]:
+        ap.error(f"--fault-rank {a.fault_rank} is not a rank of a {a.mesh[0]}x{a.mesh[1]} mesh")
+    if not 0 < a.fault_step < a.steps:
+        ap.error(f"--fault-step {a.fault_step} must be inside the job (0 < fault-step < --steps {a.steps})")
+    a.ckpt_every = [int(x) for x in str(a.ckpt_every).split(",") if x]
+    a.kinds = ["kill"]  # what benchmarks/recovery.py's aggregation iterates over
+    a.nproc = a.mesh[0] * a.mesh[1]
+
+    configs = [rv.Config("a", "checkpointless")] + [rv.Config(f"b{k}", "torchrun", k) for k in a.ckpt_every]
+    cmd = "python benchmarks/sharded_recovery.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    info = bl.machine_info()
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="cl-bench-shrec-"))
+    work.mkdir(parents=True, exist_ok=True)
+    kinds = ["kill"] if a.no_reference else ["none", "kill"]
+    runs: list[rv.RunRecord] = []
+    print(f"sharded recovery: {a.repeats * len(configs) * len(kinds)} job runs in {work}", flush=True)
+    try:
+        with (
+            bl.cleanup_on_exit(),
+            bl.run_bar(a.repeats * len(configs) * len(kinds), "sharded recovery") as bar,
+        ):
+            for rep in range(a.repeats):
+                for kind in kinds:
+                    for cfg in configs if rep % 2 == 0 else list(reversed(configs)):
+                        runs.append(collect(a, cfg, kind, rep, work))
+                        bar.update()
+    finally:
+        if not a.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    info["bench_wall_s"] = time.monotonic() - t0
+    info["load_note"] = bl.load_note(load0, os.getloadavg())
+    agg = rv.aggregate(a, runs, configs)
+    tables = rv.report_tables(a, agg, configs)
+    notes = build_notes(a, agg, runs)
+    print()
+    print(tables)
+    print()
+    for n in notes:
+        print(f"- {n}")
+    result = {
+        "benchmark": "sharded_recovery",
+        "command": cmd,
+        "machine": info,
+        "params": {k: v for k, v in vars(a).items() if k != "out"},
+        "summary": agg,
+        "tables": tables,
+        "notes": notes,
+        "runs": [
+            {
+                "config": r.config.key,
+                "design": r.config.design,
+                "ckpt_every": r.config.ckpt_every,
+                "kind": r.kind,
+                "repeat": r.repeat,
+                "rc": r.rc,
+                "wall_s": round(r.wall_s, 4),
+                "error": r.error,
+                "metrics": {k: v for k, v in r.metrics.items() if k != "batches"},
+            }
+            for r in runs
+        ],
+    }
+    bl.write_json(Path(a.out), result)
+    print(f"\nwrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    res = main()
+    sys.exit(1 if any(r["error"] for r in res["runs"]) else 0)
