@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -64,8 +65,11 @@ class Handle:
         self.result = result
         try:
             fut = work.get_future()
-        except RuntimeError:  # gloo send/recv have no future: wait on a helper thread instead
-            threading.Thread(target=self._wait_work, daemon=True, name="cl-work-wait").start()
+        except RuntimeError:
+            # gloo's send/recv and reduce-scatter have no future, and their wait ignores its
+            # timeout, so they cannot be polled: a pooled thread waits for them instead (a new
+            # thread per collective cost more than FSDP's small reduce-scatters themselves)
+            _waiters().submit(self._wait_work)
         else:
             if poll:
                 self._poll = True  # completion is seen by wait(); nothing runs on gloo's thread
@@ -139,6 +143,52 @@ class Handle:
             except Exception as e:
                 raise CommAborted(f"collective failed: {e}") from e
         return self.result
+
+
+class _Waiters:
+    """Daemon threads that wait for works, reused while idle. A wait stuck on a dead peer holds
+    its thread until gloo's own timeout, so a new thread is started whenever none is idle. Not
+    ``ThreadPoolExecutor``: its threads are joined at interpreter exit, and a stuck one would
+    hold a finishing process for gloo's whole timeout."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._serve, daemon=True, name="cl-work-wait").start()
+        self._jobs.put(fn)
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+_pool: _Waiters | None = None
+
+
+def _waiters() -> _Waiters:
+    """The process's waiters, made on first use and again in a forked child (threads do not
+    survive a fork; the fork template never waits on a collective)."""
+    global _pool
+    if _pool is None:
+        _pool = _Waiters()
+    return _pool
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _outcome(work: Any) -> BaseException | None:

@@ -33,6 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# torch does not re-export this one from torch.distributed (the others it does)
+from torch._C._distributed_c10d import AllgatherOptions
+
 from checkpointless.comm.communicator import Handle, _new_group
 from checkpointless.errors import CommAborted, RendezvousError
 
@@ -292,13 +295,13 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> AbortableWork:
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = AllgatherOptions() if opts is None else opts
         return self._issue(lambda pg: pg.allgather(output_tensors, input_tensors, opts), output_tensors)
 
     def all_gather_single(  # type: ignore[override]
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AbortableWork:
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = AllgatherOptions() if opts is None else opts
         return self._issue(lambda pg: pg._allgather_base(output, input, opts), output)
 
     _allgather_base = all_gather_single  # type: ignore[assignment]
@@ -306,7 +309,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AbortableWork:
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = AllgatherOptions() if opts is None else opts
         return self._chain("_allgather_base", outputs, inputs, opts)
 
     def reduce_scatter_single(  # type: ignore[override]
