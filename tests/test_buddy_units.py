@@ -49,7 +49,7 @@ def test_never_the_same_host_when_there_are_two(per_host: int, hosts: int, data:
 
 
 def test_bad_placement_input_names_the_value() -> None:
-    with pytest.raises(ValueError, match="rank 4 is outside 0..3"):
+    with pytest.raises(ValueError, match=r"rank 4 is outside 0\.\.3"):
         buddy_of(4, 4, 2)
 
 
