@@ -84,3 +84,20 @@ def test_fsdp_two_kills_whose_copies_are_on_each_other_fall_back_to_own_snapshot
     check_shards(res, fsdp_reference)
     plans = _plans(res)
     assert any(1 in p.get("own_snapshot", []) for p in plans), plans
+
+
+@pytest.mark.timeout(150)
+def test_fsdp_without_copies_or_snapshots_restores_every_ranks_own_checkpoint(
+    tmp_path: Path, corpus: Path, fsdp_reference: JobResult
+) -> None:
+    # nothing in memory: every rank loads its own DCP checkpoint (its own shard) of one step
+    extra = ["--buddy-copies", "off", "--snapshot-every", "0", "--checkpoint-every", "3"]
+    res = run_job(
+        tmp_path / "run", corpus, nproc=4, spares=1, faults=["kill:rank=2:step=5"], extra=extra,
+        script_args=FSDP, timeout=120,
+    )  # fmt: skip
+    check_shards(res, fsdp_reference)
+    plans = _plans(res)
+    assert any(p.get("from_checkpoint") for p in plans), plans
+    ckpts = sorted(p.name for p in (tmp_path / "run").glob("checkpoints/*/rank*"))
+    assert len(ckpts) == 4, ckpts  # one directory per rank, each its own shard

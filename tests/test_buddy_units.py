@@ -165,3 +165,13 @@ def test_every_plan_gives_every_rank_its_own_shard_at_one_step(
                 assert (m.rank, plan.target_step) in s.copies
             else:
                 assert s.valid and s.committed_step == plan.target_step and s.rank % 4 == m.rank % 4
+
+
+def test_nothing_in_memory_falls_back_to_every_ranks_own_checkpoint_of_one_step() -> None:
+    reports = [MemberReport(r, -1 if r == 1 else 7, r != 1, checkpoint_step=6, mesh=(1, 4)) for r in range(4)]
+    plan = plan_recovery(reports)
+    assert plan.from_checkpoint and plan.target_step == 6 and plan.receivers == (0, 1, 2, 3)
+    # ranks whose newest checkpoints differ (one save failed) have no common step: the error
+    reports[2] = MemberReport(2, 7, True, checkpoint_step=3, mesh=(1, 4))
+    with pytest.raises(NotRecoverableError, match=r"ranks \[1\]"):
+        plan_recovery(reports)

@@ -207,6 +207,12 @@ def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: b
             return plan
     if shards == 1:
         return _fallback(reports, ranks)
+    ckpts = {r.checkpoint_step for r in reports}
+    if len(ckpts) == 1 and None not in ckpts:
+        # every rank sees its own (per-rank) checkpoint of one step: each loads its own shard
+        step = ckpts.pop()
+        assert step is not None
+        return RecoveryPlan(step, -1, tuple(ranks), from_checkpoint=True)
     newest = max((r.committed_step for r in valid), default=0)
     stuck = [r.rank for r in reports if not (r.valid and r.committed_step == newest)]
     raise NotRecoverableError(
@@ -216,7 +222,8 @@ def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: b
         "shard whose holder and buddy were lost together (adjacent ranks of the ring, or hosts) "
         "cannot be rebuilt (docs/fault-model.md); run with more than one replica group "
         "(job.device_mesh(..., (R, S)) with R >= 2), keep --buddy-copies on, and keep "
-        "--snapshot-every on so a rank whose host survives has its own snapshot"
+        "--snapshot-every on so a rank whose host survives has its own snapshot (and "
+        "--checkpoint-every with a number of steps as the last resort)"
     )
 
 

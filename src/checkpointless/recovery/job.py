@@ -192,6 +192,7 @@ class Job:
         self._checkpoints: CheckpointWriter | None = None  # rank 0's durable DCP checkpoints
         self._checkpoint_dir: Path | None = None  # every rank reads it to report and restore
         self._snapshot_every = 0
+        self._checkpoint_every = parse_every("0")
         self._own_snapshots: Path | None = None  # a sharded mesh: this rank's own snapshot directory
         self._buddy_mode = "off"  # --buddy-copies: auto | on | off
         self._buddies: BuddyCopies | None = None  # this rank's copies, kept on another host
@@ -261,7 +262,7 @@ class Job:
             self._snapshots = SnapshotWriter(snapshot_dir(self.env.job_id), every)
         if msg.get("checkpoint_dir"):
             self._checkpoint_dir = Path(msg["checkpoint_dir"])
-            ckpt_every = parse_every(msg.get("checkpoint_every", "0"))
+            ckpt_every = self._checkpoint_every = parse_every(msg.get("checkpoint_every", "0"))
             if not ckpt_every.off:
                 preload()  # every rank may have to load one after a loss of every replica
             if self.rank == 0 and not ckpt_every.off:
@@ -323,10 +324,13 @@ class Job:
         """On a mesh with S > 1 each rank holds a different shard: snapshots become per-rank (every
         rank its own file in the job's shm directory), buddy copies start (docs/architecture.md)."""
         assert self._mesh is not None
-        if self._checkpoints is not None:
-            # rank 0 alone writes them, and on a sharded mesh it holds one shard only
-            log.warning("durable checkpoints are off for a sharded mesh (they would hold rank 0's shard)")
-            self._checkpoints = None
+        if self._checkpoint_dir is not None:
+            # every rank its own DCP checkpoint of its own shard, in a directory of its own
+            self._checkpoint_dir = self._checkpoint_dir / f"rank{self.rank}"
+            off = self._checkpoint_every.off
+            self._checkpoints = (
+                None if off else CheckpointWriter(self._checkpoint_dir, self._checkpoint_every)
+            )
         if self.env is None:
             self._snapshots = None
             return
