@@ -208,11 +208,10 @@ def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: b
     if shards == 1:
         return _fallback(reports, ranks)
     ckpts = {r.checkpoint_step for r in reports}
-    if len(ckpts) == 1 and None not in ckpts:
+    common = ckpts.pop() if len(ckpts) == 1 else None
+    if common is not None:
         # every rank sees its own (per-rank) checkpoint of one step: each loads its own shard
-        step = ckpts.pop()
-        assert step is not None
-        return RecoveryPlan(step, -1, tuple(ranks), from_checkpoint=True)
+        return RecoveryPlan(common, -1, tuple(ranks), from_checkpoint=True)
     newest = max((r.committed_step for r in valid), default=0)
     stuck = [r.rank for r in reports if not (r.valid and r.committed_step == newest)]
     raise NotRecoverableError(
