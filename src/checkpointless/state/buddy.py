@@ -145,6 +145,9 @@ class BuddyCopies:
         self._generation = generation
         self._route = route
         if route is None:
+            if self.keeper is not None and generation == 0:
+                # copies travel through the key servers of the root-less rendezvous only
+                log.warning("buddy copies are off: they need --rendezvous rootless (the default)")
             return
         self._stop.clear()
         self._keepers = [
