@@ -17,8 +17,9 @@ and owner, verified with XXH3-128 like any state transfer, never through the tra
 copy never queues behind a collective, nor a collective behind it).
 
 What a keeper holds: the two newest *verified* copies per owner. A new copy lands in the older
-one's tensors (which are dropped from the list first), so a transfer cut off by a fault never
-leaves a half-written copy listed, and the newest verified one always survives. Memory: at most
+one's tensors, which are unlisted the moment the owner's manifest arrives (not before: between
+copies both stay listed), so a transfer cut off by a fault never leaves a half-written copy
+listed, and the newest verified one always survives. Memory: at most
 two times the owner's state per keeper (reported as ``extra_bytes``).
 """
 
@@ -163,12 +164,14 @@ class BuddyCopies:
             t.start()
 
     def _keep(self, owner: int, route: StreamRoute) -> None:
-        while not self._stop.is_set():
+        def landing() -> Any:
+            # called once the owner's manifest has arrived: only then is the oldest copy given
+            # up (unlisted, then overwritten), so both copies stay listed while nothing travels
             with self._lock:
                 held = self._held[owner]
-                into = None
-                if len(held) >= _KEEP:  # land in the oldest copy, which is no longer listed
-                    into = held.pop(min(held))
+                return held.pop(min(held)) if len(held) >= _KEEP else None
+
+        while not self._stop.is_set():
             try:
                 manifest, buffers, _ = stream_receive(
                     route,
@@ -176,7 +179,7 @@ class BuddyCopies:
                     self.rank,
                     time.monotonic() + self.timeout,
                     lambda: "stopped" if self._stop.is_set() else None,
-                    into,
+                    landing,
                     None,
                 )
                 tree = unpack(manifest, buffers)
