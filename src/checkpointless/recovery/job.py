@@ -621,7 +621,8 @@ class Job:
         if published is not None:
             self._record["snapshot"] = published.to_json()  # size and bound of the snapshot memory
         if self._buddies is not None and self._buddies.last_send:
-            self._record["buddy"] = {**self._buddies.last_send, "keeps_bytes": self._buddies.extra_bytes}
+            b = self._buddies
+            self._record["buddy"] = {**b.last_send, "wait_s": b.last_wait, "keeps_bytes": b.extra_bytes}
         saved = self._checkpoints.take_published() if self._checkpoints is not None else None
         if saved is not None:
             self._record["checkpoint"] = saved.to_json()

@@ -81,6 +81,7 @@ class BuddyCopies:
         self.last_send: dict[str, float] = {}  # the newest acknowledged copy's step, bytes, seconds
         self.failed = 0  # copies not acknowledged (keeper gone, cancelled)
         self.skipped = 0  # copies not started because the previous one was still in flight
+        self.last_wait = 0.0  # seconds the last update waited for its copy (the critical-path cost)
 
     # -- the owner's side ------------------------------------------------------------------------
     def start(self, step: int, state: Any, guarded: set[int]) -> bool:
@@ -129,6 +130,7 @@ class BuddyCopies:
         """Block until the copy in flight is acknowledged (or failed); return the seconds waited.
         Past ``timeout`` the copy is cancelled: the update must not change tensors being sent."""
         if self._sent.is_set():
+            self.last_wait = 0.0
             return 0.0
         t0 = time.monotonic()
         deadline = t0 + timeout
@@ -138,7 +140,8 @@ class BuddyCopies:
                 log.warning("buddy copy took over %.0f s; cancelled it", timeout)
                 self._sent.wait(timeout=2.0)  # the stream notices the cancel within its poll
                 break
-        return time.monotonic() - t0
+        self.last_wait = time.monotonic() - t0
+        return self.last_wait
 
     # -- the keeper's side -----------------------------------------------------------------------
     def resume(self, generation: int, route: StreamRoute | None) -> None:
