@@ -42,6 +42,8 @@ log = get_logger()
 _SOLO_MIN = 64 << 10  # as the snapshots: large tensors stay views, small ones are packed (copied)
 _KEEP = 2  # verified copies kept per owner
 _RETRY_S = 0.05  # a keeper whose owner is unreachable (dead, not started) tries again this often
+_NAP_FRACTION = 0.5  # of the interval between the last two copies, slept before asking again
+_NAP_MAX = 1.0
 
 
 def keep_channel(generation: int, owner: int) -> str:
@@ -174,6 +176,7 @@ class BuddyCopies:
                 held = self._held[owner]
                 return held.pop(min(held)) if len(held) >= _KEEP else None
 
+        last = None  # when the previous copy arrived
         while not self._stop.is_set():
             try:
                 manifest, buffers, _ = stream_receive(
@@ -197,6 +200,14 @@ class BuddyCopies:
                 held[step] = tree
                 for old in sorted(held)[:-_KEEP]:
                     del held[old]
+            # The next copy starts when the owner's next step does, about one step from now.
+            # Asking for it at once would poll the owner's key server (a sealed request and
+            # reply each time) for the whole step, CPU taken from training; so sleep through
+            # half of the last interval between copies first.
+            now = time.monotonic()
+            if last is not None:
+                self._stop.wait(min(_NAP_MAX, _NAP_FRACTION * (now - last)))
+            last = now
 
     def stop(self, timeout: float) -> None:
         """Before a recovery: cancel the copy in flight and stop keeping (bounded). Copies being
