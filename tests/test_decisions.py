@@ -223,7 +223,7 @@ def test_sharded_initial_generation_syncs_each_shard_from_replica_group_zero() -
 def test_fsdp_without_replicas_ends_with_a_clear_error_never_a_wrong_shard() -> None:
     reports = _mesh_reports((1, 4), {2: (-1, False)})
     reports = [MemberReport(r.rank, r.committed_step, r.valid, snapshot_step=3, mesh=(1, 4)) for r in reports]
-    with pytest.raises(NotRecoverableError, match=r"shard\(s\) \[2\].*R >= 2"):
+    with pytest.raises(NotRecoverableError, match=r"ranks \[2\].*R >= 2"):
         plan_recovery(reports)
 
 

@@ -4,7 +4,8 @@ Each test runs examples/train_gpt.py --fsdp R,S under the launcher (4 ranks, glo
 a real fault and checks that every rank's final *shards* (not rank 0's alone) are bit for bit
 those of the fault-free run, that every (rank, step) trained on the fault-free run's batch, and
 that a receiver took its state from a holder of its own shard in the other replica group. FSDP
-1x4 has no replica to recover from: it must end with the documented error, never a wrong result.
+1x4 without buddy copies (--buddy-copies off) has nothing to recover from: it must end with the
+documented error, never a wrong result (with buddy copies: tests/test_buddy_e2e.py).
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def fault_plans(res: JobResult) -> list[dict[int, int]]:
         ("kill:rank=1:step=4", {1: 3}),  # rank 1 (shard 1) takes shard 1 from rank 3
         ("raise:rank=2:step=3:site=backward", None),  # raised inside FSDP's reduce-scatter
         ("raise:rank=1:step=4:site=optimizer", {1: 3}),  # half-updated: its shard is invalid
+        ("raise:rank=3:step=3:site=forward", None),  # inside the forward's all-gathers
+        ("kill:rank=1:step=0", {1: 3}),  # the very first step on the mesh
     ],
-    ids=["sigkill", "raise-in-reduce-scatter", "raise-mid-optimizer"],
+    ids=["sigkill", "raise-in-reduce-scatter", "raise-mid-optimizer", "raise-in-forward", "first-step"],
 )
 def test_hsdp_fault_is_recovered_from_the_replica_peer(
     tmp_path: Path, corpus: Path, hsdp_reference: JobResult, fault: str, receivers: dict[int, int] | None
@@ -113,10 +116,13 @@ def test_fsdp_without_replica_ends_with_the_documented_error(tmp_path: Path, cor
         nproc=4,
         spares=1,
         faults=["kill:rank=2:step=4"],
+        # no buddy copies and no snapshot before step 50: the shard exists nowhere else
+        extra=["--buddy-copies", "off"],
         script_args=[*TINY, "--fsdp", "1,4"],
         timeout=80,
     )
     assert res.rc != 0, "an FSDP job that lost its only copy of a shard must not go on"
-    assert "no valid replica" in res.output and "R >= 2" in res.output, res.output[-4000:]
+    assert "no replica, no buddy copy and no snapshot" in res.output, res.output[-4000:]
+    assert "R >= 2" in res.output and "--buddy-copies" in res.output, res.output[-4000:]
     assert not res.digests, f"no rank may finish with a result: {res.digests}"
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"

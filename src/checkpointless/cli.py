@@ -83,6 +83,7 @@ def _run(args: argparse.Namespace, local_agent: bool = True) -> int:
         plain=args.plain,
         max_restarts=args.max_restarts,
         snapshot_every=args.snapshot_every,
+        buddy_copies=getattr(args, "buddy_copies", "auto"),
         divergence_check=args.divergence_check,
         first_step_timeout=args.first_step_timeout,
         checkpoint_every=args.checkpoint_every,
@@ -216,6 +217,14 @@ def _job_flags(run: argparse.ArgumentParser) -> None:
         default=50,
         help="steps between verified snapshots of the state in shared memory, used when every "
         "replica dies (0: off; default 50)",
+    )
+    run.add_argument(
+        "--buddy-copies",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="keep each rank's shard state (FSDP/HSDP) in the memory of a rank on another host, "
+        "refreshed every step off the critical path, so a shard with no replica survives its "
+        "owner (auto: on when the device mesh has no replica, R = 1; default auto)",
     )
     run.add_argument(
         "--divergence-check",

@@ -114,6 +114,10 @@ class Stopped(Message):
     checkpoint_step: int | None = None  # newest complete durable checkpoint it can see
     time: float = 0.0
     mesh: list[int] | None = None  # (replicate, shard) of a sharded job's mesh; None: data parallel
+    # [owner, step] of every verified buddy copy this member keeps (state/buddy.py)
+    copies: list[list[int]] = field(default_factory=list)
+    # steps of this rank's own per-rank shared-memory snapshots (a sharded mesh)
+    own_snapshots: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,7 @@ class Assign(Message):
     local_world_size: int = -1
     node_rank: int = -1
     divergence_check: int = 100  # steps between replica digest comparisons (0: off)
+    buddy_copies: str = "auto"  # auto | on | off: shard copies on another host (state/buddy.py)
 
 
 @dataclass(frozen=True)

@@ -282,6 +282,7 @@ class Coordinator:
                 local_world_size=where.local_world_size,
                 node_rank=where.node_rank,
                 divergence_check=self.cfg.divergence_check,
+                buddy_copies=self.cfg.buddy_copies,
             ),
         )
 
@@ -494,6 +495,8 @@ class Coordinator:
             msg.snapshot_step,
             msg.checkpoint_step,
             mesh=(msg.mesh[0], msg.mesh[1]) if msg.mesh and len(msg.mesh) == 2 else None,
+            copies=tuple((c[0], c[1]) for c in msg.copies if len(c) == 2),
+            own_snapshots=tuple(msg.own_snapshots),
         )
         r.report_times[rank] = now
 

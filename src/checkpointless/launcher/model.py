@@ -57,6 +57,9 @@ class LaunchConfig:
     divergence_check: int = 100
     # the no-progress limit for a fresh process's first step (torch.compile, warm-up); policy.py
     first_step_timeout: float = 600.0
+    # buddy copies of each rank's shard on another host (state/buddy.py): auto (on when the
+    # mesh has no replica, R = 1), on, off; see docs/configuration.md
+    buddy_copies: str = "auto"
     snapshot_every: int = 50  # steps between shared-memory snapshots (0: off); see docs/configuration.md
     # durable DCP checkpoints: "0" (off), steps ("500") or a time ("10m"); see state/durable.py
     checkpoint_every: str = "0"
@@ -142,6 +145,8 @@ class LaunchConfig:
                 f"--divergence-check must be 0 (off) or a number of steps (got {self.divergence_check}); "
                 "e.g. --divergence-check 100"
             )
+        if self.buddy_copies not in ("auto", "on", "off"):
+            raise ConfigError(f"--buddy-copies must be auto, on or off (got {self.buddy_copies!r})")
         if self.snapshot_every < 0:
             raise ConfigError(
                 f"--snapshot-every must be 0 (off) or a number of steps (got {self.snapshot_every})"

@@ -36,6 +36,10 @@ class MemberReport:
     # (replicate, shard) sizes of the job's device mesh (None: replicated data parallel); rank r
     # holds shard coordinate r % shard in replica group r // shard (row-major, comm/mesh.py)
     mesh: tuple[int, int] | None = None
+    # (owner rank, step) of every verified buddy copy this member keeps for others (state/buddy.py)
+    copies: tuple[tuple[int, int], ...] = ()
+    # steps of this rank's own shared-memory snapshots on its host (per-rank, on a sharded mesh)
+    own_snapshots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,14 +52,28 @@ class RecoveryPlan:
     # (receiver, source) pairs when receivers take state from different ranks (a sharded mesh:
     # each from a holder of its own shard); empty: every receiver takes ``source``'s state
     sources: tuple[tuple[int, int], ...] = ()
+    # receivers whose source sends the buddy copy it keeps for them, not its own state
+    from_copy: tuple[int, ...] = ()
+    # receivers that load their own per-rank snapshot of target_step (no source)
+    own_snapshot: tuple[int, ...] = ()
 
     def source_of(self) -> dict[int, int]:
         """receiver -> the rank it takes state from (empty for snapshot and checkpoint plans)."""
         if self.from_snapshot or self.from_checkpoint:
             return {}
-        if self.sources:
+        if self.sources or self.own_snapshot:
             return dict(self.sources)
         return {r: self.source for r in self.receivers}
+
+    def kind_of(self, receiver: int) -> str:
+        """How ``receiver`` gets its state: replica, copy, own_snapshot (or the plan's kind)."""
+        if self.from_snapshot:
+            return "snapshot"
+        if self.from_checkpoint:
+            return "checkpoint"
+        if receiver in self.own_snapshot:
+            return "own_snapshot"
+        return "copy" if receiver in self.from_copy else "replica"
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -65,6 +83,10 @@ class RecoveryPlan:
         }
         if self.sources:
             out["sources"] = [list(pair) for pair in self.sources]
+        if self.from_copy:
+            out["from_copy"] = list(self.from_copy)
+        if self.own_snapshot:
+            out["own_snapshot"] = list(self.own_snapshot)
         if self.from_snapshot:
             out["from_snapshot"] = True
         if self.from_checkpoint:
@@ -147,21 +169,23 @@ def _common_mesh(reports: list[MemberReport]) -> tuple[int, int] | None:
 
 
 def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: bool) -> RecoveryPlan:
-    """The plan for a (replicate, shard) mesh: every receiver takes the state of its own shard
-    coordinate from a rank of another replica group that holds it at the target step.
+    """The plan for a (replicate, shard) mesh: every rank that does not hold its shard at the
+    target step gets it from the best holder left, in this order (docs/fault-model.md):
 
-    Rank r holds shard ``r % S``; ranks with the same shard coordinate hold identical state
-    after each commit (the replicate dimension all-reduces their gradients). The target is the
-    newest step at which every shard coordinate still has a valid holder: a rank ahead of it
-    receives and replays, exactly as a replica behind the target does in data parallelism. Among
-    a shard's holders the least loaded sends (the lowest rank on a tie), so when several ranks
-    fail at once their transfers are spread over different sources.
+    1. a *replica*: a valid rank of another replica group with the same shard coordinate
+       (rank r holds shard ``r % S``) at the target step, the least loaded (lowest on a tie), so
+       ranks recovered together draw from different sources;
+    2. a *buddy copy*: a member that keeps a verified copy of this rank's state at the target
+       step (state/buddy.py; the copy is of the rank, so of its shard);
+    3. its *own snapshot*: this rank's per-rank shared-memory snapshot of the target step, seen
+       on its host (a survivor rolling back, or a replacement on the same host).
 
-    When some shard has no valid holder at any common step (``R = 1``, or every replica of one
-    shard lost), the job can only go on from a copy of every rank's state. With ``S = 1`` each
-    rank holds the whole model, so rank 0's snapshot or checkpoint serves every rank as in data
-    parallelism. With ``S > 1`` those copies (written by rank 0 alone) do not hold the other
-    shards: the job ends with an error rather than go on with a missing shard.
+    The target is the newest step at which every rank has one of these (or holds it itself): a
+    rank ahead of it receives and replays, exactly as a replica behind the target does in data
+    parallelism. A shard whose holder and buddy are both lost falls through to the snapshot, then
+    to an older step. With ``S = 1`` every rank holds the whole model and rank 0's snapshot or
+    checkpoint serves everyone as in data parallelism; with ``S > 1`` and nothing left the job
+    ends with an error naming the ranks, never going on with a missing shard.
     """
     ranks = sorted(r.rank for r in reports)
     shards = mesh[1]
@@ -169,35 +193,73 @@ def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: b
         # the first replica group's shards are the reference, as DDP's broadcast from rank 0
         pairs = tuple((r, r % shards) for r in ranks if r >= shards)
         return RecoveryPlan(0, 0, tuple(p[0] for p in pairs), sources=pairs)
+    keepers: dict[tuple[int, int], list[int]] = {}  # (owner, step) -> members keeping that copy
+    for m in reports:
+        for owner, step in m.copies:
+            if owner != m.rank:
+                keepers.setdefault((owner, step), []).append(m.rank)
     valid = [r for r in reports if r.valid]
-    target: int | None = None
-    for step in sorted({r.committed_step for r in valid}, reverse=True):
-        held = {r.rank % shards for r in valid if r.committed_step == step}
-        if len(held) == shards:
-            target = step
-            break
-    if target is None:
-        if shards == 1:
-            return _fallback(reports, ranks)
-        lost = sorted(set(range(shards)) - {r.rank % shards for r in valid})
-        which = f"shard(s) {lost} have" if lost else "the shards have"
-        raise NotRecoverableError(
-            f"{which} no valid replica at a common step on the {mesh[0]}x{shards} mesh "
-            f"(valid ranks and steps: {[(r.rank, r.committed_step) for r in valid]}); a sharded job "
-            "recovers from a peer of another replica group only, since snapshots and checkpoints "
-            "are written by rank 0 and hold its shard alone (docs/architecture.md); run with "
-            "more than one replica group (job.device_mesh(..., (R, S)) with R >= 2)"
-        )
-    holders = [r.rank for r in valid if r.committed_step == target]
-    load = dict.fromkeys(holders, 0)
-    pairs_list: list[tuple[int, int]] = []
+    candidates = {r.committed_step for r in valid} | {s for _, s in keepers}
+    candidates |= {s for m in reports for s in m.own_snapshots}
+    for step in sorted(candidates, reverse=True):
+        plan = _assign_sources(reports, shards, step, keepers)
+        if plan is not None:
+            return plan
+    if shards == 1:
+        return _fallback(reports, ranks)
+    ckpts = {r.checkpoint_step for r in reports}
+    common = ckpts.pop() if len(ckpts) == 1 else None
+    if common is not None:
+        # every rank sees its own (per-rank) checkpoint of one step: each loads its own shard
+        return RecoveryPlan(common, -1, tuple(ranks), from_checkpoint=True)
+    newest = max((r.committed_step for r in valid), default=0)
+    stuck = [r.rank for r in reports if not (r.valid and r.committed_step == newest)]
+    raise NotRecoverableError(
+        f"ranks {stuck} of the {mesh[0]}x{shards} mesh have no replica, no buddy copy and no "
+        f"snapshot of their shard at a step every rank can reach (valid ranks and steps: "
+        f"{[(r.rank, r.committed_step) for r in valid]}, buddy copies: {sorted(keepers)}); a "
+        "shard whose holder and buddy were lost together (adjacent ranks of the ring, or hosts) "
+        "cannot be rebuilt (docs/fault-model.md); run with more than one replica group "
+        "(job.device_mesh(..., (R, S)) with R >= 2), keep --buddy-copies on, and keep "
+        "--snapshot-every on so a rank whose host survives has its own snapshot (and "
+        "--checkpoint-every with a number of steps as the last resort)"
+    )
+
+
+def _assign_sources(
+    reports: list[MemberReport], shards: int, step: int, keepers: dict[tuple[int, int], list[int]]
+) -> RecoveryPlan | None:
+    """Sources for every rank at ``step`` (replica, then buddy copy, then own snapshot), or None
+    if some rank has none."""
+    holders = [r.rank for r in reports if r.valid and r.committed_step == step]
+    load: dict[int, int] = {}
+    pairs: list[tuple[int, int]] = []
+    copies: list[int] = []
+    own: list[int] = []
     for r in sorted(reports, key=lambda m: m.rank):
-        if r.valid and r.committed_step == target:
+        if r.rank in holders:
             continue
-        src = min((h for h in holders if h % shards == r.rank % shards), key=lambda h: (load[h], h))
-        load[src] += 1
-        pairs_list.append((r.rank, src))
-    return RecoveryPlan(target, min(holders), tuple(p[0] for p in pairs_list), sources=tuple(pairs_list))
+        peers = [h for h in holders if h % shards == r.rank % shards]
+        kept = [k for k in keepers.get((r.rank, step), []) if k != r.rank]
+        if peers or kept:
+            src = min(peers or kept, key=lambda h: (load.get(h, 0), h))
+            load[src] = load.get(src, 0) + 1
+            pairs.append((r.rank, src))
+            if not peers:
+                copies.append(r.rank)
+        elif step in r.own_snapshots:
+            own.append(r.rank)
+        else:
+            return None
+    receivers = tuple(sorted([p[0] for p in pairs] + own))
+    return RecoveryPlan(
+        step,
+        min(holders) if holders else -1,
+        receivers,
+        sources=tuple(pairs),
+        from_copy=tuple(copies),
+        own_snapshot=tuple(own),
+    )
 
 
 @dataclass

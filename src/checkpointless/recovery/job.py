@@ -69,7 +69,14 @@ from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.rng import StepStreams
 from checkpointless.recovery.sections import Section, due_sections
-from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun, local_stateful, mesh_shape_error
+from checkpointless.recovery.sharded import (
+    SHARD_STATE_NAME,
+    ShardedRun,
+    buddies_wanted,
+    local_stateful,
+    mesh_shape_error,
+    send_copies,
+)
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.torchrun import (
     export_torchrun_env,
@@ -79,6 +86,8 @@ from checkpointless.recovery.torchrun import (
     torchrun_warning,
 )
 from checkpointless.state.arena import Arena
+from checkpointless.state.buddy import BuddyCopies, copy_channel
+from checkpointless.state.buddy_ring import buddy_of, owners_of
 from checkpointless.state.codec import tensor_paths
 from checkpointless.state.durable import (
     CheckpointWriter,
@@ -90,7 +99,9 @@ from checkpointless.state.durable import (
 from checkpointless.state.shm_snapshot import (
     SnapshotWriter,
     guarded_pointers,
+    list_snapshots,
     newest_snapshot,
+    rank_snapshot_dir,
     restore_snapshot,
     snapshot_dir,
 )
@@ -195,6 +206,11 @@ class Job:
         self._snapshots: SnapshotWriter | None = None  # rank 0's shared-memory snapshots
         self._checkpoints: CheckpointWriter | None = None  # rank 0's durable DCP checkpoints
         self._checkpoint_dir: Path | None = None  # every rank reads it to report and restore
+        self._snapshot_every = 0
+        self._checkpoint_every = parse_every("0")
+        self._own_snapshots: Path | None = None  # a sharded mesh: this rank's own snapshot directory
+        self._buddy_mode = "off"  # --buddy-copies: auto | on | off
+        self._buddies: BuddyCopies | None = None  # this rank's copies, kept on another host
         self._record: dict[str, Any] = {}
         self._interrupted: tuple[int, dict[str, Any]] | None = None
         self._link: LauncherLink | None = None
@@ -255,7 +271,8 @@ class Job:
         )
         if self.comm.backend == "nccl":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
-        every = int(msg.get("snapshot_every", 0))
+        every = self._snapshot_every = int(msg.get("snapshot_every", 0))
+        self._buddy_mode = str(msg.get("buddy_copies", "auto"))
         if every and self.rank == 0:
             # One copy per host is enough (replicas are identical after each commit), and the
             # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
@@ -263,7 +280,7 @@ class Job:
             self._snapshots = SnapshotWriter(snapshot_dir(self.env.job_id), every)
         if msg.get("checkpoint_dir"):
             self._checkpoint_dir = Path(msg["checkpoint_dir"])
-            ckpt_every = parse_every(msg.get("checkpoint_every", "0"))
+            ckpt_every = self._checkpoint_every = parse_every(msg.get("checkpoint_every", "0"))
             if not ckpt_every.off:
                 preload()  # every rank may have to load one after a loss of every replica
             if self.rank == 0 and not ckpt_every.off:
@@ -334,13 +351,42 @@ class Job:
         if self._default is not None:  # the mesh's world group is this one: the mesh drives it now
             self._default.handed_to_mesh()
         self._objects[SHARD_STATE_NAME] = self._mesh.identity()
-        if self._mesh.shards > 1 and (self._snapshots is not None or self._checkpoints is not None):
-            # rank 0 alone writes them, and on a sharded mesh it holds one shard only
-            log.warning("snapshots and checkpoints are off for a sharded mesh: shards recover from replicas")
-            self._snapshots = self._checkpoints = None
+        if self._mesh.shards > 1:
+            self._sharded_copies()
         if self._link is None:  # run plainly: a world of one, formed at once
             self._mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
         return self._mesh.device_mesh
+
+    def _sharded_copies(self) -> None:
+        """On a mesh with S > 1 each rank holds a different shard: snapshots become per-rank (every
+        rank its own file in the job's shm directory), buddy copies start (docs/architecture.md)."""
+        assert self._mesh is not None
+        if self._checkpoint_dir is not None:
+            # every rank its own DCP checkpoint of its own shard, in a directory of its own
+            self._checkpoint_dir = self._checkpoint_dir / f"rank{self.rank}"
+            off = self._checkpoint_every.off
+            self._checkpoints = (
+                None if off else CheckpointWriter(self._checkpoint_dir, self._checkpoint_every)
+            )
+        if self.env is None:
+            self._snapshots = None
+            return
+        buddies = buddies_wanted(self._buddy_mode, self._mesh.shape)
+        # with buddy copies, every step's local snapshot is each rank's undo copy: a survivor whose
+        # copy was kept by the lost rank rolls back to the lost rank's newest copy from it
+        every = (1 if buddies else self._snapshot_every) if self._snapshot_every > 0 else 0
+        self._snapshots = None
+        if every:
+            self._own_snapshots = rank_snapshot_dir(self.env.job_id, self.rank)
+            self._snapshots = SnapshotWriter(self._own_snapshots, every)
+        if buddies:
+            per_host = self.placement[1] if self.placement[1] > 0 else self.world_size
+            self._buddies = BuddyCopies(
+                self.rank,
+                buddy_of(self.rank, self.world_size, per_host),
+                owners_of(self.rank, self.world_size, per_host),
+                self.rendezvous_timeout,
+            )
 
     @property
     def dp_rank(self) -> int:
@@ -603,6 +649,9 @@ class Job:
             # the state as this step begins (its RNG included); copied while forward/backward run
             state = collect_state(self._objects, index, self._step_rng[1])
             self._snapshots.start(index, state, guarded_pointers(self._optimizers))
+        if self._buddies is not None:  # sent while forward/backward run; the update waits for it
+            state = collect_state(self._objects, index, self._step_rng[1])
+            self._buddies.start(index, state, guarded_pointers(self._optimizers))
         if self._checkpoints is not None and self._checkpoints.due(index, self._progress_t):
             state = collect_state(self._objects, index, self._step_rng[1])
             try:
@@ -635,6 +684,8 @@ class Job:
             self._snapshots.wait_copied(self.rendezvous_timeout)
         if self._checkpoints is not None:  # nor tensors DCP is still staging
             self._checkpoints.wait_staged(self.rendezvous_timeout)
+        if self._buddies is not None:  # nor tensors still streaming to the buddy
+            self._buddies.wait_sent(self.rendezvous_timeout)
         self._dirty = True
         if self._step_index is not None and self._injector.due("optimizer", self._step_index):
             # rehearse a fault half-way through the update: some parameters already changed
@@ -657,6 +708,9 @@ class Job:
         published = self._snapshots.take_published() if self._snapshots is not None else None
         if published is not None:
             self._record["snapshot"] = published.to_json()  # size and bound of the snapshot memory
+        if self._buddies is not None and self._buddies.last_send:
+            b = self._buddies
+            self._record["buddy"] = {**b.last_send, "wait_s": b.last_wait, "keeps_bytes": b.extra_bytes}
         saved = self._checkpoints.take_published() if self._checkpoints is not None else None
         if saved is not None:
             self._record["checkpoint"] = saved.to_json()
@@ -791,6 +845,8 @@ class Job:
             self._snapshots.wait_copied(self.rendezvous_timeout)
         if self._checkpoints is not None:  # nor tensors DCP is still staging
             self._checkpoints.wait_staged(self.rendezvous_timeout)
+        if self._buddies is not None:  # only verified copies are reported and kept
+            self._buddies.stop(self.rendezvous_timeout)
         for dp in self._dps:
             dp.reset()
         if self._mesh is not None:  # what the abandoned forward/backward left in FSDP2
@@ -821,6 +877,8 @@ class Job:
                         snapshot_step=snap,
                         checkpoint_step=newest_checkpoint(self._checkpoint_dir),
                         mesh=list(self._mesh.shape) if self._mesh is not None else None,
+                        copies=[list(c) for c in self._buddies.held()] if self._buddies else [],
+                        own_snapshots=list_snapshots(self._own_snapshots) if self._own_snapshots else [],
                     )
                 )
             resend = False
@@ -863,7 +921,10 @@ class Job:
         plan = msg["plan"]
         target, receivers = int(plan["target_step"]), list(plan["receivers"])
         sources = plan_sources(plan)  # receiver -> its source (on a mesh, a holder of its shard)
-        to_send = sorted(r for r, s in sources.items() if s == self.rank)
+        # receivers of this rank's own state; the buddy copies it keeps go out on a thread of their own
+        to_send = sorted(
+            r for r, s in sources.items() if s == self.rank and r not in plan.get("from_copy", ())
+        )
         self._injector.maybe_fire("recovery", target)
         t0 = time.monotonic()
         store = make_store(msg["rendezvous"], self.rank, self.world_size, gen, self._store_state, self.env)
@@ -879,9 +940,19 @@ class Job:
         info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
         route = self._stream_route(msg["rendezvous"], gen)
         info["transport"] = "gloo" if route is None else "stream"
+        copier = None
+        if self._buddies is not None and route is not None:  # kept copies go back beside the rest
+            copier = send_copies(
+                self._buddies, self.comm, plan, self.rank, gen, target, route, self.rendezvous_timeout
+            )
         if plan.get("from_snapshot"):
             info.update(self._restore_snapshot(target))
             info["role"] = info["transport"] = "snapshot"
+        elif self.rank in plan.get("own_snapshot", ()) and self._own_snapshots is not None:
+            stats = restore_snapshot(self._objects, self._own_snapshots, target)
+            info.update(stats)
+            info["role"] = info["transport"] = "own_snapshot"
+            log.info("restored this rank's own snapshot of step %d", target)
         elif plan.get("from_checkpoint"):
             if self._checkpoint_dir is None:
                 raise StateTransferError(
@@ -902,6 +973,8 @@ class Job:
             own = collect_state(self._objects, target, capture_rng())
             if self._arena is not None:
                 self._arena.reset()  # a transfer that failed before may have taken some of it
+            if route is not None and self.rank in plan.get("from_copy", ()):
+                route = dataclasses.replace(route, channel=copy_channel(gen, self.rank))
             state, stats = receive_state(
                 self.comm, sources[self.rank], self.rendezvous_timeout, own, route, self._arena
             )
@@ -915,8 +988,16 @@ class Job:
             restore_rng(rng)
             info.update(stats)
             info["role"] = "receiver"
+            if self.rank in plan.get("from_copy", ()):
+                info["transport"] = "buddy"
         else:
             restore_rng(self._resume_rng(target))
+        if copier is not None:
+            copier.join(self.rendezvous_timeout)
+            if copier.error is not None:
+                raise copier.error
+        if self._buddies is not None:
+            self._buddies.resume(gen, self._stream_route(msg["rendezvous"], gen))
         self.committed_step = target
         self._step_rng = None
         if self._interrupted is not None and self._interrupted[0] == target - 1 and self._events is not None:
@@ -972,8 +1053,8 @@ def plan_sources(plan: dict[str, Any]) -> dict[int, int]:
     else one source for every receiver; empty for snapshot and checkpoint plans."""
     if plan.get("from_snapshot") or plan.get("from_checkpoint"):
         return {}
-    if plan.get("sources"):
-        return {int(r): int(s) for r, s in plan["sources"]}
+    if plan.get("sources") or plan.get("own_snapshot"):
+        return {int(r): int(s) for r, s in plan.get("sources", [])}
     return {int(r): int(plan["source"]) for r in plan["receivers"]}
 
 

@@ -29,19 +29,26 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.mesh import ResilientMesh, make_device_mesh, reset_fsdp
 from checkpointless.errors import CommAborted, ConfigError, StateTransferError
+from checkpointless.state.buddy import BuddyCopies, copy_channel
 from checkpointless.state.snapshot import Stateful
+from checkpointless.state.stream import StreamRoute
+from checkpointless.state.transfer import send_state
 
 __all__ = [
     "SHARD_STATE_NAME",
+    "CopySender",
     "LocalModuleState",
     "LocalOptimizerState",
     "ShardIdentity",
     "ShardedRun",
+    "buddies_wanted",
     "has_dtensors",
     "local_stateful",
     "mesh_shape_error",
+    "send_copies",
 ]
 
 SHARD_STATE_NAME = "__shard__"  # the registered name of the ShardIdentity
@@ -239,3 +246,62 @@ def mesh_shape_error(names: Sequence[str], shape: Sequence[int], world_size: int
             "choose sizes whose product is the number of ranks (--nproc)"
         )
     return None
+
+
+def buddies_wanted(mode: str, shape: tuple[int, int]) -> bool:
+    """``--buddy-copies``: auto means on when a shard has no replica (R = 1) and S > 1."""
+    if mode not in ("auto", "on", "off"):
+        raise ConfigError(f"--buddy-copies must be auto, on or off (got {mode!r})")
+    replicate, shards = shape
+    if shards <= 1 or mode == "off":
+        return False
+    return mode == "on" or replicate == 1
+
+
+class CopySender:
+    """Sends the buddy copies a recovery plan asks of this rank, on a thread of its own, so that a
+    keeper that must also receive (it rolls back itself) does both at once: two keepers that
+    hold each other's copies would otherwise wait on each other."""
+
+    def __init__(self, jobs: list[tuple[int, Any, StreamRoute]], comm: Communicator, timeout: float) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(jobs, comm, timeout), name="cl-buddy-return", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, jobs: list[tuple[int, Any, StreamRoute]], comm: Communicator, timeout: float) -> None:
+        try:
+            for receiver, tree, route in jobs:
+                send_state(comm, tree, [receiver], timeout, route)
+        except BaseException as e:
+            self.error = e
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.error = StateTransferError(f"sending buddy copies took over {timeout:.0f} s")
+
+
+def send_copies(
+    buddies: BuddyCopies,
+    comm: Communicator,
+    plan: dict[str, Any],
+    rank: int,
+    generation: int,
+    target: int,
+    route: StreamRoute,
+    timeout: float,
+) -> CopySender | None:
+    """Start sending the copies this rank keeps to the receivers the plan names (None: none)."""
+    from_copy = {int(r) for r in plan.get("from_copy", [])}
+    jobs = [
+        (int(r), buddies.copy(int(r), target), _replace_channel(route, copy_channel(generation, int(r))))
+        for r, src in plan.get("sources", [])
+        if int(src) == rank and int(r) in from_copy
+    ]
+    return CopySender(jobs, comm, timeout) if jobs else None
+
+
+def _replace_channel(route: StreamRoute, channel: str) -> StreamRoute:
+    return StreamRoute(route.server, route.peers, route.secret, channel)

@@ -63,6 +63,7 @@ __all__ = [
     "list_snapshots",
     "load_snapshot",
     "newest_snapshot",
+    "rank_snapshot_dir",
     "restore_snapshot",
     "snapshot_dir",
     "snapshot_path",
@@ -106,6 +107,16 @@ def snapshot_dir(job_id: str) -> Path:
     return job_cache_dir(job_id) / "snapshots"
 
 
+def rank_snapshot_dir(job_id: str, rank: int) -> Path:
+    """Where one rank's own snapshots live on a sharded mesh (each rank holds a different shard,
+    so each writes its own, next to the others in the job's private directory). Created private."""
+    top = snapshot_dir(job_id)
+    _private_dir(top)
+    path = top / f"rank{rank}"
+    _private_dir(path)
+    return path
+
+
 def snapshot_path(directory: Path, step: int) -> Path:
     return directory / f"snap-{step:012d}.ckpl"
 
@@ -134,11 +145,17 @@ def guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     """Addresses of the tensors that only ``optimizer.step()`` changes: the parameters and the
     optimizer's state. Those may be copied after the step began; everything else is copied at once."""
     out: set[int] = set()
+
+    def ptr(t: torch.Tensor) -> int:
+        # a DTensor (FSDP2) is copied through its local shard: that storage is what is guarded
+        local = getattr(t, "to_local", None)
+        return int(local().data_ptr()) if callable(local) else int(t.data_ptr())
+
     for opt in optimizers:
         for group in opt.param_groups:
-            out.update(p.data_ptr() for p in group["params"])
+            out.update(ptr(p) for p in group["params"])
         for st in opt.state.values():
-            out.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+            out.update(ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
     return out
 
 
@@ -242,9 +259,9 @@ def write_snapshot(
 def _prune(directory: Path, tmp: Path) -> None:
     """Make room for one more snapshot: keep only the newest published one, remove what a killed
     writer left, and recycle the older published one as ``tmp`` (its pages are already allocated,
-    so overwriting them is cheaper than filling new ones). There is one writer per job at a time
-    (rank 0; the launcher kills a rank's old process before a spare takes the rank), so every
-    hidden file here is a dead writer's."""
+    so overwriting them is cheaper than filling new ones). There is one writer per directory at a
+    time (rank 0, or on a sharded mesh each rank in its own; the launcher kills a rank's old process
+    before a spare takes the rank), so every hidden file here is a dead writer's."""
     for name in os.listdir(directory):
         if name.startswith(_WRITING):
             (directory / name).unlink(missing_ok=True)

@@ -1,0 +1,92 @@
+"""BuddyCopies over real key servers and real sockets (two ranks in one process, threads): the
+keeper holds exactly the two newest verified copies, bitwise; a copy cut off is never listed;
+the owner's wait ends when the copy is acknowledged."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from checkpointless.rendezvous import KeyServer
+from checkpointless.state.buddy import BuddyCopies
+from checkpointless.state.stream import StreamRoute
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = b"b" * 32
+
+
+@pytest.fixture()
+def pair() -> Iterator[tuple[BuddyCopies, BuddyCopies]]:
+    """Rank 0 (owner, its copy kept by rank 1) and rank 1, generation 0 formed."""
+    servers = [KeyServer("127.0.0.1", 0, SECRET) for _ in range(2)]
+    for s in servers:
+        s.start()
+    peers = [s.address for s in servers]
+    owner = BuddyCopies(0, 1, [], timeout=10.0)
+    keeper = BuddyCopies(1, None, [0], timeout=10.0)
+    try:
+        for b, s in ((owner, servers[0]), (keeper, servers[1])):
+            b.resume(0, StreamRoute(s, peers, SECRET, "state/gen0"))
+        yield owner, keeper
+    finally:
+        owner.stop(5.0)
+        keeper.stop(5.0)
+        for s in servers:
+            s.stop()
+
+
+def _state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "step": step,
+        "rng": {"torch": torch.get_rng_state()},
+        "objects": {"w": torch.randn(300_000, generator=g), "b": torch.randn(7, generator=g)},
+    }
+
+
+def _until(cond: object, what: str, limit: float = 20.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_keeper_holds_the_two_newest_verified_copies_bitwise(pair: tuple[BuddyCopies, BuddyCopies]) -> None:
+    owner, keeper = pair
+    for step in range(4):
+        state = _state(step)
+        assert owner.start(step, state, guarded=set())
+        owner.wait_sent(10.0)
+        assert owner.last_send["step"] == step, owner.last_send
+        _until(lambda s=step: (0, s) in keeper.held(), f"copy of step {step}")
+    assert keeper.held() == [(0, 2), (0, 3)]
+    for step in (2, 3):
+        got = keeper.copy(0, step)
+        want = _state(step)
+        assert got["step"] == step
+        assert torch.equal(got["objects"]["w"], want["objects"]["w"])  # type: ignore[index]
+        assert torch.equal(got["objects"]["b"], want["objects"]["b"])  # type: ignore[index]
+    # two copies of the owner's state at most
+    one = sum(t.numel() * t.element_size() for t in _state(0)["objects"].values())  # type: ignore[union-attr]
+    assert one * 2 <= keeper.extra_bytes <= one * 2 + (64 << 10)
+
+
+def test_a_stopped_keeper_lists_no_half_copy_and_the_owner_does_not_hang(
+    pair: tuple[BuddyCopies, BuddyCopies],
+) -> None:
+    owner, keeper = pair
+    for step in range(2):
+        owner.start(step, _state(step), guarded=set())
+        owner.wait_sent(10.0)
+        _until(lambda s=step: (0, s) in keeper.held(), f"copy of step {step}")
+    keeper.stop(5.0)  # a recovery began on the keeper's side
+    assert keeper.held() == [(0, 0), (0, 1)]
+    t0 = time.monotonic()
+    owner.start(2, _state(2), guarded=set())
+    waited = owner.wait_sent(1.0)  # nobody receives: cancelled at the limit, training goes on
+    assert waited < 5.0 and owner.failed == 1, (waited, owner.failed)
+    assert time.monotonic() - t0 < 6.0
+    assert keeper.held() == [(0, 0), (0, 1)], "a copy that never completed must not be listed"
