@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
+from checkpointless.agent.beats import beats_message
 from checkpointless.config import ENV
 from checkpointless.errors import ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
@@ -37,7 +38,6 @@ from checkpointless.launcher.control import ControlClient
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import job_shm_dir
 from checkpointless.protocol import (
-    AgentHeartbeat,
     AgentHello,
     AgentWelcome,
     KillCmd,
@@ -90,13 +90,17 @@ class _Session:
         self.last_in = time.monotonic()
         self.broken = threading.Event()
         self.done = threading.Event()
+        self.agent: Agent | None = None  # set once it exists: its workers' beats ride along
         # heartbeats on a thread of their own: starting a process can block this agent's loop
         # for seconds (the fork template's imports), longer than the coordinator's lease
         threading.Thread(target=self._beat, daemon=True, name="cl-agent-beat").start()
 
     def _beat(self) -> None:
         while not self.done.wait(_HEARTBEAT_S):
-            if not self.send(AgentHeartbeat(time.time())):
+            # one frame per interval for the whole host: the workers' beats since the last one
+            agent = self.agent
+            beats = agent.read_beats(time.monotonic()) if agent is not None else []
+            if not self.send(beats_message(beats, time.time())):
                 self.broken.set()
                 return
 
@@ -265,6 +269,7 @@ def _serve(
         Path(w.run_dir) / f"agent-{w.agent_id}.jsonl", job=w.job_id, agent=w.agent_id, host=host
     )
     agent = Agent(cfg, env, events)
+    session.agent = agent
     outcome = "fenced"
     try:
         agent.start()

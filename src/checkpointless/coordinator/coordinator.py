@@ -16,7 +16,7 @@ plan goes out (``Recover``), and once every rank has ``Recovered`` the new gener
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.downtime import recovery_fields
 from checkpointless.coordinator.placement import HostView, assign_hosts, pick_spares, placement, spare_host
@@ -41,6 +41,7 @@ from checkpointless.launcher.policy import (
     progress_limit,
     start_failure_verdict,
 )
+from checkpointless.peer_table import DELTA_LIMIT, compact_plan, diff, encode_chunks, table_digest
 from checkpointless.protocol import (
     Abort,
     Assign,
@@ -50,6 +51,8 @@ from checkpointless.protocol import (
     Fired,
     Heartbeat,
     Message,
+    PeerTable,
+    PeerTableRequest,
     Prepare,
     Recover,
     Recovered,
@@ -65,6 +68,9 @@ from checkpointless.recovery.decisions import (
     plan_recovery,
     spare_policy,
 )
+
+if TYPE_CHECKING:
+    from checkpointless.agent.beats import WorkerBeat
 
 __all__ = ["Coordinator"]
 
@@ -97,6 +103,15 @@ class Coordinator:
         self._last_target: int | None = None
         self._same_target = 0
         self.hosts: dict[int, HostState] = {}  # agent id -> its host (one machine: host 0 only)
+        # the root-less peer table as the members know it (peer_table.py): the current version,
+        # the change from the previous one, and which version each process was brought up to
+        self._table: list[str] = []
+        self._table_version = 0
+        self._table_base = -1
+        self._table_digest = table_digest([])
+        self._moved: list[tuple[int, str]] = []
+        self._table_chunks: list[PeerTable] | None = None
+        self._table_held: dict[int, int] = {}  # worker id -> table version it holds
         self.started = False
         self._out: list[Command] = []
 
@@ -176,6 +191,19 @@ class Coordinator:
         if m.role == "worker" and m.rank is not None:
             self._assign(m, m.rank, 0, now)
         return True
+
+    def on_beats(self, host: int, beats: list[WorkerBeat], now: float) -> None:
+        """An agent's aggregated heartbeat: each entry counts as that worker's own ``Heartbeat``,
+        received ``age`` seconds before ``now`` (only for processes of that agent's host)."""
+        for b in beats:
+            m = self.procs.get(b.worker_id)
+            if m is None or m.host != host:
+                continue
+            at = now - b.age
+            hb = Heartbeat(
+                step=b.step, progress_age=b.progress_age, in_collective=b.in_collective, step_time=b.step_time
+            )
+            self._apply_heartbeat(m, hb, max(at, m.last_message))
 
     def on_closed(self, worker_id: int) -> None:
         m = self.procs.get(worker_id)
@@ -295,13 +323,9 @@ class Coordinator:
             return
         m.last_message = now
         if isinstance(msg, Heartbeat):
-            m.in_collective = msg.in_collective
-            if msg.progress_age is not None:
-                m.progress_known = True
-                m.last_progress = now - msg.progress_age
-            m.step = msg.step
-            if msg.step_time is not None:
-                m.step_time = msg.step_time
+            self._apply_heartbeat(m, msg, now)
+        elif isinstance(msg, PeerTableRequest):
+            self._send_table(m)
         elif isinstance(msg, SpareReady):
             m.ready = True
             self._early_spare_deaths = 0
@@ -322,6 +346,46 @@ class Coordinator:
             m.done = True
         elif isinstance(msg, Fatal):
             raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
+
+    @staticmethod
+    def _apply_heartbeat(m: Member, msg: Heartbeat, at: float) -> None:
+        """A heartbeat the worker sent at ``at`` (directly, or published for its agent)."""
+        m.last_message = at
+        m.in_collective = msg.in_collective
+        if msg.progress_age is not None:
+            m.progress_known = True
+            m.last_progress = at - msg.progress_age
+        m.step = msg.step
+        if msg.step_time is not None:
+            m.step_time = msg.step_time
+
+    # -- the peer table -----------------------------------------------------------------------
+    def _update_table(self, peers: list[str]) -> None:
+        """A new version when any address changed; a delta from the last one when it is small."""
+        if peers == self._table:
+            self._table_base, self._moved = self._table_version, []
+            return
+        moved = diff(self._table, peers) if len(peers) == len(self._table) and self._table else None
+        small = moved is not None and len(moved) <= DELTA_LIMIT
+        self._table_base = self._table_version if small else -1
+        self._moved = moved if small and moved is not None else []
+        self._table_version += 1
+        self._table = peers
+        self._table_digest = table_digest(peers)
+        self._table_chunks = None
+
+    def _send_table(self, m: Member) -> None:
+        """The full table to one member, in chunks (built once per version)."""
+        if not self._table:
+            return  # no plan yet: its first Recover brings the table
+        if self._table_chunks is None:
+            n, v, d = len(self._table), self._table_version, self._table_digest
+            self._table_chunks = [
+                PeerTable(v, d, n, c.first, c.hosts, c.runs) for c in encode_chunks(self._table)
+            ]
+        for chunk in self._table_chunks:
+            self._send(m, chunk)
+        self._table_held[m.worker_id] = self._table_version
 
     # -- faults -------------------------------------------------------------------------------
     def _fault(
@@ -389,6 +453,7 @@ class Coordinator:
             return
         m.exited = True
         m.exit_code = code
+        self._table_held.pop(worker_id, None)
         m.connected = False
         if m.rank is None or self.ranks.get(m.rank) is not m:
             if m.role == "spare":
@@ -522,14 +587,31 @@ class Coordinator:
                 "row made no progress; this looks like a bug or a bad node, not a transient fault "
                 "(raise --max-step-failures to allow more)"
             )
-        desc = dict(self.rendezvous)
-        if desc["kind"] == "rootless":
-            desc["peers"] = [self.ranks[k].store_address for k in range(self.cfg.nproc)]
-        # one plan object for every member: its receivers list can name every rank (generation
-        # 0), so building it per member was quadratic in the job size
         plan_json = plan.to_json()
+        # one Recover for every member, and of a size that does not grow with the job: the plan's
+        # rank lists as ranges, the peer table as a delta (peer_table.py). A member that does not
+        # hold the version the delta applies to gets the full table first, in chunks.
+        rootless = self.rendezvous["kind"] == "rootless"
+        if rootless:
+            self._update_table([self.ranks[k].store_address for k in range(self.cfg.nproc)])
+        msg = Recover(
+            generation=r.target,
+            rendezvous=dict(self.rendezvous),
+            plan=compact_plan(plan_json),
+            table_version=self._table_version if rootless else -1,
+            table_base=self._table_base if rootless else -1,
+            table_digest=self._table_digest if rootless else "",
+            moved_ranks=[rank for rank, _ in self._moved],
+            moved_to=[address for _, address in self._moved],
+        )
         for m in self.ranks.values():
-            self._send(m, Recover(generation=r.target, rendezvous=desc, plan=plan_json))
+            held = self._table_held.get(m.worker_id, -1)
+            delta_fits = self._table_base >= 0 and held == self._table_base
+            if rootless and held != self._table_version and not delta_fits:
+                self._send_table(m)
+            if m.connected and not m.exited:
+                self._table_held[m.worker_id] = self._table_version
+            self._send(m, msg)
         r.phase = "rebuild"
         r.plan_sent = now
         self._emit("plan", generation=r.target, **plan_json)
