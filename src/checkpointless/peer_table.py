@@ -21,6 +21,7 @@ Everything here is a pure function of its arguments (tested in ``tests/test_peer
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,13 +102,13 @@ def encode_chunks(peers: Sequence[str], budget: int = CHUNK_BYTES) -> list[Table
     runs: list[list[int]] = []
     first, size = 0, 0
     for start, count, host, port in _runs(peers):
-        cost = (
-            len(f"[{start},{count},{len(hosts)},{port}],") + 4 + (0 if host in hosts else len(host) * 2 + 4)
-        )
+        # the run's JSON, plus the host's own JSON (escapes and all) when the chunk lacks it
+        named = len(json.dumps(host)) + 1
+        cost = len(f"[{start},{count},{len(hosts)},{port}],") + (0 if host in hosts else named)
         if runs and size + cost > budget:
             chunks.append(TableChunk(first, list(hosts), runs))
             hosts, runs, first, size = {}, [], start, 0
-            cost = len(f"[{start},{count},0,{port}],") + 4 + len(host) * 2 + 4
+            cost = len(f"[{start},{count},0,{port}],") + named
         idx = hosts.setdefault(host, len(hosts))
         runs.append([start, count, idx, port])
         size += cost
