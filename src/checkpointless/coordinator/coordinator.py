@@ -199,11 +199,8 @@ class Coordinator:
             m = self.procs.get(b.worker_id)
             if m is None or m.host != host:
                 continue
-            at = now - b.age
-            hb = Heartbeat(
-                step=b.step, progress_age=b.progress_age, in_collective=b.in_collective, step_time=b.step_time
-            )
-            self._apply_heartbeat(m, hb, max(at, m.last_message))
+            at = max(now - b.age, m.last_message)
+            self._apply_heartbeat(m, at, b.step, b.progress_age, b.in_collective, b.step_time)
 
     def on_closed(self, worker_id: int) -> None:
         m = self.procs.get(worker_id)
@@ -323,7 +320,7 @@ class Coordinator:
             return
         m.last_message = now
         if isinstance(msg, Heartbeat):
-            self._apply_heartbeat(m, msg, now)
+            self._apply_heartbeat(m, now, msg.step, msg.progress_age, msg.in_collective, msg.step_time)
         elif isinstance(msg, PeerTableRequest):
             self._send_table(m)
         elif isinstance(msg, SpareReady):
@@ -348,16 +345,23 @@ class Coordinator:
             raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
 
     @staticmethod
-    def _apply_heartbeat(m: Member, msg: Heartbeat, at: float) -> None:
+    def _apply_heartbeat(
+        m: Member,
+        at: float,
+        step: int | None,
+        progress_age: float | None,
+        in_collective: bool,
+        step_time: float | None,
+    ) -> None:
         """A heartbeat the worker sent at ``at`` (directly, or published for its agent)."""
         m.last_message = at
-        m.in_collective = msg.in_collective
-        if msg.progress_age is not None:
+        m.in_collective = in_collective
+        if progress_age is not None:
             m.progress_known = True
-            m.last_progress = at - msg.progress_age
-        m.step = msg.step
-        if msg.step_time is not None:
-            m.step_time = msg.step_time
+            m.last_progress = at - progress_age
+        m.step = step
+        if step_time is not None:
+            m.step_time = step_time
 
     # -- the peer table -----------------------------------------------------------------------
     def _update_table(self, peers: list[str]) -> None:
