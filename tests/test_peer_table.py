@@ -247,3 +247,27 @@ def test_every_member_meets_the_coordinators_table_through_two_rounds_and_a_miss
     again = j.workers[1].resolve(encode(recover))
     assert again is not None and again["rendezvous"]["peers"] == truth
     assert all(r is None or r["rendezvous"]["peers"] == truth for r in res.values())
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=5),
+    max_leaves=16,
+)
+table_fields = st.sampled_from(["version", "digest", "world_size", "first", "hosts", "runs", "junk"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(table_fields, json_values, max_size=7), st.integers(1, 50))
+def test_a_malformed_chunk_is_a_protocol_or_table_error_never_a_crash(body: dict[str, Any], n: int) -> None:
+    """What the worker's reader thread catches (recovery/link.py): ProtocolError or TableError."""
+    from checkpointless.protocol import ProtocolError, decode
+
+    holder = holder_with([f"10.0.0.1:{i}" for i in range(n)], 1)
+    try:
+        m = decode({**body, "type": "peer_table"})
+        assert isinstance(m, PeerTable)
+        holder.on_chunk(m.version, m.digest, m.world_size, TableChunk(m.first, m.hosts, m.runs))
+    except (ProtocolError, ValueError):
+        pass
+    assert holder.version == 1 or holder.version == body.get("version"), "only an intact table replaces it"
