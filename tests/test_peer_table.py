@@ -271,3 +271,29 @@ def test_a_malformed_chunk_is_a_protocol_or_table_error_never_a_crash(body: dict
     except (ProtocolError, ValueError):
         pass
     assert holder.version == 1 or holder.version == body.get("version"), "only an intact table replaces it"
+
+
+def test_the_keeper_sends_a_delta_only_to_who_holds_its_base() -> None:
+    from checkpointless.peer_table import DELTA_LIMIT, TableKeeper
+
+    t = TableKeeper()
+    first = host_major(4, 8, 29600)
+    t.update(first)
+    assert (t.version, t.base, t.moved) == (1, -1, []), "a first table has nothing to be a delta of"
+    assert t.needs_full(0)
+    t.sent(0)
+    assert not t.needs_full(0)
+    second = list(first)
+    second[5] = "10.9.9.9:1"
+    t.update(second)
+    assert (t.version, t.base, t.moved) == (2, 1, [(5, "10.9.9.9:1")])
+    assert not t.needs_full(0) and t.needs_full(1), "holder of v1 takes the delta; a newcomer the table"
+    t.update(second)  # a round that moved nobody: same version, nothing to apply
+    assert (t.version, t.base, t.moved) == (2, 2, [])
+    t.forget(0)
+    assert t.needs_full(0)
+    many = [f"10.8.0.1:{i}" for i in range(DELTA_LIMIT + 1)]
+    t.update(many)  # another size: no delta
+    t.update([a + "0" for a in many])  # too many changes for a delta
+    assert t.base == -1 and t.moved == [] and t.version == 4
+    assert assemble(t.chunks(), len(many)) == t.peers and t.digest == table_digest(t.peers)

@@ -33,6 +33,7 @@ __all__ = [
     "TableChunk",
     "TableError",
     "TableHolder",
+    "TableKeeper",
     "apply_delta",
     "assemble",
     "compact_plan",
@@ -227,6 +228,55 @@ def expand_plan(plan: dict[str, Any]) -> dict[str, Any]:
     if "source_runs" in out:
         out["sources"] = _expand_pair_runs(out.pop("source_runs"))
     return out
+
+
+# -- the coordinator's side ---------------------------------------------------------------------------
+class TableKeeper:
+    """The coordinator's copy of the table: its version, the change from the last version (when
+    it is small enough to send as a delta) and the version each process was brought up to.
+
+    The control connection is ordered and reliable, so what was sent is what a process holds,
+    unless it reconnected or a message was dropped; a worker checks the digest either way."""
+
+    def __init__(self) -> None:
+        self.peers: list[str] = []
+        self.version = 0  # 0: no table yet
+        self.base = -1  # the version ``moved`` applies to; -1: none
+        self.digest = table_digest([])
+        self.moved: list[tuple[int, str]] = []
+        self.held: dict[int, int] = {}  # worker id -> version
+        self._chunks: list[TableChunk] | None = None
+
+    def update(self, peers: list[str]) -> None:
+        """A new version when any address changed; a delta from the last one when it is small."""
+        if peers == self.peers:
+            self.base, self.moved = self.version, []
+            return
+        moved = diff(self.peers, peers) if self.peers and len(peers) == len(self.peers) else None
+        small = moved is not None and len(moved) <= DELTA_LIMIT
+        self.base = self.version if small else -1
+        self.moved = moved if moved is not None and small else []
+        self.version += 1
+        self.peers = list(peers)
+        self.digest = table_digest(self.peers)
+        self._chunks = None
+
+    def needs_full(self, worker_id: int) -> bool:
+        held = self.held.get(worker_id, -1)
+        return held != self.version and not (self.base >= 0 and held == self.base)
+
+    def chunks(self) -> list[TableChunk]:
+        """The current table as chunks, built once per version."""
+        if self._chunks is None:
+            self._chunks = encode_chunks(self.peers)
+        return self._chunks
+
+    def sent(self, worker_id: int) -> None:
+        """This process now holds the current version (its chunks or delta are on their way)."""
+        self.held[worker_id] = self.version
+
+    def forget(self, worker_id: int) -> None:
+        self.held.pop(worker_id, None)
 
 
 # -- the worker's side ------------------------------------------------------------------------------

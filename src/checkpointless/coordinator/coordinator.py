@@ -41,7 +41,7 @@ from checkpointless.launcher.policy import (
     progress_limit,
     start_failure_verdict,
 )
-from checkpointless.peer_table import DELTA_LIMIT, compact_plan, diff, encode_chunks, table_digest
+from checkpointless.peer_table import TableKeeper, compact_plan
 from checkpointless.protocol import (
     Abort,
     Assign,
@@ -103,15 +103,7 @@ class Coordinator:
         self._last_target: int | None = None
         self._same_target = 0
         self.hosts: dict[int, HostState] = {}  # agent id -> its host (one machine: host 0 only)
-        # the root-less peer table as the members know it (peer_table.py): the current version,
-        # the change from the previous one, and which version each process was brought up to
-        self._table: list[str] = []
-        self._table_version = 0
-        self._table_base = -1
-        self._table_digest = table_digest([])
-        self._moved: list[tuple[int, str]] = []
-        self._table_chunks: list[PeerTable] | None = None
-        self._table_held: dict[int, int] = {}  # worker id -> table version it holds
+        self.table = TableKeeper()  # the root-less peer table as the members hold it
         self.started = False
         self._out: list[Command] = []
 
@@ -363,33 +355,15 @@ class Coordinator:
         if step_time is not None:
             m.step_time = step_time
 
-    # -- the peer table -----------------------------------------------------------------------
-    def _update_table(self, peers: list[str]) -> None:
-        """A new version when any address changed; a delta from the last one when it is small."""
-        if peers == self._table:
-            self._table_base, self._moved = self._table_version, []
-            return
-        moved = diff(self._table, peers) if len(peers) == len(self._table) and self._table else None
-        small = moved is not None and len(moved) <= DELTA_LIMIT
-        self._table_base = self._table_version if small else -1
-        self._moved = moved if small and moved is not None else []
-        self._table_version += 1
-        self._table = peers
-        self._table_digest = table_digest(peers)
-        self._table_chunks = None
-
     def _send_table(self, m: Member) -> None:
-        """The full table to one member, in chunks (built once per version)."""
-        if not self._table:
+        """The whole peer table to one member, in chunks (peer_table.py)."""
+        t = self.table
+        if t.version == 0:
             return  # no plan yet: its first Recover brings the table
-        if self._table_chunks is None:
-            n, v, d = len(self._table), self._table_version, self._table_digest
-            self._table_chunks = [
-                PeerTable(v, d, n, c.first, c.hosts, c.runs) for c in encode_chunks(self._table)
-            ]
-        for chunk in self._table_chunks:
-            self._send(m, chunk)
-        self._table_held[m.worker_id] = self._table_version
+        for c in t.chunks():
+            self._send(m, PeerTable(t.version, t.digest, len(t.peers), c.first, c.hosts, c.runs))
+        if m.connected and not m.exited:  # _send drops what a closed connection cannot take
+            t.sent(m.worker_id)
 
     # -- faults -------------------------------------------------------------------------------
     def _fault(
@@ -457,7 +431,7 @@ class Coordinator:
             return
         m.exited = True
         m.exit_code = code
-        self._table_held.pop(worker_id, None)
+        self.table.forget(worker_id)
         m.connected = False
         if m.rank is None or self.ranks.get(m.rank) is not m:
             if m.role == "spare":
@@ -595,26 +569,24 @@ class Coordinator:
         # one Recover for every member, and of a size that does not grow with the job: the plan's
         # rank lists as ranges, the peer table as a delta (peer_table.py). A member that does not
         # hold the version the delta applies to gets the full table first, in chunks.
-        rootless = self.rendezvous["kind"] == "rootless"
+        rootless, t = self.rendezvous["kind"] == "rootless", self.table
         if rootless:
-            self._update_table([self.ranks[k].store_address for k in range(self.cfg.nproc)])
+            t.update([self.ranks[k].store_address for k in range(self.cfg.nproc)])
         msg = Recover(
             generation=r.target,
             rendezvous=dict(self.rendezvous),
             plan=compact_plan(plan_json),
-            table_version=self._table_version if rootless else -1,
-            table_base=self._table_base if rootless else -1,
-            table_digest=self._table_digest if rootless else "",
-            moved_ranks=[rank for rank, _ in self._moved],
-            moved_to=[address for _, address in self._moved],
+            table_version=t.version if rootless else -1,
+            table_base=t.base if rootless else -1,
+            table_digest=t.digest if rootless else "",
+            moved_ranks=[rank for rank, _ in t.moved],
+            moved_to=[address for _, address in t.moved],
         )
         for m in self.ranks.values():
-            held = self._table_held.get(m.worker_id, -1)
-            delta_fits = self._table_base >= 0 and held == self._table_base
-            if rootless and held != self._table_version and not delta_fits:
+            if rootless and t.needs_full(m.worker_id):
                 self._send_table(m)
-            if m.connected and not m.exited:
-                self._table_held[m.worker_id] = self._table_version
+            elif m.connected and not m.exited:
+                t.sent(m.worker_id)
             self._send(m, msg)
         r.phase = "rebuild"
         r.plan_sent = now
