@@ -104,6 +104,7 @@ class Coordinator:
         self._same_target = 0
         self.hosts: dict[int, HostState] = {}  # agent id -> its host (one machine: host 0 only)
         self.table = TableKeeper()  # the root-less peer table as the members hold it
+        self._table_msgs: tuple[int, list[PeerTable]] = (0, [])
         self.started = False
         self._out: list[Command] = []
 
@@ -360,8 +361,13 @@ class Coordinator:
         t = self.table
         if t.version == 0:
             return  # no plan yet: its first Recover brings the table
-        for c in t.chunks():
-            self._send(m, PeerTable(t.version, t.digest, len(t.peers), c.first, c.hosts, c.runs))
+        if self._table_msgs[0] != t.version:  # one set of messages per version, for every member
+            msgs = [
+                PeerTable(t.version, t.digest, len(t.peers), c.first, c.hosts, c.runs) for c in t.chunks()
+            ]
+            self._table_msgs = (t.version, msgs)
+        for chunk in self._table_msgs[1]:
+            self._send(m, chunk)
         if m.connected and not m.exited:  # _send drops what a closed connection cannot take
             t.sent(m.worker_id)
 
