@@ -297,3 +297,12 @@ def test_the_keeper_sends_a_delta_only_to_who_holds_its_base() -> None:
     t.update([a + "0" for a in many])  # too many changes for a delta
     assert t.base == -1 and t.moved == [] and t.version == 4
     assert assemble(t.chunks(), len(many)) == t.peers and t.digest == table_digest(t.peers)
+
+
+def test_a_sharded_first_plan_is_one_source_run_at_any_size() -> None:
+    shards, ranks = 8, 80_000
+    pairs = [[r, r % shards] for r in range(shards, ranks)]
+    plan = {"target_step": 0, "source": 0, "receivers": [p[0] for p in pairs], "sources": pairs}
+    wire = compact_plan(plan)
+    assert len(json.dumps(wire)) < 200, wire
+    assert expand_plan(wire) == plan

@@ -187,25 +187,36 @@ def expand_ranges(ranges: Sequence[Sequence[int]]) -> list[int]:
 
 
 def _pair_runs(pairs: Sequence[Sequence[int]]) -> list[list[int]]:
-    """(receiver, source) pairs as runs [receiver, count, source, source step]: receivers step 1."""
-    out: list[list[int]] = []
+    """(receiver, source) pairs as runs [receiver, count, source, source step, repeats]: ``repeats``
+    blocks of ``count`` consecutive receivers, each block taking sources ``source``,
+    ``source + step``, ... A sharded job's first plan (rank r takes shard r % S from rank r % S)
+    is one run whatever the job's size."""
+    runs: list[list[int]] = []
     for recv, src in pairs:
-        if out:
-            r0, n, s0, ds = out[-1]
+        if runs:
+            r0, n, s0, ds = runs[-1]
             if recv == r0 + n and (n == 1 or src == s0 + ds * n):
-                out[-1] = [r0, n + 1, s0, src - s0 if n == 1 else ds]
+                runs[-1] = [r0, n + 1, s0, src - s0 if n == 1 else ds]
                 continue
-        out.append([recv, 1, src, 0])
+        runs.append([recv, 1, src, 0])
+    out: list[list[int]] = []
+    for r0, n, s0, ds in runs:
+        if out:
+            p0, pn, ps, pds, reps = out[-1]
+            if (pn, ps, pds) == (n, s0, ds) and r0 == p0 + pn * reps:
+                out[-1][4] = reps + 1
+                continue
+        out.append([r0, n, s0, ds, 1])
     return out
 
 
 def _expand_pair_runs(runs: Sequence[Sequence[int]]) -> list[list[int]]:
     out: list[list[int]] = []
     for run in runs:
-        if len(run) != 4 or run[1] < 1:
-            raise TableError(f"source run {list(run)} is not [receiver, count, source, step]")
-        r0, n, s0, ds = run
-        out.extend([r0 + i, s0 + ds * i] for i in range(n))
+        if len(run) != 5 or run[1] < 1 or run[4] < 1:
+            raise TableError(f"source run {list(run)} is not [receiver, count, source, step, repeats]")
+        r0, n, s0, ds, reps = run
+        out.extend([r0 + k * n + i, s0 + ds * i] for k in range(reps) for i in range(n))
     return out
 
 
