@@ -9,7 +9,8 @@ job from :class:`~checkpointless.protocol.AgentWelcome`. Then it carries out ``S
 coordinator: one hop for every abort and plan, and an agent that dies does not cut its host's
 workers off from the decisions they are already part of.
 
-Fencing: both sides send ``AgentHeartbeat`` every half second. An agent that hears nothing for a
+Fencing: both sides send ``AgentHeartbeat`` every half second (the agent's also carries the beats
+its workers published in shared memory since the last one, ``agent/beats.py``). An agent that hears nothing for a
 lease (the coordinator's ``--lease``) kills every process it started, so that a partitioned host
 cannot keep acting as its ranks after the coordinator gave them to a spare host; the coordinator
 declares the host lost after the same lease. The agent then tries to join again, as a new agent:
