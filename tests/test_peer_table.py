@@ -306,3 +306,62 @@ def test_a_sharded_first_plan_is_one_source_run_at_any_size() -> None:
     wire = compact_plan(plan)
     assert len(json.dumps(wire)) < 200, wire
     assert expand_plan(wire) == plan
+
+
+def test_a_worker_link_that_missed_a_delta_asks_for_the_whole_table_before_it_sees_the_plan(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """The worker's side over a real control connection (recovery/link.py): a Recover whose
+    delta does not apply is held back, the link asks for the table, and the plan reaches the
+    inbox only with the table the digest names; a later delta then applies in place."""
+    import time
+
+    from checkpointless.agent.beats import BEAT_ENV
+    from checkpointless.config import WorkerEnv
+    from checkpointless.launcher.control import ControlServer
+    from checkpointless.protocol import Heartbeat
+    from checkpointless.recovery.link import LauncherLink
+
+    monkeypatch.delenv(BEAT_ENV, raising=False)
+    secret = b"ab" * 32
+    server = ControlServer("127.0.0.1", 0, secret)
+    server.start()
+    env = WorkerEnv(server.address, secret, 5, "worker", tmp_path, "job", 0, "127.0.0.1")
+    link = LauncherLink(env, lambda m: None, Heartbeat, heartbeat_s=60.0)
+    try:
+        conn, hello = server.inbox.get(timeout=10)
+        assert hello["type"] == "hello"
+        peers = host_major(3, 4, 29600)
+        plan = compact_plan({"target_step": 4, "source": 0, "receivers": list(range(1, 12))}, keep=2)
+
+        def recover(gen: int, table: list[str], version: int, moved: list[int]) -> dict[str, Any]:
+            return encode(
+                Recover(
+                    generation=gen,
+                    rendezvous={"kind": "rootless", "timeout": 60},
+                    plan=plan,
+                    table_version=version,
+                    table_base=version - 1,
+                    table_digest=table_digest(table),
+                    moved_ranks=moved,
+                    moved_to=[table[r] for r in moved],
+                )
+            )
+
+        conn.send(recover(2, peers, 5, [3]))
+        _, ask = server.inbox.get(timeout=10)
+        assert ask["type"] == "peer_table_request" and ask["have"] == -1
+        assert link.inbox.empty(), "no plan before its table"
+        for c in encode_chunks(peers, budget=120):
+            conn.send(encode(PeerTable(5, table_digest(peers), len(peers), c.first, c.hosts, c.runs)))
+        got = link.wait_for({"recover"}, time.monotonic() + 10)
+        assert got["rendezvous"]["peers"] == peers and got["plan"]["receivers"] == list(range(1, 12))
+        moved = list(peers)
+        moved[7] = "10.7.7.7:1"
+        conn.send(recover(3, moved, 6, [7]))
+        got = link.wait_for({"recover"}, time.monotonic() + 10)
+        assert got["generation"] == 3 and got["rendezvous"]["peers"] == moved
+        assert server.inbox.empty(), "a delta that applies needs no request"
+    finally:
+        link.close()
+        server.stop()

@@ -306,8 +306,10 @@ class TableHolder:
         self._parts: list[str] = []
 
     def on_chunk(self, version: int, digest: str, world_size: int, chunk: TableChunk) -> bool:
-        if self._building != (version, digest, world_size) or chunk.first == 0:
+        if chunk.first == 0:  # a table starts: whatever was being built is superseded
             self._building, self._parts = (version, digest, world_size), []
+        elif self._building != (version, digest, world_size):
+            return False  # the rest of a table given up on (or superseded): wait for a first chunk
         try:
             self._parts.extend(_expand(chunk, len(self._parts), world_size))
         except TableError:

@@ -94,7 +94,13 @@ class LauncherLink:
             self._on_table_chunk(msg)
             return
         if kind == "recover":
-            resolved = self.table.resolve(msg)
+            try:
+                resolved = self.table.resolve(msg)
+            except (ValueError, TypeError, KeyError) as e:  # TableError is a ValueError
+                # a plan we cannot read: pass it on as it is, so that joining it fails and is
+                # reported as this round's failure (never a dead reader thread)
+                log.warning("cannot read the plan for generation %s: %s", msg.get("generation"), e)
+                resolved = msg
             if resolved is None:
                 # a delta for a table we do not hold (or that would not match its digest):
                 # never meet peers at guessed addresses; ask for all of it and wait
