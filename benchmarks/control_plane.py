@@ -13,14 +13,19 @@ no process or socket: H hosts of P ranks plus spare hosts, through
    commands (aborts, spare assignment, every member's ``Stopped``, the plan), and how many
    commands the round produced;
 4. the wire for one heartbeat: ``protocol.encode`` + ``wire.encode_frame`` (the worker's side,
-   sealed with the c2s key) and ``FrameDecoder.feed`` + ``protocol.decode`` (the coordinator's).
+   sealed with the c2s key) and ``FrameDecoder.feed`` + ``protocol.decode`` (the coordinator's);
+   and for one agent's ``AgentHeartbeat`` carrying its 8 workers' beats (``agent/beats.py``):
+   the frame path, ``beats_of``, and ``Coordinator.on_beats`` per row;
+5. the largest control frame of each message type the coordinator sent (start-up and the fault
+   round, ``PeerTable`` chunks included), sealed as the launcher seals it, against the worker's
+   ``MAX_CONTROL_HEADER``.
 
 Every figure is process CPU time (``time.process_time``): the machine is shared, so wall time
 would measure the neighbours. Medians over ``--repeats``. Then a model for 10k hosts x 8 ranks
 from the per-event costs, with the heartbeat interval as its parameter.
 
-Run: ``python benchmarks/control_plane.py`` (about 5 s on 2 cores; ``--hosts 4 --repeats 1
---no-write`` for a smoke run). Writes benchmarks/results/control_plane.json.
+Run: ``python benchmarks/control_plane.py`` (about a minute on 2 cores, 1k-80k ranks; ``--hosts
+4 --repeats 1 --no-write`` for a smoke run). Writes benchmarks/results/control_plane.json.
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpointless.agent.beats import WorkerBeat, beats_message, beats_of
 from checkpointless.coordinator import Coordinator, Send, Spawn
 from checkpointless.launcher.control import _CLIENT_NONCE, _NONCE, _SEQ, MAX_CONTROL_HEADER, Connection
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import (
+    AgentHeartbeat,
     Heartbeat,
     Message,
+    PeerTable,
     Recover,
     Recovered,
     SpareReady,
@@ -58,6 +66,8 @@ __all__ = ["RunResult", "WireCost", "main", "model", "run_once", "wire_cost"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEARTBEAT_S = 0.25  # the workers' heartbeat interval (Heartbeat's docstring in protocol.py)
+AGENT_BEAT_S = 0.5  # an agent's heartbeat, which carries its workers' beats (agent/remote.py)
+MODEL_HOSTS = (1000, 2500, 5000, 10000)
 TICKS_PER_S = 50  # the launcher's loop waits at most 0.02 s on its inbox, then ticks
 
 
@@ -81,9 +91,13 @@ class RunResult:
     fault_plan_s: float  # the tick that produces the Recover commands
     fault_commands: int  # commands the round produced, host lost .. plan
     fault_recover_sends: int
-    recover_frame_bytes: int  # one Recover on the wire: it lists every rank's address (rootless)
+    recover_frame_bytes: int  # one Recover on the wire (the fault round's: a delta of 8 ranks)
     recover_seal_ms: float  # protocol.encode + wire.encode_frame of one Recover
     recover_fits_control_cap: bool  # a worker accepts it (header <= MAX_CONTROL_HEADER)
+    beat_row_us: float  # Coordinator.on_beats, per worker row (8 rows per call, one per host)
+    largest_frames: dict[str, int]  # message type -> its largest sealed frame, bytes
+    all_fit_control_cap: bool  # every frame sent fits the worker's MAX_CONTROL_HEADER
+    table_chunks: int  # PeerTable chunks in the full table (what a new member receives)
 
 
 def _config(hosts: int, per_host: int, spare_hosts: int) -> LaunchConfig:
@@ -108,10 +122,13 @@ class _Shell:
     def __init__(self, c: Coordinator) -> None:
         self.c = c
         self.now = 100.0
+        self.sent: dict[int, Message] = {}  # distinct messages sent (sized after the timings)
 
     def flush(self) -> list[Any]:
         out = self.c.drain()
         for cmd in out:
+            if isinstance(cmd, Send):
+                self.sent.setdefault(id(cmd.message), cmd.message)
             if isinstance(cmd, Spawn):
                 self.c.on_started(
                     cmd.worker_id, f"10.0.{cmd.host // 256}.{cmd.host % 256}:{30000 + cmd.worker_id}"
@@ -177,6 +194,17 @@ def run_once(hosts: int, per_host: int = 8, spare_hosts: int = 2, heartbeat_roun
             sh.now += HEARTBEAT_S
 
     hb_s, _ = _cpu(heartbeats)
+    by_host: dict[int, list[WorkerBeat]] = {}
+    for wid in members:
+        by_host.setdefault(c.procs[wid].host, []).append(WorkerBeat(wid, 0.1, 10, 0.05, True, 0.3))
+
+    def agent_beats() -> None:
+        for _ in range(heartbeat_rounds):
+            for host, rows in by_host.items():
+                c.on_beats(host, rows, sh.now)
+            sh.now += AGENT_BEAT_S
+
+    rows_s, _ = _cpu(agent_beats)
     ticks = 20
     tick_s, _ = _cpu(lambda: [sh.tick() for _ in range(ticks)])
     heartbeat_us = hb_s / (heartbeat_rounds * len(members)) * 1e6
@@ -214,11 +242,18 @@ def run_once(hosts: int, per_host: int = 8, spare_hosts: int = 2, heartbeat_roun
         return encode_frame(s2c, encode(recovers[0]))
 
     seal_s, frame = _cpu(seal)
-    try:  # the worker reads its control frames with MAX_CONTROL_HEADER as the header cap
-        FrameDecoder(s2c, max_header=MAX_CONTROL_HEADER).feed(frame)
-        fits = True
-    except FrameTooLarge:
-        fits = False
+    fits = _fits(s2c, frame)
+    m_version = max((m.version for m in sh.sent.values() if isinstance(m, PeerTable)), default=-1)
+    largest: dict[str, int] = {}
+    counted: dict[str, int] = {}
+    for m in sh.sent.values():
+        # Assigns differ per member only in their digits: size a sample of each type's messages
+        if counted.get(m.TYPE, 0) >= 2000 and m.TYPE != "peer_table":
+            continue
+        counted[m.TYPE] = counted.get(m.TYPE, 0) + 1
+        # as Connection.send seals it: the worker's nonce and a sequence number ride along
+        size = len(encode_frame(s2c, {**encode(m), _NONCE: "n" * 32, _SEQ: 10**9}))
+        largest[m.TYPE] = max(largest.get(m.TYPE, 0), size)
     return RunResult(
         hosts=hosts,
         per_host=per_host,
@@ -239,7 +274,19 @@ def run_once(hosts: int, per_host: int = 8, spare_hosts: int = 2, heartbeat_roun
         recover_frame_bytes=len(frame),
         recover_seal_ms=seal_s / 5 * 1e3,
         recover_fits_control_cap=fits,
+        beat_row_us=rows_s / (heartbeat_rounds * len(members)) * 1e6,
+        largest_frames=dict(sorted(largest.items())),
+        all_fit_control_cap=max(largest.values()) <= MAX_CONTROL_HEADER,
+        table_chunks=sum(1 for m in sh.sent.values() if isinstance(m, PeerTable) and m.version == m_version),
     )
+
+
+def _fits(key: bytes, frame: bytes) -> bool:
+    try:  # the worker reads its control frames with MAX_CONTROL_HEADER as the header cap
+        FrameDecoder(key, max_header=MAX_CONTROL_HEADER).feed(frame)
+        return True
+    except FrameTooLarge:
+        return False
 
 
 @dataclass
@@ -250,8 +297,8 @@ class WireCost:
     worker_encode_seal_us: float  # protocol.encode + the nonce/sequence fields + HMAC seal (c2s key)
     coordinator_verify_decode_us: float  # Connection: FrameDecoder.feed + accept_frame + protocol.decode
     inbox_us: float  # the reader thread's queue.put + the loop's queue.get (the launcher's inbox)
-    # one frame carrying 8 workers' heartbeats (what an agent forwarding them would send; no such
-    # message exists today): verify + JSON once, protocol.decode per worker
+    # one agent's AgentHeartbeat carrying its 8 workers' beats (agent/beats.py): verify, JSON and
+    # protocol.decode once, beats_of for the rows
     aggregated_frame_bytes: int
     aggregated_verify_decode_us: float
 
@@ -292,22 +339,29 @@ def wire_cost(n: int = 20000) -> WireCost:
                 inbox.get_nowait()
 
         inbox_s, _ = _cpu(through_inbox)
-        agg_key = derive_key(secret, "control/c2s")
-        batch = {
-            "type": "worker_heartbeats",
-            _NONCE: conn.nonce,
-            _SEQ: 1,
-            "beats": [{**encode(beat), "worker": w} for w in range(8)],
-        }
-        agg = encode_frame(agg_key, batch)
-        agg_dec = FrameDecoder(agg_key)
+        agent_conn = Connection(b, secret)  # an agent's connection: its own nonce and sequence
+        rows = [WorkerBeat(w, 0.12, 123456, 0.0123, True, 0.3141) for w in range(8)]
+        agent_beat = encode(beats_message(rows, 1.7e9))
+        agg_frames = [
+            encode_frame(
+                key,
+                {
+                    **agent_beat,
+                    _NONCE: agent_conn.nonce,
+                    _SEQ: i + 1,
+                    **({_CLIENT_NONCE: "a" * 32} if i == 0 else {}),
+                },
+            )
+            for i in range(n // 8)
+        ]
+        agg = agg_frames[1]
 
         def aggregated() -> None:
-            for _ in range(n // 8):
-                ((header, _),) = agg_dec.feed(agg)
-                for b in header["beats"]:
-                    b.pop("worker")
-                    decode(b)
+            for f in agg_frames:
+                ((header, _),) = agent_conn.decoder.feed(f)
+                msg = decode(agent_conn.accept_frame(header))
+                assert isinstance(msg, AgentHeartbeat)
+                beats_of(msg)
 
         agg_s, _ = _cpu(aggregated)
     finally:
@@ -341,10 +395,12 @@ def model(
     """The control plane at ``hosts`` x ``per_host`` ranks, from the measured per-event costs.
 
     Heartbeats: core-seconds per second of the launcher's loop, per heartbeat interval, for one
-    frame per rank (today) and one frame per host (an agent forwarding its workers' states in one
-    message). Ticks: the hang judgement per tick, extrapolated along its measured exponent, at the
-    launcher's tick rate. A fault round: the coordinator's planning CPU along its exponent, plus
-    the wire side the launcher pays for it: one Recover per member, each naming every member.
+    frame per rank (before: every worker heartbeats the coordinator) and one frame per host (now:
+    the agent's ``AgentHeartbeat`` carries its workers' rows); and at 1k-10k hosts, before (0.25 s
+    per worker) against after (one agent frame per 0.5 s). Ticks: the hang judgement per tick,
+    extrapolated along its measured exponent, at the launcher's tick rate. A fault round: the
+    coordinator's planning CPU along its exponent, plus the wire side the launcher pays for it:
+    one Recover per member (a delta: its size does not grow with the job).
     """
     big = max(medians, key=lambda r: r.ranks)
     xs = [float(r.ranks) for r in medians]
@@ -361,6 +417,7 @@ def model(
         per_rank_b = (big.recover_frame_bytes - small.recover_frame_bytes) / (big.ranks - small.ranks)
     else:  # one size measured: charge the whole frame to the ranks (an upper bound)
         per_rank_b = big.recover_frame_bytes / big.ranks
+    per_rank_b = max(0.0, per_rank_b)  # a delta Recover: flat, up to measurement noise
     recover_b = big.recover_frame_bytes + per_rank_b * (ranks - big.ranks)
     seal_per_b = big.recover_seal_ms * 1e-3 / big.recover_frame_bytes
 
@@ -379,18 +436,13 @@ def model(
     rows = []
     for interval in intervals:
         hb_per_s = ranks / interval
-        bookkeeping = hb_per_s * big.heartbeat_us * 1e-6  # on_message's body: once per rank either way
+        bookkeeping = hb_per_s * big.heartbeat_us * 1e-6  # on_message's body: once per rank
         rows.append(
             {
                 "interval_s": interval,
                 "heartbeats_per_s": hb_per_s,
                 "direct_core_s_per_s": hb_per_s * per_frame_us * 1e-6 + bookkeeping,
-                "aggregated_core_s_per_s": hosts
-                / interval
-                * (wire.aggregated_verify_decode_us + wire.inbox_us)
-                * 1e-6
-                * (per_host / 8)
-                + bookkeeping,
+                "aggregated_core_s_per_s": _aggregated_load(hosts, per_host, interval, big, wire),
                 "tick_core_s_per_s": tick_s * TICKS_PER_S,
                 "max_ranks_one_core": max_ranks(interval),
             }
@@ -413,11 +465,32 @@ def model(
         "recover_frame_bytes": recover_b,
         "recover_round_bytes": recover_b * ranks,
         "recover_round_seal_core_s": recover_b * seal_per_b * ranks,
+        # None: the Recover no longer grows with the job (a delta), so no size is too large
         "max_ranks_recover_fits_control_cap": int(
             (MAX_CONTROL_HEADER - (big.recover_frame_bytes - per_rank_b * big.ranks)) / per_rank_b
-        ),
+        )
+        if per_rank_b > 1.0
+        else None,
         "per_interval": rows,
+        "heartbeat_load": [
+            {
+                "hosts": h,
+                "ranks": h * per_host,
+                "before_frames_per_s": h * per_host / HEARTBEAT_S,
+                "before_core_s_per_s": h * per_host / HEARTBEAT_S * (per_frame_us + big.heartbeat_us) * 1e-6,
+                "after_frames_per_s": h / AGENT_BEAT_S,
+                "after_core_s_per_s": _aggregated_load(h, per_host, AGENT_BEAT_S, big, wire),
+            }
+            for h in MODEL_HOSTS
+        ],
     }
+
+
+def _aggregated_load(hosts: int, per_host: int, interval: float, big: RunResult, wire: WireCost) -> float:
+    """Core-s/s of agent heartbeats: one frame per host per interval (the frame path for 8 rows,
+    scaled to ``per_host``), plus ``on_beats`` per row."""
+    frame_us = (wire.aggregated_verify_decode_us * per_host / 8) + wire.inbox_us
+    return hosts / interval * (frame_us + per_host * big.beat_row_us) * 1e-6
 
 
 def _median(runs: list[RunResult]) -> RunResult:
@@ -431,7 +504,7 @@ def _median(runs: list[RunResult]) -> RunResult:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hosts", type=int, nargs="+", default=[125, 250, 500, 1000])
+    p.add_argument("--hosts", type=int, nargs="+", default=[125, 250, 500, 1000, 2500, 10000])
     p.add_argument("--per-host", type=int, default=8)
     p.add_argument("--spare-hosts", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
@@ -454,16 +527,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"({m.heartbeats_per_core_s:,.0f}/s/core), tick {m.tick_ms:7.2f} ms, fault round "
             f"{m.fault_round_s:7.3f} s (lost {m.fault_host_lost_s:.3f}, assign {m.fault_assign_s:.3f}, "
             f"reports {m.fault_reports_s:.3f}, plan {m.fault_plan_s:.3f}; {m.fault_commands} commands); "
-            f"one Recover {m.recover_frame_bytes / 1e3:.0f} kB, sealed in {m.recover_seal_ms:.2f} ms",
+            f"one Recover {m.recover_frame_bytes / 1e3:.1f} kB, sealed in {m.recover_seal_ms:.2f} ms; "
+            f"per agent row {m.beat_row_us:.2f} us; full table {m.table_chunks} chunks; largest frames "
+            + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in m.largest_frames.items())
+            + ("" if m.all_fit_control_cap else " -- OVER THE CAP"),
             flush=True,
         )
     wire = _median_wire([wire_cost() for _ in range(a.repeats)])
     print(
         f"wire: {wire.frame_bytes} B frame, worker encode+seal {wire.worker_encode_seal_us:.1f} us, "
         f"launcher verify+decode {wire.coordinator_verify_decode_us:.1f} us + inbox {wire.inbox_us:.1f} us; "
-        f"8 heartbeats in one {wire.aggregated_frame_bytes} B frame: {wire.aggregated_verify_decode_us:.1f} us"
+        f"an AgentHeartbeat of 8 rows, {wire.aggregated_frame_bytes} B: {wire.aggregated_verify_decode_us:.1f} us"
     )
     mod = model(medians, wire)
+    for row in mod["heartbeat_load"]:
+        print(
+            f"heartbeats at {row['hosts']:,} hosts: before {row['before_frames_per_s']:,.0f} frames/s = "
+            f"{row['before_core_s_per_s']:.2f} cores; after {row['after_frames_per_s']:,.0f} frames/s = "
+            f"{row['after_core_s_per_s']:.3f} cores"
+        )
     for row in mod["per_interval"]:
         print(
             f"model {mod['ranks']} ranks, heartbeat every {row['interval_s']} s: "
@@ -475,8 +557,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"model fault round at {mod['ranks']} ranks: coordinator {mod['fault_round_coordinator_s']:.2f} s "
         f"(exponent {mod['fault_round_exponent']:.2f}); {mod['ranks']} Recover frames of "
         f"{mod['recover_frame_bytes'] / 1e6:.1f} MB = {mod['recover_round_bytes'] / 1e9:.0f} GB, "
-        f"{mod['recover_round_seal_core_s']:.0f} core-s to seal; a Recover fits the worker's "
-        f"{MAX_CONTROL_HEADER >> 10} KiB header cap up to {mod['max_ranks_recover_fits_control_cap']} ranks"
+        f"{mod['recover_round_seal_core_s']:.1f} core-s to seal; a Recover fits the worker's "
+        f"{MAX_CONTROL_HEADER >> 10} KiB header cap up to "
+        f"{mod['max_ranks_recover_fits_control_cap'] or 'any number of'} ranks"
     )
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

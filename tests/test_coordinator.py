@@ -10,6 +10,7 @@ import pytest
 
 from checkpointless.coordinator import Command, Coordinator, Emit, Kill, Log, Send, Spawn, Stop
 from checkpointless.launcher.model import LaunchConfig
+from checkpointless.peer_table import TableChunk, assemble, table_digest
 from checkpointless.protocol import (
     Abort,
     Assign,
@@ -17,6 +18,7 @@ from checkpointless.protocol import (
     Done,
     Heartbeat,
     Message,
+    PeerTable,
     Recover,
     Recovered,
     Shutdown,
@@ -131,8 +133,18 @@ def test_a_killed_rank_is_replaced_by_the_ready_spare_and_receives_state() -> No
     out += h.advance(0.01)
     plan = next(iter(h.sent(out, Recover).values())).plan
     assert plan["target_step"] == 7 and plan["source"] == 0 and plan["receivers"] == [1]
-    peers = next(iter(h.sent(out, Recover).values())).rendezvous["peers"]
-    assert peers == ["127.0.0.1:30000", "127.0.0.1:30003", "127.0.0.1:30002"], "rank 1 is the spare now"
+    # the peer table travels as a delta to the survivors, whole (in chunks) to the spare
+    recovers = h.sent(out, Recover)
+    assert recovers[0].moved_ranks == [1] and recovers[0].moved_to == ["127.0.0.1:30003"]
+    assert "peers" not in recovers[0].rendezvous
+    chunks = [
+        c.message
+        for c in out
+        if isinstance(c, Send) and c.worker_id == 3 and isinstance(c.message, PeerTable)
+    ]
+    table = assemble([TableChunk(c.first, c.hosts, c.runs) for c in chunks], 3)
+    assert table == ["127.0.0.1:30000", "127.0.0.1:30003", "127.0.0.1:30002"], "rank 1 is the spare now"
+    assert table_digest(table) == recovers[3].table_digest == recovers[0].table_digest
     for wid in (0, 2, 3):
         h.msg(wid, Recovered(generation=1, timings={"rebuild_s": 0.01}))
     assert not h.events("recovery"), "reported once every rank has committed a step"

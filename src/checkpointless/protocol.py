@@ -34,6 +34,8 @@ __all__ = [
     "Hello",
     "KillCmd",
     "Message",
+    "PeerTable",
+    "PeerTableRequest",
     "Prepare",
     "ProcConnected",
     "ProcExited",
@@ -50,7 +52,9 @@ __all__ = [
     "encode",
 ]
 
-VERSION = 1
+# 2: Recover carries a peer-table delta and a compact plan; PeerTable/PeerTableRequest;
+# AgentHeartbeat carries the host's workers' beats
+VERSION = 2
 
 
 class ProtocolError(CheckpointlessError):
@@ -82,6 +86,14 @@ class Heartbeat(Message):
     progress_age: float | None = None  # seconds since the main thread last made step progress
     in_collective: bool = False
     step_time: float | None = None  # the last committed step's duration
+
+
+@dataclass(frozen=True)
+class PeerTableRequest(Message):
+    """The worker cannot apply a plan's peer-table delta (it holds version ``have``): send it all."""
+
+    TYPE: ClassVar[str] = "peer_table_request"
+    have: int = -1
 
 
 @dataclass(frozen=True)
@@ -192,12 +204,35 @@ class Abort(Message):
 
 @dataclass(frozen=True)
 class Recover(Message):
-    """The plan of a round: where to resume, who sends state to whom, how to meet."""
+    """The plan of a round: where to resume, who sends state to whom, how to meet.
+
+    The plan's per-rank lists travel compact (``peer_table.compact_plan``). A root-less
+    rendezvous's peer table is not in ``rendezvous``: the worker holds it (``PeerTable``) and this
+    carries the change since version ``table_base`` (ranks that moved, their new addresses), the
+    resulting ``table_version`` and its digest (``peer_table.py``); -1: no table."""
 
     TYPE: ClassVar[str] = "recover"
     generation: int
     rendezvous: dict[str, Any]
     plan: dict[str, Any]
+    table_version: int = -1
+    table_base: int = -1  # the version the delta applies to; -1: none (the full table was sent)
+    table_digest: str = ""
+    moved_ranks: list[int] = field(default_factory=list)
+    moved_to: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PeerTable(Message):
+    """One chunk of the full peer table (``peer_table.encode_chunks``); chunks go in rank order."""
+
+    TYPE: ClassVar[str] = "peer_table"
+    version: int
+    digest: str
+    world_size: int
+    first: int
+    hosts: list[str] = field(default_factory=list)
+    runs: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -250,10 +285,20 @@ class ProcVerdict(Message):
 
 @dataclass(frozen=True)
 class AgentHeartbeat(Message):
-    """Both ways, every half second: each side fences the other after a lease of silence."""
+    """Both ways, every half second: each side fences the other after a lease of silence.
+
+    From an agent it also carries its workers' beats (``agent/beats.py``), one column per field,
+    one row per worker that published since the last one: ``ages`` is how long ago (seconds)
+    the worker wrote it; -1 in ``steps``, ``progress_ages``, ``step_times`` stands for None."""
 
     TYPE: ClassVar[str] = "agent_heartbeat"
     time: float = 0.0
+    workers: list[int] = field(default_factory=list)
+    ages: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    progress_ages: list[float] = field(default_factory=list)
+    in_collective: list[bool] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
 
 
 # -- coordinator -> agent -------------------------------------------------------------------------
@@ -307,6 +352,7 @@ _TYPES: dict[str, type[Message]] = {
     for cls in (
         Hello,
         Heartbeat,
+        PeerTableRequest,
         SpareReady,
         Fired,
         Stopped,
@@ -318,6 +364,7 @@ _TYPES: dict[str, type[Message]] = {
         Prepare,
         Abort,
         Recover,
+        PeerTable,
         Shutdown,
         AgentHello,
         ProcStarted,
@@ -368,10 +415,28 @@ def _check(name: str, value: Any, hint: Any) -> Any:
     elif origin is list:
         (item,) = typing.get_args(hint)
         if isinstance(value, list):
-            return [_check(name, v, item) for v in value]
+            fast = _fast_list(value, item)  # an agent's heartbeat columns: no call per element
+            return fast if fast is not None else [_check(name, v, item) for v in value]
     elif origin is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return value
     raise ProtocolError(f"field {name!r}: {value!r} is not {getattr(hint, '__name__', hint)}")
+
+
+def _fast_list(value: list[Any], item: Any) -> list[Any] | None:
+    """``value`` checked in one pass when ``item`` is a plain scalar type; None: check each."""
+    if item is int:
+        ok = all(type(v) is int for v in value)  # bool is not an int here, as in _check
+    elif item is bool:
+        ok = all(type(v) is bool for v in value)
+    elif item is str:
+        ok = all(type(v) is str for v in value)
+    elif item is float:
+        if all(type(v) is float for v in value):
+            return value
+        return None  # ints among them become floats in _check
+    else:
+        return None
+    return value if ok else None
 
 
 _HINTS: dict[type[Message], dict[str, Any]] = {}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpointless.agent.beats import BEAT_ENV, BeatReader, WorkerBeat, make_beat_dir
 from checkpointless.config import ENV
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger, open_private_append
@@ -106,6 +107,25 @@ class Agent:
         self.forkserver: ForkServer | None = None
         self._sampled = 0.0
         self._reaped = 0.0
+        self.beats = self._beat_reader(env)
+
+    @staticmethod
+    def _beat_reader(env: dict[str, str]) -> BeatReader | None:
+        """The records this host's workers publish their heartbeats in (agent/beats.py)."""
+        job = env.get(ENV.JOB_ID)
+        if not job:
+            return None
+        from checkpointless.launcher.reaper import job_shm_dir
+
+        try:
+            return BeatReader(make_beat_dir(job_shm_dir(job) / "beats"))
+        except OSError as e:
+            log.warning("workers heartbeat over their own connections: %s", e)
+            return None
+
+    def read_beats(self, now: float) -> list[WorkerBeat]:
+        """Heartbeats this host's processes published since the last call (any one thread)."""
+        return self.beats.read(list(self.procs), now) if self.beats is not None else []
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -167,6 +187,8 @@ class Agent:
         env[ENV.WORKER_ID] = str(worker_id)
         env[ENV.ROLE] = role
         env[ENV.STORE_PORT] = str(port)  # 0 when the rendezvous is not root-less
+        if self.beats is not None:
+            env[BEAT_ENV] = str(self.beats.path(worker_id))
         argv = [self.cfg.python, self.cfg.script, *self.cfg.script_args]
         err_r, err_w = os.pipe()
         handle: ProcessHandle | None = None
@@ -228,6 +250,8 @@ class Agent:
             if code is None:
                 continue
             del self.procs[p.worker_id]
+            if self.beats is not None:
+                self.beats.path(p.worker_id).unlink(missing_ok=True)
             out.append(self._exit_of(p, code))
         if now - self._sampled >= 0.1:
             self._sampled = now

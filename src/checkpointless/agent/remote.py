@@ -9,7 +9,8 @@ job from :class:`~checkpointless.protocol.AgentWelcome`. Then it carries out ``S
 coordinator: one hop for every abort and plan, and an agent that dies does not cut its host's
 workers off from the decisions they are already part of.
 
-Fencing: both sides send ``AgentHeartbeat`` every half second. An agent that hears nothing for a
+Fencing: both sides send ``AgentHeartbeat`` every half second (the agent's also carries the beats
+its workers published in shared memory since the last one, ``agent/beats.py``). An agent that hears nothing for a
 lease (the coordinator's ``--lease``) kills every process it started, so that a partitioned host
 cannot keep acting as its ranks after the coordinator gave them to a spare host; the coordinator
 declares the host lost after the same lease. The agent then tries to join again, as a new agent:
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
+from checkpointless.agent.beats import beats_message
 from checkpointless.config import ENV
 from checkpointless.errors import ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
@@ -37,7 +39,6 @@ from checkpointless.launcher.control import ControlClient
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import job_shm_dir
 from checkpointless.protocol import (
-    AgentHeartbeat,
     AgentHello,
     AgentWelcome,
     KillCmd,
@@ -90,13 +91,17 @@ class _Session:
         self.last_in = time.monotonic()
         self.broken = threading.Event()
         self.done = threading.Event()
+        self.agent: Agent | None = None  # set once it exists: its workers' beats ride along
         # heartbeats on a thread of their own: starting a process can block this agent's loop
         # for seconds (the fork template's imports), longer than the coordinator's lease
         threading.Thread(target=self._beat, daemon=True, name="cl-agent-beat").start()
 
     def _beat(self) -> None:
         while not self.done.wait(_HEARTBEAT_S):
-            if not self.send(AgentHeartbeat(time.time())):
+            # one frame per interval for the whole host: the workers' beats since the last one
+            agent = self.agent
+            beats = agent.read_beats(time.monotonic()) if agent is not None else []
+            if not self.send(beats_message(beats, time.time())):
                 self.broken.set()
                 return
 
@@ -265,6 +270,7 @@ def _serve(
         Path(w.run_dir) / f"agent-{w.agent_id}.jsonl", job=w.job_id, agent=w.agent_id, host=host
     )
     agent = Agent(cfg, env, events)
+    session.agent = agent
     outcome = "fenced"
     try:
         agent.start()

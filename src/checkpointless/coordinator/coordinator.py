@@ -16,7 +16,7 @@ plan goes out (``Recover``), and once every rank has ``Recovered`` the new gener
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.downtime import recovery_fields
 from checkpointless.coordinator.placement import HostView, assign_hosts, pick_spares, placement, spare_host
@@ -41,6 +41,7 @@ from checkpointless.launcher.policy import (
     progress_limit,
     start_failure_verdict,
 )
+from checkpointless.peer_table import TableKeeper, compact_plan
 from checkpointless.protocol import (
     Abort,
     Assign,
@@ -50,6 +51,8 @@ from checkpointless.protocol import (
     Fired,
     Heartbeat,
     Message,
+    PeerTable,
+    PeerTableRequest,
     Prepare,
     Recover,
     Recovered,
@@ -65,6 +68,9 @@ from checkpointless.recovery.decisions import (
     plan_recovery,
     spare_policy,
 )
+
+if TYPE_CHECKING:
+    from checkpointless.agent.beats import WorkerBeat
 
 __all__ = ["Coordinator"]
 
@@ -97,6 +103,8 @@ class Coordinator:
         self._last_target: int | None = None
         self._same_target = 0
         self.hosts: dict[int, HostState] = {}  # agent id -> its host (one machine: host 0 only)
+        self.table = TableKeeper()  # the root-less peer table as the members hold it
+        self._table_msgs: tuple[int, list[PeerTable]] = (0, [])
         self.started = False
         self._out: list[Command] = []
 
@@ -176,6 +184,16 @@ class Coordinator:
         if m.role == "worker" and m.rank is not None:
             self._assign(m, m.rank, 0, now)
         return True
+
+    def on_beats(self, host: int, beats: list[WorkerBeat], now: float) -> None:
+        """An agent's aggregated heartbeat: each entry counts as that worker's own ``Heartbeat``,
+        received ``age`` seconds before ``now`` (only for processes of that agent's host)."""
+        for b in beats:
+            m = self.procs.get(b.worker_id)
+            if m is None or m.host != host:
+                continue
+            at = max(now - b.age, m.last_message)
+            self._apply_heartbeat(m, at, b.step, b.progress_age, b.in_collective, b.step_time)
 
     def on_closed(self, worker_id: int) -> None:
         m = self.procs.get(worker_id)
@@ -296,13 +314,9 @@ class Coordinator:
             return
         m.last_message = now
         if isinstance(msg, Heartbeat):
-            m.in_collective = msg.in_collective
-            if msg.progress_age is not None:
-                m.progress_known = True
-                m.last_progress = now - msg.progress_age
-            m.step = msg.step
-            if msg.step_time is not None:
-                m.step_time = msg.step_time
+            self._apply_heartbeat(m, now, msg.step, msg.progress_age, msg.in_collective, msg.step_time)
+        elif isinstance(msg, PeerTableRequest):
+            self._send_table(m)
         elif isinstance(msg, SpareReady):
             m.ready = True
             self._early_spare_deaths = 0
@@ -323,6 +337,40 @@ class Coordinator:
             m.done = True
         elif isinstance(msg, Fatal):
             raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
+
+    @staticmethod
+    def _apply_heartbeat(
+        m: Member,
+        at: float,
+        step: int | None,
+        progress_age: float | None,
+        in_collective: bool,
+        step_time: float | None,
+    ) -> None:
+        """A heartbeat the worker sent at ``at`` (directly, or published for its agent)."""
+        m.last_message = at
+        m.in_collective = in_collective
+        if progress_age is not None:
+            m.progress_known = True
+            m.last_progress = at - progress_age
+        m.step = step
+        if step_time is not None:
+            m.step_time = step_time
+
+    def _send_table(self, m: Member) -> None:
+        """The whole peer table to one member, in chunks (peer_table.py)."""
+        t = self.table
+        if t.version == 0:
+            return  # no plan yet: its first Recover brings the table
+        if self._table_msgs[0] != t.version:  # one set of messages per version, for every member
+            msgs = [
+                PeerTable(t.version, t.digest, len(t.peers), c.first, c.hosts, c.runs) for c in t.chunks()
+            ]
+            self._table_msgs = (t.version, msgs)
+        for chunk in self._table_msgs[1]:
+            self._send(m, chunk)
+        if m.connected and not m.exited:  # _send drops what a closed connection cannot take
+            t.sent(m.worker_id)
 
     # -- faults -------------------------------------------------------------------------------
     def _fault(
@@ -390,6 +438,7 @@ class Coordinator:
             return
         m.exited = True
         m.exit_code = code
+        self.table.forget(worker_id)
         m.connected = False
         if m.rank is None or self.ranks.get(m.rank) is not m:
             if m.role == "spare":
@@ -525,14 +574,29 @@ class Coordinator:
                 "row made no progress; this looks like a bug or a bad node, not a transient fault "
                 "(raise --max-step-failures to allow more)"
             )
-        desc = dict(self.rendezvous)
-        if desc["kind"] == "rootless":
-            desc["peers"] = [self.ranks[k].store_address for k in range(self.cfg.nproc)]
-        # one plan object for every member: its receivers list can name every rank (generation
-        # 0), so building it per member was quadratic in the job size
         plan_json = plan.to_json()
+        # one Recover for every member, and of a size that does not grow with the job: the plan's
+        # rank lists as ranges, the peer table as a delta (peer_table.py). A member that does not
+        # hold the version the delta applies to gets the full table first, in chunks.
+        rootless, t = self.rendezvous["kind"] == "rootless", self.table
+        if rootless:
+            t.update([self.ranks[k].store_address for k in range(self.cfg.nproc)])
+        msg = Recover(
+            generation=r.target,
+            rendezvous=dict(self.rendezvous),
+            plan=compact_plan(plan_json),
+            table_version=t.version if rootless else -1,
+            table_base=t.base if rootless else -1,
+            table_digest=t.digest if rootless else "",
+            moved_ranks=[rank for rank, _ in t.moved],
+            moved_to=[address for _, address in t.moved],
+        )
         for m in self.ranks.values():
-            self._send(m, Recover(generation=r.target, rendezvous=desc, plan=plan_json))
+            if rootless and t.needs_full(m.worker_id):
+                self._send_table(m)
+            elif m.connected and not m.exited:
+                t.sent(m.worker_id)
+            self._send(m, msg)
         r.phase = "rebuild"
         r.plan_sent = now
         self._emit("plan", generation=r.target, **plan_json)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent import Agent, AgentConfig, ProcExit
+from checkpointless.agent.beats import beats_of
 from checkpointless.config import ENV
 from checkpointless.coordinator import Coordinator, Emit, Kill, Log, Send, Spawn, Stop
 from checkpointless.events import EventLog, get_logger, setup_logging
@@ -304,6 +305,7 @@ class Launcher:
     def _loop(self) -> None:
         coord, agent = self.coordinator, self.agent
         assert coord is not None
+        beats_read = 0.0
         while self.stopping is None:
             if self._signal is not None:
                 coord.on_signal(signal.Signals(self._signal).name, 128 + self._signal)
@@ -319,6 +321,9 @@ class Launcher:
                     self._conns.pop(seen.worker_id, None)
                 else:
                     coord.on_verdict(seen.worker_id, f"(pid {seen.pid}) {seen.why}", now)
+            if agent is not None and now - beats_read >= 0.25:  # the embedded agent's beats
+                beats_read = now
+                coord.on_beats(0, agent.read_beats(now), now)
             coord.tick(now, wall)
             self._execute()
 
@@ -391,6 +396,12 @@ class Launcher:
             coord.on_exit(msg.worker_id, msg.code, msg.own_failure, msg.detail, msg.tail, now, time.time())
         elif isinstance(msg, ProcVerdict):
             coord.on_verdict(msg.worker_id, f"(pid {msg.pid}) {msg.why}", now)
+        elif isinstance(msg, AgentHeartbeat):
+            try:
+                coord.on_beats(host, beats_of(msg), now)
+            except ProtocolError as e:
+                log.warning("closing agent %d's connection: %s", host, e)
+                _hang_up(conn)
 
     def _welcome(self, host: int) -> AgentWelcome:
         c = self.cfg

@@ -1,0 +1,367 @@
+"""The peer table's wire forms (peer_table.py) as pure functions, and the coordinator's side of
+them: whatever the table, the worker's rebuilt copy equals the coordinator's, every chunk and
+every Recover fits the control-frame cap, and a worker that missed a delta asks for the whole
+table instead of meeting a wrong peer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpointless.coordinator import Coordinator, Send, Spawn
+from checkpointless.launcher.control import MAX_CONTROL_HEADER
+from checkpointless.launcher.model import LaunchConfig
+from checkpointless.peer_table import (
+    CHUNK_BYTES,
+    TableChunk,
+    TableHolder,
+    apply_delta,
+    assemble,
+    compact_plan,
+    diff,
+    encode_chunks,
+    expand_plan,
+    table_digest,
+)
+from checkpointless.protocol import (
+    PeerTable,
+    PeerTableRequest,
+    Recover,
+    Recovered,
+    SpareReady,
+    Stopped,
+    encode,
+)
+
+hosts = st.sampled_from(["10.0.0.1", "10.0.0.2", "node-7.cluster", "::1", "[fe80::1]", "h:007", ""])
+address = st.one_of(
+    st.builds(lambda h, p: f"{h}:{p}", hosts, st.integers(0, 65535)),
+    hosts,  # no port at all (kept verbatim)
+    st.text(max_size=12),
+)
+
+
+def host_major(n_hosts: int, per_host: int, base: int) -> list[str]:
+    return [f"10.1.{h // 256}.{h % 256}:{base + i}" for h in range(n_hosts) for i in range(per_host)]
+
+
+tables = st.one_of(
+    st.lists(address, min_size=1, max_size=300),
+    st.builds(host_major, st.integers(1, 200), st.integers(1, 8), st.integers(20000, 30000)),
+)
+
+
+def holder_with(peers: list[str], version: int) -> TableHolder:
+    h = TableHolder()
+    done = False
+    for c in encode_chunks(peers):
+        done = h.on_chunk(version, table_digest(peers), len(peers), c)
+    assert done
+    return h
+
+
+@settings(max_examples=200, deadline=None)
+@given(tables, st.integers(200, 4000))
+def test_chunks_rebuild_the_table_exactly_and_stay_within_budget(peers: list[str], budget: int) -> None:
+    chunks = encode_chunks(peers, budget)
+    assert assemble(chunks, len(peers)) == peers
+    for c in chunks:
+        msg = PeerTable(3, table_digest(peers), len(peers), c.first, c.hosts, c.runs)
+        # one run may exceed a tiny budget by itself; the budget is otherwise respected
+        size = len(json.dumps(encode(msg), separators=(",", ":")))  # as wire.py writes it
+        assert size <= budget + 200 or len(c.runs) == 1
+    holder = holder_with(peers, 3)
+    assert holder.peers == peers and holder.version == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(tables, st.data())
+def test_a_delta_rebuilds_the_new_table_and_a_missed_one_is_detected(peers: list[str], data: Any) -> None:
+    n = len(peers)
+    moved = data.draw(st.dictionaries(st.integers(0, n - 1), address, max_size=min(n, 20)))
+    new = apply_delta(peers, list(moved), list(moved.values()))
+    changes = diff(peers, new)
+    assert apply_delta(peers, [r for r, _ in changes], [a for _, a in changes]) == new
+    recover = encode(
+        Recover(
+            generation=2,
+            rendezvous={"kind": "rootless", "timeout": 60},
+            plan={"target_step": 5, "source": 0, "receivers": [r for r, _ in changes]},
+            table_version=2,
+            table_base=1,
+            table_digest=table_digest(new),
+            moved_ranks=[r for r, _ in changes],
+            moved_to=[a for _, a in changes],
+        )
+    )
+    holder = holder_with(peers, 1)
+    resolved = holder.resolve(recover)
+    assert resolved is not None and resolved["rendezvous"]["peers"] == new and holder.version == 2
+    assert resolved["plan"]["receivers"] == [r for r, _ in changes]
+    # the same plan again (a resend): still fine, nothing applied twice
+    again = holder.resolve(recover)
+    assert again is not None and again["rendezvous"]["peers"] == new
+    # a worker that holds another version (it missed a delta) must not guess
+    stale = holder_with(peers, 0)
+    assert stale.resolve(recover) is None and stale.version == 0
+    # nor one whose table differs from the coordinator's under the same version number
+    untouched = [r for r in range(n) if r not in moved]
+    if untouched:
+        other = list(peers)
+        other[untouched[0]] += "x"
+        assert holder_with(other, 1).resolve(recover) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 5000), max_size=400, unique=True),
+    st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 5000)), max_size=300, unique_by=lambda p: p[0]),
+)
+def test_a_compact_plan_expands_to_the_original(receivers: list[int], pairs: list[tuple[int, int]]) -> None:
+    plan: dict[str, Any] = {"target_step": 9, "source": 0, "receivers": sorted(receivers)}
+    if pairs:
+        plan["sources"] = [list(p) for p in sorted(pairs)]
+    wire = compact_plan(plan, keep=4)
+    assert expand_plan(json.loads(json.dumps(wire))) == plan
+
+
+def test_a_plan_of_every_rank_is_a_few_bytes() -> None:
+    plan = {"target_step": 0, "source": 0, "receivers": list(range(1, 80_000))}
+    assert len(json.dumps(compact_plan(plan))) < 100
+
+
+def test_chunks_of_80k_host_major_ranks_fit_the_cap() -> None:
+    peers = host_major(10_000, 8, 29600)
+    chunks = encode_chunks(peers)
+    sizes = [
+        len(
+            json.dumps(
+                encode(PeerTable(1, table_digest(peers), len(peers), c.first, c.hosts, c.runs)),
+                separators=(",", ":"),
+            )
+        )
+        for c in chunks
+    ]
+    assert max(sizes) < CHUNK_BYTES + 1024 < MAX_CONTROL_HEADER // 2 + 2048
+    assert assemble([TableChunk(c.first, c.hosts, c.runs) for c in chunks], len(peers)) == peers
+
+
+# -- the coordinator's side ----------------------------------------------------------------------
+class Job:
+    def __init__(self, nproc: int, spares: int = 2) -> None:
+        cfg = LaunchConfig(script=__file__, nproc=nproc, spares=spares)
+        self.c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+        self.now = 10.0
+        self.workers: dict[int, TableHolder] = {}
+        self.c.start(self.now)
+        self.out = self.flush()
+
+    def flush(self) -> list[Any]:
+        out = self.c.drain()
+        for cmd in out:
+            if isinstance(cmd, Spawn):
+                self.c.on_started(cmd.worker_id, f"127.0.0.1:{30000 + cmd.worker_id}")
+        return out
+
+    def tick(self) -> list[Any]:
+        self.now += 0.01
+        self.c.tick(self.now, 1e9)
+        return self.flush()
+
+    def deliver(self, out: list[Any], drop: frozenset[int] = frozenset()) -> dict[int, dict[str, Any] | None]:
+        """Play each worker's link: chunks into its holder, each Recover resolved (None: it asks)."""
+        resolved: dict[int, dict[str, Any] | None] = {}
+        for cmd in out:
+            if not isinstance(cmd, Send) or cmd.worker_id in drop:
+                continue
+            h = self.workers.setdefault(cmd.worker_id, TableHolder())
+            m = cmd.message
+            if isinstance(m, PeerTable):
+                h.on_chunk(m.version, m.digest, m.world_size, TableChunk(m.first, m.hosts, m.runs))
+            elif isinstance(m, Recover):
+                resolved[cmd.worker_id] = h.resolve(encode(m))
+        return resolved
+
+
+def test_every_member_meets_the_coordinators_table_through_two_rounds_and_a_missed_delta() -> None:
+    j = Job(nproc=6)
+    for wid in range(6):
+        assert j.c.on_connected(wid, j.now)
+    j.flush()
+    for rank in range(6):
+        j.c.on_message(
+            rank, Stopped(for_generation=0, committed_step=0, valid=True, cause="start"), j.now, 1e9
+        )
+    out = j.tick()
+    truth = [f"127.0.0.1:{30000 + w}" for w in range(6)]
+    res = j.deliver(out)
+    assert set(res) == set(range(6)) and all(
+        r is not None and r["rendezvous"]["peers"] == truth for r in res.values()
+    )
+    for rank in range(6):
+        j.c.on_message(rank, Recovered(generation=0), j.now, 1e9)
+    for cmd in j.flush():
+        if isinstance(cmd, Spawn):
+            j.c.on_connected(cmd.worker_id, j.now)
+    spares = [w for w, m in j.c.procs.items() if m.role == "spare"]
+    for w in spares:
+        j.c.on_message(w, SpareReady(), j.now, 1e9)
+    j.flush()
+    # rank 2's process dies; a spare takes it. Survivors get a one-rank delta, the spare the table.
+    j.c.on_exit(2, -9, False, "killed", "", j.now, 1e9)
+    out = j.flush() + j.tick()
+    spare = j.c.ranks[2].worker_id
+    for rank in range(6):
+        m = j.c.ranks[rank]
+        j.c.on_message(m.worker_id, Stopped(for_generation=1, committed_step=4, valid=rank != 2), j.now, 1e9)
+    out = j.flush() + j.tick()
+    recovers = [c.message for c in out if isinstance(c, Send) and isinstance(c.message, Recover)]
+    assert recovers and all(r.moved_ranks == [2] and r.table_base == 1 for r in recovers)
+    assert all(len(json.dumps(encode(r))) < 1024 for r in recovers)
+    truth[2] = f"127.0.0.1:{30000 + spare}"
+    res = j.deliver(out, drop={1})  # worker 1 misses this round's messages (as after a failover)
+    assert all(r is not None and r["rendezvous"]["peers"] == truth for r in res.values())
+    for rank in range(6):
+        j.c.on_message(j.c.ranks[rank].worker_id, Recovered(generation=1), j.now, 1e9)
+    j.flush()
+    # the next round: worker 1 holds version 1, the delta is for version 2 -> it must ask
+    j.c.on_exit(4, -9, False, "killed", "", j.now, 1e9)
+    j.flush(), j.tick()
+    for rank in range(6):
+        m = j.c.ranks[rank]
+        j.c.on_message(m.worker_id, Stopped(for_generation=2, committed_step=6, valid=rank != 4), j.now, 1e9)
+    out = j.flush() + j.tick()
+    truth[4] = j.c.ranks[4].store_address
+    # the coordinator believes worker 1 holds version 2, so it sent it only the delta 2 -> 3
+    assert not any(isinstance(c, Send) and c.worker_id == 1 and isinstance(c.message, PeerTable) for c in out)
+    res = j.deliver(out)
+    assert j.workers[1].version == 1 and res[1] is None, (
+        "a worker that missed a delta must not resolve the plan"
+    )
+    j.c.on_message(1, PeerTableRequest(have=j.workers[1].version), j.now, 1e9)
+    j.deliver(j.flush())
+    recover = next(c.message for c in out if isinstance(c, Send) and isinstance(c.message, Recover))
+    again = j.workers[1].resolve(encode(recover))
+    assert again is not None and again["rendezvous"]["peers"] == truth
+    assert all(r is None or r["rendezvous"]["peers"] == truth for r in res.values())
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=5),
+    max_leaves=16,
+)
+table_fields = st.sampled_from(["version", "digest", "world_size", "first", "hosts", "runs", "junk"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(table_fields, json_values, max_size=7), st.integers(1, 50))
+def test_a_malformed_chunk_is_a_protocol_or_table_error_never_a_crash(body: dict[str, Any], n: int) -> None:
+    """What the worker's reader thread catches (recovery/link.py): ProtocolError or TableError."""
+    from checkpointless.protocol import ProtocolError, decode
+
+    holder = holder_with([f"10.0.0.1:{i}" for i in range(n)], 1)
+    try:
+        m = decode({**body, "type": "peer_table"})
+        assert isinstance(m, PeerTable)
+        holder.on_chunk(m.version, m.digest, m.world_size, TableChunk(m.first, m.hosts, m.runs))
+    except (ProtocolError, ValueError):
+        pass
+    assert holder.version == 1 or holder.version == body.get("version"), "only an intact table replaces it"
+
+
+def test_the_keeper_sends_a_delta_only_to_who_holds_its_base() -> None:
+    from checkpointless.peer_table import DELTA_LIMIT, TableKeeper
+
+    t = TableKeeper()
+    first = host_major(4, 8, 29600)
+    t.update(first)
+    assert (t.version, t.base, t.moved) == (1, -1, []), "a first table has nothing to be a delta of"
+    assert t.needs_full(0)
+    t.sent(0)
+    assert not t.needs_full(0)
+    second = list(first)
+    second[5] = "10.9.9.9:1"
+    t.update(second)
+    assert (t.version, t.base, t.moved) == (2, 1, [(5, "10.9.9.9:1")])
+    assert not t.needs_full(0) and t.needs_full(1), "holder of v1 takes the delta; a newcomer the table"
+    t.update(second)  # a round that moved nobody: same version, nothing to apply
+    assert (t.version, t.base, t.moved) == (2, 2, [])
+    t.forget(0)
+    assert t.needs_full(0)
+    many = [f"10.8.0.1:{i}" for i in range(DELTA_LIMIT + 1)]
+    t.update(many)  # another size: no delta
+    t.update([a + "0" for a in many])  # too many changes for a delta
+    assert t.base == -1 and t.moved == [] and t.version == 4
+    assert assemble(t.chunks(), len(many)) == t.peers and t.digest == table_digest(t.peers)
+
+
+def test_a_sharded_first_plan_is_one_source_run_at_any_size() -> None:
+    shards, ranks = 8, 80_000
+    pairs = [[r, r % shards] for r in range(shards, ranks)]
+    plan = {"target_step": 0, "source": 0, "receivers": [p[0] for p in pairs], "sources": pairs}
+    wire = compact_plan(plan)
+    assert len(json.dumps(wire)) < 200, wire
+    assert expand_plan(wire) == plan
+
+
+def test_a_worker_link_that_missed_a_delta_asks_for_the_whole_table_before_it_sees_the_plan(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """The worker's side over a real control connection (recovery/link.py): a Recover whose
+    delta does not apply is held back, the link asks for the table, and the plan reaches the
+    inbox only with the table the digest names; a later delta then applies in place."""
+    import time
+
+    from checkpointless.agent.beats import BEAT_ENV
+    from checkpointless.config import WorkerEnv
+    from checkpointless.launcher.control import ControlServer
+    from checkpointless.protocol import Heartbeat
+    from checkpointless.recovery.link import LauncherLink
+
+    monkeypatch.delenv(BEAT_ENV, raising=False)
+    secret = b"ab" * 32
+    server = ControlServer("127.0.0.1", 0, secret)
+    server.start()
+    env = WorkerEnv(server.address, secret, 5, "worker", tmp_path, "job", 0, "127.0.0.1")
+    link = LauncherLink(env, lambda m: None, Heartbeat, heartbeat_s=60.0)
+    try:
+        conn, hello = server.inbox.get(timeout=10)
+        assert hello["type"] == "hello"
+        peers = host_major(3, 4, 29600)
+        plan = compact_plan({"target_step": 4, "source": 0, "receivers": list(range(1, 12))}, keep=2)
+
+        def recover(gen: int, table: list[str], version: int, moved: list[int]) -> dict[str, Any]:
+            return encode(
+                Recover(
+                    generation=gen,
+                    rendezvous={"kind": "rootless", "timeout": 60},
+                    plan=plan,
+                    table_version=version,
+                    table_base=version - 1,
+                    table_digest=table_digest(table),
+                    moved_ranks=moved,
+                    moved_to=[table[r] for r in moved],
+                )
+            )
+
+        conn.send(recover(2, peers, 5, [3]))
+        _, ask = server.inbox.get(timeout=10)
+        assert ask["type"] == "peer_table_request" and ask["have"] == -1
+        assert link.inbox.empty(), "no plan before its table"
+        for c in encode_chunks(peers, budget=120):
+            conn.send(encode(PeerTable(5, table_digest(peers), len(peers), c.first, c.hosts, c.runs)))
+        got = link.wait_for({"recover"}, time.monotonic() + 10)
+        assert got["rendezvous"]["peers"] == peers and got["plan"]["receivers"] == list(range(1, 12))
+        moved = list(peers)
+        moved[7] = "10.7.7.7:1"
+        conn.send(recover(3, moved, 6, [7]))
+        got = link.wait_for({"recover"}, time.monotonic() + 10)
+        assert got["generation"] == 3 and got["rendezvous"]["peers"] == moved
+        assert server.inbox.empty(), "a delta that applies needs no request"
+    finally:
+        link.close()
+        server.stop()
