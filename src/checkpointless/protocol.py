@@ -82,6 +82,7 @@ class Heartbeat(Message):
     progress_age: float | None = None  # seconds since the main thread last made step progress
     in_collective: bool = False
     step_time: float | None = None  # the last committed step's duration
+    busy_time: float | None = None  # that step less its waits in collectives (straggler rule)
 
 
 @dataclass(frozen=True)

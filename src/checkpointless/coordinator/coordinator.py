@@ -32,6 +32,7 @@ from checkpointless.coordinator.state import (
     Spawn,
     Stop,
 )
+from checkpointless.coordinator.stragglers import RankTiming, StragglerRule, StragglerWatch
 from checkpointless.errors import NotRecoverableError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.launcher.policy import (
@@ -99,6 +100,8 @@ class Coordinator:
         self.hosts: dict[int, HostState] = {}  # agent id -> its host (one machine: host 0 only)
         self.started = False
         self._out: list[Command] = []
+        rule = StragglerRule(cfg.straggler_ratio, cfg.straggler_window) if cfg.straggler_ratio else None
+        self.stragglers = StragglerWatch(rule) if rule is not None else None
 
     # -- the shell's interface ----------------------------------------------------------------
     def drain(self) -> list[Command]:
@@ -302,6 +305,8 @@ class Coordinator:
             m.step = msg.step
             if msg.step_time is not None:
                 m.step_time = msg.step_time
+            if msg.busy_time is not None:
+                m.busy_time = msg.busy_time
         elif isinstance(msg, SpareReady):
             m.ready = True
             self._early_spare_deaths = 0
@@ -634,9 +639,48 @@ class Coordinator:
                 )
         self._check_hangs(now, wall)
         if self.stopping is None:
+            self._check_stragglers(now, wall)
+        if self.stopping is None:
             self._advance_round(now)
         if self.stopping is None:
             self._check_done()
+
+    def _check_stragglers(self, now: float, wall: float) -> None:
+        """Report a host whose ranks are persistently slower than the others (the rule is
+        coordinator/stragglers.py); with --swap-stragglers, move its ranks to a spare host by the
+        host-loss path: its workers are killed, the host is fenced, spares take the ranks."""
+        watch = self.stragglers
+        if watch is None:
+            return
+        if self.round is not None or self.pending is not None:
+            watch.reset()  # the members are changing: a window must not span a recovery
+            return
+        timings = [RankTiming(m.host, r, m.step, m.busy_time) for r, m in self.ranks.items()]
+        for v, ranks in watch.observe(timings):
+            h = self.hosts[v.host]
+            if not v.reported:
+                self._emit("straggler_cleared", host=v.host, address=h.address, ranks=ranks, ratio=v.ratio)
+                self._log("info", f"host {h.address} (ranks {ranks}) is no longer a straggler")
+                continue
+            window = [round(x, 3) for x in v.window]
+            self._emit("straggler", host=v.host, address=h.address, ranks=ranks, ratio=v.ratio, window=window)
+            self._log(
+                "warning",
+                f"straggler host {h.address} (agent {v.host}, ranks {ranks}): busy {v.ratio:.2f}x the "
+                f"other hosts' over the last {len(window)} steps",
+            )
+            if not self.cfg.swap_stragglers:
+                continue
+            spares = [(m.worker_id, m.host) for m in self.procs.values() if m.role == "spare" and m.ready]
+            if not h.remote or len(pick_spares(len(ranks), spares)) < len(ranks):
+                self._log("warning", f"not moving ranks {ranks}: no spare host ready for all of them")
+                continue
+            why = f"straggler host: busy {v.ratio:.2f}x the others; its ranks move to a spare host"
+            self._emit("straggler_swap", host=v.host, address=h.address, ranks=ranks)
+            for m in [m for m in self.procs.values() if m.host == v.host]:
+                self._kill(m, why)
+            self._host_lost(v.host, why, now, wall)
+            return
 
     def _check_done(self) -> None:
         if self.round is not None or not self.ranks:

@@ -167,6 +167,8 @@ class Job:
         self._step_rng: tuple[int, RngState] | None = None
         self._progress_t = time.monotonic()
         self._last_step_time: float | None = None
+        self._last_busy_time: float | None = None  # the step less its collective waits
+        self._waited_at_step = 0.0
         self._started = False
         self._recovering = False
         self._retries: dict[int, int] = {}
@@ -505,6 +507,7 @@ class Job:
     def _enter_step(self, index: int) -> None:
         self._step_index = index
         self._progress_t = time.monotonic()
+        self._waited_at_step = self.comm.waited_s
         self._batch_s = None
         self._updated = False
         self._record = {}
@@ -564,6 +567,7 @@ class Job:
         self._updated = False
         now = time.monotonic()
         self._last_step_time = now - self._progress_t
+        self._last_busy_time = max(0.0, self._last_step_time - (self.comm.waited_s - self._waited_at_step))
         self._progress_t = now
         self._retries.pop(index, None)
         published = self._snapshots.take_published() if self._snapshots is not None else None
@@ -642,6 +646,7 @@ class Job:
             else time.monotonic() - self._progress_t,
             in_collective=since is not None,
             step_time=self._last_step_time,
+            busy_time=self._last_busy_time,
         )
 
     def _recover_from(self, index: int, exc: BaseException) -> None:
