@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "baseline"))
 
 import benchlib as bl  # noqa: E402
 
+from checkpointless.data import make_synthetic_corpus, prepare_main  # noqa: E402
 from harness.hosts import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 CONTROL_PORT = 29400
@@ -112,16 +113,21 @@ def outcome(log_dir: Path, t_kill: float, nproc: int) -> dict[str, Any]:
 
 
 # -- checkpointless ----------------------------------------------------------------------------
-def run_checkpointless(a: argparse.Namespace, cluster: NetnsCluster, work: Path) -> dict[str, Any]:
+def run_checkpointless(
+    a: argparse.Namespace, cluster: NetnsCluster, work: Path, corpus: Path
+) -> dict[str, Any]:
     run_dir = work / "run"
     run_dir.mkdir(parents=True)
     h0 = cluster.hosts[0]
     py = [bl.PYTHON, "-m", "checkpointless"]
     env = job_env()
+    # the namespaces share this machine's /dev/shm; real hosts do not: give each host its own
+    shm = [Path(tempfile.mkdtemp(prefix=f"cplh-bench-h{i}-", dir="/dev/shm")) for i in range(3)]
     coord = [
         *py, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
         "--host", h0.address, "--control-port", str(CONTROL_PORT), "--run-dir", str(run_dir),
         "--hang-timeout", "20", "--lease", str(a.lease), str(bl.EXAMPLE), *model_args(a),
+        "--data", str(corpus),
     ]  # fmt: skip
     (work / "command").write_text(shlex.join(coord) + "\n")
     procs = [h0.popen(coord, cwd=REPO, env=env, stdout=_out(work, "coordinator"), stderr=subprocess.STDOUT)]
@@ -130,12 +136,18 @@ def run_checkpointless(a: argparse.Namespace, cluster: NetnsCluster, work: Path)
             *py, "agent", "--coordinator", f"{h0.address}:{CONTROL_PORT}", "--host", h.address,
             "--secret-file", str(run_dir / "secret"), "--node-order", str(i),
         ]  # fmt: skip
+        host_env = env | {"CHECKPOINTLESS_SHM_DIR": str(shm[i])}
         procs.append(
-            h.popen(agent, cwd=REPO, env=env, stdout=_out(work, f"agent-{i}"), stderr=subprocess.STDOUT)
+            h.popen(agent, cwd=REPO, env=host_env, stdout=_out(work, f"agent-{i}"), stderr=subprocess.STDOUT)
         )
-    # rank 2 is host 1's first rank (host-major placement, node order = host index)
-    t_kill = _kill_when(cluster, lambda: committed_by(run_dir, 2) >= a.kill_step, procs[0], a.run_timeout)
-    _wait(procs, a.run_timeout)
+    try:
+        # rank 2 is host 1's first rank (host-major placement, node order = host index)
+        t_kill = _kill_when(cluster, lambda: committed_by(run_dir, 2) >= a.kill_step, procs[0], a.run_timeout)
+        spare_cache = cached_batches(shm[2])  # what the spare host had prefetched when host 1 died
+        _wait(procs, a.run_timeout)
+    finally:
+        for d in shm:
+            shutil.rmtree(d, ignore_errors=True)
     events = bl.read_jsonl(run_dir / "events.jsonl")
     res: dict[str, Any] = {"rc": procs[0].returncode, **outcome(run_dir, t_kill, 4)}
     lost = [e for e in events if e["event"] == "host_lost"]
@@ -147,7 +159,19 @@ def run_checkpointless(a: argparse.Namespace, cluster: NetnsCluster, work: Path)
         keys = ("downtime_s", "collect_s", "rebuild_s", "transfer_s", "first_batch_s", "first_step_s")
         res["recovery_event"] = {k: rec[-1].get(k) for k in (*keys, "transport", "state_bytes")}
     res["first_batch"] = replacement_first_batch(run_dir, events)
+    res["first_batch"]["spare_host_cache_at_kill"] = spare_cache
+    res["first_batch"]["resumed_step_cached"] = {
+        r: res.get("resumed_at_step") in spare_cache.get(r, []) for r in res["first_batch"]["moved_ranks"]
+    }
     return res
+
+
+def cached_batches(root: Path) -> dict[int, list[int]]:
+    """rank -> steps whose batch files are in this host's cache (``<job dir>/rank<r>/step<s>.batch``)."""
+    out: dict[int, list[int]] = {}
+    for f in root.glob("*/rank*/step*.batch"):
+        out.setdefault(int(f.parent.name[4:]), []).append(int(f.stem[4:]))
+    return {r: sorted(s) for r, s in sorted(out.items())}
 
 
 def replacement_first_batch(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -169,11 +193,13 @@ def run_torchrun(a: argparse.Namespace, cluster: NetnsCluster, work: Path, every
     env = bl.bench_env(1)
     env["GLOO_SOCKET_IFNAME"] = "eth0"  # each namespace's own interface (the name is per namespace)
 
+    conf = f"keep_alive_interval={a.rdzv_keep_alive},keep_alive_max_attempt=3," if a.rdzv_keep_alive else ""
+
     def command(h: Any, is_host: bool) -> list[str]:
         return [
             bl.TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "3",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{h0.address}:{RDZV_PORT}",
-            "--rdzv-id", "hostloss", "--rdzv-conf", f"is_host={int(is_host)}", "--local-addr", h.address,
+            "--rdzv-id", "hostloss", "--rdzv-conf", f"{conf}is_host={int(is_host)}", "--local-addr", h.address,
             str(bl.BASELINE), *model_args(a), "--ckpt-every", str(every), "--log-dir", str(log_dir),
             "--hang-timeout", "20", "--digest-out", str(work / "digest"),
         ]  # fmt: skip
@@ -266,12 +292,12 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
             p.wait(timeout=10)
 
 
-def one(a: argparse.Namespace, design: str, work: Path) -> dict[str, Any]:
+def one(a: argparse.Namespace, design: str, work: Path, corpus: Path) -> dict[str, Any]:
     work.mkdir(parents=True)
     with NetnsCluster(3) as cluster:
         try:
             if design == "checkpointless":
-                res = run_checkpointless(a, cluster, work)
+                res = run_checkpointless(a, cluster, work, corpus)
             else:
                 res = run_torchrun(a, cluster, work, int(design.split("=")[1]))
         except RuntimeError as e:
@@ -300,6 +326,13 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lease", type=float, default=3.0, help="checkpointless's agent lease (s)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument(
+        "--rdzv-keep-alive",
+        type=int,
+        default=0,
+        help="torchrun's c10d keep-alive interval in s (a dead node expires after 3 of them); "
+        "0: torch's default (5 s, so 15 s)",
+    )
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--keep", action="store_true", help="keep the runs' logs (their folder is printed)")
     ap.add_argument("--only-torchrun", action="store_true", help="skip the checkpointless runs")
@@ -317,11 +350,17 @@ def main() -> int:
     designs = ["checkpointless", *(f"torchrun K={k}" for k in a.ckpt_every)][int(a.only_torchrun) :]
     result: dict[str, Any] = {"machine": bl.machine_info(), "args": vars(a) | {"out": str(a.out)}, "runs": {}}
     work = Path(tempfile.mkdtemp(prefix="cl-hostloss-"))
+    # checkpointless reads a token file through the per-host batch cache (the spare host's first
+    # batch is the point); the baseline keeps its synthetic batches (the same cost: microseconds)
+    make_synthetic_corpus(work / "corpus.jsonl", num_docs=400, seed=0)
+    prepare_main([str(work / "corpus.jsonl"), "-o", str(work / "corpus.tokens"), "--quiet"])
     try:
         for rep in range(a.repeats):
             for d in designs:
                 bl.say(f"[{rep + 1}/{a.repeats}] {d} ...")
-                res = one(a, d, work / f"{d.replace(' ', '_').replace('=', '')}-{rep}")
+                res = one(
+                    a, d, work / f"{d.replace(' ', '_').replace('=', '')}-{rep}", work / "corpus.tokens"
+                )
                 result["runs"].setdefault(d, []).append(res)
                 bl.say(f"    {json.dumps({k: v for k, v in res.items() if k != 'output_tail'})}")
     finally:

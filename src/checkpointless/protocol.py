@@ -180,6 +180,16 @@ class Prepare(Message):
 
 
 @dataclass(frozen=True)
+class Prefetch(Message):
+    """To a spare on a spare host: the job's step and the ranks it may take (data/spare_cache.py)."""
+
+    TYPE: ClassVar[str] = "prefetch"
+    step: int
+    ranks: list[int]
+    world_size: int
+
+
+@dataclass(frozen=True)
 class Abort(Message):
     TYPE: ClassVar[str] = "abort"
     generation: int
@@ -312,6 +322,7 @@ _TYPES: dict[str, type[Message]] = {
         Fatal,
         Assign,
         Prepare,
+        Prefetch,
         Abort,
         Recover,
         Shutdown,

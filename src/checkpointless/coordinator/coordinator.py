@@ -20,6 +20,7 @@ from typing import Any
 
 from checkpointless.coordinator.downtime import recovery_fields
 from checkpointless.coordinator.placement import HostView, assign_hosts, pick_spares, placement, spare_host
+from checkpointless.coordinator.prefetch import slot_ranks
 from checkpointless.coordinator.state import (
     Command,
     Emit,
@@ -51,6 +52,7 @@ from checkpointless.protocol import (
     Fired,
     Heartbeat,
     Message,
+    Prefetch,
     Prepare,
     Recover,
     Recovered,
@@ -102,6 +104,7 @@ class Coordinator:
         self._out: list[Command] = []
         rule = StragglerRule(cfg.straggler_ratio, cfg.straggler_window) if cfg.straggler_ratio else None
         self.stragglers = StragglerWatch(rule) if rule is not None else None
+        self._hinted: dict[int, int] = {}  # spare worker id -> the step of its last Prefetch
 
     # -- the shell's interface ----------------------------------------------------------------
     def drain(self) -> list[Command]:
@@ -640,10 +643,33 @@ class Coordinator:
         self._check_hangs(now, wall)
         if self.stopping is None:
             self._check_stragglers(now, wall)
+            self._hint_spares()
         if self.stopping is None:
             self._advance_round(now)
         if self.stopping is None:
             self._check_done()
+
+    def _hint_spares(self) -> None:
+        """Tell each idle spare on a spare host the job's step and the ranks it may take, once
+        per step, so that it fills its own host's batch cache for them (data/spare_cache.py)."""
+        if self.round is not None or self.cfg.nnodes < 2 or not self.ranks:
+            return
+        steps = [m.step for m in self.ranks.values()]
+        if any(s is None for s in steps):
+            return
+        step = min(s for s in steps if s is not None)
+        self._hinted = {w: s for w, s in self._hinted.items() if w in self.procs}  # forget the gone
+        holding = {m.host for m in self.ranks.values()}
+        by_host: dict[int, list[Member]] = {}
+        for m in self.procs.values():
+            if m.role == "spare" and m.rank is None and m.ready and m.host not in holding:
+                by_host.setdefault(m.host, []).append(m)
+        for spares in by_host.values():
+            for i, m in enumerate(sorted(spares, key=lambda m: m.worker_id)):
+                ranks = slot_ranks(i, self.cfg.per_node, self.cfg.nnodes)
+                if ranks and self._hinted.get(m.worker_id) != step:
+                    self._hinted[m.worker_id] = step
+                    self._send(m, Prefetch(step=step, ranks=ranks, world_size=self.cfg.nproc))
 
     def _check_stragglers(self, now: float, wall: float) -> None:
         """Report a host whose ranks are persistently slower than the others (the rule is

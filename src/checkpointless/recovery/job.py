@@ -40,6 +40,7 @@ from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.comm.process_group import waiting_since
 from checkpointless.config import WorkerEnv
+from checkpointless.data import spare_cache
 from checkpointless.errors import (
     CheckpointlessError,
     CommAborted,
@@ -220,10 +221,18 @@ class Job:
             log.info("spare %d ready, waiting for a rank", self.env.worker_id)
             self._link.send(SpareReady())
         while True:
-            msg = self._link.wait_for({"assign", "prepare"}, time.monotonic() + 10 * 365 * 86400.0)
+            msg = self._link.wait_for(
+                {"assign", "prepare", "prefetch"}, time.monotonic() + 10 * 365 * 86400.0
+            )
             if msg["type"] == "assign":
                 break
+            if msg["type"] == "prefetch":  # fill this host's batch cache for the ranks we may take
+                spare_cache.hint(
+                    self.env.job_id, int(msg["step"]), list(msg["ranks"]), int(msg["world_size"])
+                )
+                continue
             self._prepare(int(msg["state_bytes"]))
+        spare_cache.stop()
         self.rank = int(msg["rank"])
         self.world_size = int(msg["world_size"])
         self.placement = (  # host-major placement (multi-host); -1s from a one-machine launcher
