@@ -198,6 +198,7 @@ def test_swap_moves_the_slow_hosts_ranks_to_the_spare_host() -> None:
     assert killed == [2, 3] and all(x.host == 1 for x in out if isinstance(x, Kill))
     assert c.hosts[1].lost, "the slow host is fenced like a lost one"
     assert [e["ranks"] for e in _emitted(out, "host_lost")] == [[2, 3]]
+    assert {e["kind"] for e in _emitted(out, "fault")} == {"killed"}, "moved, not judged hung"
     # the round runs in the same tick: the spare host's processes are assigned at once
     new = {x.message.rank: x.worker_id for x in out if isinstance(x, Send) and isinstance(x.message, Assign)}
     assert new == {2: 4, 3: 5}, "the spare host's processes take ranks 2 and 3"

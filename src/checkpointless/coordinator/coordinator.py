@@ -703,8 +703,9 @@ class Coordinator:
                 continue
             why = f"straggler host: busy {v.ratio:.2f}x the others; its ranks move to a spare host"
             self._emit("straggler_swap", host=v.host, address=h.address, ranks=ranks)
+            # Kill, not _kill: these are moved, not hung; the host-loss path counts them as killed
             for m in [m for m in self.procs.values() if m.host == v.host]:
-                self._kill(m, why)
+                self._out.append(Kill(m.worker_id, why, m.host))
             self._host_lost(v.host, why, now, wall)
             return
 
