@@ -324,7 +324,9 @@ def main() -> int:
     ap.add_argument("--kill-step", type=int, default=74, help="host 1 dies once it committed this step")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--lease", type=float, default=3.0, help="checkpointless's agent lease (s)")
+    # host loss here is seen by the closed connection at once; the lease only fences silent hosts,
+    # and a short one loses agents starved of CPU while every process imports torch at start
+    ap.add_argument("--lease", type=float, default=5.0, help="checkpointless's agent lease (s)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
     ap.add_argument(
         "--rdzv-keep-alive",
@@ -352,17 +354,18 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="cl-hostloss-"))
     # checkpointless reads a token file through the per-host batch cache (the spare host's first
     # batch is the point); the baseline keeps its synthetic batches (the same cost: microseconds)
-    make_synthetic_corpus(work / "corpus.jsonl", num_docs=400, seed=0)
-    prepare_main([str(work / "corpus.jsonl"), "-o", str(work / "corpus.tokens"), "--quiet"])
     try:
-        for rep in range(a.repeats):
-            for d in designs:
-                bl.say(f"[{rep + 1}/{a.repeats}] {d} ...")
-                res = one(
-                    a, d, work / f"{d.replace(' ', '_').replace('=', '')}-{rep}", work / "corpus.tokens"
-                )
-                result["runs"].setdefault(d, []).append(res)
-                bl.say(f"    {json.dumps({k: v for k, v in res.items() if k != 'output_tail'})}")
+        make_synthetic_corpus(work / "corpus.jsonl", num_docs=400, seed=0)
+        prepare_main([str(work / "corpus.jsonl"), "-o", str(work / "corpus.tokens"), "--quiet"])
+        with bl.cleanup_on_exit():  # SIGTERM too: the namespaces and shm dirs go
+            for rep in range(a.repeats):
+                for d in designs:
+                    bl.say(f"[{rep + 1}/{a.repeats}] {d} ...")
+                    res = one(
+                        a, d, work / f"{d.replace(' ', '_').replace('=', '')}-{rep}", work / "corpus.tokens"
+                    )
+                    result["runs"].setdefault(d, []).append(res)
+                    bl.say(f"    {json.dumps({k: v for k, v in res.items() if k != 'output_tail'})}")
     finally:
         if a.keep:
             bl.say(f"logs kept in {work}")

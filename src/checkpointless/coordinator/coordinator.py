@@ -697,7 +697,8 @@ class Coordinator:
             )
             if not self.cfg.swap_stragglers:
                 continue
-            spares = [(m.worker_id, m.host) for m in self.procs.values() if m.role == "spare" and m.ready]
+            idle = [m for m in self.procs.values() if m.role == "spare" and m.rank is None and m.ready]
+            spares = [(m.worker_id, m.host) for m in idle if m.connected]
             if not h.remote or len(pick_spares(len(ranks), spares)) < len(ranks):
                 self._log("warning", f"not moving ranks {ranks}: no spare host ready for all of them")
                 continue
