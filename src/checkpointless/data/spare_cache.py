@@ -175,4 +175,5 @@ def stop(timeout: float = 2.0) -> int:
         return 0
     if not active.stop(timeout):
         log.warning("spare prefetch thread did not stop within %.1f s", timeout)
+    log.info("as a spare, published %d batches for the ranks it could take", active.published)
     return active.published

@@ -40,7 +40,6 @@ from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.comm.process_group import waiting_since
 from checkpointless.config import WorkerEnv
-from checkpointless.data import spare_cache
 from checkpointless.errors import (
     CheckpointlessError,
     CommAborted,
@@ -227,12 +226,17 @@ class Job:
             if msg["type"] == "assign":
                 break
             if msg["type"] == "prefetch":  # fill this host's batch cache for the ranks we may take
+                # imported here: only spares on spare hosts need it (and a script that registered
+                # a recipe, data/spare_cache.py, has imported it already)
+                from checkpointless.data import spare_cache
+
                 spare_cache.hint(
                     self.env.job_id, int(msg["step"]), list(msg["ranks"]), int(msg["world_size"])
                 )
                 continue
             self._prepare(int(msg["state_bytes"]))
-        spare_cache.stop()
+        if "checkpointless.data.spare_cache" in sys.modules:  # we have a rank: stop prefetching
+            sys.modules["checkpointless.data.spare_cache"].stop()
         self.rank = int(msg["rank"])
         self.world_size = int(msg["world_size"])
         self.placement = (  # host-major placement (multi-host); -1s from a one-machine launcher
