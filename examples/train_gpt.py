@@ -110,10 +110,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     vocab = 256
     if args.data:
-        from checkpointless.data import TokenDataset
+        from checkpointless.data import TokenDataset, prefetch_as_spare
 
         ds = TokenDataset.open(args.data, verify="quick")
         vocab = ds.vocab_size
+        if not args.fsdp:  # a spare on a spare host fills its own cache for the ranks it may take
+            prefetch_as_spare(ds, seq_len=args.seq_len, global_batch=args.global_batch, seed=args.seed)
     model = GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
     if not args.fsdp:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)

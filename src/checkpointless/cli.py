@@ -63,6 +63,9 @@ def _run(args: argparse.Namespace, local_agent: bool = True) -> int:
         lease=args.lease,
         local_agent=local_agent,
         agent_wait=args.agent_wait,
+        straggler_ratio=args.straggler_ratio,
+        straggler_window=args.straggler_window,
+        swap_stragglers=args.swap_stragglers,
         run_dir=Path(args.run_dir) if args.run_dir is not None else None,
         hang_timeout=args.hang_timeout,
         hang_factor=args.hang_factor,
@@ -289,6 +292,24 @@ def _job_flags(run: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         help="seconds of silence after which a host is lost and its agent fences its workers (default 5)",
+    )
+    run.add_argument(
+        "--straggler-ratio",
+        type=float,
+        default=0.0,
+        help="report a host whose ranks' busy step time is this many times the other hosts' "
+        "(an event `straggler`; default 0: off; e.g. 1.5)",
+    )
+    run.add_argument(
+        "--straggler-window",
+        type=int,
+        default=5,
+        help="committed steps in a row a host must be that slow before it is reported (default 5)",
+    )
+    run.add_argument(
+        "--swap-stragglers",
+        action="store_true",
+        help="move a reported straggler host's ranks to a spare host (needs --spare-nodes)",
     )
     run.add_argument(
         "--agent-wait",

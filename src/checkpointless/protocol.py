@@ -86,6 +86,7 @@ class Heartbeat(Message):
     progress_age: float | None = None  # seconds since the main thread last made step progress
     in_collective: bool = False
     step_time: float | None = None  # the last committed step's duration
+    busy_time: float | None = None  # that step less its waits in collectives (straggler rule)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,16 @@ class Prepare(Message):
 
 
 @dataclass(frozen=True)
+class Prefetch(Message):
+    """To a spare on a spare host: the job's step and the ranks it may take (data/spare_cache.py)."""
+
+    TYPE: ClassVar[str] = "prefetch"
+    step: int
+    ranks: list[int]
+    world_size: int
+
+
+@dataclass(frozen=True)
 class Abort(Message):
     TYPE: ClassVar[str] = "abort"
     generation: int
@@ -289,7 +300,8 @@ class AgentHeartbeat(Message):
 
     From an agent it also carries its workers' beats (``agent/beats.py``), one column per field,
     one row per worker that published since the last one: ``ages`` is how long ago (seconds)
-    the worker wrote it; -1 in ``steps``, ``progress_ages``, ``step_times`` stands for None."""
+    the worker wrote it; -1 in ``steps``, ``progress_ages``, ``step_times``, ``busy_times``
+    stands for None."""
 
     TYPE: ClassVar[str] = "agent_heartbeat"
     time: float = 0.0
@@ -299,6 +311,7 @@ class AgentHeartbeat(Message):
     progress_ages: list[float] = field(default_factory=list)
     in_collective: list[bool] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    busy_times: list[float] = field(default_factory=list)  # empty from an agent that has none
 
 
 # -- coordinator -> agent -------------------------------------------------------------------------
@@ -362,6 +375,7 @@ _TYPES: dict[str, type[Message]] = {
         Fatal,
         Assign,
         Prepare,
+        Prefetch,
         Abort,
         Recover,
         PeerTable,

@@ -43,8 +43,9 @@ BEAT_ENV = "CHECKPOINTLESS_BEAT_FILE"  # the record a worker writes (set by its 
 RECORD_BYTES = 64
 _SEQ = struct.Struct("<Q")
 # step (-1: none), written at (monotonic s), progress age (NaN: none), step time (NaN: none),
+# busy time (NaN: none; the step less its waits in collectives: the straggler rule's input),
 # in collective
-_BODY = struct.Struct("<qdddB")
+_BODY = struct.Struct("<qddddB")
 
 
 @dataclass(slots=True)  # not frozen: an agent's frame makes 8 of these, and frozen __init__ is slow
@@ -57,6 +58,7 @@ class WorkerBeat:
     progress_age: float | None
     in_collective: bool
     step_time: float | None
+    busy_time: float | None = None
 
 
 def make_beat_dir(path: Path) -> Path:
@@ -94,6 +96,7 @@ class BeatWriter:
             at,
             math.nan if hb.progress_age is None else hb.progress_age,
             math.nan if hb.step_time is None else hb.step_time,
+            math.nan if hb.busy_time is None else hb.busy_time,
             1 if hb.in_collective else 0,
         )
         self._seq += 1
@@ -145,7 +148,7 @@ class BeatReader:
                     continue
                 self._maps[wid] = m
             seq = _SEQ.unpack_from(m, 0)[0]
-            step, at, progress, step_time, coll = _BODY.unpack_from(m, 8)
+            step, at, progress, step_time, busy, coll = _BODY.unpack_from(m, 8)
             if seq % 2 or seq == 0 or _SEQ.unpack_from(m, 0)[0] != seq or self._seen.get(wid) == seq:
                 continue  # being written, never written, or nothing new
             self._seen[wid] = seq
@@ -157,6 +160,7 @@ class BeatReader:
                     _none_if_nan(progress),
                     bool(coll),
                     _none_if_nan(step_time),
+                    _none_if_nan(busy),
                 )
             )
         return out
@@ -176,6 +180,7 @@ def beats_message(beats: list[WorkerBeat], wall: float) -> AgentHeartbeat:
         progress_ages=[-1.0 if b.progress_age is None else b.progress_age for b in beats],
         in_collective=[b.in_collective for b in beats],
         step_times=[-1.0 if b.step_time is None else b.step_time for b in beats],
+        busy_times=[-1.0 if b.busy_time is None else b.busy_time for b in beats],
     )
 
 
@@ -189,8 +194,11 @@ def beats_of(msg: AgentHeartbeat) -> list[WorkerBeat]:
         len(msg.in_collective),
         len(msg.step_times),
     ]
-    if any(k != n for k in lengths):
-        raise ProtocolError(f"agent_heartbeat: {n} workers but columns of lengths {lengths}")
+    if any(k != n for k in lengths) or len(msg.busy_times) not in (0, n):
+        raise ProtocolError(
+            f"agent_heartbeat: {n} workers but columns of lengths {lengths} and {len(msg.busy_times)} busy times"
+        )
+    busy = msg.busy_times or [-1.0] * n
     return [
         WorkerBeat(
             w,
@@ -199,14 +207,16 @@ def beats_of(msg: AgentHeartbeat) -> list[WorkerBeat]:
             None if prog < 0 else prog,
             coll,
             None if st < 0 else st,
+            None if bt < 0 else bt,
         )
-        for w, age, step, prog, coll, st in zip(
+        for w, age, step, prog, coll, st, bt in zip(
             msg.workers,
             msg.ages,
             msg.steps,
             msg.progress_ages,
             msg.in_collective,
             msg.step_times,
+            busy,
             strict=True,
         )
     ]

@@ -251,6 +251,9 @@ class Communicator:
         self._aborted: str | None = "not connected yet"
         self._graveyard: list[Any] = []
         self.in_collective_since: float | None = None  # read by the heartbeat for hang triage
+        # seconds spent waiting in collectives, ever: a step's duration minus its share is the
+        # rank's busy time, which tells a straggler host from its waiting peers
+        self.waited_s = 0.0
         self.before_allreduce: Callable[[], None] | None = None  # fault-injection site
 
     # -- generations -------------------------------------------------------------------------
@@ -379,11 +382,12 @@ class Communicator:
 
     def wait(self, handle: Handle, timeout: float | None = None) -> Any:
         """Wait on ``handle`` while telling the heartbeat that we are inside a collective."""
-        self.in_collective_since = time.monotonic()
+        t0 = self.in_collective_since = time.monotonic()
         try:
             return handle.wait(timeout)
         finally:
             self.in_collective_since = None
+            self.waited_s += time.monotonic() - t0
 
     def barrier(self, timeout: float) -> None:
         opts = dist.AllreduceOptions()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.downtime import recovery_fields
 from checkpointless.coordinator.placement import HostView, assign_hosts, pick_spares, placement, spare_host
+from checkpointless.coordinator.prefetch import slot_ranks
 from checkpointless.coordinator.state import (
     Command,
     Emit,
@@ -32,6 +33,7 @@ from checkpointless.coordinator.state import (
     Spawn,
     Stop,
 )
+from checkpointless.coordinator.stragglers import RankTiming, StragglerRule, StragglerWatch
 from checkpointless.errors import NotRecoverableError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.launcher.policy import (
@@ -53,6 +55,7 @@ from checkpointless.protocol import (
     Message,
     PeerTable,
     PeerTableRequest,
+    Prefetch,
     Prepare,
     Recover,
     Recovered,
@@ -107,6 +110,9 @@ class Coordinator:
         self._table_msgs: tuple[int, list[PeerTable]] = (0, [])
         self.started = False
         self._out: list[Command] = []
+        rule = StragglerRule(cfg.straggler_ratio, cfg.straggler_window) if cfg.straggler_ratio else None
+        self.stragglers = StragglerWatch(rule) if rule is not None else None
+        self._hinted: dict[int, int] = {}  # spare worker id -> the step of its last Prefetch
 
     # -- the shell's interface ----------------------------------------------------------------
     def drain(self) -> list[Command]:
@@ -193,7 +199,7 @@ class Coordinator:
             if m is None or m.host != host:
                 continue
             at = max(now - b.age, m.last_message)
-            self._apply_heartbeat(m, at, b.step, b.progress_age, b.in_collective, b.step_time)
+            self._apply_heartbeat(m, at, b.step, b.progress_age, b.in_collective, b.step_time, b.busy_time)
 
     def on_closed(self, worker_id: int) -> None:
         m = self.procs.get(worker_id)
@@ -314,7 +320,9 @@ class Coordinator:
             return
         m.last_message = now
         if isinstance(msg, Heartbeat):
-            self._apply_heartbeat(m, now, msg.step, msg.progress_age, msg.in_collective, msg.step_time)
+            self._apply_heartbeat(
+                m, now, msg.step, msg.progress_age, msg.in_collective, msg.step_time, msg.busy_time
+            )
         elif isinstance(msg, PeerTableRequest):
             self._send_table(m)
         elif isinstance(msg, SpareReady):
@@ -346,6 +354,7 @@ class Coordinator:
         progress_age: float | None,
         in_collective: bool,
         step_time: float | None,
+        busy_time: float | None = None,
     ) -> None:
         """A heartbeat the worker sent at ``at`` (directly, or published for its agent)."""
         m.last_message = at
@@ -356,6 +365,8 @@ class Coordinator:
         m.step = step
         if step_time is not None:
             m.step_time = step_time
+        if busy_time is not None:
+            m.busy_time = busy_time
 
     def _send_table(self, m: Member) -> None:
         """The whole peer table to one member, in chunks (peer_table.py)."""
@@ -701,9 +712,73 @@ class Coordinator:
                 )
         self._check_hangs(now, wall)
         if self.stopping is None:
+            self._check_stragglers(now, wall)
+            self._hint_spares()
+        if self.stopping is None:
             self._advance_round(now)
         if self.stopping is None:
             self._check_done()
+
+    def _hint_spares(self) -> None:
+        """Tell each idle spare on a spare host the job's step and the ranks it may take, once
+        per step, so that it fills its own host's batch cache for them (data/spare_cache.py)."""
+        if self.round is not None or self.cfg.nnodes < 2 or not self.ranks:
+            return
+        steps = [m.step for m in self.ranks.values()]
+        if any(s is None for s in steps):
+            return
+        step = min(s for s in steps if s is not None)
+        self._hinted = {w: s for w, s in self._hinted.items() if w in self.procs}  # forget the gone
+        holding = {m.host for m in self.ranks.values()}
+        by_host: dict[int, list[Member]] = {}
+        for m in self.procs.values():
+            if m.role == "spare" and m.rank is None and m.ready and m.host not in holding:
+                by_host.setdefault(m.host, []).append(m)
+        for spares in by_host.values():
+            for i, m in enumerate(sorted(spares, key=lambda m: m.worker_id)):
+                ranks = slot_ranks(i, self.cfg.per_node, self.cfg.nnodes)
+                if ranks and self._hinted.get(m.worker_id) != step:
+                    self._hinted[m.worker_id] = step
+                    self._send(m, Prefetch(step=step, ranks=ranks, world_size=self.cfg.nproc))
+
+    def _check_stragglers(self, now: float, wall: float) -> None:
+        """Report a host whose ranks are persistently slower than the others (the rule is
+        coordinator/stragglers.py); with --swap-stragglers, move its ranks to a spare host by the
+        host-loss path: its workers are killed, the host is fenced, spares take the ranks."""
+        watch = self.stragglers
+        if watch is None:
+            return
+        if self.round is not None or self.pending is not None:
+            watch.reset()  # the members are changing: a window must not span a recovery
+            return
+        timings = [RankTiming(m.host, r, m.step, m.busy_time) for r, m in self.ranks.items()]
+        for v, ranks in watch.observe(timings):
+            h = self.hosts[v.host]
+            if not v.reported:
+                self._emit("straggler_cleared", host=v.host, address=h.address, ranks=ranks, ratio=v.ratio)
+                self._log("info", f"host {h.address} (ranks {ranks}) is no longer a straggler")
+                continue
+            window = [round(x, 3) for x in v.window]
+            self._emit("straggler", host=v.host, address=h.address, ranks=ranks, ratio=v.ratio, window=window)
+            self._log(
+                "warning",
+                f"straggler host {h.address} (agent {v.host}, ranks {ranks}): busy {v.ratio:.2f}x the "
+                f"other hosts' over the last {len(window)} steps",
+            )
+            if not self.cfg.swap_stragglers:
+                continue
+            idle = [m for m in self.procs.values() if m.role == "spare" and m.rank is None and m.ready]
+            spares = [(m.worker_id, m.host) for m in idle if m.connected]
+            if not h.remote or len(pick_spares(len(ranks), spares)) < len(ranks):
+                self._log("warning", f"not moving ranks {ranks}: no spare host ready for all of them")
+                continue
+            why = f"straggler host: busy {v.ratio:.2f}x the others; its ranks move to a spare host"
+            self._emit("straggler_swap", host=v.host, address=h.address, ranks=ranks)
+            # Kill, not _kill: these are moved, not hung; the host-loss path counts them as killed
+            for m in [m for m in self.procs.values() if m.host == v.host]:
+                self._out.append(Kill(m.worker_id, why, m.host))
+            self._host_lost(v.host, why, now, wall)
+            return
 
     def _check_done(self) -> None:
         if self.round is not None or not self.ranks:

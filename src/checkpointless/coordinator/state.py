@@ -51,6 +51,7 @@ class Member:
     in_collective: bool = False
     step: int | None = None
     step_time: float | None = None  # the last committed step's duration, as the worker measured it
+    busy_time: float | None = None  # that step less its waits in collectives (coordinator/stragglers.py)
     killed_for: str | None = None  # why we asked the agent to kill it
     assigned_at: float = 0.0
 

@@ -5,6 +5,8 @@
 * :class:`BatchLoader`: rank ``r``'s batch at global step ``s``, a pure function of the step.
 * :class:`ShmBatchCache`: prefetched batches in /dev/shm that outlive the process;
   :func:`remove_job_cache` / :func:`start_cache_janitor` leave nothing behind.
+* :func:`prefetch_as_spare`: a hot spare on a spare host fills its own host's cache for the
+  ranks it may take (``spare_cache.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from checkpointless.data.shm_cache import (
     remove_job_cache,
     start_cache_janitor,
 )
+from checkpointless.data.spare_cache import prefetch_as_spare
 from checkpointless.data.tokenize import ByteTokenizer, get_tokenizer
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "get_tokenizer",
     "job_cache_dir",
     "make_synthetic_corpus",
+    "prefetch_as_spare",
     "prepare_main",
     "read_header",
     "remove_job_cache",

@@ -75,6 +75,12 @@ class LaunchConfig:
     lease: float = 5.0  # seconds of silence after which an agent and the coordinator fence each other
     local_agent: bool = True  # False for `checkpointless coordinator`: every host has its own agent
     agent_wait: float = 300.0  # seconds the coordinator waits for its agents to join
+    # straggler hosts (coordinator/stragglers.py): report a host whose ranks' busy time is this
+    # many times the other hosts' for straggler_window steps in a row (0: off); with
+    # swap_stragglers, move its ranks to a spare host as if it were lost
+    straggler_ratio: float = 0.0
+    straggler_window: int = 5
+    swap_stragglers: bool = False
 
     @property
     def per_node(self) -> int:
@@ -162,6 +168,7 @@ class LaunchConfig:
             raise ConfigError("--plain gives the script a root-less env:// rendezvous; drop --rendezvous tcp")
         if self.rendezvous not in ("rootless", "tcp"):
             raise ConfigError(f"--rendezvous must be rootless or tcp (got {self.rendezvous!r})")
+        _check_stragglers(self)
         _check_ports(self.control_port, self.port_base, self.port_range)
         _check_host(self.host)
         _check_run_dir(self.run_dir if self.run_dir is not None else Path("runs"))
@@ -182,6 +189,20 @@ def _check_hosts(cfg: LaunchConfig) -> None:
         )
     if not math.isfinite(cfg.lease) or cfg.lease < 1.0:
         raise ConfigError(f"--lease must be at least 1 second (got {cfg.lease}); e.g. --lease 5")
+
+
+def _check_stragglers(cfg: LaunchConfig) -> None:
+    if not math.isfinite(cfg.straggler_ratio) or (cfg.straggler_ratio and cfg.straggler_ratio <= 1.0):
+        raise ConfigError(
+            f"--straggler-ratio must be 0 (off) or above 1 (got {cfg.straggler_ratio}); "
+            "e.g. --straggler-ratio 1.5"
+        )
+    if cfg.straggler_window < 1:
+        raise ConfigError(f"--straggler-window must be at least 1 step (got {cfg.straggler_window})")
+    if cfg.swap_stragglers and not cfg.straggler_ratio:
+        raise ConfigError("--swap-stragglers needs --straggler-ratio (e.g. --straggler-ratio 1.5)")
+    if cfg.swap_stragglers and cfg.spare_nodes < 1:
+        raise ConfigError("--swap-stragglers needs a spare host to move to; add --spare-nodes 1")
 
 
 def checkpoint_root(cfg: LaunchConfig, run_dir: Path, job_id: str) -> Path:

@@ -193,6 +193,8 @@ class Job:
         self._step_rng: tuple[int, RngState] | None = None
         self._progress_t = time.monotonic()
         self._last_step_time: float | None = None
+        self._last_busy_time: float | None = None  # the step less its collective waits
+        self._waited_at_step = 0.0
         self._started = False
         self._recovering = False
         self._retries: dict[int, int] = {}
@@ -252,10 +254,23 @@ class Job:
             log.info("spare %d ready, waiting for a rank", self.env.worker_id)
             self._link.send(SpareReady())
         while True:
-            msg = self._link.wait_for({"assign", "prepare"}, time.monotonic() + 10 * 365 * 86400.0)
+            msg = self._link.wait_for(
+                {"assign", "prepare", "prefetch"}, time.monotonic() + 10 * 365 * 86400.0
+            )
             if msg["type"] == "assign":
                 break
+            if msg["type"] == "prefetch":  # fill this host's batch cache for the ranks we may take
+                # imported here: only spares on spare hosts need it (and a script that registered
+                # a recipe, data/spare_cache.py, has imported it already)
+                from checkpointless.data import spare_cache
+
+                spare_cache.hint(
+                    self.env.job_id, int(msg["step"]), list(msg["ranks"]), int(msg["world_size"])
+                )
+                continue
             self._prepare(int(msg["state_bytes"]))
+        if "checkpointless.data.spare_cache" in sys.modules:  # we have a rank: stop prefetching
+            sys.modules["checkpointless.data.spare_cache"].stop()
         self.rank = int(msg["rank"])
         self.world_size = int(msg["world_size"])
         self.placement = (  # host-major placement (multi-host); -1s from a one-machine launcher
@@ -639,6 +654,7 @@ class Job:
     def _enter_step(self, index: int) -> None:
         self._step_index = index
         self._progress_t = time.monotonic()
+        self._waited_at_step = self.comm.waited_s
         self._batch_s = None
         self._updated = False
         self._record = {}
@@ -703,6 +719,7 @@ class Job:
         self._updated = False
         now = time.monotonic()
         self._last_step_time = now - self._progress_t
+        self._last_busy_time = max(0.0, self._last_step_time - (self.comm.waited_s - self._waited_at_step))
         self._progress_t = now
         self._retries.pop(index, None)
         published = self._snapshots.take_published() if self._snapshots is not None else None
@@ -790,6 +807,7 @@ class Job:
             else time.monotonic() - self._progress_t,
             in_collective=since is not None,
             step_time=self._last_step_time,
+            busy_time=self._last_busy_time,
         )
 
     def _recover_from(self, index: int, exc: BaseException) -> None:
