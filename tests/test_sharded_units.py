@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from checkpointless.errors import StateTransferError
-from checkpointless.recovery.job import plan_sources
+from checkpointless.recovery.recover import plan_sources
 from checkpointless.recovery.sharded import ShardIdentity, mesh_shape_error
 
 pytestmark = pytest.mark.timeout(10)

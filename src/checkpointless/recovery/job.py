@@ -20,14 +20,11 @@ applied its update). Models, optimizers and data objects stay in memory througho
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import datetime
 import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,29 +41,32 @@ from checkpointless.errors import (
     CheckpointlessError,
     CommAborted,
     ConfigError,
-    NotRecoverableError,
-    StateTransferError,
 )
-from checkpointless.events import EventLog, get_logger, set_log_step, setup_logging
+from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
 from checkpointless.protocol import (
-    Committed,
     Done,
-    Fatal,
     Fired,
     Heartbeat,
-    Recovered,
     SpareReady,
-    Stopped,
 )
-from checkpointless.recovery.amp import finish_cut_off_update, is_grad_scaler, reset_step_state
+from checkpointless.recovery.amp import is_grad_scaler
 from checkpointless.recovery.default_group import DefaultGroup, configure_standalone, install_default_group
-from checkpointless.recovery.divergence import DEFAULT_EVERY, due, judge, state_digest
+from checkpointless.recovery.divergence import DEFAULT_EVERY
 from checkpointless.recovery.epochs import EpochDriver
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
-from checkpointless.recovery.rendezvous_client import make_store
+from checkpointless.recovery.process import (
+    install_fast_exit,
+    short_error,
+    warm_up,
+)
+from checkpointless.recovery.recover import (
+    fatal,
+    recover,
+    recover_from,
+)
 from checkpointless.recovery.rng import StepStreams
 from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.sharded import (
@@ -75,9 +75,9 @@ from checkpointless.recovery.sharded import (
     buddies_wanted,
     local_stateful,
     mesh_shape_error,
-    send_copies,
 )
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
+from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import (
     export_torchrun_env,
     join_torchrun_group,
@@ -86,79 +86,27 @@ from checkpointless.recovery.torchrun import (
     torchrun_warning,
 )
 from checkpointless.state.arena import Arena
-from checkpointless.state.buddy import BuddyCopies, copy_channel
+from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.buddy_ring import buddy_of, owners_of
-from checkpointless.state.codec import tensor_paths
 from checkpointless.state.durable import (
     CheckpointWriter,
-    newest_checkpoint,
     parse_every,
     preload,
-    restore_checkpoint,
 )
 from checkpointless.state.shm_snapshot import (
     SnapshotWriter,
-    guarded_pointers,
-    list_snapshots,
-    newest_snapshot,
     rank_snapshot_dir,
-    restore_snapshot,
     snapshot_dir,
 )
 from checkpointless.state.snapshot import (
     RngState,
     Stateful,
-    capture_rng,
     check_stateful,
-    collect_state,
-    restore_rng,
-    restore_state,
 )
-from checkpointless.state.transfer import StreamRoute, receive_state, send_state
 
-__all__ = ["Job", "Step", "init"]
+__all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
 
 log = get_logger()
-
-
-class Step:
-    """One training step; use as a context manager around the step's body."""
-
-    def __init__(self, job: Job, index: int) -> None:
-        self.job = job
-        self.index = index
-        self.committed = False
-
-    @property
-    def epoch(self) -> int:
-        """The epoch this step belongs to (``steps_per_epoch`` of job.steps(), or its loader's)."""
-        return self.index // self.job._per_epoch()
-
-    @property
-    def index_in_epoch(self) -> int:
-        """The step's place inside its epoch, from 0."""
-        return self.index % self.job._per_epoch()
-
-    @property
-    def batch(self) -> Any:
-        """This step's batch (the same object in a replay), from job.epochs()' loader or the one
-        job.loader(); read it inside ``with step:``."""
-        return self.job._batch(self.index)
-
-    def __enter__(self) -> Step:
-        self.job._enter_step(self.index)
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
-        if exc is None:
-            self.job._commit(self.index)
-            self.committed = True
-            self.job._check_divergence()
-            return False
-        if not isinstance(exc, Exception) or self.job._link is None:
-            return False  # KeyboardInterrupt/SystemExit, or no launcher to recover with
-        self.job._recover_from(self.index, exc)
-        return True
 
 
 class Job:
@@ -235,7 +183,7 @@ class Job:
         set_parent_death_signal()
         # Pay lazy first-use costs before the launcher starts timing our heartbeats: a spare
         # must not pay them after a fault, and a heavy import can hold the GIL for seconds.
-        _warm_up()
+        warm_up()
         if self.env.store_port:
             # serve our rendezvous keys from the start: peers may look us up the moment the
             # launcher names us in a peer table, and a refused connection means "dead"
@@ -566,16 +514,17 @@ class Job:
                 self.comm, self._objects, start, self.rank, self.world_size, self.rendezvous_timeout
             )
         if self._link is not None and not self._objects:
-            self._fatal(
+            fatal(
+                self,
                 "job.track() registered nothing: a replacement rank would start from scratch and "
-                "diverge; call job.track(model=..., optimizer=...) before job.steps()"
+                "diverge; call job.track(model=..., optimizer=...) before job.steps()",
             )
         if self._link is not None:
             self._objects[LOOP_STATE_NAME] = self._loop  # an early end travels to a replacement
             if self.is_replacement:
-                self._recover(cause="join", error=None, committed=-1, valid=False)
+                recover(self, cause="join", error=None, committed=-1, valid=False)
             else:
-                self._recover(cause="start", error=None, committed=start, valid=True)
+                recover(self, cause="start", error=None, committed=start, valid=True)
         step: Step | None = None
         try:
             while self._run_sections() or not self._finished(total):
@@ -595,7 +544,7 @@ class Job:
             log.warning("the last checkpoint was still being written after %.0f s", self.rendezvous_timeout)
         if self._link is not None:
             self._link.send(Done(step=self.committed_step))
-            _install_fast_exit()
+            install_fast_exit()
 
     def _per_epoch(self) -> int:
         if self._steps_per_epoch is not None:
@@ -620,8 +569,8 @@ class Job:
                 if self._link is None:
                     raise
                 self._in_section = None
-                log.info("section %r after step %d interrupted: %s", sec.name, at - 1, _short(exc))
-                self._recover_from(at, exc)  # nothing was updated: every survivor stays valid
+                log.info("section %r after step %d interrupted: %s", sec.name, at - 1, short_error(exc))
+                recover_from(self, at, exc)  # nothing was updated: every survivor stays valid
                 continue
             finally:
                 self._in_section = None
@@ -646,38 +595,10 @@ class Job:
             self.comm.barrier(timeout=self.rendezvous_timeout)
             return True
         except CommAborted as e:
-            log.info("final barrier interrupted: %s", _short(e))
+            log.info("final barrier interrupted: %s", short_error(e))
             self.comm.abort(f"rank {self.rank} left the final barrier")
-            self._recover("comm", _short(e), self.committed_step, True)
+            recover(self, "comm", short_error(e), self.committed_step, True)
             return False
-
-    def _enter_step(self, index: int) -> None:
-        self._step_index = index
-        self._progress_t = time.monotonic()
-        self._waited_at_step = self.comm.waited_s
-        self._batch_s = None
-        self._updated = False
-        self._record = {}
-        self._step_rng = (index, capture_rng())
-        self._streams.begin_step()
-        set_log_step(index)
-        if self._snapshots is not None and self._snapshots.due(index):
-            # the state as this step begins (its RNG included); copied while forward/backward run
-            state = collect_state(self._objects, index, self._step_rng[1])
-            self._snapshots.start(index, state, guarded_pointers(self._optimizers))
-        if self._buddies is not None:  # sent while forward/backward run; the update waits for it
-            state = collect_state(self._objects, index, self._step_rng[1])
-            self._buddies.start(index, state, guarded_pointers(self._optimizers))
-        if self._checkpoints is not None and self._checkpoints.due(index, self._progress_t):
-            state = collect_state(self._objects, index, self._step_rng[1])
-            try:
-                self._checkpoints.start(index, state, guarded_pointers(self._optimizers))
-            except Exception as e:  # the disk's trouble must not fail a training step
-                log.warning("checkpoint of step %d not started: %s", index, e)
-        try:
-            self._site("step")
-        except Exception as e:  # surfaced at the first hook inside the body (see _site)
-            self._deferred = e
 
     def _site(self, site: str) -> None:
         if self._deferred is not None:
@@ -714,76 +635,6 @@ class Job:
         self._dirty = False
         self._updated = True
 
-    def _commit(self, index: int) -> None:
-        self.committed_step = index + 1
-        self._updated = False
-        now = time.monotonic()
-        self._last_step_time = now - self._progress_t
-        self._last_busy_time = max(0.0, self._last_step_time - (self.comm.waited_s - self._waited_at_step))
-        self._progress_t = now
-        self._retries.pop(index, None)
-        published = self._snapshots.take_published() if self._snapshots is not None else None
-        if published is not None:
-            self._record["snapshot"] = published.to_json()  # size and bound of the snapshot memory
-        if self._buddies is not None and self._buddies.last_send:
-            b = self._buddies
-            self._record["buddy"] = {**b.last_send, "wait_s": b.last_wait, "keeps_bytes": b.extra_bytes}
-        saved = self._checkpoints.take_published() if self._checkpoints is not None else None
-        if saved is not None:
-            self._record["checkpoint"] = saved.to_json()
-        if self._events is not None:
-            self._events.emit("commit", step=index, generation=self.generation, **self._record)
-        if self._first_commit_after_recovery and self._link is not None:
-            self._first_commit_after_recovery = False
-            self._link.send(
-                Committed(
-                    generation=self.generation,
-                    step=index,
-                    time=time.time(),
-                    first_batch_s=self._batch_s,
-                    # how much memory a spare should page in for this replica's state
-                    state_bytes=_state_bytes(self._objects) if self.rank == 0 else None,
-                )
-            )
-
-    def _check_divergence(self) -> None:
-        """Every ``divergence_every`` commits: compare the replicas' digests (recovery/divergence.py);
-        a rank that differs from the majority reports itself invalid and receives its state."""
-        step = self.committed_step
-        if self.world_size < 2 or not due(step, self.divergence_every):
-            return
-        if self._link is None and not self.under_torchrun:
-            return
-        digest = state_digest(self._modules, self._optimizers)
-        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
-        try:
-            gathered = self.comm.wait(self.comm.allgather(mine), self.rendezvous_timeout)
-        except Exception as e:  # a peer failed meanwhile: this step stands, recover as usual
-            if self._link is None:
-                raise
-            self.comm.abort(f"rank {self.rank} left the divergence check after step {step - 1}")
-            self._recover("comm", _short(e), step, True)
-            return
-        verdict = judge([int(t.item()) for t in gathered])
-        if not verdict.divergent:
-            return
-        why = verdict.describe(step)
-        mine_bad = self.rank in verdict.divergent
-        log.error("%s%s", why, " (this rank is one of them)" if mine_bad else "")
-        if self._events is not None:
-            self._events.emit("divergence", step=step - 1, ranks=list(verdict.divergent))
-        if self._link is None:  # under plain torchrun: nothing can heal it
-            raise NotRecoverableError(why)
-        if not mine_bad:
-            # Only a divergent rank reports. Were the majority to report too, the launcher's abort
-            # could cut a slower divergent rank's all-gather short before it saw the verdict, and
-            # it would report itself valid. The majority goes on; its next collective is aborted
-            # by the round the divergent rank starts, and it reports then (valid, at this step).
-            return
-        self.comm.abort(f"divergence check after step {step - 1}")
-        self._recover("exception", why, step, False)
-
-    # -- recovery ------------------------------------------------------------------------------
     def _on_abort(self, msg: dict[str, Any]) -> None:
         gen = int(msg["generation"])
         if gen > self._latest_abort:
@@ -810,320 +661,10 @@ class Job:
             busy_time=self._last_busy_time,
         )
 
-    def _recover_from(self, index: int, exc: BaseException) -> None:
-        # the rank's own error counts as its own even if an abort arrived at the same moment:
-        # only a failed or aborted collective is a symptom of somebody else's fault
-        cause = "comm" if isinstance(exc, CommAborted) or _looks_like_comm_error(exc) else "exception"
-        if self._dirty:
-            committed, valid = index, False
-        elif self._updated:
-            committed, valid = index + 1, True
-        else:
-            committed, valid = index, True
-        if self._updated and not self._dirty:  # the update stands: so must its scaler update
-            for scaler in self._scalers:
-                finish_cut_off_update(scaler)
-        self._dirty = False
-        self._interrupted = (index, dict(self._record))
-        if cause == "exception":
-            self._retries[index] = self._retries.get(index, 0) + 1
-            log.error(
-                "step %d raised %s: %s\n%s",
-                index,
-                type(exc).__name__,
-                exc,
-                "".join(traceback.format_exception(exc)).rstrip(),
-            )
-            if self._retries[index] > self.max_step_retries:
-                self._fatal(
-                    f"step {index} raised {type(exc).__name__} {self._retries[index]} times in a row "
-                    f"({exc}); this is not a transient fault"
-                )
-        else:
-            log.info("step %d interrupted: %s", index, _short(exc))
-        self.comm.abort(f"rank {self.rank} left step {index}")
-        if self._default is not None:
-            self._default.abort(f"rank {self.rank} left step {index}")
-        if self._mesh is not None:
-            self._mesh.abort(f"rank {self.rank} left step {index}")
-        self._recover(cause, f"{type(exc).__name__}: {exc}", committed, valid)
-
-    def _fatal(self, why: str) -> None:
-        if self._link is not None:
-            self._link.send(Fatal(error=why))
-        raise NotRecoverableError(why)
-
-    def _recover(self, cause: str, error: str | None, committed: int, valid: bool) -> None:
-        """Report, wait for the launcher's plan, rebuild, exchange state. Loops through any
-        number of faults that happen meanwhile (each makes a newer generation)."""
-        assert self._link is not None
-        self._recovering = True
-        t_stop = time.monotonic()
-        if self._snapshots is not None:  # a snapshot copy must end before a transfer overwrites state
-            self._snapshots.wait_copied(self.rendezvous_timeout)
-        if self._checkpoints is not None:  # nor tensors DCP is still staging
-            self._checkpoints.wait_staged(self.rendezvous_timeout)
-        if self._buddies is not None:  # only verified copies are reported and kept
-            self._buddies.stop(self.rendezvous_timeout)
-        for dp in self._dps:
-            dp.reset()
-        if self._mesh is not None:  # what the abandoned forward/backward left in FSDP2
-            self._mesh.reset(self._modules)
-        for opt in self._optimizers:
-            opt.zero_grad(set_to_none=True)
-        deadline = time.monotonic() + 10 * self.rendezvous_timeout
-        self._report_gen = max(self._report_gen, self._latest_abort, self.generation + 1)
-        # the step that was running names the fault for the launcher's fault budget
-        report = Stopped(
-            for_generation=0,
-            committed_step=committed,
-            valid=valid,
-            cause=cause,
-            error=error,
-            step=self._step_index,
-        )
-        resend = True
-        while True:
-            gen = self._report_gen
-            if resend:
-                snap = self._newest_snapshot()
-                self._link.send(
-                    dataclasses.replace(
-                        report,
-                        for_generation=gen,
-                        time=time.time(),
-                        snapshot_step=snap,
-                        checkpoint_step=newest_checkpoint(self._checkpoint_dir),
-                        mesh=list(self._mesh.shape) if self._mesh is not None else None,
-                        copies=[list(c) for c in self._buddies.held()] if self._buddies else [],
-                        own_snapshots=list_snapshots(self._own_snapshots) if self._own_snapshots else [],
-                    )
-                )
-            resend = False
-            msg = self._link.wait_for({"recover", "abort"}, deadline)
-            if msg["type"] == "abort":
-                if int(msg["generation"]) > self._report_gen:  # a newer fault: report for it
-                    self._report_gen = int(msg["generation"])
-                    resend = True
-                continue
-            if int(msg["generation"]) != gen or self._latest_abort > gen:
-                continue  # a plan for a generation that was superseded while it travelled
-            self._cancel.clear()
-            try:
-                timings = self._join_generation(msg, committed, valid)
-            except Exception as e:  # any failure here is a fault of this round, not of the job
-                log.warning("recovery to generation %d failed: %s", gen, _short(e))
-                # our own state is still what it was unless we were loading a peer's
-                if isinstance(e, StateTransferError) or self.rank in msg["plan"]["receivers"]:
-                    valid = valid and self.rank not in msg["plan"]["receivers"]
-                report = dataclasses.replace(report, valid=valid, cause="recovery", error=_short(e))
-                self._report_gen = max(self._latest_abort, gen + 1)
-                resend = True
-                continue
-            timings["stopped_s"] = t_stop
-            for scaler in self._scalers:  # every step starts again with scaled gradients
-                reset_step_state(scaler)
-            self._progress_t = time.monotonic()  # the hang clock restarts with the new generation
-            self._recovering = False
-            self._first_commit_after_recovery = True
-            self._link.send(Recovered(generation=gen, time=time.time(), timings=timings))
-            self.comm.release_graveyard()
-            if self._default is not None:
-                self._default.release()
-            if self._mesh is not None:
-                self._mesh.release()
-            return
-
-    def _join_generation(self, msg: dict[str, Any], committed: int, valid: bool) -> dict[str, Any]:
-        gen = int(msg["generation"])
-        plan = msg["plan"]
-        target, receivers = int(plan["target_step"]), list(plan["receivers"])
-        sources = plan_sources(plan)  # receiver -> its source (on a mesh, a holder of its shard)
-        # receivers of this rank's own state; the buddy copies it keeps go out on a thread of their own
-        to_send = sorted(
-            r for r, s in sources.items() if s == self.rank and r not in plan.get("from_copy", ())
-        )
-        self._injector.maybe_fire("recovery", target)
-        t0 = time.monotonic()
-        store = make_store(msg["rendezvous"], self.rank, self.world_size, gen, self._store_state, self.env)
-        wait_s = self.comm.rebuild(
-            gen, store, self.rank, self.world_size, time.monotonic() + self.rendezvous_timeout, self._cancel
-        )
-        if self._default is not None:
-            self._default.configure(gen, store, time.monotonic() + self.rendezvous_timeout, self._cancel)
-        if self._mesh is not None:
-            self._mesh.configure(gen, store, time.monotonic() + self.rendezvous_timeout, self._cancel)
-        self.generation = gen
-        t1 = time.monotonic()
-        info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
-        route = self._stream_route(msg["rendezvous"], gen)
-        info["transport"] = "gloo" if route is None else "stream"
-        copier = None
-        if self._buddies is not None and route is not None:  # kept copies go back beside the rest
-            copier = send_copies(
-                self._buddies, self.comm, plan, self.rank, gen, target, route, self.rendezvous_timeout
-            )
-        if plan.get("from_snapshot"):
-            info.update(self._restore_snapshot(target))
-            info["role"] = info["transport"] = "snapshot"
-        elif self.rank in plan.get("own_snapshot", ()) and self._own_snapshots is not None:
-            stats = restore_snapshot(self._objects, self._own_snapshots, target)
-            info.update(stats)
-            info["role"] = info["transport"] = "own_snapshot"
-            log.info("restored this rank's own snapshot of step %d", target)
-        elif plan.get("from_checkpoint"):
-            if self._checkpoint_dir is None:
-                raise StateTransferError(
-                    "the plan restores a checkpoint, but this rank has no --checkpoint-dir"
-                )
-            info.update(restore_checkpoint(self._objects, self._checkpoint_dir, target))
-            info["role"] = info["transport"] = "checkpoint"
-            log.info("restored the checkpoint of step %d from %s", target, self._checkpoint_dir)
-        elif to_send:
-            resume_rng = self._resume_rng(target)
-            state = collect_state(self._objects, target, resume_rng)
-            info.update(send_state(self.comm, state, to_send, self.rendezvous_timeout, route))
-            info["role"] = "source"
-            restore_rng(resume_rng)
-        elif self.rank in receivers:
-            # our own tensors are the landing zone: a receiver's state is replaced anyway, and
-            # receiving in place spares a copy and a page fault per 4 KiB of state
-            own = collect_state(self._objects, target, capture_rng())
-            if self._arena is not None:
-                self._arena.reset()  # a transfer that failed before may have taken some of it
-            if route is not None and self.rank in plan.get("from_copy", ()):
-                route = dataclasses.replace(route, channel=copy_channel(gen, self.rank))
-            state, stats = receive_state(
-                self.comm, sources[self.rank], self.rendezvous_timeout, own, route, self._arena
-            )
-            del own
-            if self._arena is not None:
-                self._arena.release_unused()
-                self._arena = None  # what was carved out lives on in the received tensors
-            step, rng = restore_state(self._objects, state)
-            if step != target:
-                raise StateTransferError(f"received state for step {step}, the plan says {target}")
-            restore_rng(rng)
-            info.update(stats)
-            info["role"] = "receiver"
-            if self.rank in plan.get("from_copy", ()):
-                info["transport"] = "buddy"
-        else:
-            restore_rng(self._resume_rng(target))
-        if copier is not None:
-            copier.join(self.rendezvous_timeout)
-            if copier.error is not None:
-                raise copier.error
-        if self._buddies is not None:
-            self._buddies.resume(gen, self._stream_route(msg["rendezvous"], gen))
-        self.committed_step = target
-        self._step_rng = None
-        if self._interrupted is not None and self._interrupted[0] == target - 1 and self._events is not None:
-            # the interrupted step's update was applied (here or on the replica we received from):
-            # its batch was trained on, so it is committed, not replayed
-            index, record = self._interrupted
-            self._events.emit("commit", step=index, generation=gen, rolled_forward=True, **record)
-        self._interrupted = None
-        info["transfer_s"] = time.monotonic() - t1
-        log.info(
-            "generation %d formed in %.3f s, state %s in %.3f s; resuming at step %d",
-            gen,
-            info["rebuild_s"],
-            info["role"],
-            info["transfer_s"],
-            target,
-        )
-        return info
-
-    def _newest_snapshot(self) -> int | None:
-        # reported with every stop, so the launcher can plan with it when no replica is left
-        return newest_snapshot(snapshot_dir(self.env.job_id)) if self.env is not None else None
-
-    def _restore_snapshot(self, target: int) -> dict[str, Any]:
-        assert self.env is not None
-        stats = restore_snapshot(self._objects, snapshot_dir(self.env.job_id), target)
-        log.info("restored the shared-memory snapshot of step %d (%.1f MB)", target, stats["bytes"] / 1e6)
-        return stats
-
-    def _stream_route(self, desc: dict[str, Any], gen: int) -> StreamRoute | None:
-        """State goes over a direct stream through the key servers of a root-less rendezvous;
-        with a central store (``--rendezvous tcp``) over the gloo group instead."""
-        server = self._store_state.get("server")
-        if desc.get("kind") != "rootless" or server is None or self.env is None:
-            return None
-        return StreamRoute(server, list(desc["peers"]), self.env.secret, f"state/gen{gen}")
-
-    def _resume_rng(self, target: int) -> RngState:
-        # The generators as they stood when step `target` first began here; if this rank never
-        # began it (it finished the step before), its current state is that state.
-        if self._step_rng is not None and self._step_rng[0] == target:
-            return self._step_rng[1]
-        return capture_rng()
-
     def _announce_fault(self, spec: FaultSpec) -> None:
         log.warning("injecting fault %s", spec.to_text())
         if self._link is not None:
             self._link.send(Fired(id=spec.id, kind=spec.kind, time=time.time()))
-
-
-def plan_sources(plan: dict[str, Any]) -> dict[int, int]:
-    """receiver -> source from a plan's JSON: per-receiver pairs when present (a sharded mesh),
-    else one source for every receiver; empty for snapshot and checkpoint plans."""
-    if plan.get("from_snapshot") or plan.get("from_checkpoint"):
-        return {}
-    if plan.get("sources") or plan.get("own_snapshot"):
-        return {int(r): int(s) for r, s in plan.get("sources", [])}
-    return {int(r): int(plan["source"]) for r in plan["receivers"]}
-
-
-def _state_bytes(objects: dict[str, Any]) -> int:
-    state = collect_state(objects, 0, {})
-    return sum(t.numel() * t.element_size() for t in tensor_paths(state).values())
-
-
-_FAILED_AFTER_LOOP = False
-
-
-def _install_fast_exit() -> None:
-    """Leave without running destructors once the job's work is done. Process groups of aborted
-    generations may still hold gloo threads waiting on peers that are gone, and tearing them
-    down at interpreter exit can abort the process. An uncaught exception after the loop still
-    makes the exit code 1."""
-    previous = sys.excepthook
-
-    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        global _FAILED_AFTER_LOOP
-        _FAILED_AFTER_LOOP = True
-        previous(tp, value, tb)
-
-    def exit_now() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1 if _FAILED_AFTER_LOOP else 0)
-
-    sys.excepthook = hook
-    atexit.register(exit_now)
-
-
-def _looks_like_comm_error(exc: BaseException) -> bool:
-    text = str(exc)
-    return any(
-        s in text for s in ("Connection closed by peer", "Connection reset", "Gloo", "gloo", "aborted")
-    )
-
-
-def _short(exc: BaseException) -> str:
-    s = f"{type(exc).__name__}: {exc}"
-    return s if len(s) < 300 else s[:297] + "..."
-
-
-def _warm_up() -> None:
-    """Pay the lazy first-use costs now, while we wait as a spare, not after a fault:
-    the first optimizer construction imports torch._dynamo (seconds on this machine)."""
-    p = nn.Parameter(torch.zeros(4))
-    opt = torch.optim.AdamW([p], lr=1e-3)
-    p.grad = torch.ones(4)
-    opt.step()
 
 
 _JOB: Job | None = None

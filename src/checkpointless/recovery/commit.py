@@ -1,0 +1,141 @@
+"""A step's entry and its commit: fault sites and snapshots as a step begins, the commit rule
+(snapshots, buddy copies, durable checkpoints, the launcher told) as it ends, and the periodic
+divergence check between replicas. Functions of the
+:class:`~checkpointless.recovery.job.Job` they act on, called by
+:class:`~checkpointless.recovery.step.Step`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from checkpointless.errors import (
+    NotRecoverableError,
+)
+from checkpointless.events import get_logger, set_log_step
+from checkpointless.protocol import (
+    Committed,
+)
+from checkpointless.recovery.divergence import due, judge, state_digest
+from checkpointless.recovery.process import short_error, state_bytes
+from checkpointless.recovery.recover import recover
+from checkpointless.state.shm_snapshot import (
+    guarded_pointers,
+)
+from checkpointless.state.snapshot import (
+    capture_rng,
+    collect_state,
+)
+
+if TYPE_CHECKING:
+    from checkpointless.recovery.job import Job
+
+__all__ = ["check_divergence", "commit", "enter_step"]
+
+log = get_logger()
+
+
+def enter_step(job: Job, index: int) -> None:
+    job._step_index = index
+    job._progress_t = time.monotonic()
+    job._waited_at_step = job.comm.waited_s
+    job._batch_s = None
+    job._updated = False
+    job._record = {}
+    job._step_rng = (index, capture_rng())
+    job._streams.begin_step()
+    set_log_step(index)
+    if job._snapshots is not None and job._snapshots.due(index):
+        # the state as this step begins (its RNG included); copied while forward/backward run
+        state = collect_state(job._objects, index, job._step_rng[1])
+        job._snapshots.start(index, state, guarded_pointers(job._optimizers))
+    if job._buddies is not None:  # sent while forward/backward run; the update waits for it
+        state = collect_state(job._objects, index, job._step_rng[1])
+        job._buddies.start(index, state, guarded_pointers(job._optimizers))
+    if job._checkpoints is not None and job._checkpoints.due(index, job._progress_t):
+        state = collect_state(job._objects, index, job._step_rng[1])
+        try:
+            job._checkpoints.start(index, state, guarded_pointers(job._optimizers))
+        except Exception as e:  # the disk's trouble must not fail a training step
+            log.warning("checkpoint of step %d not started: %s", index, e)
+    try:
+        job._site("step")
+    except Exception as e:  # surfaced at the first hook inside the body (see _site)
+        job._deferred = e
+
+
+def commit(job: Job, index: int) -> None:
+    job.committed_step = index + 1
+    job._updated = False
+    now = time.monotonic()
+    job._last_step_time = now - job._progress_t
+    job._last_busy_time = max(0.0, job._last_step_time - (job.comm.waited_s - job._waited_at_step))
+    job._progress_t = now
+    job._retries.pop(index, None)
+    published = job._snapshots.take_published() if job._snapshots is not None else None
+    if published is not None:
+        job._record["snapshot"] = published.to_json()  # size and bound of the snapshot memory
+    if job._buddies is not None and job._buddies.last_send:
+        b = job._buddies
+        job._record["buddy"] = {**b.last_send, "wait_s": b.last_wait, "keeps_bytes": b.extra_bytes}
+    saved = job._checkpoints.take_published() if job._checkpoints is not None else None
+    if saved is not None:
+        job._record["checkpoint"] = saved.to_json()
+    if job._events is not None:
+        job._events.emit("commit", step=index, generation=job.generation, **job._record)
+    if job._first_commit_after_recovery and job._link is not None:
+        job._first_commit_after_recovery = False
+        job._link.send(
+            Committed(
+                generation=job.generation,
+                step=index,
+                time=time.time(),
+                first_batch_s=job._batch_s,
+                # how much memory a spare should page in for this replica's state
+                state_bytes=state_bytes(job._objects) if job.rank == 0 else None,
+            )
+        )
+
+
+def check_divergence(job: Job) -> None:
+    """Every ``divergence_every`` commits: compare the replicas' digests (recovery/divergence.py);
+    a rank that differs from the majority reports itself invalid and receives its state."""
+    step = job.committed_step
+    if job.world_size < 2 or not due(step, job.divergence_every):
+        return
+    if job._link is None and not job.under_torchrun:
+        return
+    digest = state_digest(job._modules, job._optimizers)
+    mine = torch.tensor([digest], dtype=torch.int64, device=job.device)
+    try:
+        gathered = job.comm.wait(job.comm.allgather(mine), job.rendezvous_timeout)
+    except Exception as e:  # a peer failed meanwhile: this step stands, recover as usual
+        if job._link is None:
+            raise
+        job.comm.abort(f"rank {job.rank} left the divergence check after step {step - 1}")
+        recover(job, "comm", short_error(e), step, True)
+        return
+    verdict = judge([int(t.item()) for t in gathered])
+    if not verdict.divergent:
+        return
+    why = verdict.describe(step)
+    mine_bad = job.rank in verdict.divergent
+    log.error("%s%s", why, " (this rank is one of them)" if mine_bad else "")
+    if job._events is not None:
+        job._events.emit("divergence", step=step - 1, ranks=list(verdict.divergent))
+    if job._link is None:  # under plain torchrun: nothing can heal it
+        raise NotRecoverableError(why)
+    if not mine_bad:
+        # Only a divergent rank reports. Were the majority to report too, the launcher's abort
+        # could cut a slower divergent rank's all-gather short before it saw the verdict, and
+        # it would report itself valid. The majority goes on; its next collective is aborted
+        # by the round the divergent rank starts, and it reports then (valid, at this step).
+        return
+    job.comm.abort(f"divergence check after step {step - 1}")
+    recover(job, "exception", why, step, False)
+
+
+# -- recovery ------------------------------------------------------------------------------

@@ -1,0 +1,333 @@
+"""A worker's side of a recovery round: report the fault, join the next generation, send or
+receive the state the plan names, and settle on the step to resume from.
+
+Functions of the :class:`~checkpointless.recovery.job.Job` they act on, kept apart from the
+step loop in ``job.py``: the loop calls :func:`recover_from` when a step fails and
+:func:`recover` when a collective outside a step (the final barrier, a section) does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+from checkpointless.errors import (
+    CommAborted,
+    NotRecoverableError,
+    StateTransferError,
+)
+from checkpointless.events import get_logger
+from checkpointless.protocol import (
+    Fatal,
+    Recovered,
+    Stopped,
+)
+from checkpointless.recovery.amp import finish_cut_off_update, reset_step_state
+from checkpointless.recovery.process import looks_like_comm_error, short_error
+from checkpointless.recovery.rendezvous_client import make_store
+from checkpointless.recovery.sharded import (
+    send_copies,
+)
+from checkpointless.state.buddy import copy_channel
+from checkpointless.state.durable import (
+    newest_checkpoint,
+    restore_checkpoint,
+)
+from checkpointless.state.shm_snapshot import (
+    list_snapshots,
+    newest_snapshot,
+    restore_snapshot,
+    snapshot_dir,
+)
+from checkpointless.state.snapshot import (
+    RngState,
+    capture_rng,
+    collect_state,
+    restore_rng,
+    restore_state,
+)
+from checkpointless.state.transfer import StreamRoute, receive_state, send_state
+
+if TYPE_CHECKING:
+    from checkpointless.recovery.job import Job
+
+__all__ = [
+    "fatal",
+    "join_generation",
+    "newest_own_snapshot",
+    "plan_sources",
+    "recover",
+    "recover_from",
+    "restore_own_snapshot",
+    "resume_rng",
+    "stream_route",
+]
+
+log = get_logger()
+
+
+def plan_sources(plan: dict[str, Any]) -> dict[int, int]:
+    """receiver -> source from a plan's JSON: per-receiver pairs when present (a sharded mesh),
+    else one source for every receiver; empty for snapshot and checkpoint plans."""
+    if plan.get("from_snapshot") or plan.get("from_checkpoint"):
+        return {}
+    if plan.get("sources") or plan.get("own_snapshot"):
+        return {int(r): int(s) for r, s in plan.get("sources", [])}
+    return {int(r): int(plan["source"]) for r in plan["receivers"]}
+
+
+def recover_from(job: Job, index: int, exc: BaseException) -> None:
+    # the rank's own error counts as its own even if an abort arrived at the same moment:
+    # only a failed or aborted collective is a symptom of somebody else's fault
+    cause = "comm" if isinstance(exc, CommAborted) or looks_like_comm_error(exc) else "exception"
+    if job._dirty:
+        committed, valid = index, False
+    elif job._updated:
+        committed, valid = index + 1, True
+    else:
+        committed, valid = index, True
+    if job._updated and not job._dirty:  # the update stands: so must its scaler update
+        for scaler in job._scalers:
+            finish_cut_off_update(scaler)
+    job._dirty = False
+    job._interrupted = (index, dict(job._record))
+    if cause == "exception":
+        job._retries[index] = job._retries.get(index, 0) + 1
+        log.error(
+            "step %d raised %s: %s\n%s",
+            index,
+            type(exc).__name__,
+            exc,
+            "".join(traceback.format_exception(exc)).rstrip(),
+        )
+        if job._retries[index] > job.max_step_retries:
+            fatal(
+                job,
+                f"step {index} raised {type(exc).__name__} {job._retries[index]} times in a row "
+                f"({exc}); this is not a transient fault",
+            )
+    else:
+        log.info("step %d interrupted: %s", index, short_error(exc))
+    job.comm.abort(f"rank {job.rank} left step {index}")
+    if job._default is not None:
+        job._default.abort(f"rank {job.rank} left step {index}")
+    if job._mesh is not None:
+        job._mesh.abort(f"rank {job.rank} left step {index}")
+    recover(job, cause, f"{type(exc).__name__}: {exc}", committed, valid)
+
+
+def fatal(job: Job, why: str) -> None:
+    if job._link is not None:
+        job._link.send(Fatal(error=why))
+    raise NotRecoverableError(why)
+
+
+def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool) -> None:
+    """Report, wait for the launcher's plan, rebuild, exchange state. Loops through any
+    number of faults that happen meanwhile (each makes a newer generation)."""
+    assert job._link is not None
+    job._recovering = True
+    t_stop = time.monotonic()
+    if job._snapshots is not None:  # a snapshot copy must end before a transfer overwrites state
+        job._snapshots.wait_copied(job.rendezvous_timeout)
+    if job._checkpoints is not None:  # nor tensors DCP is still staging
+        job._checkpoints.wait_staged(job.rendezvous_timeout)
+    if job._buddies is not None:  # only verified copies are reported and kept
+        job._buddies.stop(job.rendezvous_timeout)
+    for dp in job._dps:
+        dp.reset()
+    if job._mesh is not None:  # what the abandoned forward/backward left in FSDP2
+        job._mesh.reset(job._modules)
+    for opt in job._optimizers:
+        opt.zero_grad(set_to_none=True)
+    deadline = time.monotonic() + 10 * job.rendezvous_timeout
+    job._report_gen = max(job._report_gen, job._latest_abort, job.generation + 1)
+    # the step that was running names the fault for the launcher's fault budget
+    report = Stopped(
+        for_generation=0,
+        committed_step=committed,
+        valid=valid,
+        cause=cause,
+        error=error,
+        step=job._step_index,
+    )
+    resend = True
+    while True:
+        gen = job._report_gen
+        if resend:
+            snap = newest_own_snapshot(job)
+            job._link.send(
+                dataclasses.replace(
+                    report,
+                    for_generation=gen,
+                    time=time.time(),
+                    snapshot_step=snap,
+                    checkpoint_step=newest_checkpoint(job._checkpoint_dir),
+                    mesh=list(job._mesh.shape) if job._mesh is not None else None,
+                    copies=[list(c) for c in job._buddies.held()] if job._buddies else [],
+                    own_snapshots=list_snapshots(job._own_snapshots) if job._own_snapshots else [],
+                )
+            )
+        resend = False
+        msg = job._link.wait_for({"recover", "abort"}, deadline)
+        if msg["type"] == "abort":
+            if int(msg["generation"]) > job._report_gen:  # a newer fault: report for it
+                job._report_gen = int(msg["generation"])
+                resend = True
+            continue
+        if int(msg["generation"]) != gen or job._latest_abort > gen:
+            continue  # a plan for a generation that was superseded while it travelled
+        job._cancel.clear()
+        try:
+            timings = join_generation(job, msg, committed, valid)
+        except Exception as e:  # any failure here is a fault of this round, not of the job
+            log.warning("recovery to generation %d failed: %s", gen, short_error(e))
+            # our own state is still what it was unless we were loading a peer's
+            if isinstance(e, StateTransferError) or job.rank in msg["plan"]["receivers"]:
+                valid = valid and job.rank not in msg["plan"]["receivers"]
+            report = dataclasses.replace(report, valid=valid, cause="recovery", error=short_error(e))
+            job._report_gen = max(job._latest_abort, gen + 1)
+            resend = True
+            continue
+        timings["stopped_s"] = t_stop
+        for scaler in job._scalers:  # every step starts again with scaled gradients
+            reset_step_state(scaler)
+        job._progress_t = time.monotonic()  # the hang clock restarts with the new generation
+        job._recovering = False
+        job._first_commit_after_recovery = True
+        job._link.send(Recovered(generation=gen, time=time.time(), timings=timings))
+        job.comm.release_graveyard()
+        if job._default is not None:
+            job._default.release()
+        if job._mesh is not None:
+            job._mesh.release()
+        return
+
+
+def join_generation(job: Job, msg: dict[str, Any], committed: int, valid: bool) -> dict[str, Any]:
+    gen = int(msg["generation"])
+    plan = msg["plan"]
+    target, receivers = int(plan["target_step"]), list(plan["receivers"])
+    sources = plan_sources(plan)  # receiver -> its source (on a mesh, a holder of its shard)
+    # receivers of this rank's own state; the buddy copies it keeps go out on a thread of their own
+    to_send = sorted(r for r, s in sources.items() if s == job.rank and r not in plan.get("from_copy", ()))
+    job._injector.maybe_fire("recovery", target)
+    t0 = time.monotonic()
+    store = make_store(msg["rendezvous"], job.rank, job.world_size, gen, job._store_state, job.env)
+    wait_s = job.comm.rebuild(
+        gen, store, job.rank, job.world_size, time.monotonic() + job.rendezvous_timeout, job._cancel
+    )
+    if job._default is not None:
+        job._default.configure(gen, store, time.monotonic() + job.rendezvous_timeout, job._cancel)
+    if job._mesh is not None:
+        job._mesh.configure(gen, store, time.monotonic() + job.rendezvous_timeout, job._cancel)
+    job.generation = gen
+    t1 = time.monotonic()
+    info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
+    route = stream_route(job, msg["rendezvous"], gen)
+    info["transport"] = "gloo" if route is None else "stream"
+    copier = None
+    if job._buddies is not None and route is not None:  # kept copies go back beside the rest
+        copier = send_copies(
+            job._buddies, job.comm, plan, job.rank, gen, target, route, job.rendezvous_timeout
+        )
+    if plan.get("from_snapshot"):
+        info.update(restore_own_snapshot(job, target))
+        info["role"] = info["transport"] = "snapshot"
+    elif job.rank in plan.get("own_snapshot", ()) and job._own_snapshots is not None:
+        stats = restore_snapshot(job._objects, job._own_snapshots, target)
+        info.update(stats)
+        info["role"] = info["transport"] = "own_snapshot"
+        log.info("restored this rank's own snapshot of step %d", target)
+    elif plan.get("from_checkpoint"):
+        if job._checkpoint_dir is None:
+            raise StateTransferError("the plan restores a checkpoint, but this rank has no --checkpoint-dir")
+        info.update(restore_checkpoint(job._objects, job._checkpoint_dir, target))
+        info["role"] = info["transport"] = "checkpoint"
+        log.info("restored the checkpoint of step %d from %s", target, job._checkpoint_dir)
+    elif to_send:
+        rng = resume_rng(job, target)
+        state = collect_state(job._objects, target, rng)
+        info.update(send_state(job.comm, state, to_send, job.rendezvous_timeout, route))
+        info["role"] = "source"
+        restore_rng(rng)
+    elif job.rank in receivers:
+        # our own tensors are the landing zone: a receiver's state is replaced anyway, and
+        # receiving in place spares a copy and a page fault per 4 KiB of state
+        own = collect_state(job._objects, target, capture_rng())
+        if job._arena is not None:
+            job._arena.reset()  # a transfer that failed before may have taken some of it
+        if route is not None and job.rank in plan.get("from_copy", ()):
+            route = dataclasses.replace(route, channel=copy_channel(gen, job.rank))
+        state, stats = receive_state(
+            job.comm, sources[job.rank], job.rendezvous_timeout, own, route, job._arena
+        )
+        del own
+        if job._arena is not None:
+            job._arena.release_unused()
+            job._arena = None  # what was carved out lives on in the received tensors
+        step, rng = restore_state(job._objects, state)
+        if step != target:
+            raise StateTransferError(f"received state for step {step}, the plan says {target}")
+        restore_rng(rng)
+        info.update(stats)
+        info["role"] = "receiver"
+        if job.rank in plan.get("from_copy", ()):
+            info["transport"] = "buddy"
+    else:
+        restore_rng(resume_rng(job, target))
+    if copier is not None:
+        copier.join(job.rendezvous_timeout)
+        if copier.error is not None:
+            raise copier.error
+    if job._buddies is not None:
+        job._buddies.resume(gen, stream_route(job, msg["rendezvous"], gen))
+    job.committed_step = target
+    job._step_rng = None
+    if job._interrupted is not None and job._interrupted[0] == target - 1 and job._events is not None:
+        # the interrupted step's update was applied (here or on the replica we received from):
+        # its batch was trained on, so it is committed, not replayed
+        index, record = job._interrupted
+        job._events.emit("commit", step=index, generation=gen, rolled_forward=True, **record)
+    job._interrupted = None
+    info["transfer_s"] = time.monotonic() - t1
+    log.info(
+        "generation %d formed in %.3f s, state %s in %.3f s; resuming at step %d",
+        gen,
+        info["rebuild_s"],
+        info["role"],
+        info["transfer_s"],
+        target,
+    )
+    return info
+
+
+def newest_own_snapshot(job: Job) -> int | None:
+    # reported with every stop, so the launcher can plan with it when no replica is left
+    return newest_snapshot(snapshot_dir(job.env.job_id)) if job.env is not None else None
+
+
+def restore_own_snapshot(job: Job, target: int) -> dict[str, Any]:
+    assert job.env is not None
+    stats = restore_snapshot(job._objects, snapshot_dir(job.env.job_id), target)
+    log.info("restored the shared-memory snapshot of step %d (%.1f MB)", target, stats["bytes"] / 1e6)
+    return stats
+
+
+def stream_route(job: Job, desc: dict[str, Any], gen: int) -> StreamRoute | None:
+    """State goes over a direct stream through the key servers of a root-less rendezvous;
+    with a central store (``--rendezvous tcp``) over the gloo group instead."""
+    server = job._store_state.get("server")
+    if desc.get("kind") != "rootless" or server is None or job.env is None:
+        return None
+    return StreamRoute(server, list(desc["peers"]), job.env.secret, f"state/gen{gen}")
+
+
+def resume_rng(job: Job, target: int) -> RngState:
+    # The generators as they stood when step `target` first began here; if this rank never
+    # began it (it finished the step before), its current state is that state.
+    if job._step_rng is not None and job._step_rng[0] == target:
+        return job._step_rng[1]
+    return capture_rng()
