@@ -12,23 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from checkpointless.errors import (
-    NotRecoverableError,
-)
+from checkpointless.errors import NotRecoverableError
 from checkpointless.events import get_logger, set_log_step
-from checkpointless.protocol import (
-    Committed,
-)
+from checkpointless.protocol import Committed
 from checkpointless.recovery.divergence import due, judge, state_digest
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
-from checkpointless.state.shm_snapshot import (
-    guarded_pointers,
-)
-from checkpointless.state.snapshot import (
-    capture_rng,
-    collect_state,
-)
+from checkpointless.state.shm_snapshot import guarded_pointers
+from checkpointless.state.snapshot import capture_rng, collect_state
 
 if TYPE_CHECKING:
     from checkpointless.recovery.job import Job

@@ -37,19 +37,10 @@ from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.comm.process_group import waiting_since
 from checkpointless.config import WorkerEnv
-from checkpointless.errors import (
-    CheckpointlessError,
-    CommAborted,
-    ConfigError,
-)
+from checkpointless.errors import CheckpointlessError, CommAborted, ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
-from checkpointless.protocol import (
-    Done,
-    Fired,
-    Heartbeat,
-    SpareReady,
-)
+from checkpointless.protocol import Done, Fired, Heartbeat, SpareReady
 from checkpointless.recovery.amp import is_grad_scaler
 from checkpointless.recovery.default_group import DefaultGroup, configure_standalone, install_default_group
 from checkpointless.recovery.divergence import DEFAULT_EVERY
@@ -57,16 +48,8 @@ from checkpointless.recovery.epochs import EpochDriver
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
-from checkpointless.recovery.process import (
-    install_fast_exit,
-    short_error,
-    warm_up,
-)
-from checkpointless.recovery.recover import (
-    fatal,
-    recover,
-    recover_from,
-)
+from checkpointless.recovery.process import install_fast_exit, short_error, warm_up
+from checkpointless.recovery.recover import fatal, recover, recover_from
 from checkpointless.recovery.rng import StepStreams
 from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.sharded import (
@@ -88,21 +71,9 @@ from checkpointless.recovery.torchrun import (
 from checkpointless.state.arena import Arena
 from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.buddy_ring import buddy_of, owners_of
-from checkpointless.state.durable import (
-    CheckpointWriter,
-    parse_every,
-    preload,
-)
-from checkpointless.state.shm_snapshot import (
-    SnapshotWriter,
-    rank_snapshot_dir,
-    snapshot_dir,
-)
-from checkpointless.state.snapshot import (
-    RngState,
-    Stateful,
-    check_stateful,
-)
+from checkpointless.state.durable import CheckpointWriter, parse_every, preload
+from checkpointless.state.shm_snapshot import SnapshotWriter, rank_snapshot_dir, snapshot_dir
+from checkpointless.state.snapshot import RngState, Stateful, check_stateful
 
 __all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
 

@@ -13,9 +13,7 @@ import torch
 from torch import nn
 
 from checkpointless.state.codec import tensor_paths
-from checkpointless.state.snapshot import (
-    collect_state,
-)
+from checkpointless.state.snapshot import collect_state
 
 __all__ = ["install_fast_exit", "looks_like_comm_error", "short_error", "state_bytes", "warm_up"]
 

@@ -13,41 +13,17 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from checkpointless.errors import (
-    CommAborted,
-    NotRecoverableError,
-    StateTransferError,
-)
+from checkpointless.errors import CommAborted, NotRecoverableError, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.protocol import (
-    Fatal,
-    Recovered,
-    Stopped,
-)
+from checkpointless.protocol import Fatal, Recovered, Stopped
 from checkpointless.recovery.amp import finish_cut_off_update, reset_step_state
 from checkpointless.recovery.process import looks_like_comm_error, short_error
 from checkpointless.recovery.rendezvous_client import make_store
-from checkpointless.recovery.sharded import (
-    send_copies,
-)
+from checkpointless.recovery.sharded import send_copies
 from checkpointless.state.buddy import copy_channel
-from checkpointless.state.durable import (
-    newest_checkpoint,
-    restore_checkpoint,
-)
-from checkpointless.state.shm_snapshot import (
-    list_snapshots,
-    newest_snapshot,
-    restore_snapshot,
-    snapshot_dir,
-)
-from checkpointless.state.snapshot import (
-    RngState,
-    capture_rng,
-    collect_state,
-    restore_rng,
-    restore_state,
-)
+from checkpointless.state.durable import newest_checkpoint, restore_checkpoint
+from checkpointless.state.shm_snapshot import list_snapshots, newest_snapshot, restore_snapshot, snapshot_dir
+from checkpointless.state.snapshot import RngState, capture_rng, collect_state, restore_rng, restore_state
 from checkpointless.state.transfer import StreamRoute, receive_state, send_state
 
 if TYPE_CHECKING:

@@ -1,0 +1,181 @@
+"""A recovery round after it has begun: members report where they stopped, ranks are handed to
+spares, the plan goes out, and the round ends when every rank has recovered and committed.
+Functions of the :class:`Coordinator` they act on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from checkpointless.coordinator.faults import record_fault, report_recovery
+from checkpointless.coordinator.placement import pick_spares
+from checkpointless.coordinator.state import Member, Round
+from checkpointless.errors import NotRecoverableError
+from checkpointless.peer_table import compact_plan
+from checkpointless.protocol import Committed, Prepare, Recover, Recovered, Stopped
+from checkpointless.recovery.decisions import MemberReport, SpareAction, plan_recovery, spare_policy
+
+if TYPE_CHECKING:
+    from checkpointless.coordinator.coordinator import Coordinator
+
+
+__all__ = ["advance_round", "on_committed", "on_recovered", "on_stopped", "replace_ranks"]
+
+
+def on_stopped(c: Coordinator, m: Member, msg: Stopped, now: float, wall: float) -> None:
+    rank = m.rank
+    if rank is None or c.ranks.get(rank) is not m:
+        return
+    gen = msg.for_generation
+    r = c.round
+    if r is not None and r.phase == "rebuild" and gen <= r.target and msg.cause != "recovery":
+        return  # a duplicate of a report this round already has
+    if r is None and gen <= c.generation:
+        return  # stale: about a generation that has already formed
+    if r is None or r.phase == "rebuild":
+        # a rank stopped by itself: that is a fault (its own exception, a failed collective
+        # or a failed recovery step) unless a round already covers it
+        kind = msg.cause if msg.cause in ("exception", "recovery") else "comm"
+        record_fault(c, rank, kind, str(msg.error), False, now, wall, step=msg.step)
+    r = c.round
+    assert r is not None
+    if gen != r.target or r.phase != "collect":
+        return
+    r.reports[rank] = MemberReport(
+        rank,
+        msg.committed_step,
+        msg.valid,
+        msg.snapshot_step,
+        msg.checkpoint_step,
+        mesh=(msg.mesh[0], msg.mesh[1]) if msg.mesh and len(msg.mesh) == 2 else None,
+        copies=tuple((c[0], c[1]) for c in msg.copies if len(c) == 2),
+        own_snapshots=tuple(msg.own_snapshots),
+    )
+    r.report_times[rank] = now
+
+
+def advance_round(c: Coordinator, now: float) -> None:
+    r = c.round
+    if r is None or r.phase != "collect":
+        return
+    if r.replace:
+        replace_ranks(c, r, sorted(r.replace), now)
+        return
+    if len(r.reports) < c.cfg.nproc:
+        if now - r.started > c.cfg.recovery_timeout:
+            missing = sorted(set(range(c.cfg.nproc)) - set(r.reports))
+            raise NotRecoverableError(
+                f"generation {r.target}: ranks {missing} never reported within --recovery-timeout"
+            )
+        return
+    plan = plan_recovery([r.reports[k] for k in sorted(r.reports)], initial=r.initial)
+    # every round counts, the start-up ones too: a recovery that fails the same way each time
+    # must end the job, not spin through generations
+    c._same_target = c._same_target + 1 if plan.target_step == c._last_target else 1
+    c._last_target = plan.target_step
+    if c._same_target > c.cfg.max_step_failures + (1 if r.initial else 0):
+        raise NotRecoverableError(
+            f"faults keep recurring at step {plan.target_step}: {c._same_target} recoveries in a "
+            "row made no progress; this looks like a bug or a bad node, not a transient fault "
+            "(raise --max-step-failures to allow more)"
+        )
+    plan_json = plan.to_json()
+    # one Recover for every member, and of a size that does not grow with the job: the plan's
+    # rank lists as ranges, the peer table as a delta (peer_table.py). A member that does not
+    # hold the version the delta applies to gets the full table first, in chunks.
+    rootless, t = c.rendezvous["kind"] == "rootless", c.table
+    if rootless:
+        t.update([c.ranks[k].store_address for k in range(c.cfg.nproc)])
+    msg = Recover(
+        generation=r.target,
+        rendezvous=dict(c.rendezvous),
+        plan=compact_plan(plan_json),
+        table_version=t.version if rootless else -1,
+        table_base=t.base if rootless else -1,
+        table_digest=t.digest if rootless else "",
+        moved_ranks=[rank for rank, _ in t.moved],
+        moved_to=[address for _, address in t.moved],
+    )
+    for m in c.ranks.values():
+        if rootless and t.needs_full(m.worker_id):
+            c._send_table(m)
+        elif m.connected and not m.exited:
+            t.sent(m.worker_id)
+        c._send(m, msg)
+    r.phase = "rebuild"
+    r.plan_sent = now
+    c._emit("plan", generation=r.target, **plan_json)
+
+
+def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> None:
+    spares = [m for m in c.procs.values() if m.role == "spare" and m.rank is None]
+    pool = [(m.worker_id, m.host) for m in spares if m.ready and m.connected]
+    ready = [c.procs[wid] for wid in pick_spares(len(ranks), pool)]
+    starting = [m for m in spares if not m.ready]
+    if r.waiting_since is None:
+        r.waiting_since = now
+    d = spare_policy(len(pool), len(starting), len(ranks), now - r.waiting_since, c.cfg.spare_wait)
+    if d.action == SpareAction.FAIL:
+        raise NotRecoverableError(d.reason)
+    for _ in range(d.spawn):
+        c._log(
+            "warning",
+            f"no hot spare ready for rank(s) {ranks}; starting one (waits up to {c.cfg.spare_wait:.0f} s)",
+        )
+        c._spawn("spare", now)
+    if d.action == SpareAction.WAIT and not ready:
+        return
+    for rank, spare in zip(ranks, ready, strict=False):
+        old = c.ranks.get(rank)
+        if old is not None:
+            c._kill(old, old.killed_for or "replaced")
+        c.ranks[rank] = spare
+        c._assign(spare, rank, r.target, now)
+        r.replace.discard(rank)  # settled once the spare reports; re-added if it dies first
+        c._emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)
+        c._log("info", f"spare {spare.worker_id} takes rank {rank}")
+        c._refill_spares(now)  # refill the pool in the background
+    r.waiting_since = None
+
+
+def on_recovered(c: Coordinator, m: Member, msg: Recovered, now: float) -> None:
+    r = c.round
+    if r is None or r.phase != "rebuild" or msg.generation != r.target or m.rank is None:
+        return
+    r.recovered[m.rank] = {**msg.timings, "time": now}
+    m.joined = True
+    c.start_failures.pop(m.rank, None)
+    if len(r.recovered) < c.cfg.nproc:
+        return
+    c.generation = r.target
+    c.round = None
+    for member in c.ranks.values():
+        member.last_progress = now  # the hang clock restarts with the new generation
+    if r.initial:
+        c._log("info", f"generation {r.target} formed in {now - r.started:.2f} s after launch")
+        c._emit("started", generation=r.target, seconds=now - r.started)
+        c._refill_spares(now)
+        return
+    c.pending = r
+    c.first_commits = {}
+    c.first_batches = {}
+
+
+def on_committed(c: Coordinator, m: Member, msg: Committed, now: float) -> None:
+    size = msg.state_bytes
+    if size is not None and size > c.state_bytes:
+        # spares page in room for this much state while they wait (see state/arena.py)
+        c.state_bytes = size
+        for spare in c.procs.values():
+            if spare.role == "spare" and spare.rank is None and spare.ready:
+                c._send(spare, Prepare(size))
+    pend = c.pending
+    if pend is None or m.rank is None or msg.generation != c.generation:
+        return
+    c.first_commits[m.rank] = now
+    if msg.first_batch_s is not None:
+        c.first_batches[m.rank] = msg.first_batch_s
+    if len(c.first_commits) < c.cfg.nproc:
+        return
+    c.pending = None
+    report_recovery(c, pend, max(c.first_commits.values()))

@@ -1,0 +1,84 @@
+"""What the coordinator watches between faults: hints to the spares on spare hosts about which
+batches to prefetch, and hosts whose steps run slower than the others'. Functions of the
+:class:`Coordinator` they act on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from checkpointless.coordinator.faults import host_lost
+from checkpointless.coordinator.placement import pick_spares
+from checkpointless.coordinator.prefetch import slot_ranks
+from checkpointless.coordinator.state import Kill, Member
+from checkpointless.coordinator.stragglers import RankTiming
+from checkpointless.protocol import Prefetch
+
+if TYPE_CHECKING:
+    from checkpointless.coordinator.coordinator import Coordinator
+
+
+__all__ = ["check_stragglers", "hint_spares"]
+
+
+def hint_spares(c: Coordinator) -> None:
+    """Tell each idle spare on a spare host the job's step and the ranks it may take, once
+    per step, so that it fills its own host's batch cache for them (data/spare_cache.py)."""
+    if c.round is not None or c.cfg.nnodes < 2 or not c.ranks:
+        return
+    steps = [m.step for m in c.ranks.values()]
+    if any(s is None for s in steps):
+        return
+    step = min(s for s in steps if s is not None)
+    c._hinted = {w: s for w, s in c._hinted.items() if w in c.procs}  # forget the gone
+    holding = {m.host for m in c.ranks.values()}
+    by_host: dict[int, list[Member]] = {}
+    for m in c.procs.values():
+        if m.role == "spare" and m.rank is None and m.ready and m.host not in holding:
+            by_host.setdefault(m.host, []).append(m)
+    for spares in by_host.values():
+        for i, m in enumerate(sorted(spares, key=lambda m: m.worker_id)):
+            ranks = slot_ranks(i, c.cfg.per_node, c.cfg.nnodes)
+            if ranks and c._hinted.get(m.worker_id) != step:
+                c._hinted[m.worker_id] = step
+                c._send(m, Prefetch(step=step, ranks=ranks, world_size=c.cfg.nproc))
+
+
+def check_stragglers(c: Coordinator, now: float, wall: float) -> None:
+    """Report a host whose ranks are persistently slower than the others (the rule is
+    coordinator/stragglers.py); with --swap-stragglers, move its ranks to a spare host by the
+    host-loss path: its workers are killed, the host is fenced, spares take the ranks."""
+    watch = c.stragglers
+    if watch is None:
+        return
+    if c.round is not None or c.pending is not None:
+        watch.reset()  # the members are changing: a window must not span a recovery
+        return
+    timings = [RankTiming(m.host, r, m.step, m.busy_time) for r, m in c.ranks.items()]
+    for v, ranks in watch.observe(timings):
+        h = c.hosts[v.host]
+        if not v.reported:
+            c._emit("straggler_cleared", host=v.host, address=h.address, ranks=ranks, ratio=v.ratio)
+            c._log("info", f"host {h.address} (ranks {ranks}) is no longer a straggler")
+            continue
+        window = [round(x, 3) for x in v.window]
+        c._emit("straggler", host=v.host, address=h.address, ranks=ranks, ratio=v.ratio, window=window)
+        c._log(
+            "warning",
+            f"straggler host {h.address} (agent {v.host}, ranks {ranks}): busy {v.ratio:.2f}x the "
+            f"other hosts' over the last {len(window)} steps",
+        )
+        if not c.cfg.swap_stragglers:
+            continue
+        idle = [m for m in c.procs.values() if m.role == "spare" and m.rank is None and m.ready]
+        spares = [(m.worker_id, m.host) for m in idle if m.connected]
+        if not h.remote or len(pick_spares(len(ranks), spares)) < len(ranks):
+            c._log("warning", f"not moving ranks {ranks}: no spare host ready for all of them")
+            continue
+        why = f"straggler host: busy {v.ratio:.2f}x the others; its ranks move to a spare host"
+        c._emit("straggler_swap", host=v.host, address=h.address, ranks=ranks)
+        # Kill, not _kill: these are moved, not hung; the host-loss path counts them as killed
+        for m in [m for m in c.procs.values() if m.host == v.host]:
+            c._out.append(Kill(m.worker_id, why, m.host))
+        host_lost(c, v.host, why, now, wall)
+        return
