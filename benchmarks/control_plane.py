@@ -205,7 +205,7 @@ def run_once(hosts: int, per_host: int = 8, spare_hosts: int = 2, heartbeat_roun
             sh.now += AGENT_BEAT_S
 
     rows_s, _ = _cpu(agent_beats)
-    ticks = 20
+    ticks = 50  # half a second of the shell: two hang judgements among plain ticks
     tick_s, _ = _cpu(lambda: [sh.tick() for _ in range(ticks)])
     heartbeat_us = hb_s / (heartbeat_rounds * len(members)) * 1e6
 

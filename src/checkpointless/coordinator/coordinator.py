@@ -59,7 +59,9 @@ from checkpointless.protocol import (
 if TYPE_CHECKING:
     from checkpointless.agent.beats import WorkerBeat
 
-__all__ = ["Coordinator"]
+__all__ = ["JUDGE_EVERY_S", "Coordinator"]
+
+JUDGE_EVERY_S = 0.25  # how often hangs are judged and spares hinted (seconds of the shell's clock)
 
 
 class Coordinator:
@@ -97,6 +99,7 @@ class Coordinator:
         rule = StragglerRule(cfg.straggler_ratio, cfg.straggler_window) if cfg.straggler_ratio else None
         self.stragglers = StragglerWatch(rule) if rule is not None else None
         self._hinted: dict[int, int] = {}  # spare worker id -> the step of its last Prefetch
+        self._judged_at = float("-inf")  # when hangs were last judged (and spares hinted)
 
     # -- the shell's interface ----------------------------------------------------------------
     def drain(self) -> list[Command]:
@@ -363,10 +366,17 @@ class Coordinator:
                 host_lost(
                     self, h.host, f"no word from its agent for {self.cfg.lease:.1f} s (lease)", now, wall
                 )
-        check_hangs(self, now, wall)
+        # Judging hangs and hinting spares walk every rank; the shell ticks 50 times a second,
+        # and at 80k ranks one walk costs ~50-130 ms. Hang limits are seconds long, and a hint
+        # covers the next steps, so doing either a quarter second late costs nothing.
+        walk = now - self._judged_at >= JUDGE_EVERY_S
+        if walk:
+            self._judged_at = now
+            check_hangs(self, now, wall)
         if self.stopping is None:
-            check_stragglers(self, now, wall)
-            hint_spares(self)
+            check_stragglers(self, now, wall)  # samples every step: not rate-limited (off by default)
+            if walk:
+                hint_spares(self)
         if self.stopping is None:
             advance_round(self, now)
         if self.stopping is None:

@@ -20,4 +20,4 @@ def slot_ranks(index: int, per_node: int, nnodes: int, limit: int = MAX_CANDIDAT
     """The ranks the ``index``-th spare (0-based, by worker id) of a spare host may take."""
     if not 0 <= index < per_node:
         return []  # more spares than a node's ranks: this one only covers single-rank faults
-    return [node * per_node + index for node in range(nnodes)][:limit]
+    return [node * per_node + index for node in range(min(nnodes, limit))]
