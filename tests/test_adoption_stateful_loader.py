@@ -9,6 +9,7 @@ kills ranks of a real job that trains from a StatefulDataLoader.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from checkpointless.errors import ConfigError
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.state.codec import layout, unpack
 from jobs import ROOT, alive, run_job
+from test_snapshots import _kill_every_rank_after_snapshot
 
 torchdata = pytest.importorskip("torchdata.stateful_dataloader")
 StatefulDataLoader = torchdata.StatefulDataLoader
@@ -146,5 +148,41 @@ def test_job_on_a_stateful_dataloader_with_workers_survives_kills_and_an_excepti
     # every (rank, step) trained on the batch of the fault-free run (a plain DataLoader's, even)
     assert res.batches() == ref.batches(), "some rank trained on other samples than the fault-free run"
     assert len(res.batches()) == 40
+    res.assert_same_weights(ref, nproc=2)
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.timeout(400)
+def test_every_rank_killed_resumes_a_stateful_dataloader_from_the_snapshot(tmp_path: Path) -> None:
+    """No replica survives: the loader's position must come back from the shared-memory snapshot
+    with the model, not from a peer (the path the other tests take)."""
+    base = ["--steps", "14", "--samples", "64", "--batch", "4", "--workers", "2"]
+    ref = run_job(tmp_path / "ref", NOWHERE, 2, 0, script=SCRIPT, script_args=base)
+    assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
+    run_dir = tmp_path / "run"
+    stop = threading.Event()
+    # rank 0 sleeps as step 6 begins (the snapshot of step 6 is written meanwhile), then every
+    # rank is SIGKILLed at once
+    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 6, stop), daemon=True)
+    killer.start()
+    try:
+        res = run_job(
+            run_dir,
+            NOWHERE,
+            2,
+            2,
+            ["slow:rank=0:step=6:seconds=5"],
+            script=SCRIPT,
+            script_args=[*base, "--stateful"],
+            extra=["--snapshot-every", "2"],
+            timeout=300,
+        )
+    finally:
+        stop.set()
+        killer.join(timeout=5)
+    assert res.rc == 0, res.output[-6000:]
+    assert {e["rank"] for e in res.of("spare_assigned")} == {0, 1}, "every rank must have been replaced"
+    assert any(p.get("from_snapshot") for p in res.of("plan")), res.of("plan")
+    assert res.batches() == ref.batches(), "a rank trained on other samples than the fault-free run"
     res.assert_same_weights(ref, nproc=2)
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
