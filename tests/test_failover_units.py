@@ -1,0 +1,167 @@
+"""Coordinator failover, the pure rules: who is elected (coordinator/election.py) and the state a
+new coordinator rebuilds from reports (coordinator/rebuild.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpointless.coordinator.election import (
+    Ballot,
+    candidate_for,
+    elect_on_side,
+    first_live_term,
+    has_quorum,
+    quorum,
+)
+from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_quorum_is_a_strict_majority() -> None:
+    assert [quorum(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="at least one host"):
+        quorum(0)
+
+
+def test_votes_from_outside_the_membership_do_not_count() -> None:
+    assert has_quorum({0, 1}, {0, 1, 2})
+    assert not has_quorum({0, 7, 8}, {0, 1, 2})  # 7 and 8 joined after the last succession
+
+
+def test_each_term_has_one_candidate_in_successor_order() -> None:
+    assert [candidate_for(t, [4, 2, 9]) for t in range(1, 7)] == [4, 2, 9, 4, 2, 9]
+    with pytest.raises(ValueError, match="term 0"):
+        candidate_for(0, [1])
+    with pytest.raises(ValueError, match="empty successor list"):
+        candidate_for(1, [])
+
+
+def test_a_dead_candidate_is_skipped_to_the_next_term() -> None:
+    assert first_live_term(0, [0, 1, 2], {1, 2}) == 2
+    assert first_live_term(3, [0, 1, 2], {0, 2}) == 4  # wraps around the list
+    assert first_live_term(0, [0, 1, 2], set()) is None
+
+
+def test_a_ballot_votes_once_per_term_and_never_goes_back() -> None:
+    b = Ballot()
+    assert b.cast(1)
+    assert not b.cast(1)  # a second vote in the same term
+    assert b.cast(3)
+    assert not b.cast(2)  # a stale term
+
+
+def test_coordinator_lost_with_every_agent_alive_elects_the_first_successor() -> None:
+    assert elect_on_side({0, 1, 2}, {0, 1, 2}, [0, 1, 2], 0) == (1, 0)
+
+
+def test_two_hosts_have_no_majority_after_losing_one() -> None:
+    # the documented limit: a two-host job fences rather than risk two coordinators
+    assert elect_on_side({1}, {0, 1}, [0, 1], 0) is None
+    assert elect_on_side({0}, {0, 1}, [0, 1], 0) is None
+
+
+@st.composite
+def _partitions(draw: st.DrawFn) -> tuple[list[int], list[int], set[int], set[int]]:
+    n = draw(st.integers(1, 9))
+    members = list(range(n))
+    successors = draw(st.permutations(members))
+    side = draw(st.sets(st.sampled_from(members)))
+    return members, list(successors), side, set(members) - side
+
+
+@settings(max_examples=300, deadline=None)
+@given(_partitions(), st.integers(0, 20))
+def test_disjoint_sides_never_both_elect(
+    p: tuple[list[int], list[int], set[int], set[int]], last: int
+) -> None:
+    members, successors, a, b = p
+    assert (
+        elect_on_side(a, members, successors, last) is None
+        or elect_on_side(b, members, successors, last) is None
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(_partitions(), st.integers(0, 20))
+def test_a_majority_side_elects_exactly_one_of_its_own(
+    p: tuple[list[int], list[int], set[int], set[int]], last: int
+) -> None:
+    members, successors, side, _ = p
+    won = elect_on_side(side, members, successors, last)
+    if len(side) >= quorum(len(members)):
+        assert won is not None
+        term, who = won
+        assert who in side and term > last and candidate_for(term, successors) == who
+    else:
+        assert won is None
+
+
+# -- rebuild ------------------------------------------------------------------------------------
+def _procs(*spec: tuple[int, int, str]) -> list[ProcReport]:
+    return [ProcReport(wid, host, role, 1000 + wid) for wid, host, role in spec]
+
+
+def test_rebuild_keeps_every_reconnected_rank_and_the_spares() -> None:
+    procs = _procs((0, 0, "worker"), (1, 0, "worker"), (2, 1, "worker"), (3, 1, "worker"), (4, 2, "spare"))
+    workers = [WorkerReport(i, i, 3, 17) for i in range(4)] + [WorkerReport(4, None, -1, -1, ready=True)]
+    r = rebuild(procs, workers, nproc=4)
+    assert r.ranks == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert r.missing == [] and r.kill == []
+    assert r.spares == [4] and r.ready == [4]
+    assert r.generation == 4 and r.formed
+    assert r.next_worker_id == 5
+
+
+def test_rebuild_marks_silent_ranks_missing_and_kills_their_processes() -> None:
+    procs = _procs((0, 0, "worker"), (1, 0, "worker"), (2, 1, "worker"), (5, 2, "spare"))
+    workers = [WorkerReport(0, 0, 1, 9), WorkerReport(1, 1, 1, 9), WorkerReport(5, None, -1, -1)]
+    r = rebuild(procs, workers, nproc=3)
+    assert r.missing == [2]  # worker 2 never reconnected: nobody can vouch for its state
+    assert r.kill == [2]
+    assert r.spares == [5] and r.ready == []
+
+
+def test_rebuild_gives_a_doubly_claimed_rank_to_the_newer_generation() -> None:
+    # the old holder of rank 1 (generation 2) and the spare that took it (generation 3)
+    procs = _procs((0, 0, "worker"), (1, 0, "worker"), (7, 2, "spare"))
+    workers = [WorkerReport(0, 0, 3, 20), WorkerReport(1, 1, 2, 12), WorkerReport(7, 1, 3, 20)]
+    r = rebuild(procs, workers, nproc=2)
+    assert r.ranks == {0: 0, 1: 7}
+    assert r.kill == [1]
+
+
+def test_rebuild_ignores_workers_no_voting_agent_reported() -> None:
+    procs = _procs((0, 0, "worker"))
+    workers = [WorkerReport(0, 0, 0, 5), WorkerReport(1, 1, 0, 5)]  # worker 1's host did not vote
+    r = rebuild(procs, workers, nproc=2)
+    assert r.ranks == {0: 0} and r.missing == [1] and r.kill == []
+
+
+def test_rebuild_before_any_generation_formed_has_no_state() -> None:
+    r = rebuild(_procs((0, 0, "worker")), [WorkerReport(0, 0, -1, -1)], nproc=1)
+    assert not r.formed and r.generation == 0
+    with pytest.raises(ValueError, match="nproc=0"):
+        rebuild([], [], nproc=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 30), st.one_of(st.none(), st.integers(-1, 5)), st.integers(-1, 6)),
+        unique_by=lambda t: t[0],
+        max_size=12,
+    )
+)
+def test_rebuild_never_gives_a_rank_to_two_processes(claims: list[tuple[int, int | None, int]]) -> None:
+    procs = [ProcReport(wid, 0, "spare" if rank is None else "worker", 1) for wid, rank, _ in claims]
+    workers = [WorkerReport(wid, rank, gen, gen * 10) for wid, rank, gen in claims]
+    r = rebuild(procs, workers, nproc=4)
+    holders = list(r.ranks.values())
+    assert len(holders) == len(set(holders))
+    assert set(r.ranks) | set(r.missing) == set(range(4)) and not set(r.ranks) & set(r.missing)
+    assert not set(holders) & set(r.kill) and not set(r.spares) & set(r.kill)
+    # every process is either kept (rank or spare) or killed
+    assert set(holders) | set(r.spares) | set(r.kill) == {wid for wid, _, _ in claims}
