@@ -165,3 +165,10 @@ def test_rebuild_never_gives_a_rank_to_two_processes(claims: list[tuple[int, int
     assert not set(holders) & set(r.kill) and not set(r.spares) & set(r.kill)
     # every process is either kept (rank or spare) or killed
     assert set(holders) | set(r.spares) | set(r.kill) == {wid for wid, _, _ in claims}
+
+
+def test_rebuild_goes_past_a_round_that_was_in_flight() -> None:
+    # ranks already aborted for generation 3 would not report for it again
+    procs = _procs((0, 0, "worker"), (1, 0, "worker"))
+    workers = [WorkerReport(0, 0, 2, 9, aborted=3), WorkerReport(1, 1, 2, 9)]
+    assert rebuild(procs, workers, nproc=2).generation == 4

@@ -9,11 +9,14 @@ job from :class:`~checkpointless.protocol.AgentWelcome`. Then it carries out ``S
 coordinator: one hop for every abort and plan, and an agent that dies does not cut its host's
 workers off from the decisions they are already part of.
 
-Fencing: both sides send ``AgentHeartbeat`` every half second. An agent that hears nothing for a
-lease (the coordinator's ``--lease``) kills every process it started, so that a partitioned host
-cannot keep acting as its ranks after the coordinator gave them to a spare host; the coordinator
-declares the host lost after the same lease. The agent then tries to join again, as a new agent:
-the coordinator makes a rejoined host a spare host, never its old ranks.
+Fencing: both sides send ``AgentHeartbeat`` every half second. An agent that loses the
+coordinator (its connection closes, or a lease of silence) first takes part in the election of a
+successor (agent/failover.py, once the coordinator has sent a ``Succession``): it keeps its
+processes if a majority elects a new coordinator within a lease (it may be the one elected, and
+then runs the coordinator itself, launcher/takeover.py). Otherwise it kills every process it
+started, so that a partitioned host cannot keep acting as its ranks after they were given to a
+spare host; the coordinator declares the host lost after the same lease. The agent then tries to
+join again, as a new agent: the coordinator makes a rejoined host a spare host, never its old ranks.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
+from checkpointless.agent.failover import LOST, Joined, elect
 from checkpointless.config import ENV
+from checkpointless.coordinator.election import Ballot
 from checkpointless.errors import ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
-from checkpointless.launcher.control import ControlClient
+from checkpointless.launcher.control import ControlClient, ControlServer
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import job_shm_dir
+from checkpointless.launcher.takeover import Mandate
 from checkpointless.protocol import (
     AgentHeartbeat,
     AgentHello,
@@ -49,6 +55,7 @@ from checkpointless.protocol import (
     ProtocolError,
     Shutdown,
     SpawnCmd,
+    Succession,
     decode,
     encode,
 )
@@ -57,7 +64,7 @@ __all__ = ["agent_env", "run_agent"]
 
 log = get_logger()
 _HEARTBEAT_S = 0.5
-_LOST = "_lost"
+_LOST = LOST
 
 
 def agent_env(w: AgentWelcome, host: str, secret_file: Path) -> dict[str, str]:
@@ -90,6 +97,8 @@ class _Session:
         self.last_in = time.monotonic()
         self.broken = threading.Event()
         self.done = threading.Event()
+        self.succession: Succession | None = None
+        self.why = ""
         # heartbeats on a thread of their own: starting a process can block this agent's loop
         # for seconds (the fork template's imports), longer than the coordinator's lease
         threading.Thread(target=self._beat, daemon=True, name="cl-agent-beat").start()
@@ -108,7 +117,8 @@ class _Session:
             return False
 
     def run(self, agent: Agent, stop: list[int]) -> str:
-        """Serve until "shutdown" (the job ended), "fenced" (coordinator lost) or "signal"."""
+        """Serve until "shutdown" (the job ended), "lost" (the coordinator: its connection or a
+        lease of silence), "fenced" (a broken coordinator) or "signal"."""
         while True:
             if stop:
                 return "signal"
@@ -120,7 +130,8 @@ class _Session:
             if raw is not None:
                 if raw.get("type") == _LOST:
                     log.warning("lost the coordinator: %s", raw.get("why"))
-                    return "fenced"
+                    self.why = f"its connection ended: {raw.get('why')}"
+                    return "lost"
                 self.last_in = now
                 try:
                     msg = decode(raw)
@@ -137,18 +148,20 @@ class _Session:
                     agent.mark_connected(msg.worker_id)  # judged by heartbeats from now on
                 elif isinstance(msg, Shutdown):
                     return "shutdown"
+                elif isinstance(msg, Succession) and msg.term >= self.w.term:
+                    self.succession = msg
             for seen in agent.poll(now):
                 if isinstance(seen, ProcExit):
                     self.send(ProcExited(seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail))
                 else:
                     self.send(ProcVerdict(seen.worker_id, seen.pid, seen.why))
             if self.broken.is_set():
-                return "fenced"
+                self.why = "a heartbeat could not be sent"
+                return "lost"
             if now - self.last_in > self.w.lease:
-                log.warning(
-                    "no word from the coordinator for %.1f s (the lease); fencing this host", self.w.lease
-                )
-                return "fenced"
+                log.warning("no word from the coordinator for %.1f s (the lease)", self.w.lease)
+                self.why = f"silent for {self.w.lease:.1f} s (lease)"
+                return "lost"
 
 
 def _connect(
@@ -211,7 +224,17 @@ def run_agent(
         )
     target = (addr, int(port))
     secret = _read_secret(secret_file, time.monotonic() + connect_timeout)
-    hello = AgentHello(host=host, pid=os.getpid(), hostname=socket.gethostname(), order=order)
+    # bound now so that its address can be in the succession: if this agent is ever elected,
+    # the job's workers reconnect here (agent/failover.py)
+    failover = ControlServer(host, 0, secret)
+    failover.start()
+    hello = AgentHello(
+        host=host,
+        pid=os.getpid(),
+        hostname=socket.gethostname(),
+        order=order,
+        failover=f"{failover.address[0]}:{failover.address[1]}",
+    )
     stop: list[int] = []
     old_term = signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
     old_int = signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
@@ -225,13 +248,18 @@ def run_agent(
             log.info(
                 "joined job %s as agent %d (lease %.1f s)", welcome.job_id, welcome.agent_id, welcome.lease
             )
-            outcome = _serve(client, inbox, welcome, host, secret_file, stop)
+            outcome, code = _serve(
+                client, inbox, welcome, host, secret, secret_file, stop, failover, coordinator
+            )
             if outcome == "shutdown":
                 return 0
+            if outcome == "takeover":
+                return code
             if outcome == "signal" or not rejoin:
                 return 128 + stop[0] if stop else 1
             log.info("rejoining the coordinator as a new agent (a spare host)")
     finally:
+        failover.stop()
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
 
@@ -241,9 +269,12 @@ def _serve(
     inbox: queue.Queue[dict[str, Any]],
     w: AgentWelcome,
     host: str,
+    secret: bytes,
     secret_file: Path,
     stop: list[int],
-) -> str:
+    failover: ControlServer,
+    old: str,
+) -> tuple[str, int]:
     session = _Session(client, inbox, w)  # heartbeats first: setting up (port probes) takes time
     env = agent_env(w, host, secret_file)
     os.environ[ENV.SHM_KEY] = w.shm_key  # job_shm_dir reads it
@@ -265,19 +296,79 @@ def _serve(
         Path(w.run_dir) / f"agent-{w.agent_id}.jsonl", job=w.job_id, agent=w.agent_id, host=host
     )
     agent = Agent(cfg, env, events)
-    outcome = "fenced"
+    outcome, code = "fenced", 1
+    ballot = Ballot(voted=w.term)
+    succession: Succession | None = None
     try:
         agent.start()
-        outcome = session.run(agent, stop)
+        while True:
+            outcome = session.run(agent, stop)
+            session.done.set()
+            succession = session.succession or succession
+            if outcome != "lost" or succession is None:
+                break
+            session.client.close()
+            result = elect(
+                me=w.agent_id,
+                host=host,
+                succession=succession,
+                ballot=ballot,
+                server=failover,
+                secret=secret,
+                agent=agent,
+                detected=time.monotonic(),
+                why=session.why,
+                old=old,
+                stop=stop,
+            )
+            if isinstance(result, Joined):
+                old = result.welcome.control
+                agent.set_control(result.welcome.control)  # spares it starts reach the new one
+                session = _Session(result.client, result.inbox, result.welcome)
+                session.succession = succession
+                client = result.client
+                continue
+            if result is not None:
+                outcome, code = "takeover", _take_over(result, w, host, secret, secret_file, failover, agent)
+            else:
+                outcome = "fenced"
+            break
     finally:
         session.done.set()
-        if outcome == "shutdown":
+        if outcome in ("shutdown", "takeover"):
             agent.close(grace=5.0)  # the workers got their own shutdown and are finishing
             shutil.rmtree(job_shm_dir(w.job_id), ignore_errors=True)  # this host's shared memory
         else:
             # fenced (or stopped): nobody may act as these ranks any longer
             agent.signal_all(signal.SIGKILL)
             agent.close(grace=2.0)
-        client.close()
+        session.client.close()
         events.close()
-    return outcome
+    return outcome, code
+
+
+def _take_over(
+    mandate: Mandate,
+    w: AgentWelcome,
+    host: str,
+    secret: bytes,
+    secret_file: Path,
+    failover: ControlServer,
+    agent: Agent,
+) -> int:
+    """This agent won the election: run the coordinator here until the job ends."""
+    import dataclasses
+
+    from checkpointless.launcher.launcher import config_from_json
+    from checkpointless.launcher.takeover import TakeoverLauncher
+
+    cfg = dataclasses.replace(
+        config_from_json(w.config),
+        host=host,
+        run_dir=Path(w.run_dir),
+        python=sys.executable,
+        local_agent=False,
+    )
+    agent.set_control(f"{failover.address[0]}:{failover.address[1]}")
+    shell = TakeoverLauncher(cfg, w.job_id, secret, secret_file, w.shm_key, failover, agent, mandate)
+    return shell.run()

@@ -34,6 +34,8 @@ class WorkerReport:
     generation: int  # the newest generation it formed (-1: none yet)
     committed_step: int
     ready: bool = False  # a spare that finished warming up
+    aborted: int = -1  # the newest generation it was told to abort for (a round in flight)
+    step: int = -1  # the step it was at
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class Rebuilt:
     spares: list[int]  # idle spares (worker ids)
     ready: list[int]  # the spares among them that are warm
     kill: list[int]  # processes nobody can vouch for, or that lost a rank to a newer claim
-    generation: int  # the generation the first round forms
+    generation: int  # the generation the first round forms (past any round in flight)
     formed: bool  # some generation had formed: there is state to keep
     next_worker_id: int
 
@@ -82,6 +84,9 @@ def rebuild(procs: Iterable[ProcReport], workers: Iterable[WorkerReport], nproc:
         else:
             kill.add(w.worker_id)
     newest = max((w.generation for w in claims.values()), default=-1)
+    # a round may have been in flight: its target is spent (some ranks already reported for it
+    # and would not report again), so the first round after the failover goes past it
+    aborted = max((w.aborted for w in said.values()), default=-1)
     ids = set(known) | set(said)
     return Rebuilt(
         ranks={r: w.worker_id for r, w in sorted(claims.items())},
@@ -89,7 +94,7 @@ def rebuild(procs: Iterable[ProcReport], workers: Iterable[WorkerReport], nproc:
         spares=sorted(spares),
         ready=sorted(wid for wid in spares if said[wid].ready),
         kill=sorted(kill),
-        generation=newest + 1,
+        generation=max(newest, aborted) + 1,
         formed=newest >= 0,
         next_worker_id=max(ids, default=-1) + 1,
     )

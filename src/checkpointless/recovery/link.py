@@ -2,6 +2,12 @@
 
 The reader thread acts on ``abort`` at once (it fails the communicator's pending collectives, so
 a main thread blocked in a collective wakes up) and queues everything else for the main thread.
+
+Coordinator failover (docs/architecture.md): once the coordinator has sent a ``succession``, a
+lost connection is not the end. The link tries the candidates term by term, says who it is in its
+hello (rank, generation, step) and carries on with whichever coordinator accepts it; only when no
+coordinator has taken it by a deadline (two leases: the election, then the agents' fencing) does
+the worker exit, as it always did without a succession.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 from checkpointless.config import WorkerEnv
 from checkpointless.events import get_logger
 from checkpointless.launcher.control import ControlClient
-from checkpointless.protocol import Heartbeat, Hello, Message, encode
+from checkpointless.protocol import Heartbeat, Hello, Message, Recovered, SpareReady, encode
 
 __all__ = ["LauncherLink", "set_parent_death_signal"]
 
@@ -47,6 +53,17 @@ class LauncherLink:
         self._on_abort = on_abort
         self._status = status
         self._stop = threading.Event()
+        # what a new coordinator needs to hear after a failover (see _reconnect)
+        self._succession: dict[str, Any] | None = None
+        self._term = 0  # the coordinator's term this link accepts; never goes back
+        self._rank = -1
+        self._generation = -1
+        self._aborted = -1
+        self._ready = False
+        self._lost_since: float | None = None
+        self._reconnector: threading.Thread | None = None
+        self._retry = threading.Event()  # the candidate we reached hung up: try the next term
+        self._lock = threading.Lock()
         self.client = ControlClient(env.control, env.secret, self._on_message, self._on_lost)
         self.send(Hello(worker_id=env.worker_id, pid=os.getpid(), role=env.role))
         self._hb = threading.Thread(
@@ -55,6 +72,12 @@ class LauncherLink:
         self._hb.start()
 
     def send(self, msg: Message) -> None:
+        if isinstance(msg, Recovered):
+            self._generation = max(self._generation, msg.generation)
+        elif isinstance(msg, SpareReady):
+            self._ready = True
+        if self._lost_since is not None:
+            return  # between coordinators: the new one asks for everything it needs again
         try:
             self.client.send(encode(msg))
         except OSError as e:
@@ -62,7 +85,16 @@ class LauncherLink:
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
+        self._lost_since = None  # a coordinator is talking to us
+        if kind == "succession":
+            if int(msg.get("term", 0)) >= self._term:
+                self._succession = msg
+                self._term = int(msg.get("term", 0))
+            return
+        if kind == "assign":
+            self._rank = int(msg.get("rank", -1))
         if kind == "abort":
+            self._aborted = max(self._aborted, int(msg.get("generation", -1)))
             self._on_abort(msg)
         elif kind == "shutdown":
             code = int(msg.get("code", 0))
@@ -74,16 +106,85 @@ class LauncherLink:
     def _on_lost(self, why: str) -> None:
         if self._stop.is_set():
             return
-        # Nobody is left to coordinate a recovery; staying alive would only leave orphans.
-        log.error("lost the launcher (%s); exiting", why)
+        if self._succession is None:
+            # Nobody is left to coordinate a recovery; staying alive would only leave orphans.
+            log.error("lost the launcher (%s); exiting", why)
+            os._exit(70)
+        with self._lock:
+            if self._lost_since is None:
+                self._lost_since = time.monotonic()
+            if self._reconnector is not None and self._reconnector.is_alive():
+                self._retry.set()
+                return
+            log.warning("lost the coordinator (%s); looking for its successor", why)
+            self._reconnector = threading.Thread(target=self._reconnect, daemon=True, name="cl-reconnect")
+            self._reconnector.start()
+
+    def _reconnect(self) -> None:
+        """Try the successors term by term until one takes this worker, or exit at the deadline."""
+        succ = self._succession
+        assert succ is not None and self._lost_since is not None
+        lease = float(succ.get("lease", 5.0))
+        deadline = self._lost_since + 2 * lease + 2.0
+        addresses = [str(a) for a in succ.get("addresses", [])]
+        while addresses and time.monotonic() < deadline:
+            self._term += 1
+            host, _, port = addresses[(self._term - 1) % len(addresses)].rpartition(":")
+            left = deadline - time.monotonic()
+            try:
+                client = ControlClient(
+                    (host, int(port)),
+                    self.env.secret,
+                    self._on_message,
+                    self._on_lost,
+                    timeout=min(1.0, left),
+                )
+            except (ConnectionError, ValueError):
+                time.sleep(0.05)
+                continue
+            status = self._status()
+            hello = Hello(
+                worker_id=self.env.worker_id,
+                pid=os.getpid(),
+                role=self.env.role,
+                term=self._term,
+                rank=self._rank,
+                generation=self._generation,
+                aborted=self._aborted,
+                step=status.step if status.step is not None else -1,
+                ready=self._ready,
+            )
+            try:
+                client.send(encode(hello))
+            except OSError:
+                client.close()
+                continue
+            old, self.client = self.client, client
+            old.close()
+            log.info("reconnected to the coordinator of term %d at %s:%s", self._term, host, port)
+            # the candidate may still lose its election: then it hangs up and _on_lost calls again;
+            # until a message arrives, _lost_since keeps the deadline running
+            self._retry.clear()
+            while self._lost_since is not None and time.monotonic() < deadline:
+                if self._stop.wait(0.05):
+                    return
+                if self._retry.is_set():
+                    break
+            if self._lost_since is None:
+                return
+        if self._stop.is_set():
+            return
+        log.error("no coordinator took over within %.1f s of losing the last one; exiting", 2 * lease + 2.0)
         os._exit(70)
 
     def _heartbeat(self, every: float) -> None:
         while not self._stop.wait(every):
+            if self._lost_since is not None:
+                continue  # nobody to tell; the link is looking for the next coordinator
             try:
                 self.client.send(encode(self._status()))
             except OSError:
-                return
+                continue  # the reader thread sees the loss and starts looking
 
     def wait_for(self, kinds: set[str], deadline: float) -> dict[str, Any]:
         """Next queued message of one of ``kinds`` (others are dropped); TimeoutError after deadline."""
