@@ -25,7 +25,7 @@ from checkpointless.launcher.control import Connection, ControlClient, ControlSe
 from checkpointless.launcher.takeover import Mandate
 from checkpointless.protocol import AgentWelcome, Hello, ProtocolError, Succession, Vote, decode, encode
 
-__all__ = ["LOST", "Joined", "elect"]
+__all__ = ["LOST", "Joined", "elect", "refuse_all"]
 
 log = get_logger()
 LOST = "_lost"  # what a ControlClient's loss is queued as, next to the decoded messages
@@ -43,6 +43,18 @@ class Joined:
 def _hang_up(conn: Connection) -> None:
     with contextlib.suppress(OSError):
         conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def refuse_all(server: ControlServer) -> None:
+    """Hang up on whoever reached this agent's failover server while it is not a candidate: a
+    worker there moves on to the next successor at once."""
+    while True:
+        try:
+            conn, raw = server.inbox.get_nowait()
+        except queue.Empty:
+            return
+        if raw.get("type") != "_closed":
+            _hang_up(conn)
 
 
 def _vote(term: int, me: int, host: str, agent: Agent, failover: str) -> Vote:
@@ -105,7 +117,9 @@ def elect(
                     pending=pending,
                 )
             continue
-        joined = _ask(term, candidate, addresses.get(candidate, ""), me, host, agent, mine, secret, end)
+        joined = _ask(
+            term, candidate, addresses.get(candidate, ""), me, host, agent, mine, secret, end, server
+        )
         if joined is not None:
             return joined
     log.error("no coordinator won a majority within the lease (%.1f s); fencing", succession.lease)
@@ -145,7 +159,7 @@ def _collect(
                 _hang_up(conn)
             else:
                 votes[conn] = msg
-        elif isinstance(msg, Hello) and msg.term == term:
+        elif isinstance(msg, Hello) and 0 < msg.term <= term:
             pending.append((conn, raw))
         else:
             _hang_up(conn)  # another term's vote or reconnect: that one goes elsewhere
@@ -163,6 +177,7 @@ def _ask(
     mine: str,
     secret: bytes,
     end: float,
+    own: ControlServer,
 ) -> Joined | None:
     """As a voter: vote for ``candidate`` and wait for its welcome (it needs a majority first)."""
     addr, _, port = address.rpartition(":")
@@ -188,6 +203,7 @@ def _ask(
     # the candidate's window may have started a little later than ours: allow it that much more
     wait_end = end + 1.0
     while time.monotonic() < wait_end:
+        refuse_all(own)
         try:
             raw = inbox.get(timeout=max(0.01, min(0.1, wait_end - time.monotonic())))
         except queue.Empty:

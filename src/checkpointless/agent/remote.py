@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
-from checkpointless.agent.failover import LOST, Joined, elect
+from checkpointless.agent.failover import LOST, Joined, elect, refuse_all
 from checkpointless.config import ENV
 from checkpointless.coordinator.election import Ballot
 from checkpointless.errors import ConfigError
@@ -116,7 +116,7 @@ class _Session:
         except OSError:
             return False
 
-    def run(self, agent: Agent, stop: list[int]) -> str:
+    def run(self, agent: Agent, stop: list[int], failover: ControlServer | None = None) -> str:
         """Serve until "shutdown" (the job ended), "lost" (the coordinator: its connection or a
         lease of silence), "fenced" (a broken coordinator) or "signal"."""
         while True:
@@ -150,6 +150,8 @@ class _Session:
                     return "shutdown"
                 elif isinstance(msg, Succession) and msg.term >= self.w.term:
                     self.succession = msg
+            if failover is not None:
+                refuse_all(failover)  # a coordinator is serving: nobody should be here
             for seen in agent.poll(now):
                 if isinstance(seen, ProcExit):
                     self.send(ProcExited(seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail))
@@ -302,7 +304,7 @@ def _serve(
     try:
         agent.start()
         while True:
-            outcome = session.run(agent, stop)
+            outcome = session.run(agent, stop, failover)
             session.done.set()
             succession = session.succession or succession
             if outcome != "lost" or succession is None:

@@ -427,8 +427,10 @@ class Launcher:
             self._from_agent(conn, msg, now)
             self._execute()
             return
-        if isinstance(msg, Vote) or (isinstance(msg, Hello) and msg.term != self.term):
-            _hang_up(conn)  # a vote or reconnect that came after this coordinator took over
+        if isinstance(msg, Vote) or (isinstance(msg, Hello) and msg.term > 0):
+            # a vote or a reconnect after a failover: one that arrives once the new coordinator
+            # has rebuilt its state is too late (its process was not vouched for)
+            _hang_up(conn)
             return
         if isinstance(msg, Hello):
             if conn.worker_id is not None or not coord.on_connected(msg.worker_id, now):

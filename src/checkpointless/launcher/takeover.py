@@ -160,8 +160,9 @@ class TakeoverLauncher(Launcher):
         return self.exit_code
 
     def _gather(self) -> tuple[list[ProcReport], list[WorkerReport]]:
-        """Processes the agents reported, and the workers' hellos: every reported process gets
-        until the deadline (half a lease, at least 2 s) to reconnect; nobody vouches for the rest."""
+        """Processes the agents reported, and the workers' hellos: every member agent that has
+        not voted yet (it found the loss a little later) and every reported process gets until
+        the deadline (half a lease, at least 2 s); nobody vouches for the rest."""
         m = self.mandate
         assert self.agent is not None
         procs: dict[int, ProcReport] = {}
@@ -174,9 +175,12 @@ class TakeoverLauncher(Launcher):
             ):
                 procs[wid] = ProcReport(wid, vote.agent_id, role, pid, store)
         workers: dict[int, WorkerReport] = {}
+        self._orphans: dict[int, tuple[Connection, Hello]] = {}  # hellos before their agent's vote
         backlog = list(m.pending)
         deadline = time.monotonic() + max(2.0, self.cfg.lease / 2)
-        while time.monotonic() < deadline and not set(procs) <= set(workers):
+        while time.monotonic() < deadline and not (
+            set(procs) <= set(workers) and set(m.members) <= {m.agent_id, *self._agents}
+        ):
             if backlog:
                 conn, raw = backlog.pop(0)
             else:
@@ -188,6 +192,8 @@ class TakeoverLauncher(Launcher):
             self._gathered(conn, raw, procs, workers)
         for conn, raw in backlog:  # after the deadline: the loop's ordinary path handles them
             self.server.inbox.put((conn, raw))
+        for conn, _ in self._orphans.values():
+            _hang_up(conn)  # no voting agent reported this process
         return list(procs.values()), list(workers.values())
 
     def _poll_local(self, procs: dict[int, ProcReport]) -> None:
@@ -217,23 +223,44 @@ class TakeoverLauncher(Launcher):
             if isinstance(msg, ProcExited):
                 procs.pop(msg.worker_id, None)
             return
-        if isinstance(msg, Hello) and msg.term == self.term and conn.worker_id is None:
-            if msg.worker_id not in procs or msg.worker_id in workers:
+        m = self.mandate
+        if isinstance(msg, Vote) and msg.term == self.term and msg.agent_id in m.members:
+            if msg.agent_id == m.agent_id or msg.agent_id in self._agents:
                 _hang_up(conn)
                 return
-            conn.worker_id = msg.worker_id
-            self._conns[msg.worker_id] = conn
-            workers[msg.worker_id] = WorkerReport(
-                msg.worker_id,
-                msg.rank if msg.rank >= 0 else None,
-                msg.generation,
-                msg.step,
-                ready=msg.ready,
-                aborted=msg.aborted,
-                step=msg.step,
-            )
+            # a member that found the loss a little after the majority: it joins, with its processes
+            m.voters[conn] = msg
+            self._agents[msg.agent_id] = conn
+            self._agent_of[conn] = msg.agent_id
+            conn.send(encode(self._welcome(msg.agent_id)))
+            for wid, role, pid, store in zip(msg.worker_ids, msg.roles, msg.pids, msg.stores, strict=False):
+                procs[wid] = ProcReport(wid, msg.agent_id, role, pid, store)
+                if wid in self._orphans:
+                    c, h = self._orphans.pop(wid)
+                    self._take_hello(c, h, workers)
             return
-        _hang_up(conn)  # a late vote, a stale term, or a frame before hello
+        if isinstance(msg, Hello) and 0 < msg.term <= self.term and conn.worker_id is None:
+            if msg.worker_id in workers or msg.worker_id in self._orphans:
+                _hang_up(conn)
+            elif msg.worker_id not in procs:
+                self._orphans[msg.worker_id] = (conn, msg)  # its agent's vote may be on its way
+            else:
+                self._take_hello(conn, msg, workers)
+            return
+        _hang_up(conn)  # another term's vote or reconnect, or a frame before hello
+
+    def _take_hello(self, conn: Connection, msg: Hello, workers: dict[int, WorkerReport]) -> None:
+        conn.worker_id = msg.worker_id
+        self._conns[msg.worker_id] = conn
+        workers[msg.worker_id] = WorkerReport(
+            msg.worker_id,
+            msg.rank if msg.rank >= 0 else None,
+            msg.generation,
+            msg.step,
+            ready=msg.ready,
+            aborted=msg.aborted,
+            step=msg.step,
+        )
 
     def _execute(self) -> None:
         super()._execute()

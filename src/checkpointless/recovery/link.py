@@ -55,7 +55,7 @@ class LauncherLink:
         self._stop = threading.Event()
         # what a new coordinator needs to hear after a failover (see _reconnect)
         self._succession: dict[str, Any] | None = None
-        self._term = 0  # the coordinator's term this link accepts; never goes back
+        self._term = 0  # the newest coordinator term this link has seen; it never goes back
         self._rank = -1
         self._generation = -1
         self._aborted = -1
@@ -121,15 +121,20 @@ class LauncherLink:
             self._reconnector.start()
 
     def _reconnect(self) -> None:
-        """Try the successors term by term until one takes this worker, or exit at the deadline."""
+        """Try the successors in order (from the next term's candidate) until one takes this
+        worker, or exit at the deadline. The hello names the lowest term this worker accepts: a
+        stale coordinator (a lower term) refuses it, and so does an agent that is not a
+        candidate; a candidate that loses its election hangs up."""
         succ = self._succession
         assert succ is not None and self._lost_since is not None
         lease = float(succ.get("lease", 5.0))
         deadline = self._lost_since + 2 * lease + 2.0
         addresses = [str(a) for a in succ.get("addresses", [])]
+        floor = self._term + 1
+        turn = floor - 1
         while addresses and time.monotonic() < deadline:
-            self._term += 1
-            host, _, port = addresses[(self._term - 1) % len(addresses)].rpartition(":")
+            host, _, port = addresses[turn % len(addresses)].rpartition(":")
+            turn += 1
             left = deadline - time.monotonic()
             try:
                 client = ControlClient(
@@ -147,7 +152,7 @@ class LauncherLink:
                 worker_id=self.env.worker_id,
                 pid=os.getpid(),
                 role=self.env.role,
-                term=self._term,
+                term=floor,
                 rank=self._rank,
                 generation=self._generation,
                 aborted=self._aborted,
@@ -161,7 +166,7 @@ class LauncherLink:
                 continue
             old, self.client = self.client, client
             old.close()
-            log.info("reconnected to the coordinator of term %d at %s:%s", self._term, host, port)
+            log.info("reconnected to a successor (term %d or later) at %s:%s", floor, host, port)
             # the candidate may still lose its election: then it hangs up and _on_lost calls again;
             # until a message arrives, _lost_since keeps the deadline running
             self._retry.clear()

@@ -1,0 +1,77 @@
+"""Coordinator failover across hosts (network namespaces): the coordinator is lost mid-run, the
+agents elect a successor by majority, it rebuilds the state from their reports and the workers'
+reconnects, and the job ends bitwise identical to a fault-free run, with nothing left behind.
+
+Layout as in tests/test_multihost.py and the README's Slurm script: the coordinator on host 0
+next to that host's agent, 2 hosts x 2 ranks + 1 spare host.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs import JobResult, read_digests
+from test_multihost import _committed, _events, _reference, _start, _wait_for, check_recovered
+
+
+def _finish_agents(procs: list[Any], run_dir: Path, deadline: float) -> JobResult:
+    """The job ends in the agent that took over: its exit code is the job's."""
+    codes = []
+    for p in procs[1:]:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:
+            p.kill()
+            p.wait(timeout=10)
+        codes.append(p.returncode)
+    out = (run_dir.parent / "coordinator.out").read_text(errors="replace")[-3000:]
+    for i in range(3):
+        out += f"\n--- agent {i}\n" + (run_dir.parent / f"agent-{i}.out").read_text(errors="replace")[-6000:]
+    digests = read_digests(run_dir.parent, run_dir.name + ".digest-")
+    rc = 0 if all(c == 0 for c in codes) else max(codes, key=lambda c: c != 0)
+    return JobResult(rc, out + f"\nagent exit codes {codes}", run_dir, digests)
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_killed_coordinator_is_replaced_and_the_job_finishes_bitwise(
+    netns_hosts: Any, tmp_path: Path, corpus: Path
+) -> None:
+    ref = _reference(tmp_path / "ref", corpus)
+    cluster = netns_hosts(3)
+    run_dir = tmp_path / "job" / "run"
+    run_dir.parent.mkdir()
+    deadline = time.monotonic() + 200
+    procs = _start(cluster, run_dir, corpus)
+    try:
+        _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+        _wait_for(lambda: len(_events(run_dir, "host_joined")) >= 3, deadline, "every agent to join")
+        step_at_kill = _committed(run_dir, 0)
+        procs[0].kill()  # SIGKILL: the coordinator process only; every agent and worker lives on
+        killed = time.monotonic()
+        procs[0].wait(timeout=10)
+        _wait_for(lambda: _events(run_dir, "coordinator_failover"), killed + 30, "a new coordinator")
+        elected_in = time.monotonic() - killed
+        _wait_for(
+            lambda: _committed(run_dir, 0) > step_at_kill + 1, deadline, "a step committed after the failover"
+        )
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    res = _finish_agents(procs, run_dir, deadline)
+    assert res.rc == 0, res.output
+    check_recovered(res, ref, set())
+    fo = _events(run_dir, "coordinator_failover")
+    assert len(fo) == 1, fo
+    ev = fo[0]
+    assert ev["term"] >= 1 and ev["old"].endswith(":29400"), ev
+    assert len(ev["voters"]) >= 2 and ev["missing"] == [] and ev["ranks"] == 4, ev
+    assert elected_in < 15, f"a new coordinator took {elected_in:.1f} s"
+    assert _events(run_dir, "coordinator_resumed"), "no committed step after the takeover"
+    ends = _events(run_dir, "job_end")
+    assert [e["status"] for e in ends] == ["ok"], ends
