@@ -8,14 +8,45 @@ next to that host's agent, 2 hosts x 2 ranks + 1 spare host.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from jobs import JobResult, read_digests
-from test_multihost import _committed, _events, _reference, _start, _wait_for, check_recovered
+from harness.hosts import NetnsCluster
+from jobs import ROOT, JobResult, read_digests
+from test_multihost import ARGS, _committed, _events, _reference, _wait_for, check_recovered
+
+CONTROL_PORT = 29400
+
+
+def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path, lease: float = 5.0) -> list[Any]:
+    """As tests/test_multihost.py: the coordinator on host 0, then an agent on every host. The
+    lease is longer than there (5 s): on busy cores an agent starting its fork template was
+    sometimes silent for 3 s, and a host lost at start-up is not what these tests are about."""
+    h0 = cluster.hosts[0]
+    py = [sys.executable, "-m", "checkpointless"]
+    digest = run_dir.parent / (run_dir.name + ".digest-{rank}")
+    coord = [
+        *py, "coordinator",
+        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+        "--host", h0.address, "--control-port", str(CONTROL_PORT),
+        "--run-dir", str(run_dir), "--hang-timeout", "20", "--lease", str(lease),
+        str(ROOT / "examples" / "train_gpt.py"), *ARGS,
+        "--data", str(corpus), "--digest-out", str(digest),
+    ]  # fmt: skip
+    log = open(run_dir.parent / "coordinator.out", "wb")  # noqa: SIM115 (lives as long as the job)
+    procs = [h0.popen(coord, cwd=ROOT, stdout=log, stderr=log)]
+    for i, h in enumerate(cluster.hosts):
+        agent = [
+            *py, "agent", "--coordinator", f"{h0.address}:{CONTROL_PORT}", "--host", h.address,
+            "--secret-file", str(run_dir / "secret"), "--node-order", str(i),
+        ]  # fmt: skip
+        out = open(run_dir.parent / f"agent-{i}.out", "wb")  # noqa: SIM115
+        procs.append(h.popen(agent, cwd=ROOT, stdout=out, stderr=out))
+    return procs
 
 
 def _finish_agents(procs: list[Any], run_dir: Path, deadline: float) -> JobResult:

@@ -117,6 +117,11 @@ class TakeoverLauncher(Launcher):
             hosts += [TakeoverHost(v.agent_id, v.host, True) for v in m.voters.values()]
             now, wall = time.monotonic(), time.time()
             rebuilt = rebuild(procs, workers, self.cfg.nproc)
+            log.info(
+                "rebuild from %d processes (%s) and %d reconnects (%s)",
+                len(procs), ", ".join(f"{p.worker_id}@{p.host}:{p.role}" for p in procs),
+                len(workers), ", ".join(f"{w.worker_id}:r{w.rank}g{w.generation}" for w in workers),
+            )  # fmt: skip
             resume(
                 coord, hosts, procs, workers, rebuilt, f"coordinator lost ({m.why})", m.detected, wall, now
             )
