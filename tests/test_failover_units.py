@@ -3,10 +3,15 @@ new coordinator rebuilds from reports (coordinator/rebuild.py)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpointless.coordinator import Coordinator, Emit, Kill, Send, Stop
 from checkpointless.coordinator.election import (
     Ballot,
     candidate_for,
@@ -16,6 +21,10 @@ from checkpointless.coordinator.election import (
     quorum,
 )
 from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
+from checkpointless.coordinator.takeover import TakeoverHost, resume
+from checkpointless.launcher.launcher import config_from_json, config_to_json
+from checkpointless.launcher.model import LaunchConfig
+from checkpointless.protocol import Abort, Assign, Stopped
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,3 +181,72 @@ def test_rebuild_goes_past_a_round_that_was_in_flight() -> None:
     procs = _procs((0, 0, "worker"), (1, 0, "worker"))
     workers = [WorkerReport(0, 0, 2, 9, aborted=3), WorkerReport(1, 1, 2, 9)]
     assert rebuild(procs, workers, nproc=2).generation == 4
+
+
+# -- takeover: a fresh Coordinator set up from the rebuilt state -------------------------------
+def _takeover(missing_rank: int | None = None) -> tuple[Any, list[Any]]:
+
+    cfg = LaunchConfig(script=str(Path(__file__).parent / "scripts" / "slow_steps.py"), nproc=4, spares=1)
+    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    hosts = [
+        TakeoverHost(0, "10.0.0.1", False),
+        TakeoverHost(1, "10.0.0.2", True),
+        TakeoverHost(2, "10.0.0.3", True),
+    ]
+    procs = [ProcReport(w, w // 2, "worker", 100 + w, f"10.0.0.{1 + w // 2}:{300 + w}") for w in range(4)]
+    procs.append(ProcReport(4, 2, "spare", 104, "10.0.0.3:304"))
+    workers = [WorkerReport(w, w, 2, 30, step=31) for w in range(4) if w != missing_rank]
+    workers.append(WorkerReport(4, None, -1, -1, ready=True))
+    rebuilt = rebuild(procs, workers, 4)
+    resume(c, hosts, procs, workers, rebuilt, "coordinator lost", 50.0, 1e9, 51.0)
+    return c, c.drain()
+
+
+def test_takeover_aborts_every_rank_into_the_next_generation() -> None:
+
+    c, out = _takeover()
+    aborts = {
+        cmd.worker_id: cmd.message for cmd in out if isinstance(cmd, Send) and isinstance(cmd.message, Abort)
+    }
+    assert sorted(aborts) == [0, 1, 2, 3] and {a.generation for a in aborts.values()} == {3}
+    assert c.round is not None and c.round.target == 3 and not c.round.replace
+    assert c.generation == 2 and c.next_worker_id == 5
+    faults = [cmd.fields for cmd in out if isinstance(cmd, Emit) and cmd.event == "fault"]
+    assert faults and faults[0]["kind"] == "coordinator_lost"
+
+
+def test_takeover_kills_a_silent_rank_and_gives_its_rank_to_the_ready_spare() -> None:
+
+    c, out = _takeover(missing_rank=2)
+    assert [(k.worker_id, k.host) for k in out if isinstance(k, Kill)] == [(2, 1)]
+    assert c.round is not None and c.round.replace == {2}
+    for w in (0, 1, 3):
+        c.on_message(w, Stopped(for_generation=3, committed_step=30, valid=True), 52.0, 1e9)
+    c.tick(52.0, 1e9)
+    assigned = [cmd for cmd in c.drain() if isinstance(cmd, Send) and isinstance(cmd.message, Assign)]
+    assert [(a.worker_id, a.message.rank, a.message.generation) for a in assigned] == [(4, 2, 3)]
+
+
+def test_takeover_before_the_first_generation_ends_the_job_with_the_reason() -> None:
+
+    cfg = LaunchConfig(script=str(Path(__file__).parent / "scripts" / "slow_steps.py"), nproc=1, spares=0)
+    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    procs = [ProcReport(0, 0, "worker", 9)]
+    workers = [WorkerReport(0, 0, -1, -1)]
+    resume(
+        c, [TakeoverHost(0, "h", False)], procs, workers, rebuild(procs, workers, 1), "lost", 1.0, 1e9, 2.0
+    )
+    stops = [cmd for cmd in c.drain() if isinstance(cmd, Stop)]
+    assert stops and stops[0].code == 1 and "before generation 0 formed" in stops[0].why
+
+
+def test_launch_config_travels_to_the_agents_and_back() -> None:
+
+    cfg = LaunchConfig(
+        script="t.py", script_args=["--steps", "3"], nproc=4, run_dir=Path("/tmp/r"), lease=2.5
+    )
+    raw = config_to_json(cfg)
+
+    back = config_from_json(json.loads(json.dumps(raw)) | {"a_field_from_a_newer_coordinator": 1})
+    assert back.run_dir == Path("/tmp/r") and back.script_args == ["--steps", "3"] and back.lease == 2.5
+    assert back.nproc == 4
