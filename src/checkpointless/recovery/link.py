@@ -12,10 +12,12 @@ the worker exit, as it always did without a succession.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -90,6 +92,7 @@ class LauncherLink:
             if int(msg.get("term", 0)) >= self._term:
                 self._succession = msg
                 self._term = int(msg.get("term", 0))
+                self._bound_silence(float(msg.get("lease", 5.0)))
             return
         if kind == "assign":
             self._rank = int(msg.get("rank", -1))
@@ -119,6 +122,13 @@ class LauncherLink:
             log.warning("lost the coordinator (%s); looking for its successor", why)
             self._reconnector = threading.Thread(target=self._reconnect, daemon=True, name="cl-reconnect")
             self._reconnector.start()
+
+    def _bound_silence(self, lease: float) -> None:
+        """A coordinator cut off by a partition never closes our connection: its FIN is dropped
+        too. Our heartbeats then go unacknowledged, and TCP_USER_TIMEOUT turns that into a
+        connection error after a lease, so the reader notices and the reconnect starts."""
+        with contextlib.suppress(OSError, AttributeError):
+            self.client.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(lease * 1000))
 
     def _reconnect(self) -> None:
         """Try the successors in order (from the next term's candidate) until one takes this
