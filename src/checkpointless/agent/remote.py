@@ -224,7 +224,6 @@ def run_agent(
         raise ConfigError(
             f"--coordinator {coordinator!r} is not HOST:PORT; e.g. --coordinator 10.0.0.1:29400"
         )
-    target = (addr, int(port))
     secret = _read_secret(secret_file, time.monotonic() + connect_timeout)
     # bound now so that its address can be in the succession: if this agent is ever elected,
     # the job's workers reconnect here (agent/failover.py)
@@ -240,19 +239,18 @@ def run_agent(
     stop: list[int] = []
     old_term = signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
     old_int = signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
+    # where to (re)join: the coordinator, then (after a failover is possible) its successors
+    targets = [coordinator]
     try:
         while True:
-            try:
-                client, inbox, welcome = _connect(target, secret, hello, connect_timeout)
-            except (ConnectionError, ProtocolError) as e:
-                log.error("cannot join the coordinator at %s: %s", coordinator, e)
+            joined = _join(targets, secret, hello, connect_timeout)
+            if joined is None:
                 return 1
+            client, inbox, welcome = joined
             log.info(
                 "joined job %s as agent %d (lease %.1f s)", welcome.job_id, welcome.agent_id, welcome.lease
             )
-            outcome, code = _serve(
-                client, inbox, welcome, host, secret, secret_file, stop, failover, coordinator
-            )
+            outcome, code = _serve(client, inbox, welcome, host, secret, secret_file, stop, failover, targets)
             if outcome == "shutdown":
                 return 0
             if outcome == "takeover":
@@ -266,6 +264,21 @@ def run_agent(
         signal.signal(signal.SIGINT, old_int)
 
 
+def _join(
+    targets: list[str], secret: bytes, hello: AgentHello, timeout: float
+) -> tuple[ControlClient, queue.Queue[dict[str, Any]], AgentWelcome] | None:
+    """Join the first of ``targets`` that welcomes this agent; each gets the whole timeout when
+    there is one target, else a share of it (a dead or fenced successor must not use it up)."""
+    each = timeout if len(targets) == 1 else max(2.0, timeout / len(targets))
+    for address in targets:
+        addr, _, port = address.rpartition(":")
+        try:
+            return _connect((addr, int(port)), secret, hello, each)
+        except (ConnectionError, ProtocolError) as e:
+            log.error("cannot join the coordinator at %s: %s", address, e)
+    return None
+
+
 def _serve(
     client: ControlClient,
     inbox: queue.Queue[dict[str, Any]],
@@ -275,8 +288,12 @@ def _serve(
     secret_file: Path,
     stop: list[int],
     failover: ControlServer,
-    old: str,
+    targets: list[str],
 ) -> tuple[str, int]:
+    """Serve the job's coordinators (through any failover) until the job ends, this host is
+    fenced or this agent took over. ``targets`` is left naming where to rejoin after a fence:
+    the last coordinator, then the successors this agent knew of (itself excluded)."""
+    old = targets[0]
     session = _Session(client, inbox, w)  # heartbeats first: setting up (port probes) takes time
     env = agent_env(w, host, secret_file)
     os.environ[ENV.SHM_KEY] = w.shm_key  # job_shm_dir reads it
@@ -337,6 +354,9 @@ def _serve(
             break
     finally:
         session.done.set()
+        mine = f"{failover.address[0]}:{failover.address[1]}"
+        later = [a for a in (succession.addresses if succession is not None else []) if a != mine]
+        targets[:] = list(dict.fromkeys([old, *later]))
         if outcome in ("shutdown", "takeover"):
             agent.close(grace=5.0)  # the workers got their own shutdown and are finishing
             shutil.rmtree(job_shm_dir(w.job_id), ignore_errors=True)  # this host's shared memory
