@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,7 +73,7 @@ def run_once(cluster: NetnsCluster, work: Path, corpus: Path, steps: int, lease:
     coord_argv = [
         *py, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
         "--host", h0.address, "--control-port", str(PORT), "--run-dir", str(run_dir),
-        "--hang-timeout", "20", "--lease", str(lease), "--quiet-workers",
+        "--hang-timeout", "20", "--lease", str(lease),
         str(ROOT / "examples" / "train_gpt.py"), "--steps", str(steps), *MODEL, "--data", str(corpus),
         "--digest-out", str(work / "digest-{rank}"),
     ]  # fmt: skip
@@ -133,18 +134,20 @@ def main(argv: list[str] | None = None) -> int:
         print("needs root: hosts are network namespaces", file=sys.stderr)
         return 2
     runs = []
-    with tempfile.TemporaryDirectory(prefix="cl-failover-") as tmp:
-        corpus = Path(tmp) / "corpus.tokens"
-        make_synthetic_corpus(Path(tmp) / "corpus.jsonl", num_docs=400, seed=0)
-        if prepare_main([str(Path(tmp) / "corpus.jsonl"), "-o", str(corpus), "--quiet"]) != 0:
-            raise RuntimeError("could not prepare the benchmark's corpus")
-        for i in range(args.repeats):
-            work = Path(tmp) / f"rep{i}"
-            work.mkdir()
-            with NetnsCluster(3) as cluster:
-                r = run_once(cluster, work, corpus, args.steps, args.lease)
-            print(json.dumps(r))
-            runs.append(r)
+    keep = Path(tempfile.mkdtemp(prefix="cl-failover-"))  # left for its logs if a run fails
+    tmp = str(keep)
+    corpus = Path(tmp) / "corpus.tokens"
+    make_synthetic_corpus(Path(tmp) / "corpus.jsonl", num_docs=400, seed=0)
+    if prepare_main([str(Path(tmp) / "corpus.jsonl"), "-o", str(corpus), "--quiet"]) != 0:
+        raise RuntimeError("could not prepare the benchmark's corpus")
+    for i in range(args.repeats):
+        work = Path(tmp) / f"rep{i}"
+        work.mkdir()
+        with NetnsCluster(3) as cluster:
+            r = run_once(cluster, work, corpus, args.steps, args.lease)
+        print(json.dumps(r))
+        runs.append(r)
+    shutil.rmtree(keep, ignore_errors=True)
     summary = {
         k: round(statistics.median(r[k] for r in runs), 4)
         for k in ("elect_s", "rebuild_s", "to_coordinator_s", "downtime_s")
