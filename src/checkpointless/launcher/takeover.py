@@ -88,7 +88,8 @@ class TakeoverLauncher(Launcher):
         self.reaper = None
         self.server = server
         self.mandate = mandate
-        self._next_host = 1 + max([mandate.agent_id, *(v.agent_id for v in mandate.voters.values())])
+        # agents that join from now on get ids no member ever had (a fenced member may rejoin)
+        self._next_host = 1 + max([mandate.agent_id, *mandate.members])
         self._resumed = False
 
     def run(self) -> int:
