@@ -255,7 +255,9 @@ def run_agent(
                 return 0
             if outcome == "takeover":
                 return code
-            if outcome == "signal" or not rejoin:
+            if outcome == "signal" or stop or not rejoin:
+                # stopped (a signal while serving, or during an election: scancel signals the
+                # coordinator and the agents at once) or told not to come back
                 return 128 + stop[0] if stop else 1
             log.info("rejoining the coordinator as a new agent (a spare host)")
     finally:
@@ -364,6 +366,8 @@ def _serve(
             # fenced (or stopped): nobody may act as these ranks any longer
             agent.signal_all(signal.SIGKILL)
             agent.close(grace=2.0)
+            if stop:  # this agent will not rejoin: nothing of the job stays on this host
+                shutil.rmtree(job_shm_dir(w.job_id), ignore_errors=True)
         session.client.close()
         events.close()
     return outcome, code
