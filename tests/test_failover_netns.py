@@ -164,3 +164,38 @@ def test_partition_isolating_the_coordinator_elects_a_successor_on_the_majority_
     assert {0, 1} <= moved, moved
     ends = _events(run_dir, "job_end")
     assert [e["status"] for e in ends] == ["ok"], ends
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_coordinator_host_lost_whole_the_others_elect_and_recover_its_ranks(
+    netns_hosts: Any, tmp_path: Path, corpus: Path
+) -> None:
+    """Every process on host 0 dies at once (the coordinator, node 0's agent, ranks 0-1): the two
+    other agents elect a successor, ranks 0-1 move to the spare host, bitwise."""
+    ref = _reference(tmp_path / "ref", corpus)
+    cluster = netns_hosts(3)
+    run_dir = tmp_path / "job" / "run"
+    run_dir.parent.mkdir()
+    deadline = time.monotonic() + 200
+    procs = _start(cluster, run_dir, corpus)
+    try:
+        _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+        _wait_for(lambda: len(_events(run_dir, "host_joined")) >= 3, deadline, "every agent to join")
+        assert cluster.hosts[0].kill_all(), "host 0 had no processes to kill"
+        killed = time.monotonic()
+        _wait_for(lambda: _events(run_dir, "coordinator_failover"), killed + 30, "a new coordinator")
+        elected_in = time.monotonic() - killed
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    res = _finish_agents(procs, run_dir, deadline, lenient={1})
+    assert res.rc == 0, res.output
+    check_recovered(res, ref, {0, 1})
+    ev = _events(run_dir, "coordinator_failover")[0]
+    assert ev["missing"] == [0, 1] and len(ev["voters"]) == 2, ev
+    assert elected_in < 15, f"a new coordinator took {elected_in:.1f} s"
+    assert {0, 1} <= {e["rank"] for e in _events(run_dir, "spare_assigned")}
+    ends = _events(run_dir, "job_end")
+    assert [e["status"] for e in ends] == ["ok"], ends

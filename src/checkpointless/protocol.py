@@ -78,7 +78,7 @@ class Hello(Message):
     term: int = 0
     rank: int = -1
     generation: int = -1  # the newest generation it formed
-    aborted: int = -1  # the newest generation it was told to abort for
+    aborted: int = -1  # the newest generation it stopped for (told to abort, or reported for)
     step: int = -1
     ready: bool = False  # a spare that finished warming up
 

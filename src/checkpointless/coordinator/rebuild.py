@@ -34,7 +34,7 @@ class WorkerReport:
     generation: int  # the newest generation it formed (-1: none yet)
     committed_step: int
     ready: bool = False  # a spare that finished warming up
-    aborted: int = -1  # the newest generation it was told to abort for (a round in flight)
+    aborted: int = -1  # the newest generation it stopped for (a round in flight, or a report lost)
     step: int = -1  # the step it was at
 
 
@@ -84,8 +84,9 @@ def rebuild(procs: Iterable[ProcReport], workers: Iterable[WorkerReport], nproc:
         else:
             kill.add(w.worker_id)
     newest = max((w.generation for w in claims.values()), default=-1)
-    # a round may have been in flight: its target is spent (some ranks already reported for it
-    # and would not report again), so the first round after the failover goes past it
+    # a round may have been in flight, or a rank stopped by itself (a peer died) and its report
+    # went to the lost coordinator: that target is spent (those ranks would not report for it
+    # again), so the first round after the failover goes past it
     aborted = max((w.aborted for w in said.values()), default=-1)
     ids = set(known) | set(said)
     return Rebuilt(

@@ -32,6 +32,7 @@ from checkpointless.protocol import Hello, ProcExited, ProtocolError, Vote, deco
 __all__ = ["Mandate", "TakeoverLauncher"]
 
 log = get_logger()
+_MEMBER_GRACE_S = 0.5  # how long a takeover waits for a member's late vote once all else is in
 
 
 @dataclass
@@ -91,6 +92,8 @@ class TakeoverLauncher(Launcher):
         # agents that join from now on get ids no member ever had (a fenced member may rejoin)
         self._next_host = 1 + max([mandate.agent_id, *mandate.members])
         self._resumed = False
+        self._settled: float | None = None  # when every reported process had reconnected
+        self._later: list[tuple[Connection, dict[str, Any]]] = []  # workers' messages in the gather
 
     def run(self) -> int:
         setup_logging("coordinator")
@@ -153,6 +156,8 @@ class TakeoverLauncher(Launcher):
             )  # fmt: skip
             self._announce()
             self._execute()
+            for conn, raw in self._later:
+                self._receive(conn, raw)
             self._loop()
         except Exception as e:
             if self.coordinator is not None:
@@ -168,7 +173,8 @@ class TakeoverLauncher(Launcher):
     def _gather(self) -> tuple[list[ProcReport], list[WorkerReport]]:
         """Processes the agents reported, and the workers' hellos: every member agent that has
         not voted yet (it found the loss a little later) and every reported process gets until
-        the deadline (half a lease, at least 2 s); nobody vouches for the rest."""
+        the deadline (half a lease, at least 2 s), members only half a second once every
+        reported process is back; nobody vouches for the rest."""
         m = self.mandate
         assert self.agent is not None
         procs: dict[int, ProcReport] = {}
@@ -184,9 +190,13 @@ class TakeoverLauncher(Launcher):
         self._orphans: dict[int, tuple[Connection, Hello]] = {}  # hellos before their agent's vote
         backlog = list(m.pending)
         deadline = time.monotonic() + max(2.0, self.cfg.lease / 2)
-        while time.monotonic() < deadline and not (
-            set(procs) <= set(workers) and set(m.members) <= {m.agent_id, *self._agents}
-        ):
+        while time.monotonic() < deadline:
+            if set(procs) <= set(workers):
+                if set(m.members) <= {m.agent_id, *self._agents}:
+                    break
+                # everyone reported has reconnected; a member that has not voted yet gets a
+                # short grace, not the whole deadline: it is most likely the lost side
+                deadline = min(deadline, self._settled_at(_MEMBER_GRACE_S))
             if backlog:
                 conn, raw = backlog.pop(0)
             else:
@@ -201,6 +211,11 @@ class TakeoverLauncher(Launcher):
         for conn, _ in self._orphans.values():
             _hang_up(conn)  # no voting agent reported this process
         return list(procs.values()), list(workers.values())
+
+    def _settled_at(self, grace: float) -> float:
+        if self._settled is None:
+            self._settled = time.monotonic()
+        return self._settled + grace
 
     def _poll_local(self, procs: dict[int, ProcReport]) -> None:
         assert self.agent is not None
@@ -225,9 +240,11 @@ class TakeoverLauncher(Launcher):
         except ProtocolError:
             _hang_up(conn)
             return
-        if conn in self._agent_of:
+        if conn in self._agent_of or (conn.worker_id is not None and self._conns.get(conn.worker_id) is conn):
             if isinstance(msg, ProcExited):
                 procs.pop(msg.worker_id, None)
+            elif conn not in self._agent_of:
+                self._later.append((conn, raw))  # a worker's report: for the first round
             return
         m = self.mandate
         if isinstance(msg, Vote) and msg.term == self.term and msg.agent_id in m.members:

@@ -26,7 +26,7 @@ from typing import Any
 from checkpointless.config import WorkerEnv
 from checkpointless.events import get_logger
 from checkpointless.launcher.control import ControlClient
-from checkpointless.protocol import Heartbeat, Hello, Message, Recovered, SpareReady, encode
+from checkpointless.protocol import Heartbeat, Hello, Message, Recovered, SpareReady, Stopped, encode
 
 __all__ = ["LauncherLink", "set_parent_death_signal"]
 
@@ -78,6 +78,10 @@ class LauncherLink:
             self._generation = max(self._generation, msg.generation)
         elif isinstance(msg, SpareReady):
             self._ready = True
+        elif isinstance(msg, Stopped):
+            # a report that may be lost with the coordinator: the successor's first round must
+            # be for a newer generation, so that this worker reports again
+            self._aborted = max(self._aborted, msg.for_generation)
         if self._lost_since is not None:
             return  # between coordinators: the new one asks for everything it needs again
         try:
