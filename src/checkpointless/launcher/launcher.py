@@ -134,6 +134,7 @@ class Launcher:
         self.term = 0
         self._failover: dict[int, str] = {}
         self._stepped_down = False
+        self._announced: list[int] = []  # the membership last sent to everyone
         self.reaper: subprocess.Popen[bytes] | None = None
 
     # -- entry point ---------------------------------------------------------------------------
@@ -365,8 +366,18 @@ class Launcher:
         coord = self.coordinator
         if coord is None or not self._failover or not coord.started:
             return False
-        members = [h for h in coord.hosts.values() if not h.lost]
-        heard = [h for h in members if not h.remote or now - h.last_seen <= self.cfg.lease]
+        # A host lost in the last two leases still counts as a member: a partition takes several
+        # hosts at once, and a coordinator that shrank its membership by each silent host in turn
+        # would end up a "majority" of the few hosts on its own side. After two leases the lost
+        # side has fenced itself (its agents give up one lease after they notice), and it drops out.
+        members = self._members(now)
+        if members != self._announced:
+            self._announce()  # a lost host aged out of the membership
+        heard = [
+            h
+            for h in coord.hosts.values()
+            if h.host in members and not h.lost and (not h.remote or now - h.last_seen <= self.cfg.lease)
+        ]
         if not members or len(heard) >= quorum(len(members)):
             return False
         why = (
@@ -381,6 +392,15 @@ class Launcher:
         self.exit_code = 75
         return True
 
+    def _members(self, now: float) -> list[int]:
+        """The membership a majority is counted against: the live hosts, and those lost within
+        two leases (see _lost_majority); agents are told the same, so that a side of a partition
+        that heard of its peers' loss one by one cannot count itself a majority either."""
+        coord = self.coordinator
+        assert coord is not None
+        recent = 2 * self.cfg.lease
+        return sorted(h.host for h in coord.hosts.values() if not h.lost or now - h.last_seen <= recent)
+
     def _announce(self, only: Connection | None = None) -> None:
         """Tell agents and workers who may take over (all of them, or just ``only``)."""
         coord = self.coordinator
@@ -390,10 +410,13 @@ class Launcher:
         successors = [h for h in live if self._failover.get(h)]
         if not successors:
             return
+        members = self._members(time.monotonic())
+        if only is None:
+            self._announced = members
         msg = encode(
             Succession(
                 term=self.term,
-                members=live,
+                members=members,
                 successors=successors,
                 addresses=[self._failover[h] for h in successors],
                 lease=self.cfg.lease,

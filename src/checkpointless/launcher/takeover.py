@@ -86,6 +86,7 @@ class TakeoverLauncher(Launcher):
         self.term = mandate.term
         self._failover = {}
         self._stepped_down = False
+        self._announced = []
         self.reaper = None
         self.server = server
         self.mandate = mandate
