@@ -14,10 +14,13 @@ from hypothesis import strategies as st
 from checkpointless.coordinator import Coordinator, Emit, Kill, Send, Stop
 from checkpointless.coordinator.election import (
     Ballot,
+    HostSeen,
     candidate_for,
     elect_on_side,
     first_live_term,
     has_quorum,
+    keeps_majority,
+    membership,
     quorum,
 )
 from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
@@ -250,3 +253,34 @@ def test_launch_config_travels_to_the_agents_and_back() -> None:
     back = config_from_json(json.loads(json.dumps(raw)) | {"a_field_from_a_newer_coordinator": 1})
     assert back.run_dir == Path("/tmp/r") and back.script_args == ["--steps", "3"] and back.lease == 2.5
     assert back.nproc == 4
+
+
+# -- the majority a coordinator must keep --------------------------------------------------------
+def test_a_coordinator_keeps_its_majority_through_one_dead_host() -> None:
+    hosts = [HostSeen(0, False, True, 10.0), HostSeen(1, False, True, 10.0), HostSeen(2, True, True, 4.0)]
+    assert membership(hosts, 10.0, 5.0) == [0, 1, 2]  # lost 6 s ago: still counted
+    assert keeps_majority(hosts, 10.0, 5.0)  # 2 of 3
+    assert membership(hosts, 15.0, 5.0) == [0, 1]  # two leases later it drops out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(3, 9),
+    st.data(),
+)
+def test_a_minority_side_never_keeps_a_majority_while_its_peers_go_silent_one_by_one(
+    n: int, data: st.DataObject
+) -> None:
+    """The coordinator's side of a partition (a minority) hears the other side go silent at
+    staggered times within one heartbeat interval; whatever order it declares them lost in,
+    it must find no majority once every one of them is past its lease."""
+    own = data.draw(st.sets(st.integers(0, n - 1), max_size=(n - 1) // 2))
+    cut = 100.0
+    last = {h: cut - data.draw(st.floats(0.0, 0.5)) for h in range(n) if h not in own}
+    lease = 5.0
+    now = max(last.values(), default=cut) + lease + 0.01
+    # the coordinator may already have marked any of them lost (each when its lease ran out)
+    lost = data.draw(st.sets(st.sampled_from(sorted(last)))) if last else set()
+    hosts = [HostSeen(h, False, True, now) for h in own]
+    hosts += [HostSeen(h, h in lost, True, t) for h, t in last.items()]
+    assert not keeps_majority(hosts, now, lease)

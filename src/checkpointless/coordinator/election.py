@@ -12,7 +12,17 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Ballot", "candidate_for", "elect_on_side", "first_live_term", "has_quorum", "quorum"]
+__all__ = [
+    "Ballot",
+    "HostSeen",
+    "candidate_for",
+    "elect_on_side",
+    "first_live_term",
+    "has_quorum",
+    "keeps_majority",
+    "membership",
+    "quorum",
+]
 
 
 def quorum(members: int) -> int:
@@ -75,3 +85,34 @@ def elect_on_side(
         return None
     voters = set(side) & set(membership)
     return (term, candidate_for(term, successors)) if has_quorum(voters, membership) else None
+
+
+@dataclass(frozen=True)
+class HostSeen:
+    """One host as a coordinator sees it, for the majority it must keep."""
+
+    host: int
+    lost: bool
+    remote: bool  # the embedded agent (a coordinator's own) is always heard
+    last_seen: float  # monotonic time of its agent's last message
+
+
+def membership(hosts: Collection[HostSeen], now: float, lease: float) -> list[int]:
+    """The hosts a majority is counted against: the live ones, and those lost within two leases.
+    A partition silences several hosts at once, and a coordinator that dropped each silent host
+    from the count in turn would end up a "majority" of the few on its own side; after two leases
+    the lost side has fenced itself (its agents give up a lease after they notice), so it drops out."""
+    return sorted(h.host for h in hosts if not h.lost or now - h.last_seen <= 2 * lease)
+
+
+def keeps_majority(hosts: Collection[HostSeen], now: float, lease: float) -> bool:
+    """Whether a coordinator still hears a strict majority of its membership within a lease."""
+    members = set(membership(hosts, now, lease))
+    if not members:
+        return True  # nothing to count against (a job that has not started its hosts)
+    heard = {
+        h.host
+        for h in hosts
+        if h.host in members and not h.lost and (not h.remote or now - h.last_seen <= lease)
+    }
+    return has_quorum(heard, members)

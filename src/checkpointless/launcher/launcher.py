@@ -29,7 +29,7 @@ from typing import Any
 from checkpointless.agent import Agent, AgentConfig, ProcExit
 from checkpointless.config import ENV
 from checkpointless.coordinator import Coordinator, Emit, Kill, Log, Send, Spawn, Stop
-from checkpointless.coordinator.election import quorum
+from checkpointless.coordinator.election import HostSeen, keeps_majority, membership
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.model import LaunchConfig, checkpoint_root
@@ -366,20 +366,12 @@ class Launcher:
         coord = self.coordinator
         if coord is None or not self._failover or not coord.started:
             return False
-        # A host lost in the last two leases still counts as a member: a partition takes several
-        # hosts at once, and a coordinator that shrank its membership by each silent host in turn
-        # would end up a "majority" of the few hosts on its own side. After two leases the lost
-        # side has fenced itself (its agents give up one lease after they notice), and it drops out.
-        members = self._members(now)
-        if members != self._announced:
+        if self._members(now) != self._announced:
             self._announce()  # a lost host aged out of the membership
-        heard = [
-            h
-            for h in coord.hosts.values()
-            if h.host in members and not h.lost and (not h.remote or now - h.last_seen <= self.cfg.lease)
-        ]
-        if not members or len(heard) >= quorum(len(members)):
+        if keeps_majority(self._seen(), now, self.cfg.lease):
             return False
+        members = membership(self._seen(), now, self.cfg.lease)
+        heard = [h for h in coord.hosts.values() if not h.lost and now - h.last_seen <= self.cfg.lease]
         why = (
             f"heard from only {len(heard)} of {len(members)} hosts within the lease "
             f"({self.cfg.lease:.1f} s): no majority, stepping down so that the majority's successor "
@@ -392,14 +384,16 @@ class Launcher:
         self.exit_code = 75
         return True
 
-    def _members(self, now: float) -> list[int]:
-        """The membership a majority is counted against: the live hosts, and those lost within
-        two leases (see _lost_majority); agents are told the same, so that a side of a partition
-        that heard of its peers' loss one by one cannot count itself a majority either."""
+    def _seen(self) -> list[HostSeen]:
         coord = self.coordinator
         assert coord is not None
-        recent = 2 * self.cfg.lease
-        return sorted(h.host for h in coord.hosts.values() if not h.lost or now - h.last_seen <= recent)
+        return [HostSeen(h.host, h.lost, h.remote, h.last_seen) for h in coord.hosts.values()]
+
+    def _members(self, now: float) -> list[int]:
+        """The membership a majority is counted against (coordinator/election.py); agents are
+        told the same, so that a side of a partition that heard of its peers' loss one by one
+        cannot count itself a majority either."""
+        return membership(self._seen(), now, self.cfg.lease)
 
     def _announce(self, only: Connection | None = None) -> None:
         """Tell agents and workers who may take over (all of them, or just ``only``)."""
