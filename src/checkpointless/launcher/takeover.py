@@ -241,7 +241,8 @@ class TakeoverLauncher(Launcher):
         except ProtocolError:
             _hang_up(conn)
             return
-        if conn in self._agent_of or (conn.worker_id is not None and self._conns.get(conn.worker_id) is conn):
+        said_hello = conn.worker_id is not None or any(c is conn for c, _ in self._orphans.values())
+        if conn in self._agent_of or said_hello:
             if isinstance(msg, ProcExited):
                 procs.pop(msg.worker_id, None)
             elif conn not in self._agent_of:

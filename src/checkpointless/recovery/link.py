@@ -62,7 +62,8 @@ class LauncherLink:
         self._generation = -1
         self._aborted = -1
         self._ready = False
-        self._lost_since: float | None = None
+        self._lost_since: float | None = None  # lost the coordinator and no successor spoke yet
+        self._between = False  # lost it and not connected to a candidate either
         self._reconnector: threading.Thread | None = None
         self._retry = threading.Event()  # the candidate we reached hung up: try the next term
         self._lock = threading.Lock()
@@ -82,8 +83,8 @@ class LauncherLink:
             # a report that may be lost with the coordinator: the successor's first round must
             # be for a newer generation, so that this worker reports again
             self._aborted = max(self._aborted, msg.for_generation)
-        if self._lost_since is not None:
-            return  # between coordinators: the new one asks for everything it needs again
+        if self._between:
+            return  # connected to nobody: the report counts in the next hello (see _aborted)
         try:
             self.client.send(encode(msg))
         except OSError as e:
@@ -118,6 +119,7 @@ class LauncherLink:
             log.error("lost the launcher (%s); exiting", why)
             os._exit(70)
         with self._lock:
+            self._between = True
             if self._lost_since is None:
                 self._lost_since = time.monotonic()
             if self._reconnector is not None and self._reconnector.is_alive():
@@ -180,6 +182,9 @@ class LauncherLink:
                 continue
             old, self.client = self.client, client
             old.close()
+            # from now on reports go to the candidate: one that wins handles them in its first
+            # round (a Stopped sent after the hello would otherwise be lost for good)
+            self._between = False
             log.info("reconnected to a successor (term %d or later) at %s:%s", floor, host, port)
             # the candidate may still lose its election: then it hangs up and _on_lost calls again;
             # until a message arrives, _lost_since keeps the deadline running
@@ -198,7 +203,7 @@ class LauncherLink:
 
     def _heartbeat(self, every: float) -> None:
         while not self._stop.wait(every):
-            if self._lost_since is not None:
+            if self._between:
                 continue  # nobody to tell; the link is looking for the next coordinator
             try:
                 self.client.send(encode(self._status()))
