@@ -2,7 +2,9 @@
 
 Three hosts as network namespaces (tests/harness), as in tests/test_failover_netns.py: the
 coordinator on host 0 next to its agent, 2 hosts x 2 ranks + 1 spare host, the tiny GPT example.
-Each repetition starts a job, waits for step 5, SIGKILLs the coordinator process, and reads:
+Each repetition starts a job, waits for step 5, then SIGKILLs the coordinator process
+(``process``) or every process of host 0 (``host``: the coordinator, node 0's agent and ranks
+0-1, which move to the spare host), and reads:
 
 - ``elect_s``: the winner's election (loss detected -> majority of votes), from its
   ``coordinator_failover`` event;
@@ -12,8 +14,9 @@ Each repetition starts a job, waits for step 5, SIGKILLs the coordinator process
   ``rank-<r>.jsonl`` commit times), i.e. what the job lost;
 - whether the job then finished (``job_end`` ok) with every rank's digest equal.
 
-Needs root (namespaces). Run: ``python benchmarks/failover.py --repeats 2`` (about a minute per
-repetition on 2 busy cores, most of it the job's start-up). Writes benchmarks/results/failover.json.
+Needs root (namespaces). Run: ``python benchmarks/failover.py --repeats 2`` (both scenarios,
+about a minute per job on 2 busy cores, most of it the job's start-up). Writes
+benchmarks/results/failover.json.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ def _wait(cond: Any, deadline: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def run_once(cluster: NetnsCluster, work: Path, corpus: Path, steps: int, lease: float) -> dict[str, Any]:
+def run_once(
+    cluster: NetnsCluster, work: Path, corpus: Path, steps: int, lease: float, scenario: str
+) -> dict[str, Any]:
     run_dir = work / "run"
     h0 = cluster.hosts[0]
     py = [sys.executable, "-m", "checkpointless"]
@@ -89,11 +94,14 @@ def run_once(cluster: NetnsCluster, work: Path, corpus: Path, steps: int, lease:
     try:
         _wait(lambda: max((c["step"] for c in _commits(run_dir, 2)), default=-1) >= 5, deadline, "step 5")
         killed_wall = time.time()
-        procs[0].kill()
+        if scenario == "host":
+            h0.kill_all()
+        else:
+            procs[0].kill()
         procs[0].wait(timeout=10)
         _wait(lambda: _events(run_dir, "coordinator_failover"), deadline, "a new coordinator")
         codes = []
-        for p in procs[1:]:
+        for p in procs[2:] if scenario == "host" else procs[1:]:  # host 0's agent died with it
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
             codes.append(p.returncode)
     finally:
@@ -113,13 +121,15 @@ def run_once(cluster: NetnsCluster, work: Path, corpus: Path, steps: int, lease:
     }
     ends = _events(run_dir, "job_end")
     return {
+        "scenario": scenario,
         "elect_s": fo["elect_s"],
         "rebuild_s": fo["rebuild_s"],
         "to_coordinator_s": round(fo["time"] - killed_wall, 4),
         "downtime_s": round(max(firsts) - killed_wall, 4),
         "term": fo["term"],
         "voters": fo["voters"],
-        "ok": bool(ends) and ends[-1].get("status") == "ok" and len(digests) == 1 and codes == [0, 0, 0],
+        "missing": fo["missing"],
+        "ok": bool(ends) and ends[-1].get("status") == "ok" and len(digests) == 1 and not any(codes),
     }
 
 
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--lease", type=float, default=5.0)
+    ap.add_argument("--scenario", choices=["process", "host", "both"], default="both")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -140,17 +151,25 @@ def main(argv: list[str] | None = None) -> int:
     make_synthetic_corpus(Path(tmp) / "corpus.jsonl", num_docs=400, seed=0)
     if prepare_main([str(Path(tmp) / "corpus.jsonl"), "-o", str(corpus), "--quiet"]) != 0:
         raise RuntimeError("could not prepare the benchmark's corpus")
+    scenarios = ["process", "host"] if args.scenario == "both" else [args.scenario]
     for i in range(args.repeats):
-        work = Path(tmp) / f"rep{i}"
-        work.mkdir()
-        with NetnsCluster(3) as cluster:
-            r = run_once(cluster, work, corpus, args.steps, args.lease)
-        print(json.dumps(r))
-        runs.append(r)
-    shutil.rmtree(keep, ignore_errors=True)
+        for scenario in scenarios:  # interleaved: the machine's load changes over minutes
+            work = Path(tmp) / f"{scenario}{i}"
+            work.mkdir()
+            with NetnsCluster(3) as cluster:
+                r = run_once(cluster, work, corpus, args.steps, args.lease, scenario)
+            print(json.dumps(r))
+            runs.append(r)
+    if all(r["ok"] for r in runs):
+        shutil.rmtree(keep, ignore_errors=True)
+    else:
+        print(f"a run failed; its logs are in {keep}", file=sys.stderr)
     summary = {
-        k: round(statistics.median(r[k] for r in runs), 4)
-        for k in ("elect_s", "rebuild_s", "to_coordinator_s", "downtime_s")
+        sc: {
+            k: round(statistics.median(r[k] for r in runs if r["scenario"] == sc), 4)
+            for k in ("elect_s", "rebuild_s", "to_coordinator_s", "downtime_s")
+        }
+        for sc in scenarios
     }
     out = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),

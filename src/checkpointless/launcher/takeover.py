@@ -174,7 +174,7 @@ class TakeoverLauncher(Launcher):
     def _gather(self) -> tuple[list[ProcReport], list[WorkerReport]]:
         """Processes the agents reported, and the workers' hellos: every member agent that has
         not voted yet (it found the loss a little later) and every reported process gets until
-        the deadline (half a lease, at least 2 s), members only half a second once every
+        the deadline (a lease, at least 2 s), members only half a second once every
         reported process is back; nobody vouches for the rest."""
         m = self.mandate
         assert self.agent is not None
@@ -190,7 +190,9 @@ class TakeoverLauncher(Launcher):
         workers: dict[int, WorkerReport] = {}
         self._orphans: dict[int, tuple[Connection, Hello]] = {}  # hellos before their agent's vote
         backlog = list(m.pending)
-        deadline = time.monotonic() + max(2.0, self.cfg.lease / 2)
+        # a lease: a worker on a busy host may take a while to notice and reconnect, and it gives
+        # up only after two leases; once every reported process is back the wait ends at once
+        deadline = time.monotonic() + max(2.0, self.cfg.lease)
         while time.monotonic() < deadline:
             if set(procs) <= set(workers):
                 if set(m.members) <= {m.agent_id, *self._agents}:
