@@ -164,13 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(keep, ignore_errors=True)
     else:
         print(f"a run failed; its logs are in {keep}", file=sys.stderr)
-    summary = {
-        sc: {
-            k: round(statistics.median(r[k] for r in runs if r["scenario"] == sc), 4)
-            for k in ("elect_s", "rebuild_s", "to_coordinator_s", "downtime_s")
-        }
-        for sc in scenarios
-    }
+    # medians of the runs that finished; a failed one stays listed in "runs" with ok: false
+    summary: dict[str, dict[str, float] | None] = {}
+    for sc in scenarios:
+        ok = [r for r in runs if r["scenario"] == sc and r["ok"]]
+        keys = ("elect_s", "rebuild_s", "to_coordinator_s", "downtime_s")
+        summary[sc] = {k: round(statistics.median(r[k] for r in ok), 4) for k in keys} if ok else None
     out = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
