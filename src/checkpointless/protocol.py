@@ -317,6 +317,7 @@ class Vote(Message):
     pids: list[int] = field(default_factory=list)
     stores: list[str] = field(default_factory=list)
     failover: str = ""  # the voter's own failover address, for the next succession
+    connected: list[bool] = field(default_factory=list)  # had it said hello to the coordinator?
 
 
 @dataclass(frozen=True)

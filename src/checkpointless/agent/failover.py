@@ -25,7 +25,7 @@ from checkpointless.launcher.control import Connection, ControlClient, ControlSe
 from checkpointless.launcher.takeover import Mandate
 from checkpointless.protocol import AgentWelcome, Hello, ProtocolError, Succession, Vote, decode, encode
 
-__all__ = ["LOST", "Joined", "elect", "refuse_all"]
+__all__ = ["LOST", "Early", "Joined", "elect", "refuse_all"]
 
 log = get_logger()
 LOST = "_lost"  # what a ControlClient's loss is queued as, next to the decoded messages
@@ -45,16 +45,26 @@ def _hang_up(conn: Connection) -> None:
         conn.sock.shutdown(socket.SHUT_RDWR)
 
 
-def refuse_all(server: ControlServer) -> None:
-    """Hang up on whoever reached this agent's failover server while it is not a candidate: a
-    worker there moves on to the next successor at once."""
+Early = list[tuple[float, Connection, dict[str, Any]]]  # (arrival, connection, message)
+
+
+def refuse_all(server: ControlServer, early: Early, keep_s: float) -> None:
+    """Sort out who reached this agent's failover server while it is not (yet) a candidate.
+    Votes and reconnects are kept for ``keep_s`` (a lease): this agent may notice the loss a
+    moment after its peers and stand next; anything else, or older, is hung up."""
+    now = time.monotonic()
     while True:
         try:
             conn, raw = server.inbox.get_nowait()
         except queue.Empty:
-            return
-        if raw.get("type") != "_closed":
+            break
+        if raw.get("type") in ("vote", "hello"):
+            early.append((now, conn, raw))
+        elif raw.get("type") != "_closed":
             _hang_up(conn)
+    for item in [e for e in early if now - e[0] > keep_s]:
+        early.remove(item)
+        _hang_up(item[1])
 
 
 def _vote(term: int, me: int, host: str, agent: Agent, failover: str) -> Vote:
@@ -68,6 +78,7 @@ def _vote(term: int, me: int, host: str, agent: Agent, failover: str) -> Vote:
         pids=[p.handle.pid for _, p in procs],
         stores=[f"{host}:{p.store_port}" if p.store_port else "" for _, p in procs],
         failover=failover,
+        connected=[p.connected for _, p in procs],
     )
 
 
@@ -84,6 +95,7 @@ def elect(
     why: str,
     old: str,
     stop: list[int],
+    early: Early,
 ) -> Mandate | Joined | None:
     """Run terms until this agent wins (a :class:`Mandate`), is welcomed by the winner
     (:class:`Joined`) or the lease since ``detected`` runs out (None: fence)."""
@@ -101,7 +113,7 @@ def elect(
         end = min(deadline, time.monotonic() + window)
         if candidate == me:
             log.warning("coordinator lost (%s); standing for term %d", why, term)
-            won = _collect(term, me, host, members, server, end, stop)
+            won = _collect(term, me, host, members, server, end, stop, early)
             if won is not None:
                 voters, pending = won
                 return Mandate(
@@ -118,7 +130,7 @@ def elect(
                 )
             continue
         joined = _ask(
-            term, candidate, addresses.get(candidate, ""), me, host, agent, mine, secret, end, server
+            term, candidate, addresses.get(candidate, ""), me, host, agent, mine, secret, end, server, early
         )
         if joined is not None:
             return joined
@@ -127,11 +139,22 @@ def elect(
 
 
 def _collect(
-    term: int, me: int, host: str, members: list[int], server: ControlServer, end: float, stop: list[int]
+    term: int,
+    me: int,
+    host: str,
+    members: list[int],
+    server: ControlServer,
+    end: float,
+    stop: list[int],
+    early: Early,
 ) -> tuple[dict[Connection, Vote], list[tuple[Connection, dict[str, Any]]]] | None:
-    """As the candidate: gather votes until a majority or ``end``; workers' hellos are kept."""
+    """As the candidate: gather votes until a majority or ``end``; workers' hellos are kept.
+    What arrived before this agent stood (``early``) counts first."""
     votes: dict[Connection, Vote] = {}
     pending: list[tuple[Connection, dict[str, Any]]] = []
+    for _, conn, raw in early:
+        server.inbox.put((conn, raw))
+    early.clear()
     while not has_quorum({me, *(v.agent_id for v in votes.values())}, members):
         left = end - time.monotonic()
         if left <= 0 or stop:
@@ -178,6 +201,7 @@ def _ask(
     secret: bytes,
     end: float,
     own: ControlServer,
+    early: Early,
 ) -> Joined | None:
     """As a voter: vote for ``candidate`` and wait for its welcome (it needs a majority first)."""
     addr, _, port = address.rpartition(":")
@@ -203,7 +227,7 @@ def _ask(
     # the candidate's window may have started a little later than ours: allow it that much more
     wait_end = end + 1.0
     while time.monotonic() < wait_end:
-        refuse_all(own)
+        refuse_all(own, early, end - time.monotonic() + 5.0)
         try:
             raw = inbox.get(timeout=max(0.01, min(0.1, wait_end - time.monotonic())))
         except queue.Empty:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
-from checkpointless.agent.failover import LOST, Joined, elect, refuse_all
+from checkpointless.agent.failover import LOST, Early, Joined, elect, refuse_all
 from checkpointless.config import ENV
 from checkpointless.coordinator.election import Ballot
 from checkpointless.errors import ConfigError
@@ -116,7 +116,7 @@ class _Session:
         except OSError:
             return False
 
-    def run(self, agent: Agent, stop: list[int], failover: ControlServer | None = None) -> str:
+    def run(self, agent: Agent, stop: list[int], failover: ControlServer, early: Early) -> str:
         """Serve until "shutdown" (the job ended), "lost" (the coordinator: its connection or a
         lease of silence), "fenced" (a broken coordinator) or "signal"."""
         while True:
@@ -150,8 +150,9 @@ class _Session:
                     return "shutdown"
                 elif isinstance(msg, Succession) and msg.term >= self.w.term:
                     self.succession = msg
-            if failover is not None:
-                refuse_all(failover)  # a coordinator is serving: nobody should be here
+            # a coordinator is serving: votes and reconnects here are peers that noticed its loss
+            # first; they are kept a lease in case this agent stands next
+            refuse_all(failover, early, self.w.lease)
             for seen in agent.poll(now):
                 if isinstance(seen, ProcExit):
                     self.send(ProcExited(seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail))
@@ -319,11 +320,12 @@ def _serve(
     agent = Agent(cfg, env, events)
     outcome, code = "fenced", 1
     ballot = Ballot(voted=w.term)
+    early: Early = []
     succession: Succession | None = None
     try:
         agent.start()
         while True:
-            outcome = session.run(agent, stop, failover)
+            outcome = session.run(agent, stop, failover, early)
             session.done.set()
             succession = session.succession or succession
             if outcome != "lost" or succession is None:
@@ -341,6 +343,7 @@ def _serve(
                 why=session.why,
                 old=old,
                 stop=stop,
+                early=early,
             )
             if isinstance(result, Joined):
                 old = result.welcome.control

@@ -23,6 +23,9 @@ class ProcReport:
     role: str  # worker | spare
     pid: int
     store_address: str = ""
+    # it had said hello before the loss (so it knows the successors and can reconnect); one
+    # still starting cannot, and nobody waits for it
+    connected: bool = True
 
 
 @dataclass(frozen=True)

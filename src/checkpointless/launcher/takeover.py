@@ -51,6 +51,13 @@ class Mandate:
     pending: list[tuple[Connection, dict[str, Any]]] = field(default_factory=list)
 
 
+def _reported(vote: Vote) -> dict[int, ProcReport]:
+    """The processes a vote lists (parallel lists on the wire)."""
+    connected = vote.connected or [True] * len(vote.worker_ids)
+    rows = zip(vote.worker_ids, vote.roles, vote.pids, vote.stores, connected, strict=False)
+    return {wid: ProcReport(wid, vote.agent_id, role, pid, store, c) for wid, role, pid, store, c in rows}
+
+
 class TakeoverLauncher(Launcher):
     def __init__(
         self,
@@ -181,12 +188,9 @@ class TakeoverLauncher(Launcher):
         procs: dict[int, ProcReport] = {}
         for wid, p in self.agent.procs.items():
             store = f"{m.host}:{p.store_port}" if p.store_port else ""
-            procs[wid] = ProcReport(wid, m.agent_id, p.role, p.handle.pid, store)
+            procs[wid] = ProcReport(wid, m.agent_id, p.role, p.handle.pid, store, p.connected)
         for vote in m.voters.values():
-            for wid, role, pid, store in zip(
-                vote.worker_ids, vote.roles, vote.pids, vote.stores, strict=False
-            ):
-                procs[wid] = ProcReport(wid, vote.agent_id, role, pid, store)
+            procs.update(_reported(vote))
         workers: dict[int, WorkerReport] = {}
         self._orphans: dict[int, tuple[Connection, Hello]] = {}  # hellos before their agent's vote
         backlog = list(m.pending)
@@ -194,7 +198,7 @@ class TakeoverLauncher(Launcher):
         # up only after two leases; once every reported process is back the wait ends at once
         deadline = time.monotonic() + max(2.0, self.cfg.lease)
         while time.monotonic() < deadline:
-            if set(procs) <= set(workers):
+            if {wid for wid, p in procs.items() if p.connected} <= set(workers):
                 if set(m.members) <= {m.agent_id, *self._agents}:
                     break
                 # everyone reported has reconnected; a member that has not voted yet gets a
@@ -260,8 +264,8 @@ class TakeoverLauncher(Launcher):
             self._agents[msg.agent_id] = conn
             self._agent_of[conn] = msg.agent_id
             conn.send(encode(self._welcome(msg.agent_id)))
-            for wid, role, pid, store in zip(msg.worker_ids, msg.roles, msg.pids, msg.stores, strict=False):
-                procs[wid] = ProcReport(wid, msg.agent_id, role, pid, store)
+            for wid, p in _reported(msg).items():
+                procs[wid] = p
                 if wid in self._orphans:
                     c, h = self._orphans.pop(wid)
                     self._take_hello(c, h, workers)
