@@ -48,6 +48,8 @@ __all__ = [
     "SpareReady",
     "SpawnCmd",
     "Stopped",
+    "Succession",
+    "Vote",
     "decode",
     "encode",
 ]
@@ -75,6 +77,14 @@ class Hello(Message):
     worker_id: int
     pid: int = 0
     role: str = "worker"
+    # after a coordinator failover (a reconnect): the term it accepts and who it is, for the
+    # new coordinator's rebuild (coordinator/rebuild.py); -1 means "none yet"
+    term: int = 0
+    rank: int = -1
+    generation: int = -1  # the newest generation it formed
+    aborted: int = -1  # the newest generation it stopped for (told to abort, or reported for)
+    step: int = -1
+    ready: bool = False  # a spare that finished warming up
 
 
 @dataclass(frozen=True)
@@ -264,6 +274,7 @@ class AgentHello(Message):
     pid: int = 0
     hostname: str = ""
     order: int = -1  # a placement hint (Slurm's node id): lower first; -1 keeps arrival order
+    failover: str = ""  # host:port this agent serves the control channel on if it takes over
 
 
 @dataclass(frozen=True)
@@ -336,6 +347,40 @@ class AgentWelcome(Message):
     start_timeout: float = 180.0
     quiet_workers: bool = False
     fork_server: bool = True
+    term: int = 0  # the coordinator's term (failover): an agent never goes back to a lower one
+    config: dict[str, Any] = field(default_factory=dict)  # the job's settings, for a takeover
+
+
+@dataclass(frozen=True)
+class Succession(Message):
+    """Who may take over the coordinator, sent to every agent and worker when the membership
+    changes: candidate ``i`` is agent ``successors[i]`` serving on ``addresses[i]``; the
+    membership is what a majority is counted against (coordinator/election.py)."""
+
+    TYPE: ClassVar[str] = "succession"
+    term: int
+    members: list[int]
+    successors: list[int]
+    addresses: list[str]
+    lease: float = 5.0
+
+
+# -- agent -> agent (the candidate of a term) -----------------------------------------------------
+@dataclass(frozen=True)
+class Vote(Message):
+    """An agent accepts the candidate of ``term`` and reports its host's live processes (parallel
+    lists: worker id, role, pid, rendezvous address) for the rebuild."""
+
+    TYPE: ClassVar[str] = "vote"
+    term: int
+    agent_id: int
+    host: str
+    worker_ids: list[int] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    stores: list[str] = field(default_factory=list)
+    failover: str = ""  # the voter's own failover address, for the next succession
+    connected: list[bool] = field(default_factory=list)  # had it said hello to the coordinator?
 
 
 @dataclass(frozen=True)
@@ -389,6 +434,8 @@ _TYPES: dict[str, type[Message]] = {
         SpawnCmd,
         KillCmd,
         ProcConnected,
+        Succession,
+        Vote,
     )
 }
 

@@ -149,6 +149,10 @@ class Agent:
         if self.forkserver is not None:
             self.forkserver.close()
 
+    def set_control(self, address: str) -> None:
+        """The coordinator moved (failover): processes started from now on connect there."""
+        self._env[ENV.CONTROL] = address
+
     # -- ports --------------------------------------------------------------------------------
     def _allocate_ports(self, count: int) -> list[int]:
         if self.cfg.rendezvous != "rootless":

@@ -10,11 +10,14 @@ coordinator: one hop for every abort and plan, and an agent that dies does not c
 workers off from the decisions they are already part of.
 
 Fencing: both sides send ``AgentHeartbeat`` every half second (the agent's also carries the beats
-its workers published in shared memory since the last one, ``agent/beats.py``). An agent that hears nothing for a
-lease (the coordinator's ``--lease``) kills every process it started, so that a partitioned host
-cannot keep acting as its ranks after the coordinator gave them to a spare host; the coordinator
-declares the host lost after the same lease. The agent then tries to join again, as a new agent:
-the coordinator makes a rejoined host a spare host, never its old ranks.
+its workers published in shared memory since the last one, ``agent/beats.py``). An agent that loses the
+coordinator (its connection closes, or a lease of silence) first takes part in the election of a
+successor (agent/failover.py, once the coordinator has sent a ``Succession``): it keeps its
+processes if a majority elects a new coordinator within a lease (it may be the one elected, and
+then runs the coordinator itself, launcher/takeover.py). Otherwise it kills every process it
+started, so that a partitioned host cannot keep acting as its ranks after they were given to a
+spare host; the coordinator declares the host lost after the same lease. The agent then tries to
+join again, as a new agent: the coordinator makes a rejoined host a spare host, never its old ranks.
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ from typing import Any
 
 from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
 from checkpointless.agent.beats import beats_message
+from checkpointless.agent.failover import LOST, Early, Joined, elect, refuse_all
 from checkpointless.config import ENV
+from checkpointless.coordinator.election import Ballot
 from checkpointless.errors import ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
-from checkpointless.launcher.control import ControlClient
+from checkpointless.launcher.control import ControlClient, ControlServer
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import job_shm_dir
+from checkpointless.launcher.takeover import Mandate
 from checkpointless.protocol import (
     AgentHello,
     AgentWelcome,
@@ -50,6 +56,7 @@ from checkpointless.protocol import (
     ProtocolError,
     Shutdown,
     SpawnCmd,
+    Succession,
     decode,
     encode,
 )
@@ -58,7 +65,7 @@ __all__ = ["agent_env", "run_agent"]
 
 log = get_logger()
 _HEARTBEAT_S = 0.5
-_LOST = "_lost"
+_LOST = LOST
 
 
 def agent_env(w: AgentWelcome, host: str, secret_file: Path) -> dict[str, str]:
@@ -92,6 +99,8 @@ class _Session:
         self.broken = threading.Event()
         self.done = threading.Event()
         self.agent: Agent | None = None  # set once it exists: its workers' beats ride along
+        self.succession: Succession | None = None
+        self.why = ""
         # heartbeats on a thread of their own: starting a process can block this agent's loop
         # for seconds (the fork template's imports), longer than the coordinator's lease
         threading.Thread(target=self._beat, daemon=True, name="cl-agent-beat").start()
@@ -112,8 +121,9 @@ class _Session:
         except OSError:
             return False
 
-    def run(self, agent: Agent, stop: list[int]) -> str:
-        """Serve until "shutdown" (the job ended), "fenced" (coordinator lost) or "signal"."""
+    def run(self, agent: Agent, stop: list[int], failover: ControlServer, early: Early) -> str:
+        """Serve until "shutdown" (the job ended), "lost" (the coordinator: its connection or a
+        lease of silence), "fenced" (a broken coordinator) or "signal"."""
         while True:
             if stop:
                 return "signal"
@@ -125,7 +135,8 @@ class _Session:
             if raw is not None:
                 if raw.get("type") == _LOST:
                     log.warning("lost the coordinator: %s", raw.get("why"))
-                    return "fenced"
+                    self.why = f"its connection ended: {raw.get('why')}"
+                    return "lost"
                 self.last_in = now
                 try:
                     msg = decode(raw)
@@ -142,18 +153,23 @@ class _Session:
                     agent.mark_connected(msg.worker_id)  # judged by heartbeats from now on
                 elif isinstance(msg, Shutdown):
                     return "shutdown"
+                elif isinstance(msg, Succession) and msg.term >= self.w.term:
+                    self.succession = msg
+            # a coordinator is serving: votes and reconnects here are peers that noticed its loss
+            # first; they are kept a lease in case this agent stands next
+            refuse_all(failover, early, self.w.lease)
             for seen in agent.poll(now):
                 if isinstance(seen, ProcExit):
                     self.send(ProcExited(seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail))
                 else:
                     self.send(ProcVerdict(seen.worker_id, seen.pid, seen.why))
             if self.broken.is_set():
-                return "fenced"
+                self.why = "a heartbeat could not be sent"
+                return "lost"
             if now - self.last_in > self.w.lease:
-                log.warning(
-                    "no word from the coordinator for %.1f s (the lease); fencing this host", self.w.lease
-                )
-                return "fenced"
+                log.warning("no word from the coordinator for %.1f s (the lease)", self.w.lease)
+                self.why = f"silent for {self.w.lease:.1f} s (lease)"
+                return "lost"
 
 
 def _connect(
@@ -214,31 +230,61 @@ def run_agent(
         raise ConfigError(
             f"--coordinator {coordinator!r} is not HOST:PORT; e.g. --coordinator 10.0.0.1:29400"
         )
-    target = (addr, int(port))
     secret = _read_secret(secret_file, time.monotonic() + connect_timeout)
-    hello = AgentHello(host=host, pid=os.getpid(), hostname=socket.gethostname(), order=order)
+    # bound now so that its address can be in the succession: if this agent is ever elected,
+    # the job's workers reconnect here (agent/failover.py)
+    failover = ControlServer(host, 0, secret)
+    failover.start()
+    hello = AgentHello(
+        host=host,
+        pid=os.getpid(),
+        hostname=socket.gethostname(),
+        order=order,
+        failover=f"{failover.address[0]}:{failover.address[1]}",
+    )
     stop: list[int] = []
     old_term = signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
     old_int = signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
+    # where to (re)join: the coordinator, then (after a failover is possible) its successors
+    targets = [coordinator]
     try:
         while True:
-            try:
-                client, inbox, welcome = _connect(target, secret, hello, connect_timeout)
-            except (ConnectionError, ProtocolError) as e:
-                log.error("cannot join the coordinator at %s: %s", coordinator, e)
+            joined = _join(targets, secret, hello, connect_timeout)
+            if joined is None:
                 return 1
+            client, inbox, welcome = joined
             log.info(
                 "joined job %s as agent %d (lease %.1f s)", welcome.job_id, welcome.agent_id, welcome.lease
             )
-            outcome = _serve(client, inbox, welcome, host, secret_file, stop)
+            outcome, code = _serve(client, inbox, welcome, host, secret, secret_file, stop, failover, targets)
             if outcome == "shutdown":
                 return 0
-            if outcome == "signal" or not rejoin:
+            if outcome == "takeover":
+                return code
+            if outcome == "signal" or stop or not rejoin:
+                # stopped (a signal while serving, or during an election: scancel signals the
+                # coordinator and the agents at once) or told not to come back
                 return 128 + stop[0] if stop else 1
             log.info("rejoining the coordinator as a new agent (a spare host)")
     finally:
+        failover.stop()
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
+
+
+def _join(
+    targets: list[str], secret: bytes, hello: AgentHello, timeout: float
+) -> tuple[ControlClient, queue.Queue[dict[str, Any]], AgentWelcome] | None:
+    """Join the first of ``targets`` that welcomes this agent; each gets the whole timeout when
+    there is one target, else a share of it (a dead or fenced successor must not use it up)."""
+    each = timeout if len(targets) == 1 else max(2.0, timeout / len(targets))
+    for address in targets:
+        addr, _, port = address.rpartition(":")
+        try:
+            return _connect((addr, int(port)), secret, hello, each)
+        except (ConnectionError, ProtocolError) as e:
+            log.error("cannot join the coordinator at %s: %s", address, e)
+    return None
 
 
 def _serve(
@@ -246,9 +292,16 @@ def _serve(
     inbox: queue.Queue[dict[str, Any]],
     w: AgentWelcome,
     host: str,
+    secret: bytes,
     secret_file: Path,
     stop: list[int],
-) -> str:
+    failover: ControlServer,
+    targets: list[str],
+) -> tuple[str, int]:
+    """Serve the job's coordinators (through any failover) until the job ends, this host is
+    fenced or this agent took over. ``targets`` is left naming where to rejoin after a fence:
+    the last coordinator, then the successors this agent knew of (itself excluded)."""
+    old = targets[0]
     session = _Session(client, inbox, w)  # heartbeats first: setting up (port probes) takes time
     env = agent_env(w, host, secret_file)
     os.environ[ENV.SHM_KEY] = w.shm_key  # job_shm_dir reads it
@@ -272,18 +325,87 @@ def _serve(
     agent = Agent(cfg, env, events)
     session.agent = agent
     outcome = "fenced"
+    outcome, code = "fenced", 1
+    ballot = Ballot(voted=w.term)
+    early: Early = []
+    succession: Succession | None = None
     try:
         agent.start()
-        outcome = session.run(agent, stop)
+        while True:
+            outcome = session.run(agent, stop, failover, early)
+            session.done.set()
+            succession = session.succession or succession
+            if outcome != "lost" or succession is None:
+                break
+            session.client.close()
+            result = elect(
+                me=w.agent_id,
+                host=host,
+                succession=succession,
+                ballot=ballot,
+                server=failover,
+                secret=secret,
+                agent=agent,
+                detected=time.monotonic(),
+                why=session.why,
+                old=old,
+                stop=stop,
+                early=early,
+            )
+            if isinstance(result, Joined):
+                old = result.welcome.control
+                agent.set_control(result.welcome.control)  # spares it starts reach the new one
+                session = _Session(result.client, result.inbox, result.welcome)
+                session.agent = agent  # its workers' beats go to the new coordinator
+                session.succession = succession
+                client = result.client
+                continue
+            if result is not None:
+                outcome, code = "takeover", _take_over(result, w, host, secret, secret_file, failover, agent)
+            else:
+                outcome = "fenced"
+            break
     finally:
         session.done.set()
-        if outcome == "shutdown":
+        mine = f"{failover.address[0]}:{failover.address[1]}"
+        later = [a for a in (succession.addresses if succession is not None else []) if a != mine]
+        targets[:] = list(dict.fromkeys([old, *later]))
+        if outcome in ("shutdown", "takeover"):
             agent.close(grace=5.0)  # the workers got their own shutdown and are finishing
             shutil.rmtree(job_shm_dir(w.job_id), ignore_errors=True)  # this host's shared memory
         else:
             # fenced (or stopped): nobody may act as these ranks any longer
             agent.signal_all(signal.SIGKILL)
             agent.close(grace=2.0)
-        client.close()
+            if stop:  # this agent will not rejoin: nothing of the job stays on this host
+                shutil.rmtree(job_shm_dir(w.job_id), ignore_errors=True)
+        session.client.close()
         events.close()
-    return outcome
+    return outcome, code
+
+
+def _take_over(
+    mandate: Mandate,
+    w: AgentWelcome,
+    host: str,
+    secret: bytes,
+    secret_file: Path,
+    failover: ControlServer,
+    agent: Agent,
+) -> int:
+    """This agent won the election: run the coordinator here until the job ends."""
+    import dataclasses
+
+    from checkpointless.launcher.launcher import config_from_json
+    from checkpointless.launcher.takeover import TakeoverLauncher
+
+    cfg = dataclasses.replace(
+        config_from_json(w.config),
+        host=host,
+        run_dir=Path(w.run_dir),
+        python=sys.executable,
+        local_agent=False,
+    )
+    agent.set_control(f"{failover.address[0]}:{failover.address[1]}")
+    shell = TakeoverLauncher(cfg, w.job_id, secret, secret_file, w.shm_key, failover, agent, mandate)
+    return shell.run()

@@ -12,6 +12,7 @@ in the agent.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ from checkpointless.agent import Agent, AgentConfig, ProcExit
 from checkpointless.agent.beats import beats_of
 from checkpointless.config import ENV
 from checkpointless.coordinator import Coordinator, Emit, Kill, Log, Send, Spawn, Stop
+from checkpointless.coordinator.election import HostSeen, keeps_majority, membership
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.model import LaunchConfig, checkpoint_root
@@ -49,15 +51,36 @@ from checkpointless.protocol import (
     ProtocolError,
     Shutdown,
     SpawnCmd,
+    Succession,
+    Vote,
     decode,
     encode,
 )
 from checkpointless.state.checkpoint_dir import remove_partial
 
-__all__ = ["LaunchConfig", "Launcher"]  # LaunchConfig re-exported for callers of this module
+__all__ = ["LaunchConfig", "Launcher", "config_from_json", "config_to_json"]
 
 log = get_logger()
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def config_to_json(cfg: LaunchConfig) -> dict[str, Any]:
+    """The job's settings as JSON, for the agents that may take the coordinator over."""
+    return {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in dataclasses.asdict(cfg).items()
+        if k not in ("python", "local_agent")
+    }
+
+
+def config_from_json(raw: dict[str, Any]) -> LaunchConfig:
+    """The settings :func:`config_to_json` sent; fields this side does not know are dropped."""
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    kwargs = {k: v for k, v in raw.items() if k in known}
+    for k in ("run_dir", "checkpoint_dir"):
+        if kwargs.get(k) is not None:
+            kwargs[k] = Path(kwargs[k])
+    return LaunchConfig(**kwargs)
 
 
 def _hang_up(conn: Connection) -> None:
@@ -105,7 +128,15 @@ class Launcher:
         self._agents: dict[int, Connection] = {}  # agent (host) id -> a remote agent's connection
         self._agent_of: dict[Connection, int] = {}
         self._next_host = 1 if cfg.local_agent else 0  # the embedded agent is host 0
+        self._local_host: int | None = 0 if cfg.local_agent else None  # the embedded agent's id
         self._beat_stop = threading.Event()
+        # coordinator failover (docs/architecture.md): this coordinator's term, each agent's
+        # failover address, and whether it stepped down (its processes are left to the agents)
+        self.term = 0
+        self._failover: dict[int, str] = {}
+        self._stepped_down = False
+        self._announced: list[int] = []  # the membership last sent to everyone
+        self.reaper: subprocess.Popen[bytes] | None = None
 
     # -- entry point ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -120,11 +151,15 @@ class Launcher:
             threading.Thread(
                 target=_beat_agents, args=(self._agents, self._beat_stop), daemon=True, name="cl-agent-beat"
             ).start()
-            self.reaper = subprocess.Popen(
-                [sys.executable, "-m", "checkpointless.launcher.reaper", str(self.run_dir), self.job_id],
-                stdin=subprocess.PIPE,
-                start_new_session=True,
-            )
+            if self.cfg.local_agent:
+                # With agents on every host there is nothing here for a reaper to kill: each agent
+                # owns its processes and fences them, and a reaper that cleaned up after a lost
+                # coordinator would end the job that a failover is about to save.
+                self.reaper = subprocess.Popen(
+                    [sys.executable, "-m", "checkpointless.launcher.reaper", str(self.run_dir), self.job_id],
+                    stdin=subprocess.PIPE,
+                    start_new_session=True,
+                )
             self.store_desc = self._make_rendezvous()
             if self.cfg.local_agent:
                 self.agent = Agent(self._agent_config(), self._job_env(), self.events)
@@ -313,6 +348,8 @@ class Launcher:
                 return
             self._drain_inbox()
             now, wall = time.monotonic(), time.time()
+            if self._lost_majority(now):
+                return
             for seen in agent.poll(now) if agent is not None else []:
                 if isinstance(seen, ProcExit):
                     coord.on_exit(
@@ -321,11 +358,72 @@ class Launcher:
                     self._conns.pop(seen.worker_id, None)
                 else:
                     coord.on_verdict(seen.worker_id, f"(pid {seen.pid}) {seen.why}", now)
-            if agent is not None and now - beats_read >= 0.25:  # the embedded agent's beats
-                beats_read = now
-                coord.on_beats(0, agent.read_beats(now), now)
+            if agent is not None and self._local_host is not None and now - beats_read >= 0.25:
+                beats_read = now  # the embedded agent's beats (host 0, or an elected agent's own)
+                coord.on_beats(self._local_host, agent.read_beats(now), now)
             coord.tick(now, wall)
             self._execute()
+
+    def _lost_majority(self, now: float) -> bool:
+        """A coordinator cut off from most of its hosts steps down (without ending the job): the
+        majority may be electing a successor, and two coordinators must never act at once. Its
+        own hosts' agents then lose it and fence themselves unless they join the majority's."""
+        coord = self.coordinator
+        if coord is None or not self._failover or not coord.started:
+            return False
+        if self._members(now) != self._announced:
+            self._announce()  # a lost host aged out of the membership
+        if keeps_majority(self._seen(), now, self.cfg.lease):
+            return False
+        members = membership(self._seen(), now, self.cfg.lease)
+        heard = [h for h in coord.hosts.values() if not h.lost and now - h.last_seen <= self.cfg.lease]
+        why = (
+            f"heard from only {len(heard)} of {len(members)} hosts within the lease "
+            f"({self.cfg.lease:.1f} s): no majority, stepping down so that the majority's successor "
+            "is the only coordinator"
+        )
+        log.error("%s", why)
+        self.events.emit("coordinator_step_down", term=self.term, why=why)
+        self._stepped_down = True
+        self.stopping = "stepped down"
+        self.exit_code = 75
+        return True
+
+    def _seen(self) -> list[HostSeen]:
+        coord = self.coordinator
+        assert coord is not None
+        return [HostSeen(h.host, h.lost, h.remote, h.last_seen) for h in coord.hosts.values()]
+
+    def _members(self, now: float) -> list[int]:
+        """The membership a majority is counted against (coordinator/election.py); agents are
+        told the same, so that a side of a partition that heard of its peers' loss one by one
+        cannot count itself a majority either."""
+        return membership(self._seen(), now, self.cfg.lease)
+
+    def _announce(self, only: Connection | None = None) -> None:
+        """Tell agents and workers who may take over (all of them, or just ``only``)."""
+        coord = self.coordinator
+        if coord is None:
+            return
+        live = sorted(h.host for h in coord.hosts.values() if not h.lost)
+        successors = [h for h in live if self._failover.get(h)]
+        if not successors:
+            return
+        members = self._members(time.monotonic())
+        if only is None:
+            self._announced = members
+        msg = encode(
+            Succession(
+                term=self.term,
+                members=members,
+                successors=successors,
+                addresses=[self._failover[h] for h in successors],
+                lease=self.cfg.lease,
+            )
+        )
+        targets = [only] if only is not None else [*self._agents.values(), *self._conns.values()]
+        for conn in targets:
+            conn.send(msg)
 
     def _receive(self, conn: Connection, raw: dict[str, Any]) -> None:
         coord, agent = self.coordinator, self.agent
@@ -351,6 +449,11 @@ class Launcher:
             self._from_agent(conn, msg, now)
             self._execute()
             return
+        if isinstance(msg, Vote) or (isinstance(msg, Hello) and msg.term > 0):
+            # a vote or a reconnect after a failover: one that arrives once the new coordinator
+            # has rebuilt its state is too late (its process was not vouched for)
+            _hang_up(conn)
+            return
         if isinstance(msg, Hello):
             if conn.worker_id is not None or not coord.on_connected(msg.worker_id, now):
                 _hang_up(conn)  # a process we did not start (or of a lost host), or a second hello
@@ -362,6 +465,7 @@ class Launcher:
                     self._agents[host].send(encode(ProcConnected(msg.worker_id)))
                 elif agent is not None:
                     agent.mark_connected(msg.worker_id)
+                self._announce(conn)
             self._execute()
             return
         if conn.worker_id is None or self._conns.get(conn.worker_id) is not conn:
@@ -383,7 +487,10 @@ class Launcher:
             self._agents[host] = conn
             conn.send(encode(self._welcome(host)))
             coord.add_host(host, msg.host, True, now, msg.order)
+            if msg.failover:
+                self._failover[host] = msg.failover
             log.info("agent %d joined from %s (%s)", host, msg.host, msg.hostname or "?")
+            self._announce()
             return
         host = self._agent_of[conn]
         if not coord.host_alive(host):
@@ -422,6 +529,8 @@ class Launcher:
             start_timeout=c.start_timeout,
             quiet_workers=c.quiet_workers,
             fork_server=c.fork_server,
+            term=self.term,
+            config=config_to_json(c),
         )
 
     def _execute(self) -> None:
@@ -437,12 +546,12 @@ class Launcher:
                 elif isinstance(c, Spawn):
                     if c.host in self._agents:
                         self._agents[c.host].send(encode(SpawnCmd(c.worker_id, c.role)))
-                    elif agent is not None and c.host == 0:
+                    elif agent is not None and c.host == self._local_host:
                         coord.on_started(c.worker_id, agent.spawn(c.worker_id, c.role))
                 elif isinstance(c, Kill):
                     if c.host in self._agents:
                         self._agents[c.host].send(encode(KillCmd(c.worker_id, c.why)))
-                    elif agent is not None and c.host == 0:
+                    elif agent is not None and c.host == self._local_host:
                         agent.kill(c.worker_id, c.why)
                 elif isinstance(c, Emit):
                     self.events.emit(c.event, **c.fields)
@@ -451,10 +560,14 @@ class Launcher:
                 elif isinstance(c, Stop):
                     self.stopping = c.why
                     self.exit_code = c.code
+        changed = False
         for host, conn in list(self._agents.items()):
             if not coord.host_alive(host):  # fenced: cut it off; it rejoins as a new agent
                 del self._agents[host]
                 _hang_up(conn)
+                changed = True
+        if changed:
+            self._announce()  # the membership a majority is counted against has shrunk
 
     # -- the end -------------------------------------------------------------------------------
     def _release_agents(self, grace: float) -> None:
@@ -473,6 +586,13 @@ class Launcher:
 
     def _shutdown(self) -> None:
         """Stop every process we started, remove shared memory, close the watchdog."""
+        if self._stepped_down:
+            # not the end of the job: the processes belong to the agents and the successor
+            self._beat_stop.set()
+            self.server.stop()
+            self.observers.close()
+            self.events.close()
+            return
         if self.coordinator is not None and self.stopping is None:
             self.coordinator.fail("the launcher stopped")  # sends every process its shutdown
             self._execute()
@@ -488,10 +608,11 @@ class Launcher:
             self.secret_file.unlink()
         except OSError:
             pass
-        if self.reaper.stdin is not None:
-            self.reaper.stdin.close()
-        try:
-            self.reaper.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.reaper.kill()
+        if self.reaper is not None:
+            if self.reaper.stdin is not None:
+                self.reaper.stdin.close()
+            try:
+                self.reaper.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.reaper.kill()
         self.events.close()

@@ -8,14 +8,22 @@ not apply to the table held here is kept back while the full table is asked for.
 
 Heartbeats go to the record the host's agent reads (``agent/beats.py``) when the agent gave us
 one, else over the control connection.
+
+Coordinator failover (docs/architecture.md): once the coordinator has sent a ``succession``, a
+lost connection is not the end. The link tries the candidates term by term, says who it is in its
+hello (rank, generation, step) and carries on with whichever coordinator accepts it; only when no
+coordinator has taken it by a deadline (two leases: the election, then the agents' fencing) does
+the worker exit, as it always did without a succession.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +42,9 @@ from checkpointless.protocol import (
     PeerTable,
     PeerTableRequest,
     ProtocolError,
+    Recovered,
+    SpareReady,
+    Stopped,
     decode,
     encode,
 )
@@ -75,6 +86,18 @@ class LauncherLink:
                 self._beats = BeatWriter(Path(path))
             except OSError as e:
                 log.warning("heartbeats go over the control connection: %s", e)
+        # what a new coordinator needs to hear after a failover (see _reconnect)
+        self._succession: dict[str, Any] | None = None
+        self._term = 0  # the newest coordinator term this link has seen; it never goes back
+        self._rank = -1
+        self._generation = -1
+        self._aborted = -1
+        self._ready = False
+        self._lost_since: float | None = None  # lost the coordinator and no successor spoke yet
+        self._between = False  # lost it and not connected to a candidate either
+        self._reconnector: threading.Thread | None = None
+        self._retry = threading.Event()  # the candidate we reached hung up: try the next term
+        self._lock = threading.Lock()
         self.client = ControlClient(env.control, env.secret, self._on_message, self._on_lost)
         self.send(Hello(worker_id=env.worker_id, pid=os.getpid(), role=env.role))
         self._hb = threading.Thread(
@@ -83,6 +106,16 @@ class LauncherLink:
         self._hb.start()
 
     def send(self, msg: Message) -> None:
+        if isinstance(msg, Recovered):
+            self._generation = max(self._generation, msg.generation)
+        elif isinstance(msg, SpareReady):
+            self._ready = True
+        elif isinstance(msg, Stopped):
+            # a report that may be lost with the coordinator: the successor's first round must
+            # be for a newer generation, so that this worker reports again
+            self._aborted = max(self._aborted, msg.for_generation)
+        if self._between:
+            return  # connected to nobody: the report counts in the next hello (see _aborted)
         try:
             self.client.send(encode(msg))
         except OSError as e:
@@ -90,6 +123,15 @@ class LauncherLink:
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
+        self._lost_since = None  # a coordinator is talking to us
+        if kind == "succession":
+            if int(msg.get("term", 0)) >= self._term:
+                self._succession = msg
+                self._term = int(msg.get("term", 0))
+                self._bound_silence(float(msg.get("lease", 5.0)))
+            return
+        if kind == "assign":
+            self._rank = int(msg.get("rank", -1))
         if kind == "peer_table":
             self._on_table_chunk(msg)
             return
@@ -115,6 +157,7 @@ class LauncherLink:
             self._held = None
             msg = resolved
         elif kind == "abort":
+            self._aborted = max(self._aborted, int(msg.get("generation", -1)))
             self._on_abort(msg)
         elif kind == "shutdown":
             code = int(msg.get("code", 0))
@@ -151,19 +194,113 @@ class LauncherLink:
     def _on_lost(self, why: str) -> None:
         if self._stop.is_set():
             return
-        # Nobody is left to coordinate a recovery; staying alive would only leave orphans.
-        log.error("lost the launcher (%s); exiting", why)
+        if self._succession is None:
+            # Nobody is left to coordinate a recovery; staying alive would only leave orphans.
+            log.error("lost the launcher (%s); exiting", why)
+            os._exit(70)
+        with self._lock:
+            self._between = True
+            if self._lost_since is None:
+                self._lost_since = time.monotonic()
+            if self._reconnector is not None and self._reconnector.is_alive():
+                self._retry.set()
+                return
+            log.warning("lost the coordinator (%s); looking for its successor", why)
+            self._reconnector = threading.Thread(target=self._reconnect, daemon=True, name="cl-reconnect")
+            self._reconnector.start()
+
+    def _bound_silence(self, lease: float) -> None:
+        """A coordinator cut off by a partition never closes our connection: its FIN is dropped
+        too. Data we send then goes unacknowledged, and TCP_USER_TIMEOUT turns that into a
+        connection error after a lease, so the reader notices and the reconnect starts. Our
+        heartbeats usually go to the agent's records, not this socket, so the kernel's keepalive
+        probes (every second once idle; answered by the peer's kernel, no work for the
+        coordinator) provide the unacknowledged data."""
+        with contextlib.suppress(OSError, AttributeError):
+            sock = self.client.sock
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(lease * 1000))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(lease)))
+
+    def _reconnect(self) -> None:
+        """Try the successors in order (from the next term's candidate) until one takes this
+        worker, or exit at the deadline. The hello names the lowest term this worker accepts: a
+        stale coordinator (a lower term) refuses it, and so does an agent that is not a
+        candidate; a candidate that loses its election hangs up."""
+        succ = self._succession
+        assert succ is not None and self._lost_since is not None
+        lease = float(succ.get("lease", 5.0))
+        deadline = self._lost_since + 2 * lease + 2.0
+        addresses = [str(a) for a in succ.get("addresses", [])]
+        floor = self._term + 1
+        turn = floor - 1
+        while addresses and time.monotonic() < deadline:
+            host, _, port = addresses[turn % len(addresses)].rpartition(":")
+            turn += 1
+            left = deadline - time.monotonic()
+            try:
+                client = ControlClient(
+                    (host, int(port)),
+                    self.env.secret,
+                    self._on_message,
+                    self._on_lost,
+                    timeout=min(1.0, left),
+                )
+            except (ConnectionError, ValueError):
+                time.sleep(0.05)
+                continue
+            status = self._status()
+            hello = Hello(
+                worker_id=self.env.worker_id,
+                pid=os.getpid(),
+                role=self.env.role,
+                term=floor,
+                rank=self._rank,
+                generation=self._generation,
+                aborted=self._aborted,
+                step=status.step if status.step is not None else -1,
+                ready=self._ready,
+            )
+            try:
+                client.send(encode(hello))
+            except OSError:
+                client.close()
+                continue
+            old, self.client = self.client, client
+            old.close()
+            # from now on reports go to the candidate: one that wins handles them in its first
+            # round (a Stopped sent after the hello would otherwise be lost for good)
+            self._between = False
+            log.info("reconnected to a successor (term %d or later) at %s:%s", floor, host, port)
+            # the candidate may still lose its election: then it hangs up and _on_lost calls again;
+            # until a message arrives, _lost_since keeps the deadline running
+            self._retry.clear()
+            while self._lost_since is not None and time.monotonic() < deadline:
+                if self._stop.wait(0.05):
+                    return
+                if self._retry.is_set():
+                    break
+            if self._lost_since is None:
+                return
+        if self._stop.is_set():
+            return
+        log.error("no coordinator took over within %.1f s of losing the last one; exiting", 2 * lease + 2.0)
         os._exit(70)
 
     def _heartbeat(self, every: float) -> None:
         while not self._stop.wait(every):
             if self._beats is not None:
+                # to the host's agent, which stays through a coordinator failover
                 self._beats.write(self._status(), time.monotonic())
                 continue
+            if self._between:
+                continue  # nobody to tell; the link is looking for the next coordinator
             try:
                 self.client.send(encode(self._status()))
             except OSError:
-                return
+                continue  # the reader thread sees the loss and starts looking
 
     def wait_for(self, kinds: set[str], deadline: float) -> dict[str, Any]:
         """Next queued message of one of ``kinds`` (others are dropped); TimeoutError after deadline."""

@@ -1,0 +1,104 @@
+"""A new coordinator's state, rebuilt from what the agents and the workers report: pure.
+
+After a takeover the new coordinator knows nothing but the reports: each voting agent lists its
+host's processes (:class:`ProcReport`), and each worker that reconnects says who it is
+(:class:`WorkerReport`). :func:`rebuild` turns them into the ranks, the spares, the processes to
+kill and the generation to form next. See docs/architecture.md, "Coordinator failover".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["ProcReport", "Rebuilt", "WorkerReport", "rebuild"]
+
+
+@dataclass(frozen=True)
+class ProcReport:
+    """A live process, as its agent reported it in its vote."""
+
+    worker_id: int
+    host: int  # the agent id
+    role: str  # worker | spare
+    pid: int
+    store_address: str = ""
+    # it had said hello before the loss (so it knows the successors and can reconnect); one
+    # still starting cannot, and nobody waits for it
+    connected: bool = True
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """A process that reconnected, as it described itself in its hello."""
+
+    worker_id: int
+    rank: int | None  # None: a spare that holds no rank
+    generation: int  # the newest generation it formed (-1: none yet)
+    committed_step: int
+    ready: bool = False  # a spare that finished warming up
+    aborted: int = -1  # the newest generation it stopped for (a round in flight, or a report lost)
+    step: int = -1  # the step it was at
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    ranks: dict[int, int]  # rank -> the worker id holding it
+    missing: list[int]  # ranks nobody holds: spares take them in the first round
+    spares: list[int]  # idle spares (worker ids)
+    ready: list[int]  # the spares among them that are warm
+    kill: list[int]  # processes nobody can vouch for, or that lost a rank to a newer claim
+    generation: int  # the generation the first round forms (past any round in flight)
+    formed: bool  # some generation had formed: there is state to keep
+    next_worker_id: int
+
+
+def _better(a: WorkerReport, b: WorkerReport) -> bool:
+    """Whether claim ``a`` on a rank beats ``b``: the newer generation (the older one has been
+    replaced), then the further committed step, then the lower worker id (any fixed order)."""
+    return (a.generation, a.committed_step, -a.worker_id) > (b.generation, b.committed_step, -b.worker_id)
+
+
+def rebuild(procs: Iterable[ProcReport], workers: Iterable[WorkerReport], nproc: int) -> Rebuilt:
+    """The rebuilt state. Only processes an agent reported count: the new coordinator can kill
+    those, and a worker whose host did not vote belongs to a host that fences itself."""
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc}: a job has at least one rank")
+    known = {p.worker_id: p for p in procs}
+    said = {w.worker_id: w for w in workers if w.worker_id in known}
+    claims: dict[int, WorkerReport] = {}
+    kill: set[int] = {wid for wid in known if wid not in said}  # never reconnected
+    spares: list[int] = []
+    for w in said.values():
+        if w.rank is None:
+            if known[w.worker_id].role == "spare":
+                spares.append(w.worker_id)
+            else:
+                kill.add(w.worker_id)  # a worker without a rank: it never joined; nobody needs it
+            continue
+        if not 0 <= w.rank < nproc:
+            kill.add(w.worker_id)  # a rank of another job size: never ours
+            continue
+        held = claims.get(w.rank)
+        if held is None or _better(w, held):
+            if held is not None:
+                kill.add(held.worker_id)
+            claims[w.rank] = w
+        else:
+            kill.add(w.worker_id)
+    newest = max((w.generation for w in claims.values()), default=-1)
+    # a round may have been in flight, or a rank stopped by itself (a peer died) and its report
+    # went to the lost coordinator: that target is spent (those ranks would not report for it
+    # again), so the first round after the failover goes past it
+    aborted = max((w.aborted for w in said.values()), default=-1)
+    ids = set(known) | set(said)
+    return Rebuilt(
+        ranks={r: w.worker_id for r, w in sorted(claims.items())},
+        missing=[r for r in range(nproc) if r not in claims],
+        spares=sorted(spares),
+        ready=sorted(wid for wid in spares if said[wid].ready),
+        kill=sorted(kill),
+        generation=max(newest, aborted) + 1,
+        formed=newest >= 0,
+        next_worker_id=max(ids, default=-1) + 1,
+    )

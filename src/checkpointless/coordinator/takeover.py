@@ -1,0 +1,89 @@
+"""A new coordinator after a failover: a :class:`Coordinator` set up from a rebuilt state.
+
+Pure like the coordinator itself: the hosts that voted, the processes their agents reported, what
+the workers said when they reconnected (coordinator/rebuild.py) and the times, in; a coordinator
+with its ranks, its spares and its first round out, the round's ``Abort`` and ``Kill`` commands
+queued. The round is an ordinary one for the next generation, so every rank leaves the step it
+was in, spares take the ranks nobody holds, and the interrupted step is replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from checkpointless.coordinator.coordinator import Coordinator
+from checkpointless.coordinator.rebuild import ProcReport, Rebuilt, WorkerReport
+from checkpointless.coordinator.state import HostState, Member, Round
+from checkpointless.protocol import Abort
+
+__all__ = ["TakeoverHost", "resume"]
+
+
+@dataclass(frozen=True)
+class TakeoverHost:
+    host: int  # the agent id (kept from the old coordinator)
+    address: str
+    remote: bool  # False for the new coordinator's own agent
+
+
+def resume(
+    coord: Coordinator,
+    hosts: Iterable[TakeoverHost],
+    procs: Iterable[ProcReport],
+    workers: Iterable[WorkerReport],
+    rebuilt: Rebuilt,
+    why: str,
+    detected: float,
+    wall: float,
+    now: float,
+) -> None:
+    """Set ``coord`` (fresh, not started) up from the rebuilt state and open its first round.
+    ``detected`` is the monotonic time the old coordinator was found lost."""
+    for h in hosts:
+        coord.hosts[h.host] = HostState(h.host, h.address, h.remote, now)
+    said = {w.worker_id: w for w in workers}
+    for p in procs:
+        m = Member(
+            worker_id=p.worker_id, role=p.role, spawned=now, host=p.host, store_address=p.store_address
+        )
+        w = said.get(p.worker_id)
+        m.connected = w is not None
+        m.ready = w is not None and w.ready
+        m.joined = w is not None and w.generation >= 0
+        if w is not None and w.step >= 0:
+            m.step = w.step
+        coord.procs[p.worker_id] = m
+    for rank, wid in rebuilt.ranks.items():
+        m = coord.procs[wid]
+        m.rank = rank
+        coord.ranks[rank] = m
+    coord.next_worker_id = rebuilt.next_worker_id
+    coord.generation = rebuilt.generation - 1
+    coord.started = True
+    # the coordinator's own command path: it records why, and the shell routes it to the host
+    for wid in rebuilt.kill:
+        coord.procs[wid].connected = False
+        coord._kill(coord.procs[wid], "not vouched for after the coordinator failover")
+    if not rebuilt.formed:
+        coord.fail(
+            "the coordinator was lost before generation 0 formed: no rank has state to keep; "
+            "start the job again"
+        )
+        return
+    record = {
+        "time": wall,
+        "rank": rebuilt.missing[0] if rebuilt.missing else -1,
+        "kind": "coordinator_lost",
+        "detail": why,
+        "generation": coord.generation,
+        "step": max((w.step for w in said.values()), default=-1),
+        "detected": detected,
+    }
+    coord._emit("fault", **{k: v for k, v in record.items() if k != "detected"})
+    r = Round(target=rebuilt.generation, initial=False, started=detected, abort_sent=now)
+    r.faults.append(record)
+    r.replace = set(rebuilt.missing)
+    coord.round = r
+    for m in coord.ranks.values():
+        coord._send(m, Abort(generation=r.target, reason=why))

@@ -1,0 +1,286 @@
+"""Coordinator failover, the pure rules: who is elected (coordinator/election.py) and the state a
+new coordinator rebuilds from reports (coordinator/rebuild.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpointless.coordinator import Coordinator, Emit, Kill, Send, Stop
+from checkpointless.coordinator.election import (
+    Ballot,
+    HostSeen,
+    candidate_for,
+    elect_on_side,
+    first_live_term,
+    has_quorum,
+    keeps_majority,
+    membership,
+    quorum,
+)
+from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
+from checkpointless.coordinator.takeover import TakeoverHost, resume
+from checkpointless.launcher.launcher import config_from_json, config_to_json
+from checkpointless.launcher.model import LaunchConfig
+from checkpointless.protocol import Abort, Assign, Stopped
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_quorum_is_a_strict_majority() -> None:
+    assert [quorum(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="at least one host"):
+        quorum(0)
+
+
+def test_votes_from_outside_the_membership_do_not_count() -> None:
+    assert has_quorum({0, 1}, {0, 1, 2})
+    assert not has_quorum({0, 7, 8}, {0, 1, 2})  # 7 and 8 joined after the last succession
+
+
+def test_each_term_has_one_candidate_in_successor_order() -> None:
+    assert [candidate_for(t, [4, 2, 9]) for t in range(1, 7)] == [4, 2, 9, 4, 2, 9]
+    with pytest.raises(ValueError, match="term 0"):
+        candidate_for(0, [1])
+    with pytest.raises(ValueError, match="empty successor list"):
+        candidate_for(1, [])
+
+
+def test_a_dead_candidate_is_skipped_to_the_next_term() -> None:
+    assert first_live_term(0, [0, 1, 2], {1, 2}) == 2
+    assert first_live_term(3, [0, 1, 2], {0, 2}) == 4  # wraps around the list
+    assert first_live_term(0, [0, 1, 2], set()) is None
+
+
+def test_a_ballot_votes_once_per_term_and_never_goes_back() -> None:
+    b = Ballot()
+    assert b.cast(1)
+    assert not b.cast(1)  # a second vote in the same term
+    assert b.cast(3)
+    assert not b.cast(2)  # a stale term
+
+
+def test_coordinator_lost_with_every_agent_alive_elects_the_first_successor() -> None:
+    assert elect_on_side({0, 1, 2}, {0, 1, 2}, [0, 1, 2], 0) == (1, 0)
+
+
+def test_two_hosts_have_no_majority_after_losing_one() -> None:
+    # the documented limit: a two-host job fences rather than risk two coordinators
+    assert elect_on_side({1}, {0, 1}, [0, 1], 0) is None
+    assert elect_on_side({0}, {0, 1}, [0, 1], 0) is None
+
+
+@st.composite
+def _partitions(draw: st.DrawFn) -> tuple[list[int], list[int], set[int], set[int]]:
+    n = draw(st.integers(1, 9))
+    members = list(range(n))
+    successors = draw(st.permutations(members))
+    side = draw(st.sets(st.sampled_from(members)))
+    return members, list(successors), side, set(members) - side
+
+
+@settings(max_examples=300, deadline=None)
+@given(_partitions(), st.integers(0, 20))
+def test_disjoint_sides_never_both_elect(
+    p: tuple[list[int], list[int], set[int], set[int]], last: int
+) -> None:
+    members, successors, a, b = p
+    assert (
+        elect_on_side(a, members, successors, last) is None
+        or elect_on_side(b, members, successors, last) is None
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(_partitions(), st.integers(0, 20))
+def test_a_majority_side_elects_exactly_one_of_its_own(
+    p: tuple[list[int], list[int], set[int], set[int]], last: int
+) -> None:
+    members, successors, side, _ = p
+    won = elect_on_side(side, members, successors, last)
+    if len(side) >= quorum(len(members)):
+        assert won is not None
+        term, who = won
+        assert who in side and term > last and candidate_for(term, successors) == who
+    else:
+        assert won is None
+
+
+# -- rebuild ------------------------------------------------------------------------------------
+def _procs(*spec: tuple[int, int, str]) -> list[ProcReport]:
+    return [ProcReport(wid, host, role, 1000 + wid) for wid, host, role in spec]
+
+
+def test_rebuild_keeps_every_reconnected_rank_and_the_spares() -> None:
+    procs = _procs((0, 0, "worker"), (1, 0, "worker"), (2, 1, "worker"), (3, 1, "worker"), (4, 2, "spare"))
+    workers = [WorkerReport(i, i, 3, 17) for i in range(4)] + [WorkerReport(4, None, -1, -1, ready=True)]
+    r = rebuild(procs, workers, nproc=4)
+    assert r.ranks == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert r.missing == [] and r.kill == []
+    assert r.spares == [4] and r.ready == [4]
+    assert r.generation == 4 and r.formed
+    assert r.next_worker_id == 5
+
+
+def test_rebuild_marks_silent_ranks_missing_and_kills_their_processes() -> None:
+    procs = _procs((0, 0, "worker"), (1, 0, "worker"), (2, 1, "worker"), (5, 2, "spare"))
+    workers = [WorkerReport(0, 0, 1, 9), WorkerReport(1, 1, 1, 9), WorkerReport(5, None, -1, -1)]
+    r = rebuild(procs, workers, nproc=3)
+    assert r.missing == [2]  # worker 2 never reconnected: nobody can vouch for its state
+    assert r.kill == [2]
+    assert r.spares == [5] and r.ready == []
+
+
+def test_rebuild_gives_a_doubly_claimed_rank_to_the_newer_generation() -> None:
+    # the old holder of rank 1 (generation 2) and the spare that took it (generation 3)
+    procs = _procs((0, 0, "worker"), (1, 0, "worker"), (7, 2, "spare"))
+    workers = [WorkerReport(0, 0, 3, 20), WorkerReport(1, 1, 2, 12), WorkerReport(7, 1, 3, 20)]
+    r = rebuild(procs, workers, nproc=2)
+    assert r.ranks == {0: 0, 1: 7}
+    assert r.kill == [1]
+
+
+def test_rebuild_ignores_workers_no_voting_agent_reported() -> None:
+    procs = _procs((0, 0, "worker"))
+    workers = [WorkerReport(0, 0, 0, 5), WorkerReport(1, 1, 0, 5)]  # worker 1's host did not vote
+    r = rebuild(procs, workers, nproc=2)
+    assert r.ranks == {0: 0} and r.missing == [1] and r.kill == []
+
+
+def test_rebuild_before_any_generation_formed_has_no_state() -> None:
+    r = rebuild(_procs((0, 0, "worker")), [WorkerReport(0, 0, -1, -1)], nproc=1)
+    assert not r.formed and r.generation == 0
+    with pytest.raises(ValueError, match="nproc=0"):
+        rebuild([], [], nproc=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 30), st.one_of(st.none(), st.integers(-1, 5)), st.integers(-1, 6)),
+        unique_by=lambda t: t[0],
+        max_size=12,
+    )
+)
+def test_rebuild_never_gives_a_rank_to_two_processes(claims: list[tuple[int, int | None, int]]) -> None:
+    procs = [ProcReport(wid, 0, "spare" if rank is None else "worker", 1) for wid, rank, _ in claims]
+    workers = [WorkerReport(wid, rank, gen, gen * 10) for wid, rank, gen in claims]
+    r = rebuild(procs, workers, nproc=4)
+    holders = list(r.ranks.values())
+    assert len(holders) == len(set(holders))
+    assert set(r.ranks) | set(r.missing) == set(range(4)) and not set(r.ranks) & set(r.missing)
+    assert not set(holders) & set(r.kill) and not set(r.spares) & set(r.kill)
+    # every process is either kept (rank or spare) or killed
+    assert set(holders) | set(r.spares) | set(r.kill) == {wid for wid, _, _ in claims}
+
+
+def test_rebuild_goes_past_a_round_that_was_in_flight() -> None:
+    # ranks already aborted for generation 3 would not report for it again
+    procs = _procs((0, 0, "worker"), (1, 0, "worker"))
+    workers = [WorkerReport(0, 0, 2, 9, aborted=3), WorkerReport(1, 1, 2, 9)]
+    assert rebuild(procs, workers, nproc=2).generation == 4
+
+
+# -- takeover: a fresh Coordinator set up from the rebuilt state -------------------------------
+def _takeover(missing_rank: int | None = None) -> tuple[Any, list[Any]]:
+
+    cfg = LaunchConfig(script=str(Path(__file__).parent / "scripts" / "slow_steps.py"), nproc=4, spares=1)
+    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    hosts = [
+        TakeoverHost(0, "10.0.0.1", False),
+        TakeoverHost(1, "10.0.0.2", True),
+        TakeoverHost(2, "10.0.0.3", True),
+    ]
+    procs = [ProcReport(w, w // 2, "worker", 100 + w, f"10.0.0.{1 + w // 2}:{300 + w}") for w in range(4)]
+    procs.append(ProcReport(4, 2, "spare", 104, "10.0.0.3:304"))
+    workers = [WorkerReport(w, w, 2, 30, step=31) for w in range(4) if w != missing_rank]
+    workers.append(WorkerReport(4, None, -1, -1, ready=True))
+    rebuilt = rebuild(procs, workers, 4)
+    resume(c, hosts, procs, workers, rebuilt, "coordinator lost", 50.0, 1e9, 51.0)
+    return c, c.drain()
+
+
+def test_takeover_aborts_every_rank_into_the_next_generation() -> None:
+
+    c, out = _takeover()
+    aborts = {
+        cmd.worker_id: cmd.message for cmd in out if isinstance(cmd, Send) and isinstance(cmd.message, Abort)
+    }
+    assert sorted(aborts) == [0, 1, 2, 3] and {a.generation for a in aborts.values()} == {3}
+    assert c.round is not None and c.round.target == 3 and not c.round.replace
+    assert c.generation == 2 and c.next_worker_id == 5
+    faults = [cmd.fields for cmd in out if isinstance(cmd, Emit) and cmd.event == "fault"]
+    assert faults and faults[0]["kind"] == "coordinator_lost"
+
+
+def test_takeover_kills_a_silent_rank_and_gives_its_rank_to_the_ready_spare() -> None:
+
+    c, out = _takeover(missing_rank=2)
+    assert [(k.worker_id, k.host) for k in out if isinstance(k, Kill)] == [(2, 1)]
+    assert c.round is not None and c.round.replace == {2}
+    for w in (0, 1, 3):
+        c.on_message(w, Stopped(for_generation=3, committed_step=30, valid=True), 52.0, 1e9)
+    c.tick(52.0, 1e9)
+    assigned = [cmd for cmd in c.drain() if isinstance(cmd, Send) and isinstance(cmd.message, Assign)]
+    assert [(a.worker_id, a.message.rank, a.message.generation) for a in assigned] == [(4, 2, 3)]
+
+
+def test_takeover_before_the_first_generation_ends_the_job_with_the_reason() -> None:
+
+    cfg = LaunchConfig(script=str(Path(__file__).parent / "scripts" / "slow_steps.py"), nproc=1, spares=0)
+    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    procs = [ProcReport(0, 0, "worker", 9)]
+    workers = [WorkerReport(0, 0, -1, -1)]
+    resume(
+        c, [TakeoverHost(0, "h", False)], procs, workers, rebuild(procs, workers, 1), "lost", 1.0, 1e9, 2.0
+    )
+    stops = [cmd for cmd in c.drain() if isinstance(cmd, Stop)]
+    assert stops and stops[0].code == 1 and "before generation 0 formed" in stops[0].why
+
+
+def test_launch_config_travels_to_the_agents_and_back() -> None:
+
+    cfg = LaunchConfig(
+        script="t.py", script_args=["--steps", "3"], nproc=4, run_dir=Path("/tmp/r"), lease=2.5
+    )
+    raw = config_to_json(cfg)
+
+    back = config_from_json(json.loads(json.dumps(raw)) | {"a_field_from_a_newer_coordinator": 1})
+    assert back.run_dir == Path("/tmp/r") and back.script_args == ["--steps", "3"] and back.lease == 2.5
+    assert back.nproc == 4
+
+
+# -- the majority a coordinator must keep --------------------------------------------------------
+def test_a_coordinator_keeps_its_majority_through_one_dead_host() -> None:
+    hosts = [HostSeen(0, False, True, 10.0), HostSeen(1, False, True, 10.0), HostSeen(2, True, True, 4.0)]
+    assert membership(hosts, 10.0, 5.0) == [0, 1, 2]  # lost 6 s ago: still counted
+    assert keeps_majority(hosts, 10.0, 5.0)  # 2 of 3
+    assert membership(hosts, 15.0, 5.0) == [0, 1]  # two leases later it drops out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(3, 9),
+    st.data(),
+)
+def test_a_minority_side_never_keeps_a_majority_while_its_peers_go_silent_one_by_one(
+    n: int, data: st.DataObject
+) -> None:
+    """The coordinator's side of a partition (a minority) hears the other side go silent at
+    staggered times within one heartbeat interval; whatever order it declares them lost in,
+    it must find no majority once every one of them is past its lease."""
+    own = data.draw(st.sets(st.integers(0, n - 1), max_size=(n - 1) // 2))
+    cut = 100.0
+    last = {h: cut - data.draw(st.floats(0.0, 0.5)) for h in range(n) if h not in own}
+    lease = 5.0
+    now = max(last.values(), default=cut) + lease + 0.01
+    # the coordinator may already have marked any of them lost (each when its lease ran out)
+    lost = data.draw(st.sets(st.sampled_from(sorted(last)))) if last else set()
+    hosts = [HostSeen(h, False, True, now) for h in own]
+    hosts += [HostSeen(h, h in lost, True, t) for h, t in last.items()]
+    assert not keeps_majority(hosts, now, lease)
