@@ -10,7 +10,10 @@ those of the fault-free run.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,7 @@ CONTROL_PORT = 29410
 _REF: dict[str, JobResult] = {}
 
 
-def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path) -> list[Any]:
+def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path, shm: list[Path]) -> list[Any]:
     h0 = cluster.hosts[0]
     py = [sys.executable, "-m", "checkpointless"]
     digest = run_dir.parent / (run_dir.name + ".digest-{rank}")
@@ -47,7 +50,10 @@ def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path) -> list[Any]:
             "--secret-file", str(run_dir / "secret"), "--node-order", str(i),
         ]  # fmt: skip
         out = open(run_dir.parent / f"agent-{i}.out", "wb")  # noqa: SIM115
-        procs.append(h.popen(agent, cwd=ROOT, stdout=out, stderr=out))
+        # the namespaces share this machine's /dev/shm, real hosts do not: without a directory
+        # of its own, a replacement on the spare host could read the lost host's own snapshots
+        env = {**os.environ, "CHECKPOINTLESS_SHM_DIR": str(shm[i])}
+        procs.append(h.popen(agent, cwd=ROOT, env=env, stdout=out, stderr=out))
     return procs
 
 
@@ -66,7 +72,20 @@ def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
     run_dir = tmp_path / "job" / "run"
     run_dir.parent.mkdir()
     deadline = time.monotonic() + 200
-    procs = _start(cluster, run_dir, corpus)
+    shm = [Path(tempfile.mkdtemp(prefix=f"cl-test-h{i}-", dir="/dev/shm")) for i in range(3)]
+    try:
+        procs = _start(cluster, run_dir, corpus, shm)
+        _recovered_from_buddies(cluster, procs, run_dir, ref, deadline)
+        # the surviving hosts' agents removed the job's shared memory (host 1's died with it)
+        assert not [p for i in (0, 2) for p in shm[i].iterdir()], "shared memory was left behind"
+    finally:
+        for d in shm:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _recovered_from_buddies(
+    cluster: NetnsCluster, procs: list[Any], run_dir: Path, ref: JobResult, deadline: float
+) -> None:
     _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
     assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
     res = _finish(procs, run_dir, deadline)
