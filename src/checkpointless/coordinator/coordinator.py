@@ -168,6 +168,19 @@ class Coordinator:
             self._assign(m, m.rank, 0, now)
         return True
 
+    def awaits_late_hello(self, worker_id: int) -> bool:
+        """Whether ``worker_id`` is a spare that was still starting at a coordinator failover,
+        kept by the rebuild (rebuild.py): its hello comes after the takeover, as a reconnect."""
+        m = self.procs.get(worker_id)
+        return (
+            m is not None
+            and m.role == "spare"
+            and m.rank is None
+            and not m.connected
+            and not m.exited
+            and m.killed_for is None
+        )
+
     def on_beats(self, host: int, beats: list[WorkerBeat], now: float) -> None:
         """An agent's aggregated heartbeat: each entry counts as that worker's own ``Heartbeat``,
         received ``age`` seconds before ``now`` (only for processes of that agent's host)."""
