@@ -6,8 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from checkpointless.coordinator import Coordinator, Kill, Send, Spawn
-from checkpointless.coordinator.placement import HostView, assign_hosts, pick_spares, placement, spare_host
+from checkpointless.coordinator import Coordinator, Emit, Kill, Log, Send, Spawn
+from checkpointless.coordinator.conditions import Conditions
+from checkpointless.coordinator.placement import (
+    HostView,
+    assign_hosts,
+    match_spares,
+    pick_spares,
+    placement,
+    spare_host,
+    spare_share,
+)
 from checkpointless.errors import ConfigError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Abort, Assign, SpareReady
@@ -53,6 +62,45 @@ def test_spares_start_on_hosts_without_ranks_only() -> None:
     assert spare_host([HostView(0, 2, 2), HostView(1, 0, 2)], 2, single_host=False) is None  # full
     assert spare_host([HostView(0, 2, 2), HostView(1, 2, 2)], 2, single_host=False) is None
     assert spare_host([HostView(0, 3, 4)], 2, single_host=True) == 0  # one machine takes its own
+
+
+def test_without_a_spare_host_single_spares_go_beside_the_ranks() -> None:
+    # hosts 0 and 1 hold 2 ranks each (host 1 took a lost host's ranks); the job keeps 2 spares
+    share = spare_share(2, 2)
+    assert share == 1 and spare_share(8, 3) == 3 and spare_share(0, 0) == 1
+    hosts = [HostView(0, 2, 2), HostView(1, 2, 2)]
+    assert spare_host(hosts, 2, single_host=False, share=share) == 0
+    assert spare_host([HostView(0, 2, 3), HostView(1, 2, 2)], 2, False, share) == 1  # spread them
+    assert spare_host([HostView(0, 2, 3), HostView(1, 2, 3)], 2, False, share) is None  # all full
+    assert spare_host(hosts, 2, single_host=False, share=0) is None  # strict: spare hosts only
+    # a spare host with room is still preferred over a host holding ranks
+    assert spare_host([HostView(0, 2, 2), HostView(5, 0, 1)], 2, False, share) == 5
+
+
+def test_a_spare_beside_ranks_takes_only_its_own_hosts_rank() -> None:
+    holding = {0, 1}
+    ready = [(10, 0), (11, 1), (12, 7), (13, 7)]  # one spare on each rank host, two on spare host 7
+    # a process fault on host 1 uses host 1's spare: the spare host stays whole for a lost host
+    assert match_spares([(3, 1)], ready, holding) == {3: 11}
+    # a lost host's ranks (host 2) go to the spare host, never to a spare beside other ranks
+    assert match_spares([(4, 2), (5, 2)], ready, holding) == {4: 12, 5: 13}
+    assert match_spares([(4, 2), (5, 2)], [(10, 0), (11, 1)], holding) == {}
+    assert match_spares([(0, 0), (4, 2)], [(10, 0), (11, 1)], holding) == {0: 10}
+
+
+def test_a_condition_is_reported_when_it_begins_and_ends_only() -> None:
+    cond = Conditions()
+    changes = [
+        cond.update("no_spare_host", on, "none left") for on in (False, True, True, True, False, False)
+    ]
+    assert [(c.name, c.active) if c else None for c in changes] == [
+        None,
+        ("no_spare_host", True),
+        None,
+        None,
+        ("no_spare_host", False),
+        None,
+    ]
 
 
 def test_a_lost_node_is_replaced_from_one_spare_host() -> None:
@@ -117,11 +165,69 @@ def test_coordinator_places_nodes_and_moves_a_lost_host_to_the_spare_host() -> N
     assert {(0, "Abort"), (1, "Abort")} <= sent
     new = {x.message.rank: x.worker_id for x in out if isinstance(x, Send) and isinstance(x.message, Assign)}
     assert new == {2: 4, 3: 5}
-    assert not [x for x in out if isinstance(x, Spawn)], "no spare host is left to refill on"
+    # no spare host is left: single spares go onto the hosts holding ranks, one each
+    assert [(x.role, x.host) for x in out if isinstance(x, Spawn)] == [("spare", 1), ("spare", 2)]
+    conds = [x.fields for x in out if isinstance(x, Emit) and x.event == "condition"]
+    assert [(e["name"], e["active"]) for e in conds] == [("no_spare_host", True)]
     # the lost host's processes are gone for good: a late hello from one is refused
     assert not c.on_connected(2, 105.0)
     assert not [x for x in out if isinstance(x, Kill) and x.host != 0]
     assert isinstance(next(x.message for x in out if isinstance(x, Send)), Abort)
+
+    # the round formed (tested elsewhere); the spares beside the ranks start and say ready
+    c.round, c.generation = None, 1
+    for wid in (6, 7):
+        c.on_started(wid, f"10.0.0.9:{30000 + wid}")
+        c.on_connected(wid, 105.0)
+        c.on_message(wid, SpareReady(), 105.0, 1e9)
+    c.drain()
+    # then one process dies on each host: each host's own spare takes its rank, bitwise the same
+    # device slot (LOCAL_RANK) it freed
+    c.on_exit(0, -9, False, "SIGKILL", "", 106.0, 1e9)  # rank 0, host 1
+    c.on_exit(4, -9, False, "SIGKILL", "", 106.0, 1e9)  # rank 2, host 2
+    c.tick(106.1, 1e9)
+    out = c.drain()
+    new = {x.message.rank: x.worker_id for x in out if isinstance(x, Send) and isinstance(x.message, Assign)}
+    assert new == {0: 6, 2: 7}
+    assert c.stopping is None
+
+
+def test_no_spare_is_logged_once_not_per_tick() -> None:
+    c, spawns = _coordinator()
+    for s in spawns:
+        c.on_started(s.worker_id, f"10.0.0.{s.host}:{30000 + s.worker_id}")
+        c.on_connected(s.worker_id, 100.0)
+    c.round, c.generation = None, 0
+    c.on_host_lost(2, "connection closed", 100.5, 1e9)  # the only spare host, before any spare
+    c.on_host_lost(0, "connection closed", 101.0, 1e9)  # then a node: its ranks wait for a host
+    out = []
+    for i in range(200):  # four seconds of the shell's 20 ms loop
+        c.on_agent_seen(1, 101.0 + i * 0.02)
+        c.tick(101.0 + i * 0.02, 1e9)
+        out += c.drain()
+    assert c.stopping is None
+    logs = [x.text for x in out if isinstance(x, Log) and "no hot spare" in x.text]
+    assert len(logs) == 1, logs
+    assert not [x for x in out if isinstance(x, Spawn) and x.host != 3], "no host may take them"
+    # a healed host joins: it takes the spares, the ranks move there and both conditions end
+    c.add_host(3, "10.0.0.3", True, 105.0)
+    for _ in range(3):
+        c.on_agent_seen(1, 105.1)
+        c.tick(105.1, 1e9)
+    out = c.drain()
+    new = [x for x in out if isinstance(x, Spawn)]
+    assert [(x.host, x.role) for x in new] == [(3, "spare"), (3, "spare")]
+    for x in new:
+        c.on_started(x.worker_id, f"10.0.0.3:{30000 + x.worker_id}")
+        c.on_connected(x.worker_id, 105.2)
+        c.on_message(x.worker_id, SpareReady(), 105.2, 1e9)
+    c.on_agent_seen(1, 105.3)
+    c.tick(105.3, 1e9)
+    out += c.drain()
+    ended = [
+        (x.fields["name"], x.fields["active"]) for x in out if isinstance(x, Emit) and x.event == "condition"
+    ]
+    assert ("no_spare_host", False) in ended and ("spare_wait", False) in ended, ended
 
 
 def test_a_rejoined_host_is_a_spare_host() -> None:

@@ -12,6 +12,7 @@ are ignored, so a newer sender can add optional fields without breaking an older
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any, ClassVar, Union
 from checkpointless.errors import CheckpointlessError
 
 __all__ = [
+    "SUCCESSION_ENV",
     "VERSION",
     "Abort",
     "AgentHeartbeat",
@@ -52,6 +54,8 @@ __all__ = [
     "Vote",
     "decode",
     "encode",
+    "succession_from_env",
+    "succession_to_env",
 ]
 
 # 2: Recover carries a peer-table delta and a compact plan; PeerTable/PeerTableRequest;
@@ -524,3 +528,27 @@ def decode(obj: Any) -> Message:
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
     return cls(**kwargs)
+
+
+# -- a succession handed to a process as it starts ------------------------------------------------
+SUCCESSION_ENV = "CHECKPOINTLESS_SUCCESSION"  # the agent's newest Succession, as JSON
+
+
+def succession_to_env(s: Succession) -> str:
+    """The value of :data:`SUCCESSION_ENV` for a process the agent starts: a process starting
+    as the coordinator is lost has not heard a ``Succession`` yet, and needs one to reconnect."""
+    return json.dumps(encode(s), separators=(",", ":"))
+
+
+def succession_from_env(text: str | None) -> Succession | None:
+    """The succession in :data:`SUCCESSION_ENV`, or None when unset; :class:`ProtocolError`
+    when it is set but is not one (an agent of another version, a mangled environment)."""
+    if not text:
+        return None
+    try:
+        msg = decode(json.loads(text))
+    except ValueError as e:
+        raise ProtocolError(f"{SUCCESSION_ENV} is not JSON: {e}") from None
+    if not isinstance(msg, Succession):
+        raise ProtocolError(f"{SUCCESSION_ENV} holds a {msg.TYPE}, not a succession")
+    return msg

@@ -32,6 +32,7 @@ from checkpointless.launcher.forkserver import (
 from checkpointless.launcher.output import OutputTail
 from checkpointless.launcher.policy import Limits, ProcWatch
 from checkpointless.launcher.proctable import read_sample
+from checkpointless.protocol import SUCCESSION_ENV, Succession, succession_to_env
 
 __all__ = ["Agent", "AgentConfig", "ProcExit", "ProcVerdict", "ProcessHandle"]
 
@@ -108,6 +109,9 @@ class Agent:
         self._sampled = 0.0
         self._reaped = 0.0
         self.beats = self._beat_reader(env)
+        # the newest succession heard (agent/remote.py sets it): every process started from now
+        # on gets it, so that one still starting when the coordinator is lost can reconnect
+        self.succession: Succession | None = None
 
     @staticmethod
     def _beat_reader(env: dict[str, str]) -> BeatReader | None:
@@ -193,6 +197,8 @@ class Agent:
         env[ENV.STORE_PORT] = str(port)  # 0 when the rendezvous is not root-less
         if self.beats is not None:
             env[BEAT_ENV] = str(self.beats.path(worker_id))
+        if self.succession is not None:
+            env[SUCCESSION_ENV] = succession_to_env(self.succession)
         argv = [self.cfg.python, self.cfg.script, *self.cfg.script_args]
         err_r, err_w = os.pipe()
         handle: ProcessHandle | None = None

@@ -155,6 +155,7 @@ class _Session:
                     return "shutdown"
                 elif isinstance(msg, Succession) and msg.term >= self.w.term:
                     self.succession = msg
+                    agent.succession = msg  # for the processes it starts from now on
             # a coordinator is serving: votes and reconnects here are peers that noticed its loss
             # first; they are kept a lease in case this agent stands next
             refuse_all(failover, early, self.w.lease)

@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from checkpointless.coordinator.conditions import Conditions
 from checkpointless.coordinator.faults import check_hangs, flush_pending, host_lost, process_exited
-from checkpointless.coordinator.placement import HostView, assign_hosts, placement, spare_host
+from checkpointless.coordinator.placement import HostView, assign_hosts, placement, spare_host, spare_share
 from checkpointless.coordinator.rounds import advance_round, on_committed, on_recovered, on_stopped
 from checkpointless.coordinator.state import (
     Command,
@@ -100,6 +101,7 @@ class Coordinator:
         self.stragglers = StragglerWatch(rule) if rule is not None else None
         self._hinted: dict[int, int] = {}  # spare worker id -> the step of its last Prefetch
         self._judged_at = float("-inf")  # when hangs were last judged (and spares hinted)
+        self.conditions = Conditions()  # lasting states, logged when they begin and end
 
     # -- the shell's interface ----------------------------------------------------------------
     def drain(self) -> list[Command]:
@@ -166,6 +168,19 @@ class Coordinator:
             self._assign(m, m.rank, 0, now)
         return True
 
+    def awaits_late_hello(self, worker_id: int) -> bool:
+        """Whether ``worker_id`` is a spare that was still starting at a coordinator failover,
+        kept by the rebuild (rebuild.py): its hello comes after the takeover, as a reconnect."""
+        m = self.procs.get(worker_id)
+        return (
+            m is not None
+            and m.role == "spare"
+            and m.rank is None
+            and not m.connected
+            and not m.exited
+            and m.killed_for is None
+        )
+
     def on_beats(self, host: int, beats: list[WorkerBeat], now: float) -> None:
         """An agent's aggregated heartbeat: each entry counts as that worker's own ``Heartbeat``,
         received ``age`` seconds before ``now`` (only for processes of that agent's host)."""
@@ -230,12 +245,12 @@ class Coordinator:
         if m.connected and not m.exited:
             self._out.append(Send(m.worker_id, msg))
 
-    def _spawn(self, role: str, now: float, host: int | None = None) -> Member | None:
-        """Start a process; a spare goes to a spare host (None when no live host may take one)."""
+    def _spawn(self, role: str, now: float, host: int | None = None, strict: bool = False) -> Member | None:
+        """Start a process; a spare goes to a spare host, else (unless ``strict``) as a single
+        spare onto a host that holds ranks; None when no live host may take one."""
         if host is None:
-            host = self._spare_host()
+            host = self._spare_host(strict)
             if host is None:
-                self._log("warning", "no live spare host left for a new spare; the job runs without it")
                 return None
         wid = self.next_worker_id
         self.next_worker_id += 1
@@ -244,15 +259,42 @@ class Coordinator:
         self._out.append(Spawn(wid, role, host))
         return m
 
-    def _spare_host(self) -> int | None:
+    def _spare_host(self, strict: bool = False) -> int | None:
+        views = self._host_views()
+        single = self.cfg.nnodes == 1 and len(self.hosts) == 1
+        share = 0 if strict else spare_share(self.cfg.spares, sum(1 for v in views if v.ranks))
+        return spare_host(views, self.cfg.per_node, single_host=single, share=share)
+
+    def _host_views(self) -> list[HostView]:
         # one pass over the ranks and processes, not one per host: a many-host job spawns a spare
         # host's worth of spares at once, and hosts x ranks per spawn was quadratic in the job size
         ranks = Counter(m.host for m in self.ranks.values())
         procs = Counter(m.host for m in self.procs.values())
         views = [HostView(h.host, ranks[h.host], procs[h.host]) for h in self.hosts.values() if not h.lost]
-        return spare_host(views, self.cfg.per_node, single_host=self.cfg.nnodes == 1 and len(self.hosts) == 1)
+        if self.cfg.nnodes > 1 or len(self.hosts) > 1:
+            self._condition(
+                "no_spare_host",
+                bool(views) and not any(v.ranks == 0 for v in views),
+                "no spare host is left: a process that fails alone is replaced by a spare on its "
+                "own host, but the loss of a whole host now waits for a host to join (--spare-wait)",
+            )
+        return views
+
+    def _condition(self, name: str, on: bool, detail: str = "") -> None:
+        """Log and emit a lasting state once when it begins and once when it ends."""
+        ch = self.conditions.update(name, on, detail)
+        if ch is None:
+            return
+        self._emit("condition", name=name, active=ch.active, detail=ch.detail)
+        if ch.active:
+            self._log("warning", ch.detail)
+        else:
+            self._log("info", f"resolved: {ch.detail}")
 
     def _refill_spares(self, now: float) -> None:
+        if self._idle_spares() >= self.cfg.spares:
+            self._host_views()  # no spawn to place, but a host may have joined or been lost
+            return
         while self._idle_spares() < self.cfg.spares:
             if self._spawn("spare", now) is None:
                 return

@@ -3,8 +3,14 @@
 Hosts are the agents that said hello (one per machine). The coordinator turns their arrival into
 node ranks and spare hosts (:func:`assign_hosts`), places ranks host-major (:func:`placement`:
 rank ``r`` is local rank ``r % P`` on node ``r // P``, as torchrun does), picks the spares that
-take a lost host's ranks (:func:`pick_spares`: all from one spare host where one has enough, so a
+take a lost host's ranks (:func:`match_spares`: all from one spare host where one has enough, so a
 lost node is replaced by one node) and the host a new spare starts on (:func:`spare_host`).
+
+Once no spare host has room (the spare hosts took a lost host's ranks), single spares go onto
+hosts that hold ranks, at most ``spare_share`` each: a process that dies alone is then still
+replaced, by a spare on its own host, which takes its device (``LOCAL_RANK``). Such a spare never
+takes another host's rank: its device is in use there, so a whole lost host still needs a spare
+host (or waits for one to join, up to ``--spare-wait``).
 """
 
 from __future__ import annotations
@@ -14,7 +20,16 @@ from dataclasses import dataclass
 
 from checkpointless.errors import ConfigError
 
-__all__ = ["HostView", "Placement", "assign_hosts", "pick_spares", "placement", "spare_host"]
+__all__ = [
+    "HostView",
+    "Placement",
+    "assign_hosts",
+    "match_spares",
+    "pick_spares",
+    "placement",
+    "spare_host",
+    "spare_share",
+]
 
 
 @dataclass(frozen=True)
@@ -64,19 +79,58 @@ class HostView:
     procs: int  # live processes it runs (ranks and spares)
 
 
-def spare_host(hosts: list[HostView], per_host: int, single_host: bool) -> int | None:
+def spare_share(spares: int, rank_hosts: int) -> int:
+    """How many spares a host that holds ranks may run besides them: its share of the job's
+    ``spares`` over the ``rank_hosts`` live hosts holding ranks, rounded up, and at least one."""
+    return max(1, -(-spares // max(1, rank_hosts)))
+
+
+def spare_host(hosts: list[HostView], per_host: int, single_host: bool, share: int = 0) -> int | None:
     """The host a new spare starts on, or None when no host should take one.
 
     A spare belongs on a host that holds no ranks (a hot-spare host), so that a lost node's ranks
     move together to one healthy host; the least loaded first, at most ``per_host`` processes each.
-    A one-machine job has only its own host, which then takes the spares itself.
+    When none has room, a host that holds ranks takes it if it runs fewer than ``share`` spares
+    besides its ranks (:func:`spare_share`; 0 turns this off), the one with the fewest spares
+    first, so that single spares spread over the hosts. A one-machine job has only its own host,
+    which then takes the spares itself.
     """
     if single_host:
         return hosts[0].host if hosts else None
     free = [h for h in hosts if h.ranks == 0 and h.procs < per_host]
-    if not free:
+    if free:
+        return min(free, key=lambda h: (h.procs, h.host)).host
+    room = [h for h in hosts if h.ranks > 0 and h.procs - h.ranks < share]
+    if not room:
         return None
-    return min(free, key=lambda h: (h.procs, h.host)).host
+    return min(room, key=lambda h: (h.procs - h.ranks, h.procs, h.host)).host
+
+
+def match_spares(
+    ranks: list[tuple[int, int]], ready: list[tuple[int, int]], holding: set[int]
+) -> dict[int, int]:
+    """Which ready spare takes which rank: {rank: worker id}, for as many ranks as can be served.
+
+    ``ranks`` = [(rank, the host it was on)], ``ready`` = [(worker id, host id)], ``holding`` =
+    the hosts that hold ranks. A spare on a host that holds ranks takes only a rank of its own
+    host (the device that rank used is free there, and the others are taken); spares on spare
+    hosts take the rest, from as few hosts as possible (:func:`pick_spares`). A rank whose own
+    host has a spare uses it first, so that the spare hosts stay whole for a lost host.
+    """
+    local: dict[int, list[int]] = {}
+    for wid, host in sorted(ready):
+        if host in holding:
+            local.setdefault(host, []).append(wid)
+    out: dict[int, int] = {}
+    rest = []
+    for rank, host in ranks:
+        if local.get(host):
+            out[rank] = local[host].pop(0)
+        else:
+            rest.append(rank)
+    free = pick_spares(len(rest), [(w, h) for w, h in ready if h not in holding])
+    out.update(zip(rest, free, strict=False))
+    return out
 
 
 def pick_spares(count: int, ready: list[tuple[int, int]]) -> list[int]:

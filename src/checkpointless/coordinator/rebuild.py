@@ -23,8 +23,8 @@ class ProcReport:
     role: str  # worker | spare
     pid: int
     store_address: str = ""
-    # it had said hello before the loss (so it knows the successors and can reconnect); one
-    # still starting cannot, and nobody waits for it
+    # it had said hello before the loss; one still starting has the succession from its agent's
+    # environment and reconnects once up: nobody waits for it, and a spare among them is kept
     connected: bool = True
 
 
@@ -67,7 +67,12 @@ def rebuild(procs: Iterable[ProcReport], workers: Iterable[WorkerReport], nproc:
     known = {p.worker_id: p for p in procs}
     said = {w.worker_id: w for w in workers if w.worker_id in known}
     claims: dict[int, WorkerReport] = {}
-    kill: set[int] = {wid for wid in known if wid not in said}  # never reconnected
+    # never reconnected: nobody can vouch for it. A spare that was still starting is the
+    # exception: it has the succession from its agent and says hello once it is up, and no
+    # rank depends on it meanwhile (a starting worker's rank goes to a spare instead)
+    kill: set[int] = {
+        wid for wid, p in known.items() if wid not in said and (p.connected or p.role != "spare")
+    }
     spares: list[int] = []
     for w in said.values():
         if w.rank is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from checkpointless.coordinator.faults import record_fault, report_recovery
-from checkpointless.coordinator.placement import pick_spares
+from checkpointless.coordinator.placement import match_spares
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.errors import NotRecoverableError
 from checkpointless.peer_table import compact_plan
@@ -110,22 +110,31 @@ def advance_round(c: Coordinator, now: float) -> None:
 def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> None:
     spares = [m for m in c.procs.values() if m.role == "spare" and m.rank is None]
     pool = [(m.worker_id, m.host) for m in spares if m.ready and m.connected]
-    ready = [c.procs[wid] for wid in pick_spares(len(ranks), pool)]
+    live = {h.host for h in c.hosts.values() if not h.lost}
+    holding = {m.host for m in c.ranks.values() if m.host in live}
+    old_host = {rank: c.ranks[rank].host if rank in c.ranks else -1 for rank in ranks}
+    match = match_spares([(rank, old_host[rank]) for rank in ranks], pool, holding)
     starting = [m for m in spares if not m.ready]
     if r.waiting_since is None:
         r.waiting_since = now
-    d = spare_policy(len(pool), len(starting), len(ranks), now - r.waiting_since, c.cfg.spare_wait)
+    d = spare_policy(len(match), len(starting), len(ranks), now - r.waiting_since, c.cfg.spare_wait)
     if d.action == SpareAction.FAIL:
         raise NotRecoverableError(d.reason)
-    for _ in range(d.spawn):
-        c._log(
-            "warning",
-            f"no hot spare ready for rank(s) {ranks}; starting one (waits up to {c.cfg.spare_wait:.0f} s)",
-        )
-        c._spawn("spare", now)
-    if d.action == SpareAction.WAIT and not ready:
+    unmatched = [rank for rank in ranks if rank not in match]
+    c._condition(
+        "spare_wait",
+        bool(unmatched),
+        f"no hot spare ready for rank(s) {unmatched}; starting spares (waits up to {c.cfg.spare_wait:.0f} s)",
+    )
+    for rank in unmatched[: d.spawn]:
+        # a rank whose host lives gets its spare there (its device is free); a lost host's rank
+        # needs a spare host, and a spare squeezed onto another rank host could not take it
+        host = old_host[rank]
+        c._spawn("spare", now, host=host if host in live else None, strict=host not in live)
+    if d.action == SpareAction.WAIT and not match:
         return
-    for rank, spare in zip(ranks, ready, strict=False):
+    for rank in sorted(match):
+        spare = c.procs[match[rank]]
         old = c.ranks.get(rank)
         if old is not None:
             c._kill(old, old.killed_for or "replaced")
@@ -135,6 +144,8 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
         c._emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)
         c._log("info", f"spare {spare.worker_id} takes rank {rank}")
         c._refill_spares(now)  # refill the pool in the background
+    if not r.replace:
+        c._condition("spare_wait", False)
     r.waiting_since = None
 
 

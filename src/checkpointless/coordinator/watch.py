@@ -71,7 +71,8 @@ def check_stragglers(c: Coordinator, now: float, wall: float) -> None:
         if not c.cfg.swap_stragglers:
             continue
         idle = [m for m in c.procs.values() if m.role == "spare" and m.rank is None and m.ready]
-        spares = [(m.worker_id, m.host) for m in idle if m.connected]
+        holding = {m.host for m in c.ranks.values()}  # a spare beside ranks serves only its host
+        spares = [(m.worker_id, m.host) for m in idle if m.connected and m.host not in holding]
         if not h.remote or len(pick_spares(len(ranks), spares)) < len(ranks):
             c._log("warning", f"not moving ranks {ranks}: no spare host ready for all of them")
             continue

@@ -412,15 +412,16 @@ class Launcher:
         members = self._members(time.monotonic())
         if only is None:
             self._announced = members
-        msg = encode(
-            Succession(
-                term=self.term,
-                members=members,
-                successors=successors,
-                addresses=[self._failover[h] for h in successors],
-                lease=self.cfg.lease,
-            )
+        succession = Succession(
+            term=self.term,
+            members=members,
+            successors=successors,
+            addresses=[self._failover[h] for h in successors],
+            lease=self.cfg.lease,
         )
+        if self.agent is not None:
+            self.agent.succession = succession  # for the processes this host starts from now on
+        msg = encode(succession)
         targets = [only] if only is not None else [*self._agents.values(), *self._conns.values()]
         for conn in targets:
             conn.send(msg)
@@ -449,9 +450,11 @@ class Launcher:
             self._from_agent(conn, msg, now)
             self._execute()
             return
-        if isinstance(msg, Vote) or (isinstance(msg, Hello) and msg.term > 0):
+        late = isinstance(msg, Hello) and msg.term > 0 and not coord.awaits_late_hello(msg.worker_id)
+        if isinstance(msg, Vote) or late:
             # a vote or a reconnect after a failover: one that arrives once the new coordinator
-            # has rebuilt its state is too late (its process was not vouched for)
+            # has rebuilt its state is too late (its process was not vouched for), except from a
+            # spare that was starting then (it had no connection to lose; rebuild.py kept it)
             _hang_up(conn)
             return
         if isinstance(msg, Hello):

@@ -36,6 +36,7 @@ from checkpointless.events import get_logger
 from checkpointless.launcher.control import ControlClient
 from checkpointless.peer_table import TableChunk, TableHolder
 from checkpointless.protocol import (
+    SUCCESSION_ENV,
     Heartbeat,
     Hello,
     Message,
@@ -47,11 +48,23 @@ from checkpointless.protocol import (
     Stopped,
     decode,
     encode,
+    succession_from_env,
 )
 
 __all__ = ["LauncherLink", "set_parent_death_signal"]
 
 log = get_logger()
+
+
+class _Unconnected:
+    """The link's client before any coordinator took this process: sends fail like a closed
+    connection's, so reports wait for the next hello (see ``LauncherLink.send``)."""
+
+    def send(self, payload: dict[str, Any]) -> None:
+        raise OSError("not connected to a coordinator")
+
+    def close(self) -> None:
+        pass
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -98,12 +111,39 @@ class LauncherLink:
         self._reconnector: threading.Thread | None = None
         self._retry = threading.Event()  # the candidate we reached hung up: try the next term
         self._lock = threading.Lock()
-        self.client = ControlClient(env.control, env.secret, self._on_message, self._on_lost)
-        self.send(Hello(worker_id=env.worker_id, pid=os.getpid(), role=env.role))
+        self._from_env()
+        self.client: ControlClient | _Unconnected
+        try:
+            # with a succession in hand a dead coordinator is not the end: do not spend the
+            # successors' election window on it (a lost host never refuses, it only times out)
+            timeout = 10.0 if self._succession is None else min(10.0, self._lease())
+            self.client = ControlClient(env.control, env.secret, self._on_message, self._on_lost, timeout)
+        except ConnectionError as e:
+            if self._succession is None:
+                raise
+            self.client = _Unconnected()
+            self._on_lost(f"cannot reach it at start: {e}")
+        else:
+            self.send(Hello(worker_id=env.worker_id, pid=os.getpid(), role=env.role))
         self._hb = threading.Thread(
             target=self._heartbeat, args=(heartbeat_s,), daemon=True, name="cl-heartbeat"
         )
         self._hb.start()
+
+    def _from_env(self) -> None:
+        """The succession the agent knew when it started this process (agent/agent.py): a
+        process that starts as the coordinator is lost has heard none itself."""
+        try:
+            known = succession_from_env(os.environ.get(SUCCESSION_ENV))
+        except ProtocolError as e:
+            log.warning("no successors known at start (%s)", e)
+            return
+        if known is not None:
+            self._succession = encode(known)
+            self._term = known.term
+
+    def _lease(self) -> float:
+        return float((self._succession or {}).get("lease", 5.0))
 
     def send(self, msg: Message) -> None:
         if isinstance(msg, Recovered):
@@ -216,6 +256,8 @@ class LauncherLink:
         heartbeats usually go to the agent's records, not this socket, so the kernel's keepalive
         probes (every second once idle; answered by the peer's kernel, no work for the
         coordinator) provide the unacknowledged data."""
+        if not isinstance(self.client, ControlClient):
+            return  # not connected: the next connection gets it (see _on_message)
         with contextlib.suppress(OSError, AttributeError):
             sock = self.client.sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(lease * 1000))
