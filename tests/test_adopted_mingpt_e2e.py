@@ -43,11 +43,15 @@ def _corpus(path: Path) -> Path:
 
 
 @pytest.mark.timeout(400)
-def test_mingpt_adopted_survives_kill_exception_and_optimizer_fault_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("amp", ["off", "float16"])
+def test_mingpt_adopted_survives_kill_exception_and_optimizer_fault_bitwise(tmp_path: Path, amp: str) -> None:
+    """With ``amp`` on, the script's own autocast (float16, as upstream) and GradScaler: the fault
+    inside the optimizer update lands after the scaler's unscale_, the case that used to diverge."""
     text = _corpus(tmp_path / "input.txt")
+    mixed = [] if amp == "off" else ["trainer_config.use_amp=True", f"trainer_config.amp_dtype={amp}"]
 
     def args(name: str) -> list[str]:
-        return [f"data_config.path={text}", f"trainer_config.snapshot_path={tmp_path / name}.pt"]
+        return [f"data_config.path={text}", f"trainer_config.snapshot_path={tmp_path / name}.pt", *mixed]
 
     ref = run_job(tmp_path / "ref", NOWHERE, 2, 0, script=MAIN, script_args=args("ref"), timeout=200)
     assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]

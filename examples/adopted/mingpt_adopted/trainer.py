@@ -26,6 +26,7 @@ class TrainerConfig:
     snapshot_path: str | None = None
     save_every: int = None
     use_amp: bool = None
+    amp_dtype: str = "float16"  # the upstream script's autocast dtype
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Trainer:
         self.save_every = self.config.save_every
         if self.config.use_amp:
             self.scaler = torch.amp.GradScaler(self.device_type)
+            self.job.track(scaler=self.scaler)  # its scale travels with the weights
         if self.config.snapshot_path is None:
             self.config.snapshot_path = "snapshot.pt"
         if not self.job.is_replacement:  # a replacement receives the state from a peer
@@ -82,7 +84,9 @@ class Trainer:
 
     def _run_batch(self, source, targets, train: bool = True) -> float:
         amp = torch.amp.autocast(
-            device_type=self.device_type, dtype=torch.bfloat16, enabled=self.config.use_amp
+            device_type=self.device_type,
+            dtype=getattr(torch, self.config.amp_dtype),
+            enabled=self.config.use_amp,
         )
         with torch.set_grad_enabled(train), amp:
             _, loss = self.model(source, targets)

@@ -25,6 +25,7 @@ class TrainerConfig:
     snapshot_path: str | None = None
     save_every: int = None
     use_amp: bool = None
+    amp_dtype: str = "float16"  # the upstream script's autocast dtype
 
 
 @dataclass
@@ -80,7 +81,9 @@ class Trainer:
 
     def _run_batch(self, source, targets, train: bool = True) -> float:
         amp = torch.amp.autocast(
-            device_type=self.device_type, dtype=torch.bfloat16, enabled=self.config.use_amp
+            device_type=self.device_type,
+            dtype=getattr(torch, self.config.amp_dtype),
+            enabled=self.config.use_amp,
         )
         with torch.set_grad_enabled(train), amp:
             _, loss = self.model(source, targets)
