@@ -88,6 +88,17 @@ def test_a_spare_beside_ranks_takes_only_its_own_hosts_rank() -> None:
     assert match_spares([(0, 0), (4, 2)], [(10, 0), (11, 1)], holding) == {0: 10}
 
 
+def test_a_lost_hosts_last_ranks_follow_the_first_to_its_spare_host() -> None:
+    # host 2 was lost; rank 4 already moved to spare host 3, whose second spare became ready
+    # only later: host 3 now holds a rank, yet its spare is still rank 5's slot there
+    holding = {0, 1, 3}
+    assert match_spares([(5, 2)], [(13, 3)], holding) == {}, "without the move: a rank host's spare"
+    assert match_spares([(5, 2)], [(13, 3)], holding, {2: 3}) == {5: 13}
+    # a move does not lend other hosts' spares, nor take a rank whose own host has a spare
+    assert match_spares([(5, 2)], [(11, 1)], holding, {2: 3}) == {}
+    assert match_spares([(1, 1), (5, 2)], [(11, 1), (13, 3)], holding, {2: 3}) == {1: 11, 5: 13}
+
+
 def test_a_condition_is_reported_when_it_begins_and_ends_only() -> None:
     cond = Conditions()
     changes = [

@@ -16,6 +16,7 @@ host (or waits for one to join, up to ``--spare-wait``).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from checkpointless.errors import ConfigError
@@ -107,7 +108,10 @@ def spare_host(hosts: list[HostView], per_host: int, single_host: bool, share: i
 
 
 def match_spares(
-    ranks: list[tuple[int, int]], ready: list[tuple[int, int]], holding: set[int]
+    ranks: list[tuple[int, int]],
+    ready: list[tuple[int, int]],
+    holding: set[int],
+    moving: Mapping[int, int] | None = None,
 ) -> dict[int, int]:
     """Which ready spare takes which rank: {rank: worker id}, for as many ranks as can be served.
 
@@ -116,7 +120,10 @@ def match_spares(
     host (the device that rank used is free there, and the others are taken); spares on spare
     hosts take the rest, from as few hosts as possible (:func:`pick_spares`). A rank whose own
     host has a spare uses it first, so that the spare hosts stay whole for a lost host.
+    ``moving`` = {lost host: the spare host its ranks began moving to}: that host holds some of
+    them by now, and its spares still take the rest (they are the lost host's slots there).
     """
+    moving = moving or {}
     local: dict[int, list[int]] = {}
     for wid, host in sorted(ready):
         if host in holding:
@@ -126,6 +133,8 @@ def match_spares(
     for rank, host in ranks:
         if local.get(host):
             out[rank] = local[host].pop(0)
+        elif host in moving and local.get(moving[host]):
+            out[rank] = local[moving[host]].pop(0)
         else:
             rest.append(rank)
     free = pick_spares(len(rest), [(w, h) for w, h in ready if h not in holding])

@@ -113,7 +113,7 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
     live = {h.host for h in c.hosts.values() if not h.lost}
     holding = {m.host for m in c.ranks.values() if m.host in live}
     old_host = {rank: c.ranks[rank].host if rank in c.ranks else -1 for rank in ranks}
-    match = match_spares([(rank, old_host[rank]) for rank in ranks], pool, holding)
+    match = match_spares([(rank, old_host[rank]) for rank in ranks], pool, holding, r.moving)
     starting = [m for m in spares if not m.ready]
     if r.waiting_since is None:
         r.waiting_since = now
@@ -130,7 +130,12 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
         # a rank whose host lives gets its spare there (its device is free); a lost host's rank
         # needs a spare host, and a spare squeezed onto another rank host could not take it
         host = old_host[rank]
-        c._spawn("spare", now, host=host if host in live else None, strict=host not in live)
+        if host in live:
+            c._spawn("spare", now, host=host)
+        elif host in r.moving:  # the rest of a lost host's ranks follow the first to its spare host
+            c._spawn("spare", now, host=r.moving[host])
+        else:
+            c._spawn("spare", now, strict=True)
     if d.action == SpareAction.WAIT and not match:
         return
     for rank in sorted(match):
@@ -139,6 +144,8 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
         if old is not None:
             c._kill(old, old.killed_for or "replaced")
         c.ranks[rank] = spare
+        if old_host[rank] not in live:
+            r.moving.setdefault(old_host[rank], spare.host)
         c._assign(spare, rank, r.target, now)
         r.replace.discard(rank)  # settled once the spare reports; re-added if it dies first
         c._emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)

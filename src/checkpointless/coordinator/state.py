@@ -75,6 +75,8 @@ class Round:
     phase: str = "collect"  # collect -> rebuild
     plan_sent: float = 0.0
     recovered: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # lost host -> the spare host its ranks began moving to (some may still wait for a spare there)
+    moving: dict[int, int] = field(default_factory=dict)
 
 
 # -- commands: what the shell must do -------------------------------------------------------------

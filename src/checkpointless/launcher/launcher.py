@@ -50,6 +50,7 @@ from checkpointless.protocol import (
     ProcVerdict,
     ProtocolError,
     Shutdown,
+    SpareReady,
     SpawnCmd,
     Succession,
     Vote,
@@ -469,6 +470,10 @@ class Launcher:
                 elif agent is not None:
                     agent.mark_connected(msg.worker_id)
                 self._announce(conn)
+                if msg.term > 0 and msg.ready:
+                    # a spare that was starting at the failover: its SpareReady went nowhere
+                    # (it had nobody to send it to); its hello says it instead
+                    coord.on_message(msg.worker_id, SpareReady(), now, time.time())
             self._execute()
             return
         if conn.worker_id is None or self._conns.get(conn.worker_id) is not conn:
