@@ -24,6 +24,7 @@ from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
 from checkpointless.state.shm_snapshot import (
     guarded_pointers,
+    staged_layout,
 )
 from checkpointless.state.snapshot import (
     capture_rng,
@@ -48,13 +49,18 @@ def enter_step(job: Job, index: int) -> None:
     job._step_rng = (index, capture_rng())
     job._streams.begin_step()
     set_log_step(index)
-    if job._snapshots is not None and job._snapshots.due(index):
-        # the state as this step begins (its RNG included); copied while forward/backward run
+    snap = job._snapshots is not None and job._snapshots.due(index)
+    if snap or job._buddies is not None:
+        # The state as this step begins (its RNG included), copied while forward/backward run.
+        # Collected and laid out once for the snapshot and the buddy copy alike: on a sharded
+        # job, walking the optimizer's DTensors is a main-thread cost on every step.
         state = collect_state(job._objects, index, job._step_rng[1])
-        job._snapshots.start(index, state, guarded_pointers(job._optimizers))
-    if job._buddies is not None:  # sent while forward/backward run; the update waits for it
-        state = collect_state(job._objects, index, job._step_rng[1])
-        job._buddies.start(index, state, guarded_pointers(job._optimizers))
+        guarded = guarded_pointers(job._optimizers)
+        staged = staged_layout(state, guarded)
+        if snap and job._snapshots is not None:
+            job._snapshots.start(index, state, guarded, staged)
+        if job._buddies is not None:  # sent while forward/backward run; the update waits for it
+            job._buddies.start(index, state, guarded, staged)
     if job._checkpoints is not None and job._checkpoints.due(index, job._progress_t):
         state = collect_state(job._objects, index, job._step_rng[1])
         try:

@@ -32,17 +32,21 @@ from typing import Any
 
 from checkpointless.errors import StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.state.codec import Layout, layout, unpack
+from checkpointless.state.codec import Layout, unpack
+from checkpointless.state.shm_snapshot import staged_layout
 from checkpointless.state.stream import StreamRoute, stream_receive, stream_send
 
 __all__ = ["BuddyCopies", "copy_channel", "keep_channel"]
 
 log = get_logger()
 
-_SOLO_MIN = 64 << 10  # as the snapshots: large tensors stay views, small ones are packed (copied)
 _KEEP = 2  # verified copies kept per owner
 _RETRY_S = 0.05  # a keeper whose owner is unreachable (dead, not started) tries again this often
-_NAP_FRACTION = 0.5  # of the interval between the last two copies, slept before asking again
+# Of the interval between the last two copies, slept before asking for the next. The owner
+# offers a copy as its step begins and waits for it only at its update, most of a step later, so a
+# keeper that wakes a little late costs nothing; one that wakes early asks the owner's key server
+# every 5 ms until the offer (a sealed request and reply each), CPU the ranks' training lacks.
+_NAP_FRACTION = 0.75
 _NAP_MAX = 1.0
 
 
@@ -86,19 +90,19 @@ class BuddyCopies:
         self.last_wait = 0.0  # seconds the last update waited for its copy (the critical-path cost)
 
     # -- the owner's side ------------------------------------------------------------------------
-    def start(self, step: int, state: Any, guarded: set[int]) -> bool:
-        """Begin sending ``state`` (taken as step ``step`` begins) to the keeper."""
+    def start(self, step: int, state: Any, guarded: set[int], staged: Layout | None = None) -> bool:
+        """Begin sending ``state`` (taken as step ``step`` begins) to the keeper. ``staged`` is
+        :func:`~checkpointless.state.shm_snapshot.staged_layout` of that state when the caller
+        has it already (shared with the step's snapshot); otherwise it is made here."""
         route = self._route
         if self.keeper is None or route is None:
             return False
         if self._sender is not None and self._sender.is_alive():
             self.skipped += 1  # never queue: the optimizer waits for one copy at most
             return False
-        lay = layout(state, solo_min=_SOLO_MIN)
-        for meta in lay.manifest["tensors"]:
-            i = int(meta["msg"])
-            if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
-                lay.messages[i] = lay.messages[i].clone()  # may change before the optimizer runs
+        if staged is None:
+            staged = staged_layout(state, guarded)
+        lay = Layout(staged.manifest, list(staged.messages))  # our own list: _send clears it
         self._sent.clear()
         self._cancel.clear()
         route = dataclasses.replace(route, channel=keep_channel(self._generation, self.rank))
@@ -201,9 +205,8 @@ class BuddyCopies:
                 for old in sorted(held)[:-_KEEP]:
                     del held[old]
             # The next copy starts when the owner's next step does, about one step from now.
-            # Asking for it at once would poll the owner's key server (a sealed request and
-            # reply each time) for the whole step, CPU taken from training; so sleep through
-            # half of the last interval between copies first.
+            # Asking for it at once would poll the owner's key server for the whole step; so
+            # sleep through most of the last interval between copies first (_NAP_FRACTION).
             now = time.monotonic()
             if last is not None:
                 self._stop.wait(min(_NAP_MAX, _NAP_FRACTION * (now - last)))

@@ -67,6 +67,7 @@ __all__ = [
     "restore_snapshot",
     "snapshot_dir",
     "snapshot_path",
+    "staged_layout",
     "write_snapshot",
 ]
 
@@ -157,6 +158,20 @@ def guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
         for st in opt.state.values():
             out.update(ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
     return out
+
+
+def staged_layout(state: Any, guarded: set[int]) -> Layout:
+    """``state`` laid out for a copy made while the step runs: tensors of 64 KiB or more stay
+    views, except those not in ``guarded`` (the optimizer's tensors, which nothing changes before
+    the update waits for the copy): those are cloned now, as are the small ones, packed (cheap,
+    and it keeps the message count small). One layout serves both the snapshot and the buddy
+    copy of a step: laying out and walking the state is a main-thread cost paid once."""
+    lay = layout(state, solo_min=_SOLO_MIN)
+    for meta in lay.manifest["tensors"]:
+        i = int(meta["msg"])
+        if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
+            lay.messages[i] = lay.messages[i].clone()
+    return lay
 
 
 def _plan_file(lay: Layout) -> tuple[bytes, list[int], int]:
@@ -378,21 +393,17 @@ class SnapshotWriter:
     def due(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0
 
-    def start(self, step: int, state: Any, guarded: set[int]) -> bool:
+    def start(self, step: int, state: Any, guarded: set[int], staged: Layout | None = None) -> bool:
         """Begin the snapshot of ``state`` (taken as step ``step`` begins). Lays it out and copies
-        the unguarded tensors now; the rest is copied on a thread. False if not started."""
+        the unguarded tensors now (or takes ``staged``, :func:`staged_layout` of the same state,
+        shared with the buddy copy); the rest is copied on a thread. False if not started."""
         if self._thread is not None and self._thread.is_alive():
             self.skipped += 1  # never queue: memory stays at two slots, training never waits here
             return False
         if snapshot_path(self.directory, step).exists():
             return False  # a replay of steps already covered (after a restore)
-        # tensors of 64 KiB or more stay views, copied on the thread; smaller ones are packed (so
-        # copied) right here, which is cheap and keeps the file's message count small
-        lay = layout(state, solo_min=_SOLO_MIN)
-        for meta in lay.manifest["tensors"]:
-            i = int(meta["msg"])
-            if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
-                lay.messages[i] = lay.messages[i].clone()
+        src = staged if staged is not None else staged_layout(state, guarded)
+        lay = Layout(src.manifest, list(src.messages))  # our own list: the writer clears it
         self._copied.clear()
         self._cancel.clear()
         self._thread = threading.Thread(
