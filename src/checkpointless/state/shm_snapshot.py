@@ -79,7 +79,6 @@ _ALIGN = 64
 _DATA_ALIGN = 4096
 _NAME = re.compile(r"^snap-(\d{12})\.ckpl$")
 _WRITING = ".writing-"
-_SOLO_MIN = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -161,12 +160,16 @@ def guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
 
 
 def staged_layout(state: Any, guarded: set[int]) -> Layout:
-    """``state`` laid out for a copy made while the step runs: tensors of 64 KiB or more stay
-    views, except those not in ``guarded`` (the optimizer's tensors, which nothing changes before
-    the update waits for the copy): those are cloned now, as are the small ones, packed (cheap,
-    and it keeps the message count small). One layout serves both the snapshot and the buddy
-    copy of a step: laying out and walking the state is a main-thread cost paid once."""
-    lay = layout(state, solo_min=_SOLO_MIN)
+    """``state`` laid out for a copy made while the step runs: every tensor is a message of its
+    own, a view of the live tensor when it is in ``guarded`` (the optimizer's tensors, which
+    nothing changes before the update waits for the copy), cloned now otherwise. One layout
+    serves both the snapshot and the buddy copy of a step.
+
+    Why no packing of small tensors here: a sharded rank's tensors are mostly small (a 128x128
+    weight split two ways is 32 KiB), so a pack would be nearly the whole state, copied into
+    fresh memory (a page fault per 4 KiB) on the training thread as every step begins; as views
+    they are copied once, on the copy's own thread, straight into the snapshot and the socket."""
+    lay = layout(state, solo_min=0)
     for meta in lay.manifest["tensors"]:
         i = int(meta["msg"])
         if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
