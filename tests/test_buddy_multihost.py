@@ -6,6 +6,11 @@ replica). Buddies are one host over: ranks 2 and 3 (host 1) keep their copies on
 (host 0), and the reverse. Every process of host 1 is killed at once; its ranks move to the spare
 host and take their shards from host 0's buddies. Every rank's final shards must be bit for bit
 those of the fault-free run.
+
+The truly mutual pair: on 2 hosts x 2 ranks the ring puts rank 0's copy on rank 2 and rank 2's on
+rank 0. Both killed in one step lose both copies; the job must take the documented fallback
+(each replacement loads its rank's own snapshot) or end with the documented error, never train
+on.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ CONTROL_PORT = 29410
 _REF: dict[str, JobResult] = {}
 
 
-def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path) -> list[Any]:
+def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path, inject: tuple[str, ...] = ()) -> list[Any]:
     h0 = cluster.hosts[0]
     py = [sys.executable, "-m", "checkpointless"]
     digest = run_dir.parent / (run_dir.name + ".digest-{rank}")
@@ -36,6 +41,7 @@ def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path) -> list[Any]:
         "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
         "--host", h0.address, "--control-port", str(CONTROL_PORT),
         "--run-dir", str(run_dir), "--hang-timeout", "20", "--lease", "3",
+        *[a for f in inject for a in ("--inject", f)],
         str(ROOT / "examples" / "train_gpt.py"), *ARGS,
         "--data", str(corpus), "--digest-out", str(digest),
     ]  # fmt: skip
@@ -53,15 +59,62 @@ def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path) -> list[Any]:
 
 @pytest.mark.netns
 @pytest.mark.timeout(300)
-def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
-) -> None:
+def _reference(tmp_path: Path, corpus: Path) -> JobResult:
     if "ref" not in _REF:
         (tmp_path / "ref").mkdir()
         ref = run_job(tmp_path / "ref" / "run", corpus, nproc=4, spares=0, script_args=ARGS)
         assert ref.rc == 0 and len(set(ref.digests.values())) == 4, ref.output[-4000:]
         _REF["ref"] = ref
-    ref = _REF["ref"]
+    return _REF["ref"]
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documented_error(
+    netns_hosts: Any, tmp_path: Path, corpus: Path
+) -> None:
+    from checkpointless.state.buddy_ring import buddy_of
+
+    assert buddy_of(0, 4, 2) == 2 and buddy_of(2, 4, 2) == 0  # the pair keeps each other's copies
+    ref = _reference(tmp_path, corpus)
+    cluster = netns_hosts(3)
+    run_dir = tmp_path / "job" / "run"
+    run_dir.parent.mkdir()
+    deadline = time.monotonic() + 200
+    # Both killed in their update of step 6: after every collective of the step, so neither
+    # waits on the other, and after each one's copy of step 6 landed on the other.
+    kills = ("kill:rank=0:step=6:site=optimizer", "kill:rank=2:step=6:site=optimizer")
+    procs = _start(cluster, run_dir, corpus, kills)
+    res = _finish(procs, run_dir, deadline)
+    plans = [e for e in _events(run_dir, "plan") if e["generation"] > 0]
+    if res.rc != 0:
+        # the documented error: no replica, no copy, no snapshot the replacements can reach
+        assert "no replica, no buddy copy and no snapshot" in res.output, res.output[-6000:]
+        assert not res.digests, f"no rank may finish with a result: {res.digests}"
+    else:
+        # The fallback. (Network namespaces share one /dev/shm, so a replacement on the spare
+        # host can read its rank's own snapshot here; on real hosts it could only when placed on
+        # the rank's own host, and the job would otherwise stop with the error above.)
+        wrong = {r: d[:12] for r, d in ref.digests.items() if res.digests.get(r) != d}
+        assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
+        got, want = res.batches(), ref.batches()
+        assert not {k for k in got if got[k] != want.get(k)}, "some rank trained on other samples"
+    both = [p for p in plans if {0, 2} <= set(p.get("receivers", []))]
+    for p in both:  # lost together: neither can have been served the other's (lost) copy
+        served = {(r, s) for r, s in p.get("sources", []) if r in p.get("from_copy", [])}
+        assert not served & {(0, 2), (2, 0)}, p
+        assert {0, 2} <= set(p.get("own_snapshot", [])), p
+    if res.rc == 0:
+        assert both, f"the two kills were not recovered together: {plans}"
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
+    netns_hosts: Any, tmp_path: Path, corpus: Path
+) -> None:
+    ref = _reference(tmp_path, corpus)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     run_dir.parent.mkdir()

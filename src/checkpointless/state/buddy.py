@@ -28,9 +28,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from checkpointless.errors import StateTransferError
+from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.events import get_logger
 from checkpointless.state.codec import Layout, unpack
 from checkpointless.state.shm_snapshot import staged_layout
@@ -48,6 +49,7 @@ _RETRY_S = 0.05  # a keeper whose owner is unreachable (dead, not started) tries
 # every 5 ms until the offer (a sealed request and reply each), CPU the ranks' training lacks.
 _NAP_FRACTION = 0.75
 _NAP_MAX = 1.0
+_ABORT_POLL_S = 0.02  # an update waiting for its copy sees a job abort this soon
 
 
 def keep_channel(generation: int, owner: int) -> str:
@@ -132,19 +134,30 @@ class BuddyCopies:
             lay.messages.clear()  # drop our views of the live tensors before anyone waits on us
             self._sent.set()
 
-    def wait_sent(self, timeout: float) -> float:
+    def wait_sent(self, timeout: float, aborted: Callable[[], str | None] | None = None) -> float:
         """Block until the copy in flight is acknowledged (or failed); return the seconds waited.
-        Past ``timeout`` the copy is cancelled: the update must not change tensors being sent."""
+        Past ``timeout`` the copy is cancelled: the update must not change tensors being sent.
+
+        ``aborted`` (the job's generation: a reason once it was aborted) is asked every
+        ``_ABORT_POLL_S``: a copy whose keeper died, or left to recover, is never acknowledged,
+        and the update waiting for it must leave the step at once like any collective, or the
+        launcher would take this rank for hung. Raises :class:`CommAborted` then, the copy cancelled."""
         if self._sent.is_set():
             self.last_wait = 0.0
             return 0.0
         t0 = time.monotonic()
         deadline = t0 + timeout
-        while not self._sent.wait(timeout=max(0.0, min(0.25, deadline - time.monotonic()))):
+        while not self._sent.wait(timeout=max(0.0, min(_ABORT_POLL_S, deadline - time.monotonic()))):
+            reason = aborted() if aborted is not None else None
+            if reason is not None:
+                self._cancel.set()
+                self._sent.wait(timeout=2.0)  # the stream notices the cancel within its poll
+                self.last_wait = time.monotonic() - t0
+                raise CommAborted(f"buddy copy to rank {self.keeper} abandoned: {reason}")
             if time.monotonic() >= deadline:
                 self._cancel.set()
                 log.warning("buddy copy took over %.0f s; cancelled it", timeout)
-                self._sent.wait(timeout=2.0)  # the stream notices the cancel within its poll
+                self._sent.wait(timeout=2.0)
                 break
         self.last_wait = time.monotonic() - t0
         return self.last_wait
