@@ -81,9 +81,10 @@ def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documente
     run_dir = tmp_path / "job" / "run"
     run_dir.parent.mkdir()
     deadline = time.monotonic() + 200
-    # Both killed in their update of step 6: after every collective of the step, so neither
-    # waits on the other, and after each one's copy of step 6 landed on the other.
-    kills = ("kill:rank=0:step=6:site=optimizer", "kill:rank=2:step=6:site=optimizer")
+    # Rank 2 dies in its update of step 5 (after every collective of the step), rank 0 as it
+    # begins step 6: nothing between the two deaths can stop rank 0, so both are lost in one
+    # generation, each with the only copies of the other's shard (tests/test_buddy_e2e.py).
+    kills = ("kill:rank=2:step=5:site=optimizer", "kill:rank=0:step=6")
     procs = _start(cluster, run_dir, corpus, kills)
     res = _finish(procs, run_dir, deadline)
     plans = [e for e in _events(run_dir, "plan") if e["generation"] > 0]

@@ -43,13 +43,14 @@ log = get_logger()
 
 _KEEP = 2  # verified copies kept per owner
 _RETRY_S = 0.05  # a keeper whose owner is unreachable (dead, not started) tries again this often
-# Of the interval between the last two copies, slept before asking for the next. The owner
-# offers a copy as its step begins and waits for it only at its update, most of a step later, so a
-# keeper that wakes a little late costs nothing; one that wakes early asks the owner's key server
-# every 5 ms until the offer (a sealed request and reply each), CPU the ranks' training lacks.
-_NAP_FRACTION = 0.75
+# Of the interval between the last two copies, slept before asking for the next. A keeper that
+# wakes early asks the owner's key server every 5 ms until the offer (a sealed request and reply
+# each: CPU the ranks' training lacks); one that wakes late makes the owner's update wait for the
+# copy. Tried 0.75: on short, uneven steps (tests' tiny model) updates waited for late keepers.
+_NAP_FRACTION = 0.5
 _NAP_MAX = 1.0
 _ABORT_POLL_S = 0.02  # an update waiting for its copy sees a job abort this soon
+_ABORT_GRACE_S = 0.5  # ... and leaves this much later if the copy has not ended by itself
 
 
 def keep_channel(generation: int, owner: int) -> str:
@@ -141,7 +142,8 @@ class BuddyCopies:
         ``aborted`` (the job's generation: a reason once it was aborted) is asked every
         ``_ABORT_POLL_S``: a copy whose keeper died, or left to recover, is never acknowledged,
         and the update waiting for it must leave the step at once like any collective, or the
-        launcher would take this rank for hung. Raises :class:`CommAborted` then, the copy cancelled."""
+        launcher would take this rank for hung. Raises :class:`CommAborted` then, the copy cancelled
+        (unless it ends by itself within ``_ABORT_GRACE_S``)."""
         if self._sent.is_set():
             self.last_wait = 0.0
             return 0.0
@@ -149,11 +151,17 @@ class BuddyCopies:
         deadline = t0 + timeout
         while not self._sent.wait(timeout=max(0.0, min(_ABORT_POLL_S, deadline - time.monotonic()))):
             reason = aborted() if aborted is not None else None
-            if reason is not None:
+            # A keeper that died resets the stream, so the copy ends by itself (failed) at about
+            # the moment the abort arrives: then the update goes on as it always did (the plan
+            # knows which copies are kept). Only a copy still pending after a grace period (its
+            # keeper alive but gone to recover, never to connect) is abandoned.
+            if reason is not None and not self._sent.wait(timeout=_ABORT_GRACE_S):
                 self._cancel.set()
                 self._sent.wait(timeout=2.0)  # the stream notices the cancel within its poll
                 self.last_wait = time.monotonic() - t0
                 raise CommAborted(f"buddy copy to rank {self.keeper} abandoned: {reason}")
+            if reason is not None:
+                break
             if time.monotonic() >= deadline:
                 self._cancel.set()
                 log.warning("buddy copy took over %.0f s; cancelled it", timeout)
