@@ -5,9 +5,10 @@ The example GPT (``examples/train_gpt.py --fsdp R,S``) is trained without faults
 * ``fsdp``: torch alone -- ``torchrun benchmarks/baseline/train_fsdp_ckpt.py --fsdp R,S
   --ckpt-every 0`` (gloo ``init_process_group`` + ``init_device_mesh``, ``fully_shard`` per block
   and at the root, AdamW); the same model, data and seed;
-* ``checkpointless``: ``checkpointless run --nproc R*S --spares 1 examples/train_gpt.py --fsdp R,S``
-  (launcher, heartbeats, resilient process groups under the same ``fully_shard``, commit
-  bookkeeping, one idle hot spare);
+* ``checkpointless``: ``checkpointless run --nproc R*S --spares 1 --buddy-copies off
+  examples/train_gpt.py --fsdp R,S`` (launcher, heartbeats, resilient process groups under the
+  same ``fully_shard``, commit bookkeeping, one idle hot spare; copies off explicitly, since the
+  default turns them on for a 1xS mesh);
 * ``buddy``: the same with ``--buddy-copies on``, when the launcher knows that flag (another branch
   adds it); otherwise the column is skipped with a note.
 
@@ -52,7 +53,9 @@ def launch(a: argparse.Namespace, design: str, mesh: tuple[int, int], run_dir: P
     if design == "fsdp":
         cmd = sl.torchrun_command(a, mesh, run_dir, ckpt_every=0)
     else:
-        extra = ["--buddy-copies", "on"] if design == "buddy" else []
+        # Explicit both ways: the launcher's default (auto) turns copies on for a mesh without a
+        # replica (1xS), and the checkpointless column is the cost *without* them.
+        extra = ["--buddy-copies", "on" if design == "buddy" else "off"] if a.buddy_known else []
         cmd = sl.checkpointless_command(a, mesh, run_dir, spares=a.spares, launcher_args=extra)
     sl.write_command(run_dir, cmd)
     return bl.run_command(
@@ -194,11 +197,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.warmup + 5 > a.steps:
         ap.error(f"--steps {a.steps} must leave at least 5 measured steps after --warmup {a.warmup}")
 
+    a.buddy_known = sl.buddy_flag_known()
     notes: list[str] = []
     designs = ["fsdp", "checkpointless"]
     if a.no_buddy:
         notes.append("The --buddy-copies on column was left out (--no-buddy).")
-    elif sl.buddy_flag_known():
+    elif a.buddy_known:
         designs.append("buddy")
     else:
         notes.append(
