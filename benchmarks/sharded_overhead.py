@@ -5,9 +5,10 @@ The example GPT (``examples/train_gpt.py --fsdp R,S``) is trained without faults
 * ``fsdp``: torch alone -- ``torchrun benchmarks/baseline/train_fsdp_ckpt.py --fsdp R,S
   --ckpt-every 0`` (gloo ``init_process_group`` + ``init_device_mesh``, ``fully_shard`` per block
   and at the root, AdamW); the same model, data and seed;
-* ``checkpointless``: ``checkpointless run --nproc R*S --spares 1 examples/train_gpt.py --fsdp R,S``
-  (launcher, heartbeats, resilient process groups under the same ``fully_shard``, commit
-  bookkeeping, one idle hot spare);
+* ``checkpointless``: ``checkpointless run --nproc R*S --spares 1 --buddy-copies off
+  examples/train_gpt.py --fsdp R,S`` (launcher, heartbeats, resilient process groups under the
+  same ``fully_shard``, commit bookkeeping, one idle hot spare; copies off explicitly, since the
+  default turns them on for a 1xS mesh);
 * ``buddy``: the same with ``--buddy-copies on``, when the launcher knows that flag (another branch
   adds it); otherwise the column is skipped with a note.
 
@@ -52,7 +53,9 @@ def launch(a: argparse.Namespace, design: str, mesh: tuple[int, int], run_dir: P
     if design == "fsdp":
         cmd = sl.torchrun_command(a, mesh, run_dir, ckpt_every=0)
     else:
-        extra = ["--buddy-copies", "on"] if design == "buddy" else []
+        # Explicit both ways: the launcher's default (auto) turns copies on for a mesh without a
+        # replica (1xS), and the checkpointless column is the cost *without* them.
+        extra = ["--buddy-copies", "on" if design == "buddy" else "off"] if a.buddy_known else []
         cmd = sl.checkpointless_command(a, mesh, run_dir, spares=a.spares, launcher_args=extra)
     sl.write_command(run_dir, cmd)
     return bl.run_command(
@@ -66,21 +69,31 @@ def launch(a: argparse.Namespace, design: str, mesh: tuple[int, int], run_dir: P
 
 
 def buddy_fields(run_dir: Path) -> dict[str, float]:
-    """Numeric event fields that name the buddy copies (their memory per rank), by event.field;
-    the flag's branch owns their names, so any field with 'buddy' in its key or event is kept."""
-    out: dict[str, float] = {}
-    for e in bl.read_jsonl(run_dir / "events.jsonl"):
-        ev = str(e.get("event", ""))
-        for k, v in e.items():
-            numeric = isinstance(v, int | float) and not isinstance(v, bool)
-            if (
-                numeric
-                and ("buddy" in k or "buddy" in ev)
-                and k not in ("time", "rank", "generation", "step")
-            ):
-                key = f"{ev}.{k}"
-                out[key] = max(float(v), out.get(key, float("-inf")))
-    return out
+    """What the buddy copies cost, from every rank's commit events (their ``buddy`` record): the
+    most memory one rank spent keeping copies (``keeps_bytes``, the extra memory per rank), the
+    bytes of one copy, and the median seconds a copy travelled and an update waited for it."""
+    keeps: list[float] = []
+    sent: list[float] = []
+    send_s: list[float] = []
+    wait_s: list[float] = []
+    for f in sorted(run_dir.glob("rank-*.jsonl")):
+        for e in bl.read_jsonl(f):
+            b = e.get("buddy") if e.get("event") == "commit" else None
+            if not isinstance(b, dict):
+                continue
+            keeps.append(float(b.get("keeps_bytes", 0.0)))
+            sent.append(float(b.get("bytes", 0.0)))
+            send_s.append(float(b.get("send_s", 0.0)))
+            wait_s.append(float(b.get("wait_s", 0.0)))
+    if not keeps:
+        return {}
+    return {
+        "keeps_bytes_max": max(keeps),
+        "copy_bytes_max": max(sent),
+        "send_s_median": statistics.median(send_s),
+        "wait_s_median": statistics.median(wait_s),
+        "wait_s_max": max(wait_s),
+    }
 
 
 def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, work: Path) -> dict[str, Any]:
@@ -158,7 +171,7 @@ def summarize(runs: list[dict[str, Any]], mesh: str, designs: list[str], rounds:
             "target_pct": TARGET_PCT[d],
         }
     buddy = [r["buddy"] for r in ok if r["design"] == "buddy" and r["buddy"]]
-    out["buddy_fields"] = {k: max(b[k] for b in buddy if k in b) for b0 in buddy for k in b0}
+    out["buddy_fields"] = {k: max(b[k] for b in buddy if k in b) for b0 in buddy for k in b0}  # worst run
     return out
 
 
@@ -184,11 +197,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.warmup + 5 > a.steps:
         ap.error(f"--steps {a.steps} must leave at least 5 measured steps after --warmup {a.warmup}")
 
+    a.buddy_known = sl.buddy_flag_known()
     notes: list[str] = []
     designs = ["fsdp", "checkpointless"]
     if a.no_buddy:
         notes.append("The --buddy-copies on column was left out (--no-buddy).")
-    elif sl.buddy_flag_known():
+    elif a.buddy_known:
         designs.append("buddy")
     else:
         notes.append(
@@ -256,9 +270,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"({'met' if pct <= v['target_pct'] else 'NOT met'}){spread}."
             )
         if s["buddy_fields"]:
-            notes.append(f"{key} buddy copies, event fields: {s['buddy_fields']}")
+            bf = s["buddy_fields"]
+            notes.append(
+                f"{key} buddy copies (worst run): extra memory per rank {bf['keeps_bytes_max'] / 1e6:.1f} MB "
+                f"(two kept copies of a {bf['copy_bytes_max'] / 1e6:.1f} MB shard state), a copy travels "
+                f"{bf['send_s_median'] * 1000:.0f} ms (median), the update waited for it "
+                f"{bf['wait_s_median'] * 1000:.1f} ms median, {bf['wait_s_max'] * 1000:.0f} ms at most."
+            )
         elif "buddy" in designs:
-            notes.append(f"{key} buddy copies: the events carry no buddy memory field.")
+            notes.append(f"{key} buddy copies: no commit event carried a buddy record.")
     failed = [f"{r['mesh']} {r['design']} #{r['round']}: {r['error']}" for r in runs if r["error"]]
     if failed:
         notes.append("Failed runs: " + "; ".join(failed))

@@ -73,8 +73,13 @@ def test_fsdp_kill_is_recovered_from_the_buddy_copy(
 def test_fsdp_two_kills_whose_copies_are_on_each_other_fall_back_to_own_snapshots(
     tmp_path: Path, corpus: Path, fsdp_reference: JobResult
 ) -> None:
-    # rank 1's copy is kept by rank 2: both gone, rank 1 loads its own per-rank snapshot
-    faults = ["kill:rank=1:step=4", "kill:rank=2:step=4"]
+    # rank 1's copy is kept by rank 2: both gone, rank 1 loads its own per-rank snapshot. Rank 2
+    # dies in its update of step 3 (after every collective of the step, its copy of step 3 kept by
+    # rank 3), rank 1 as it begins step 4: nothing between the two deaths can stop rank 1 (its
+    # copy of step 3 is acknowledged or broken off by rank 2's death, never left pending), so
+    # both are lost in one generation. (Both killed as step 4 began, the later one could still be
+    # waiting for its copy when the first died, leave that step at the abort and survive.)
+    faults = ["kill:rank=2:step=3:site=optimizer", "kill:rank=1:step=4"]
     res = run_job(tmp_path / "run", corpus, nproc=4, spares=2, faults=faults, script_args=FSDP, timeout=120)
     if res.rc != 0:  # the documented error is acceptable; a wrong result never is
         assert "no replica, no buddy copy and no snapshot" in res.output, res.output[-4000:]

@@ -6,15 +6,22 @@ replica). Buddies are one host over: ranks 2 and 3 (host 1) keep their copies on
 (host 0), and the reverse. Every process of host 1 is killed at once; its ranks move to the spare
 host and take their shards from host 0's buddies. Every rank's final shards must be bit for bit
 those of the fault-free run.
+
+The truly mutual pair: on 2 hosts x 2 ranks the ring puts rank 0's copy on rank 2 and rank 2's on
+rank 0. Both killed in one step lose both copies; the job must take the documented fallback
+(each replacement loads its rank's own snapshot) or end with the documented error, never train
+on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +36,9 @@ CONTROL_PORT = 29410
 _REF: dict[str, JobResult] = {}
 
 
-def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path, shm: list[Path]) -> list[Any]:
+def _start(
+    cluster: NetnsCluster, run_dir: Path, corpus: Path, shm: list[Path], inject: tuple[str, ...] = ()
+) -> list[Any]:
     h0 = cluster.hosts[0]
     py = [sys.executable, "-m", "checkpointless"]
     digest = run_dir.parent / (run_dir.name + ".digest-{rank}")
@@ -39,6 +48,7 @@ def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path, shm: list[Path]) 
         "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
         "--host", h0.address, "--control-port", str(CONTROL_PORT),
         "--run-dir", str(run_dir), "--hang-timeout", "20", "--lease", "3",
+        *[a for f in inject for a in ("--inject", f)],
         str(ROOT / "examples" / "train_gpt.py"), *ARGS,
         "--data", str(corpus), "--digest-out", str(digest),
     ]  # fmt: skip
@@ -57,38 +67,87 @@ def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path, shm: list[Path]) 
     return procs
 
 
-@pytest.mark.netns
-@pytest.mark.timeout(300)
-def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
-) -> None:
-    if "ref" not in _REF:
-        (tmp_path / "ref").mkdir()
-        ref = run_job(tmp_path / "ref" / "run", corpus, nproc=4, spares=0, script_args=ARGS)
-        assert ref.rc == 0 and len(set(ref.digests.values())) == 4, ref.output[-4000:]
-        _REF["ref"] = ref
-    ref = _REF["ref"]
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    run_dir.parent.mkdir()
-    deadline = time.monotonic() + 200
+@contextlib.contextmanager
+def _host_shm() -> Iterator[list[Path]]:
+    """A shared-memory directory per host; the survivors' must be empty at the end (their agents
+    remove the job's), and all are removed."""
     shm = [Path(tempfile.mkdtemp(prefix=f"cl-test-h{i}-", dir="/dev/shm")) for i in range(3)]
     try:
-        procs = _start(cluster, run_dir, corpus, shm)
-        _recovered_from_buddies(cluster, procs, run_dir, ref, deadline)
-        # the surviving hosts' agents removed the job's shared memory (host 1's died with it)
-        assert not [p for i in (0, 2) for p in shm[i].iterdir()], "shared memory was left behind"
+        yield shm
     finally:
         for d in shm:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _recovered_from_buddies(
-    cluster: NetnsCluster, procs: list[Any], run_dir: Path, ref: JobResult, deadline: float
+def _reference(tmp_path: Path, corpus: Path) -> JobResult:
+    if "ref" not in _REF:
+        (tmp_path / "ref").mkdir()
+        ref = run_job(tmp_path / "ref" / "run", corpus, nproc=4, spares=0, script_args=ARGS)
+        assert ref.rc == 0 and len(set(ref.digests.values())) == 4, ref.output[-4000:]
+        _REF["ref"] = ref
+    return _REF["ref"]
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documented_error(
+    netns_hosts: Any, tmp_path: Path, corpus: Path
 ) -> None:
-    _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
-    assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
-    res = _finish(procs, run_dir, deadline)
+    from checkpointless.state.buddy_ring import buddy_of
+
+    assert buddy_of(0, 4, 2) == 2 and buddy_of(2, 4, 2) == 0  # the pair keeps each other's copies
+    ref = _reference(tmp_path, corpus)
+    cluster = netns_hosts(3)
+    run_dir = tmp_path / "job" / "run"
+    run_dir.parent.mkdir()
+    deadline = time.monotonic() + 200
+    # Rank 2 dies in its update of step 5 (after every collective of the step), rank 0 as it
+    # begins step 6: nothing between the two deaths can stop rank 0, so both are lost in one
+    # generation, each with the only copies of the other's shard (tests/test_buddy_e2e.py).
+    kills = ("kill:rank=2:step=5:site=optimizer", "kill:rank=0:step=6")
+    with _host_shm() as shm:
+        procs = _start(cluster, run_dir, corpus, shm, kills)
+        res = _finish(procs, run_dir, deadline)
+        assert not [p for d in shm for p in d.iterdir()], "shared memory was left behind"
+    plans = [e for e in _events(run_dir, "plan") if e["generation"] > 0]
+    if res.rc != 0:
+        # the documented error: no replica, no copy, no snapshot the replacements can reach
+        assert "no replica, no buddy copy and no snapshot" in res.output, res.output[-6000:]
+        assert not res.digests, f"no rank may finish with a result: {res.digests}"
+    else:
+        # The fallback: each replacement read its rank's own snapshot, which it can only when
+        # it was placed on the rank's own host (each host has its own shared memory here)
+        wrong = {r: d[:12] for r, d in ref.digests.items() if res.digests.get(r) != d}
+        assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
+        got, want = res.batches(), ref.batches()
+        assert not {k for k in got if got[k] != want.get(k)}, "some rank trained on other samples"
+    both = [p for p in plans if {0, 2} <= set(p.get("receivers", []))]
+    for p in both:  # lost together: neither can have been served the other's (lost) copy
+        served = {(r, s) for r, s in p.get("sources", []) if r in p.get("from_copy", [])}
+        assert not served & {(0, 2), (2, 0)}, p
+        assert {0, 2} <= set(p.get("own_snapshot", [])), p
+    if res.rc == 0:
+        assert both, f"the two kills were not recovered together: {plans}"
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
+    netns_hosts: Any, tmp_path: Path, corpus: Path
+) -> None:
+    ref = _reference(tmp_path, corpus)
+    cluster = netns_hosts(3)
+    run_dir = tmp_path / "job" / "run"
+    run_dir.parent.mkdir()
+    deadline = time.monotonic() + 200
+    with _host_shm() as shm:
+        procs = _start(cluster, run_dir, corpus, shm)
+        _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+        assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
+        res = _finish(procs, run_dir, deadline)
+        # the surviving hosts' agents removed the job's shared memory (host 1's died with it)
+        assert not [p for i in (0, 2) for p in shm[i].iterdir()], "shared memory was left behind"
     assert res.rc == 0, res.output[-6000:]
     wrong = {r: d[:12] for r, d in ref.digests.items() if res.digests.get(r) != d}
     assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"

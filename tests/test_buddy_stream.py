@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from checkpointless.errors import CommAborted
 from checkpointless.rendezvous import KeyServer
 from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.stream import StreamRoute
@@ -90,3 +91,19 @@ def test_a_stopped_keeper_lists_no_half_copy_and_the_owner_does_not_hang(
     assert waited < 5.0 and owner.failed == 1, (waited, owner.failed)
     assert time.monotonic() - t0 < 6.0
     assert keeper.held() == [(0, 0), (0, 1)], "a copy that never completed must not be listed"
+
+
+def test_an_update_waiting_for_an_unacknowledged_copy_leaves_at_once_on_abort(
+    pair: tuple[BuddyCopies, BuddyCopies],
+) -> None:
+    owner, keeper = pair
+    keeper.stop(5.0)  # the keeper died or left for a recovery: the copy will never be acknowledged
+    aborted_at = time.monotonic() + 0.3
+    owner.start(0, _state(0), guarded=set())
+    t0 = time.monotonic()
+    with pytest.raises(CommAborted, match="generation 0 aborted"):
+        # without the abort this would wait the whole 30 s (the launcher's hang timeout is less)
+        owner.wait_sent(30.0, lambda: "generation 0 aborted" if time.monotonic() >= aborted_at else None)
+    assert time.monotonic() - t0 < 3.0
+    assert owner.failed == 1, "the abandoned copy is cancelled and counted, not left streaming"
+    assert keeper.held() == []

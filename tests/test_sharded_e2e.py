@@ -126,3 +126,19 @@ def test_fsdp_without_replica_ends_with_the_documented_error(tmp_path: Path, cor
     assert "R >= 2" in res.output and "--buddy-copies" in res.output, res.output[-4000:]
     assert not res.digests, f"no rank may finish with a result: {res.digests}"
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.timeout(120)
+def test_hsdp_divergence_check_compares_only_replicas_of_a_shard(
+    tmp_path: Path, corpus: Path, hsdp_reference: JobResult
+) -> None:
+    # A check every 3 steps: each rank hashes its own shards (DTensors' local tensors) and only
+    # the two replicas of one shard are compared; the two shards differ by design, so a healthy
+    # run reports no divergence and trains exactly the fault-free shards.
+    res = run_job(
+        tmp_path / "run", corpus, nproc=4, spares=0, extra=["--divergence-check", "3"],
+        script_args=HSDP, timeout=110,
+    )  # fmt: skip
+    assert res.rc == 0, res.output[-4000:]
+    assert res.digests == hsdp_reference.digests
+    assert not res.of("divergence") and not res.of("recovery"), res.output[-4000:]

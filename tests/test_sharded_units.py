@@ -47,3 +47,15 @@ def test_plan_sources_per_receiver_and_single_source() -> None:
     assert plan_sources({"source": 0, "receivers": [1, 3], "sources": [[1, 3], [3, 1]]}) == {1: 3, 3: 1}
     assert plan_sources({"source": 2, "receivers": [0, 1]}) == {0: 2, 1: 2}
     assert plan_sources({"source": -1, "receivers": [0, 1], "from_snapshot": True}) == {}
+
+
+def test_divergence_is_judged_among_the_replicas_of_each_shard() -> None:
+    from checkpointless.recovery.commit import judge_replicas
+
+    # 3x2 mesh: ranks 0, 2, 4 hold shard 0 and ranks 1, 3, 5 shard 1; the shards differ
+    assert judge_replicas([7, 9, 7, 9, 7, 9], 2).divergent == ()
+    v = judge_replicas([7, 9, 7, 8, 7, 9], 2)  # rank 3 differs from its shard's other replicas
+    assert v.divergent == (3,) and v.has_majority
+    v = judge_replicas([7, 9, 6, 9], 2)  # two replicas of shard 0 differ: neither can be trusted
+    assert v.divergent == (0, 2) and not v.has_majority
+    assert judge_replicas([5, 5, 6], 1).divergent == (2,)  # plain data parallel: one column

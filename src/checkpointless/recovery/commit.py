@@ -15,16 +15,16 @@ import torch
 from checkpointless.errors import NotRecoverableError
 from checkpointless.events import get_logger, set_log_step
 from checkpointless.protocol import Committed
-from checkpointless.recovery.divergence import due, judge, state_digest
+from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
-from checkpointless.state.shm_snapshot import guarded_pointers
+from checkpointless.state.shm_snapshot import guarded_pointers, staged_layout
 from checkpointless.state.snapshot import capture_rng, collect_state
 
 if TYPE_CHECKING:
     from checkpointless.recovery.job import Job
 
-__all__ = ["check_divergence", "commit", "enter_step"]
+__all__ = ["check_divergence", "commit", "enter_step", "judge_replicas"]
 
 log = get_logger()
 
@@ -39,13 +39,18 @@ def enter_step(job: Job, index: int) -> None:
     job._step_rng = (index, capture_rng())
     job._streams.begin_step()
     set_log_step(index)
-    if job._snapshots is not None and job._snapshots.due(index):
-        # the state as this step begins (its RNG included); copied while forward/backward run
+    snap = job._snapshots is not None and job._snapshots.due(index)
+    if snap or job._buddies is not None:
+        # The state as this step begins (its RNG included), copied while forward/backward run.
+        # Collected and laid out once for the snapshot and the buddy copy alike: on a sharded
+        # job, walking the optimizer's DTensors is a main-thread cost on every step.
         state = collect_state(job._objects, index, job._step_rng[1])
-        job._snapshots.start(index, state, guarded_pointers(job._optimizers))
-    if job._buddies is not None:  # sent while forward/backward run; the update waits for it
-        state = collect_state(job._objects, index, job._step_rng[1])
-        job._buddies.start(index, state, guarded_pointers(job._optimizers))
+        guarded = guarded_pointers(job._optimizers)
+        staged = staged_layout(state, guarded)
+        if snap and job._snapshots is not None:
+            job._snapshots.start(index, state, guarded, staged)
+        if job._buddies is not None:  # sent while forward/backward run; the update waits for it
+            job._buddies.start(index, state, guarded, staged)
     if job._checkpoints is not None and job._checkpoints.due(index, job._progress_t):
         state = collect_state(job._objects, index, job._step_rng[1])
         try:
@@ -99,6 +104,9 @@ def check_divergence(job: Job) -> None:
         return
     if job._link is None and not job.under_torchrun:
         return
+    shards = job._mesh.shards if job._mesh is not None else 1
+    if job._mesh is not None and job._mesh.replicate == 1:
+        return  # plain FSDP: every shard exists once, there is no replica to compare it with
     digest = state_digest(job._modules, job._optimizers)
     mine = torch.tensor([digest], dtype=torch.int64, device=job.device)
     try:
@@ -109,7 +117,7 @@ def check_divergence(job: Job) -> None:
         job.comm.abort(f"rank {job.rank} left the divergence check after step {step - 1}")
         recover(job, "comm", short_error(e), step, True)
         return
-    verdict = judge([int(t.item()) for t in gathered])
+    verdict = judge_replicas([int(t.item()) for t in gathered], shards)
     if not verdict.divergent:
         return
     why = verdict.describe(step)
@@ -127,6 +135,20 @@ def check_divergence(job: Job) -> None:
         return
     job.comm.abort(f"divergence check after step {step - 1}")
     recover(job, "exception", why, step, False)
+
+
+def judge_replicas(digests: list[int], shards: int) -> Verdict:
+    """:func:`~checkpointless.recovery.divergence.judge` over each shard's replicas. On a
+    (replicate, shard) mesh rank r holds shard ``r % shards``: only ranks of one shard must agree
+    (different shards differ by design). ``shards`` 1 is plain data parallelism."""
+    divergent: list[int] = []
+    majority = True
+    for col in range(shards):
+        ranks = list(range(col, len(digests), shards))
+        v = judge([digests[r] for r in ranks])
+        divergent += [ranks[i] for i in v.divergent]
+        majority = majority and v.has_majority
+    return Verdict(tuple(sorted(divergent)), majority)
 
 
 # -- recovery ------------------------------------------------------------------------------

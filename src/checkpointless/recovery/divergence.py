@@ -57,7 +57,9 @@ def state_digest(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.
     equal on two replicas exactly when their bytes are (short of a hash collision)."""
     h = xxhash.xxh3_64()
     for t in _tensors(modules, optimizers):
-        c = t.detach()
+        # a sharded module's DTensor: this rank's own shard is its replica's state (recovery/sharded.py)
+        local = getattr(t, "to_local", None)
+        c = (local() if callable(local) else t).detach()
         if c.device.type != "cpu":
             c = c.cpu()
         c = c.contiguous().reshape(-1)

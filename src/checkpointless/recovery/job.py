@@ -582,6 +582,10 @@ class Job:
         if self._step_index is not None:
             self._injector.maybe_fire(site, self._step_index)
 
+    def _copy_aborted(self) -> str | None:
+        # a buddy copy is abandoned with the generation (state/buddy.py: wait_sent)
+        return self.comm.aborted or (self._mesh.aborted() if self._mesh is not None else None)
+
     def _before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.comm.check()  # never apply an update from a generation that was aborted
         if self._default is not None:
@@ -593,7 +597,7 @@ class Job:
         if self._checkpoints is not None:  # nor tensors DCP is still staging
             self._checkpoints.wait_staged(self.rendezvous_timeout)
         if self._buddies is not None:  # nor tensors still streaming to the buddy
-            self._buddies.wait_sent(self.rendezvous_timeout)
+            self._buddies.wait_sent(self.rendezvous_timeout, self._copy_aborted)
         self._dirty = True
         if self._step_index is not None and self._injector.due("optimizer", self._step_index):
             # rehearse a fault half-way through the update: some parameters already changed

@@ -28,22 +28,29 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from checkpointless.errors import StateTransferError
+from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.state.codec import Layout, layout, unpack
+from checkpointless.state.codec import Layout, unpack
+from checkpointless.state.shm_snapshot import staged_layout
 from checkpointless.state.stream import StreamRoute, stream_receive, stream_send
 
 __all__ = ["BuddyCopies", "copy_channel", "keep_channel"]
 
 log = get_logger()
 
-_SOLO_MIN = 64 << 10  # as the snapshots: large tensors stay views, small ones are packed (copied)
 _KEEP = 2  # verified copies kept per owner
 _RETRY_S = 0.05  # a keeper whose owner is unreachable (dead, not started) tries again this often
-_NAP_FRACTION = 0.5  # of the interval between the last two copies, slept before asking again
+# Of the interval between the last two copies, slept before asking for the next. A keeper that
+# wakes early asks the owner's key server every 5 ms until the offer (a sealed request and reply
+# each: CPU the ranks' training lacks); one that wakes late makes the owner's update wait for the
+# copy. Tried 0.75: on short, uneven steps (tests' tiny model) updates waited for late keepers.
+_NAP_FRACTION = 0.5
 _NAP_MAX = 1.0
+_ABORT_POLL_S = 0.02  # an update waiting for its copy sees a job abort this soon
+_ABORT_GRACE_S = 0.5  # ... and leaves this much later if the copy has not ended by itself
 
 
 def keep_channel(generation: int, owner: int) -> str:
@@ -86,19 +93,19 @@ class BuddyCopies:
         self.last_wait = 0.0  # seconds the last update waited for its copy (the critical-path cost)
 
     # -- the owner's side ------------------------------------------------------------------------
-    def start(self, step: int, state: Any, guarded: set[int]) -> bool:
-        """Begin sending ``state`` (taken as step ``step`` begins) to the keeper."""
+    def start(self, step: int, state: Any, guarded: set[int], staged: Layout | None = None) -> bool:
+        """Begin sending ``state`` (taken as step ``step`` begins) to the keeper. ``staged`` is
+        :func:`~checkpointless.state.shm_snapshot.staged_layout` of that state when the caller
+        has it already (shared with the step's snapshot); otherwise it is made here."""
         route = self._route
         if self.keeper is None or route is None:
             return False
         if self._sender is not None and self._sender.is_alive():
             self.skipped += 1  # never queue: the optimizer waits for one copy at most
             return False
-        lay = layout(state, solo_min=_SOLO_MIN)
-        for meta in lay.manifest["tensors"]:
-            i = int(meta["msg"])
-            if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
-                lay.messages[i] = lay.messages[i].clone()  # may change before the optimizer runs
+        if staged is None:
+            staged = staged_layout(state, guarded)
+        lay = Layout(staged.manifest, list(staged.messages))  # our own list: _send clears it
         self._sent.clear()
         self._cancel.clear()
         route = dataclasses.replace(route, channel=keep_channel(self._generation, self.rank))
@@ -128,19 +135,37 @@ class BuddyCopies:
             lay.messages.clear()  # drop our views of the live tensors before anyone waits on us
             self._sent.set()
 
-    def wait_sent(self, timeout: float) -> float:
+    def wait_sent(self, timeout: float, aborted: Callable[[], str | None] | None = None) -> float:
         """Block until the copy in flight is acknowledged (or failed); return the seconds waited.
-        Past ``timeout`` the copy is cancelled: the update must not change tensors being sent."""
+        Past ``timeout`` the copy is cancelled: the update must not change tensors being sent.
+
+        ``aborted`` (the job's generation: a reason once it was aborted) is asked every
+        ``_ABORT_POLL_S``: a copy whose keeper died, or left to recover, is never acknowledged,
+        and the update waiting for it must leave the step at once like any collective, or the
+        launcher would take this rank for hung. Raises :class:`CommAborted` then, the copy cancelled
+        (unless it ends by itself within ``_ABORT_GRACE_S``)."""
         if self._sent.is_set():
             self.last_wait = 0.0
             return 0.0
         t0 = time.monotonic()
         deadline = t0 + timeout
-        while not self._sent.wait(timeout=max(0.0, min(0.25, deadline - time.monotonic()))):
+        while not self._sent.wait(timeout=max(0.0, min(_ABORT_POLL_S, deadline - time.monotonic()))):
+            reason = aborted() if aborted is not None else None
+            # A keeper that died resets the stream, so the copy ends by itself (failed) at about
+            # the moment the abort arrives: then the update goes on as it always did (the plan
+            # knows which copies are kept). Only a copy still pending after a grace period (its
+            # keeper alive but gone to recover, never to connect) is abandoned.
+            if reason is not None and not self._sent.wait(timeout=_ABORT_GRACE_S):
+                self._cancel.set()
+                self._sent.wait(timeout=2.0)  # the stream notices the cancel within its poll
+                self.last_wait = time.monotonic() - t0
+                raise CommAborted(f"buddy copy to rank {self.keeper} abandoned: {reason}")
+            if reason is not None:
+                break
             if time.monotonic() >= deadline:
                 self._cancel.set()
                 log.warning("buddy copy took over %.0f s; cancelled it", timeout)
-                self._sent.wait(timeout=2.0)  # the stream notices the cancel within its poll
+                self._sent.wait(timeout=2.0)
                 break
         self.last_wait = time.monotonic() - t0
         return self.last_wait
@@ -201,9 +226,8 @@ class BuddyCopies:
                 for old in sorted(held)[:-_KEEP]:
                     del held[old]
             # The next copy starts when the owner's next step does, about one step from now.
-            # Asking for it at once would poll the owner's key server (a sealed request and
-            # reply each time) for the whole step, CPU taken from training; so sleep through
-            # half of the last interval between copies first.
+            # Asking for it at once would poll the owner's key server for the whole step; so
+            # sleep through most of the last interval between copies first (_NAP_FRACTION).
             now = time.monotonic()
             if last is not None:
                 self._stop.wait(min(_NAP_MAX, _NAP_FRACTION * (now - last)))

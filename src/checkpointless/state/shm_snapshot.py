@@ -67,6 +67,7 @@ __all__ = [
     "restore_snapshot",
     "snapshot_dir",
     "snapshot_path",
+    "staged_layout",
     "write_snapshot",
 ]
 
@@ -78,7 +79,6 @@ _ALIGN = 64
 _DATA_ALIGN = 4096
 _NAME = re.compile(r"^snap-(\d{12})\.ckpl$")
 _WRITING = ".writing-"
-_SOLO_MIN = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,24 @@ def guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
         for st in opt.state.values():
             out.update(ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
     return out
+
+
+def staged_layout(state: Any, guarded: set[int]) -> Layout:
+    """``state`` laid out for a copy made while the step runs: every tensor is a message of its
+    own, a view of the live tensor when it is in ``guarded`` (the optimizer's tensors, which
+    nothing changes before the update waits for the copy), cloned now otherwise. One layout
+    serves both the snapshot and the buddy copy of a step.
+
+    Why no packing of small tensors here: a sharded rank's tensors are mostly small (a 128x128
+    weight split two ways is 32 KiB), so a pack would be nearly the whole state, copied into
+    fresh memory (a page fault per 4 KiB) on the training thread as every step begins; as views
+    they are copied once, on the copy's own thread, straight into the snapshot and the socket."""
+    lay = layout(state, solo_min=0)
+    for meta in lay.manifest["tensors"]:
+        i = int(meta["msg"])
+        if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
+            lay.messages[i] = lay.messages[i].clone()
+    return lay
 
 
 def _plan_file(lay: Layout) -> tuple[bytes, list[int], int]:
@@ -378,21 +396,17 @@ class SnapshotWriter:
     def due(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0
 
-    def start(self, step: int, state: Any, guarded: set[int]) -> bool:
+    def start(self, step: int, state: Any, guarded: set[int], staged: Layout | None = None) -> bool:
         """Begin the snapshot of ``state`` (taken as step ``step`` begins). Lays it out and copies
-        the unguarded tensors now; the rest is copied on a thread. False if not started."""
+        the unguarded tensors now (or takes ``staged``, :func:`staged_layout` of the same state,
+        shared with the buddy copy); the rest is copied on a thread. False if not started."""
         if self._thread is not None and self._thread.is_alive():
             self.skipped += 1  # never queue: memory stays at two slots, training never waits here
             return False
         if snapshot_path(self.directory, step).exists():
             return False  # a replay of steps already covered (after a restore)
-        # tensors of 64 KiB or more stay views, copied on the thread; smaller ones are packed (so
-        # copied) right here, which is cheap and keeps the file's message count small
-        lay = layout(state, solo_min=_SOLO_MIN)
-        for meta in lay.manifest["tensors"]:
-            i = int(meta["msg"])
-            if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
-                lay.messages[i] = lay.messages[i].clone()
+        src = staged if staged is not None else staged_layout(state, guarded)
+        lay = Layout(src.manifest, list(src.messages))  # our own list: the writer clears it
         self._copied.clear()
         self._cancel.clear()
         self._thread = threading.Thread(
