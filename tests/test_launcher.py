@@ -102,6 +102,25 @@ def test_recurring_exception_stops_the_job_with_a_clear_error(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_an_error_escaping_the_loop_after_a_committed_step_fails_the_job(tmp_path: Path, how: str) -> None:
+    # regression: it was taken for a clean `break`, and the fast exit turned the ranks' failure
+    # into exit code 0, so the job reported success after 4 of its 8 steps
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "checkpointless", "run", "--run-dir", str(run_dir), "--nproc", "2"]
+    cmd += ["--spares", "0", str(SCRIPTS / "raise_after_step.py"), *(["--exit"] if how == "exit" else [])]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=110)
+    assert proc.returncode == 1, out[-3000:]
+    assert "failed after the loop" in out, out[-3000:]
+    if how == "raise":
+        assert "an evaluation bug between two steps" in out
+    end = wait_for_event(run_dir, "job_end", 1)
+    assert end["status"] == "failed"
+    assert_nothing_left(run_dir, str(end["job"]))
+
+
+@pytest.mark.timeout(120)
 def test_no_spare_in_time_stops_the_job_naming_the_settings(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(

@@ -265,6 +265,11 @@ def _run_child(req: dict[str, Any], fds: list[int], parent: int) -> None:
         traceback.print_exc()
         code = 1
     finally:
+        # a worker's fast exit (recovery/process.py) runs among the exit functions below and
+        # would end the process with 0: tell it how the script ended
+        process = sys.modules.get("checkpointless.recovery.process")
+        if process is not None:
+            process.note_exit_code(code)
         # what interpreter shutdown would do: join non-daemon threads, run atexit, flush
         with contextlib.suppress(Exception):
             import threading

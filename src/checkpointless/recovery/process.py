@@ -15,7 +15,14 @@ from torch import nn
 from checkpointless.state.codec import tensor_paths
 from checkpointless.state.snapshot import collect_state
 
-__all__ = ["install_fast_exit", "looks_like_comm_error", "short_error", "state_bytes", "warm_up"]
+__all__ = [
+    "install_fast_exit",
+    "looks_like_comm_error",
+    "note_exit_code",
+    "short_error",
+    "state_bytes",
+    "warm_up",
+]
 
 
 def state_bytes(objects: dict[str, Any]) -> int:
@@ -23,25 +30,33 @@ def state_bytes(objects: dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensor_paths(state).values())
 
 
-_failed_after_loop = False
+_exit_code = 0  # what the process must exit with once its work is done (see install_fast_exit)
+
+
+def note_exit_code(code: int) -> None:
+    """The script ended with ``code`` (its ``SystemExit``, or 1 for an uncaught exception). The
+    fork server's child calls this before the exit functions run, since the fast exit below
+    would otherwise turn every ending into 0."""
+    global _exit_code
+    if code and not _exit_code:
+        _exit_code = code
 
 
 def install_fast_exit() -> None:
     """Leave without running destructors once the job's work is done. Process groups of aborted
     generations may still hold gloo threads waiting on peers that are gone, and tearing them
     down at interpreter exit can abort the process. An uncaught exception after the loop still
-    makes the exit code 1."""
+    makes the exit code 1, and a script's own ``sys.exit(n)`` under the fork server keeps n."""
     previous = sys.excepthook
 
     def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        global _failed_after_loop
-        _failed_after_loop = True
+        note_exit_code(1)
         previous(tp, value, tb)
 
     def exit_now() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1 if _failed_after_loop else 0)
+        os._exit(_exit_code)
 
     sys.excepthook = hook
     atexit.register(exit_now)
