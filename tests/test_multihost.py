@@ -183,6 +183,34 @@ def test_partitioned_host_is_fenced_and_rejoins_as_a_spare(
     assert {2, 3} <= moved, moved  # (rank 0 too when judged wedged at start: see the TODO above)
 
 
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("direction", ["in", "out"])
+def test_a_one_way_partition_is_fenced_too(
+    netns_hosts: Any, tmp_path: Path, corpus: Path, direction: str
+) -> None:
+    """Host 1 hears but cannot speak ("out"), or speaks but cannot hear ("in"): either way its
+    workers must stop within a lease, its ranks move to the spare host, and the job ends bitwise."""
+    ref = _reference(tmp_path / "ref", corpus)
+    cluster = netns_hosts(3)
+    run_dir = tmp_path / "job" / "run"
+    run_dir.parent.mkdir()
+    deadline = time.monotonic() + 180
+    procs = _start(cluster, run_dir, corpus)
+    _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+    h1 = cluster.hosts[1]
+    h1.partition(direction)  # type: ignore[arg-type]
+    cut = time.monotonic()
+    _wait_for(lambda: len(h1.pids()) <= 2, deadline, "host 1's workers to be stopped")
+    # within a lease of noticing (3 s here), plus the noticing, on a busy machine
+    assert time.monotonic() - cut < 20, "host 1's workers outlived the lease"
+    h1.heal()
+    res = _finish(procs, run_dir, deadline)
+    check_recovered(res, ref, {2, 3})
+    moved = {e["rank"] for e in _events(run_dir, "spare_assigned")}
+    assert {2, 3} <= moved, moved
+
+
 def _agent_events(run_dir: Path, address: str, kind: str) -> list[dict[str, Any]]:
     """The events of the agent on the host with ``address`` (agents are numbered as they join)."""
     joined = [e["host"] for e in _events(run_dir, "host_joined") if e["address"] == address]
