@@ -14,6 +14,7 @@ import pytest
 from checkpointless.coordinator import Coordinator, Send, Spawn
 from checkpointless.coordinator.prefetch import slot_ranks
 from checkpointless.data import BatchLoader, ShmBatchCache, TokenDataset, spare_cache
+from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.errors import ConfigError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Heartbeat, Prefetch, SpareReady
@@ -80,12 +81,14 @@ def test_prefetcher_fills_the_cache_the_ranks_own_loader_reads(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CHECKPOINTLESS_SHM_DIR", str(tmp_path))
+    # a Launcher built in this process by another test sets the job's private key; not ours
+    monkeypatch.delenv("CHECKPOINTLESS_SHM_KEY", raising=False)
     ds = TokenDataset.open(corpus)
     assert not spare_cache.hint("job1", 5, [1], 4), "no recipe registered: nothing to do"
     spare_cache.prefetch_as_spare(ds, seq_len=32, global_batch=8, seed=3, ahead=2)
     try:
         assert spare_cache.hint("job1", 5, [1, 3], 4)
-        dirs = [tmp_path / "checkpointless-job1" / f"rank{r:05d}" for r in (1, 3)]
+        dirs = [job_cache_dir("job1") / f"rank{r:05d}" for r in (1, 3)]
         deadline = time.monotonic() + 20
         while sum(len(list(d.glob("step*.batch"))) for d in dirs if d.exists()) < 4:
             assert time.monotonic() < deadline, "the spare did not publish its 4 batches"
