@@ -587,11 +587,25 @@ class Job:
         return self.comm.aborted or (self._mesh.aborted() if self._mesh is not None else None)
 
     def _before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self.comm.check()  # never apply an update from a generation that was aborted
-        if self._default is not None:
-            self._default.check()
-        if self._mesh is not None:
-            self._mesh.check()
+        if (
+            self._mesh is not None
+            and self._mesh.shards > 1
+            and self._link is not None
+            and self.world_size > 1
+        ):
+            # Sharded state: no rank may apply its update while another is still inside one of the
+            # step's collectives. Without this, a fault in one rank's update aborts a collective of
+            # another shard's group still in flight, while a third rank has already updated: the
+            # shards end at different steps, and the state of no single step exists anywhere (found
+            # by the HSDP raise-mid-optimizer test). Past this barrier every rank has its gradients
+            # and applies its update even if an abort arrives meanwhile (an update is never undone).
+            self.comm.barrier(self.rendezvous_timeout)  # CommAborted: the step dies before any update
+        else:
+            self.comm.check()  # never apply an update from a generation that was aborted
+            if self._default is not None:
+                self._default.check()
+            if self._mesh is not None:
+                self._mesh.check()
         if self._snapshots is not None:  # the update must not change tensors still being copied
             self._snapshots.wait_copied(self.rendezvous_timeout)
         if self._checkpoints is not None:  # nor tensors DCP is still staging
