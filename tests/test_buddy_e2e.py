@@ -67,6 +67,11 @@ def test_fsdp_kill_is_recovered_from_the_buddy_copy(
         if 1 in p.get("own_snapshot", []):
             got.add("own_snapshot")
     assert got and got <= kinds, plans
+    if fault.endswith("site=optimizer"):
+        # the others updated and committed step 4 while rank 1 died in its update: rank 0, whose
+        # copy only rank 1 kept, rolls back from its own state as step 4 began (its undo copy)
+        assert any(0 in p.get("own_snapshot", []) and p["target_step"] == 4 for p in plans), plans
+        assert "rolled back to this rank's own state as step 4 began" in res.output, res.output[-4000:]
 
 
 @pytest.mark.timeout(150)
@@ -80,7 +85,11 @@ def test_fsdp_two_kills_whose_copies_are_on_each_other_fall_back_to_own_snapshot
     # both are lost in one generation. (Both killed as step 4 began, the later one could still be
     # waiting for its copy when the first died, leave that step at the abort and survive.)
     faults = ["kill:rank=2:step=3:site=optimizer", "kill:rank=1:step=4"]
-    res = run_job(tmp_path / "run", corpus, nproc=4, spares=2, faults=faults, script_args=FSDP, timeout=120)
+    # the per-rank snapshots (every 50 steps by default) at every step of this 10-step job
+    extra = ["--snapshot-every", "1"]
+    res = run_job(
+        tmp_path / "run", corpus, nproc=4, spares=2, faults=faults, extra=extra, script_args=FSDP, timeout=120
+    )
     if res.rc != 0:  # the documented error is acceptable; a wrong result never is
         assert "no replica, no buddy copy and no snapshot" in res.output, res.output[-4000:]
         assert not res.digests, f"no rank may finish with a result: {res.digests}"

@@ -4,6 +4,7 @@ the owner's wait ends when the copy is acknowledged."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
@@ -93,17 +94,57 @@ def test_a_stopped_keeper_lists_no_half_copy_and_the_owner_does_not_hang(
     assert keeper.held() == [(0, 0), (0, 1)], "a copy that never completed must not be listed"
 
 
-def test_an_update_waiting_for_an_unacknowledged_copy_leaves_at_once_on_abort(
-    pair: tuple[BuddyCopies, BuddyCopies],
-) -> None:
+def test_an_update_waiting_for_an_unacknowledged_copy_leaves_at_once_on_abort() -> None:
+    """A keeper alive but never connecting (gone to recover): the copy is never acknowledged,
+    and the update waiting for it must leave at the abort, not wait out its limit."""
+    server = KeyServer("127.0.0.1", 0, SECRET)
+    server.start()
+    owner = BuddyCopies(0, 1, [], timeout=10.0)
+    try:
+        owner.resume(0, StreamRoute(server, [server.address, "127.0.0.1:9"], SECRET, "state/gen0"))
+        aborted_at = time.monotonic() + 0.3
+        owner.start(0, _state(0), guarded=set())
+        t0 = time.monotonic()
+        with pytest.raises(CommAborted, match="generation 0 aborted"):
+            # without the abort this would wait the whole 30 s (the launcher's hang timeout is less)
+            owner.wait_sent(30.0, lambda: "generation 0 aborted" if time.monotonic() >= aborted_at else None)
+        assert time.monotonic() - t0 < 3.0
+        assert owner.failed == 1, "the abandoned copy is cancelled and counted, not left streaming"
+    finally:
+        owner.stop(5.0)
+        server.stop()
+
+
+def test_a_keeper_that_leaves_fails_the_copy_at_once(pair: tuple[BuddyCopies, BuddyCopies]) -> None:
+    """Over the generation's kept stream, a keeper that stops (a recovery on its side, or death)
+    closes it: the owner's copy fails at once instead of waiting for an abort or its limit."""
     owner, keeper = pair
-    keeper.stop(5.0)  # the keeper died or left for a recovery: the copy will never be acknowledged
-    aborted_at = time.monotonic() + 0.3
     owner.start(0, _state(0), guarded=set())
+    owner.wait_sent(10.0)
+    _until(lambda: (0, 0) in keeper.held(), "copy of step 0")
+    keeper.stop(5.0)
+    owner.start(1, _state(1), guarded=set())
     t0 = time.monotonic()
-    with pytest.raises(CommAborted, match="generation 0 aborted"):
-        # without the abort this would wait the whole 30 s (the launcher's hang timeout is less)
-        owner.wait_sent(30.0, lambda: "generation 0 aborted" if time.monotonic() >= aborted_at else None)
+    owner.wait_sent(30.0)
     assert time.monotonic() - t0 < 3.0
-    assert owner.failed == 1, "the abandoned copy is cancelled and counted, not left streaming"
-    assert keeper.held() == []
+    assert owner.failed == 1 and owner.last_send["step"] == 0, (owner.failed, owner.last_send)
+    assert keeper.held() == [(0, 0)]
+
+
+def test_a_keeper_reconnects_and_copies_resume(pair: tuple[BuddyCopies, BuddyCopies]) -> None:
+    """An error on one copy ends the connection; the keeper connects again and the next copy,
+    manifest and all, is received and verified on the new one."""
+    owner, keeper = pair
+    owner.start(0, _state(0), guarded=set())
+    owner.wait_sent(10.0)
+    _until(lambda: (0, 0) in keeper.held(), "copy of step 0")
+    stream = owner._stream
+    assert stream is not None and stream._sock is not None
+    stream._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks between two copies
+    for step in (1, 2, 3):
+        owner.start(step, _state(step), guarded=set())
+        owner.wait_sent(10.0)
+    _until(lambda: (0, 3) in keeper.held(), "copy of step 3 over a new connection")
+    assert owner.failed <= 1, owner.failed  # at most the copy sent into the broken connection
+    got = keeper.copy(0, 3)
+    assert torch.equal(got["objects"]["w"], _state(3)["objects"]["w"])  # type: ignore[index]

@@ -76,7 +76,12 @@ def commit(job: Job, index: int) -> None:
         job._record["snapshot"] = published.to_json()  # size and bound of the snapshot memory
     if job._buddies is not None and job._buddies.last_send:
         b = job._buddies
-        job._record["buddy"] = {**b.last_send, "wait_s": b.last_wait, "keeps_bytes": b.extra_bytes}
+        job._record["buddy"] = {
+            **b.last_send,
+            "wait_s": b.last_wait,
+            "keeps_bytes": b.extra_bytes,
+            "undo_bytes": b.undo_bytes,
+        }
     saved = job._checkpoints.take_published() if job._checkpoints is not None else None
     if saved is not None:
         job._record["checkpoint"] = saved.to_json()

@@ -306,9 +306,11 @@ class Job:
             self._snapshots = None
             return
         buddies = buddies_wanted(self._buddy_mode, self._mesh.shape)
-        # with buddy copies, every step's local snapshot is each rank's undo copy: a survivor whose
-        # copy was kept by the lost rank rolls back to the lost rank's newest copy from it
-        every = (1 if buddies else self._snapshot_every) if self._snapshot_every > 0 else 0
+        # With buddy copies each rank also keeps its own two newest step states in process memory
+        # (its undo copies, state/buddy.py), what a survivor rolls back from when the lost rank
+        # kept its copy; the shared-memory snapshots stay at their cadence, for a replacement on
+        # the same host whose keeper was lost too.
+        every = self._snapshot_every
         self._snapshots = None
         if every:
             self._own_snapshots = rank_snapshot_dir(self.env.job_id, self.rank)

@@ -23,7 +23,14 @@ from checkpointless.recovery.sharded import send_copies
 from checkpointless.state.buddy import copy_channel
 from checkpointless.state.durable import newest_checkpoint, restore_checkpoint
 from checkpointless.state.shm_snapshot import list_snapshots, newest_snapshot, restore_snapshot, snapshot_dir
-from checkpointless.state.snapshot import RngState, capture_rng, collect_state, restore_rng, restore_state
+from checkpointless.state.snapshot import (
+    RngState,
+    capture_rng,
+    collect_state,
+    restore_from,
+    restore_rng,
+    restore_state,
+)
 from checkpointless.state.transfer import StreamRoute, receive_state, send_state
 
 if TYPE_CHECKING:
@@ -33,6 +40,7 @@ __all__ = [
     "fatal",
     "join_generation",
     "newest_own_snapshot",
+    "own_states",
     "plan_sources",
     "recover",
     "recover_from",
@@ -143,7 +151,7 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
                     checkpoint_step=newest_checkpoint(job._checkpoint_dir),
                     mesh=list(job._mesh.shape) if job._mesh is not None else None,
                     copies=[list(c) for c in job._buddies.held()] if job._buddies else [],
-                    own_snapshots=list_snapshots(job._own_snapshots) if job._own_snapshots else [],
+                    own_snapshots=own_states(job),
                 )
             )
         resend = False
@@ -212,6 +220,11 @@ def join_generation(job: Job, msg: dict[str, Any], committed: int, valid: bool) 
     if plan.get("from_snapshot"):
         info.update(restore_own_snapshot(job, target))
         info["role"] = info["transport"] = "snapshot"
+    elif job.rank in plan.get("own_snapshot", ()) and job._buddies and target in job._buddies.undo_steps():
+        buddies = job._buddies
+        info.update(restore_from(job._objects, target, lambda own: (buddies.undo(target), {}), "undo copy"))
+        info["role"] = info["transport"] = "undo"
+        log.info("rolled back to this rank's own state as step %d began (its undo copy)", target)
     elif job.rank in plan.get("own_snapshot", ()) and job._own_snapshots is not None:
         stats = restore_snapshot(job._objects, job._own_snapshots, target)
         info.update(stats)
@@ -259,6 +272,7 @@ def join_generation(job: Job, msg: dict[str, Any], committed: int, valid: bool) 
         if copier.error is not None:
             raise copier.error
     if job._buddies is not None:
+        job._buddies.forget_after(target)
         job._buddies.resume(gen, stream_route(job, msg["rendezvous"], gen))
     job.committed_step = target
     job._step_rng = None
@@ -278,6 +292,15 @@ def join_generation(job: Job, msg: dict[str, Any], committed: int, valid: bool) 
         target,
     )
     return info
+
+
+def own_states(job: Job) -> list[int]:
+    """Steps this rank can restore its own state of: its per-rank shared-memory snapshots and,
+    with buddy copies, the undo copies in its memory (plan kind ``own_snapshot`` for both)."""
+    steps = set(list_snapshots(job._own_snapshots)) if job._own_snapshots else set()
+    if job._buddies is not None:
+        steps.update(job._buddies.undo_steps())
+    return sorted(steps)
 
 
 def newest_own_snapshot(job: Job) -> int | None:

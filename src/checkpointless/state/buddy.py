@@ -12,9 +12,9 @@ step k's forward and backward run; the optimizer's update of step k waits for th
 acknowledgement first (:meth:`BuddyCopies.wait_sent`), the rule the shared-memory snapshots follow.
 Tensors that a forward pass may change (buffers, RNG states, scheduler state) are copied at once.
 
-Transport: the owner's own key server (state/stream.py), on a channel of its own per generation
-and owner, verified with XXH3-128 like any state transfer, never through the training group (so a
-copy never queues behind a collective, nor a collective behind it).
+Transport: one stream per generation from owner to keeper (state/buddy_stream.py), opened through
+the owner's own key server, kept open, and verified with XXH3-128 like any state transfer; never
+the training group (so a copy never queues behind a collective, nor a collective behind it).
 
 What a keeper holds: the two newest *verified* copies per owner. A new copy lands in the older
 one's tensors, which are unlisted the moment the owner's manifest arrives (not before: between
@@ -31,11 +31,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.state.codec import Layout, unpack
+from checkpointless.state.buddy_stream import CopyReceiver, CopySender
+from checkpointless.state.codec import Layout, tensor_views, unpack
 from checkpointless.state.shm_snapshot import staged_layout
-from checkpointless.state.stream import StreamRoute, stream_receive, stream_send
+from checkpointless.state.stream import StreamRoute
 
 __all__ = ["BuddyCopies", "copy_channel", "keep_channel"]
 
@@ -43,12 +46,6 @@ log = get_logger()
 
 _KEEP = 2  # verified copies kept per owner
 _RETRY_S = 0.05  # a keeper whose owner is unreachable (dead, not started) tries again this often
-# Of the interval between the last two copies, slept before asking for the next. A keeper that
-# wakes early asks the owner's key server every 5 ms until the offer (a sealed request and reply
-# each: CPU the ranks' training lacks); one that wakes late makes the owner's update wait for the
-# copy. Tried 0.75: on short, uneven steps (tests' tiny model) updates waited for late keepers.
-_NAP_FRACTION = 0.5
-_NAP_MAX = 1.0
 _ABORT_POLL_S = 0.02  # an update waiting for its copy sees a job abort this soon
 _ABORT_GRACE_S = 0.5  # ... and leaves this much later if the copy has not ended by itself
 
@@ -63,10 +60,22 @@ def copy_channel(generation: int, receiver: int) -> str:
     return f"state/gen{generation}/copy-r{receiver}"
 
 
-def _nbytes(tree: Any) -> int:
-    from checkpointless.state.codec import tensor_paths
+@dataclasses.dataclass
+class _Kept:
+    """A verified copy: its tree, and the buffers (with their tensor views) it lives in."""
 
-    return sum(int(t.numel()) * t.element_size() for t in tensor_paths(tree).values())
+    tree: Any
+    buffers: list[torch.Tensor]
+    layout: str
+    views: list[torch.Tensor]
+
+
+@dataclasses.dataclass
+class _Undo:
+    """This rank's own state as a step began: its manifest and a private copy of its messages."""
+
+    manifest: dict[str, Any]
+    buffers: list[torch.Tensor]
 
 
 class BuddyCopies:
@@ -79,8 +88,9 @@ class BuddyCopies:
         self.timeout = timeout
         self._route: StreamRoute | None = None
         self._generation = -1
+        self._stream: CopySender | None = None  # this generation's stream to the keeper
         self._lock = threading.Lock()
-        self._held: dict[int, dict[int, Any]] = {o: {} for o in owners}  # owner -> step -> tree
+        self._held: dict[int, dict[int, _Kept]] = {o: {} for o in owners}  # owner -> step -> copy
         self._sender: threading.Thread | None = None
         self._sent = threading.Event()
         self._sent.set()
@@ -91,14 +101,17 @@ class BuddyCopies:
         self.failed = 0  # copies not acknowledged (keeper gone, cancelled)
         self.skipped = 0  # copies not started because the previous one was still in flight
         self.last_wait = 0.0  # seconds the last update waited for its copy (the critical-path cost)
+        # This rank's own state as each of its two newest copied steps began, in process memory:
+        # its undo copies (see :meth:`undo_steps`). Written by the copy thread, then sent from.
+        self._undo: dict[int, _Undo] = {}
 
     # -- the owner's side ------------------------------------------------------------------------
     def start(self, step: int, state: Any, guarded: set[int], staged: Layout | None = None) -> bool:
         """Begin sending ``state`` (taken as step ``step`` begins) to the keeper. ``staged`` is
         :func:`~checkpointless.state.shm_snapshot.staged_layout` of that state when the caller
         has it already (shared with the step's snapshot); otherwise it is made here."""
-        route = self._route
-        if self.keeper is None or route is None:
+        stream = self._stream
+        if self.keeper is None or stream is None:
             return False
         if self._sender is not None and self._sender.is_alive():
             self.skipped += 1  # never queue: the optimizer waits for one copy at most
@@ -108,31 +121,47 @@ class BuddyCopies:
         lay = Layout(staged.manifest, list(staged.messages))  # our own list: _send clears it
         self._sent.clear()
         self._cancel.clear()
-        route = dataclasses.replace(route, channel=keep_channel(self._generation, self.rank))
         self._sender = threading.Thread(
-            target=self._send, args=(step, lay, route, self.keeper), name=f"cl-buddy-{step}", daemon=True
+            target=self._send, args=(step, lay, stream), name=f"cl-buddy-{step}", daemon=True
         )
         self._sender.start()
         return True
 
-    def _send(self, step: int, lay: Layout, route: StreamRoute, keeper: int) -> None:
+    def _undo_copy(self, step: int, lay: Layout) -> Layout:
+        """Copy ``lay`` into this rank's undo memory (the older of two slots, reused when the
+        sizes match) and publish it as step ``step``'s; return the layout of the copy."""
+        with self._lock:
+            old = self._undo.pop(min(self._undo)) if len(self._undo) >= _KEEP else None
+        sizes = [int(m.numel()) for m in lay.messages]
+        buffers = old.buffers if old is not None else []
+        if [int(b.numel()) for b in buffers] != sizes:
+            buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        for src, dst in zip(lay.messages, buffers, strict=True):
+            dst.copy_(src)
+        lay.messages.clear()  # the live tensors are no longer read: the update may change them
+        with self._lock:
+            self._undo[step] = _Undo(lay.manifest, buffers)
+        return Layout(lay.manifest, buffers)
+
+    def _send(self, step: int, lay: Layout, stream: CopySender) -> None:
         t0 = time.monotonic()
         nbytes = sum(int(m.numel()) for m in lay.messages)
         try:
-            stream_send(
-                route,
+            # Sent from this rank's undo copy, not the live tensors: the copy is made once, hot
+            # in cache for the socket, and is the undo copy a survivor rolls back from (its keeper
+            # lost) instead of a shared-memory snapshot every step (measured: ~4 ms per rank-step).
+            lay = self._undo_copy(step, lay)
+            stream.send(
+                step,
                 lay,
-                lay.manifest_bytes(),
-                [keeper],
                 t0 + self.timeout,
                 lambda: "cancelled" if self._cancel.is_set() else None,
             )
             self.last_send = {"step": step, "bytes": float(nbytes), "send_s": time.monotonic() - t0}
         except Exception as e:  # a lost copy must not fail training: the plan knows what is kept
             self.failed += 1
-            log.info("buddy copy of step %d to rank %d not acknowledged: %s", step, keeper, e)
+            log.info("buddy copy of step %d to rank %d not acknowledged: %s", step, stream.keeper, e)
         finally:
-            lay.messages.clear()  # drop our views of the live tensors before anyone waits on us
             self._sent.set()
 
     def wait_sent(self, timeout: float, aborted: Callable[[], str | None] | None = None) -> float:
@@ -175,6 +204,9 @@ class BuddyCopies:
         """After a generation has formed: send over its streams, and keep every owner's copies."""
         self._generation = generation
         self._route = route
+        if route is not None and self.keeper is not None:
+            channel = keep_channel(generation, self.rank)
+            self._stream = CopySender(dataclasses.replace(route, channel=channel), self.keeper)
         if route is None:
             if self.keeper is not None and generation == 0:
                 # copies travel through the key servers of the root-less rendezvous only
@@ -194,44 +226,45 @@ class BuddyCopies:
             t.start()
 
     def _keep(self, owner: int, route: StreamRoute) -> None:
-        def landing() -> Any:
-            # called once the owner's manifest has arrived: only then is the oldest copy given
-            # up (unlisted, then overwritten), so both copies stay listed while nothing travels
-            with self._lock:
-                held = self._held[owner]
-                return held.pop(min(held)) if len(held) >= _KEEP else None
+        reused: list[_Kept] = []  # the copy given up to land the one now arriving
 
-        last = None  # when the previous copy arrived
-        while not self._stop.is_set():
-            try:
-                manifest, buffers, _ = stream_receive(
-                    route,
-                    owner,
-                    self.rank,
-                    time.monotonic() + self.timeout,
-                    lambda: "stopped" if self._stop.is_set() else None,
-                    landing,
-                    None,
-                )
-                tree = unpack(manifest, buffers)
-                step = int(tree["step"])
-            except (StateTransferError, KeyError, TypeError, ValueError) as e:
-                if not self._stop.is_set():
-                    log.debug("buddy copy from rank %d not received: %s", owner, e)
-                    self._stop.wait(_RETRY_S)
-                continue
+        def landing(layout: str) -> list[torch.Tensor] | None:
+            # called once the owner's copy has begun: only then is the oldest copy given up
+            # (unlisted, then overwritten), so both copies stay listed while nothing travels
+            reused.clear()
             with self._lock:
                 held = self._held[owner]
-                held[step] = tree
-                for old in sorted(held)[:-_KEEP]:
-                    del held[old]
-            # The next copy starts when the owner's next step does, about one step from now.
-            # Asking for it at once would poll the owner's key server for the whole step; so
-            # sleep through most of the last interval between copies first (_NAP_FRACTION).
-            now = time.monotonic()
-            if last is not None:
-                self._stop.wait(min(_NAP_MAX, _NAP_FRACTION * (now - last)))
-            last = now
+                old = held.pop(min(held)) if len(held) >= _KEEP else None
+            if old is None or old.layout != layout:
+                return None
+            reused.append(old)
+            return old.buffers
+
+        stream = CopyReceiver(route, owner, self.rank)
+        stopped: Callable[[], str | None] = lambda: "stopped" if self._stop.is_set() else None  # noqa: E731
+        try:
+            while not self._stop.is_set():
+                try:
+                    got = stream.receive(self.timeout, stopped, landing)
+                    # the same buffers as the copy they replace: so are the tensors' views
+                    views = reused[0].views if reused else tensor_views(got.manifest, got.buffers)
+                    tree = unpack(got.manifest, got.buffers, views)
+                    if int(tree["step"]) != got.step:
+                        raise StateTransferError(
+                            f"rank {owner}'s copy of step {got.step} holds {tree['step']}"
+                        )
+                except (StateTransferError, KeyError, TypeError, ValueError) as e:
+                    if not self._stop.is_set():
+                        log.debug("buddy copy from rank %d not received: %s", owner, e)
+                        self._stop.wait(_RETRY_S)
+                    continue
+                with self._lock:
+                    held = self._held[owner]
+                    held[got.step] = _Kept(tree, got.buffers, got.layout, views)
+                    for old in sorted(held)[:-_KEEP]:
+                        del held[old]
+        finally:
+            stream.close()
 
     def stop(self, timeout: float) -> None:
         """Before a recovery: cancel the copy in flight and stop keeping (bounded). Copies being
@@ -243,6 +276,9 @@ class BuddyCopies:
             if t is not None:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._keepers = []
+        if self._stream is not None:  # the next generation has a stream of its own
+            self._stream.close()
+            self._stream = None
         self._sent.set()
 
     def held(self) -> list[tuple[int, int]]:
@@ -252,14 +288,40 @@ class BuddyCopies:
 
     def copy(self, owner: int, step: int) -> Any:
         with self._lock:
-            tree = self._held.get(owner, {}).get(step)
-        if tree is None:
+            kept = self._held.get(owner, {}).get(step)
+        if kept is None:
             raise StateTransferError(f"no buddy copy of rank {owner} at step {step} is kept here")
-        return tree
+        return kept.tree
+
+    def undo_steps(self) -> list[int]:
+        """Steps whose start this rank's own state is kept for in process memory. A survivor
+        that committed past the plan's target rolls back from it when its keeper (the other
+        holder of its state) was lost; reported with the rank's own snapshots."""
+        with self._lock:
+            return sorted(self._undo)
+
+    def undo(self, step: int) -> Any:
+        """This rank's own state as ``step`` began (from :meth:`undo_steps`)."""
+        with self._lock:
+            kept = self._undo.get(step)
+        if kept is None:
+            raise StateTransferError(f"this rank keeps no undo copy of step {step}")
+        return unpack(kept.manifest, kept.buffers)
+
+    def forget_after(self, step: int) -> None:
+        """After a roll back to ``step``: undo copies of later steps are of an abandoned run."""
+        with self._lock:
+            for s in [s for s in self._undo if s > step]:
+                del self._undo[s]
+
+    @property
+    def undo_bytes(self) -> int:
+        with self._lock:
+            return sum(int(b.numel()) for k in self._undo.values() for b in k.buffers)
 
     @property
     def extra_bytes(self) -> int:
         """The memory the kept copies take now (at most two per owner)."""
         with self._lock:
-            trees = [t for steps in self._held.values() for t in steps.values()]
-        return sum(_nbytes(t) for t in trees)
+            kept = [k for steps in self._held.values() for k in steps.values()]
+        return sum(int(b.numel()) for k in kept for b in k.buffers)

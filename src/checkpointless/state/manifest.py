@@ -19,7 +19,7 @@ import torch
 
 from checkpointless.errors import StateTransferError
 
-__all__ = ["MAX_TREE_DEPTH", "check_manifest", "parse_manifest"]
+__all__ = ["MAX_TREE_DEPTH", "check_manifest", "check_tree", "parse_manifest"]
 
 MAX_TREE_DEPTH = 64  # nested state deeper than this is not an optimizer's or a model's
 _MARKERS = ("__t", "__np", "__tuple", "__dict", "__npscalar", "__dtype")
@@ -66,7 +66,9 @@ def _check_tensor(i: int, m: Any, sizes: list[int]) -> None:
         raise _bad(f"tensor {path} lies outside its message")
 
 
-def _check_tree(node: Any, n_tensors: int) -> None:
+def check_tree(node: Any, n_tensors: int) -> None:
+    """Raise :class:`StateTransferError` unless ``node`` is a state tree whose tensor references
+    lie within ``n_tensors``."""
     # iterative, with an explicit depth, so a deep tree cannot overflow the interpreter's stack
     stack: list[tuple[Any, int]] = [(node, 0)]
     while stack:
@@ -126,7 +128,7 @@ def check_manifest(manifest: Any, max_bytes: int | None = None) -> dict[str, Any
         _check_tensor(i, m, sizes)
     if "tree" not in manifest:
         raise _bad("no 'tree'")
-    _check_tree(manifest["tree"], len(metas))
+    check_tree(manifest["tree"], len(metas))
     return manifest
 
 

@@ -46,7 +46,16 @@ from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers
 from checkpointless.state.manifest import parse_manifest
 from checkpointless.wire import FrameError, derive_key, recv_frame, send_frame
 
-__all__ = ["StreamRoute", "stream_receive", "stream_send"]
+__all__ = [
+    "StreamRoute",
+    "open_stream",
+    "read_frame",
+    "recv_messages",
+    "send_messages",
+    "stream_receive",
+    "stream_send",
+    "write_frame",
+]
 
 _CHUNK = 4 << 20  # a message this large goes alone; smaller ones go together, up to this much
 _PIECE = 16 << 20  # the most one socket call is offered; the kernel takes what fits its buffer
@@ -273,7 +282,7 @@ def _groups(messages: list[torch.Tensor]) -> list[list[int]]:
     return out
 
 
-def _frame(
+def read_frame(
     sock: socket.socket, secret: bytes, deadline: float, aborted: Aborted, what: str
 ) -> dict[str, Any]:
     """The next sealed frame, waiting in slices so that an abort is noticed."""
@@ -296,7 +305,7 @@ def _frame(
     return header
 
 
-def _send_frame(
+def write_frame(
     sock: socket.socket, secret: bytes, deadline: float, header: dict[str, Any], payload: bytes = b""
 ) -> None:
     """A sealed frame, bounded by the deadline (a manifest can be megabytes), then back to polling."""
@@ -305,6 +314,45 @@ def _send_frame(
         send_frame(sock, secret, header, payload)
     finally:
         sock.settimeout(_POLL)
+
+
+def send_messages(
+    socks: list[socket.socket], messages: list[torch.Tensor], deadline: float, aborted: Aborted
+) -> list[str]:
+    """Every message's raw bytes to every socket, in order; their XXH3-128 digests."""
+    hasher = _Hasher(_hash_on_thread())
+    try:
+        for group in _groups(messages):
+            views = [memoryview(messages[i].numpy()).cast("B") for i in group]
+            if len(views[0]) < _CHUNK:  # small ones: sent together, then hashed one by one
+                for sock in socks:
+                    _send_group(sock, views, deadline, aborted)
+                for v in views:
+                    hasher.message(v)
+                continue
+            _send_hashed(socks, views[0], hasher, deadline, aborted)
+        return hasher.digests(deadline)
+    finally:
+        hasher.close()
+
+
+def recv_messages(
+    sock: socket.socket, buffers: list[torch.Tensor], deadline: float, aborted: Aborted
+) -> list[str]:
+    """Fill every buffer from the socket, in order; the digests of what arrived."""
+    hasher = _Hasher(_hash_on_thread())
+    try:
+        for group in _groups(buffers):
+            views = [memoryview(buffers[i].numpy()).cast("B") for i in group]
+            if len(views[0]) < _CHUNK:
+                _recv_group(sock, views, deadline, aborted)
+                for v in views:
+                    hasher.message(v)
+                continue
+            _recv_hashed(sock, views[0], hasher, deadline, aborted)
+        return hasher.digests(deadline)
+    finally:
+        hasher.close()
 
 
 def stream_send(
@@ -318,7 +366,6 @@ def stream_send(
     """Send ``lay`` to every receiver, each on the stream it opens to us."""
     accepted = route.server.open_channel(route.channel)
     socks: dict[int, socket.socket] = {}
-    hasher = _Hasher(_hash_on_thread())
     try:
         while len(socks) < len(receivers):
             _check(deadline, aborted, f"waiting for receivers {sorted(set(receivers) - set(socks))}")
@@ -333,33 +380,23 @@ def stream_send(
             sock.settimeout(_POLL)
             socks[rank] = sock
         for sock in socks.values():
-            _send_frame(sock, route.reply_key, deadline, {"type": "manifest"}, mbytes)
-        for group in _groups(lay.messages):
-            views = [memoryview(lay.messages[i].numpy()).cast("B") for i in group]
-            if len(views[0]) < _CHUNK:  # small ones: sent together, then hashed one by one
-                for sock in socks.values():
-                    _send_group(sock, views, deadline, aborted)
-                for v in views:
-                    hasher.message(v)
-                continue
-            _send_hashed(list(socks.values()), views[0], hasher, deadline, aborted)
-        digests = [digest(mbytes), *hasher.digests(deadline)]
+            write_frame(sock, route.reply_key, deadline, {"type": "manifest"}, mbytes)
+        digests = [digest(mbytes), *send_messages(list(socks.values()), lay.messages, deadline, aborted)]
         for sock in socks.values():
-            _send_frame(sock, route.reply_key, deadline, {"type": "trailer", "digests": digests})
+            write_frame(sock, route.reply_key, deadline, {"type": "trailer", "digests": digests})
         for rank, sock in socks.items():
-            ack = _frame(sock, route.request_key, deadline, aborted, f"rank {rank}'s acknowledgement")
+            ack = read_frame(sock, route.request_key, deadline, aborted, f"rank {rank}'s acknowledgement")
             if ack.get("ok") is not True:
                 raise StateTransferError(f"rank {rank} refused the state: {ack.get('error')}")
     except OSError as e:
         raise StateTransferError(f"state stream to a receiver broke: {e}") from e
     finally:
-        hasher.close()
         route.server.close_channel(route.channel)
         for sock in socks.values():
             sock.close()
 
 
-def _open(route: StreamRoute, src: int, rank: int, deadline: float, aborted: Aborted) -> socket.socket:
+def open_stream(route: StreamRoute, src: int, rank: int, deadline: float, aborted: Aborted) -> socket.socket:
     host, port = parse_address(route.peers[src])
     try:
         sock = socket.create_connection((host, port), timeout=max(0.01, deadline - time.monotonic()))
@@ -369,7 +406,7 @@ def _open(route: StreamRoute, src: int, rank: int, deadline: float, aborted: Abo
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(_POLL)
         send_frame(sock, route.request_key, {"op": "hello", "seq": 1})
-        hello = _frame(sock, route.reply_key, deadline, aborted, "the handshake")
+        hello = read_frame(sock, route.reply_key, deadline, aborted, "the handshake")
         if hello.get("v") != PROTOCOL_VERSION or not isinstance(hello.get("nonce"), str):
             raise StateTransferError(f"rank {src} answered the handshake with {hello}")
         seq = 1
@@ -377,7 +414,7 @@ def _open(route: StreamRoute, src: int, rank: int, deadline: float, aborted: Abo
             seq += 1
             request = {"op": "stream", "seq": seq, "nonce": hello["nonce"], "channel": route.channel}
             send_frame(sock, route.request_key, {**request, "rank": rank})
-            reply = _frame(sock, route.reply_key, deadline, aborted, "the stream request")
+            reply = read_frame(sock, route.reply_key, deadline, aborted, "the stream request")
             if reply.get("ok") is True:
                 return sock
             if reply.get("error") != "no-channel":
@@ -402,33 +439,21 @@ def stream_receive(
     tree whose tensors the state may land in) may be a function returning it, called once the
     manifest has arrived."""
     t0 = time.monotonic()
-    sock = _open(route, src, rank, deadline, aborted)
+    sock = open_stream(route, src, rank, deadline, aborted)
     try:
-        head = _frame(sock, route.reply_key, deadline, aborted, "the manifest")
+        head = read_frame(sock, route.reply_key, deadline, aborted, "the manifest")
         mbytes = head.get("payload", b"")
         manifest = parse_manifest(mbytes)  # checked before any buffer is allocated from it
         if callable(into):  # chosen only now that the source is sending (state/buddy.py)
             into = into()
         buffers, in_place = receive_buffers(manifest, into, arena)
-        hasher = _Hasher(_hash_on_thread())
-        try:
-            for group in _groups(buffers):
-                views = [memoryview(buffers[i].numpy()).cast("B") for i in group]
-                if len(views[0]) < _CHUNK:
-                    _recv_group(sock, views, deadline, aborted)
-                    for v in views:
-                        hasher.message(v)
-                    continue
-                _recv_hashed(sock, views[0], hasher, deadline, aborted)
-            got = [digest(mbytes), *hasher.digests(deadline)]
-        finally:
-            hasher.close()
+        got = [digest(mbytes), *recv_messages(sock, buffers, deadline, aborted)]
         t1 = time.monotonic()
-        trailer = _frame(sock, route.reply_key, deadline, aborted, "the digests")
+        trailer = read_frame(sock, route.reply_key, deadline, aborted, "the digests")
         expected = trailer.get("digests")
         bad = mismatch(got, expected)
         with contextlib.suppress(OSError):
-            _send_frame(sock, route.request_key, deadline, {"ok": bad is None, "error": bad})
+            write_frame(sock, route.request_key, deadline, {"ok": bad is None, "error": bad})
         if bad is not None:
             raise StateTransferError(f"state from rank {src}: {bad}")
     except OSError as e:
