@@ -285,7 +285,7 @@ class LauncherLink:
         probes (every second once idle; answered by the peer's kernel, no work for the
         coordinator) provide the unacknowledged data."""
         if not isinstance(self.client, ControlClient):
-            return  # not connected: the next connection gets it (see _on_message)
+            return  # not connected: the next connection gets it (see _dispatch)
         with contextlib.suppress(OSError, AttributeError):
             sock = self.client.sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(lease * 1000))
