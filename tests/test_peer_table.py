@@ -354,13 +354,13 @@ def test_a_worker_link_that_missed_a_delta_asks_for_the_whole_table_before_it_se
         assert link.inbox.empty(), "no plan before its table"
         for c in encode_chunks(peers, budget=120):
             conn.send(encode(PeerTable(5, table_digest(peers), len(peers), c.first, c.hosts, c.runs)))
-        got = link.wait_for({"recover"}, time.monotonic() + 10)
-        assert got["rendezvous"]["peers"] == peers and got["plan"]["receivers"] == list(range(1, 12))
+        got = link.wait_for((Recover,), time.monotonic() + 10)
+        assert got.rendezvous["peers"] == peers and got.plan["receivers"] == list(range(1, 12))
         moved = list(peers)
         moved[7] = "10.7.7.7:1"
         conn.send(recover(3, moved, 6, [7]))
-        got = link.wait_for({"recover"}, time.monotonic() + 10)
-        assert got["generation"] == 3 and got["rendezvous"]["peers"] == moved
+        got = link.wait_for((Recover,), time.monotonic() + 10)
+        assert got.generation == 3 and got.rendezvous["peers"] == moved
         assert server.inbox.empty(), "a delta that applies needs no request"
     finally:
         link.close()

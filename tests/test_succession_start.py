@@ -21,6 +21,7 @@ from checkpointless.launcher.policy import Limits
 from checkpointless.protocol import (
     SUCCESSION_ENV,
     Heartbeat,
+    Prepare,
     ProtocolError,
     Succession,
     succession_from_env,
@@ -107,8 +108,8 @@ def test_a_starting_link_without_its_coordinator_reconnects_to_the_successor(
         assert hello["term"] == 5 and hello["rank"] == -1
         assert time.monotonic() - started < 5, "the dead coordinator must not eat the election window"
         conn.send({"type": "prepare", "state_bytes": 1})  # the successor talks to it like any other
-        got = link.wait_for({"prepare"}, time.monotonic() + 10)
-        assert got["state_bytes"] == 1
+        got = link.wait_for((Prepare,), time.monotonic() + 10)
+        assert got.state_bytes == 1
     finally:
         link.close()
         successor.stop()

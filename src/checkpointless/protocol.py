@@ -38,6 +38,7 @@ __all__ = [
     "Message",
     "PeerTable",
     "PeerTableRequest",
+    "Prefetch",
     "Prepare",
     "ProcConnected",
     "ProcExited",

@@ -6,13 +6,13 @@ reaper, and runs the loop that feeds the :class:`~checkpointless.coordinator.Coo
 happened (worker messages, process exits, process-table verdicts, time) and carries out the
 commands it returns through the :class:`~checkpointless.agent.Agent` (start and kill processes)
 and the control channel (messages). The decisions live in the coordinator, the process handling
-in the agent.
+in the agent. Remote agents and the coordinator's succession are the
+:class:`~checkpointless.launcher.agents.AgentHosts` mixin's (``agents.py``); the job's settings
+as JSON for them are ``model.config_to_json`` and ``model.config_from_json``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import os
 import queue
@@ -27,80 +27,38 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent import Agent, AgentConfig, ProcExit
-from checkpointless.agent.beats import beats_of
 from checkpointless.config import ENV
 from checkpointless.coordinator import Coordinator, Emit, Kill, Log, Send, Spawn, Stop
-from checkpointless.coordinator.election import HostSeen, keeps_majority, membership
 from checkpointless.events import EventLog, get_logger, setup_logging
+from checkpointless.launcher.agents import AgentHosts, _beat_agents, _hang_up
 from checkpointless.launcher.control import Connection, ControlServer
-from checkpointless.launcher.model import LaunchConfig, checkpoint_root
+from checkpointless.launcher.model import LaunchConfig, checkpoint_root, config_from_json, config_to_json
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import cleanup_job, job_shm_dir
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
 from checkpointless.observe.hooks import start_observers
 from checkpointless.protocol import (
-    AgentHeartbeat,
     AgentHello,
-    AgentWelcome,
     Hello,
     KillCmd,
     ProcConnected,
-    ProcExited,
-    ProcStarted,
-    ProcVerdict,
     ProtocolError,
-    Shutdown,
     SpareReady,
     SpawnCmd,
-    Succession,
     Vote,
     decode,
     encode,
 )
 from checkpointless.state.checkpoint_dir import remove_partial
 
+# config_from_json and config_to_json live in model.py now; still importable from here
 __all__ = ["LaunchConfig", "Launcher", "config_from_json", "config_to_json"]
 
 log = get_logger()
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-def config_to_json(cfg: LaunchConfig) -> dict[str, Any]:
-    """The job's settings as JSON, for the agents that may take the coordinator over."""
-    return {
-        k: (str(v) if isinstance(v, Path) else v)
-        for k, v in dataclasses.asdict(cfg).items()
-        if k not in ("python", "local_agent")
-    }
-
-
-def config_from_json(raw: dict[str, Any]) -> LaunchConfig:
-    """The settings :func:`config_to_json` sent; fields this side does not know are dropped."""
-    known = {f.name for f in dataclasses.fields(LaunchConfig)}
-    kwargs = {k: v for k, v in raw.items() if k in known}
-    for k in ("run_dir", "checkpoint_dir"):
-        if kwargs.get(k) is not None:
-            kwargs[k] = Path(kwargs[k])
-    return LaunchConfig(**kwargs)
-
-
-def _hang_up(conn: Connection) -> None:
-    """End a connection from the decision loop. Only a shutdown, not a close: the server's
-    selector thread still has the socket registered, sees the end and closes it itself (closing
-    here would free the descriptor for reuse while it is still registered there)."""
-    with contextlib.suppress(OSError):
-        conn.sock.shutdown(socket.SHUT_RDWR)
-
-
-def _beat_agents(agents: dict[int, Connection], stop: threading.Event) -> None:
-    """The coordinator's side of the lease, on a thread of its own: a decision loop busy for a
-    few seconds (starting a process, a slow disk) must not make every agent fence its host."""
-    while not stop.wait(0.5):
-        for conn in list(agents.values()):
-            conn.send(encode(AgentHeartbeat(time.time())))
-
-
-class Launcher:
+class Launcher(AgentHosts):
     def __init__(self, cfg: LaunchConfig) -> None:
         cfg.validate()
         self.cfg = cfg
@@ -306,28 +264,6 @@ class Launcher:
         self._signal = signum
 
     # -- the loop: observations in, commands out -----------------------------------------------
-    def _gather_agents(self) -> bool:
-        """Wait for the job's hosts: --nnodes plus --spare-nodes agents (the embedded one counts)."""
-        coord = self.coordinator
-        assert coord is not None
-        deadline = time.monotonic() + self.cfg.agent_wait
-        log.info("waiting for %d agents on %s:%d", self.cfg.agents_needed, *self.server.address[:2])
-        while len([h for h in coord.hosts.values() if not h.lost]) < self.cfg.agents_needed:
-            if self._signal is not None or time.monotonic() > deadline:
-                why = (
-                    f"launcher received {signal.Signals(self._signal).name}"
-                    if self._signal is not None
-                    else f"only {len(coord.hosts)} of {self.cfg.agents_needed} agents joined within "
-                    f"{self.cfg.agent_wait:.0f} s; start `checkpointless agent --coordinator "
-                    f"{self.cfg.host}:{self.server.address[1]}` on each host"
-                )
-                coord.fail(why)
-                self._execute()
-                return False
-            self._drain_inbox()
-            self._execute()
-        return True
-
     def _drain_inbox(self) -> None:
         try:
             conn, msg = self.server.inbox.get(timeout=0.02)
@@ -364,68 +300,6 @@ class Launcher:
                 coord.on_beats(self._local_host, agent.read_beats(now), now)
             coord.tick(now, wall)
             self._execute()
-
-    def _lost_majority(self, now: float) -> bool:
-        """A coordinator cut off from most of its hosts steps down (without ending the job): the
-        majority may be electing a successor, and two coordinators must never act at once. Its
-        own hosts' agents then lose it and fence themselves unless they join the majority's."""
-        coord = self.coordinator
-        if coord is None or not self._failover or not coord.started:
-            return False
-        if self._members(now) != self._announced:
-            self._announce()  # a lost host aged out of the membership
-        if keeps_majority(self._seen(), now, self.cfg.lease):
-            return False
-        members = membership(self._seen(), now, self.cfg.lease)
-        heard = [h for h in coord.hosts.values() if not h.lost and now - h.last_seen <= self.cfg.lease]
-        why = (
-            f"heard from only {len(heard)} of {len(members)} hosts within the lease "
-            f"({self.cfg.lease:.1f} s): no majority, stepping down so that the majority's successor "
-            "is the only coordinator"
-        )
-        log.error("%s", why)
-        self.events.emit("coordinator_step_down", term=self.term, why=why)
-        self._stepped_down = True
-        self.stopping = "stepped down"
-        self.exit_code = 75
-        return True
-
-    def _seen(self) -> list[HostSeen]:
-        coord = self.coordinator
-        assert coord is not None
-        return [HostSeen(h.host, h.lost, h.remote, h.last_seen) for h in coord.hosts.values()]
-
-    def _members(self, now: float) -> list[int]:
-        """The membership a majority is counted against (coordinator/election.py); agents are
-        told the same, so that a side of a partition that heard of its peers' loss one by one
-        cannot count itself a majority either."""
-        return membership(self._seen(), now, self.cfg.lease)
-
-    def _announce(self, only: Connection | None = None) -> None:
-        """Tell agents and workers who may take over (all of them, or just ``only``)."""
-        coord = self.coordinator
-        if coord is None:
-            return
-        live = sorted(h.host for h in coord.hosts.values() if not h.lost)
-        successors = [h for h in live if self._failover.get(h)]
-        if not successors:
-            return
-        members = self._members(time.monotonic())
-        if only is None:
-            self._announced = members
-        succession = Succession(
-            term=self.term,
-            members=members,
-            successors=successors,
-            addresses=[self._failover[h] for h in successors],
-            lease=self.cfg.lease,
-        )
-        if self.agent is not None:
-            self.agent.succession = succession  # for the processes this host starts from now on
-        msg = encode(succession)
-        targets = [only] if only is not None else [*self._agents.values(), *self._conns.values()]
-        for conn in targets:
-            conn.send(msg)
 
     def _receive(self, conn: Connection, raw: dict[str, Any]) -> None:
         coord, agent = self.coordinator, self.agent
@@ -481,66 +355,6 @@ class Launcher:
         coord.on_message(conn.worker_id, msg, now, time.time())
         self._execute()
 
-    def _from_agent(self, conn: Connection, msg: Any, now: float) -> None:
-        """A remote agent's hello or report (see agent/remote.py)."""
-        coord = self.coordinator
-        assert coord is not None
-        if isinstance(msg, AgentHello):
-            if conn in self._agent_of or conn.worker_id is not None or coord.stopping is not None:
-                _hang_up(conn)
-                return
-            host = self._next_host
-            self._next_host += 1
-            self._agent_of[conn] = host
-            self._agents[host] = conn
-            conn.send(encode(self._welcome(host)))
-            coord.add_host(host, msg.host, True, now, msg.order)
-            if msg.failover:
-                self._failover[host] = msg.failover
-            log.info("agent %d joined from %s (%s)", host, msg.host, msg.hostname or "?")
-            self._announce()
-            return
-        host = self._agent_of[conn]
-        if not coord.host_alive(host):
-            _hang_up(conn)  # a fenced host: its reports are about ranks that moved on
-            return
-        coord.on_agent_seen(host, now)
-        if isinstance(msg, ProcStarted):
-            coord.on_started(msg.worker_id, msg.store_address)
-        elif isinstance(msg, ProcExited):
-            coord.on_exit(msg.worker_id, msg.code, msg.own_failure, msg.detail, msg.tail, now, time.time())
-        elif isinstance(msg, ProcVerdict):
-            coord.on_verdict(msg.worker_id, f"(pid {msg.pid}) {msg.why}", now)
-        elif isinstance(msg, AgentHeartbeat):
-            try:
-                coord.on_beats(host, beats_of(msg), now)
-            except ProtocolError as e:
-                log.warning("closing agent %d's connection: %s", host, e)
-                _hang_up(conn)
-
-    def _welcome(self, host: int) -> AgentWelcome:
-        c = self.cfg
-        return AgentWelcome(
-            agent_id=host,
-            lease=c.lease,
-            job_id=self.job_id,
-            control=f"{self.server.address[0]}:{self.server.address[1]}",
-            run_dir=str(self.run_dir.resolve()),
-            shm_key=self.shm_key,
-            script=str(Path(c.script).resolve()),
-            script_args=list(c.script_args),
-            nproc=c.per_node,
-            rendezvous=c.rendezvous,
-            port_base=c.port_base,
-            port_range=c.port_range,
-            hang_timeout=c.hang_timeout,
-            start_timeout=c.start_timeout,
-            quiet_workers=c.quiet_workers,
-            fork_server=c.fork_server,
-            term=self.term,
-            config=config_to_json(c),
-        )
-
     def _execute(self) -> None:
         """Carry out what the coordinator decided, in order."""
         coord, agent = self.coordinator, self.agent
@@ -578,20 +392,6 @@ class Launcher:
             self._announce()  # the membership a majority is counted against has shrunk
 
     # -- the end -------------------------------------------------------------------------------
-    def _release_agents(self, grace: float) -> None:
-        """Tell every remote agent the job is over and wait (bounded) until they hang up, so
-        that their processes are gone before the job's shared memory is removed."""
-        for conn in self._agents.values():
-            conn.send(encode(Shutdown(code=self.exit_code, reason=self.stopping)))
-        deadline = time.monotonic() + grace
-        while self._agents and time.monotonic() < deadline:
-            try:
-                conn, raw = self.server.inbox.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if raw.get("type") == "_closed" and conn in self._agent_of:
-                self._agents.pop(self._agent_of.pop(conn), None)
-
     def _shutdown(self) -> None:
         """Stop every process we started, remove shared memory, close the watchdog."""
         if self._stepped_down:

@@ -8,7 +8,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from checkpointless.errors import ConfigError
 from checkpointless.faults.inject import parse_faults
 from checkpointless.state.checkpoint_dir import parse_every
 
-__all__ = ["MAX_PROCESSES", "LaunchConfig", "checkpoint_root"]
+__all__ = ["MAX_PROCESSES", "LaunchConfig", "checkpoint_root", "config_from_json", "config_to_json"]
 
 MAX_PROCESSES = 1024  # workers plus spares: far more than one machine runs, far fewer than a typo asks
 _HOST_LOOKUP_S = 5.0
@@ -210,6 +210,25 @@ def checkpoint_root(cfg: LaunchConfig, run_dir: Path, job_id: str) -> Path:
     the run directory's ``checkpoints``), so another job's checkpoints in a shared directory are
     never taken for this job's."""
     return (cfg.checkpoint_dir if cfg.checkpoint_dir is not None else run_dir / "checkpoints") / job_id
+
+
+def config_to_json(cfg: LaunchConfig) -> dict[str, Any]:
+    """The job's settings as JSON, for the agents that may take the coordinator over."""
+    return {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in asdict(cfg).items()
+        if k not in ("python", "local_agent")
+    }
+
+
+def config_from_json(raw: dict[str, Any]) -> LaunchConfig:
+    """The settings :func:`config_to_json` sent; fields this side does not know are dropped."""
+    known = {f.name for f in fields(LaunchConfig)}
+    kwargs = {k: v for k, v in raw.items() if k in known}
+    for k in ("run_dir", "checkpoint_dir"):
+        if kwargs.get(k) is not None:
+            kwargs[k] = Path(kwargs[k])
+    return LaunchConfig(**kwargs)
 
 
 def _check_checkpoint_dir(path: Path) -> None:

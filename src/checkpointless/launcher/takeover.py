@@ -23,8 +23,9 @@ from checkpointless.coordinator import Coordinator
 from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
 from checkpointless.coordinator.takeover import TakeoverHost, resume
 from checkpointless.events import EventLog, get_logger, setup_logging
+from checkpointless.launcher.agents import _beat_agents, _hang_up
 from checkpointless.launcher.control import Connection, ControlServer
-from checkpointless.launcher.launcher import Launcher, _beat_agents, _hang_up
+from checkpointless.launcher.launcher import Launcher
 from checkpointless.launcher.model import LaunchConfig, checkpoint_root
 from checkpointless.observe.hooks import start_observers
 from checkpointless.protocol import Hello, ProcExited, ProtocolError, Vote, decode, encode

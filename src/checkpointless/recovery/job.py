@@ -40,7 +40,7 @@ from checkpointless.config import WorkerEnv
 from checkpointless.errors import CheckpointlessError, CommAborted, ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
-from checkpointless.protocol import Done, Fired, Heartbeat, SpareReady
+from checkpointless.protocol import Abort, Assign, Done, Fired, Heartbeat, Prefetch, Prepare, SpareReady
 from checkpointless.recovery.amp import is_grad_scaler
 from checkpointless.recovery.default_group import DefaultGroup, configure_standalone, install_default_group
 from checkpointless.recovery.divergence import DEFAULT_EVERY
@@ -172,32 +172,14 @@ class Job:
         if self.env.role == "spare":
             log.info("spare %d ready, waiting for a rank", self.env.worker_id)
             self._link.send(SpareReady())
-        while True:
-            msg = self._link.wait_for(
-                {"assign", "prepare", "prefetch"}, time.monotonic() + 10 * 365 * 86400.0
-            )
-            if msg["type"] == "assign":
-                break
-            if msg["type"] == "prefetch":  # fill this host's batch cache for the ranks we may take
-                # imported here: only spares on spare hosts need it (and a script that registered
-                # a recipe, data/spare_cache.py, has imported it already)
-                from checkpointless.data import spare_cache
-
-                spare_cache.hint(
-                    self.env.job_id, int(msg["step"]), list(msg["ranks"]), int(msg["world_size"])
-                )
-                continue
-            self._prepare(int(msg["state_bytes"]))
+        msg = self._wait_for_rank()
         if "checkpointless.data.spare_cache" in sys.modules:  # we have a rank: stop prefetching
             sys.modules["checkpointless.data.spare_cache"].stop()
-        self.rank = int(msg["rank"])
-        self.world_size = int(msg["world_size"])
-        self.placement = (  # host-major placement (multi-host); -1s from a one-machine launcher
-            int(msg.get("local_rank", -1)),
-            int(msg.get("local_world_size", -1)),
-            int(msg.get("node_rank", -1)),
-        )
-        self._report_gen = int(msg["generation"])
+        self.rank = msg.rank
+        self.world_size = msg.world_size
+        # host-major placement (multi-host); -1s from a one-machine launcher
+        self.placement = (msg.local_rank, msg.local_world_size, msg.node_rank)
+        self._report_gen = msg.generation
         self.is_replacement = self.env.role == "spare"
         setup_logging(f"rank {self.rank}")
         self._events = EventLog(
@@ -205,24 +187,40 @@ class Job:
         )
         if self.comm.backend == "nccl":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
-        every = self._snapshot_every = int(msg.get("snapshot_every", 0))
-        self._buddy_mode = str(msg.get("buddy_copies", "auto"))
+        every = self._snapshot_every = msg.snapshot_every
+        self._buddy_mode = msg.buddy_copies
         if every and self.rank == 0:
             # One copy per host is enough (replicas are identical after each commit), and the
             # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
             # rather than a rotation keeps "one writer at a time" true, which pruning relies on.
             self._snapshots = SnapshotWriter(snapshot_dir(self.env.job_id), every)
-        if msg.get("checkpoint_dir"):
-            self._checkpoint_dir = Path(msg["checkpoint_dir"])
-            ckpt_every = self._checkpoint_every = parse_every(msg.get("checkpoint_every", "0"))
+        if msg.checkpoint_dir:
+            self._checkpoint_dir = Path(msg.checkpoint_dir)
+            ckpt_every = self._checkpoint_every = parse_every(msg.checkpoint_every)
             if not ckpt_every.off:
                 preload()  # every rank may have to load one after a loss of every replica
             if self.rank == 0 and not ckpt_every.off:
                 # one writer, as for snapshots: replicas are identical after each commit
                 self._checkpoints = CheckpointWriter(self._checkpoint_dir, ckpt_every)
-        self.divergence_every = int(msg.get("divergence_check", DEFAULT_EVERY))
-        specs = parse_faults(list(msg.get("faults", [])), self.world_size)
-        self._injector = Injector(specs, self.rank, set(msg.get("fired", [])), self._announce_fault)
+        self.divergence_every = msg.divergence_check
+        specs = parse_faults(list(msg.faults), self.world_size)
+        self._injector = Injector(specs, self.rank, set(msg.fired), self._announce_fault)
+
+    def _wait_for_rank(self) -> Assign:
+        """A spare's wait (a worker's is short): its rank, meanwhile paging in and prefetching."""
+        assert self.env is not None and self._link is not None
+        while True:
+            msg = self._link.wait_for((Assign, Prepare, Prefetch), time.monotonic() + 10 * 365 * 86400.0)
+            if isinstance(msg, Assign):
+                return msg
+            if isinstance(msg, Prefetch):  # fill this host's batch cache for the ranks we may take
+                # imported here: only spares on spare hosts need it (and a script that registered
+                # a recipe, data/spare_cache.py, has imported it already)
+                from checkpointless.data import spare_cache
+
+                spare_cache.hint(self.env.job_id, msg.step, list(msg.ranks), msg.world_size)
+                continue
+            self._prepare(msg.state_bytes)
 
     def _prepare(self, state_bytes: int) -> None:
         """As a spare: page in room for a replica's state now, not during a recovery."""
@@ -626,16 +624,16 @@ class Job:
         self._dirty = False
         self._updated = True
 
-    def _on_abort(self, msg: dict[str, Any]) -> None:
-        gen = int(msg["generation"])
+    def _on_abort(self, msg: Abort) -> None:
+        gen = msg.generation
         if gen > self._latest_abort:
             self._latest_abort = gen
             self._cancel.set()
-            n = self.comm.abort(str(msg.get("reason", "launcher abort")))
+            n = self.comm.abort(msg.reason)
             if self._default is not None:
-                n += self._default.abort(str(msg.get("reason", "launcher abort")))
+                n += self._default.abort(msg.reason)
             if self._mesh is not None:
-                n += self._mesh.abort(str(msg.get("reason", "launcher abort")))
+                n += self._mesh.abort(msg.reason)
             if n:
                 log.info("aborted %d pending collective(s) for generation %d", n, gen)
 

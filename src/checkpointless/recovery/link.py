@@ -1,7 +1,10 @@
 """A worker's link to the launcher: the control connection, heartbeats and the inbox.
 
-The reader thread acts on ``abort`` at once (it fails the communicator's pending collectives, so
-a main thread blocked in a collective wakes up) and queues everything else for the main thread.
+The reader thread decodes every frame once (``protocol.decode``): what reaches the main thread
+is a typed message, and a frame that is not one of ours (an unknown type, a missing field, a
+wrong type) is logged and dropped there, so neither thread ever trips over it later. It acts on
+``abort`` at once (it fails the communicator's pending collectives, so a main thread blocked in a
+collective wakes up) and queues everything else for the main thread.
 It also keeps the peer table (``peer_table.TableHolder``): ``peer_table`` chunks never reach the
 inbox, and a ``recover`` reaches it with its peer table and plan filled in; one whose delta does
 not apply to the table held here is kept back while the full table is asked for.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import queue
 import signal
@@ -28,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from checkpointless.agent.beats import BEAT_ENV, BeatWriter
 from checkpointless.config import WorkerEnv
@@ -37,15 +41,20 @@ from checkpointless.launcher.control import ControlClient
 from checkpointless.peer_table import TableChunk, TableHolder
 from checkpointless.protocol import (
     SUCCESSION_ENV,
+    Abort,
+    Assign,
     Heartbeat,
     Hello,
     Message,
     PeerTable,
     PeerTableRequest,
     ProtocolError,
+    Recover,
     Recovered,
+    Shutdown,
     SpareReady,
     Stopped,
+    Succession,
     decode,
     encode,
     succession_from_env,
@@ -54,6 +63,10 @@ from checkpointless.protocol import (
 __all__ = ["LauncherLink", "set_parent_death_signal"]
 
 log = get_logger()
+# the kinds of message a caller waits for, so that it gets their union back, typed
+A = TypeVar("A", bound=Message)
+B = TypeVar("B", bound=Message)
+C = TypeVar("C", bound=Message)
 
 
 class _Unconnected:
@@ -80,17 +93,17 @@ class LauncherLink:
     def __init__(
         self,
         env: WorkerEnv,
-        on_abort: Callable[[dict[str, Any]], None],
+        on_abort: Callable[[Abort], None],
         status: Callable[[], Heartbeat],
         heartbeat_s: float = 0.25,
     ) -> None:
         self.env = env
-        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.inbox: queue.Queue[Message] = queue.Queue()
         self._on_abort = on_abort
         self._status = status
         self._stop = threading.Event()
         self.table = TableHolder()  # the reader thread's alone
-        self._held: dict[str, Any] | None = None  # a recover waiting for the full table
+        self._held: Recover | None = None  # a recover waiting for the full table
         self._asked = 0  # full tables asked for in a row that did not arrive intact
         self._beats: BeatWriter | None = None
         path = os.environ.get(BEAT_ENV)
@@ -100,7 +113,7 @@ class LauncherLink:
             except OSError as e:
                 log.warning("heartbeats go over the control connection: %s", e)
         # what a new coordinator needs to hear after a failover (see _reconnect)
-        self._succession: dict[str, Any] | None = None
+        self._succession: Succession | None = None
         self._term = 0  # the newest coordinator term this link has seen; it never goes back
         self._rank = -1
         self._generation = -1
@@ -139,11 +152,11 @@ class LauncherLink:
             log.warning("no successors known at start (%s)", e)
             return
         if known is not None:
-            self._succession = encode(known)
+            self._succession = known
             self._term = known.term
 
     def _lease(self) -> float:
-        return float((self._succession or {}).get("lease", 5.0))
+        return self._succession.lease if self._succession is not None else 5.0
 
     def send(self, msg: Message) -> None:
         if isinstance(msg, Recovered):
@@ -161,60 +174,75 @@ class LauncherLink:
         except OSError as e:
             self._on_lost(f"send failed: {e}")
 
-    def _on_message(self, msg: dict[str, Any]) -> None:
-        kind = msg.get("type")
-        self._lost_since = None  # a coordinator is talking to us
-        if kind == "succession":
-            if int(msg.get("term", 0)) >= self._term:
-                self._succession = msg
-                self._term = int(msg.get("term", 0))
-                self._bound_silence(float(msg.get("lease", 5.0)))
+    def _on_message(self, raw: dict[str, Any]) -> None:
+        """The reader thread's entry for every frame: decoded once, then dispatched."""
+        self._lost_since = None  # a coordinator is talking to us (even one that garbles a frame)
+        try:
+            msg = decode(raw)
+        except ProtocolError as e:
+            # a bug or a version skew on the coordinator's side, never this worker's fault:
+            # dropping the frame keeps the reader thread (and with it abort and shutdown) alive,
+            # and a lost plan or assignment times out as the round or start-up would anyway
+            log.warning("dropped a control message from the coordinator: %s", e)
             return
-        if kind == "assign":
-            self._rank = int(msg.get("rank", -1))
-        if kind == "peer_table":
+        self._dispatch(msg)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Succession):
+            if msg.term >= self._term:
+                self._succession = msg
+                self._term = msg.term
+                self._bound_silence(msg.lease)
+            return
+        if isinstance(msg, PeerTable):
             self._on_table_chunk(msg)
             return
-        if kind == "recover":
-            try:
-                resolved = self.table.resolve(msg)
-            except (ValueError, TypeError, KeyError) as e:  # TableError is a ValueError
-                # a plan we cannot read: pass it on as it is, so that joining it fails and is
-                # reported as this round's failure (never a dead reader thread)
-                log.warning("cannot read the plan for generation %s: %s", msg.get("generation"), e)
-                resolved = msg
-            if resolved is None:
-                # a delta for a table we do not hold (or that would not match its digest):
-                # never meet peers at guessed addresses; ask for all of it and wait
-                log.info(
-                    "peer table v%d does not apply to v%d here; asking for all of it",
-                    int(msg.get("table_version", -1)),
-                    self.table.version,
-                )
-                self._held = msg
-                self.send(PeerTableRequest(have=self.table.version))
-                return
-            self._held = None
-            msg = resolved
-        elif kind == "abort":
-            self._aborted = max(self._aborted, int(msg.get("generation", -1)))
+        if isinstance(msg, Assign):
+            self._rank = msg.rank
+        elif isinstance(msg, Recover):
+            ready = self._resolve(msg)
+            if ready is None:
+                return  # held back until the full table arrives
+            msg = ready
+        elif isinstance(msg, Abort):
+            self._aborted = max(self._aborted, msg.generation)
             self._on_abort(msg)
-        elif kind == "shutdown":
-            code = int(msg.get("code", 0))
-            if code:
-                log.error("launcher stops this process: %s", msg.get("reason", ""))
-            os._exit(code)
+        elif isinstance(msg, Shutdown):
+            if msg.code:
+                log.error("launcher stops this process: %s", msg.reason or "")
+            os._exit(msg.code)
         self.inbox.put(msg)
 
-    def _on_table_chunk(self, msg: dict[str, Any]) -> None:
+    def _resolve(self, msg: Recover) -> Recover | None:
+        """The plan with its peer table filled in, or None when it must wait for the table."""
         try:
-            m = decode(msg)
-            if not isinstance(m, PeerTable):
-                raise ProtocolError(f"{m.TYPE} is not a peer_table")
+            resolved = self.table.resolve(encode(msg))
+        except (ValueError, TypeError, KeyError) as e:  # TableError is a ValueError
+            # a plan we cannot read: pass it on as it is, so that joining it fails and is
+            # reported as this round's failure (never a dead reader thread)
+            log.warning("cannot read the plan for generation %d: %s", msg.generation, e)
+            self._held = None
+            return msg
+        if resolved is None:
+            # a delta for a table we do not hold (or that would not match its digest):
+            # never meet peers at guessed addresses; ask for all of it and wait
+            log.info(
+                "peer table v%d does not apply to v%d here; asking for all of it",
+                msg.table_version,
+                self.table.version,
+            )
+            self._held = msg
+            self.send(PeerTableRequest(have=self.table.version))
+            return None
+        self._held = None
+        return dataclasses.replace(msg, plan=resolved["plan"], rendezvous=resolved["rendezvous"])
+
+    def _on_table_chunk(self, m: PeerTable) -> None:
+        try:
             done = self.table.on_chunk(
                 m.version, m.digest, m.world_size, TableChunk(m.first, m.hosts, m.runs)
             )
-        except (ProtocolError, ValueError) as e:  # TableError is a ValueError
+        except ValueError as e:  # TableError is a ValueError
             self._asked += 1
             if self._asked > 3:  # the coordinator keeps sending a broken table: stop asking
                 log.error(
@@ -229,7 +257,7 @@ class LauncherLink:
         held = self._held
         if done and held is not None:
             self._held = None
-            self._on_message(held)  # the plan that waited for this table
+            self._dispatch(held)  # the plan that waited for this table
 
     def _on_lost(self, why: str) -> None:
         if self._stop.is_set():
@@ -257,7 +285,7 @@ class LauncherLink:
         probes (every second once idle; answered by the peer's kernel, no work for the
         coordinator) provide the unacknowledged data."""
         if not isinstance(self.client, ControlClient):
-            return  # not connected: the next connection gets it (see _on_message)
+            return  # not connected: the next connection gets it (see _dispatch)
         with contextlib.suppress(OSError, AttributeError):
             sock = self.client.sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(lease * 1000))
@@ -273,9 +301,9 @@ class LauncherLink:
         candidate; a candidate that loses its election hangs up."""
         succ = self._succession
         assert succ is not None and self._lost_since is not None
-        lease = float(succ.get("lease", 5.0))
+        lease = succ.lease
         deadline = self._lost_since + 2 * lease + 2.0
-        addresses = [str(a) for a in succ.get("addresses", [])]
+        addresses = list(succ.addresses)
         floor = self._term + 1
         turn = floor - 1
         while addresses and time.monotonic() < deadline:
@@ -344,17 +372,24 @@ class LauncherLink:
             except OSError:
                 continue  # the reader thread sees the loss and starts looking
 
-    def wait_for(self, kinds: set[str], deadline: float) -> dict[str, Any]:
+    @overload
+    def wait_for(self, kinds: tuple[type[A]], deadline: float) -> A: ...
+    @overload
+    def wait_for(self, kinds: tuple[type[A], type[B]], deadline: float) -> A | B: ...
+    @overload
+    def wait_for(self, kinds: tuple[type[A], type[B], type[C]], deadline: float) -> A | B | C: ...
+    def wait_for(self, kinds: tuple[type[Message], ...], deadline: float) -> Message:
         """Next queued message of one of ``kinds`` (others are dropped); TimeoutError after deadline."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no {'/'.join(sorted(kinds))} message from the launcher in time")
+                names = "/".join(sorted(k.TYPE for k in kinds))
+                raise TimeoutError(f"no {names} message from the launcher in time")
             try:
                 msg = self.inbox.get(timeout=min(left, 0.5))
             except queue.Empty:
                 continue
-            if msg.get("type") in kinds:
+            if isinstance(msg, kinds):
                 return msg
 
     def close(self) -> None:

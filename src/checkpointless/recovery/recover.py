@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointless.errors import CommAborted, NotRecoverableError, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.protocol import Fatal, Recovered, Stopped
+from checkpointless.protocol import Abort, Fatal, Recover, Recovered, Stopped
 from checkpointless.recovery.amp import finish_cut_off_update, reset_step_state
 from checkpointless.recovery.process import looks_like_comm_error, short_error
 from checkpointless.recovery.rendezvous_client import make_store
@@ -155,13 +155,13 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
                 )
             )
         resend = False
-        msg = job._link.wait_for({"recover", "abort"}, deadline)
-        if msg["type"] == "abort":
-            if int(msg["generation"]) > job._report_gen:  # a newer fault: report for it
-                job._report_gen = int(msg["generation"])
+        msg = job._link.wait_for((Recover, Abort), deadline)
+        if isinstance(msg, Abort):
+            if msg.generation > job._report_gen:  # a newer fault: report for it
+                job._report_gen = msg.generation
                 resend = True
             continue
-        if int(msg["generation"]) != gen or job._latest_abort > gen:
+        if msg.generation != gen or job._latest_abort > gen:
             continue  # a plan for a generation that was superseded while it travelled
         job._cancel.clear()
         try:
@@ -169,8 +169,10 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
         except Exception as e:  # any failure here is a fault of this round, not of the job
             log.warning("recovery to generation %d failed: %s", gen, short_error(e))
             # our own state is still what it was unless we were loading a peer's
-            if isinstance(e, StateTransferError) or job.rank in msg["plan"]["receivers"]:
-                valid = valid and job.rank not in msg["plan"]["receivers"]
+            # (.get: the plan may be one the link could not read, passed on as it came)
+            receivers = msg.plan.get("receivers", ())
+            if isinstance(e, StateTransferError) or job.rank in receivers:
+                valid = valid and job.rank not in receivers
             report = dataclasses.replace(report, valid=valid, cause="recovery", error=short_error(e))
             job._report_gen = max(job._latest_abort, gen + 1)
             resend = True
@@ -190,16 +192,16 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
         return
 
 
-def join_generation(job: Job, msg: dict[str, Any], committed: int, valid: bool) -> dict[str, Any]:
-    gen = int(msg["generation"])
-    plan = msg["plan"]
+def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict[str, Any]:
+    gen = msg.generation
+    plan = msg.plan
     target, receivers = int(plan["target_step"]), list(plan["receivers"])
     sources = plan_sources(plan)  # receiver -> its source (on a mesh, a holder of its shard)
     # receivers of this rank's own state; the buddy copies it keeps go out on a thread of their own
     to_send = sorted(r for r, s in sources.items() if s == job.rank and r not in plan.get("from_copy", ()))
     job._injector.maybe_fire("recovery", target)
     t0 = time.monotonic()
-    store = make_store(msg["rendezvous"], job.rank, job.world_size, gen, job._store_state, job.env)
+    store = make_store(msg.rendezvous, job.rank, job.world_size, gen, job._store_state, job.env)
     wait_s = job.comm.rebuild(
         gen, store, job.rank, job.world_size, time.monotonic() + job.rendezvous_timeout, job._cancel
     )
@@ -210,7 +212,7 @@ def join_generation(job: Job, msg: dict[str, Any], committed: int, valid: bool) 
     job.generation = gen
     t1 = time.monotonic()
     info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
-    route = stream_route(job, msg["rendezvous"], gen)
+    route = stream_route(job, msg.rendezvous, gen)
     info["transport"] = "gloo" if route is None else "stream"
     copier = None
     if job._buddies is not None and route is not None:  # kept copies go back beside the rest
@@ -273,7 +275,7 @@ def join_generation(job: Job, msg: dict[str, Any], committed: int, valid: bool) 
             raise copier.error
     if job._buddies is not None:
         job._buddies.forget_after(target)
-        job._buddies.resume(gen, stream_route(job, msg["rendezvous"], gen))
+        job._buddies.resume(gen, stream_route(job, msg.rendezvous, gen))
     job.committed_step = target
     job._step_rng = None
     if job._interrupted is not None and job._interrupted[0] == target - 1 and job._events is not None:

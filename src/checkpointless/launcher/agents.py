@@ -1,0 +1,248 @@
+"""The launcher's side of the remote agents and of who succeeds the coordinator.
+
+A mixin of :class:`~checkpointless.launcher.launcher.Launcher` (and so of the takeover shell):
+waiting for the job's hosts, an agent's hello and reports, the welcome it gets, the lease beats,
+the succession sent to agents and workers, stepping down without a majority, and releasing the
+agents at the end. The attributes it reads are the launcher's, declared below for the type
+checker; the control server and the decision loop stay in ``launcher.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from checkpointless.agent import Agent
+from checkpointless.agent.beats import beats_of
+from checkpointless.coordinator import Coordinator
+from checkpointless.coordinator.election import HostSeen, keeps_majority, membership
+from checkpointless.events import EventLog, get_logger
+from checkpointless.launcher.control import Connection, ControlServer
+from checkpointless.launcher.model import LaunchConfig, config_to_json
+from checkpointless.protocol import (
+    AgentHeartbeat,
+    AgentHello,
+    AgentWelcome,
+    ProcExited,
+    ProcStarted,
+    ProcVerdict,
+    ProtocolError,
+    Shutdown,
+    Succession,
+    encode,
+)
+
+__all__ = ["AgentHosts"]
+
+log = get_logger()
+
+
+def _hang_up(conn: Connection) -> None:
+    """End a connection from the decision loop. Only a shutdown, not a close: the server's
+    selector thread still has the socket registered, sees the end and closes it itself (closing
+    here would free the descriptor for reuse while it is still registered there)."""
+    with contextlib.suppress(OSError):
+        conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _beat_agents(agents: dict[int, Connection], stop: threading.Event) -> None:
+    """The coordinator's side of the lease, on a thread of its own: a decision loop busy for a
+    few seconds (starting a process, a slow disk) must not make every agent fence its host."""
+    while not stop.wait(0.5):
+        for conn in list(agents.values()):
+            conn.send(encode(AgentHeartbeat(time.time())))
+
+
+class AgentHosts:
+    """The agents and the succession of a :class:`Launcher` (which sets every attribute here)."""
+
+    cfg: LaunchConfig
+    job_id: str
+    run_dir: Path
+    shm_key: str
+    events: EventLog
+    server: ControlServer
+    coordinator: Coordinator | None
+    agent: Agent | None
+    stopping: str | None
+    exit_code: int
+    term: int
+    _signal: int | None
+    _conns: dict[int, Connection]  # worker id -> its control connection
+    _agents: dict[int, Connection]  # agent (host) id -> a remote agent's connection
+    _agent_of: dict[Connection, int]
+    _next_host: int
+    _failover: dict[int, str]  # agent id -> the address it serves the control channel on
+    _stepped_down: bool
+    _announced: list[int]  # the membership last sent to everyone
+
+    if TYPE_CHECKING:  # the decision loop's, in launcher.py
+
+        def _execute(self) -> None: ...
+
+        def _drain_inbox(self) -> None: ...
+
+    def _gather_agents(self) -> bool:
+        """Wait for the job's hosts: --nnodes plus --spare-nodes agents (the embedded one counts)."""
+        coord = self.coordinator
+        assert coord is not None
+        deadline = time.monotonic() + self.cfg.agent_wait
+        log.info("waiting for %d agents on %s:%d", self.cfg.agents_needed, *self.server.address[:2])
+        while len([h for h in coord.hosts.values() if not h.lost]) < self.cfg.agents_needed:
+            if self._signal is not None or time.monotonic() > deadline:
+                why = (
+                    f"launcher received {signal.Signals(self._signal).name}"
+                    if self._signal is not None
+                    else f"only {len(coord.hosts)} of {self.cfg.agents_needed} agents joined within "
+                    f"{self.cfg.agent_wait:.0f} s; start `checkpointless agent --coordinator "
+                    f"{self.cfg.host}:{self.server.address[1]}` on each host"
+                )
+                coord.fail(why)
+                self._execute()
+                return False
+            self._drain_inbox()
+            self._execute()
+        return True
+
+    def _lost_majority(self, now: float) -> bool:
+        """A coordinator cut off from most of its hosts steps down (without ending the job): the
+        majority may be electing a successor, and two coordinators must never act at once. Its
+        own hosts' agents then lose it and fence themselves unless they join the majority's."""
+        coord = self.coordinator
+        if coord is None or not self._failover or not coord.started:
+            return False
+        if self._members(now) != self._announced:
+            self._announce()  # a lost host aged out of the membership
+        if keeps_majority(self._seen(), now, self.cfg.lease):
+            return False
+        members = membership(self._seen(), now, self.cfg.lease)
+        heard = [h for h in coord.hosts.values() if not h.lost and now - h.last_seen <= self.cfg.lease]
+        why = (
+            f"heard from only {len(heard)} of {len(members)} hosts within the lease "
+            f"({self.cfg.lease:.1f} s): no majority, stepping down so that the majority's successor "
+            "is the only coordinator"
+        )
+        log.error("%s", why)
+        self.events.emit("coordinator_step_down", term=self.term, why=why)
+        self._stepped_down = True
+        self.stopping = "stepped down"
+        self.exit_code = 75
+        return True
+
+    def _seen(self) -> list[HostSeen]:
+        coord = self.coordinator
+        assert coord is not None
+        return [HostSeen(h.host, h.lost, h.remote, h.last_seen) for h in coord.hosts.values()]
+
+    def _members(self, now: float) -> list[int]:
+        """The membership a majority is counted against (coordinator/election.py); agents are
+        told the same, so that a side of a partition that heard of its peers' loss one by one
+        cannot count itself a majority either."""
+        return membership(self._seen(), now, self.cfg.lease)
+
+    def _announce(self, only: Connection | None = None) -> None:
+        """Tell agents and workers who may take over (all of them, or just ``only``)."""
+        coord = self.coordinator
+        if coord is None:
+            return
+        live = sorted(h.host for h in coord.hosts.values() if not h.lost)
+        successors = [h for h in live if self._failover.get(h)]
+        if not successors:
+            return
+        members = self._members(time.monotonic())
+        if only is None:
+            self._announced = members
+        succession = Succession(
+            term=self.term,
+            members=members,
+            successors=successors,
+            addresses=[self._failover[h] for h in successors],
+            lease=self.cfg.lease,
+        )
+        if self.agent is not None:
+            self.agent.succession = succession  # for the processes this host starts from now on
+        msg = encode(succession)
+        targets = [only] if only is not None else [*self._agents.values(), *self._conns.values()]
+        for conn in targets:
+            conn.send(msg)
+
+    def _from_agent(self, conn: Connection, msg: Any, now: float) -> None:
+        """A remote agent's hello or report (see agent/remote.py)."""
+        coord = self.coordinator
+        assert coord is not None
+        if isinstance(msg, AgentHello):
+            if conn in self._agent_of or conn.worker_id is not None or coord.stopping is not None:
+                _hang_up(conn)
+                return
+            host = self._next_host
+            self._next_host += 1
+            self._agent_of[conn] = host
+            self._agents[host] = conn
+            conn.send(encode(self._welcome(host)))
+            coord.add_host(host, msg.host, True, now, msg.order)
+            if msg.failover:
+                self._failover[host] = msg.failover
+            log.info("agent %d joined from %s (%s)", host, msg.host, msg.hostname or "?")
+            self._announce()
+            return
+        host = self._agent_of[conn]
+        if not coord.host_alive(host):
+            _hang_up(conn)  # a fenced host: its reports are about ranks that moved on
+            return
+        coord.on_agent_seen(host, now)
+        if isinstance(msg, ProcStarted):
+            coord.on_started(msg.worker_id, msg.store_address)
+        elif isinstance(msg, ProcExited):
+            coord.on_exit(msg.worker_id, msg.code, msg.own_failure, msg.detail, msg.tail, now, time.time())
+        elif isinstance(msg, ProcVerdict):
+            coord.on_verdict(msg.worker_id, f"(pid {msg.pid}) {msg.why}", now)
+        elif isinstance(msg, AgentHeartbeat):
+            try:
+                coord.on_beats(host, beats_of(msg), now)
+            except ProtocolError as e:
+                log.warning("closing agent %d's connection: %s", host, e)
+                _hang_up(conn)
+
+    def _welcome(self, host: int) -> AgentWelcome:
+        c = self.cfg
+        return AgentWelcome(
+            agent_id=host,
+            lease=c.lease,
+            job_id=self.job_id,
+            control=f"{self.server.address[0]}:{self.server.address[1]}",
+            run_dir=str(self.run_dir.resolve()),
+            shm_key=self.shm_key,
+            script=str(Path(c.script).resolve()),
+            script_args=list(c.script_args),
+            nproc=c.per_node,
+            rendezvous=c.rendezvous,
+            port_base=c.port_base,
+            port_range=c.port_range,
+            hang_timeout=c.hang_timeout,
+            start_timeout=c.start_timeout,
+            quiet_workers=c.quiet_workers,
+            fork_server=c.fork_server,
+            term=self.term,
+            config=config_to_json(c),
+        )
+
+    # -- the end -------------------------------------------------------------------------------
+    def _release_agents(self, grace: float) -> None:
+        """Tell every remote agent the job is over and wait (bounded) until they hang up, so
+        that their processes are gone before the job's shared memory is removed."""
+        for conn in self._agents.values():
+            conn.send(encode(Shutdown(code=self.exit_code, reason=self.stopping)))
+        deadline = time.monotonic() + grace
+        while self._agents and time.monotonic() < deadline:
+            try:
+                conn, raw = self.server.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if raw.get("type") == "_closed" and conn in self._agent_of:
+                self._agents.pop(self._agent_of.pop(conn), None)

@@ -1,0 +1,96 @@
+"""A worker's link (recovery/link.py) decodes what the coordinator sends once, on its reader
+thread: over a real control connection, frames that are not our messages are dropped with a
+warning naming what is wrong, and the link keeps working (the reader thread stays alive, so a
+later abort or plan still arrives, typed)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checkpointless.agent.beats import BEAT_ENV
+from checkpointless.config import WorkerEnv
+from checkpointless.launcher.control import ControlServer
+from checkpointless.protocol import (
+    SUCCESSION_ENV,
+    Abort,
+    Assign,
+    Heartbeat,
+    Prepare,
+    Recover,
+    encode,
+)
+from checkpointless.recovery.link import LauncherLink
+
+# each would once have reached a dict lookup deep in the worker (a KeyError in the main thread,
+# or a ValueError that ended the reader thread); the last field names what the warning says
+BAD_FRAMES: list[tuple[dict[str, Any], str]] = [
+    ({"type": "no_such_message"}, "unknown message type 'no_such_message'"),
+    ({"type": "assign", "world_size": 2, "generation": 0}, "missing field 'rank'"),
+    ({"type": "abort", "generation": "soon"}, "abort.generation"),
+    ({"type": "shutdown", "code": "now"}, "shutdown.code"),  # valid, it would end this process
+    ({"type": "recover", "generation": 1, "rendezvous": {}}, "missing field 'plan'"),
+    ({"type": "peer_table", "version": 1}, "missing field 'digest'"),
+    ({"type": "succession", "term": 9, "members": "all", "successors": [], "addresses": []}, "members"),
+    ({**encode(Prepare(state_bytes=1)), "v": 99}, "protocol version 99"),
+]
+
+
+@pytest.mark.timeout(60)
+def test_malformed_control_messages_are_dropped_and_the_link_keeps_working(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(BEAT_ENV, raising=False)
+    monkeypatch.delenv(SUCCESSION_ENV, raising=False)
+    secret = b"5a" * 32
+    server = ControlServer("127.0.0.1", 0, secret)
+    server.start()
+    aborts: list[Abort] = []
+    env = WorkerEnv(server.address, secret, 4, "spare", tmp_path, "job", 0, "127.0.0.1")
+    link = LauncherLink(env, aborts.append, Heartbeat, heartbeat_s=60.0)
+    try:
+        conn, hello = server.inbox.get(timeout=10)
+        assert hello["type"] == "hello" and hello["worker_id"] == 4
+        with caplog.at_level(logging.WARNING, logger="checkpointless"):
+            for frame, _ in BAD_FRAMES:
+                assert conn.send(frame), "the link must not hang up on a bad frame"
+            # then good ones: they arrive, in order and typed, so the reader thread survived
+            conn.send(encode(Abort(generation=3, reason="a fault")))
+            conn.send(encode(Prepare(state_bytes=123)))
+            conn.send(encode(Assign(rank=1, world_size=2, generation=3)))
+            conn.send(encode(Recover(generation=4, rendezvous={"kind": "tcp"}, plan={"target_step": 7})))
+            assign = link.wait_for((Assign,), time.monotonic() + 10)  # drops the Prepare
+            assert (assign.rank, assign.world_size, assign.generation) == (1, 2, 3)
+            plan = link.wait_for((Recover, Abort), time.monotonic() + 10)
+            assert isinstance(plan, Recover) and plan.plan["target_step"] == 7
+        assert aborts == [Abort(generation=3, reason="a fault")], "abort acts on the reader thread"
+        assert link.inbox.empty(), "nothing malformed was queued for the main thread"
+        dropped = [r.getMessage() for r in caplog.records if "dropped a control message" in r.getMessage()]
+        assert len(dropped) == len(BAD_FRAMES), dropped
+        for (_, why), text in zip(BAD_FRAMES, dropped, strict=True):
+            assert why in text, (why, text)
+        assert link._term == 0, "a malformed succession must not move the term"
+    finally:
+        link.close()
+        server.stop()
+
+
+@pytest.mark.timeout(30)
+def test_waiting_names_the_kinds_it_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BEAT_ENV, raising=False)
+    monkeypatch.delenv(SUCCESSION_ENV, raising=False)
+    secret = b"6b" * 32
+    server = ControlServer("127.0.0.1", 0, secret)
+    server.start()
+    env = WorkerEnv(server.address, secret, 2, "worker", tmp_path, "job", 0, "127.0.0.1")
+    link = LauncherLink(env, lambda m: None, Heartbeat, heartbeat_s=60.0)
+    try:
+        with pytest.raises(TimeoutError, match="no abort/recover message"):
+            link.wait_for((Recover, Abort), time.monotonic() + 0.2)
+    finally:
+        link.close()
+        server.stop()
