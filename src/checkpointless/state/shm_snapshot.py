@@ -141,9 +141,33 @@ def _private_dir(path: Path) -> None:
             )
 
 
+_guarded_memo: tuple[tuple[int, ...], set[int]] | None = None
+
+
 def guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     """Addresses of the tensors that only ``optimizer.step()`` changes: the parameters and the
-    optimizer's state. Those may be copied after the step began; everything else is copied at once."""
+    optimizer's state. Those may be copied after the step began; everything else is copied at once.
+
+    Remembered while the same tensor objects make up the optimizers (their ids, cheap to list):
+    asked as every step begins, and on a sharded rank each address is a DTensor's ``to_local()``,
+    ~1.3 ms a step for a GPT's 200 tensors."""
+    global _guarded_memo
+    key = tuple(
+        id(t)
+        for opt in optimizers
+        for t in [
+            *(p for g in opt.param_groups for p in g["params"]),
+            *(v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)),
+        ]
+    )
+    if _guarded_memo is not None and _guarded_memo[0] == key:
+        return _guarded_memo[1]
+    out = _guarded_pointers(optimizers)
+    _guarded_memo = (key, out)
+    return out
+
+
+def _guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     out: set[int] = set()
 
     def ptr(t: torch.Tensor) -> int:
