@@ -30,7 +30,7 @@ from jobs import EXAMPLE, ROOT, JobResult, read_digests
 
 from .hosts import NetnsCluster
 
-__all__ = ["CONTROL_PORT", "NetnsJob", "host_shm_dirs", "start_netns_job", "wait_for"]
+__all__ = ["CONTROL_PORT", "NetnsJob", "host_shm_dirs", "read_records", "start_netns_job", "wait_for"]
 
 CONTROL_PORT = 29400  # each cluster's namespaces are its own, so tests never contend for it
 
@@ -43,7 +43,7 @@ def wait_for(cond: Callable[[], object], deadline: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[dict[str, Any]]:
     """The records of a JSON-lines file that a running job may be appending to."""
     if not path.exists():
         return []
@@ -79,12 +79,12 @@ class NetnsJob:
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         """The coordinator's events of ``kind`` so far (events.jsonl)."""
-        return [e for e in _read_jsonl(self.run_dir / "events.jsonl") if e["event"] == kind]
+        return [e for e in read_records(self.run_dir / "events.jsonl") if e["event"] == kind]
 
     def committed(self, rank: int) -> int:
         """The last step ``rank`` logged as committed, -1 before any."""
         steps = [
-            e["step"] for e in _read_jsonl(self.run_dir / f"rank-{rank}.jsonl") if e["event"] == "commit"
+            e["step"] for e in read_records(self.run_dir / f"rank-{rank}.jsonl") if e["event"] == "commit"
         ]
         return max(steps, default=-1)
 
@@ -94,7 +94,7 @@ class NetnsJob:
         joined = [e["host"] for e in self.events("host_joined") if e["address"] == address]
         if not joined:
             return []
-        return [e for e in _read_jsonl(self.run_dir / f"agent-{joined[0]}.jsonl") if e["event"] == kind]
+        return [e for e in read_records(self.run_dir / f"agent-{joined[0]}.jsonl") if e["event"] == kind]
 
     def spare_host_spawns(self) -> set[int]:
         """Workers started on the (first) spare host the placement chose."""
