@@ -15,68 +15,18 @@ on.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.hosts import NetnsCluster
-from jobs import ROOT, TINY, JobResult, alive, run_job
-from test_multihost import _committed, _events, _finish, _wait_for
+from harness.netns_job import host_shm_dirs, start_netns_job, wait_for
+from jobs import TINY, JobResult, alive, run_job
 
 ARGS = [*TINY[2:], "--steps", "40", "--fsdp", "1,4"]
 CONTROL_PORT = 29410
 _REF: dict[str, JobResult] = {}
-
-
-def _start(
-    cluster: NetnsCluster, run_dir: Path, corpus: Path, shm: list[Path], inject: tuple[str, ...] = ()
-) -> list[Any]:
-    h0 = cluster.hosts[0]
-    py = [sys.executable, "-m", "checkpointless"]
-    digest = run_dir.parent / (run_dir.name + ".digest-{rank}")
-    coord = [
-        *py,
-        "coordinator",
-        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-        "--host", h0.address, "--control-port", str(CONTROL_PORT),
-        "--run-dir", str(run_dir), "--hang-timeout", "20", "--lease", "3",
-        *[a for f in inject for a in ("--inject", f)],
-        str(ROOT / "examples" / "train_gpt.py"), *ARGS,
-        "--data", str(corpus), "--digest-out", str(digest),
-    ]  # fmt: skip
-    log = open(run_dir.parent / "coordinator.out", "wb")  # noqa: SIM115 (lives as long as the job)
-    procs = [h0.popen(coord, cwd=ROOT, stdout=log, stderr=log)]
-    for i, h in enumerate(cluster.hosts):
-        agent = [
-            *py, "agent", "--coordinator", f"{h0.address}:{CONTROL_PORT}", "--host", h.address,
-            "--secret-file", str(run_dir / "secret"), "--node-order", str(i),
-        ]  # fmt: skip
-        out = open(run_dir.parent / f"agent-{i}.out", "wb")  # noqa: SIM115
-        # the namespaces share this machine's /dev/shm, real hosts do not: without a directory
-        # of its own, a replacement on the spare host could read the lost host's own snapshots
-        env = {**os.environ, "CHECKPOINTLESS_SHM_DIR": str(shm[i])}
-        procs.append(h.popen(agent, cwd=ROOT, env=env, stdout=out, stderr=out))
-    return procs
-
-
-@contextlib.contextmanager
-def _host_shm() -> Iterator[list[Path]]:
-    """A shared-memory directory per host; the survivors' must be empty at the end (their agents
-    remove the job's), and all are removed."""
-    shm = [Path(tempfile.mkdtemp(prefix=f"cl-test-h{i}-", dir="/dev/shm")) for i in range(3)]
-    try:
-        yield shm
-    finally:
-        for d in shm:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def _reference(tmp_path: Path, corpus: Path) -> JobResult:
@@ -99,17 +49,18 @@ def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documente
     ref = _reference(tmp_path, corpus)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
-    run_dir.parent.mkdir()
     deadline = time.monotonic() + 200
     # Rank 2 dies in its update of step 5 (after every collective of the step), rank 0 as it
     # begins step 6: nothing between the two deaths can stop rank 0, so both are lost in one
     # generation, each with the only copies of the other's shard (tests/test_buddy_e2e.py).
     kills = ("kill:rank=2:step=5:site=optimizer", "kill:rank=0:step=6")
-    with _host_shm() as shm:
-        procs = _start(cluster, run_dir, corpus, shm, kills)
-        res = _finish(procs, run_dir, deadline)
+    with host_shm_dirs(3) as shm:
+        job = start_netns_job(
+            cluster, run_dir, corpus, ARGS, control_port=CONTROL_PORT, inject=kills, shm_dirs=shm
+        )
+        res = job.finish(deadline)
         assert not [p for d in shm for p in d.iterdir()], "shared memory was left behind"
-    plans = [e for e in _events(run_dir, "plan") if e["generation"] > 0]
+    plans = [e for e in job.events("plan") if e["generation"] > 0]
     if res.rc != 0:
         # the documented error: no replica, no copy, no snapshot the replacements can reach
         assert "no replica, no buddy copy and no snapshot" in res.output, res.output[-6000:]
@@ -139,13 +90,12 @@ def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
     ref = _reference(tmp_path, corpus)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
-    run_dir.parent.mkdir()
     deadline = time.monotonic() + 200
-    with _host_shm() as shm:
-        procs = _start(cluster, run_dir, corpus, shm)
-        _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+    with host_shm_dirs(3) as shm:
+        job = start_netns_job(cluster, run_dir, corpus, ARGS, control_port=CONTROL_PORT, shm_dirs=shm)
+        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
         assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
-        res = _finish(procs, run_dir, deadline)
+        res = job.finish(deadline)
         # the surviving hosts' agents removed the job's shared memory (host 1's died with it)
         assert not [p for i in (0, 2) for p in shm[i].iterdir()], "shared memory was left behind"
     assert res.rc == 0, res.output[-6000:]
@@ -153,9 +103,9 @@ def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
     assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
     got, want = res.batches(), ref.batches()
     assert not {k for k in got if got[k] != want.get(k)}, "some rank trained on other samples"
-    assert [e["ranks"] for e in _events(run_dir, "host_lost")] == [[2, 3]]
+    assert [e["ranks"] for e in job.events("host_lost")] == [[2, 3]]
     # host 1's shards came from the copies host 0 keeps: rank 2's on rank 0, rank 3's on rank 1
-    plans = [e for e in _events(run_dir, "plan") if e["generation"] > 0]
+    plans = [e for e in job.events("plan") if e["generation"] > 0]
     served = {r: s for p in plans for r, s in p.get("sources", []) if r in p.get("from_copy", [])}
     assert served.get(2) == 0 and served.get(3) == 1, plans
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"

@@ -8,21 +8,18 @@ fault-free run (every rank's final weights and every committed batch), with noth
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.hosts import NetnsCluster
-from jobs import ROOT, TINY, JobResult, alive, read_digests, run_job
+from harness.netns_job import start_netns_job, wait_for
+from jobs import TINY, JobResult, alive, run_job
 
 ARGS = [*TINY[2:], "--steps", "40"]  # long enough to lose a host mid-run
-CONTROL_PORT = 29400
 _REF: dict[str, JobResult] = {}
 
 
@@ -55,100 +52,28 @@ def check_recovered(res: JobResult, ref: JobResult, lost_ranks: set[int]) -> Non
     assert not Path(shm).exists(), "shared memory left behind"
 
 
-def _committed(run_dir: Path, rank: int) -> int:
-    f = run_dir / f"rank-{rank}.jsonl"
-    if not f.exists():
-        return -1
-    steps = [json.loads(x)["step"] for x in f.read_text().splitlines() if '"commit"' in x]
-    return max(steps, default=-1)
-
-
-def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
-    f = run_dir / "events.jsonl"
-    if not f.exists():
-        return []
-    return [e for e in map(json.loads, f.read_text().splitlines()) if e["event"] == kind]
-
-
-def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path, args: list[str] = ARGS) -> list[Any]:
-    """The coordinator on host 0, then an agent on every host (node order = host index)."""
-    h0 = cluster.hosts[0]
-    py = [sys.executable, "-m", "checkpointless"]
-    digest = run_dir.parent / (run_dir.name + ".digest-{rank}")
-    coord = [
-        *py,
-        "coordinator",
-        "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-        "--host", h0.address, "--control-port", str(CONTROL_PORT),
-        "--run-dir", str(run_dir), "--hang-timeout", "20", "--lease", "3",
-        str(ROOT / "examples" / "train_gpt.py"), *args,
-        "--data", str(corpus), "--digest-out", str(digest),
-    ]  # fmt: skip
-    log = open(run_dir.parent / "coordinator.out", "wb")  # noqa: SIM115 (lives as long as the job)
-    procs = [h0.popen(coord, cwd=ROOT, stdout=log, stderr=log)]
-    for i, h in enumerate(cluster.hosts):
-        agent = [
-            *py, "agent", "--coordinator", f"{h0.address}:{CONTROL_PORT}", "--host", h.address,
-            "--secret-file", str(run_dir / "secret"), "--node-order", str(i),
-        ]  # fmt: skip
-        out = open(run_dir.parent / f"agent-{i}.out", "wb")  # noqa: SIM115
-        procs.append(h.popen(agent, cwd=ROOT, stdout=out, stderr=out))
-    return procs
-
-
-def _finish(procs: list[Any], run_dir: Path, deadline: float) -> JobResult:
-    coord = procs[0]
-    try:
-        coord.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except Exception:
-        coord.kill()
-        coord.wait(timeout=10)
-    out = (run_dir.parent / "coordinator.out").read_text(errors="replace")
-    for i in range(3):
-        out += f"\n--- agent {i}\n" + (run_dir.parent / f"agent-{i}.out").read_text(errors="replace")[-3000:]
-    for p in procs[1:]:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except Exception:
-            p.kill()
-    digests = read_digests(run_dir.parent, run_dir.name + ".digest-")
-    return JobResult(coord.returncode if coord.returncode is not None else -1, out, run_dir, digests)
-
-
-def _wait_for(cond: Any, deadline: float, what: str) -> None:
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_host_loss_moves_its_ranks_to_the_spare_host(netns_hosts: Any, tmp_path: Path, corpus: Path) -> None:
     ref = _reference(tmp_path / "ref", corpus)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
-    run_dir.parent.mkdir()
     deadline = time.monotonic() + 180
-    procs = _start(cluster, run_dir, corpus)
-    _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+    job = start_netns_job(cluster, run_dir, corpus, ARGS)
+    wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
     assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
-    res = _finish(procs, run_dir, deadline)
+    res = job.finish(deadline)
     check_recovered(res, ref, {2, 3})
-    lost = _events(run_dir, "host_lost")
+    lost = job.events("host_lost")
     assert [e["ranks"] for e in lost] == [[2, 3]], lost
-    moved = {e["rank"]: e["worker"] for e in _events(run_dir, "spare_assigned")}
+    moved = {e["rank"]: e["worker"] for e in job.events("spare_assigned")}
     # TODO: on a busy machine a first worker is sometimes judged wedged before it connects and
     # takes a spare at start (rank 0 below); then the lost node's ranks cannot all fit on host 2
     assert {2, 3} <= set(moved), moved
     # the spare host is whichever agent the placement made one (agents are numbered as they join)
-    spare_address = _events(run_dir, "placement")[0]["spare_hosts"][0]
-    spare_agent = next(e["host"] for e in _events(run_dir, "host_joined") if e["address"] == spare_address)
-    lines = (run_dir / f"agent-{spare_agent}.jsonl").read_text().splitlines()
-    spawns = {e["worker"] for e in map(json.loads, lines) if e["event"] == "spawn"}
     if sorted(moved) == [2, 3]:
-        assert {moved[2], moved[3]} <= spawns, "the lost ranks must land on the spare host"
-    rec = _events(run_dir, "recovery")[-1]
+        assert {moved[2], moved[3]} <= job.spare_host_spawns(), "the lost ranks must land on the spare host"
+    rec = job.events("recovery")[-1]
     assert rec["transport"] == "stream", rec
 
 
@@ -160,26 +85,25 @@ def test_partitioned_host_is_fenced_and_rejoins_as_a_spare(
     ref = _reference(tmp_path / "ref", corpus)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
-    run_dir.parent.mkdir()
     deadline = time.monotonic() + 180
-    procs = _start(cluster, run_dir, corpus)
-    _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+    job = start_netns_job(cluster, run_dir, corpus, ARGS)
+    wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
     h1 = cluster.hosts[1]
     h1.partition("both")
-    _wait_for(lambda: _events(run_dir, "host_lost"), deadline, "the coordinator to declare host 1 lost")
+    wait_for(lambda: job.events("host_lost"), deadline, "the coordinator to declare host 1 lost")
     # the agent fences its host within its own lease: none of its workers is left
-    _wait_for(lambda: len(h1.pids()) <= 2, deadline, "host 1's workers to be killed by their agent")
+    wait_for(lambda: len(h1.pids()) <= 2, deadline, "host 1's workers to be killed by their agent")
     h1.heal()
-    res = _finish(procs, run_dir, deadline)
+    res = job.finish(deadline)
     check_recovered(res, ref, {2, 3})
-    lost = _events(run_dir, "host_lost")
+    lost = job.events("host_lost")
     assert [e["ranks"] for e in lost] == [[2, 3]], lost
     assert "lease" in lost[0]["why"], lost
     # a healed host that rejoined while the job ran came back as a spare host, not as ranks 2-3
-    rejoined = [e for e in _events(run_dir, "host_joined") if e["spare"]]
+    rejoined = [e for e in job.events("host_joined") if e["spare"]]
     for e in rejoined:
         assert e["host"] >= 3, e
-    moved = {e["rank"] for e in _events(run_dir, "spare_assigned")}
+    moved = {e["rank"] for e in job.events("spare_assigned")}
     assert {2, 3} <= moved, moved  # (rank 0 too when judged wedged at start: see the TODO above)
 
 
@@ -194,30 +118,20 @@ def test_a_one_way_partition_is_fenced_too(
     ref = _reference(tmp_path / "ref", corpus)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
-    run_dir.parent.mkdir()
     deadline = time.monotonic() + 180
-    procs = _start(cluster, run_dir, corpus)
-    _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+    job = start_netns_job(cluster, run_dir, corpus, ARGS)
+    wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
     h1 = cluster.hosts[1]
     h1.partition(direction)  # type: ignore[arg-type]
     cut = time.monotonic()
-    _wait_for(lambda: len(h1.pids()) <= 2, deadline, "host 1's workers to be stopped")
+    wait_for(lambda: len(h1.pids()) <= 2, deadline, "host 1's workers to be stopped")
     # within a lease of noticing (3 s here), plus the noticing, on a busy machine
     assert time.monotonic() - cut < 20, "host 1's workers outlived the lease"
     h1.heal()
-    res = _finish(procs, run_dir, deadline)
+    res = job.finish(deadline)
     check_recovered(res, ref, {2, 3})
-    moved = {e["rank"] for e in _events(run_dir, "spare_assigned")}
+    moved = {e["rank"] for e in job.events("spare_assigned")}
     assert {2, 3} <= moved, moved
-
-
-def _agent_events(run_dir: Path, address: str, kind: str) -> list[dict[str, Any]]:
-    """The events of the agent on the host with ``address`` (agents are numbered as they join)."""
-    joined = [e["host"] for e in _events(run_dir, "host_joined") if e["address"] == address]
-    f = run_dir / f"agent-{joined[0]}.jsonl" if joined else None
-    if f is None or not f.exists():
-        return []
-    return [e for e in map(json.loads, f.read_text().splitlines()) if e["event"] == kind]
 
 
 @pytest.mark.netns
@@ -231,32 +145,31 @@ def test_after_a_host_loss_a_process_fault_is_still_recovered(
     ref = _reference(tmp_path / "ref", corpus, args)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
-    run_dir.parent.mkdir()
     deadline = time.monotonic() + 240
-    procs = _start(cluster, run_dir, corpus, args)
-    _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+    job = start_netns_job(cluster, run_dir, corpus, args)
+    wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
     assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
-    _wait_for(lambda: _events(run_dir, "recovery"), deadline, "the host loss to be recovered")
-    conds = [e for e in _events(run_dir, "condition") if e["name"] == "no_spare_host"]
+    wait_for(lambda: job.events("recovery"), deadline, "the host loss to be recovered")
+    conds = [e for e in job.events("condition") if e["name"] == "no_spare_host"]
     assert conds and conds[0]["active"], conds
     # a spare beside ranks 0-1 on host 0 is started, and says it is ready
     h0 = cluster.hosts[0].address
 
     def beside() -> list[int]:
-        spawned = [e["worker"] for e in _agent_events(run_dir, h0, "spawn") if e["role"] == "spare"]
-        return [w for w in spawned if w in {e["worker"] for e in _events(run_dir, "spare_ready")}]
+        spawned = [e["worker"] for e in job.agent_events(h0, "spawn") if e["role"] == "spare"]
+        return [w for w in spawned if w in {e["worker"] for e in job.events("spare_ready")}]
 
-    _wait_for(beside, deadline, "a spare beside host 0's ranks to be ready")
+    wait_for(beside, deadline, "a spare beside host 0's ranks to be ready")
     spare = beside()[0]
-    holder = {e["rank"]: e["worker"] for e in _events(run_dir, "spare_assigned")}.get(0, 0)
-    pid = next(e["pid"] for e in _agent_events(run_dir, h0, "spawn") if e["worker"] == holder)
-    before = _committed(run_dir, 0)
+    holder = {e["rank"]: e["worker"] for e in job.events("spare_assigned")}.get(0, 0)
+    pid = next(e["pid"] for e in job.agent_events(h0, "spawn") if e["worker"] == holder)
+    before = job.committed(0)
     os.kill(pid, signal.SIGKILL)
-    res = _finish(procs, run_dir, deadline)
+    res = job.finish(deadline)
     check_recovered(res, ref, {0, 2, 3})
-    assert _committed(run_dir, 0) > before
-    faults = [(e["rank"], e["kind"]) for e in _events(run_dir, "fault")]
+    assert job.committed(0) > before
+    faults = [(e["rank"], e["kind"]) for e in job.events("fault")]
     assert (0, "killed") in faults, faults
-    took = [e["worker"] for e in _events(run_dir, "spare_assigned") if e["rank"] == 0]
+    took = [e["worker"] for e in job.events("spare_assigned") if e["rank"] == 0]
     assert took and took[-1] == spare, (took, spare)  # host 0's own spare took its rank
-    assert len(_events(run_dir, "recovery")) >= 2
+    assert len(job.events("recovery")) >= 2

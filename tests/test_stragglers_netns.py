@@ -6,10 +6,8 @@ a fault-free run."""
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,11 +16,9 @@ from typing import Any
 
 import pytest
 
-from harness.hosts import NetnsCluster
-from jobs import ROOT
-from test_multihost import ARGS, _committed, _events, _finish, _reference, _wait_for, check_recovered
+from harness.netns_job import start_netns_job, wait_for
+from test_multihost import ARGS, _reference, check_recovered
 
-CONTROL_PORT = 29400
 _V1 = Path("/sys/fs/cgroup/cpu")
 _V2 = Path("/sys/fs/cgroup")
 
@@ -84,28 +80,6 @@ def cpu_throttle(pids: list[int], share: float) -> Iterator[None]:
                 time.sleep(0.05)
 
 
-def _start(cluster: NetnsCluster, run_dir: Path, corpus: Path, flags: list[str]) -> list[Any]:
-    h0 = cluster.hosts[0]
-    py = [sys.executable, "-m", "checkpointless"]
-    digest = run_dir.parent / (run_dir.name + ".digest-{rank}")
-    coord = [
-        *py, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-        "--host", h0.address, "--control-port", str(CONTROL_PORT), "--run-dir", str(run_dir),
-        "--hang-timeout", "20", "--lease", "3", *flags,
-        str(ROOT / "examples" / "train_gpt.py"), *ARGS, "--data", str(corpus), "--digest-out", str(digest),
-    ]  # fmt: skip
-    log = open(run_dir.parent / "coordinator.out", "wb")  # noqa: SIM115 (lives as long as the job)
-    procs = [h0.popen(coord, cwd=ROOT, stdout=log, stderr=log)]
-    for i, h in enumerate(cluster.hosts):
-        agent = [
-            *py, "agent", "--coordinator", f"{h0.address}:{CONTROL_PORT}", "--host", h.address,
-            "--secret-file", str(run_dir / "secret"), "--node-order", str(i),
-        ]  # fmt: skip
-        out = open(run_dir.parent / f"agent-{i}.out", "wb")  # noqa: SIM115
-        procs.append(h.popen(agent, cwd=ROOT, stdout=out, stderr=out))
-    return procs
-
-
 @pytest.mark.netns
 @pytest.mark.timeout(300)
 def test_a_throttled_host_is_reported_and_swapped_for_the_spare_host(
@@ -117,26 +91,23 @@ def test_a_throttled_host_is_reported_and_swapped_for_the_spare_host(
     ref = _reference(tmp_path / "ref", corpus)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
-    run_dir.parent.mkdir()
     deadline = time.monotonic() + 240
     flags = ["--straggler-ratio", "1.5", "--straggler-window", "4", "--swap-stragglers"]
-    procs = _start(cluster, run_dir, corpus, flags)
-    _wait_for(lambda: _committed(run_dir, 2) >= 3, deadline, "rank 2 (host 1) to commit step 3")
-    assert not _events(run_dir, "straggler"), "equal hosts must not be reported"
-    agent1 = procs[2].pid
+    job = start_netns_job(cluster, run_dir, corpus, ARGS, launcher_flags=flags)
+    wait_for(lambda: job.committed(2) >= 3, deadline, "rank 2 (host 1) to commit step 3")
+    assert not job.events("straggler"), "equal hosts must not be reported"
+    agent1 = job.agents[1].pid
     workers = [p for p in cluster.hosts[1].pids() if p != agent1]
     with cpu_throttle(workers, share=0.1):
-        _wait_for(lambda: _events(run_dir, "straggler_swap"), deadline, "host 1 to be swapped out")
-    res = _finish(procs, run_dir, deadline)
+        wait_for(lambda: job.events("straggler_swap"), deadline, "host 1 to be swapped out")
+    res = job.finish(deadline)
     check_recovered(res, ref, {2, 3})
-    slow = _events(run_dir, "straggler")
+    slow = job.events("straggler")
     assert slow and slow[0]["address"] == cluster.hosts[1].address and slow[0]["ranks"] == [2, 3], slow
     assert slow[0]["ratio"] >= 1.5 and len(slow[0]["window"]) == 4, slow
-    assert [e["ranks"] for e in _events(run_dir, "host_lost")] == [[2, 3]]
-    moved = {e["rank"]: e["worker"] for e in _events(run_dir, "spare_assigned")}
+    assert [e["ranks"] for e in job.events("host_lost")] == [[2, 3]]
+    moved = {e["rank"]: e["worker"] for e in job.events("spare_assigned")}
     assert {2, 3} <= set(moved), moved
-    spare_address = _events(run_dir, "placement")[0]["spare_hosts"][0]
-    spare_agent = next(e["host"] for e in _events(run_dir, "host_joined") if e["address"] == spare_address)
-    lines = (run_dir / f"agent-{spare_agent}.jsonl").read_text().splitlines()
-    spawns = {e["worker"] for e in map(json.loads, lines) if e["event"] == "spawn"}
-    assert {moved[2], moved[3]} <= spawns, "the slow host's ranks must land on the spare host"
+    assert {moved[2], moved[3]} <= job.spare_host_spawns(), (
+        "the slow host's ranks must land on the spare host"
+    )
