@@ -158,7 +158,8 @@ def common_metrics(run_dir: Path, fired_at: float | None, fault_step: int) -> di
         lost.append(len(before_steps & {e["step"] for e in after}))
     m["first_commit_after"] = max(firsts)
     m["downtime_s"] = max(firsts) - fired_at
-    m["back_s"] = (max(backs) - fired_at) if all(b is not None for b in backs) else None  # type: ignore[type-var]
+    reached = [b for b in backs if b is not None]
+    m["back_s"] = (max(reached) - fired_at) if len(reached) == len(backs) else None  # every rank got back
     m["lost_steps"] = max(lost)
     return m
 
@@ -206,7 +207,7 @@ _GLOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)\s+\d+\s+\S+
 
 def torchrun_log_times(stderr: Path, year: int) -> list[tuple[float, str]]:
     """(wall time, message) of torchrun's own log lines (glog format, local time, no year)."""
-    out = []
+    out: list[tuple[float, str]] = []
     if not stderr.exists():
         return out
     for line in stderr.read_text(errors="replace").splitlines():
