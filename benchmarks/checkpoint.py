@@ -104,14 +104,8 @@ def cost(steps: int, blocks: int, every: int) -> dict[str, Any]:
 
 def _job(work: Path, corpus: Path, name: str, kill_all: bool) -> dict[str, Any]:
     run_dir = work / name
-    launcher_args = [
-        "--snapshot-every",
-        "0",
-        "--checkpoint-every",
-        "3",
-        "--inject",
-        "slow:rank=0:step=3:seconds=4",
-    ]
+    launcher_args = ["--snapshot-every", "0", "--checkpoint-every", "3"]
+    launcher_args += ["--inject", "slow:rank=0:step=3:seconds=4"]
 
     def workers_once_saved(text: str) -> list[int] | None:
         events = [json.loads(x) for x in text.splitlines()]

@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -485,6 +486,30 @@ def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[RunRecord
     return notes
 
 
+def summarize(
+    a: argparse.Namespace,
+    runs: list[RunRecord],
+    configs: list[Config],
+    notes_of: Callable[[argparse.Namespace, dict[str, Any], list[RunRecord]], list[str]],
+    info: dict[str, Any],
+    load0: tuple[float, float, float],
+    t0: float,
+) -> tuple[dict[str, Any], str, list[str]]:
+    """After the runs (here and in sharded_recovery.py): the machine's wall time and load into
+    ``info``, the aggregate, its tables and the notes (each benchmark writes its own), printed."""
+    info["bench_wall_s"] = time.monotonic() - t0
+    info["load_note"] = bl.load_note(load0, os.getloadavg())
+    agg = aggregate(a, runs, configs)
+    tables = report_tables(a, agg, configs)
+    notes = notes_of(a, agg, runs)
+    print()
+    print(tables)
+    print()
+    for n in notes:
+        print(f"- {n}")
+    return agg, tables, notes
+
+
 def report_only() -> int:
     saved = json.loads((bl.RESULTS / "recovery.json").read_text())
     a = argparse.Namespace(**saved["params"])
@@ -584,16 +609,7 @@ def main() -> int:
     finally:
         if not a.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    info["bench_wall_s"] = time.monotonic() - t0
-    info["load_note"] = bl.load_note(load0, os.getloadavg())
-    agg = aggregate(a, runs, configs)
-    tables = report_tables(a, agg, configs)
-    notes = build_notes(a, agg, runs)
-    print()
-    print(tables)
-    print()
-    for n in notes:
-        print(f"- {n}")
+    agg, tables, notes = summarize(a, runs, configs, build_notes, info, load0, t0)
     params = {k: v for k, v in vars(a).items() if k not in ("out",)}
     result = {
         "benchmark": "recovery",

@@ -182,16 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         if not a.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    info["bench_wall_s"] = time.monotonic() - t0
-    info["load_note"] = bl.load_note(load0, os.getloadavg())
-    agg = rv.aggregate(a, runs, configs)
-    tables = rv.report_tables(a, agg, configs)
-    notes = build_notes(a, agg, runs)
-    print()
-    print(tables)
-    print()
-    for n in notes:
-        print(f"- {n}")
+    agg, tables, notes = rv.summarize(a, runs, configs, build_notes, info, load0, t0)
     result = {
         "benchmark": "sharded_recovery",
         "command": cmd,
