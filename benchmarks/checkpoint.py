@@ -20,88 +20,67 @@ rank loads the checkpoint from disk); the launcher's ``recovery`` event gives th
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import statebench as sb
 
-from checkpointless.data import make_synthetic_corpus, prepare_main
 from checkpointless.state.durable import CheckpointEvery, CheckpointWriter, list_checkpoints
 from checkpointless.state.shm_snapshot import guarded_pointers
 from checkpointless.state.snapshot import capture_rng, collect_state
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "train_gpt.py"
+__all__ = ["main"]
 
-
-def _gpt_module() -> Any:
-    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+REPO = sb.REPO
 
 
 def cost(steps: int, blocks: int, every: int) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    gpt = _gpt_module().GPT(256, 128, 4, 4, 64, 0.1)
-    opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
-    objects: dict[str, Any] = {"model": gpt, "optimizer": opt}
+    m = sb.bench_model()
     work = Path(tempfile.mkdtemp(prefix="cl-ckptbench-"))  # on disk, not /dev/shm: what a job writes
     writer = CheckpointWriter(work / "ck", CheckpointEvery(steps=every))
     waits: list[float] = []
-    opt.register_step_pre_hook(lambda *a: waits.append(writer.wait_staged(60.0)))
-    x = torch.randint(0, 256, (8, 64))
-    y = torch.randint(0, 256, (8, 64))
+    m.opt.register_step_pre_hook(lambda *a: waits.append(writer.wait_staged(60.0)))
     step_no = 0
     taken = 0
     sizes: list[int] = []
     totals: list[float] = []
 
-    def block(save: bool) -> tuple[float, float, int]:
-        nonlocal step_no, taken
-        t0, c0 = time.monotonic(), time.process_time()
-        n = 0
-        for _ in range(steps):
-            step_no += 1
-            if save and writer.due(step_no, time.monotonic()):
-                state = collect_state(objects, step_no, capture_rng())
-                n += writer.start(step_no, state, guarded_pointers([opt]))
-            loss = F.cross_entropy(gpt(x).reshape(-1, 256), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            info = writer.take_published()
-            if info is not None:
-                sizes.append(info.nbytes)
-                totals.append(info.total_s)
-        writer.wait_idle(60.0)
+    def published() -> None:
         info = writer.take_published()
         if info is not None:
             sizes.append(info.nbytes)
             totals.append(info.total_s)
-        taken += n
-        return (time.monotonic() - t0) / steps, (time.process_time() - c0) / steps, n
 
-    block(False)  # warm-up
-    off: list[tuple[float, float, int]] = []
-    on: list[tuple[float, float, int]] = []
-    for _ in range(blocks):
-        off.append(block(False))
-        on.append(block(True))
+    def block(save: bool) -> tuple[float, float, int]:
+        nonlocal taken
+        n = 0
+
+        def one_step() -> None:
+            nonlocal step_no, n
+            step_no += 1
+            if save and writer.due(step_no, time.monotonic()):
+                state = collect_state(m.objects, step_no, capture_rng())
+                n += writer.start(step_no, state, guarded_pointers([m.opt]))
+            m.step()
+            published()
+
+        def settle() -> None:
+            writer.wait_idle(60.0)
+            published()
+
+        wall, cpu = sb.timed_steps(steps, one_step, settle)
+        taken += n
+        return wall, cpu, n
+
+    off, on = sb.alternate(blocks, block)
     writer.close(60.0)
     shutil.rmtree(work, ignore_errors=True)
     step_s = statistics.median(w for w, _, _ in off)
@@ -125,65 +104,26 @@ def cost(steps: int, blocks: int, every: int) -> dict[str, Any]:
 
 def _job(work: Path, corpus: Path, name: str, kill_all: bool) -> dict[str, Any]:
     run_dir = work / name
-    cmd = [
-        sys.executable, "-m", "checkpointless", "run", "--nproc", "3", "--spares", "3", "--run-dir", str(run_dir),
-        "--snapshot-every", "0", "--checkpoint-every", "3", "--inject", "slow:rank=0:step=3:seconds=4",
-        str(EXAMPLE), "--steps", "12", "--dim", "128", "--layers", "4", "--heads", "4", "--seq-len", "64",
-        "--global-batch", "12", "--data", str(corpus),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    launcher_args = ["--snapshot-every", "0", "--checkpoint-every", "3"]
+    launcher_args += ["--inject", "slow:rank=0:step=3:seconds=4"]
 
-    def killer() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            ev = run_dir / "events.jsonl"
-            if ev.exists() and ev.read_text().endswith("\n"):
-                events = [json.loads(x) for x in ev.read_text().splitlines()]
-                if 3 in list_checkpoints(run_dir / "checkpoints" / events[0]["job"]):
-                    workers = [
-                        int(e["pid"]) for e in events if e["event"] == "spawn" and e["role"] == "worker"
-                    ]
-                    for i, pid in enumerate(workers):
-                        if kill_all or i == 1:
-                            try:
-                                os.kill(pid, signal.SIGKILL)
-                            except ProcessLookupError:
-                                pass
-                    return
-            time.sleep(0.01)
+    def workers_once_saved(text: str) -> list[int] | None:
+        events = [json.loads(x) for x in text.splitlines()]
+        if 3 not in list_checkpoints(run_dir / "checkpoints" / events[0]["job"]):
+            return None  # the kill waits for the step-3 checkpoint to be published
+        return [int(e["pid"]) for e in events if e["event"] == "spawn" and e["role"] == "worker"]
 
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    try:
-        proc.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    t.join(timeout=5)
-    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-    rec = [e for e in events if e["event"] == "recovery"]
-    keys = (
-        "downtime_s",
-        "collect_s",
-        "rebuild_s",
-        "transfer_s",
-        "first_batch_s",
-        "first_step_s",
-        "transport",
-    )
-    return {"rc": proc.returncode, **({k: rec[-1].get(k) for k in keys} if rec else {"recovery": None})}
+    cmd = sb.job_command(run_dir, corpus, launcher_args)
+    return sb.run_killed_job(run_dir, cmd, workers_once_saved, kill_all)
 
 
 def downtime() -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="cl-ckptbench-jobs-"))
-    make_synthetic_corpus(work / "corpus.jsonl", num_docs=400, seed=0)
-    prepare_main([str(work / "corpus.jsonl"), "-o", str(work / "corpus.tokens"), "--quiet"])
     try:
+        corpus = sb.prepare_corpus(work)
         return {
-            "peer (1 rank killed)": _job(work, work / "corpus.tokens", "peer", kill_all=False),
-            "checkpoint (3 ranks killed)": _job(work, work / "corpus.tokens", "ckpt", kill_all=True),
+            "peer (1 rank killed)": _job(work, corpus, "peer", kill_all=False),
+            "checkpoint (3 ranks killed)": _job(work, corpus, "ckpt", kill_all=True),
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)

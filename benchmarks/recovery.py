@@ -13,7 +13,8 @@ commit logs and the launchers' own records: the downtime from the fault to the n
 completed on every rank and its parts (detection, abort, rebuild, state transfer, first batch,
 first step), the steps that had been completed and had to be computed again, the time until the
 job has again completed the step the fault hit, the job time added over (c) of the same design,
-and whether the final weights are bitwise those of (c). It prints tables, writes
+and whether the final weights are bitwise those of (c) (the log readers are benchmarks/downtime.py's,
+shared with benchmarks/sharded_recovery.py). It prints tables, writes
 ``benchmarks/results/recovery.json`` and ``recovery.md``, and the measured costs the goodput
 simulator reads (``benchmarks/results/calibration.json``).
 
@@ -25,59 +26,33 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
-import re
 import shlex
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl
-
-KINDS = ("raise", "kill", "hang")
-KIND_LABEL = {"raise": "exception", "kill": "SIGKILL", "hang": "hang (SIGSTOP)", "none": "no fault"}
-PHASES = ("detect_s", "abort_s", "rebuild_s", "transfer_s", "first_batch_s", "first_step_s", "other_s")
-PHASE_LABEL = {
-    "detect_s": "detect",
-    "abort_s": "abort",
-    "rebuild_s": "rebuild",
-    "transfer_s": "state",
-    "first_batch_s": "1st batch",
-    "first_step_s": "1st step",
-    "other_s": "other",
-}
-
-
-@dataclass(frozen=True)
-class Config:
-    key: str  # "a", "b10", ...
-    design: str  # checkpointless | torchrun
-    ckpt_every: int = 0
-
-    @property
-    def label(self) -> str:
-        if self.design == "checkpointless":
-            return "(a) checkpointless"
-        return f"(b) torchrun K={self.ckpt_every}"
-
-
-@dataclass
-class RunRecord:
-    config: Config
-    kind: str
-    repeat: int
-    rc: int | None
-    wall_s: float
-    metrics: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
+from downtime import (
+    KIND_LABEL,
+    KINDS,
+    PHASE_LABEL,
+    PHASES,
+    Config,
+    RunRecord,
+    inject_spec,
+    read_run,
+    run_rows,
+    schedule,
+)
 
 
 # -- launching ---------------------------------------------------------------------------------
@@ -86,10 +61,6 @@ def model_args(a: argparse.Namespace) -> list[str]:
         "--steps", str(a.steps), "--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads),
         "--seq-len", str(a.seq_len), "--seed", str(a.seed),
     ]  # fmt: skip
-
-
-def inject_spec(a: argparse.Namespace, kind: str) -> list[str]:
-    return [] if kind == "none" else ["--inject", f"{kind}:rank={a.fault_rank}:step={a.fault_step}"]
 
 
 def launch(a: argparse.Namespace, cfg: Config, kind: str, run_dir: Path) -> bl.Finished:
@@ -119,240 +90,13 @@ def launch(a: argparse.Namespace, cfg: Config, kind: str, run_dir: Path) -> bl.F
     )
 
 
-# -- reading the logs --------------------------------------------------------------------------
-def rank_logs(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
-    for f in sorted(run_dir.glob("rank-*.jsonl")):
-        out[int(f.stem.split("-")[1])] = sorted(bl.read_jsonl(f), key=lambda e: e["time"])
-    return out
-
-
-def commits(logs: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
-    return {r: [e for e in evs if e["event"] == "commit"] for r, evs in logs.items()}
-
-
-def step_completion_times(
-    cm: dict[int, list[dict[str, Any]]], before: float | None = None
-) -> dict[int, float]:
-    """step -> time the last rank committed it (first execution only, before ``before``)."""
-    out: dict[int, float] = {}
-    per_rank: list[dict[int, float]] = []
-    for evs in cm.values():
-        first: dict[int, float] = {}
-        for e in evs:
-            if before is not None and e["time"] >= before:
-                continue
-            first.setdefault(int(e["step"]), float(e["time"]))
-        per_rank.append(first)
-    if not per_rank:
-        return out
-    for step in set.intersection(*(set(d) for d in per_rank)):
-        out[step] = max(d[step] for d in per_rank)
-    return out
-
-
-def normal_step_s(cm: dict[int, list[dict[str, Any]]], before: float | None, skip: int = 3) -> float | None:
-    """Median time between consecutive steps completed on every rank (after ``skip`` warm-up)."""
-    done = step_completion_times(cm, before)
-    steps = sorted(s for s in done if s >= skip)
-    gaps = [done[b] - done[a] for a, b in itertools.pairwise(steps) if b == a + 1]
-    return statistics.median(gaps) if gaps else None
-
-
-def common_metrics(run_dir: Path, fired_at: float | None, fault_step: int) -> dict[str, Any]:
-    logs = rank_logs(run_dir)
-    cm = commits(logs)
-    m: dict[str, Any] = {}
-    all_commits = [e for evs in cm.values() for e in evs]
-    if all_commits:
-        step0 = [e["time"] for e in all_commits if e["step"] == min(x["step"] for x in all_commits)]
-        m["span_s"] = max(e["time"] for e in all_commits) - min(step0)
-        m["first_step_done"] = max(step0)
-    m["batches"] = {f"{e['rank']}:{e['step']}": e.get("batch") for e in all_commits}
-    m["normal_step_s"] = normal_step_s(cm, fired_at)
-    digest_file = run_dir / "digest"
-    m["digest"] = digest_file.read_text().strip() if digest_file.exists() else None
-    if fired_at is None:
-        return m
-    firsts, backs, lost = [], [], []
-    for evs in cm.values():
-        after = [e for e in evs if e["time"] > fired_at]
-        if not after:
-            return {**m, "incomplete": "a rank committed no step after the fault"}
-        firsts.append(after[0]["time"])
-        back = [e["time"] for e in after if e["step"] == fault_step]
-        backs.append(back[0] if back else None)
-        before_steps = {e["step"] for e in evs if e["time"] <= fired_at}
-        lost.append(len(before_steps & {e["step"] for e in after}))
-    m["first_commit_after"] = max(firsts)
-    m["downtime_s"] = max(firsts) - fired_at
-    m["back_s"] = (max(backs) - fired_at) if all(b is not None for b in backs) else None  # type: ignore[type-var]
-    m["lost_steps"] = max(lost)
-    return m
-
-
-def checkpointless_metrics(run_dir: Path, fault_step: int) -> dict[str, Any]:
-    events = bl.read_jsonl(run_dir / "events.jsonl")
-    injected = [e for e in events if e["event"] == "fault_injected"]
-    fired_at = float(injected[0]["fired_at"]) if injected else None
-    m = common_metrics(run_dir, fired_at, fault_step)
-    m["job_end"] = next((e.get("status") for e in events if e["event"] == "job_end"), None)
-    started = [e for e in events if e["event"] == "started"]
-    m["start_s"] = started[0]["seconds"] if started else None
-    if fired_at is None:
-        return m
-    faults = [e for e in events if e["event"] == "fault" and e["time"] >= fired_at - 1.0]
-    recs = [e for e in events if e["event"] == "recovery" and e["time"] >= fired_at]
-    m["fault_events"] = [{k: f.get(k) for k in ("kind", "rank", "detail")} for f in faults]
-    assigned = [e["time"] for e in events if e["event"] == "spare_assigned" and e["time"] >= fired_at]
-    m["replaced"] = bool(assigned)
-    if assigned and faults:
-        # ~0 when a hot spare was ready; otherwise the wait for one to finish starting
-        m["spare_assign_delay_s"] = assigned[0] - faults[0]["time"]
-    if not faults or not recs or "downtime_s" not in m:
-        m["incomplete"] = m.get("incomplete", "no fault/recovery event after the injected fault")
-        return m
-    rec = recs[0]
-    detect = faults[0]["time"] - fired_at
-    ph = {
-        "detect_s": detect,
-        "abort_s": float(rec["collect_s"]),
-        "rebuild_s": float(rec["rebuild_s"]),
-        "transfer_s": float(rec["transfer_s"]),
-        "first_batch_s": float(rec["first_batch_s"]) if "first_batch_s" in rec else None,
-        "first_step_s": float(rec["first_step_s"]),
-    }
-    ph["other_s"] = m["downtime_s"] - sum(v for v in ph.values() if v is not None)
-    m["phases"] = ph
-    m["state_bytes"] = rec.get("state_bytes")
-    m["launcher_downtime_s"] = rec.get("downtime_s")
-    return m
-
-
-_GLOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)\s+\d+\s+\S+\]\s*(.*)$")
-
-
-def torchrun_log_times(stderr: Path, year: int) -> list[tuple[float, str]]:
-    """(wall time, message) of torchrun's own log lines (glog format, local time, no year)."""
-    out = []
-    if not stderr.exists():
-        return out
-    for line in stderr.read_text(errors="replace").splitlines():
-        g = _GLOG.match(line)
-        if g is None:
-            continue
-        mo, d, hh, mm, ss, frac, msg = g.groups()
-        micro = int(frac[:6].ljust(6, "0"))
-        t = datetime.datetime(year, int(mo), int(d), int(hh), int(mm), int(ss), micro).timestamp()
-        out.append((t, msg))
-    return out
-
-
-def torchrun_metrics(run_dir: Path, fault_step: int) -> dict[str, Any]:
-    logs = rank_logs(run_dir)
-    fault_ev = sorted(
-        (e for evs in logs.values() for e in evs if e["event"] == "fault"), key=lambda e: e["time"]
-    )
-    fired_at = float(fault_ev[0]["fired_at"]) if fault_ev else None
-    m = common_metrics(run_dir, fired_at, fault_step)
-    saves: dict[int, list[float]] = {}
-    for evs in logs.values():
-        for e in evs:
-            if e["event"] == "save":
-                saves.setdefault((int(e["attempt"]) << 20) + int(e["step"]), []).append(float(e["seconds"]))
-    m["save_s"] = [max(v) for _, v in sorted(saves.items())]
-    m["attempts"] = 1 + max((int(e["attempt"]) for evs in logs.values() for e in evs), default=0)
-    if fired_at is None or "downtime_s" not in m:
-        return m
-    attempt = int(fault_ev[0]["attempt"]) + 1
-    year = time.localtime(fired_at).tm_year
-    agent_lines = [
-        (t, msg)
-        for t, msg in torchrun_log_times(run_dir / "stderr.log", year)
-        if t >= fired_at - 0.05 and ("closing signal" in msg or "failed (exitcode" in msg)
-    ]
-    detected = min(t for t, _ in agent_lines) if agent_lines else None
-    m["torchrun_detected"] = detected is not None
-    m["torchrun_messages"] = [msg[:160] for _, msg in agent_lines[:8]]
-
-    def phase_time(name: str, agg: Any = max) -> float | None:
-        ts = [
-            float(e["time"])
-            for evs in logs.values()
-            for e in evs
-            if e["event"] == "phase" and e.get("name") == name and int(e["attempt"]) == attempt
-        ]
-        return agg(ts) if len(ts) == len(logs) else None
-
-    t_start = phase_time("process_start", min)
-    t_import = phase_time("example_imported")
-    t_pg = phase_time("pg_ready")
-    t_built = phase_time("optimizer_ready")
-    t_loaded = phase_time("ckpt_loaded")
-    t_batch = phase_time("first_batch")
-    t_first = m["first_commit_after"]
-    if None in (t_start, t_import, t_pg, t_built, t_loaded, t_batch) or t_first is None:
-        m["incomplete"] = m.get("incomplete", f"attempt {attempt} did not log every phase")
-        return m
-    assert t_start is not None and t_import is not None and t_pg is not None
-    assert t_built is not None and t_loaded is not None and t_batch is not None
-    det = (detected - fired_at) if detected is not None else None
-    ph = {
-        "detect_s": det,
-        # teardown of every process (SIGTERM, 30 s grace for a stopped one), rendezvous, spawn
-        "abort_s": t_start - (detected if detected is not None else fired_at),
-        # new processes: interpreter + import torch, init_process_group, model + DDP + AdamW
-        "rebuild_s": t_built - t_start,
-        "transfer_s": t_loaded - t_built,  # torch.distributed.checkpoint load
-        "first_batch_s": t_batch - t_loaded,
-        "first_step_s": t_first - t_batch,
-    }
-    ph["other_s"] = m["downtime_s"] - sum(v for v in ph.values() if v is not None)
-    m["phases"] = ph
-    m["rebuild_parts"] = {
-        "start_and_imports_s": t_import - t_start,
-        "init_pg_s": t_pg - t_import,
-        "build_s": t_built - t_pg,
-    }
-    loads = [
-        float(e["seconds"])
-        for evs in logs.values()
-        for e in evs
-        if e["event"] == "phase" and e.get("name") == "ckpt_loaded" and int(e["attempt"]) == attempt
-    ]
-    m["ckpt_load_s"] = max(loads) if loads else None
-    return m
-
-
 # -- the benchmark -----------------------------------------------------------------------------
 def collect(a: argparse.Namespace, cfg: Config, kind: str, repeat: int, work: Path) -> RunRecord:
     run_dir = work / f"{cfg.key}-{kind}-{repeat}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     fin = launch(a, cfg, kind, run_dir)
-    rec = RunRecord(cfg, kind, repeat, fin.rc, fin.wall_s)
-    try:
-        if cfg.design == "checkpointless":
-            rec.metrics = checkpointless_metrics(run_dir, a.fault_step)
-        else:
-            rec.metrics = torchrun_metrics(run_dir, a.fault_step)
-        if rec.metrics.get("first_step_done") is not None:
-            rec.metrics["launch_to_first_step_s"] = rec.metrics["first_step_done"] - fin.started
-    except Exception as e:  # a broken log is a failed run, reported, not a crashed benchmark
-        rec.error = f"could not read the logs: {type(e).__name__}: {e}"
-    if fin.timed_out:
-        rec.error = f"timed out after {a.run_timeout:.0f} s"
-    elif fin.rc != 0:
-        rec.error = rec.error or f"exit code {fin.rc}"
-    elif rec.metrics.get("incomplete"):
-        rec.error = str(rec.metrics["incomplete"])
-    elif kind != "none" and "phases" not in rec.metrics:
-        rec.error = "no recovery measured"
-    status = "ok" if rec.error is None else f"FAILED: {rec.error} (logs in {run_dir})"
-    dt = rec.metrics.get("downtime_s")
-    extra = f", downtime {dt:.2f} s, lost {rec.metrics.get('lost_steps')}" if dt is not None else ""
-    bl.say(f"  {cfg.label:<22} {KIND_LABEL[kind]:<15} #{repeat}: {fin.wall_s:6.1f} s{extra} {status}")
-    return rec
+    return read_run(cfg, kind, repeat, fin, run_dir, fault_step=a.fault_step, run_timeout=a.run_timeout)
 
 
 def aggregate(a: argparse.Namespace, runs: list[RunRecord], configs: list[Config]) -> dict[str, Any]:
@@ -742,6 +486,30 @@ def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[RunRecord
     return notes
 
 
+def summarize(
+    a: argparse.Namespace,
+    runs: list[RunRecord],
+    configs: list[Config],
+    notes_of: Callable[[argparse.Namespace, dict[str, Any], list[RunRecord]], list[str]],
+    info: dict[str, Any],
+    load0: tuple[float, float, float],
+    t0: float,
+) -> tuple[dict[str, Any], str, list[str]]:
+    """After the runs (here and in sharded_recovery.py): the machine's wall time and load into
+    ``info``, the aggregate, its tables and the notes (each benchmark writes its own), printed."""
+    info["bench_wall_s"] = time.monotonic() - t0
+    info["load_note"] = bl.load_note(load0, os.getloadavg())
+    agg = aggregate(a, runs, configs)
+    tables = report_tables(a, agg, configs)
+    notes = notes_of(a, agg, runs)
+    print()
+    print(tables)
+    print()
+    for n in notes:
+        print(f"- {n}")
+    return agg, tables, notes
+
+
 def report_only() -> int:
     saved = json.loads((bl.RESULTS / "recovery.json").read_text())
     a = argparse.Namespace(**saved["params"])
@@ -832,29 +600,16 @@ def main() -> int:
     print(f"recovery benchmark: {n_total} job runs in {work}", flush=True)
     try:
         with bl.cleanup_on_exit(), bl.run_bar(n_total, "recovery") as bar:
-            for rep in range(a.repeats):
-                # interleaved: every design sees the same drift in the machine's load
-                for kind in ["none", *a.kinds]:
-                    order = configs if rep % 2 == 0 else list(reversed(configs))
-                    for cfg in order:
-                        runs.append(collect(a, cfg, kind, rep, work))
-                        bar.update()
+            for rep, kind, cfg in schedule(a.repeats, ["none", *a.kinds], configs):
+                runs.append(collect(a, cfg, kind, rep, work))
+                bar.update()
     except KeyboardInterrupt:
         print("interrupted; all job processes were stopped", file=sys.stderr)
         return 130
     finally:
         if not a.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    info["bench_wall_s"] = time.monotonic() - t0
-    info["load_note"] = bl.load_note(load0, os.getloadavg())
-    agg = aggregate(a, runs, configs)
-    tables = report_tables(a, agg, configs)
-    notes = build_notes(a, agg, runs)
-    print()
-    print(tables)
-    print()
-    for n in notes:
-        print(f"- {n}")
+    agg, tables, notes = summarize(a, runs, configs, build_notes, info, load0, t0)
     params = {k: v for k, v in vars(a).items() if k not in ("out",)}
     result = {
         "benchmark": "recovery",
@@ -863,20 +618,7 @@ def main() -> int:
         "params": params,
         "summary": agg,
         "notes": notes,
-        "runs": [
-            {
-                "config": r.config.key,
-                "design": r.config.design,
-                "ckpt_every": r.config.ckpt_every,
-                "kind": r.kind,
-                "repeat": r.repeat,
-                "rc": r.rc,
-                "wall_s": round(r.wall_s, 4),
-                "error": r.error,
-                "metrics": {k: v for k, v in r.metrics.items() if k != "batches"},
-            }
-            for r in runs
-        ],
+        "runs": run_rows(runs),
     }
     bl.write_json(Path(a.out), result)
     if Path(a.out).resolve() == (bl.RESULTS / "recovery.json").resolve():

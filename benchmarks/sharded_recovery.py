@@ -14,7 +14,7 @@ runs, per repeat, side by side:
   (``--no-reference`` leaves it out).
 
 Measured from the per-rank commit logs and the launchers' records, with the readers of
-benchmarks/recovery.py: downtime from the kill to the next step completed on every rank and its
+benchmarks/downtime.py (shared with benchmarks/recovery.py, whose tables it prints too): downtime from the kill to the next step completed on every rank and its
 phases (detect, abort, rebuild, state, first batch, first step), steps computed twice, the time to
 be back at the fault's step, and whether every rank's final shards are bitwise (c)'s.
 
@@ -37,14 +37,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl
+import downtime as dt
 import recovery as rv
 import shardlib as sl
 
 __all__ = ["main"]
 
 
-def launch(a: argparse.Namespace, cfg: rv.Config, kind: str, run_dir: Path) -> bl.Finished:
-    inject = rv.inject_spec(a, kind)
+def launch(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> bl.Finished:
+    inject = dt.inject_spec(a, kind)
     if cfg.design == "checkpointless":
         cmd = sl.checkpointless_command(
             a,
@@ -74,40 +75,18 @@ def plan_sources(run_dir: Path) -> list[list[int]]:
     return out
 
 
-def collect(a: argparse.Namespace, cfg: rv.Config, kind: str, repeat: int, work: Path) -> rv.RunRecord:
+def collect(a: argparse.Namespace, cfg: dt.Config, kind: str, repeat: int, work: Path) -> dt.RunRecord:
     run_dir = work / f"{cfg.key}-{kind}-{repeat}"
     shutil.rmtree(run_dir, ignore_errors=True)
     fin = launch(a, cfg, kind, run_dir)
-    rec = rv.RunRecord(cfg, kind, repeat, fin.rc, fin.wall_s)
     sl.combine_digests(run_dir, a.mesh[0] * a.mesh[1])  # every rank's shards, into run_dir/digest
-    try:
-        if cfg.design == "checkpointless":
-            rec.metrics = rv.checkpointless_metrics(run_dir, a.fault_step)
-            rec.metrics["sources"] = plan_sources(run_dir)
-        else:
-            rec.metrics = rv.torchrun_metrics(run_dir, a.fault_step)
-        if rec.metrics.get("first_step_done") is not None:
-            rec.metrics["launch_to_first_step_s"] = rec.metrics["first_step_done"] - fin.started
-    except Exception as e:  # a broken log is a failed run, reported, not a crashed benchmark
-        rec.error = f"could not read the logs: {type(e).__name__}: {e}"
-    if fin.timed_out:
-        rec.error = f"timed out after {a.run_timeout:.0f} s"
-    elif fin.rc != 0:
-        rec.error = rec.error or f"exit code {fin.rc}"
-    elif rec.metrics.get("incomplete"):
-        rec.error = str(rec.metrics["incomplete"])
-    elif kind != "none" and "phases" not in rec.metrics:
-        rec.error = "no recovery measured"
-    if rec.error is not None:
-        rec.error += f" (logs in {run_dir})"
-    dt = rec.metrics.get("downtime_s")
-    extra = f", downtime {dt:.2f} s, lost {rec.metrics.get('lost_steps')}" if dt is not None else ""
-    status = "ok" if rec.error is None else f"FAILED: {rec.error}"
-    bl.say(f"  {cfg.label:<22} {rv.KIND_LABEL[kind]:<9} #{repeat}: {fin.wall_s:6.1f} s{extra} {status}")
-    return rec
+    return dt.read_run(
+        cfg, kind, repeat, fin, run_dir, fault_step=a.fault_step, run_timeout=a.run_timeout,
+        checkpointless_extra=lambda d: {"sources": plan_sources(d)}, kind_width=9, logs_in_error=True,
+    )  # fmt: skip
 
 
-def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[rv.RunRecord]) -> list[str]:
+def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:
     notes = []
     for key, r in agg["ratios"].items():
         if r["downtime"] is not None:
@@ -182,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a.kinds = ["kill"]  # what benchmarks/recovery.py's aggregation iterates over
     a.nproc = a.mesh[0] * a.mesh[1]
 
-    configs = [rv.Config("a", "checkpointless")] + [rv.Config(f"b{k}", "torchrun", k) for k in a.ckpt_every]
+    configs = [dt.Config("a", "checkpointless")] + [dt.Config(f"b{k}", "torchrun", k) for k in a.ckpt_every]
     cmd = "python benchmarks/sharded_recovery.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     info = bl.machine_info()
     load0 = os.getloadavg()
@@ -190,31 +169,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="cl-bench-shrec-"))
     work.mkdir(parents=True, exist_ok=True)
     kinds = ["kill"] if a.no_reference else ["none", "kill"]
-    runs: list[rv.RunRecord] = []
+    runs: list[dt.RunRecord] = []
     print(f"sharded recovery: {a.repeats * len(configs) * len(kinds)} job runs in {work}", flush=True)
     try:
         with (
             bl.cleanup_on_exit(),
             bl.run_bar(a.repeats * len(configs) * len(kinds), "sharded recovery") as bar,
         ):
-            for rep in range(a.repeats):
-                for kind in kinds:
-                    for cfg in configs if rep % 2 == 0 else list(reversed(configs)):
-                        runs.append(collect(a, cfg, kind, rep, work))
-                        bar.update()
+            for rep, kind, cfg in dt.schedule(a.repeats, kinds, configs):
+                runs.append(collect(a, cfg, kind, rep, work))
+                bar.update()
     finally:
         if not a.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    info["bench_wall_s"] = time.monotonic() - t0
-    info["load_note"] = bl.load_note(load0, os.getloadavg())
-    agg = rv.aggregate(a, runs, configs)
-    tables = rv.report_tables(a, agg, configs)
-    notes = build_notes(a, agg, runs)
-    print()
-    print(tables)
-    print()
-    for n in notes:
-        print(f"- {n}")
+    agg, tables, notes = rv.summarize(a, runs, configs, build_notes, info, load0, t0)
     result = {
         "benchmark": "sharded_recovery",
         "command": cmd,
@@ -223,20 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "summary": agg,
         "tables": tables,
         "notes": notes,
-        "runs": [
-            {
-                "config": r.config.key,
-                "design": r.config.design,
-                "ckpt_every": r.config.ckpt_every,
-                "kind": r.kind,
-                "repeat": r.repeat,
-                "rc": r.rc,
-                "wall_s": round(r.wall_s, 4),
-                "error": r.error,
-                "metrics": {k: v for k, v in r.metrics.items() if k != "batches"},
-            }
-            for r in runs
-        ],
+        "runs": dt.run_rows(runs),
     }
     bl.write_json(Path(a.out), result)
     print(f"\nwrote {a.out}")

@@ -19,76 +19,56 @@ from a peer) versus every rank SIGKILLed at once (every rank loads the snapshot)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import signal
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpointless.data import make_synthetic_corpus, prepare_main
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import statebench as sb
+
 from checkpointless.state.shm_snapshot import SnapshotWriter, guarded_pointers, snapshot_dir, snapshot_path
 from checkpointless.state.snapshot import capture_rng, collect_state
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "train_gpt.py"
+__all__ = ["main"]
 
-
-def _gpt_module() -> Any:
-    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+REPO = sb.REPO
 
 
 def cost(steps: int, blocks: int, bar: tqdm[Any]) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    gpt = _gpt_module().GPT(256, 128, 4, 4, 64, 0.1)
-    opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
-    objects: dict[str, Any] = {"model": gpt, "optimizer": opt}
+    m = sb.bench_model()
     work = Path(
         tempfile.mkdtemp(prefix="cl-snapbench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     )
     writer = SnapshotWriter(work / "snapshots", every=1)
     waits: list[float] = []
-    opt.register_step_pre_hook(lambda *a: waits.append(writer.wait_copied(60.0)))
-    x = torch.randint(0, 256, (8, 64))
-    y = torch.randint(0, 256, (8, 64))
+    m.opt.register_step_pre_hook(lambda *a: waits.append(writer.wait_copied(60.0)))
     step_no = 0
 
     def block(snap: bool) -> tuple[float, float]:
-        nonlocal step_no
-        t0, c0 = time.monotonic(), time.process_time()
-        for _ in range(steps):
+        def one_step() -> None:
+            nonlocal step_no
             step_no += 1
             if snap:
-                writer.start(step_no, collect_state(objects, step_no, capture_rng()), guarded_pointers([opt]))
-            loss = F.cross_entropy(gpt(x).reshape(-1, 256), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        writer.wait_idle(60.0)
-        bar.update()
-        return (time.monotonic() - t0) / steps, (time.process_time() - c0) / steps
+                writer.start(
+                    step_no, collect_state(m.objects, step_no, capture_rng()), guarded_pointers([m.opt])
+                )
+            m.step()
 
-    block(False)  # warm-up
-    off: list[tuple[float, float]] = []
-    on: list[tuple[float, float]] = []
-    for _ in range(blocks):
-        off.append(block(False))
-        on.append(block(True))
+        def settle() -> None:
+            writer.wait_idle(60.0)
+            bar.update()
+
+        return sb.timed_steps(steps, one_step, settle)
+
+    off, on = sb.alternate(blocks, block)
     info = writer.take_published()
     for f in (work / "snapshots").iterdir():
         f.unlink()
@@ -109,72 +89,40 @@ def cost(steps: int, blocks: int, bar: tqdm[Any]) -> dict[str, Any]:
 
 def _job(work: Path, corpus: Path, name: str, kill_all: bool) -> dict[str, Any]:
     run_dir = work / name
-    cmd = [
-        sys.executable, "-m", "checkpointless", "run", "--nproc", "3", "--spares", "3", "--run-dir", str(run_dir),
-        "--snapshot-every", "2", "--inject", "slow:rank=0:step=6:seconds=4",
-        str(EXAMPLE), "--steps", "12", "--dim", "128", "--layers", "4", "--heads", "4", "--seq-len", "64",
-        "--global-batch", "12", "--data", str(corpus),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    launcher_args = ["--snapshot-every", "2", "--inject", "slow:rank=0:step=6:seconds=4"]
 
-    def killer() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            ev = run_dir / "events.jsonl"
-            if ev.exists() and ev.read_text().endswith("\n"):
-                job = json.loads(ev.read_text().split("\n", 1)[0])["job"]
-                if snapshot_path(snapshot_dir(job), 6).exists():
-                    ranks = {}
-                    for pid in map(int, (run_dir / "pids").read_text().split()):
-                        try:
-                            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                        except OSError:
-                            continue
-                        if b"CHECKPOINTLESS_ROLE=worker" in env:
-                            ranks[len(ranks)] = pid
-                    for i, pid in ranks.items():
-                        if kill_all or i == 1:
-                            os.kill(pid, signal.SIGKILL)
-                    return
-            time.sleep(0.01)
+    def workers_once_saved(text: str) -> list[int] | None:
+        job = json.loads(text.split("\n", 1)[0])["job"]
+        if not snapshot_path(snapshot_dir(job), 6).exists():
+            return None  # the kill waits for the step-6 snapshot to be published
+        workers = []  # the launcher's own pid file, workers only (spares wait with another role)
+        for pid in map(int, (run_dir / "pids").read_text().split()):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"CHECKPOINTLESS_ROLE=worker" in env:
+                workers.append(pid)
+        return workers
 
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    try:
-        proc.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    t.join(timeout=5)
-    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-    rec = [e for e in events if e["event"] == "recovery"]
-    keys = (
-        "downtime_s",
-        "collect_s",
-        "rebuild_s",
-        "transfer_s",
-        "first_batch_s",
-        "first_step_s",
-        "transport",
-    )
-    return {"rc": proc.returncode, **({k: rec[-1].get(k) for k in keys} if rec else {"recovery": None})}
+    cmd = sb.job_command(run_dir, corpus, launcher_args)
+    return sb.run_killed_job(run_dir, cmd, workers_once_saved, kill_all)
 
 
 def downtime(bar: tqdm[Any]) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="cl-snapbench-jobs-"))
-    make_synthetic_corpus(work / "corpus.jsonl", num_docs=400, seed=0)
-    prepare_main([str(work / "corpus.jsonl"), "-o", str(work / "corpus.tokens"), "--quiet"])
-    out = {}
-    for label, name, kill_all in (
-        ("peer (1 rank killed)", "peer", False),
-        ("snapshot (3 ranks killed)", "snap", True),
-    ):
-        out[label] = _job(work, work / "corpus.tokens", name, kill_all=kill_all)
-        bar.update()
-    subprocess.run(["rm", "-rf", str(work)], check=False)
-    return out
+    try:
+        corpus = sb.prepare_corpus(work)
+        out = {}
+        for label, name, kill_all in (
+            ("peer (1 rank killed)", "peer", False),
+            ("snapshot (3 ranks killed)", "snap", True),
+        ):
+            out[label] = _job(work, corpus, name, kill_all=kill_all)
+            bar.update()
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> int:
