@@ -56,7 +56,15 @@ def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documente
     kills = ("kill:rank=2:step=5:site=optimizer", "kill:rank=0:step=6")
     with host_shm_dirs(3) as shm:
         job = start_netns_job(
-            cluster, run_dir, corpus, ARGS, control_port=CONTROL_PORT, inject=kills, shm_dirs=shm
+            cluster,
+            run_dir,
+            corpus,
+            ARGS,
+            control_port=CONTROL_PORT,
+            inject=kills,
+            shm_dirs=shm,
+            # the per-rank snapshots the fallback reads, at every step (every 50 by default)
+            launcher_flags=["--snapshot-every", "1"],
         )
         res = job.finish(deadline)
         assert not [p for d in shm for p in d.iterdir()], "shared memory was left behind"
