@@ -84,6 +84,7 @@ class CopySender:
         self._sock: socket.socket | None = None
         self._seq = 0
         self._layout: bytes | None = None  # the layout the keeper last received on this connection
+        self._encoded: tuple[Any, Any, bytes, str] | None = None  # the last layout objects, encoded
 
     def _take_newest(self) -> None:
         """A keeper that connected again (after an error on its side) replaces the old stream."""
@@ -121,8 +122,12 @@ class CopySender:
         sock = self._connected(deadline, aborted)
         self._seq += 1
         tree = _json(lay.manifest["tree"])
-        layout = _json({"tensors": lay.manifest["tensors"], "messages": lay.manifest["messages"]})
-        ldigest = digest(layout)
+        parts = (lay.manifest["tensors"], lay.manifest["messages"])
+        if self._encoded is None or self._encoded[0] is not parts[0] or self._encoded[1] is not parts[1]:
+            # the same layout objects as the last copy's (state/buddy.py keeps them): encoded once
+            layout = _json({"tensors": parts[0], "messages": parts[1]})
+            self._encoded = (parts[0], parts[1], layout, digest(layout))
+        layout, ldigest = self._encoded[2], self._encoded[3]
         payload = tree if layout == self._layout else tree + layout
         header = {"type": "copy", "seq": self._seq, "step": step, "tree": len(tree), "layout": ldigest}
         try:

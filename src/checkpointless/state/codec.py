@@ -35,16 +35,7 @@ import xxhash
 from checkpointless.errors import StateTransferError
 from checkpointless.state.arena import Arena, new_tensor
 
-__all__ = [
-    "Layout",
-    "digest",
-    "layout",
-    "mismatch",
-    "receive_buffers",
-    "tensor_paths",
-    "tensor_views",
-    "unpack",
-]
+__all__ = ["Layout", "digest", "layout", "mismatch", "receive_buffers", "tensor_paths", "unpack"]
 
 _ALIGN = 64  # every packed tensor starts on a 64-byte boundary
 SOLO_MIN = 1 << 20  # by default tensors this large travel as their own message, in place
@@ -232,38 +223,27 @@ def receive_buffers(
     return buffers, in_place
 
 
-def tensor_views(manifest: dict[str, Any], messages: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every tensor of the manifest as a view of its (received, verified) message. A receiver
-    that lands copies of one layout in the same buffers again (state/buddy.py) makes these once."""
+def unpack(manifest: dict[str, Any], messages: list[torch.Tensor]) -> Any:
+    """Rebuild the tree from received (and already verified) messages."""
+    metas = manifest["tensors"]
     if len(messages) != len(manifest["messages"]):
         raise StateTransferError(
             f"state has {len(messages)} messages, the sender announced {len(manifest['messages'])}"
         )
-    out: list[torch.Tensor] = []
-    for m in manifest["tensors"]:
+
+    def tensor(i: int) -> torch.Tensor:
+        m = metas[i]
         dtype, shape = _dtype(m["dtype"]), [int(s) for s in m["shape"]]
         buf = messages[int(m["msg"])]
         off, n = int(m["offset"]), int(m["nbytes"])
         if off + n > buf.numel():
             raise StateTransferError(f"state tensor {m['path']} lies outside its message")
-        out.append(buf[off : off + n].view(dtype).reshape(shape))
-    return out
-
-
-def unpack(
-    manifest: dict[str, Any], messages: list[torch.Tensor], views: list[torch.Tensor] | None = None
-) -> Any:
-    """Rebuild the tree from received (and already verified) messages; ``views`` are
-    :func:`tensor_views` of the same manifest and messages, when the caller kept them."""
-    metas = manifest["tensors"]
-    views = tensor_views(manifest, messages) if views is None else views
-
-    def tensor(i: int) -> torch.Tensor:
-        if metas[i]["solo"]:
-            return views[i]
-        # packed tensors get storage of their own: some consumers (torch.set_rng_state) read
-        # a tensor's storage from its start and would see the pack's first bytes instead
-        return views[i].clone()
+        raw = buf[off : off + n]
+        if not m["solo"]:
+            # packed tensors get storage of their own: some consumers (torch.set_rng_state) read
+            # a tensor's storage from its start and would see the pack's first bytes instead
+            raw = raw.clone()
+        return raw.view(dtype).reshape(shape)
 
     def dec(v: Any) -> Any:
         if isinstance(v, list):
