@@ -93,7 +93,8 @@ def tensor_paths(tree: Any) -> dict[str, torch.Tensor]:
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 tensor: a view when it is a contiguous CPU tensor."""
-    t = t.detach()
+    if t.requires_grad:  # (asked first: a detach per tensor is most of this on every step)
+        t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()  # the state group is gloo: device tensors travel through host memory
     return t.contiguous().reshape(-1).view(torch.uint8)

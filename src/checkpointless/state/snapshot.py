@@ -40,8 +40,12 @@ RngState = dict[str, Any]
 def capture_rng() -> RngState:
     """The generators a training step may draw from: Python, NumPy, torch CPU and CUDA."""
     np_state: Any = np.random.get_state()
+    version, words, gauss = random.getstate()
     state: RngState = {
-        "python": random.getstate(),
+        # Python's 625 state words as one tensor, not a list: the state is laid out, encoded and
+        # checked as every step begins when buddy copies are on, and a list of 625 numbers was
+        # most of that tree's walk (~1 ms a step, both ranks)
+        "python": [version, torch.tensor(words, dtype=torch.int64), gauss],
         "numpy": [np_state[0], np_state[1], int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "torch": torch.get_rng_state(),
     }
@@ -51,19 +55,15 @@ def capture_rng() -> RngState:
 
 
 def restore_rng(state: RngState) -> None:
-    random.setstate(_as_tuple_tree(state["python"]))
+    version, words, gauss = state["python"]
+    if isinstance(words, torch.Tensor):
+        words = words.tolist()
+    random.setstate((int(version), tuple(int(w) for w in words), gauss))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(gauss)))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuple_tree(v: Any) -> Any:
-    # random.setstate wants (version, tuple_of_ints, gauss_next) with real tuples
-    if isinstance(v, (list, tuple)):
-        return tuple(_as_tuple_tree(x) for x in v)
-    return v
 
 
 def collect_state(objects: dict[str, Stateful], step: int, rng: RngState) -> dict[str, Any]:
