@@ -92,18 +92,12 @@ def _job(work: Path, corpus: Path, name: str, kill_all: bool) -> dict[str, Any]:
     launcher_args = ["--snapshot-every", "2", "--inject", "slow:rank=0:step=6:seconds=4"]
 
     def workers_once_saved(text: str) -> list[int] | None:
-        job = json.loads(text.split("\n", 1)[0])["job"]
-        if not snapshot_path(snapshot_dir(job), 6).exists():
+        events = [json.loads(x) for x in text.splitlines()]
+        if not snapshot_path(snapshot_dir(events[0]["job"]), 6).exists():
             return None  # the kill waits for the step-6 snapshot to be published
-        workers = []  # the launcher's own pid file, workers only (spares wait with another role)
-        for pid in map(int, (run_dir / "pids").read_text().split()):
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"CHECKPOINTLESS_ROLE=worker" in env:
-                workers.append(pid)
-        return workers
+        # the workers from the launcher's spawn events (the fork server starts them, so the pid
+        # file's processes no longer are the workers; spares spawn with another role)
+        return [int(e["pid"]) for e in events if e["event"] == "spawn" and e["role"] == "worker"]
 
     cmd = sb.job_command(run_dir, corpus, launcher_args)
     return sb.run_killed_job(run_dir, cmd, workers_once_saved, kill_all)

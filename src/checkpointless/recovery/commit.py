@@ -41,6 +41,7 @@ def enter_step(job: Job, index: int) -> None:
     set_log_step(index)
     snap = job._snapshots is not None and job._snapshots.due(index)
     if snap or job._buddies is not None:
+        t0 = time.thread_time()
         # The state as this step begins (its RNG included), copied while forward/backward run.
         # Collected and laid out once for the snapshot and the buddy copy alike: on a sharded
         # job, walking the optimizer's DTensors is a main-thread cost on every step.
@@ -51,6 +52,7 @@ def enter_step(job: Job, index: int) -> None:
             job._snapshots.start(index, state, guarded, staged)
         if job._buddies is not None:  # sent while forward/backward run; the update waits for it
             job._buddies.start(index, state, guarded, staged)
+            job._buddies.cpu_s["stage"] += time.thread_time() - t0
     if job._checkpoints is not None and job._checkpoints.due(index, job._progress_t):
         state = collect_state(job._objects, index, job._step_rng[1])
         try:
@@ -81,6 +83,7 @@ def commit(job: Job, index: int) -> None:
             "wait_s": b.last_wait,
             "keeps_bytes": b.extra_bytes,
             "undo_bytes": b.undo_bytes,
+            "cpu_s": dict(b.cpu_s),  # so far, this process: laying out, sending, keeping
         }
     saved = job._checkpoints.take_published() if job._checkpoints is not None else None
     if saved is not None:

@@ -210,7 +210,8 @@ class LocalOptimizerState:
 
     def state_dict(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
-        state = {i: {k: _local(v) for k, v in s.items()} for i, s in sd["state"].items()}
+        with torch.no_grad():  # to_local() is then the shard itself, not an autograd view of it
+            state = {i: {k: _local(v) for k, v in s.items()} for i, s in sd["state"].items()}
         return {"state": state, "param_groups": sd["param_groups"]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

@@ -115,6 +115,8 @@ class BuddyCopies:
         # its undo copies (see :meth:`undo_steps`). Written by the copy thread, then sent from.
         self._undo: dict[int, _Copy] = {}
         self._last_packed: tuple[list[Any], list[int], dict[str, Any]] | None = None
+        # CPU seconds spent so far: laying out (the training thread's), sending, keeping
+        self.cpu_s = {"stage": 0.0, "send": 0.0, "keep": 0.0}
 
     # -- the owner's side ------------------------------------------------------------------------
     def start(self, step: int, state: Any, guarded: set[int], staged: Layout | None = None) -> bool:
@@ -140,7 +142,9 @@ class BuddyCopies:
 
     def _copies(self) -> None:
         while (job := self._jobs.get()) is not None:
+            t0 = time.thread_time()
             self._send(*job)
+            self.cpu_s["send"] += time.thread_time() - t0
 
     def _packed(self, staged: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
         """:func:`_packed`, whose layout part is the previous copy's very object while the state's
@@ -269,7 +273,7 @@ class BuddyCopies:
         try:
             while not self._stop.is_set():
                 try:
-                    got = stream.receive(self.timeout, stopped, landing)
+                    got = stream.receive(self.timeout, stopped, landing, cpu=self.cpu_s)
                     if got.manifest["tree"].get("step") != got.step:
                         raise StateTransferError(f"rank {owner}'s copy of step {got.step} holds another step")
                 except (StateTransferError, AttributeError, KeyError, TypeError, ValueError) as e:

@@ -179,6 +179,7 @@ class CopyReceiver:
         stopped: Aborted,
         landing: Callable[[str], list[torch.Tensor] | None],
         arena: Arena | None = None,
+        cpu: dict[str, float] | None = None,
     ) -> Copy:
         """Wait (with no deadline, until ``stopped``) for the owner's next copy; receive it within
         ``timeout`` of its first frame. ``landing(layout)``, called once the copy has begun, may
@@ -194,6 +195,7 @@ class CopyReceiver:
                 self._layout = None
             sock = self._sock
             self._wait_readable(sock, stopped)
+            t0 = time.thread_time()  # this thread's CPU for the copy, kept in ``cpu["keep"]``
             deadline = time.monotonic() + timeout
             head = read_frame(sock, self.route.reply_key, deadline, stopped, "the copy's header")
             self._seq += 1
@@ -218,6 +220,8 @@ class CopyReceiver:
                     deadline,
                     {"seq": self._seq, "ok": bad is None, "error": bad},
                 )
+            if cpu is not None:
+                cpu["keep"] = cpu.get("keep", 0.0) + time.thread_time() - t0
             if bad is not None:
                 raise StateTransferError(f"buddy copy of step {step} from rank {self.owner}: {bad}")
             return Copy(step, manifest, buffers, ldigest)

@@ -24,7 +24,7 @@ included), tuples and non-string dict keys are tagged so an optimizer's ``param_
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +91,7 @@ def tensor_paths(tree: Any) -> dict[str, torch.Tensor]:
     return dict(_walk(tree))
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_byte_view(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 tensor: a view when it is a contiguous CPU tensor."""
     if t.requires_grad:  # (asked first: a detach per tensor is most of this on every step)
         t = t.detach()
@@ -100,10 +100,14 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def layout(tree: Any, solo_min: int = SOLO_MIN) -> Layout:
+def layout(
+    tree: Any, solo_min: int = SOLO_MIN, as_bytes: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Layout:
     """Lay ``tree`` out. Tensors of ``solo_min`` bytes or more are messages of their own (sent from
     and received into tensor memory); smaller ones are packed. A transport whose messages are
-    cheap (the stream) passes 0: then nothing is copied at all."""
+    cheap (the stream) passes 0: then nothing is copied at all. ``as_bytes`` replaces how a solo
+    tensor's bytes are viewed (a caller that lays out the same tensors every step remembers them)."""
+    to_bytes = as_byte_view if as_bytes is None else as_bytes
     tensors: list[tuple[str, torch.Tensor]] = []
 
     def enc(v: Any, path: str) -> Any:
@@ -149,7 +153,7 @@ def layout(tree: Any, solo_min: int = SOLO_MIN) -> Layout:
         }
         if nbytes >= solo_min:
             meta.update(msg=len(messages), offset=0, solo=True)
-            messages.append(_as_bytes(t))
+            messages.append(to_bytes(t))
         else:
             if pack_end + nbytes > _PACK_MAX:
                 packs.append([])
@@ -169,7 +173,7 @@ def layout(tree: Any, solo_min: int = SOLO_MIN) -> Layout:
         for off, t in items:
             n = t.numel() * t.element_size()
             if n:
-                buf[off : off + n].copy_(_as_bytes(t))
+                buf[off : off + n].copy_(as_byte_view(t))
         messages[i] = buf
     manifest = {"tree": skeleton, "tensors": metas, "messages": [int(m.numel()) for m in messages]}
     return Layout(manifest, messages)

@@ -40,6 +40,7 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ import xxhash
 from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.errors import ConfigError, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.state.codec import Layout, digest, layout, mismatch, receive_buffers, unpack
+from checkpointless.state.codec import Layout, as_byte_view, digest, layout, mismatch, receive_buffers, unpack
 from checkpointless.state.snapshot import (
     Stateful,
     restore_from,
@@ -183,6 +184,35 @@ def _guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     return out
 
 
+_views: tuple[set[int], dict[int, torch.Tensor]] | None = None
+
+
+def _byte_views(guarded: set[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``as_bytes`` for :func:`layout`, remembering the byte views of the guarded tensors (the
+    parameters' and the optimizer's, alive for the whole run) by address, for as long as the
+    guarded set is the same object (:func:`guarded_pointers` remembers it). Why by address: a
+    sharded rank's state dicts give new tensor objects for the same memory every step; and a
+    remembered view keeps its memory alive, so a live tensor at that address is that memory.
+    Saves ~1 ms of the training thread's step start (200 tensors, five tensor calls each)."""
+    global _views
+    if _views is None or _views[0] is not guarded:
+        _views = (guarded, {})
+    memo = _views[1]
+
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.data_ptr()
+        nbytes = t.numel() * t.element_size()
+        v = memo.get(ptr)
+        if v is not None and v.numel() == nbytes and t.is_contiguous():
+            return v
+        v = as_byte_view(t)
+        if ptr in guarded and v.data_ptr() == ptr:  # a view of live memory, not a copy
+            memo[ptr] = v
+        return v
+
+    return as_bytes
+
+
 def staged_layout(state: Any, guarded: set[int]) -> Layout:
     """``state`` laid out for a copy made while the step runs: every tensor is a message of its
     own, a view of the live tensor when it is in ``guarded`` (the optimizer's tensors, which
@@ -193,7 +223,7 @@ def staged_layout(state: Any, guarded: set[int]) -> Layout:
     weight split two ways is 32 KiB), so a pack would be nearly the whole state, copied into
     fresh memory (a page fault per 4 KiB) on the training thread as every step begins; as views
     they are copied once, on the copy's own thread, straight into the snapshot and the socket."""
-    lay = layout(state, solo_min=0)
+    lay = layout(state, solo_min=0, as_bytes=_byte_views(guarded))
     for meta in lay.manifest["tensors"]:
         i = int(meta["msg"])
         if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
