@@ -68,32 +68,54 @@ def launch(a: argparse.Namespace, design: str, mesh: tuple[int, int], run_dir: P
     )
 
 
-def buddy_fields(run_dir: Path) -> dict[str, float]:
+def buddy_fields(run_dir: Path, warmup: int) -> dict[str, float]:
     """What the buddy copies cost, from every rank's commit events (their ``buddy`` record): the
     most memory one rank spent keeping copies (``keeps_bytes``, the extra memory per rank), the
     bytes of one copy, and the median seconds a copy travelled and an update waited for it."""
     keeps: list[float] = []
+    undo: list[float] = []
     sent: list[float] = []
     send_s: list[float] = []
     wait_s: list[float] = []
+    cpu: dict[str, list[float]] = {}  # per rank-step, over each rank's steady steps
     for f in sorted(run_dir.glob("rank-*.jsonl")):
+        records = []
         for e in bl.read_jsonl(f):
             b = e.get("buddy") if e.get("event") == "commit" else None
             if not isinstance(b, dict):
                 continue
+            records.append((int(e["step"]), b))
             keeps.append(float(b.get("keeps_bytes", 0.0)))
+            undo.append(float(b.get("undo_bytes", 0.0)))
             sent.append(float(b.get("bytes", 0.0)))
             send_s.append(float(b.get("send_s", 0.0)))
             wait_s.append(float(b.get("wait_s", 0.0)))
+        steady = [r for r in records if r[0] >= warmup and isinstance(r[1].get("cpu_s"), dict)]
+        if len(steady) >= 2:  # what the rank's copies cost it: laying out, sending, keeping
+            (s0, b0), (s1, b1) = steady[0], steady[-1]
+            for k, v in b1["cpu_s"].items():
+                cpu.setdefault(k, []).append((float(v) - float(b0["cpu_s"].get(k, 0.0))) / (s1 - s0))
     if not keeps:
         return {}
     return {
+        **{f"cpu_{k}_s_per_step": statistics.mean(v) for k, v in cpu.items()},
+        "undo_bytes_max": max(undo),
         "keeps_bytes_max": max(keeps),
         "copy_bytes_max": max(sent),
         "send_s_median": statistics.median(send_s),
         "wait_s_median": statistics.median(wait_s),
         "wait_s_max": max(wait_s),
     }
+
+
+def _cpu_parts(bf: dict[str, float]) -> str:
+    parts = [
+        (k.removeprefix("cpu_").removesuffix("_s_per_step"), v) for k, v in bf.items() if k.startswith("cpu_")
+    ]
+    if not parts:
+        return "not reported"
+    each = ", ".join(f"{name} {v * 1000:.1f} ms" for name, v in parts)
+    return f"{sum(v for _, v in parts) * 1000:.1f} ms ({each})"
 
 
 def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, work: Path) -> dict[str, Any]:
@@ -123,7 +145,7 @@ def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, w
         "digest": digest,
         "median_step_s": statistics.median(st) if st else None,
         "cpu_per_step_s": cps,
-        "buddy": buddy_fields(run_dir) if design == "buddy" else {},
+        "buddy": buddy_fields(run_dir, start) if design == "buddy" else {},
         "step_s": [round(x, 5) for x in st],
     }
     med = rec["median_step_s"]
@@ -273,7 +295,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bf = s["buddy_fields"]
             notes.append(
                 f"{key} buddy copies (worst run): extra memory per rank {bf['keeps_bytes_max'] / 1e6:.1f} MB "
-                f"(two kept copies of a {bf['copy_bytes_max'] / 1e6:.1f} MB shard state), a copy travels "
+                f"(two kept copies of a {bf['copy_bytes_max'] / 1e6:.1f} MB shard state) + "
+                f"{bf.get('undo_bytes_max', 0.0) / 1e6:.1f} MB (its own two undo copies); CPU per "
+                f"rank-step: {_cpu_parts(bf)}; a copy travels "
                 f"{bf['send_s_median'] * 1000:.0f} ms (median), the update waited for it "
                 f"{bf['wait_s_median'] * 1000:.1f} ms median, {bf['wait_s_max'] * 1000:.0f} ms at most."
             )
