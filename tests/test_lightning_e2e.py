@@ -83,8 +83,16 @@ CASES = [
 ]
 
 
+# the hang case (66 s, most of it the hang timeout) runs under `make soak`: hangs are detected by
+# the launcher, not the strategy, and plain jobs' hang tests stay in `make test`
+SOAK = {"sigstop-hang"}
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("fault", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "fault",
+    [pytest.param(c[1], id=c[0], marks=[pytest.mark.soak] if c[0] in SOAK else []) for c in CASES],
+)
 def test_lightning_fault_is_survived_bitwise(
     tmp_path: Path, corpus: Path, reference: JobResult, fault: str
 ) -> None:
