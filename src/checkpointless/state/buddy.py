@@ -7,20 +7,24 @@ over (state/buddy_ring.py), once per step. The recovery plan (recovery/decisions
 the keeper as the source of the lost rank's shard.
 
 When, and why the copy is consistent: the copy of the state as step k begins (k steps committed)
-starts on a background thread at the beginning of step k, straight from the live tensors, while
-step k's forward and backward run; the optimizer's update of step k waits for the keeper's
+starts on the rank's copy thread at the beginning of step k while step k's forward and backward
+run: the thread first packs the live tensors into the rank's own *undo copy* (one buffer, in
+process memory), then sends that; the optimizer's update of step k waits for the keeper's
 acknowledgement first (:meth:`BuddyCopies.wait_sent`), the rule the shared-memory snapshots follow.
 Tensors that a forward pass may change (buffers, RNG states, scheduler state) are copied at once.
+The undo copies (the rank's own state as each of its two newest steps began) are what a survivor
+rolls back from when the rank that kept its copy was lost (:meth:`BuddyCopies.undo_steps`).
 
 Transport: one stream per generation from owner to keeper (state/buddy_stream.py), opened through
 the owner's own key server, kept open, and verified with XXH3-128 like any state transfer; never
 the training group (so a copy never queues behind a collective, nor a collective behind it).
 
-What a keeper holds: the two newest *verified* copies per owner. A new copy lands in the older
-one's tensors, which are unlisted the moment the owner's manifest arrives (not before: between
-copies both stay listed), so a transfer cut off by a fault never leaves a half-written copy
-listed, and the newest verified one always survives. Memory: at most
-two times the owner's state per keeper (reported as ``extra_bytes``).
+What a keeper holds: the two newest *verified* copies per owner, as bytes (the tree is rebuilt
+only when a copy is used). A new copy lands in the older one's buffer, which is unlisted the
+moment the owner's copy begins to arrive (not before: between copies both stay listed), so a
+transfer cut off by a fault never leaves a half-written copy listed, and the newest verified one
+always survives. Memory: two times the owner's state per keeper (``extra_bytes``) and two times
+the rank's own (``undo_bytes``).
 """
 
 from __future__ import annotations
