@@ -34,7 +34,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import statebench as sb
 
-from checkpointless.state.shm_snapshot import SnapshotWriter, guarded_pointers, snapshot_dir, snapshot_path
+from checkpointless.state.shm_snapshot import SnapshotWriter, guarded_pointers, snapshot_path
 from checkpointless.state.snapshot import capture_rng, collect_state
 
 __all__ = ["main"]
@@ -93,7 +93,9 @@ def _job(work: Path, corpus: Path, name: str, kill_all: bool) -> dict[str, Any]:
 
     def workers_once_saved(text: str) -> list[int] | None:
         events = [json.loads(x) for x in text.splitlines()]
-        if not snapshot_path(snapshot_dir(events[0]["job"]), 6).exists():
+        # the job's private shared-memory directory (its name is keyed by the launcher's secret)
+        shm = next((e["shm"] for e in events if e["event"] == "job_start"), None)
+        if shm is None or not snapshot_path(Path(shm) / "snapshots", 6).exists():
             return None  # the kill waits for the step-6 snapshot to be published
         # the workers from the launcher's spawn events (the fork server starts them, so the pid
         # file's processes no longer are the workers; spares spawn with another role)
