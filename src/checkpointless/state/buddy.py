@@ -78,14 +78,14 @@ class _Copy:
         return unpack(self.manifest, self.buffers)
 
 
-def _packed(manifest: dict[str, Any], sizes: list[int]) -> tuple[dict[str, Any], list[int]]:
+def _packed(manifest: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
     """The manifest of ``manifest``'s messages (one tensor each, as staged) packed back to back
-    into one message; and each message's offset in it."""
+    into one message."""
     offsets = [0]
     for n in sizes[:-1]:
         offsets.append(offsets[-1] + n)
     tensors = [{**m, "msg": 0, "offset": offsets[int(m["msg"])], "solo": False} for m in manifest["tensors"]]
-    return {"tree": manifest["tree"], "tensors": tensors, "messages": [sum(sizes)]}, offsets
+    return {"tree": manifest["tree"], "tensors": tensors, "messages": [sum(sizes)]}
 
 
 class BuddyCopies:
@@ -96,7 +96,6 @@ class BuddyCopies:
         self.keeper = keeper  # who keeps this rank's copy (None: nobody, a world of one)
         self.owners = owners  # whose copies this rank keeps
         self.timeout = timeout
-        self._route: StreamRoute | None = None
         self._generation = -1
         self._stream: CopySender | None = None  # this generation's stream to the keeper
         self._lock = threading.Lock()
@@ -156,7 +155,7 @@ class BuddyCopies:
         last = self._last_packed
         if last is not None and last[0] == staged["tensors"] and last[1] == sizes:
             return {**last[2], "tree": staged["tree"]}
-        manifest, _ = _packed(staged, sizes)
+        manifest = _packed(staged, sizes)
         self._last_packed = (staged["tensors"], sizes, manifest)
         return manifest
 
@@ -204,7 +203,8 @@ class BuddyCopies:
 
     def wait_sent(self, timeout: float, aborted: Callable[[], str | None] | None = None) -> float:
         """Block until the copy in flight is acknowledged (or failed); return the seconds waited.
-        Past ``timeout`` the copy is cancelled: the update must not change tensors being sent.
+        Past ``timeout`` the copy is cancelled (the update must not change tensors still being
+        packed into the undo copy; once packed, the copy is sent from there).
 
         ``aborted`` (the job's generation: a reason once it was aborted) is asked every
         ``_ABORT_POLL_S``: a copy whose keeper died, or left to recover, is never acknowledged,
@@ -241,7 +241,6 @@ class BuddyCopies:
     def resume(self, generation: int, route: StreamRoute | None) -> None:
         """After a generation has formed: send over its streams, and keep every owner's copies."""
         self._generation = generation
-        self._route = route
         if route is not None and self.keeper is not None:
             channel = keep_channel(generation, self.rank)
             self._stream = CopySender(dataclasses.replace(route, channel=channel), self.keeper)

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from checkpointless.errors import StateTransferError
-from checkpointless.state.arena import Arena
 from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers
 from checkpointless.state.manifest import check_manifest, check_tree
 from checkpointless.state.stream import (
@@ -178,7 +177,6 @@ class CopyReceiver:
         timeout: float,
         stopped: Aborted,
         landing: Callable[[str], list[torch.Tensor] | None],
-        arena: Arena | None = None,
         cpu: dict[str, float] | None = None,
     ) -> Copy:
         """Wait (with no deadline, until ``stopped``) for the owner's next copy; receive it within
@@ -209,7 +207,7 @@ class CopyReceiver:
             ldigest, manifest = self._manifest_of(str(head.get("layout")), tree_bytes, payload[tree_len:])
             buffers = landing(ldigest)
             if buffers is None:
-                buffers, _ = receive_buffers(manifest, None, arena)
+                buffers, _ = receive_buffers(manifest)
             got = [digest(tree_bytes), ldigest, *recv_messages(sock, buffers, deadline, stopped)]
             trailer = read_frame(sock, self.route.reply_key, deadline, stopped, "the digests")
             bad = mismatch(got, trailer.get("digests"))

@@ -222,7 +222,8 @@ def staged_layout(state: Any, guarded: set[int]) -> Layout:
     Why no packing of small tensors here: a sharded rank's tensors are mostly small (a 128x128
     weight split two ways is 32 KiB), so a pack would be nearly the whole state, copied into
     fresh memory (a page fault per 4 KiB) on the training thread as every step begins; as views
-    they are copied once, on the copy's own thread, straight into the snapshot and the socket."""
+    they are copied once, on the copy's own thread, straight into the snapshot or the rank's
+    undo copy (state/buddy.py)."""
     lay = layout(state, solo_min=0, as_bytes=_byte_views(guarded))
     for meta in lay.manifest["tensors"]:
         i = int(meta["msg"])

@@ -435,17 +435,14 @@ def stream_receive(
     into: Any,
     arena: Arena | None,
 ) -> tuple[dict[str, Any], list[torch.Tensor], dict[str, float]]:
-    """Receive from ``src``; return the manifest, the verified messages and timings. ``into`` (the
-    tree whose tensors the state may land in) may be a function returning it, called once the
-    manifest has arrived."""
+    """Receive from ``src``; return the manifest, the verified messages and timings. Large
+    tensors land in ``into``'s tensors of the same path where they fit (receive_buffers)."""
     t0 = time.monotonic()
     sock = open_stream(route, src, rank, deadline, aborted)
     try:
         head = read_frame(sock, route.reply_key, deadline, aborted, "the manifest")
         mbytes = head.get("payload", b"")
         manifest = parse_manifest(mbytes)  # checked before any buffer is allocated from it
-        if callable(into):  # chosen only now that the source is sending (state/buddy.py)
-            into = into()
         buffers, in_place = receive_buffers(manifest, into, arena)
         got = [digest(mbytes), *recv_messages(sock, buffers, deadline, aborted)]
         t1 = time.monotonic()
