@@ -69,6 +69,11 @@ class JobResult:
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["event"] == kind]
 
+    def startup_faults(self) -> list[dict[str, Any]]:
+        """Faults that start-up absorbed: a fault in step 0 can land before the coordinator has
+        heard every rank form generation 0, and is then part of forming it, not a recovery."""
+        return [f for e in self.of("started") for f in e.get("faults", [])]
+
     def batches(self) -> dict[tuple[int, int], str]:
         """(rank, step) -> batch digest of the committed step (last write wins: a replayed
         step that committed twice must have committed the same batch)."""

@@ -261,3 +261,28 @@ def test_a_second_hello_or_an_unknown_worker_is_refused() -> None:
     assert h.c.on_connected(0, h.now)
     assert not h.c.on_connected(0, h.now), "a replayed hello must not take over a worker"
     assert not h.c.on_connected(99, h.now)
+
+
+def test_a_fault_before_the_first_generation_forms_is_named_by_start_up() -> None:
+    h = Harness()
+    for wid in range(3):
+        h.connect(wid)
+    h.msg(0, Stopped(for_generation=0, committed_step=0, valid=True, cause="start"))
+    out = h.exit(1, -9)  # dies before it reported: generation 0 never forms
+    out += h.advance(0.01)
+    new = [c.worker_id for c in out if isinstance(c, Spawn)]
+    assert new, "a replacement for rank 1 is started"
+    h.connect(new[0])
+    out = h.msg(new[0], SpareReady())
+    out += h.advance(0.01)
+    assert h.sent(out, Assign)[new[0]].rank == 1
+    h.form_generation(0, {0: 0, 1: new[0], 2: 2}, committed=0)
+    started = h.events("started")
+    assert len(started) == 1 and [(f["rank"], f["kind"]) for f in started[0]["faults"]] == [(1, "killed")]
+    assert not h.events("recovery"), "no step was lost: start-up absorbed the fault"
+    for wid in (0, new[0], 2):
+        h.msg(wid, Done(step=10))
+        h.c.on_exit(wid, 0, False, "exited with code 0", "", h.now, 0)
+    h.advance(0.01)
+    end = h.events("job_end")
+    assert end and end[0]["faults"] == 1 and end[0]["startup_faults"] == 1, end

@@ -21,7 +21,8 @@ def check_recovered(res: JobResult, ref: JobResult, recoveries: int = 1) -> None
     res.assert_same_weights(ref, nproc=len(ref.digests))
     assert res.batches() == ref.batches(), "some rank trained on other samples than the fault-free run"
     recs = res.of("recovery")
-    assert len(recs) >= recoveries, res.output[-6000:]
+    # a fault that start-up absorbed (step 0, before generation 0 formed everywhere) is named there
+    assert len(recs) + len(res.startup_faults()) >= recoveries, res.output[-6000:]
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
     shm = res.of("job_start")[0]["shm"]
     assert shm.startswith("/dev/shm/checkpointless-") and not Path(shm).exists(), "shared memory left behind"
@@ -53,6 +54,8 @@ def test_fault_is_survived_bitwise(
     assert len(res.of("fault_injected")) == len(faults)
     if faults[0].startswith(("kill", "exit", "hang", "spin")):
         assert res.of("spare_assigned"), "a dead or hung rank must be replaced by a spare"
+        if name == "first-step" and res.startup_faults():
+            return  # generation 0 had not formed everywhere yet: start-up replaced the rank
         rec = res.of("recovery")[-1]
         # the spare received the state over the direct stream, and its first batch was timed
         assert rec["transport"] == "stream" and rec["state_bytes"] > 0, rec

@@ -45,7 +45,9 @@ def check_shards(res: JobResult, ref: JobResult) -> None:
     }
     assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
     assert res.batches() == ref.batches(), "some rank trained on other samples than the fault-free run"
-    assert res.of("recovery"), res.output[-4000:]
+    # a fault in step 0 can land before the coordinator has heard every rank form generation 0
+    # (the others are still reporting): start-up absorbs it, and must say so
+    assert res.of("recovery") or res.startup_faults(), res.output[-4000:]
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
 
 
@@ -72,7 +74,7 @@ def test_hsdp_fault_is_recovered_from_the_replica_peer(
     res = run_job(tmp_path / "run", corpus, nproc=4, spares=1, faults=[fault], script_args=HSDP, timeout=100)
     check_shards(res, hsdp_reference)
     assert len(res.of("fault_injected")) == 1, res.output[-4000:]
-    if receivers is not None:
+    if receivers is not None and not res.startup_faults():
         # the named ranks must take their shards from those sources; a rank of the other replica
         # group that was caught mid-update by the abort may receive as well (timing-dependent)
         plans = fault_plans(res)

@@ -86,6 +86,7 @@ class Coordinator:
         self.stopping: str | None = None
         self.exit_code = 0
         self.recoveries: list[dict[str, Any]] = []
+        self.startup_faults = 0  # faults absorbed before the first generation formed
         self.fault_history: list[FaultRecord] = []
         self.start_failures: dict[int, int] = {}  # rank -> its processes in a row that died before joining
         self._early_spare_deaths = 0
@@ -438,9 +439,14 @@ class Coordinator:
             flush_pending(self, "the job ended before every rank committed a step after it")
             faults = len(self.fault_history)
             self._emit(
-                "job_end", status="failed" if failed else "ok", recoveries=len(self.recoveries), faults=faults
+                "job_end",
+                status="failed" if failed else "ok",
+                recoveries=len(self.recoveries),
+                faults=faults,
+                startup_faults=self.startup_faults,
             )
-            self._log("info", f"job finished: {len(self.recoveries)} recoveries from {faults} faults")
+            during = f" ({self.startup_faults} during start-up)" if self.startup_faults else ""
+            self._log("info", f"job finished: {len(self.recoveries)} recoveries from {faults} faults{during}")
             self._end("done", 1 if failed else 0)
 
     def _stop(self, why: str, code: int) -> None:

@@ -170,8 +170,14 @@ def on_recovered(c: Coordinator, m: Member, msg: Recovered, now: float) -> None:
     for member in c.ranks.values():
         member.last_progress = now  # the hang clock restarts with the new generation
     if r.initial:
-        c._log("info", f"generation {r.target} formed in {now - r.started:.2f} s after launch")
-        c._emit("started", generation=r.target, seconds=now - r.started)
+        # a fault before every rank had formed the first generation is absorbed by start-up (no
+        # recovery event: there was no step to lose); it is still named, so that every fault in
+        # the job's account has a home
+        causes = [{"rank": f["rank"], "kind": f["kind"], "detail": f["detail"]} for f in r.faults]
+        during = f" through {len(causes)} fault(s) during start-up" if causes else ""
+        c.startup_faults = len(causes)
+        c._log("info", f"generation {r.target} formed in {now - r.started:.2f} s after launch{during}")
+        c._emit("started", generation=r.target, seconds=now - r.started, faults=causes)
         c._refill_spares(now)
         return
     c.pending = r
