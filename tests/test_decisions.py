@@ -238,3 +238,19 @@ def test_ranks_that_disagree_about_the_mesh_are_refused() -> None:
     reports = [MemberReport(0, 5, True, mesh=(2, 2)), MemberReport(1, 5, True, mesh=(1, 2))]
     with pytest.raises(NotRecoverableError, match="disagree about the device mesh"):
         plan_recovery(reports)
+
+
+def test_a_first_step_waiting_in_a_collective_gets_no_compile_allowance() -> None:
+    # a replacement in its first step, deadlocked with the survivors (all in collectives): a
+    # stall after the ordinary limit, not after the first step's (compile) allowance
+    ws = [
+        WorkerHealth(0, 100.0, 85.0, True),
+        WorkerHealth(1, 100.0, 85.0, True, first_step=True),
+        WorkerHealth(2, 100.0, 85.0, True),
+    ]
+    culprits, why = find_hung(ws, now=100.0, hang_timeout=10, first_step_limit=600)
+    assert culprits == [] and "waiting" in why
+    # the same rank busy outside any collective (compiling) keeps its allowance, and the
+    # survivors waiting for it are not a stall
+    ws[1] = WorkerHealth(1, 100.0, 85.0, False, first_step=True)
+    assert find_hung(ws, now=100.0, hang_timeout=10, first_step_limit=600) == ([], "")

@@ -83,16 +83,8 @@ CASES = [
 ]
 
 
-# the hang case (66 s, most of it the hang timeout) runs under `make soak`: hangs are detected by
-# the launcher, not the strategy, and plain jobs' hang tests stay in `make test`
-SOAK = {"sigstop-hang"}
-
-
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(
-    "fault",
-    [pytest.param(c[1], id=c[0], marks=[pytest.mark.soak] if c[0] in SOAK else []) for c in CASES],
-)
+@pytest.mark.parametrize("fault", [pytest.param(c[1], id=c[0]) for c in CASES])
 def test_lightning_fault_is_survived_bitwise(
     tmp_path: Path, corpus: Path, reference: JobResult, fault: str
 ) -> None:
@@ -101,6 +93,10 @@ def test_lightning_fault_is_survived_bitwise(
     res.assert_same_weights(reference, nproc=3)
     assert batches(res) == batches(reference), "some rank trained on other samples than the fault-free run"
     assert len(res.of("fault_injected")) == 1 and res.of("recovery"), res.output[-4000:]
+    # a replacement walking Lightning's loop forward must not deadlock with the survivors (it did
+    # in the loop's per-batch SIGTERM broadcast, until gloo's 60 s timeout broke it)
+    timed_out = [f["detail"] for f in res.of("fault") if "Timed out" in f.get("detail", "")]
+    assert not timed_out, timed_out
     assert_same_checkpoints(res, reference)
     if fault.startswith(("kill", "hang")):
         assert res.of("spare_assigned"), "a dead or hung rank must be replaced by a spare"

@@ -94,7 +94,7 @@ def test_partitioned_host_is_fenced_and_rejoins_as_a_spare(
     # the agent fences its host within its own lease: none of its workers is left
     wait_for(lambda: len(h1.pids()) <= 2, deadline, "host 1's workers to be killed by their agent")
     h1.heal()
-    res = job.finish(deadline)
+    res = job.finish(deadline, lenient=[1])
     check_recovered(res, ref, {2, 3})
     lost = job.events("host_lost")
     assert [e["ranks"] for e in lost] == [[2, 3]], lost
@@ -109,9 +109,7 @@ def test_partitioned_host_is_fenced_and_rejoins_as_a_spare(
 
 @pytest.mark.netns
 @pytest.mark.timeout(240)
-# 72 s each: the inbound direction runs under `make soak`, the outbound one (and the two-way
-# partition above) in `make test`
-@pytest.mark.parametrize("direction", [pytest.param("in", marks=pytest.mark.soak), "out"])
+@pytest.mark.parametrize("direction", ["in", "out"])
 def test_a_one_way_partition_is_fenced_too(
     netns_hosts: Any, tmp_path: Path, corpus: Path, direction: str
 ) -> None:
@@ -130,7 +128,7 @@ def test_a_one_way_partition_is_fenced_too(
     # within a lease of noticing (3 s here), plus the noticing, on a busy machine
     assert time.monotonic() - cut < 20, "host 1's workers outlived the lease"
     h1.heal()
-    res = job.finish(deadline)
+    res = job.finish(deadline, lenient=[1])
     check_recovered(res, ref, {2, 3})
     moved = {e["rank"] for e in job.events("spare_assigned")}
     assert {2, 3} <= moved, moved

@@ -119,13 +119,15 @@ class NetnsJob:
             rc, output, self.run_dir, read_digests(self.run_dir.parent, self.run_dir.name + ".digest-")
         )
 
-    def finish(self, deadline: float) -> JobResult:
+    def finish(self, deadline: float, lenient: Sequence[int] = ()) -> JobResult:
         """The job ends with its coordinator, whose exit code is the job's; then the agents.
-        Whatever is still running at ``deadline`` (monotonic) is killed."""
+        Whatever is still running at ``deadline`` (monotonic) is killed. An agent on a host in
+        ``lenient`` (a fenced host's, which tries to rejoin a coordinator that has ended for its
+        whole --connect-timeout) gets 5 s, then is killed."""
         _stop(self.coordinator, deadline - time.monotonic())
         out = self._output(None, 3000)
-        for p in self.agents:
-            _stop(p, deadline - time.monotonic())
+        for i, p in enumerate(self.agents):
+            _stop(p, 5.0 if i in lenient else deadline - time.monotonic())
         rc = self.coordinator.returncode
         return self._result(rc if rc is not None else -1, out)
 

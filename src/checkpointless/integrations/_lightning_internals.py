@@ -4,7 +4,12 @@ Everything else uses the hooks Lightning documents for strategies. A replayed st
 Lightning's closure again, and the closure counts its ``zero_grad`` call in the optimization
 progress that Lightning saves into every checkpoint; without putting that progress back, a
 checkpoint written after a recovery would differ from the fault-free run's in those counters.
-The attribute path below is Lightning 2.6's (tests/test_lightning_unit.py pins the version).
+The second: from 2.6 the training loop broadcasts a SIGTERM flag from rank 0 before every batch,
+straight through ``torch.distributed`` and outside any step, where a collective cannot be aborted
+and replayed: a replacement walking the loop forward to its replica's step broadcasts once per
+batch it walks past while the survivors wait inside the step's all-reduce, and the job deadlocks
+until the process group's timeout. The attribute paths below are Lightning 2.6's
+(tests/test_lightning_unit.py pins the version).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["ProgressMark"]
+__all__ = ["ProgressMark", "keep_sigterm_local"]
 
 
 class ProgressMark:
@@ -24,3 +29,20 @@ class ProgressMark:
 
     def restore(self) -> None:
         self._progress.load_state_dict(copy.deepcopy(self._state))
+
+
+def keep_sigterm_local(trainer: Any) -> None:
+    """Make the training loop's per-batch SIGTERM broadcast a local check. Nothing is lost: the
+    strategy gives SIGTERM back to the launcher's handler, so no rank ever sets
+    ``received_sigterm``, and one that did would still stop (as Lightning does, without waiting
+    for the others: the launcher ends the job's other processes)."""
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "_broadcast_sigterm_tensor"):
+        return  # a Lightning without the broadcast
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def local_sigterm_check() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = local_sigterm_check

@@ -19,9 +19,9 @@ strategy, and nothing else:
   The batches come from the same DataLoader and ``DistributedSampler`` as on every other rank, so
   the data position is exact; nothing it skips touches the received state.
 
-What runs outside a step (Lightning's barriers, broadcasts, metric reductions between batches)
-cannot be replayed, so the strategy keeps those local: ranks are replicas and compute the same
-values. Reductions inside a step (``self.log(..., sync_dist=True)`` in ``training_step``) are real,
+What runs outside a step (Lightning's barriers, broadcasts, metric reductions between batches,
+the loop's per-batch SIGTERM broadcast) cannot be replayed, so the strategy keeps those local:
+ranks are replicas and compute the same values. Reductions inside a step (``self.log(..., sync_dist=True)`` in ``training_step``) are real,
 abortable collectives. See docs/adoption.md, "PyTorch Lightning".
 """
 
@@ -42,7 +42,7 @@ from torch import nn
 import checkpointless
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
-from checkpointless.integrations._lightning_internals import ProgressMark
+from checkpointless.integrations._lightning_internals import ProgressMark, keep_sigterm_local
 from checkpointless.integrations._lightning_state import (
     TESTED_LIGHTNING,
     BatchAction,
@@ -203,6 +203,7 @@ class CheckpointlessStrategy(DDPStrategy):
                 "by CheckpointlessStrategy yet: a step is one batch; use a larger batch instead"
             )
         self._guard_schedulers(trainer)
+        keep_sigterm_local(trainer)
         objects: dict[str, Any] = {"model": self._module, "lightning_schedulers": self._ledger}
         for i, opt in enumerate(self.optimizers):
             objects[f"optimizer{i}"] = opt

@@ -297,7 +297,14 @@ def find_hung(
     silent = [w.rank for w in workers if now - w.last_message > hang_timeout]
     if silent:
         return sorted(silent), f"no heartbeat for more than {hang_timeout:.1f} s (process stopped?)"
-    stalled = [w for w in workers if now - w.last_progress > (first_limit if w.first_step else limit)]
+    # the first step's allowance is for a rank busy compiling, i.e. outside any collective; one
+    # that waits in a collective is a victim like any other (a replacement can deadlock with the
+    # survivors in its first step, and would otherwise hold the job up for the whole allowance)
+    stalled = [
+        w
+        for w in workers
+        if now - w.last_progress > (first_limit if w.first_step and not w.in_collective else limit)
+    ]
     if not stalled:
         return [], ""
     busy = [w for w in stalled if not w.in_collective]
