@@ -7,11 +7,12 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from checkpointless.errors import CommAborted
+from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.rendezvous import KeyServer
 from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.stream import StreamRoute
@@ -20,15 +21,20 @@ pytestmark = pytest.mark.timeout(60)
 SECRET = b"b" * 32
 
 
-@pytest.fixture()
-def pair() -> Iterator[tuple[BuddyCopies, BuddyCopies]]:
-    """Rank 0 (owner, its copy kept by rank 1) and rank 1, generation 0 formed."""
+@pytest.fixture(params=["socket", "file"])
+def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[BuddyCopies, BuddyCopies]]:
+    """Rank 0 (owner, its copy kept by rank 1) and rank 1, generation 0 formed; both on one host,
+    the copies travelling over the socket ("socket": no shared directory) or lying in the
+    owner's shared-memory files ("file", state/buddy_shm.py)."""
     servers = [KeyServer("127.0.0.1", 0, SECRET) for _ in range(2)]
     for s in servers:
         s.start()
     peers = [s.address for s in servers]
-    owner = BuddyCopies(0, 1, [], timeout=10.0)
-    keeper = BuddyCopies(1, None, [0], timeout=10.0)
+    shm = tmp_path / "buddy" if request.param == "file" else None
+    if shm is not None:
+        shm.mkdir(mode=0o700)
+    owner = BuddyCopies(0, 1, [], timeout=10.0, shm_dir=shm)
+    keeper = BuddyCopies(1, None, [0], timeout=10.0, shm_dir=shm)
     try:
         for b, s in ((owner, servers[0]), (keeper, servers[1])):
             b.resume(0, StreamRoute(s, peers, SECRET, "state/gen0"))
@@ -71,9 +77,15 @@ def test_keeper_holds_the_two_newest_verified_copies_bitwise(pair: tuple[BuddyCo
         assert got["step"] == step
         assert torch.equal(got["objects"]["w"], want["objects"]["w"])  # type: ignore[index]
         assert torch.equal(got["objects"]["b"], want["objects"]["b"])  # type: ignore[index]
-    # two copies of the owner's state at most
+    # two copies of the owner's state at most: in the keeper's memory, or in the owner's files
     one = sum(t.numel() * t.element_size() for t in _state(0)["objects"].values())  # type: ignore[union-attr]
-    assert one * 2 <= keeper.extra_bytes <= one * 2 + (64 << 10)
+    if keeper.shm_dir is None:
+        assert one * 2 <= keeper.extra_bytes <= one * 2 + (64 << 10)
+    else:
+        assert keeper.extra_bytes == 0
+        files = sorted(keeper.shm_dir.iterdir())
+        # the two the keeper lists (the owner's undo copies too) and one spare for the next copy
+        assert len(files) == 3, files
 
 
 def test_a_stopped_keeper_lists_no_half_copy_and_the_owner_does_not_hang(
@@ -148,3 +160,61 @@ def test_a_keeper_reconnects_and_copies_resume(pair: tuple[BuddyCopies, BuddyCop
     assert owner.failed <= 1, owner.failed  # at most the copy sent into the broken connection
     got = keeper.copy(0, 3)
     assert torch.equal(got["objects"]["w"], _state(3)["objects"]["w"])  # type: ignore[index]
+
+
+def _file_pair(pair: tuple[BuddyCopies, BuddyCopies]) -> tuple[BuddyCopies, BuddyCopies, Path]:
+    owner, keeper = pair
+    if keeper.shm_dir is None:
+        pytest.skip("copies in files only")
+    return owner, keeper, keeper.shm_dir
+
+
+def test_a_file_copy_damaged_after_it_was_listed_is_refused_not_served(
+    pair: tuple[BuddyCopies, BuddyCopies],
+) -> None:
+    """The keeper holds only the file's name and digest: bytes changed behind its back (a bug,
+    another process) must fail the copy when it is used, and a replaced file unlists it."""
+    owner, keeper, shm = _file_pair(pair)
+    for step in range(2):
+        owner.start(step, _state(step), guarded=set())
+        owner.wait_sent(10.0)
+    _until(lambda: keeper.held() == [(0, 0), (0, 1)], "copies of steps 0 and 1")
+    ref = keeper._held[0][1].slot
+    assert ref is not None
+    with open(shm / ref.name, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff\xfe")
+    with pytest.raises(StateTransferError, match="digest"):
+        keeper.copy(0, 1)
+    assert torch.equal(keeper.copy(0, 0)["objects"]["w"], _state(0)["objects"]["w"])  # type: ignore[index]
+    old = keeper._held[0][0].slot
+    assert old is not None
+    (shm / old.name).unlink()
+    assert keeper.held() == [(0, 1)], "a copy whose file is gone is not reported"
+
+
+def test_the_owner_never_writes_a_file_its_keeper_lists(pair: tuple[BuddyCopies, BuddyCopies]) -> None:
+    """While copies flow, through a broken connection and a keeper that stops: every copy the
+    keeper lists still reads back bitwise, whatever the owner wrote since."""
+    owner, keeper, _ = _file_pair(pair)
+    for step in range(3):
+        owner.start(step, _state(step), guarded=set())
+        owner.wait_sent(10.0)
+    stream = owner._stream
+    assert stream is not None and stream._sock is not None
+    stream._sock.shutdown(socket.SHUT_RDWR)  # a copy is cut off: the owner no longer knows the list
+    for step in range(3, 7):
+        owner.start(step, _state(step), guarded=set())
+        owner.wait_sent(10.0)
+    _until(lambda: (0, 6) in keeper.held(), "copy of step 6")
+    keeper.stop(5.0)
+    for step in range(7, 9):  # nobody keeps these: the owner writes new files or spares only
+        owner.start(step, _state(step), guarded=set())
+        owner.wait_sent(1.0)
+    assert keeper.held() == [(0, 5), (0, 6)]
+    for step in (5, 6):
+        got = keeper.copy(0, step)
+        assert torch.equal(got["objects"]["w"], _state(step)["objects"]["w"])  # type: ignore[index]
+    # the owner's own undo copies (its two newest) are intact too
+    assert owner.undo_steps() == [7, 8]
+    assert torch.equal(owner.undo(8)["objects"]["w"], _state(8)["objects"]["w"])  # type: ignore[index]

@@ -81,8 +81,11 @@ def commit(job: Job, index: int) -> None:
         job._record["buddy"] = {
             **b.last_send,
             "wait_s": b.last_wait,
+            "keeps": b.kept_copies,  # copies held for other ranks
+            "transport": b.transport,  # "file": a same-host keeper, the bytes in shared memory
             "keeps_bytes": b.extra_bytes,
             "undo_bytes": b.undo_bytes,
+            "file_bytes": b.file_bytes,  # shared memory of this rank's copy files (undo + a spare)
             "cpu_s": dict(b.cpu_s),  # so far, this process: laying out, sending, keeping
         }
     saved = job._checkpoints.take_published() if job._checkpoints is not None else None

@@ -72,7 +72,12 @@ from checkpointless.state.arena import Arena
 from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.buddy_ring import buddy_of, owners_of
 from checkpointless.state.durable import CheckpointWriter, parse_every, preload
-from checkpointless.state.shm_snapshot import SnapshotWriter, rank_snapshot_dir, snapshot_dir
+from checkpointless.state.shm_snapshot import (
+    SnapshotWriter,
+    buddy_copy_dir,
+    rank_snapshot_dir,
+    snapshot_dir,
+)
 from checkpointless.state.snapshot import RngState, Stateful, check_stateful
 
 __all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
@@ -320,6 +325,7 @@ class Job:
                 buddy_of(self.rank, self.world_size, per_host),
                 owners_of(self.rank, self.world_size, per_host),
                 self.rendezvous_timeout,
+                shm_dir=buddy_copy_dir(self.env.job_id),
             )
 
     @property

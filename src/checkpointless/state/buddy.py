@@ -17,35 +17,49 @@ rolls back from when the rank that kept its copy was lost (:meth:`BuddyCopies.un
 
 Transport: one stream per generation from owner to keeper (state/buddy_stream.py), opened through
 the owner's own key server, kept open, and verified with XXH3-128 like any state transfer; never
-the training group (so a copy never queues behind a collective, nor a collective behind it).
+the training group (so a copy never queues behind a collective, nor a collective behind it). A
+keeper on the owner's own host gets no bytes on it: the owner's undo copies are then files in the
+job's shared-memory directory, which outlive the owner's process as the keeper's memory would, and
+the stream carries only which file holds the copy and its digest (state/buddy_shm.py), checked
+when the copy is used.
 
 What a keeper holds: the two newest *verified* copies per owner, as bytes (the tree is rebuilt
 only when a copy is used). A new copy lands in the older one's buffer, which is unlisted the
 moment the owner's copy begins to arrive (not before: between copies both stay listed), so a
 transfer cut off by a fault never leaves a half-written copy listed, and the newest verified one
 always survives. Memory: two times the owner's state per keeper (``extra_bytes``) and two times
-the rank's own (``undo_bytes``).
+the rank's own (``undo_bytes``); with a same-host keeper, none in the keeper and three times the
+rank's own state in its files (two undo copies and the one the next copy is written into).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.state.buddy_stream import CopyReceiver, CopySender
-from checkpointless.state.codec import Layout, unpack
+from checkpointless.rendezvous.peers import parse_address
+from checkpointless.state.buddy_shm import SlotPool, SlotRef, owner_pid, read_slot
+from checkpointless.state.buddy_stream import Copy, CopyReceiver, CopySender
+from checkpointless.state.codec import Layout, digest, unpack
 from checkpointless.state.shm_snapshot import staged_layout
 from checkpointless.state.stream import StreamRoute
 
 __all__ = ["BuddyCopies", "copy_channel", "keep_channel"]
+
+
+def _host(address: str) -> str:
+    return parse_address(address)[0]
+
 
 log = get_logger()
 
@@ -71,8 +85,9 @@ class _Copy:
     buffer (a tensor's bytes at its ``offset``). The tree is rebuilt only when the copy is used."""
 
     manifest: dict[str, Any]
-    buffers: list[torch.Tensor]  # one packed message
+    buffers: list[torch.Tensor]  # one packed message (none on a keeper whose owner shares its host)
     layout: str = ""  # digest of the layout part (state/buddy_stream.py): equal ones share buffers
+    slot: SlotRef | None = None  # where the bytes lie when they are in a file (state/buddy_shm.py)
 
     def tree(self) -> Any:
         return unpack(self.manifest, self.buffers)
@@ -91,7 +106,14 @@ def _packed(manifest: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
 class BuddyCopies:
     """One rank's side of the ring: it sends its own copies and keeps its owners'."""
 
-    def __init__(self, rank: int, keeper: int | None, owners: list[int], timeout: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        keeper: int | None,
+        owners: list[int],
+        timeout: float,
+        shm_dir: Path | None = None,
+    ) -> None:
         self.rank = rank
         self.keeper = keeper  # who keeps this rank's copy (None: nobody, a world of one)
         self.owners = owners  # whose copies this rank keeps
@@ -120,6 +142,12 @@ class BuddyCopies:
         self._last_packed: tuple[list[Any], list[int], dict[str, Any]] | None = None
         # CPU seconds spent so far: laying out (the training thread's), sending, keeping
         self.cpu_s = {"stage": 0.0, "send": 0.0, "keep": 0.0}
+        # Same-host copies (state/buddy_shm.py): the directory both ends share, this rank's
+        # files while its keeper is on its host, and the files that keeper listed in its last
+        # acknowledgement (None: unknown, so the next copy takes a new file)
+        self.shm_dir = shm_dir
+        self._pool: SlotPool | None = None
+        self._keeper_files: set[str] | None = None
 
     # -- the owner's side ------------------------------------------------------------------------
     def start(self, step: int, state: Any, guarded: set[int], staged: Layout | None = None) -> bool:
@@ -180,20 +208,46 @@ class BuddyCopies:
             self._undo[step] = _Copy(manifest, [flat])
         return Layout(manifest, [flat])
 
+    def _file_copy(self, step: int, lay: Layout, pool: SlotPool) -> tuple[Layout, SlotRef]:
+        """Pack ``lay``'s messages into one of this rank's copy files (one its keeper does not
+        list, nor its own two newest undo copies) and publish it as the undo copy of ``step``."""
+        sizes = [int(m.numel()) for m in lay.messages]
+        manifest = self._packed(lay.manifest, sizes)
+        with self._lock:
+            undo = {c.slot.name for c in self._undo.values() if c.slot is not None}
+        known = self._keeper_files
+        name, data, inode = pool.take(sum(sizes), None if known is None else known | undo)
+        self._keeper_files = None  # the keeper may list this copy once it arrives: unknown until acked
+        torch.cat(lay.messages, out=data)
+        lay.messages.clear()  # the live tensors are no longer read: the update may change them
+        ref = SlotRef(name, inode, int(data.numel()), digest(data))
+        with self._lock:
+            self._undo[step] = _Copy(manifest, [data], slot=ref)
+            for old in sorted(self._undo)[:-_KEEP]:
+                del self._undo[old]
+        return Layout(manifest, [data]), ref
+
     def _send(self, step: int, lay: Layout, stream: CopySender) -> None:
         t0 = time.monotonic()
         nbytes = sum(int(m.numel()) for m in lay.messages)
+        aborted: Callable[[], str | None] = lambda: "cancelled" if self._cancel.is_set() else None  # noqa: E731
         try:
-            # Sent from this rank's undo copy, not the live tensors: the copy is made once, hot
-            # in cache for the socket, and is the undo copy a survivor rolls back from (its keeper
-            # lost) instead of a shared-memory snapshot every step (measured: ~4 ms per rank-step).
-            lay = self._undo_copy(step, lay)
-            stream.send(
-                step,
-                lay,
-                t0 + self.timeout,
-                lambda: "cancelled" if self._cancel.is_set() else None,
-            )
+            pool = self._pool
+            if pool is not None:
+                # a keeper on this host: the copy is the file, and only its description travels
+                lay, ref = self._file_copy(step, lay, pool)
+                held = set(stream.send(step, lay, t0 + self.timeout, aborted, slot=ref))
+                self._keeper_files = held
+                with self._lock:
+                    undo = {c.slot.name for c in self._undo.values() if c.slot is not None}
+                pool.prune(held | undo)
+            else:
+                # Sent from this rank's undo copy, not the live tensors: the copy is made once,
+                # hot in cache for the socket, and is the undo copy a survivor rolls back from
+                # (its keeper lost) instead of a shared-memory snapshot every step (measured:
+                # ~4 ms per rank-step).
+                lay = self._undo_copy(step, lay)
+                stream.send(step, lay, t0 + self.timeout, aborted)
             self.last_send = {"step": step, "bytes": float(nbytes), "send_s": time.monotonic() - t0}
         except Exception as e:  # a lost copy must not fail training: the plan knows what is kept
             self.failed += 1
@@ -244,6 +298,12 @@ class BuddyCopies:
         if route is not None and self.keeper is not None:
             channel = keep_channel(generation, self.rank)
             self._stream = CopySender(dataclasses.replace(route, channel=channel), self.keeper)
+            same_host = _host(route.peers[self.keeper]) == _host(route.peers[self.rank])
+            if same_host and self.shm_dir is not None and self._pool is None:
+                self._pool = SlotPool(self.shm_dir, self.rank)
+            elif not same_host:
+                self._pool = None  # (a keeper moved off this host: copies go over the network)
+            self._keeper_files = None  # a new keeper process may list anything of ours
         if route is None:
             if self.keeper is not None and generation == 0:
                 # copies travel through the key servers of the root-less rendezvous only
@@ -271,24 +331,39 @@ class BuddyCopies:
                 old = held.pop(min(held)) if len(held) >= _KEEP else None
             return old.buffers if old is not None and old.layout == layout else None
 
+        same_host = _host(route.peers[owner]) == _host(route.peers[self.rank])
+
+        def keep(got: Copy) -> list[str]:
+            # listed before it is acknowledged: the acknowledgement names the files listed now
+            if got.manifest["tree"].get("step") != got.step:
+                raise StateTransferError(f"rank {owner}'s copy of step {got.step} holds another step")
+            if got.slot is not None and (self.shm_dir is None or not same_host):
+                raise StateTransferError(f"rank {owner} sent a copy in a file, and no file is shared here")
+            with self._lock:
+                held = self._held[owner]
+                held[got.step] = _Copy(got.manifest, got.buffers, got.layout, got.slot)
+                dropped = [held.pop(old) for old in sorted(held)[:-_KEEP]]
+                files = [c.slot.name for c in held.values() if c.slot is not None]
+            if got.slot is not None and self.shm_dir is not None:
+                # a replaced owner's files: its process is gone, and nobody else removes them
+                # before the job ends (the owner that wrote this copy prunes its own)
+                pid = owner_pid(got.slot.name)
+                for c in dropped:
+                    if c.slot is not None and owner_pid(c.slot.name) != pid:
+                        (self.shm_dir / c.slot.name).unlink(missing_ok=True)
+            return files
+
         stream = CopyReceiver(route, owner, self.rank)
         stopped: Callable[[], str | None] = lambda: "stopped" if self._stop.is_set() else None  # noqa: E731
         try:
             while not self._stop.is_set():
                 try:
-                    got = stream.receive(self.timeout, stopped, landing, cpu=self.cpu_s)
-                    if got.manifest["tree"].get("step") != got.step:
-                        raise StateTransferError(f"rank {owner}'s copy of step {got.step} holds another step")
+                    stream.receive(self.timeout, stopped, landing, keep, cpu=self.cpu_s)
                 except (StateTransferError, AttributeError, KeyError, TypeError, ValueError) as e:
                     if not self._stop.is_set():
                         log.debug("buddy copy from rank %d not received: %s", owner, e)
                         self._stop.wait(_RETRY_S)
                     continue
-                with self._lock:
-                    held = self._held[owner]
-                    held[got.step] = _Copy(got.manifest, got.buffers, got.layout)
-                    for old in sorted(held)[:-_KEEP]:
-                        del held[old]
         finally:
             stream.close()
 
@@ -309,15 +384,28 @@ class BuddyCopies:
         self._sent.set()
 
     def held(self) -> list[tuple[int, int]]:
-        """(owner, step) of every verified copy kept here."""
+        """(owner, step) of every verified copy kept here. A copy that lies in a file is listed
+        while that file is still the one announced (its bytes are checked when it is used)."""
         with self._lock:
-            return sorted((o, s) for o, steps in self._held.items() for s in steps)
+            kept = [(o, s, c.slot) for o, steps in self._held.items() for s, c in steps.items()]
+        return sorted((o, s) for o, s, slot in kept if slot is None or self._file_intact(slot))
+
+    def _file_intact(self, slot: SlotRef) -> bool:
+        assert self.shm_dir is not None
+        try:
+            st = os.stat(self.shm_dir / slot.name, follow_symlinks=False)
+        except OSError:
+            return False
+        return st.st_ino == slot.inode and st.st_size >= slot.nbytes
 
     def copy(self, owner: int, step: int) -> Any:
         with self._lock:
             kept = self._held.get(owner, {}).get(step)
         if kept is None:
             raise StateTransferError(f"no buddy copy of rank {owner} at step {step} is kept here")
+        if kept.slot is not None:
+            assert self.shm_dir is not None
+            return unpack(kept.manifest, [read_slot(self.shm_dir, owner, kept.slot)])
         return kept.tree()
 
     def undo_steps(self) -> list[int]:
@@ -345,6 +433,22 @@ class BuddyCopies:
     def undo_bytes(self) -> int:
         with self._lock:
             return sum(int(b.numel()) for k in self._undo.values() for b in k.buffers)
+
+    @property
+    def file_bytes(self) -> int:
+        """The shared memory this rank's copy files take (its undo copies and a spare)."""
+        pool = self._pool
+        return pool.nbytes() if pool is not None else 0
+
+    @property
+    def kept_copies(self) -> int:
+        with self._lock:
+            return sum(len(steps) for steps in self._held.values())
+
+    @property
+    def transport(self) -> str:
+        """How this rank's copies reach its keeper: "file" (same host) or "socket"."""
+        return "file" if self._pool is not None else "socket"
 
     @property
     def extra_bytes(self) -> int:

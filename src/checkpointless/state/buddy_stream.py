@@ -21,6 +21,11 @@ in the buffers of the older copy it replaces when their layouts match (:attr:`Co
 steady stream allocates and validates nearly nothing. Keeper CPU per copy this removed (5.2 MB in
 214 tensors): manifest parsed and checked 3.0 ms, landing buffers found 1.9 ms.
 
+A same-host owner sends no bytes (state/buddy_shm.py): its ``copy`` frame names the file that
+holds the copy (name, inode, size), the trailer carries that file's digest, which the keeper keeps
+to check when the copy is used, and every acknowledgement names the files the keeper lists, which
+the owner then never writes.
+
 Any error ends the connection on both sides; the keeper connects again (the owner takes the newest
 connection from its channel), and the next copy carries its layout again. A copy cut off is never
 acknowledged, and never listed by the keeper (state/buddy.py).
@@ -41,6 +46,7 @@ from typing import Any
 import torch
 
 from checkpointless.errors import StateTransferError
+from checkpointless.state.buddy_shm import SlotRef, check_slot_name
 from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers
 from checkpointless.state.manifest import check_manifest, check_tree
 from checkpointless.state.stream import (
@@ -68,8 +74,9 @@ class Copy:
 
     step: int
     manifest: dict[str, Any]
-    buffers: list[torch.Tensor]  # one per message, verified
+    buffers: list[torch.Tensor]  # one per message, verified (none when the copy lies in a file)
     layout: str  # digest of the layout part: copies with the same one fit each other's buffers
+    slot: SlotRef | None = None  # a same-host copy: the owner's file (state/buddy_shm.py)
 
 
 class CopySender:
@@ -116,8 +123,13 @@ class CopySender:
             self._take_newest()
         return self._sock
 
-    def send(self, step: int, lay: Layout, deadline: float, aborted: Aborted) -> None:
-        """Send one copy and wait for the keeper's acknowledgement. Raises StateTransferError."""
+    def send(
+        self, step: int, lay: Layout, deadline: float, aborted: Aborted, slot: SlotRef | None = None
+    ) -> list[str]:
+        """Send one copy and wait for the keeper's acknowledgement; return the copy files the
+        keeper lists now (a same-host keeper's). With ``slot`` the bytes are not sent: they lie in
+        that file (written before the call), and only its description and digest travel.
+        Raises StateTransferError."""
         sock = self._connected(deadline, aborted)
         self._seq += 1
         tree = _json(lay.manifest["tree"])
@@ -128,19 +140,32 @@ class CopySender:
             self._encoded = (parts[0], parts[1], layout, digest(layout))
         layout, ldigest = self._encoded[2], self._encoded[3]
         payload = tree if layout == self._layout else tree + layout
-        header = {"type": "copy", "seq": self._seq, "step": step, "tree": len(tree), "layout": ldigest}
+        header: dict[str, Any] = {
+            "type": "copy",
+            "seq": self._seq,
+            "step": step,
+            "tree": len(tree),
+            "layout": ldigest,
+        }
+        if slot is not None:
+            header["file"] = {"name": slot.name, "inode": slot.inode, "nbytes": slot.nbytes}
         try:
             write_frame(sock, self.route.reply_key, deadline, header, payload)
             self._layout = layout
-            digests = [digest(tree), ldigest, *send_messages([sock], lay.messages, deadline, aborted)]
+            if slot is not None:
+                digests = [digest(tree), ldigest, slot.digest]
+            else:
+                digests = [digest(tree), ldigest, *send_messages([sock], lay.messages, deadline, aborted)]
             write_frame(sock, self.route.reply_key, deadline, {"type": "trailer", "digests": digests})
             ack = read_frame(sock, self.route.request_key, deadline, aborted, "the keeper's acknowledgement")
         except (OSError, StateTransferError) as e:
             self._drop()
             raise StateTransferError(f"buddy copy of step {step} to rank {self.keeper} broke: {e}") from e
-        if ack.get("seq") != self._seq or ack.get("ok") is not True:
+        held = ack.get("held", [])
+        if ack.get("seq") != self._seq or ack.get("ok") is not True or not isinstance(held, list):
             self._drop()
             raise StateTransferError(f"rank {self.keeper} refused the copy of step {step}: {ack}")
+        return [str(h) for h in held]
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -177,13 +202,17 @@ class CopyReceiver:
         timeout: float,
         stopped: Aborted,
         landing: Callable[[str], list[torch.Tensor] | None],
+        keep: Callable[[Copy], list[str]],
         cpu: dict[str, float] | None = None,
     ) -> Copy:
         """Wait (with no deadline, until ``stopped``) for the owner's next copy; receive it within
         ``timeout`` of its first frame. ``landing(layout)``, called once the copy has begun, may
         return the buffers of an older copy of that layout to receive into; otherwise new ones
-        are made. Raises StateTransferError (the connection is then closed; the next call opens
-        another)."""
+        are made. ``keep(copy)`` lists a verified copy before it is acknowledged and returns the
+        copy files now listed, which the acknowledgement names (the owner writes none of them).
+        A copy that lies in a file (a same-host owner) carries no bytes: its digest is kept and
+        checked when it is used. Raises StateTransferError (the connection is then closed; the
+        next call opens another)."""
         try:
             if self._sock is None:
                 self._sock = open_stream(
@@ -205,30 +234,55 @@ class CopyReceiver:
             payload = head.get("payload", b"")
             tree_bytes = payload[:tree_len]
             ldigest, manifest = self._manifest_of(str(head.get("layout")), tree_bytes, payload[tree_len:])
-            buffers = landing(ldigest)
-            if buffers is None:
-                buffers, _ = receive_buffers(manifest)
-            got = [digest(tree_bytes), ldigest, *recv_messages(sock, buffers, deadline, stopped)]
+            file = head.get("file")
+            slot: SlotRef | None = None
+            if file is not None:
+                slot = self._slot_of(file, manifest)
+                buffers: list[torch.Tensor] = []
+                got = [digest(tree_bytes), ldigest]
+            else:
+                buffers = landing(ldigest) or receive_buffers(manifest)[0]
+                got = [digest(tree_bytes), ldigest, *recv_messages(sock, buffers, deadline, stopped)]
             trailer = read_frame(sock, self.route.reply_key, deadline, stopped, "the digests")
-            bad = mismatch(got, trailer.get("digests"))
+            expected = trailer.get("digests")
+            if slot is not None and isinstance(expected, list) and len(expected) == 3:
+                # the file's bytes are checked against this when the copy is used
+                slot = SlotRef(slot.name, slot.inode, slot.nbytes, str(expected[2]))
+                expected = expected[:2]
+            bad = mismatch(got, expected)
+            copy = Copy(step, manifest, buffers, ldigest, slot)
+            held = keep(copy) if bad is None else []
             with contextlib.suppress(OSError):
                 write_frame(
                     sock,
                     self.route.request_key,
                     deadline,
-                    {"seq": self._seq, "ok": bad is None, "error": bad},
+                    {"seq": self._seq, "ok": bad is None, "error": bad, "held": held},
                 )
             if cpu is not None:
                 cpu["keep"] = cpu.get("keep", 0.0) + time.thread_time() - t0
             if bad is not None:
                 raise StateTransferError(f"buddy copy of step {step} from rank {self.owner}: {bad}")
-            return Copy(step, manifest, buffers, ldigest)
+            return copy
         except OSError as e:
             self.close()
             raise StateTransferError(f"buddy stream from rank {self.owner} broke: {e}") from e
         except StateTransferError:
             self.close()
             raise
+
+    def _slot_of(self, file: Any, manifest: dict[str, Any]) -> SlotRef:
+        """A same-host copy's file, as announced: a name of the owner's own, and the size its
+        manifest needs (the digest comes with the trailer)."""
+        if not isinstance(file, dict):
+            raise StateTransferError(f"rank {self.owner}'s copy names its file wrongly: {file!r}")
+        name = check_slot_name(file.get("name"), self.owner)
+        inode, nbytes = file.get("inode"), file.get("nbytes")
+        if not isinstance(inode, int) or not isinstance(nbytes, int):
+            raise StateTransferError(f"rank {self.owner}'s copy file has no inode or size: {file!r}")
+        if [nbytes] != manifest["messages"]:
+            raise StateTransferError(f"rank {self.owner}'s copy file holds {nbytes} bytes, not its layout's")
+        return SlotRef(name, inode, nbytes, "")
 
     def _manifest_of(self, ldigest: str, tree_bytes: bytes, layout: bytes) -> tuple[str, dict[str, Any]]:
         """The copy's manifest, checked: its layout sent with it or (same digest) the one this

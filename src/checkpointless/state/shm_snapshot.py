@@ -60,6 +60,7 @@ from checkpointless.state.snapshot import (
 __all__ = [
     "SnapshotInfo",
     "SnapshotWriter",
+    "buddy_copy_dir",
     "guarded_pointers",
     "list_snapshots",
     "load_snapshot",
@@ -114,6 +115,14 @@ def rank_snapshot_dir(job_id: str, rank: int) -> Path:
     top = snapshot_dir(job_id)
     _private_dir(top)
     path = top / f"rank{rank}"
+    _private_dir(path)
+    return path
+
+
+def buddy_copy_dir(job_id: str) -> Path:
+    """Where same-host buddy copies lie (state/buddy_shm.py), in the job's private directory so
+    that the launcher's clean-up removes them too. Created private."""
+    path = job_cache_dir(job_id) / "buddy"
     _private_dir(path)
     return path
 
