@@ -88,6 +88,7 @@ class _Copy:
     buffers: list[torch.Tensor]  # one packed message (none on a keeper whose owner shares its host)
     layout: str = ""  # digest of the layout part (state/buddy_stream.py): equal ones share buffers
     slot: SlotRef | None = None  # where the bytes lie when they are in a file (state/buddy_shm.py)
+    received: Copy | None = None  # a keeper's copy in a file, as it arrived (its tree unparsed)
 
     def tree(self) -> Any:
         return unpack(self.manifest, self.buffers)
@@ -335,13 +336,14 @@ class BuddyCopies:
 
         def keep(got: Copy) -> list[str]:
             # listed before it is acknowledged: the acknowledgement names the files listed now
-            if got.manifest["tree"].get("step") != got.step:
+            tree = got.manifest["tree"]  # (a copy in a file: checked when used, Copy.parse_tree)
+            if tree is not None and tree.get("step") != got.step:
                 raise StateTransferError(f"rank {owner}'s copy of step {got.step} holds another step")
             if got.slot is not None and (self.shm_dir is None or not same_host):
                 raise StateTransferError(f"rank {owner} sent a copy in a file, and no file is shared here")
             with self._lock:
                 held = self._held[owner]
-                held[got.step] = _Copy(got.manifest, got.buffers, got.layout, got.slot)
+                held[got.step] = _Copy(got.manifest, got.buffers, got.layout, got.slot, got)
                 dropped = [held.pop(old) for old in sorted(held)[:-_KEEP]]
                 files = [c.slot.name for c in held.values() if c.slot is not None]
             if got.slot is not None and self.shm_dir is not None:
@@ -404,8 +406,9 @@ class BuddyCopies:
         if kept is None:
             raise StateTransferError(f"no buddy copy of rank {owner} at step {step} is kept here")
         if kept.slot is not None:
-            assert self.shm_dir is not None
-            return unpack(kept.manifest, [read_slot(self.shm_dir, owner, kept.slot)])
+            assert self.shm_dir is not None and kept.received is not None
+            manifest = kept.received.parse_tree()
+            return unpack(manifest, [read_slot(self.shm_dir, owner, kept.slot)])
         return kept.tree()
 
     def undo_steps(self) -> list[int]:

@@ -58,7 +58,7 @@ from checkpointless.state.stream import (
     write_frame,
 )
 
-__all__ = ["Copy", "CopyReceiver", "CopySender"]
+__all__ = ["Copy", "CopyReceiver", "CopySender", "parse_tree"]
 
 Aborted = Callable[[], "str | None"]
 _POLL_S = 0.25  # a keeper waiting for the next copy sees its stop this soon
@@ -77,6 +77,26 @@ class Copy:
     buffers: list[torch.Tensor]  # one per message, verified (none when the copy lies in a file)
     layout: str  # digest of the layout part: copies with the same one fit each other's buffers
     slot: SlotRef | None = None  # a same-host copy: the owner's file (state/buddy_shm.py)
+    tree_bytes: bytes = b""  # ... and its tree, not yet parsed (manifest["tree"] is None): see parse_tree
+
+    def parse_tree(self) -> dict[str, Any]:
+        """The manifest with the tree of a copy that lies in a file, parsed and checked now."""
+        if self.manifest["tree"] is not None:
+            return self.manifest
+        tree = parse_tree(self.tree_bytes, len(self.manifest["tensors"]))
+        if not isinstance(tree, dict) or tree.get("step") != self.step:
+            raise StateTransferError(f"the copy of step {self.step} holds another step")
+        return {**self.manifest, "tree": tree}
+
+
+def parse_tree(tree_bytes: bytes, n_tensors: int) -> Any:
+    """A copy's tree from its JSON, checked against the layout's tensor count."""
+    try:
+        tree = json.loads(tree_bytes)
+    except (ValueError, RecursionError) as e:
+        raise StateTransferError(f"a buddy copy has a malformed tree: {e}") from e
+    check_tree(tree, n_tensors)
+    return tree
 
 
 class CopySender:
@@ -233,8 +253,11 @@ class CopyReceiver:
                 raise StateTransferError(f"rank {self.owner}'s copy names no step or tree: {head}")
             payload = head.get("payload", b"")
             tree_bytes = payload[:tree_len]
-            ldigest, manifest = self._manifest_of(str(head.get("layout")), tree_bytes, payload[tree_len:])
             file = head.get("file")
+            # a copy in a file is read only if it is used: its tree is parsed and checked then
+            ldigest, manifest = self._manifest_of(
+                str(head.get("layout")), tree_bytes, payload[tree_len:], parse=file is None
+            )
             slot: SlotRef | None = None
             if file is not None:
                 slot = self._slot_of(file, manifest)
@@ -250,7 +273,7 @@ class CopyReceiver:
                 slot = SlotRef(slot.name, slot.inode, slot.nbytes, str(expected[2]))
                 expected = expected[:2]
             bad = mismatch(got, expected)
-            copy = Copy(step, manifest, buffers, ldigest, slot)
+            copy = Copy(step, manifest, buffers, ldigest, slot, tree_bytes if slot is not None else b"")
             held = keep(copy) if bad is None else []
             with contextlib.suppress(OSError):
                 write_frame(
@@ -284,9 +307,11 @@ class CopyReceiver:
             raise StateTransferError(f"rank {self.owner}'s copy file holds {nbytes} bytes, not its layout's")
         return SlotRef(name, inode, nbytes, "")
 
-    def _manifest_of(self, ldigest: str, tree_bytes: bytes, layout: bytes) -> tuple[str, dict[str, Any]]:
+    def _manifest_of(
+        self, ldigest: str, tree_bytes: bytes, layout: bytes, parse: bool = True
+    ) -> tuple[str, dict[str, Any]]:
         """The copy's manifest, checked: its layout sent with it or (same digest) the one this
-        connection carried last; its tree always sent."""
+        connection carried last; its tree always sent (left unparsed, None, unless ``parse``)."""
         if layout:
             if digest(layout) != ldigest:
                 raise StateTransferError(f"rank {self.owner}'s copy layout does not match its digest")
@@ -300,12 +325,8 @@ class CopyReceiver:
             self._layout = (ldigest, check_manifest({**parts, "tree": None}))
         if self._layout is None or self._layout[0] != ldigest:
             raise StateTransferError(f"rank {self.owner}'s copy refers to a layout never sent")
-        try:
-            tree = json.loads(tree_bytes)
-        except (ValueError, RecursionError) as e:
-            raise StateTransferError(f"rank {self.owner}'s copy has a malformed tree: {e}") from e
         checked = self._layout[1]
-        check_tree(tree, len(checked["tensors"]))
+        tree = parse_tree(tree_bytes, len(checked["tensors"])) if parse else None
         return ldigest, {"tensors": checked["tensors"], "messages": checked["messages"], "tree": tree}
 
     def close(self) -> None:
