@@ -60,6 +60,9 @@ def test_fsdp_kill_is_recovered_from_the_buddy_copy(
 ) -> None:
     res = run_job(tmp_path / "run", corpus, nproc=4, spares=1, faults=[fault], script_args=FSDP, timeout=120)
     check_shards(res, fsdp_reference)
+    # the copies lay in the owners' shared-memory files (one host), the dead owner's included:
+    # the launcher removes them with the job's directory
+    assert not Path(res.of("job_start")[0]["shm"]).exists(), "shared memory left behind"
     plans = _plans(res)
     got = set()
     for p in plans:

@@ -100,7 +100,8 @@ def test_a_throttled_host_is_reported_and_swapped_for_the_spare_host(
     workers = [p for p in cluster.hosts[1].pids() if p != agent1]
     with cpu_throttle(workers, share=0.1):
         wait_for(lambda: job.events("straggler_swap"), deadline, "host 1 to be swapped out")
-    res = job.finish(deadline)
+    # the swapped host is fenced like a lost one; its agent may still be trying to rejoin
+    res = job.finish(deadline, lenient=[1])
     check_recovered(res, ref, {2, 3})
     slow = job.events("straggler")
     assert slow and slow[0]["address"] == cluster.hosts[1].address and slow[0]["ranks"] == [2, 3], slow
