@@ -4,7 +4,11 @@ the owner's wait ends when the copy is acknowledged."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +30,19 @@ def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Buddy
     """Rank 0 (owner, its copy kept by rank 1) and rank 1, generation 0 formed; both on one host,
     the copies travelling over the socket ("socket": no shared directory) or lying in the
     owner's shared-memory files ("file", state/buddy_shm.py)."""
+    shm = tmp_path / "buddy" if request.param == "file" else None
+    if shm is not None:
+        shm.mkdir(mode=0o700)
+    with _pair(shm) as got:
+        yield got
+
+
+@contextlib.contextmanager
+def _pair(shm: Path | None) -> Iterator[tuple[BuddyCopies, BuddyCopies]]:
     servers = [KeyServer("127.0.0.1", 0, SECRET) for _ in range(2)]
     for s in servers:
         s.start()
     peers = [s.address for s in servers]
-    shm = tmp_path / "buddy" if request.param == "file" else None
-    if shm is not None:
-        shm.mkdir(mode=0o700)
     owner = BuddyCopies(0, 1, [], timeout=10.0, shm_dir=shm)
     keeper = BuddyCopies(1, None, [0], timeout=10.0, shm_dir=shm)
     try:
@@ -218,3 +228,26 @@ def test_the_owner_never_writes_a_file_its_keeper_lists(pair: tuple[BuddyCopies,
     # the owner's own undo copies (its two newest) are intact too
     assert owner.undo_steps() == [7, 8]
     assert torch.equal(owner.undo(8)["objects"]["w"], _state(8)["objects"]["w"])  # type: ignore[index]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounts a small tmpfs (root)")
+def test_a_full_shared_memory_sends_copies_over_the_socket_instead(tmp_path: Path) -> None:
+    """/dev/shm too small for the copy files (a container's 64 MB): the file cannot be reserved,
+    so the copies go over the socket, still kept bitwise; never a SIGBUS in the copy thread."""
+    small = tmp_path / "small"
+    small.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(small)], check=True)
+    try:
+        with _pair(small) as (owner, keeper):
+            assert owner.transport == "file"
+            for step in range(3):
+                owner.start(step, _state(step), guarded=set())
+                owner.wait_sent(10.0)
+            _until(lambda: (0, 2) in keeper.held(), "copy of step 2")
+            assert owner.transport == "socket" and owner.failed == 0, (owner.transport, owner.failed)
+            got = keeper.copy(0, 2)
+            assert torch.equal(got["objects"]["w"], _state(2)["objects"]["w"])  # type: ignore[index]
+            assert owner.undo_steps() == [1, 2]
+            assert torch.equal(owner.undo(2)["objects"]["w"], _state(2)["objects"]["w"])  # type: ignore[index]
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)

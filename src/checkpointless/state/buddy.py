@@ -200,7 +200,9 @@ class BuddyCopies:
         manifest = self._packed(lay.manifest, sizes)
         with self._lock:
             old = self._undo.pop(min(self._undo)) if len(self._undo) >= _KEEP else None
-        flat = old.buffers[0] if old is not None and int(old.buffers[0].numel()) == sum(sizes) else None
+        # (never a copy file's buffer: its keeper may list it, state/buddy_shm.py)
+        reuse = old is not None and old.slot is None and int(old.buffers[0].numel()) == sum(sizes)
+        flat = old.buffers[0] if reuse and old is not None else None
         if flat is None:
             flat = torch.empty(sum(sizes), dtype=torch.uint8)
         torch.cat(lay.messages, out=flat)
@@ -233,10 +235,17 @@ class BuddyCopies:
         nbytes = sum(int(m.numel()) for m in lay.messages)
         aborted: Callable[[], str | None] = lambda: "cancelled" if self._cancel.is_set() else None  # noqa: E731
         try:
-            pool = self._pool
+            pool, ref = self._pool, None
             if pool is not None:
                 # a keeper on this host: the copy is the file, and only its description travels
-                lay, ref = self._file_copy(step, lay, pool)
+                try:
+                    lay, ref = self._file_copy(step, lay, pool)
+                except OSError as e:  # /dev/shm full (a container's 64 MB): the socket still works
+                    log.warning(
+                        "no room for buddy copy files in %s (%s); copies go over the socket", self.shm_dir, e
+                    )
+                    self._pool = pool = None
+            if pool is not None and ref is not None:
                 held = set(stream.send(step, lay, t0 + self.timeout, aborted, slot=ref))
                 self._keeper_files = held
                 with self._lock:

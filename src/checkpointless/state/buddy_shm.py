@@ -84,6 +84,8 @@ class SlotPool:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(nbytes, 1))
+            # reserved now: a full /dev/shm is an OSError here, not a SIGBUS in the copy thread
+            os.posix_fallocate(fd, 0, max(nbytes, 1))
             m = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
             inode = os.fstat(fd).st_ino
         except BaseException:

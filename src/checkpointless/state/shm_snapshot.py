@@ -293,6 +293,9 @@ def write_snapshot(
     published = False
     try:
         os.ftruncate(fd, max(total, 1))
+        # reserve the pages now: a full /dev/shm is then an OSError here (the snapshot fails,
+        # training goes on), not a SIGBUS that kills the rank when the copy touches a page
+        os.posix_fallocate(fd, 0, max(total, 1))
         # populate: one call maps every page, instead of a page fault per 4 KiB during the copy
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         with mmap.mmap(fd, max(total, 1), flags=flags) as mm:
