@@ -48,7 +48,7 @@ import torch
 from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.events import get_logger
 from checkpointless.rendezvous.peers import parse_address
-from checkpointless.state.buddy_shm import SlotPool, SlotRef, owner_pid, read_slot
+from checkpointless.state.buddy_shm import SlotPool, SlotRef, read_slot, writer_of
 from checkpointless.state.buddy_stream import Copy, CopyReceiver, CopySender
 from checkpointless.state.codec import Layout, digest, unpack
 from checkpointless.state.shm_snapshot import staged_layout
@@ -358,9 +358,9 @@ class BuddyCopies:
             if got.slot is not None and self.shm_dir is not None:
                 # a replaced owner's files: its process is gone, and nobody else removes them
                 # before the job ends (the owner that wrote this copy prunes its own)
-                pid = owner_pid(got.slot.name)
+                writer = writer_of(got.slot.name)
                 for c in dropped:
-                    if c.slot is not None and owner_pid(c.slot.name) != pid:
+                    if c.slot is not None and writer_of(c.slot.name) != writer:
                         (self.shm_dir / c.slot.name).unlink(missing_ok=True)
             return files
 

@@ -14,10 +14,11 @@ The one rule that makes this safe: **the owner never writes a file its keeper ma
 keeper's acknowledgement names the files it lists after taking the copy; the owner writes the
 next copy into a file outside that set and outside its own two newest undo copies, and while it
 does not know the keeper's set (a new connection, a copy never acknowledged) into a new file.
-A copy cut off therefore never damages a listed one. Files are named ``buddy-r<rank>-p<pid>-n<k>``:
-a replacement process never reuses a dead owner's names, and the keeper removes a dead owner's
-files once it no longer lists them (:meth:`SlotPool.prune` is the owner's own clean-up). The
-launcher removes the job's directory at the end, as it does for snapshots.
+A copy cut off therefore never damages a listed one. Files are named
+``buddy-r<rank>-<token>-n<k>`` with a token drawn once per process: a replacement process never
+reuses a dead owner's names (a pid may be reused), and the keeper removes a dead owner's files once
+it no longer lists them (:meth:`SlotPool.prune` is the owner's own clean-up). The launcher removes
+the job's directory at the end, as it does for snapshots.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +34,9 @@ import torch
 
 from checkpointless.errors import StateTransferError
 
-__all__ = ["SlotPool", "SlotRef", "check_slot_name", "owner_pid", "read_slot"]
+__all__ = ["SlotPool", "SlotRef", "check_slot_name", "read_slot", "writer_of"]
 
-_NAME = re.compile(r"^buddy-r(\d{1,9})-p(\d{1,10})-n(\d{1,12})$")
+_NAME = re.compile(r"^buddy-r(\d{1,9})-([0-9a-f]{16})-n(\d{1,12})$")
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,10 @@ def check_slot_name(name: object, owner: int) -> str:
     return name
 
 
-def owner_pid(name: str) -> int:
+def writer_of(name: str) -> str:
+    """Which process wrote a copy file: a token drawn once per process (a pid can be reused)."""
     m = _NAME.match(name)
-    return int(m.group(2)) if m else -1
+    return m.group(2) if m else ""
 
 
 class SlotPool:
@@ -67,7 +70,7 @@ class SlotPool:
     def __init__(self, directory: Path, rank: int) -> None:
         self.directory = directory
         self.rank = rank
-        self._pid = os.getpid()
+        self._token = secrets.token_hex(8)  # this process's files, whatever its pid
         self._next = 0
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor, int]] = {}  # name -> map, bytes, inode
 
@@ -78,7 +81,7 @@ class SlotPool:
         for name, (_, data, inode) in self._maps.items():
             if avoid is not None and name not in avoid and int(data.numel()) == nbytes:
                 return name, data, inode
-        name = f"buddy-r{self.rank}-p{self._pid}-n{self._next}"
+        name = f"buddy-r{self.rank}-{self._token}-n{self._next}"
         self._next += 1
         path = self.directory / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
