@@ -168,15 +168,57 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+# FSDP2's own state-dict pre-hook (it only makes sure the sharded parameters are registered)
+_FSDP_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+
+
+def _plain_state_dict(module: nn.Module) -> bool:
+    """Whether ``module``'s state dict is exactly its parameters and persistent buffers: no
+    state-dict hook but FSDP2's own, no ``_save_to_state_dict`` or ``get_extra_state`` of its own."""
+    for m in module.modules():
+        cls = type(m)
+        if (
+            m._state_dict_hooks
+            or any(getattr(h, "__qualname__", "") != _FSDP_HOOK for h in m._state_dict_pre_hooks.values())
+            or cls._save_to_state_dict is not nn.Module._save_to_state_dict
+            or cls.get_extra_state is not nn.Module.get_extra_state
+        ):
+            return False
+    return True
+
+
 class LocalModuleState:
-    """A sharded module's replica: its parameters' and buffers' local shards, by name."""
+    """A sharded module's replica: its parameters' and buffers' local shards, by name.
+
+    Why remembered: the state is taken as every step begins (buddy copies, snapshots), and an
+    FSDP2 module's ``state_dict()`` walks every submodule and dispatches a DTensor detach per
+    parameter, ~0.8 ms of the training thread for a 4-layer model. Its result is a view of each
+    parameter's and buffer's local memory, so it stays right for as long as the module holds the
+    same tensor objects over the same memory: the remembered dict is reused while that
+    fingerprint (each tensor's identity and address, ~0.2 ms to take) is unchanged, and only for
+    modules whose state dict is nothing but those tensors (:func:`_plain_state_dict`)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self._memo: tuple[tuple[tuple[int, int], ...], dict[str, torch.Tensor]] | None = None
+
+    def _fingerprint(self) -> tuple[tuple[int, int], ...] | None:
+        if not _plain_state_dict(self.module):
+            return None
+        with torch.no_grad():
+            params = [(id(p), _local(p).data_ptr()) for p in self.module.parameters()]
+        return (*params, *((id(b), b.data_ptr()) for b in self.module.buffers()))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        fp = self._fingerprint()
+        if fp is not None and self._memo is not None and self._memo[0] == fp:
+            return dict(self._memo[1])
         with torch.no_grad():
-            return {k: _local(v) for k, v in self.module.state_dict().items()}
+            sd = {k: _local(v) for k, v in self.module.state_dict().items()}
+        # taken again after state_dict(): FSDP2's hook may have registered the sharded parameters
+        fp = self._fingerprint()
+        self._memo = (fp, sd) if fp is not None else None
+        return dict(sd)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         mine = self.state_dict()
