@@ -48,23 +48,31 @@ def _hang_up(conn: Connection) -> None:
 Early = list[tuple[float, Connection, dict[str, Any]]]  # (arrival, connection, message)
 
 
-def refuse_all(server: ControlServer, early: Early, keep_s: float) -> None:
+def refuse_all(server: ControlServer, early: Early, keep_s: float, serving: int = 0) -> None:
     """Sort out who reached this agent's failover server while it is not (yet) a candidate.
     Votes and reconnects are kept for ``keep_s`` (a lease): this agent may notice the loss a
-    moment after its peers and stand next; anything else, or older, is hung up."""
+    moment after its peers and stand next; anything else, or older, is hung up. So is, at once,
+    a vote or reconnect for a term up to ``serving``, the term of the coordinator this agent
+    serves: it can never stand for that one, and a worker kept waiting here would reach the
+    winner only after its gather window (a lease) had closed, and be replaced."""
     now = time.monotonic()
     while True:
         try:
             conn, raw = server.inbox.get_nowait()
         except queue.Empty:
             break
-        if raw.get("type") in ("vote", "hello"):
+        if raw.get("type") in ("vote", "hello") and not _settled(raw, serving):
             early.append((now, conn, raw))
         elif raw.get("type") != "_closed":
             _hang_up(conn)
-    for item in [e for e in early if now - e[0] > keep_s]:
+    for item in [e for e in early if now - e[0] > keep_s or _settled(e[2], serving)]:
         early.remove(item)
         _hang_up(item[1])
+
+
+def _settled(raw: dict[str, Any], serving: int) -> bool:
+    term = raw.get("term")
+    return isinstance(term, int) and not isinstance(term, bool) and 0 < term <= serving
 
 
 def _vote(term: int, me: int, host: str, agent: Agent, failover: str) -> Vote:

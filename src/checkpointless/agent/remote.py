@@ -158,7 +158,7 @@ class _Session:
                     agent.succession = msg  # for the processes it starts from now on
             # a coordinator is serving: votes and reconnects here are peers that noticed its loss
             # first; they are kept a lease in case this agent stands next
-            refuse_all(failover, early, self.w.lease)
+            refuse_all(failover, early, self.w.lease, serving=self.w.term)
             for seen in agent.poll(now):
                 if isinstance(seen, ProcExit):
                     self.send(ProcExited(seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail))
