@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from checkpointless.errors import StateTransferError
+from checkpointless.state.codec import digest
 
 __all__ = ["SlotPool", "SlotRef", "check_slot_name", "read_slot", "writer_of"]
 
@@ -114,9 +115,6 @@ class SlotPool:
             self._maps.pop(name)  # the tensor view keeps the mapping until it is dropped
             (self.directory / name).unlink(missing_ok=True)
 
-    def names(self) -> set[str]:
-        return set(self._maps)
-
     def nbytes(self) -> int:
         return sum(int(data.numel()) for _, data, _ in list(self._maps.values()))
 
@@ -125,8 +123,6 @@ def read_slot(directory: Path, owner: int, ref: SlotRef, verify: bool = True) ->
     """The bytes of a copy that lies in a file, as a private tensor, checked against the file's
     inode, its size and (``verify``) the digest it was announced with. Raises StateTransferError
     when the file is gone, was replaced, or holds other bytes."""
-    from checkpointless.state.codec import digest
-
     path = directory / check_slot_name(ref.name, owner)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)

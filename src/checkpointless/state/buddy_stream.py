@@ -58,7 +58,7 @@ from checkpointless.state.stream import (
     write_frame,
 )
 
-__all__ = ["Copy", "CopyReceiver", "CopySender", "parse_tree"]
+__all__ = ["Copy", "CopyReceiver", "CopySender"]
 
 Aborted = Callable[[], "str | None"]
 _POLL_S = 0.25  # a keeper waiting for the next copy sees its stop this soon
