@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import statebench as sb
 
 from checkpointless.state.durable import CheckpointEvery, CheckpointWriter, list_checkpoints
-from checkpointless.state.shm_snapshot import guarded_pointers
 from checkpointless.state.snapshot import capture_rng, collect_state
+from checkpointless.state.staging import guarded_pointers
 
 __all__ = ["main"]
 

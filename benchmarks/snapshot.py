@@ -34,8 +34,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import statebench as sb
 
-from checkpointless.state.shm_snapshot import SnapshotWriter, guarded_pointers, snapshot_path
+from checkpointless.state.shm_snapshot import SnapshotWriter, snapshot_path
 from checkpointless.state.snapshot import capture_rng, collect_state
+from checkpointless.state.staging import guarded_pointers
 
 __all__ = ["main"]
 

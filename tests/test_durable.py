@@ -32,8 +32,8 @@ from checkpointless.state.durable import (
     restore_checkpoint,
     save_checkpoint,
 )
-from checkpointless.state.shm_snapshot import guarded_pointers
 from checkpointless.state.snapshot import capture_rng, collect_state, restore_rng
+from checkpointless.state.staging import guarded_pointers
 from jobs import EXAMPLE, kill_workers_when, run_job
 from test_faults_e2e import check_recovered
 

@@ -20,7 +20,6 @@ from checkpointless.errors import StateTransferError
 from checkpointless.state.codec import layout
 from checkpointless.state.shm_snapshot import (
     SnapshotWriter,
-    guarded_pointers,
     list_snapshots,
     load_snapshot,
     restore_snapshot,
@@ -28,6 +27,7 @@ from checkpointless.state.shm_snapshot import (
     write_snapshot,
 )
 from checkpointless.state.snapshot import capture_rng, collect_state
+from checkpointless.state.staging import guarded_pointers
 from jobs import kill_workers_when, run_job
 from test_faults_e2e import check_recovered
 

@@ -18,8 +18,8 @@ from checkpointless.protocol import Committed
 from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
-from checkpointless.state.shm_snapshot import guarded_pointers, staged_layout
 from checkpointless.state.snapshot import capture_rng, collect_state
+from checkpointless.state.staging import guarded_pointers, staged_layout
 
 if TYPE_CHECKING:
     from checkpointless.recovery.job import Job

@@ -51,7 +51,7 @@ from checkpointless.rendezvous.peers import parse_address
 from checkpointless.state.buddy_shm import SlotPool, SlotRef, read_slot, writer_of
 from checkpointless.state.buddy_stream import Copy, CopyReceiver, CopySender
 from checkpointless.state.codec import Layout, digest, unpack
-from checkpointless.state.shm_snapshot import staged_layout
+from checkpointless.state.staging import staged_layout
 from checkpointless.state.stream import StreamRoute
 
 __all__ = ["BuddyCopies", "copy_channel", "keep_channel"]
@@ -153,7 +153,7 @@ class BuddyCopies:
     # -- the owner's side ------------------------------------------------------------------------
     def start(self, step: int, state: Any, guarded: set[int], staged: Layout | None = None) -> bool:
         """Begin sending ``state`` (taken as step ``step`` begins) to the keeper. ``staged`` is
-        :func:`~checkpointless.state.shm_snapshot.staged_layout` of that state when the caller
+        :func:`~checkpointless.state.staging.staged_layout` of that state when the caller
         has it already (shared with the step's snapshot); otherwise it is made here."""
         stream = self._stream
         if self.keeper is None or stream is None:

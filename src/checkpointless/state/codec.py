@@ -35,7 +35,17 @@ import xxhash
 from checkpointless.errors import StateTransferError
 from checkpointless.state.arena import Arena, new_tensor
 
-__all__ = ["Layout", "digest", "layout", "mismatch", "receive_buffers", "tensor_paths", "unpack"]
+__all__ = [
+    "Layout",
+    "digest",
+    "encode",
+    "layout",
+    "mismatch",
+    "receive_buffers",
+    "tensor_meta",
+    "tensor_paths",
+    "unpack",
+]
 
 _ALIGN = 64  # every packed tensor starts on a 64-byte boundary
 SOLO_MIN = 1 << 20  # by default tensors this large travel as their own message, in place
@@ -100,14 +110,9 @@ def as_byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def layout(
-    tree: Any, solo_min: int = SOLO_MIN, as_bytes: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> Layout:
-    """Lay ``tree`` out. Tensors of ``solo_min`` bytes or more are messages of their own (sent from
-    and received into tensor memory); smaller ones are packed. A transport whose messages are
-    cheap (the stream) passes 0: then nothing is copied at all. ``as_bytes`` replaces how a solo
-    tensor's bytes are viewed (a caller that lays out the same tensors every step remembers them)."""
-    to_bytes = as_byte_view if as_bytes is None else as_bytes
+def encode(tree: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """The manifest's ``tree`` (each tensor replaced by its index) and the tensors, with their
+    paths, in that order."""
     tensors: list[tuple[str, torch.Tensor]] = []
 
     def enc(v: Any, path: str) -> Any:
@@ -137,20 +142,36 @@ def layout(
             "state_dict()/load_state_dict() that returns those)"
         )
 
-    skeleton = enc(tree, "")
+    return enc(tree, ""), tensors
+
+
+def tensor_meta(path: str, t: torch.Tensor) -> dict[str, Any]:
+    """A tensor's entry in the manifest, without where it lies (``msg``, ``offset``, ``solo``)."""
+    return {
+        "path": path,
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "nbytes": t.numel() * t.element_size(),
+    }
+
+
+def layout(
+    tree: Any, solo_min: int = SOLO_MIN, as_bytes: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Layout:
+    """Lay ``tree`` out. Tensors of ``solo_min`` bytes or more are messages of their own (sent from
+    and received into tensor memory); smaller ones are packed. A transport whose messages are
+    cheap (the stream) passes 0: then nothing is copied at all. ``as_bytes`` replaces how a solo
+    tensor's bytes are viewed (a caller that lays out the same tensors every step remembers them)."""
+    to_bytes = as_byte_view if as_bytes is None else as_bytes
+    skeleton, tensors = encode(tree)
     metas: list[dict[str, Any]] = []
     messages: list[torch.Tensor] = []
     packs: list[list[tuple[int, torch.Tensor]]] = []  # per pack: (offset, tensor)
     pack_msgs: list[int] = []  # which messages are packs
     pack_end = _PACK_MAX  # forces a new pack for the first small tensor
     for path, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        meta: dict[str, Any] = {
-            "path": path,
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "shape": list(t.shape),
-            "nbytes": nbytes,
-        }
+        meta = tensor_meta(path, t)
+        nbytes = meta["nbytes"]
         if nbytes >= solo_min:
             meta.update(msg=len(messages), offset=0, solo=True)
             messages.append(to_bytes(t))

@@ -40,7 +40,6 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,17 +50,17 @@ import xxhash
 from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.errors import ConfigError, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.state.codec import Layout, as_byte_view, digest, layout, mismatch, receive_buffers, unpack
+from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers, unpack
 from checkpointless.state.snapshot import (
     Stateful,
     restore_from,
 )
+from checkpointless.state.staging import staged_layout
 
 __all__ = [
     "SnapshotInfo",
     "SnapshotWriter",
     "buddy_copy_dir",
-    "guarded_pointers",
     "list_snapshots",
     "load_snapshot",
     "newest_snapshot",
@@ -69,7 +68,6 @@ __all__ = [
     "restore_snapshot",
     "snapshot_dir",
     "snapshot_path",
-    "staged_layout",
     "write_snapshot",
 ]
 
@@ -149,96 +147,6 @@ def _private_dir(path: Path) -> None:
             raise ConfigError(
                 f"{d}: not a private directory owned by this user; remove it and restart the job"
             )
-
-
-_guarded_memo: tuple[tuple[int, ...], set[int]] | None = None
-
-
-def guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
-    """Addresses of the tensors that only ``optimizer.step()`` changes: the parameters and the
-    optimizer's state. Those may be copied after the step began; everything else is copied at once.
-
-    Remembered while the same tensor objects make up the optimizers (their ids, cheap to list):
-    asked as every step begins, and on a sharded rank each address is a DTensor's ``to_local()``,
-    ~1.3 ms a step for a GPT's 200 tensors."""
-    global _guarded_memo
-    key = tuple(
-        id(t)
-        for opt in optimizers
-        for t in [
-            *(p for g in opt.param_groups for p in g["params"]),
-            *(v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)),
-        ]
-    )
-    if _guarded_memo is not None and _guarded_memo[0] == key:
-        return _guarded_memo[1]
-    out = _guarded_pointers(optimizers)
-    _guarded_memo = (key, out)
-    return out
-
-
-def _guarded_pointers(optimizers: list[torch.optim.Optimizer]) -> set[int]:
-    out: set[int] = set()
-
-    def ptr(t: torch.Tensor) -> int:
-        # a DTensor (FSDP2) is copied through its local shard: that storage is what is guarded
-        local = getattr(t, "to_local", None)
-        return int(local().data_ptr()) if callable(local) else int(t.data_ptr())
-
-    for opt in optimizers:
-        for group in opt.param_groups:
-            out.update(ptr(p) for p in group["params"])
-        for st in opt.state.values():
-            out.update(ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
-    return out
-
-
-_views: tuple[set[int], dict[int, torch.Tensor]] | None = None
-
-
-def _byte_views(guarded: set[int]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``as_bytes`` for :func:`layout`, remembering the byte views of the guarded tensors (the
-    parameters' and the optimizer's, alive for the whole run) by address, for as long as the
-    guarded set is the same object (:func:`guarded_pointers` remembers it). Why by address: a
-    sharded rank's state dicts give new tensor objects for the same memory every step; and a
-    remembered view keeps its memory alive, so a live tensor at that address is that memory.
-    Saves ~1 ms of the training thread's step start (200 tensors, five tensor calls each)."""
-    global _views
-    if _views is None or _views[0] is not guarded:
-        _views = (guarded, {})
-    memo = _views[1]
-
-    def as_bytes(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.data_ptr()
-        nbytes = t.numel() * t.element_size()
-        v = memo.get(ptr)
-        if v is not None and v.numel() == nbytes and t.is_contiguous():
-            return v
-        v = as_byte_view(t)
-        if ptr in guarded and v.data_ptr() == ptr:  # a view of live memory, not a copy
-            memo[ptr] = v
-        return v
-
-    return as_bytes
-
-
-def staged_layout(state: Any, guarded: set[int]) -> Layout:
-    """``state`` laid out for a copy made while the step runs: every tensor is a message of its
-    own, a view of the live tensor when it is in ``guarded`` (the optimizer's tensors, which
-    nothing changes before the update waits for the copy), cloned now otherwise. One layout
-    serves both the snapshot and the buddy copy of a step.
-
-    Why no packing of small tensors here: a sharded rank's tensors are mostly small (a 128x128
-    weight split two ways is 32 KiB), so a pack would be nearly the whole state, copied into
-    fresh memory (a page fault per 4 KiB) on the training thread as every step begins; as views
-    they are copied once, on the copy's own thread, straight into the snapshot or the rank's
-    undo copy (state/buddy.py)."""
-    lay = layout(state, solo_min=0, as_bytes=_byte_views(guarded))
-    for meta in lay.manifest["tensors"]:
-        i = int(meta["msg"])
-        if meta["solo"] and lay.messages[i].data_ptr() not in guarded:
-            lay.messages[i] = lay.messages[i].clone()
-    return lay
 
 
 def _plan_file(lay: Layout) -> tuple[bytes, list[int], int]:
