@@ -99,6 +99,12 @@ def test_recurring_exception_stops_the_job_with_a_clear_error(tmp_path: Path) ->
     end = wait_for_event(run_dir, "job_end", 1)
     assert end["status"] == "failed"
     assert_nothing_left(run_dir, str(end["job"]))
+    # each process's stderr is kept in a file of its own: the failing rank's holds its traceback
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
+    assert set(logs) == {"worker-0.log", "worker-1.log"}, sorted(logs)
+    assert "ZeroDivisionError: a bug in the training step" in logs["worker-1.log"]
+    assert "Traceback" not in logs["worker-0.log"] and "[rank 0" in logs["worker-0.log"]
+    assert all(oct((run_dir / "logs" / n).stat().st_mode & 0o777) == "0o600" for n in logs)
 
 
 @pytest.mark.timeout(120)

@@ -29,7 +29,7 @@ from checkpointless.launcher.forkserver import (
     become_subreaper,
     reap_strays,
 )
-from checkpointless.launcher.output import OutputTail
+from checkpointless.launcher.output import OutputTail, worker_log
 from checkpointless.launcher.policy import Limits, ProcWatch
 from checkpointless.launcher.proctable import read_sample
 from checkpointless.protocol import SUCCESSION_ENV, Succession, succession_to_env
@@ -230,7 +230,8 @@ class Agent:
             if listener is not None:
                 listener.close()  # the process holds the only copy now
         self._record_pid(handle.pid)
-        self.procs[worker_id] = _Proc(worker_id, role, handle, OutputTail(os.fdopen(err_r, "rb")), port)
+        output = OutputTail(os.fdopen(err_r, "rb"), log=worker_log(self.cfg.run_dir, worker_id))
+        self.procs[worker_id] = _Proc(worker_id, role, handle, output, port)
         self._events.emit(
             "spawn", worker=worker_id, role=role, pid=handle.pid, forked=self.forkserver is not None
         )
