@@ -103,6 +103,13 @@ def main() -> None:
         metavar="R,S",
         help="shard with torch's FSDP2 over an R x S (replicate, shard) mesh: 1,S is FSDP, R,S HSDP",
     )
+    ap.add_argument(
+        "--param-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="with --fsdp: FSDP2 mixed precision, parameters gathered and computed in this dtype, "
+        "gradients reduced in float32 (the sharded parameters and optimizer stay float32)",
+    )
     args = ap.parse_args()
 
     # Everything that does not depend on the rank is built before init(): a hot spare builds it
@@ -123,14 +130,15 @@ def main() -> None:
 
     job = cl.init()  # a hot spare waits here until it is given a rank
     if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # the mesh's groups are the job's: they are re-formed, never rebuilt, after a fault
         shape = tuple(int(n) for n in args.fsdp.split(","))
         mesh = job.device_mesh(("replicate", "shard"), shape)
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, args.param_dtype), reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         # after fully_shard: the optimizer must hold the sharded parameters
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
