@@ -14,6 +14,13 @@ a machine with several GPUs. On one GPU this checks what can be checked:
    twice (is the GPU run deterministic at all?), then with an exception in the backward pass and
    one in the forward pass, each recovered in process. The final weights must be bitwise equal to
    the fault-free run's. Deterministic kernels are asked for (``benchmarks/gpu_det_job.py``).
+4. FSDP2 over our process groups on a mesh of one: CUDA tensors through each generation's NCCL
+   group, an abort and a re-formed generation in the middle of training, bitwise; then the example
+   with ``--fsdp 1,1`` under the launcher through an exception in the reduce-scatter, one in the
+   forward and one in the optimizer step (restored from the snapshot and replayed), bitwise.
+   What one GPU leaves untested: shards over several ranks, so no all-gather or reduce-scatter
+   that moves bytes between GPUs, no replica peer or buddy copy between GPUs, and no NCCL abort of
+   a collective that a dead peer left hanging.
 
     python3 benchmarks/gpu_check.py --out DIR      # writes DIR/gpu-check.json and .md
 
@@ -162,10 +169,15 @@ def check_cuda_state_transfer() -> dict[str, Any]:
     }
 
 
-def check_job(work: Path) -> dict[str, Any]:
+def check_job(
+    work: Path,
+    script_args: tuple[str, ...] = (),
+    launcher_args: tuple[str, ...] = (),
+    faults: tuple[str, ...] = ("raise:rank=0:step=7:site=backward", "raise:rank=0:step=15:site=forward"),
+) -> dict[str, Any]:
     """checkpointless run on the GPU with NCCL; final weights compared with a fault-free run."""
     script = REPO / "benchmarks" / "gpu_det_job.py"
-    args = ["--steps", "24", "--dim", "128", "--layers", "2", "--heads", "4", "--seq-len", "64"]
+    args = ["--steps", "24", "--dim", "128", "--layers", "2", "--heads", "4", "--seq-len", "64", *script_args]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     env.pop("CHECKPOINTLESS_BACKEND", None)  # CUDA present: NCCL is the default
 
@@ -173,7 +185,7 @@ def check_job(work: Path) -> dict[str, Any]:
         run_dir = work / name
         digest = work / f"{name}.digest"
         cmd = [sys.executable, "-m", "checkpointless", "run", "--nproc", "1", "--spares", "1"]
-        cmd += ["--run-dir", str(run_dir), "--hang-timeout", "20"]
+        cmd += ["--run-dir", str(run_dir), "--hang-timeout", "20", *launcher_args]
         for f in faults:
             cmd += ["--inject", f]
         cmd += [str(script), *args, "--digest-out", str(digest)]
@@ -199,15 +211,79 @@ def check_job(work: Path) -> dict[str, Any]:
         }
 
     out: dict[str, Any] = {"clean_1": run("clean1", []), "clean_2": run("clean2", [])}
-    out["faulted"] = run(
-        "faulted", ["raise:rank=0:step=7:site=backward", "raise:rank=0:step=15:site=forward"]
-    )
+    out["faulted"] = run("faulted", list(faults))
     ref = out["clean_1"]["digest"]
     out["deterministic"] = ref is not None and ref == out["clean_2"]["digest"]
     out["bitwise_after_faults"] = ref is not None and out["faulted"]["digest"] == ref
-    out["recovered"] = len(out["faulted"]["recoveries"]) == 2
+    out["recovered"] = len(out["faulted"]["recoveries"]) == len(faults)
     out["nccl"] = all(out[k]["backend"] == ["nccl"] for k in ("clean_1", "faulted"))
     out["ok"] = out["deterministic"] and out["bitwise_after_faults"] and out["recovered"] and out["nccl"]
+    return out
+
+
+def check_fsdp_groups() -> dict[str, Any]:
+    """FSDP2 over our process groups on the GPU (a mesh of one): CUDA tensors go to each
+    generation's NCCL group, an abort refuses the next collective, and a model trained across
+    an abort and a re-formed generation ends bitwise equal to one trained straight through."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from checkpointless.comm.mesh import make_device_mesh
+    from checkpointless.errors import CommAborted
+
+    torch.cuda.set_device(0)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    mesh = make_device_mesh(("shard",), (1,), 0, 1, dist.HashStore(), device_type="cuda")
+    store = dist.HashStore()
+    mesh.configure(0, store, time.monotonic() + 60)
+    pg = mesh.dim_groups[0]
+    out: dict[str, Any] = {
+        "device_group": type(pg._dev_pg).__name__,
+        "mesh_device": mesh.device_mesh.device_type,
+    }
+    x = torch.arange(4096.0, device="cuda")
+    o = torch.empty_like(x)
+    dist.all_gather_into_tensor(o, x, group=pg)
+    out["all_gather_ok"] = bool(torch.equal(o, x))
+    dist.reduce_scatter_tensor(o, x * 2, group=pg)
+    out["reduce_scatter_ok"] = bool(torch.equal(o, x * 2))
+
+    def train(abort_at: int | None) -> list[torch.Tensor]:
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh.device_mesh)
+        fully_shard(model, mesh=mesh.device_mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator(device="cuda").manual_seed(4)
+        for step in range(8):
+            if step == abort_at:
+                out["abort_pending"] = mesh.abort("gpu check")
+                try:
+                    dist.all_reduce(torch.ones(1, device="cuda"), group=pg)
+                    out["abort_refuses_next"] = False
+                except CommAborted:
+                    out["abort_refuses_next"] = True
+                mesh.configure(mesh.generation + 1, store, time.monotonic() + 60)
+            model(torch.randn(16, 256, device="cuda", generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out["params_on_gpu"] = all(p.is_cuda for p in model.parameters())
+        return [p.to_local().detach().cpu() for p in model.parameters()]  # type: ignore[operator]
+
+    straight, across = train(None), train(4)
+    out["bitwise_across_generations"] = all(torch.equal(a, b) for a, b in zip(straight, across, strict=True))
+    out["ok"] = (
+        out["device_group"] == "ProcessGroupNCCL"
+        and out["mesh_device"] == "cuda"
+        and out["all_gather_ok"]
+        and out["reduce_scatter_ok"]
+        and out.get("abort_refuses_next", False)
+        and out["params_on_gpu"]
+        and out["bitwise_across_generations"]
+    )
     return out
 
 
@@ -215,6 +291,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="where gpu-check.json/.md go")
     a = ap.parse_args()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: fixed GEMMs
     import torch
 
     if not torch.cuda.is_available():
@@ -235,7 +312,24 @@ def main() -> int:
         ("cuda_state_transfer", check_cuda_state_transfer),
     ]
     with tempfile.TemporaryDirectory(prefix="cl-gpu-check-") as tmp:
-        checks.append(("job_nccl", lambda: check_job(Path(tmp))))
+        checks.append(("job_nccl", lambda: check_job(Path(tmp) / "ddp")))
+        checks.append(("fsdp_groups_nccl", check_fsdp_groups))
+        # FSDP2 on a mesh of one under the launcher: an exception inside the reduce-scatter and
+        # one in the forward recovered in process; one in the optimizer (the only rank's state
+        # half-updated) restored from the shared-memory snapshot of step 15 and replayed
+        fsdp_faults = (
+            "raise:rank=0:step=7:site=backward",
+            "raise:rank=0:step=13:site=forward",
+            "raise:rank=0:step=19:site=optimizer",
+        )
+        checks.append(
+            (
+                "fsdp_job_nccl",
+                lambda: check_job(
+                    Path(tmp) / "fsdp", ("--fsdp", "1,1"), ("--snapshot-every", "5"), fsdp_faults
+                ),
+            )
+        )
         for name, fn in checks:
             t0 = time.monotonic()
             try:

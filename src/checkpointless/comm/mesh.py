@@ -95,6 +95,7 @@ def make_device_mesh(
     world_size: int,
     store: dist.Store,
     timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+    device_type: str = "cpu",
 ) -> ResilientMesh:
     """Build the mesh; its groups have no communicator until :meth:`ResilientMesh.configure`.
 
@@ -102,6 +103,7 @@ def make_device_mesh(
     communicators form from the store given to ``configure``. If the default group is not yet
     initialised it becomes a :class:`ResilientProcessGroup` of all ranks. Every rank must call
     this with the same arguments (but its own ``rank``), like ``init_device_mesh``.
+    ``device_type`` is where FSDP2 puts the shards: "cuda" for a job on GPUs (NCCL).
     """
     names, dims = tuple(mesh_dim_names), tuple(int(n) for n in shape)
     if len(names) != len(dims) or not 1 <= len(dims) <= 2 or len(set(names)) != len(names):
@@ -137,9 +139,9 @@ def make_device_mesh(
                 mine.append(pg)
     mesh_t = torch.arange(world_size, dtype=torch.int).view(*dims)
     if len(dims) == 1:
-        dm = DeviceMesh.from_group(mine[0], "cpu", mesh_dim_names=names)
+        dm = DeviceMesh.from_group(mine[0], device_type, mesh_dim_names=names)
     else:
-        dm = DeviceMesh.from_group(mine, "cpu", mesh=mesh_t, mesh_dim_names=names)
+        dm = DeviceMesh.from_group(mine, device_type, mesh=mesh_t, mesh_dim_names=names)
     return ResilientMesh(device_mesh=dm, world=world, dim_groups=mine)
 
 

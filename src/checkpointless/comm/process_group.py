@@ -15,6 +15,13 @@ communicator), so :meth:`ResilientProcessGroup.abort` from another thread wakes 
 :meth:`~ResilientProcessGroup.configure` every collective is refused. Aborted gloo groups are
 parked, never destroyed under a waiting thread.
 
+On a CUDA host (the job's backend NCCL) each generation also forms an NCCL group, and a
+collective on CUDA tensors goes there (FSDP2's all-gathers and reduce-scatters of a model on the
+GPU), completed through its future and ordered on the waiting thread's stream as the
+data-parallel communicator does; CPU tensors (a metric, the job's own checks) still go to gloo.
+An abort aborts the NCCL group's kernels. Not yet run on a GPU: the FSDP2 check in
+``benchmarks/gpu_check.py`` is what to run where one is lent.
+
 The groups are made through c10d's backend-plugin path (``init_process_group`` and
 ``new_group`` with :data:`BACKEND_NAME`), so torch does its own bookkeeping: the group name,
 the registry that ``DeviceMesh.get_group`` and functional collectives resolve names in, and
@@ -36,7 +43,7 @@ import torch.distributed as dist
 # torch does not re-export this one from torch.distributed (the others it does)
 from torch._C._distributed_c10d import AllgatherOptions
 
-from checkpointless.comm.communicator import Handle, _new_group
+from checkpointless.comm.communicator import Handle, _new_group, default_backend
 from checkpointless.errors import CommAborted, RendezvousError
 
 __all__ = ["BACKEND_NAME", "AbortableWork", "ResilientProcessGroup", "register_backend", "waiting_since"]
@@ -115,6 +122,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         global_ranks: Sequence[int],
         timeout: datetime.timedelta,
         key: str | None = None,
+        device_backend: str | None = None,
     ):
         super().__init__(rank, size)
         if not 0 <= rank < size or len(global_ranks) != size:
@@ -128,11 +136,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
         # the default group needs a key of its own: a 1-D mesh's group has the same members
         self.key = key or "r" + ".".join(str(r) for r in self.global_ranks)
         self.timeout = timeout
+        # "nccl": each generation also forms a group for CUDA tensors (None: gloo carries all)
+        self.device_backend = device_backend
         self.generation = -1
         # re-entrant: a collective that fails at once completes its Handle inside _issue, and
         # the completion callback takes this lock again to forget the handle
         self._lock = threading.RLock()
         self._pg: Any = None
+        self._dev_pg: Any = None  # this generation's group for CUDA tensors (device_backend)
         self._pending: set[Handle] = set()
         self._aborted: str | None = "not configured yet"
         self._graveyard: list[Any] = []
@@ -150,6 +161,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return self._group_size
 
     def getBackendName(self) -> str:
+        # "gloo" on a CUDA host too: FSDP2 then reduces with SUM and divides itself, which both
+        # backends do (gloo has no AVG), so a rank's reductions are the same whichever carries them
         return "gloo"
 
     # c10d keeps a group's name in its backends, and this group has none of c10d's kind: the
@@ -192,10 +205,17 @@ class ResilientProcessGroup(dist.ProcessGroup):
         result: dict[str, Any] = {}
         sub = dist.PrefixStore(f"{self.key}/", store)
 
+        dev_sub = dist.PrefixStore(f"{self.device_backend}/", sub) if self.device_backend else None
+
         def build() -> None:
             try:
                 left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
                 result["pg"] = _new_group(backend, sub, self._group_rank, self._group_size, left)
+                if self.device_backend and dev_sub is not None:
+                    left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+                    result["dev"] = _new_group(
+                        self.device_backend, dev_sub, self._group_rank, self._group_size, left
+                    )
             except Exception as e:
                 result["error"] = e
 
@@ -212,11 +232,13 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if "error" in result:
             raise RendezvousError(f"group {self.key} generation {generation} failed: {result['error']}")
         with self._lock:
-            if self._pg is not None:
-                self._graveyard.append(self._pg)
+            for old in (self._pg, self._dev_pg):
+                if old is not None:
+                    self._graveyard.append(old)
             self._pg = result["pg"]
+            self._dev_pg = result.get("dev")
             # a Python store must outlive its process group: torch keeps only the C++ half
-            self._graveyard.append(sub)
+            self._graveyard.extend(x for x in (sub, dev_sub) if x is not None)
             self.generation = generation
             self._aborted = None
 
@@ -229,6 +251,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
             if self._pg is not None:
                 self._graveyard.append(self._pg)  # parked: destroying it could block on gloo
                 self._pg = None
+            if self._dev_pg is not None:
+                self._dev_pg.abort()  # NCCL can abort its kernels (a hung one holds the stream)
+                self._graveyard.append(self._dev_pg)
+                self._dev_pg = None
         for h in pending:
             h.abort(f"group {self.key} generation {self.generation} aborted: {reason}")
         return len(pending)
@@ -245,12 +271,16 @@ class ResilientProcessGroup(dist.ProcessGroup):
             threading.Thread(target=parked.clear, daemon=True, name="cl-rpg-reaper").start()
 
     # -- collectives ----------------------------------------------------------------------------
-    def _issue(self, fn: Callable[[Any], Any], result: Any) -> AbortableWork:
+    def _issue(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> AbortableWork:
+        """Issue ``fn(group)`` on this generation's group for the device of ``on`` (a tensor, or
+        a list of them): the device group for CUDA tensors when there is one, else gloo."""
         with self._lock:
             if self._aborted is not None or self._pg is None:
                 raise CommAborted(f"group {self.key} generation {self.generation} aborted: {self._aborted}")
-            work = fn(self._pg)
-            h = Handle(work, result, self._forget, poll=True)
+            dev = self._dev_pg is not None and _on_cuda(on)
+            work = fn(self._dev_pg if dev else self._pg)
+            # gloo is polled by the waiting thread; NCCL completes through its future
+            h = Handle(work, result, self._forget, poll=not dev)
             if not h.done():
                 self._pending.add(h)
         return AbortableWork(h, result)
@@ -271,11 +301,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         self._before("allreduce")
-        return self._issue(lambda pg: pg.allreduce(tensors, opts), tensors)
+        return self._issue(lambda pg: pg.allreduce(tensors, opts), tensors, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AbortableWork:  # type: ignore[override]
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
-        return self._issue(lambda pg: pg.allreduce_coalesced(tensors, opts), tensors)
+        return self._issue(lambda pg: pg.allreduce_coalesced(tensors, opts), tensors, tensors)
 
     def broadcast(self, tensors: Any, opts: Any = None) -> AbortableWork:  # type: ignore[override]
         if isinstance(tensors, torch.Tensor):
@@ -284,7 +314,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             root, opts = opts, dist.BroadcastOptions()
             opts.rootRank = root
         opts = dist.BroadcastOptions() if opts is None else opts
-        return self._issue(lambda pg: pg.broadcast(tensors, opts), tensors)
+        return self._issue(lambda pg: pg.broadcast(tensors, opts), tensors, tensors)
 
     def barrier(self, opts: Any = None) -> AbortableWork:  # type: ignore[override]
         # An all-reduce of one element: gloo's barrier has no bounded wait of its own.
@@ -296,13 +326,15 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> AbortableWork:
         opts = AllgatherOptions() if opts is None else opts
-        return self._issue(lambda pg: pg.allgather(output_tensors, input_tensors, opts), output_tensors)
+        return self._issue(
+            lambda pg: pg.allgather(output_tensors, input_tensors, opts), output_tensors, input_tensors
+        )
 
     def all_gather_single(  # type: ignore[override]
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AbortableWork:
         opts = AllgatherOptions() if opts is None else opts
-        return self._issue(lambda pg: pg._allgather_base(output, input, opts), output)
+        return self._issue(lambda pg: pg._allgather_base(output, input, opts), output, input)
 
     _allgather_base = all_gather_single  # type: ignore[assignment]
 
@@ -317,7 +349,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     ) -> AbortableWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         self._before("reduce_scatter")
-        return self._issue(lambda pg: pg._reduce_scatter_base(output, input, opts), output)
+        return self._issue(lambda pg: pg._reduce_scatter_base(output, input, opts), output, input)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
@@ -326,7 +358,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     ) -> AbortableWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         self._before("reduce_scatter")
-        return self._issue(lambda pg: pg.reduce_scatter(outputs, inputs, opts), outputs)
+        return self._issue(lambda pg: pg.reduce_scatter(outputs, inputs, opts), outputs, outputs)
 
     def reduce_scatter_tensor_coalesced(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -341,10 +373,17 @@ class ResilientProcessGroup(dist.ProcessGroup):
         # Issued one after another on the same group (gloo matches them in issue order); the
         # returned work waits on each, so an error in any of them is not lost.
         works = [
-            self._issue(functools.partial(_call, method, o, i, opts), None)
+            self._issue(functools.partial(_call, method, o, i, opts), None, i)
             for o, i in zip(outputs, inputs, strict=True)
         ]
         return _ChainWork(works, outputs)
+
+
+def _on_cuda(x: Any) -> bool:
+    """Whether ``x`` (a tensor, or a list of tensors or of lists of them) lives on a GPU."""
+    while isinstance(x, list | tuple) and x:
+        x = x[0]
+    return isinstance(x, torch.Tensor) and x.is_cuda
 
 
 def _call(method: str, output: torch.Tensor, input: torch.Tensor, opts: Any, pg: Any) -> Any:
@@ -376,13 +415,24 @@ def register_backend() -> None:
         return
 
     def create(opts: Any, _backend_options: Any) -> ResilientProcessGroup:
+        # the job's backend is NCCL exactly when CUDA is here and not overridden: then CUDA
+        # tensors get a group of their own each generation (the job's device is the GPU)
+        dev = "nccl" if default_backend() == "nccl" else None
         # the default group is created with no member list: it is every rank
         members = list(opts.global_ranks_in_group)
         if not members:
             return ResilientProcessGroup(
-                opts.group_rank, opts.group_size, range(opts.group_size), opts.timeout, key="world"
+                opts.group_rank,
+                opts.group_size,
+                range(opts.group_size),
+                opts.timeout,
+                key="world",
+                device_backend=dev,
             )
-        return ResilientProcessGroup(opts.group_rank, opts.group_size, members, opts.timeout)
+        return ResilientProcessGroup(
+            opts.group_rank, opts.group_size, members, opts.timeout, device_backend=dev
+        )
 
-    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=devices)
     _registered = True

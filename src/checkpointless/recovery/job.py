@@ -284,7 +284,9 @@ class Job:
         if err is not None:
             raise err
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
-        self._mesh = ShardedRun(names, shape, self.rank, self.world_size, timeout, self._on_collective)
+        self._mesh = ShardedRun(
+            names, shape, self.rank, self.world_size, timeout, self._on_collective, self.device.type
+        )
         if self._default is not None:  # the mesh's world group is this one: the mesh drives it now
             self._default.handed_to_mesh()
         self._objects[SHARD_STATE_NAME] = self._mesh.identity()

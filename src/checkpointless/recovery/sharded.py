@@ -69,11 +69,14 @@ class ShardedRun:
         world_size: int,
         timeout: datetime.timedelta,
         on_collective: Callable[[str], None] | None = None,
+        device_type: str = "cpu",
     ) -> None:
         dims = tuple(int(n) for n in shape)
         # c10d's bookkeeping needs a store object but sends nothing over it (comm/mesh.py); each
         # generation's communicators form from the store given to configure()
-        self.mesh: ResilientMesh = make_device_mesh(names, dims, rank, world_size, dist.HashStore(), timeout)
+        self.mesh: ResilientMesh = make_device_mesh(
+            names, dims, rank, world_size, dist.HashStore(), timeout, device_type
+        )
         self.replicate, self.shards = (1, dims[0]) if len(dims) == 1 else (dims[0], dims[1])
         self.rank = rank
         for pg in self.mesh.groups:

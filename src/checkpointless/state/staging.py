@@ -152,8 +152,10 @@ def staged_layout(state: Any, guarded: set[int]) -> Layout:
             meta.update(msg=i, offset=0, solo=True)
         if view is None:
             view = as_bytes(t)
-            if view.data_ptr() not in guarded:
-                view = view.clone()  # nothing waits for the copy before changing it: copy now
+            if view.data_ptr() not in guarded and t.device.type == "cpu":
+                # nothing waits for the copy before changing it: copy now (a device tensor's
+                # bytes were just copied to host memory, which nothing else holds)
+                view = view.clone()
         now.tensors.append(t)
         now.keys.append(key)
         now.metas.append(meta)
