@@ -39,6 +39,7 @@ def _reference(tmp_path: Path, corpus: Path) -> JobResult:
 
 
 @pytest.mark.netns
+@pytest.mark.soak  # `make soak`: the same fallback on one host is in tests/test_buddy_e2e.py
 @pytest.mark.timeout(300)
 def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documented_error(
     netns_hosts: Any, tmp_path: Path, corpus: Path

@@ -109,7 +109,9 @@ def test_partitioned_host_is_fenced_and_rejoins_as_a_spare(
 
 @pytest.mark.netns
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("direction", ["in", "out"])
+# inbound under `make soak` (the outbound case, in `make test`, fences the same way; kept under
+# the ~20 min aim)
+@pytest.mark.parametrize("direction", [pytest.param("in", marks=pytest.mark.soak), "out"])
 def test_a_one_way_partition_is_fenced_too(
     netns_hosts: Any, tmp_path: Path, corpus: Path, direction: str
 ) -> None:

@@ -25,6 +25,7 @@ def _bench(name: str) -> ModuleType:
     return mod
 
 
+@pytest.mark.soak  # `make soak`: the benchmark script itself, 20 s; the recovery one stays in `make test`
 @pytest.mark.timeout(150)
 def test_steady_state_compares_plain_fsdp_with_checkpointless(tmp_path: Path) -> None:
     out = tmp_path / "ov.json"

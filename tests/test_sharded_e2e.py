@@ -158,7 +158,8 @@ UNEVEN_BF16 = [*TINY, "--dim", "33", "--heads", "3", "--param-dtype", "bfloat16"
     "mesh,fault,extra",
     [
         ("2,2", "kill:rank=1:step=4", []),  # from the replica peer (rank 3)
-        ("1,4", "kill:rank=2:step=4", ["--buddy-copies", "on"]),  # from its buddy copy
+        # from its buddy copy (`make soak`: the same staging as the buddy e2e tests, 20 s)
+        pytest.param("1,4", "kill:rank=2:step=4", ["--buddy-copies", "on"], marks=pytest.mark.soak),
     ],
     ids=["hsdp-replica", "fsdp-buddy"],
 )
