@@ -110,6 +110,12 @@ def main() -> None:
         help="with --fsdp: FSDP2 mixed precision, parameters gathered and computed in this dtype, "
         "gradients reduced in float32 (the sharded parameters and optimizer stay float32)",
     )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each transformer block with torch.compile (inductor) before sharding or data "
+        "parallel, as torchtitan does; a replacement compiles again (from inductor's cache) on its first step",
+    )
     args = ap.parse_args()
 
     # Everything that does not depend on the rank is built before init(): a hot spare builds it
@@ -124,6 +130,11 @@ def main() -> None:
         if not args.fsdp:  # a spare on a spare host fills its own cache for the ranks it may take
             prefetch_as_spare(ds, seq_len=args.seq_len, global_batch=args.global_batch, seed=args.seed)
     model = GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
+    if args.compile:
+        # in place (Module.compile), so parameter names and the tracked state keep their keys;
+        # compilation itself happens on the first forward
+        for block in model.blocks:
+            block.compile()
     if not args.fsdp:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))

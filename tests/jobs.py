@@ -126,6 +126,7 @@ def start_job(
     script_args: list[str] | None = None,
     script: Path = EXAMPLE,
     hang_timeout: float = 8,
+    env: dict[str, str] | None = None,
 ) -> RunningJob:
     """Launch the example under the launcher without waiting for it."""
     # one file per rank: "{rank}" is filled in by the example
@@ -154,7 +155,14 @@ def start_job(
     log = run_dir.parent / (run_dir.name + ".out")
     # a file, not a pipe: a caller that is busy injecting faults must not stall the job's output
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
+        )
     return RunningJob(proc, run_dir, log, time.monotonic())
 
 
@@ -168,9 +176,10 @@ def run_job(
     script_args: list[str] | None = None,
     timeout: float = 150,
     script: Path = EXAMPLE,
+    env: dict[str, str] | None = None,
 ) -> JobResult:
-    """Run the example under the launcher to the end."""
-    job = start_job(run_dir, data, nproc, spares, faults, extra, script_args, script)
+    """Run the example under the launcher to the end (``env``: added to this process's)."""
+    job = start_job(run_dir, data, nproc, spares, faults, extra, script_args, script, env=env)
     return job.finish(timeout)
 
 

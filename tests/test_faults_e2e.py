@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from jobs import JobResult, alive, run_job
+from jobs import TINY, JobResult, alive, run_job
 
 
 def check_recovered(res: JobResult, ref: JobResult, recoveries: int = 1) -> None:
@@ -111,3 +111,23 @@ def test_central_store_rendezvous_moves_state_over_gloo(tmp_path: Path, corpus: 
     check_recovered(res, ref)
     rec = res.of("recovery")[-1]
     assert rec["transport"] == "gloo" and rec["state_bytes"] > 0, rec
+
+
+@pytest.mark.soak  # 45 s; the sharded case (tests/test_sharded_e2e.py) stays in `make test`
+@pytest.mark.timeout(300)
+def test_compiled_model_is_recovered_bitwise(tmp_path: Path, corpus: Path) -> None:
+    # Every block compiled by inductor, under the data-parallel communicator: the healthy rank
+    # aborts out of an all-reduce fed by a compiled backward's gradients and re-runs the step
+    # through the same kernels; the killed rank's replacement compiles again (from inductor's
+    # cache, kept under the test's folder) on its first step.
+    args = [*TINY, "--compile"]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    ref = run_job(tmp_path / "ref", corpus, nproc=2, spares=0, script_args=args, timeout=200, env=env)
+    assert ref.rc == 0 and sorted(ref.digests) == [0, 1], ref.output[-4000:]
+    assert any((tmp_path / "inductor").rglob("*.py")), "inductor compiled nothing: the blocks ran eagerly"
+    faults = ["raise:rank=0:step=3:site=allreduce", "kill:rank=1:step=6"]
+    res = run_job(
+        tmp_path / "run", corpus, nproc=2, spares=1, faults=faults, script_args=args, timeout=200, env=env
+    )
+    check_recovered(res, ref, recoveries=2)
+    assert len(res.of("fault_injected")) == 2 and res.of("spare_assigned"), res.output[-4000:]

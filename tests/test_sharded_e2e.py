@@ -1,11 +1,12 @@
 """Sharded jobs (torch's FSDP2 over job.device_mesh) through real faults, bitwise on every shard.
 
-Each test runs examples/train_gpt.py --fsdp R,S under the launcher (4 ranks, gloo, CPU), injects
-a real fault and checks that every rank's final *shards* (not rank 0's alone) are bit for bit
-those of the fault-free run, that every (rank, step) trained on the fault-free run's batch, and
-that a receiver took its state from a holder of its own shard in the other replica group. FSDP
-1x4 without buddy copies (--buddy-copies off) has nothing to recover from: it must end with the
-documented error, never a wrong result (with buddy copies: tests/test_buddy_e2e.py).
+Each test runs examples/train_gpt.py --fsdp R,S under the launcher (4 ranks, gloo, CPU; one with
+--compile, inductor), injects a real fault and checks that every rank's final *shards* (not rank
+0's alone) are bit for bit those of the fault-free run, that every (rank, step) trained on the
+fault-free run's batch, and that a receiver took its state from a holder of its own shard in the
+other replica group. FSDP 1x4 without buddy copies (--buddy-copies off) has nothing to recover
+from: it must end with the documented error, never a wrong result (with buddy copies:
+tests/test_buddy_e2e.py).
 """
 
 from __future__ import annotations
@@ -182,3 +183,25 @@ def test_uneven_shards_in_mixed_precision_are_recovered_bitwise(
         assert any([1, 3] in p.get("sources", []) for p in plans), plans  # same shard, other replica
     else:
         assert any(2 in p.get("from_copy", []) and [2, 3] in p["sources"] for p in plans), plans
+
+
+@pytest.mark.timeout(300)
+def test_compiled_blocks_are_recovered_bitwise(tmp_path: Path, corpus: Path) -> None:
+    # torchtitan's recipe: every block compiled by inductor, then fully_shard. A killed rank's
+    # replacement compiles again on its first step (from inductor's cache: the same kernels), and
+    # the healthy ranks abort out of a reduce-scatter issued between compiled backward graphs.
+    args = [*HSDP, "--compile"]
+    # the cache under the test's folder: nothing left in /tmp, and the faulted run reuses the
+    # reference's kernels as a replacement on a real host reuses the job's
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    ref = run_job(tmp_path / "ref", corpus, nproc=4, spares=0, script_args=args, timeout=200, env=env)
+    assert ref.rc == 0, ref.output[-4000:]
+    assert sorted(ref.digests) == [0, 1, 2, 3] and len(set(ref.digests.values())) == 2, ref.digests
+    assert any((tmp_path / "inductor").rglob("*.py")), "inductor compiled nothing: the blocks ran eagerly"
+    faults = ["kill:rank=1:step=3", "raise:rank=2:step=6:site=backward"]
+    res = run_job(
+        tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script_args=args, timeout=200, env=env
+    )
+    check_shards(res, ref)
+    assert len(res.of("fault_injected")) == 2 and res.of("spare_assigned"), res.output[-4000:]
+    assert any([1, 3] in p.get("sources", []) for p in res.of("plan")), res.of("plan")

@@ -7,8 +7,9 @@ communicator; rebuilding them would mean re-running ``fully_shard`` and rebuildi
 
 :class:`ResilientProcessGroup` is a ``torch.distributed.ProcessGroup`` subclass that c10d's
 Python front end (``dist.all_reduce``, ``dist.all_gather_single``, ``dist.reduce_scatter_single``,
-...) and FSDP2 call like any other group. Each collective is forwarded to the current
-generation's gloo group and returned as an :class:`AbortableWork`, whose ``wait()`` polls in
+...), FSDP2, DTensor, functional collectives and DCP call like any other group: every c10d
+collective, send and receive is here. Each is forwarded to the current generation's gloo group
+and returned as an :class:`~checkpointless.comm.work.AbortableWork`, whose ``wait()`` polls in
 10 ms slices (the same :class:`~checkpointless.comm.communicator.Handle` as the data-parallel
 communicator), so :meth:`ResilientProcessGroup.abort` from another thread wakes a waiter with
 :class:`~checkpointless.errors.CommAborted` at once. Between an abort and the next
@@ -44,66 +45,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from checkpointless.comm.communicator import Handle, _new_group, default_backend
+from checkpointless.comm.work import AbortableWork, ChainWork
 from checkpointless.errors import CommAborted, RendezvousError
 
-__all__ = ["BACKEND_NAME", "AbortableWork", "ResilientProcessGroup", "register_backend", "waiting_since"]
+__all__ = ["BACKEND_NAME", "ResilientProcessGroup", "register_backend"]
 
 BACKEND_NAME = "checkpointless"
-
-# When this process began waiting on one of these groups' collectives (None: not waiting). Read
-# by the worker's heartbeat so the launcher's hang triage sees a rank blocked in an FSDP
-# collective as a victim, not a culprit. Per process, not per group: the main thread waits on
-# one collective at a time.
-_waiting_since: float | None = None
-
-
-def waiting_since() -> float | None:
-    """``time.monotonic()`` when this process began waiting in a group collective, or None."""
-    return _waiting_since
-
-
-class AbortableWork(dist.Work):
-    """A collective's completion as c10d code expects it (a ``dist.Work``), abortable.
-
-    ``wait()`` raises :class:`CommAborted` when the group is aborted while it waits; FSDP2
-    calls it from its copy-out after an all-gather and from ``dist.*`` with ``async_op=False``.
-    """
-
-    def __init__(self, handle: Handle, result: Any) -> None:
-        super().__init__()
-        self._handle = handle
-        self._result = result
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]
-        global _waiting_since
-        secs = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
-        _waiting_since = time.monotonic()
-        try:
-            self._handle.wait(secs)
-        finally:
-            _waiting_since = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._handle.done()
-
-    def is_success(self) -> bool:
-        return self._handle.done() and self._handle._error is None
-
-    def result(self) -> Any:
-        return self._result
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        # Completed eagerly by waiting here: the only callers on a CPU path are functional
-        # collectives, which wait straight away anyway.
-        fut: torch.futures.Future[Any] = torch.futures.Future()
-        try:
-            self.wait()
-        except CommAborted as e:
-            fut.set_exception(e)
-        else:
-            fut.set_result(self._result)
-        return fut
 
 
 class ResilientProcessGroup(dist.ProcessGroup):
@@ -367,6 +314,82 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._before("reduce_scatter")
         return self._chain("_reduce_scatter_base", outputs, inputs, opts)
 
+    # The rest of c10d's collectives, for code beside FSDP2 on the same groups: DTensor
+    # (``distribute_tensor`` scatters or broadcasts, ``redistribute`` all-to-alls), DCP's
+    # ``save``/``load`` (gather and scatter of objects on the default group), pipeline stages
+    # (send/recv). Each is one gloo call (or NCCL's for CUDA tensors) under the same abortable wait.
+    def reduce(self, tensors: Any, opts: Any = None) -> AbortableWork:  # type: ignore[override]
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        opts = dist.ReduceOptions() if opts is None else opts
+        return self._issue(lambda pg: pg.reduce(tensors, opts), tensors, tensors)
+
+    def gather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> AbortableWork:
+        opts = dist.GatherOptions() if opts is None else opts
+        return self._issue(
+            lambda pg: pg.gather(output_tensors, input_tensors, opts), output_tensors, input_tensors
+        )
+
+    def scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> AbortableWork:
+        opts = dist.ScatterOptions() if opts is None else opts
+        return self._issue(
+            lambda pg: pg.scatter(output_tensors, input_tensors, opts), output_tensors, output_tensors
+        )
+
+    def allgather_coalesced(  # type: ignore[override]
+        self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None
+    ) -> AbortableWork:
+        opts = AllgatherOptions() if opts is None else opts
+        return self._issue(
+            lambda pg: pg.allgather_coalesced(output_lists, input_list, opts), output_lists, input_list
+        )
+
+    def alltoall(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> AbortableWork:
+        opts = dist.AllToAllOptions() if opts is None else opts
+        return self._issue(lambda pg: pg.alltoall(outputs, inputs, opts), outputs, inputs)
+
+    def alltoall_base(  # type: ignore[override]
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> AbortableWork:
+        opts = dist.AllToAllOptions() if opts is None else opts
+        return self._issue(
+            lambda pg: pg.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts),
+            output,
+            input,
+        )
+
+    # c10d's newer name, which C++ callers (functional collectives) look up first
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> AbortableWork:  # type: ignore[override]
+        return self._issue(lambda pg: pg.send(tensors, dst, tag), tensors, tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> AbortableWork:  # type: ignore[override]
+        return self._issue(lambda pg: pg.recv(tensors, src, tag), tensors, tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> AbortableWork:  # type: ignore[override]
+        works: list[Any] = []
+
+        def issue(pg: Any) -> Any:
+            works.append(pg.recv_anysource(tensors, tag))
+            return works[0]
+
+        out = self._issue(issue, tensors, tensors)
+        # ``dist.recv(src=None)`` asks the work who sent; gloo's work knows, after the wait
+        out._source = works[0]
+        return out
+
     def _chain(
         self, method: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> AbortableWork:
@@ -376,7 +399,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             self._issue(functools.partial(_call, method, o, i, opts), None, i)
             for o, i in zip(outputs, inputs, strict=True)
         ]
-        return _ChainWork(works, outputs)
+        return ChainWork(works, outputs)
 
 
 def _on_cuda(x: Any) -> bool:
@@ -388,20 +411,6 @@ def _on_cuda(x: Any) -> bool:
 
 def _call(method: str, output: torch.Tensor, input: torch.Tensor, opts: Any, pg: Any) -> Any:
     return getattr(pg, method)(output, input, opts)
-
-
-class _ChainWork(AbortableWork):
-    def __init__(self, works: list[AbortableWork], result: Any) -> None:
-        super().__init__(works[-1]._handle, result)
-        self._works = works
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]
-        for w in self._works:
-            w.wait(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
 
 
 _registered = False

@@ -35,7 +35,7 @@ from torch import nn
 
 from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.data_parallel import DataParallel
-from checkpointless.comm.process_group import waiting_since
+from checkpointless.comm.work import waiting_since
 from checkpointless.config import WorkerEnv
 from checkpointless.errors import CheckpointlessError, CommAborted, ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging

@@ -1,0 +1,98 @@
+"""A collective's completion as c10d code expects it (a ``dist.Work``), abortable.
+
+What :class:`~checkpointless.comm.process_group.ResilientProcessGroup` returns for every
+collective: ``wait()`` polls the group's :class:`~checkpointless.comm.communicator.Handle`, so an
+abort from another thread wakes the waiter with :class:`~checkpointless.errors.CommAborted`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpointless.comm.communicator import Handle
+from checkpointless.errors import CommAborted
+
+__all__ = ["AbortableWork", "ChainWork", "waiting_since"]
+
+# When this process began waiting on one of these groups' collectives (None: not waiting). Read
+# by the worker's heartbeat so the launcher's hang triage sees a rank blocked in an FSDP
+# collective as a victim, not a culprit. Per process, not per group: the main thread waits on
+# one collective at a time.
+_waiting_since: float | None = None
+
+
+def waiting_since() -> float | None:
+    """``time.monotonic()`` when this process began waiting in a group collective, or None."""
+    return _waiting_since
+
+
+class AbortableWork(dist.Work):
+    """A collective's completion as c10d code expects it (a ``dist.Work``), abortable.
+
+    ``wait()`` raises :class:`CommAborted` when the group is aborted while it waits; FSDP2
+    calls it from its copy-out after an all-gather and from ``dist.*`` with ``async_op=False``.
+    """
+
+    def __init__(self, handle: Handle, result: Any) -> None:
+        super().__init__()
+        self._handle = handle
+        self._result = result
+        self._source: Any = None  # the gloo work of a receive from any source
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]
+        global _waiting_since
+        secs = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
+        _waiting_since = time.monotonic()
+        try:
+            self._handle.wait(secs)
+        finally:
+            _waiting_since = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._handle.done()
+
+    def is_success(self) -> bool:
+        return self._handle.done() and self._handle._error is None
+
+    def result(self) -> Any:
+        return self._result
+
+    def _source_rank(self) -> int:
+        if self._source is None:
+            raise RuntimeError("only a receive from any source has a source rank")
+        return int(self._source._source_rank())
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        # Completed eagerly by waiting here: the only callers on a CPU path are functional
+        # collectives, which wait straight away anyway.
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        try:
+            self.wait()
+        except CommAborted as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(self._result)
+        return fut
+
+
+class ChainWork(AbortableWork):
+    """Several works issued one after another on one group, waited on in order (an error in
+    any of them is not lost)."""
+
+    def __init__(self, works: list[AbortableWork], result: Any) -> None:
+        super().__init__(works[-1]._handle, result)
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
