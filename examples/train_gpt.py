@@ -111,6 +111,14 @@ def main() -> None:
         "gradients reduced in float32 (the sharded parameters and optimizer stay float32)",
     )
     ap.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="K",
+        help="split each rank's batch into K micro-batches whose gradients add up before one "
+        "reduction (FSDP2's set_requires_gradient_sync, data parallel's no_sync)",
+    )
+    ap.add_argument(
         "--compile",
         action="store_true",
         help="compile each transformer block with torch.compile (inductor) before sharding or data "
@@ -156,6 +164,10 @@ def main() -> None:
     if args.global_batch % job.world_size:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {job.world_size} ranks")
     local_batch = args.global_batch // job.world_size
+    if args.grad_accum < 1 or local_batch % args.grad_accum:
+        raise SystemExit(
+            f"--grad-accum {args.grad_accum} does not divide the {local_batch} sequences per rank"
+        )
     loader = None
     if args.data:
         from checkpointless.data import BatchLoader, ShmBatchCache
@@ -184,10 +196,18 @@ def main() -> None:
                 x, y = tokens[:, :-1], tokens[:, 1:]
             job.record(batch=hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16])
             x, y = x.to(job.device), y.to(job.device)
-            logits = dp(x)
-            loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = torch.zeros((), device=job.device)  # the step's loss: the micro-batches' sum
+            for xs, ys, last in micro_batches(x, y, args.grad_accum):
+                if args.grad_accum > 1:  # only the last micro-batch's backward reduces (all K's sum)
+                    if args.fsdp:
+                        model.set_requires_gradient_sync(last)
+                    else:
+                        dp.require_backward_grad_sync = last
+                logits = dp(xs)
+                part = F.cross_entropy(logits.reshape(-1, vocab), ys.reshape(-1)) / args.grad_accum
+                part.backward()
+                loss += part.detach()
             opt.step()
             sched.step()
             job.record(loss=round(loss.item(), 6))
@@ -204,6 +224,12 @@ def main() -> None:
         print(f"final weights sha256 {digest}", flush=True)
     if args.digest_out and ("{rank}" in args.digest_out or job.rank == 0):
         write_digest(Path(args.digest_out.replace("{rank}", str(job.rank))), digest)
+
+
+def micro_batches(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """``k`` equal slices of a batch, each with whether it is the last."""
+    xs, ys = x.chunk(k), y.chunk(k)
+    return [(a, b, i == k - 1) for i, (a, b) in enumerate(zip(xs, ys, strict=True))]
 
 
 def write_digest(path: Path, digest: str) -> None:

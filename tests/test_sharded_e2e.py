@@ -205,3 +205,20 @@ def test_compiled_blocks_are_recovered_bitwise(tmp_path: Path, corpus: Path) -> 
     check_shards(res, ref)
     assert len(res.of("fault_injected")) == 2 and res.of("spare_assigned"), res.output[-4000:]
     assert any([1, 3] in p.get("sources", []) for p in res.of("plan")), res.of("plan")
+
+
+@pytest.mark.timeout(240)
+def test_gradient_accumulation_is_recovered_bitwise(tmp_path: Path, corpus: Path) -> None:
+    # Three micro-batches per step, gradients reduced only after the last
+    # (set_requires_gradient_sync), in bf16 mixed precision: FSDP2 keeps the first two's sum as
+    # unsharded fp32 gradients (unsharded_accumulated_grad; in full precision, the unsharded
+    # parameters' .grad). A kill lands while a peer holds such a sum (rank 3 meets the dead rank 1
+    # only in the last micro-batch's all-reduce), an exception inside the last micro-batch's
+    # reduce-scatter with its own; the replay must start the step's sum from nothing everywhere.
+    args = [*HSDP, "--global-batch", "24", "--grad-accum", "3", "--param-dtype", "bfloat16"]
+    ref = run_job(tmp_path / "ref", corpus, nproc=4, spares=0, script_args=args, timeout=100)
+    assert ref.rc == 0 and sorted(ref.digests) == [0, 1, 2, 3], ref.output[-4000:]
+    faults = ["kill:rank=1:step=3", "raise:rank=2:step=6:site=backward"]
+    res = run_job(tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script_args=args, timeout=100)
+    check_shards(res, ref)
+    assert len(res.of("fault_injected")) == 2 and res.of("spare_assigned"), res.output[-4000:]
