@@ -128,3 +128,35 @@ def test_fsdp_without_copies_or_snapshots_restores_every_ranks_own_checkpoint(
     assert any(p.get("from_checkpoint") for p in plans), plans
     ckpts = sorted(p.name for p in (tmp_path / "run").glob("checkpoints/*/rank*"))
     assert len(ckpts) == 4, ckpts  # one directory per rank, each its own shard
+
+
+@pytest.mark.timeout(150)
+def test_copies_every_third_step_roll_back_to_the_newest_copy(
+    tmp_path: Path, corpus: Path, fsdp_reference: JobResult
+) -> None:
+    # --buddy-every 3: copies of the state as steps 0, 3, 6 and 9 begin. Rank 1 killed as step 5
+    # begins: its keeper holds its copy of step 3, the others their own state of step 3 (undo
+    # copies), so every rank resumes at step 3 and replays steps 3 and 4, ending bitwise equal to
+    # the fault-free run (whose copies were every step: the interval changes no result).
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=4,
+        spares=1,
+        faults=["kill:rank=1:step=5"],
+        extra=["--buddy-every", "3"],
+        script_args=FSDP,
+        timeout=120,
+    )
+    check_shards(res, fsdp_reference)
+    plans = _plans(res)
+    assert any(
+        p["target_step"] == 3 and 1 in p.get("from_copy", []) and [1, 2] in p["sources"] for p in plans
+    ), plans
+    for r in range(4):
+        copied = {
+            e["buddy"]["step"]
+            for e in res.events(f"rank-{r}.jsonl")
+            if e["event"] == "commit" and "buddy" in e
+        }
+        assert copied and copied <= {0, 3, 6, 9}, f"rank {r} copied the state of steps {sorted(copied)}"

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from checkpointless.errors import ConfigError, NotRecoverableError
 from checkpointless.recovery.decisions import MemberReport, plan_recovery
 from checkpointless.recovery.sharded import buddies_wanted
+from checkpointless.state.buddy import copy_due
 from checkpointless.state.buddy_ring import buddy_of, host_of, owners_of
 
 pytestmark = pytest.mark.timeout(30)
@@ -103,15 +104,26 @@ def test_a_replica_wins_over_a_buddy_copy() -> None:
 
 
 def test_a_copy_not_yet_kept_rolls_everyone_back_to_the_lost_ranks_newest_copy() -> None:
-    # rank 1 died as step 5 began: its copy of 5 never arrived, rank 2 keeps 4. Rank 0's copies
-    # were on rank 1, so rank 0 rolls back from its own snapshot; 2 and 3 from their buddies.
+    # rank 1 died as step 5 began: its copy of 5 never arrived, rank 2 keeps 4. Every survivor
+    # rolls back from its own state of step 4 (in its memory), though 2's and 3's keepers hold
+    # it too: nothing but the lost rank's shard crosses the network.
     copies = {2: [(1, 3), (1, 4)], 3: [(2, 4), (2, 5)], 0: [(3, 4), (3, 5)]}
     snaps = {0: [4, 5], 2: [4, 5], 3: [4, 5]}
     plan = plan_recovery(_fsdp({1: (-1, False)}, copies, snaps))
     assert plan.target_step == 4
-    assert plan.source_of() == {1: 2, 2: 3, 3: 0}
-    assert plan.own_snapshot == (0,) and plan.kind_of(0) == "own_snapshot"
+    assert plan.source_of() == {1: 2} and plan.from_copy == (1,)
+    assert plan.own_snapshot == (0, 2, 3) and plan.kind_of(0) == "own_snapshot"
     assert plan.receivers == (0, 1, 2, 3)
+
+
+def test_a_survivor_without_its_own_state_of_the_target_takes_it_from_its_keeper() -> None:
+    # as above, but rank 3 kept only its state of step 5 (its undo copy of 4 already dropped)
+    copies = {2: [(1, 3), (1, 4)], 3: [(2, 4), (2, 5)], 0: [(3, 4), (3, 5)]}
+    snaps = {0: [4, 5], 2: [4, 5], 3: [5]}
+    plan = plan_recovery(_fsdp({1: (-1, False)}, copies, snaps))
+    assert plan.target_step == 4
+    assert plan.source_of() == {1: 2, 3: 0} and plan.from_copy == (1, 3)
+    assert plan.own_snapshot == (0, 2)
 
 
 def test_two_lost_ranks_whose_copies_are_on_each_other_fall_back_to_their_own_snapshots() -> None:
@@ -175,3 +187,21 @@ def test_nothing_in_memory_falls_back_to_every_ranks_own_checkpoint_of_one_step(
     reports[2] = MemberReport(2, 7, True, checkpoint_step=3, mesh=(1, 4))
     with pytest.raises(NotRecoverableError, match=r"ranks \[1\]"):
         plan_recovery(reports)
+
+
+def test_copies_are_due_every_n_steps_and_at_each_generations_first_step() -> None:
+    # every step with N = 1, whatever the generation
+    assert all(copy_due(s, 1, copied_in=0, generation=0) for s in range(7))
+    # N = 3 in generation 0, a copy already made in it: steps 0, 3, 6 only
+    assert [s for s in range(8) if copy_due(s, 3, copied_in=0, generation=0)] == [0, 3, 6]
+    # a new generation (resumed at step 4): copy at once, then back to the multiples of 3
+    assert copy_due(4, 3, copied_in=0, generation=1)
+    assert [s for s in range(5, 10) if copy_due(s, 3, copied_in=1, generation=1)] == [6, 9]
+
+
+@pytest.mark.parametrize("every", [0, -3])
+def test_a_bad_copy_interval_is_refused_naming_the_flag_and_the_fix(every: int) -> None:
+    from checkpointless.launcher.model import LaunchConfig
+
+    with pytest.raises(ConfigError, match=rf"--buddy-every must be .*\(got {every}\).*--buddy-copies off"):
+        LaunchConfig(script=__file__, buddy_every=every).validate()

@@ -87,6 +87,7 @@ def _run(args: argparse.Namespace, local_agent: bool = True) -> int:
         max_restarts=args.max_restarts,
         snapshot_every=args.snapshot_every,
         buddy_copies=getattr(args, "buddy_copies", "auto"),
+        buddy_every=getattr(args, "buddy_every", 1),
         divergence_check=args.divergence_check,
         first_step_timeout=args.first_step_timeout,
         checkpoint_every=args.checkpoint_every,
@@ -228,6 +229,15 @@ def _job_flags(run: argparse.ArgumentParser) -> None:
         help="keep each rank's shard state (FSDP/HSDP) in the memory of a rank on another host, "
         "refreshed every step off the critical path, so a shard with no replica survives its "
         "owner (auto: on when the device mesh has no replica, R = 1; default auto)",
+    )
+    run.add_argument(
+        "--buddy-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="steps between buddy copies (default 1: every step). A copy costs one pass over the "
+        "rank's shard state; with N > 1 a shard recovered from its copy rolls every rank back to "
+        "the copy's step and replays up to N - 1 steps (bitwise the same result)",
     )
     run.add_argument(
         "--divergence-check",

@@ -201,6 +201,7 @@ class Assign(Message):
     node_rank: int = -1
     divergence_check: int = 100  # steps between replica digest comparisons (0: off)
     buddy_copies: str = "auto"  # auto | on | off: shard copies on another host (state/buddy.py)
+    buddy_every: int = 1  # steps between those copies
 
 
 @dataclass(frozen=True)

@@ -325,6 +325,7 @@ class Coordinator:
                 node_rank=where.node_rank,
                 divergence_check=self.cfg.divergence_check,
                 buddy_copies=self.cfg.buddy_copies,
+                buddy_every=self.cfg.buddy_every,
             ),
         )
 

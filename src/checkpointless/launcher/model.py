@@ -60,6 +60,7 @@ class LaunchConfig:
     # buddy copies of each rank's shard on another host (state/buddy.py): auto (on when the
     # mesh has no replica, R = 1), on, off; see docs/configuration.md
     buddy_copies: str = "auto"
+    buddy_every: int = 1  # steps between buddy copies; a recovery from one replays up to N - 1
     snapshot_every: int = 50  # steps between shared-memory snapshots (0: off); see docs/configuration.md
     # durable DCP checkpoints: "0" (off), steps ("500") or a time ("10m"); see state/durable.py
     checkpoint_every: str = "0"
@@ -153,6 +154,11 @@ class LaunchConfig:
             )
         if self.buddy_copies not in ("auto", "on", "off"):
             raise ConfigError(f"--buddy-copies must be auto, on or off (got {self.buddy_copies!r})")
+        if self.buddy_every < 1:
+            raise ConfigError(
+                f"--buddy-every must be a number of steps, 1 or more (got {self.buddy_every}); 1 copies "
+                "every step, and --buddy-copies off turns the copies off"
+            )
         if self.snapshot_every < 0:
             raise ConfigError(
                 f"--snapshot-every must be 0 (off) or a number of steps (got {self.snapshot_every})"

@@ -40,7 +40,8 @@ def enter_step(job: Job, index: int) -> None:
     job._streams.begin_step()
     set_log_step(index)
     snap = job._snapshots is not None and job._snapshots.due(index)
-    if snap or job._buddies is not None:
+    copy = job._buddies is not None and job._buddies.due(index)
+    if snap or copy:
         t0 = time.thread_time()
         # The state as this step begins (its RNG included), copied while forward/backward run.
         # Collected and laid out once for the snapshot and the buddy copy alike: on a sharded
@@ -50,7 +51,7 @@ def enter_step(job: Job, index: int) -> None:
         staged = staged_layout(state, guarded)
         if snap and job._snapshots is not None:
             job._snapshots.start(index, state, guarded, staged)
-        if job._buddies is not None:  # sent while forward/backward run; the update waits for it
+        if copy and job._buddies is not None:  # sent while forward/backward run; the update waits for it
             job._buddies.start(index, state, guarded, staged)
             job._buddies.cpu_s["stage"] += time.thread_time() - t0
     if job._checkpoints is not None and job._checkpoints.due(index, job._progress_t):

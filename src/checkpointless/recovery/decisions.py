@@ -180,6 +180,10 @@ def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: b
     3. its *own snapshot*: this rank's per-rank shared-memory snapshot of the target step, seen
        on its host (a survivor rolling back, or a replacement on the same host).
 
+    A survivor (a valid rank past the target) that has its own state of the target step (an
+    undo copy, or its snapshot) restores that first: it is in its own memory, so nothing crosses
+    the network, where a rollback would otherwise have every survivor's keeper send it a shard.
+
     The target is the newest step at which every rank has one of these (or holds it itself): a
     rank ahead of it receives and replays, exactly as a replica behind the target does in data
     parallelism. A shard whose holder and buddy are both lost falls through to the snapshot, then
@@ -241,7 +245,12 @@ def _assign_sources(
             continue
         peers = [h for h in holders if h % shards == r.rank % shards]
         kept = [k for k in keepers.get((r.rank, step), []) if k != r.rank]
-        if peers or kept:
+        if step in r.own_snapshots and r.valid:
+            # a survivor rolling back has its own state of that step in memory (an undo copy or
+            # its snapshot): restoring it moves nothing over the network, where a keeper or a
+            # replica would send it the whole shard (every survivor at once, after a rollback)
+            own.append(r.rank)
+        elif peers or kept:
             src = min(peers or kept, key=lambda h: (load.get(h, 0), h))
             load[src] = load.get(src, 0) + 1
             pairs.append((r.rank, src))

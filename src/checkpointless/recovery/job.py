@@ -136,6 +136,7 @@ class Job:
         self._checkpoint_every = parse_every("0")
         self._own_snapshots: Path | None = None  # a sharded mesh: this rank's own snapshot directory
         self._buddy_mode = "off"  # --buddy-copies: auto | on | off
+        self._buddy_every = 1  # --buddy-every: steps between copies
         self._buddies: BuddyCopies | None = None  # this rank's copies, kept on another host
         self._record: dict[str, Any] = {}
         self._interrupted: tuple[int, dict[str, Any]] | None = None
@@ -194,6 +195,7 @@ class Job:
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         every = self._snapshot_every = msg.snapshot_every
         self._buddy_mode = msg.buddy_copies
+        self._buddy_every = msg.buddy_every
         if every and self.rank == 0:
             # One copy per host is enough (replicas are identical after each commit), and the
             # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
@@ -328,6 +330,7 @@ class Job:
                 owners_of(self.rank, self.world_size, per_host),
                 self.rendezvous_timeout,
                 shm_dir=buddy_copy_dir(self.env.job_id),
+                every=self._buddy_every,
             )
 
     @property

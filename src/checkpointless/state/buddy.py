@@ -54,7 +54,7 @@ from checkpointless.state.codec import Layout, digest, unpack
 from checkpointless.state.staging import staged_layout
 from checkpointless.state.stream import StreamRoute
 
-__all__ = ["BuddyCopies", "copy_channel", "keep_channel"]
+__all__ = ["BuddyCopies", "copy_channel", "copy_due", "keep_channel"]
 
 
 def _host(address: str) -> str:
@@ -94,6 +94,18 @@ class _Copy:
         return unpack(self.manifest, self.buffers)
 
 
+def copy_due(step: int, every: int, copied_in: int, generation: int) -> bool:
+    """Whether a rank copies its state as ``step`` begins: every ``every`` steps, and at the first
+    step of each generation (``copied_in``: the newest generation it started a copy in).
+
+    Why the latter: a replaced keeper holds nothing, and neither does a new member's; without a
+    copy at once an owner would run up to ``every`` steps with none. Every rank sees the same
+    generations and steps, so all copy at the same steps, and every keeper's copy has the
+    matching undo copies in the other ranks (the recovery plan needs one step every rank can
+    reach)."""
+    return step % every == 0 or copied_in != generation
+
+
 def _packed(manifest: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
     """The manifest of ``manifest``'s messages (one tensor each, as staged) packed back to back
     into one message."""
@@ -114,12 +126,17 @@ class BuddyCopies:
         owners: list[int],
         timeout: float,
         shm_dir: Path | None = None,
+        every: int = 1,
     ) -> None:
+        if every < 1:
+            raise ValueError(f"BuddyCopies: every must be 1 or more steps (got {every})")
         self.rank = rank
+        self.every = every
         self.keeper = keeper  # who keeps this rank's copy (None: nobody, a world of one)
         self.owners = owners  # whose copies this rank keeps
         self.timeout = timeout
         self._generation = -1
+        self._copied_in = -1  # the newest generation this rank's copy was started in
         self._stream: CopySender | None = None  # this generation's stream to the keeper
         self._lock = threading.Lock()
         self._held: dict[int, dict[int, _Copy]] = {o: {} for o in owners}  # owner -> step -> copy
@@ -151,6 +168,12 @@ class BuddyCopies:
         self._keeper_files: set[str] | None = None
 
     # -- the owner's side ------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether the state as ``step`` begins is to be copied (:func:`copy_due`)."""
+        if self.keeper is None or self._stream is None:
+            return False
+        return copy_due(step, self.every, self._copied_in, self._generation)
+
     def start(self, step: int, state: Any, guarded: set[int], staged: Layout | None = None) -> bool:
         """Begin sending ``state`` (taken as step ``step`` begins) to the keeper. ``staged`` is
         :func:`~checkpointless.state.staging.staged_layout` of that state when the caller
@@ -166,6 +189,7 @@ class BuddyCopies:
         lay = Layout(staged.manifest, list(staged.messages))  # our own list: _undo_copy clears it
         self._sent.clear()
         self._cancel.clear()
+        self._copied_in = self._generation
         if self._sender is None or not self._sender.is_alive():
             self._sender = threading.Thread(target=self._copies, name=f"cl-buddy-r{self.rank}", daemon=True)
             self._sender.start()
