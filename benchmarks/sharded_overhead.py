@@ -45,8 +45,8 @@ import shardlib as sl
 
 __all__ = ["main"]
 
-DESIGNS = ("fsdp", "checkpointless", "buddy")
-TARGET_PCT = {"checkpointless": 2.0, "buddy": 5.0}
+DESIGNS = ("fsdp", "checkpointless", "buddy", "buddy_every")
+TARGET_PCT = {"checkpointless": 2.0, "buddy": 5.0, "buddy_every": 5.0}
 
 
 def launch(a: argparse.Namespace, design: str, mesh: tuple[int, int], run_dir: Path) -> bl.Finished:
@@ -55,7 +55,9 @@ def launch(a: argparse.Namespace, design: str, mesh: tuple[int, int], run_dir: P
     else:
         # Explicit both ways: the launcher's default (auto) turns copies on for a mesh without a
         # replica (1xS), and the checkpointless column is the cost *without* them.
-        extra = ["--buddy-copies", "on" if design == "buddy" else "off"] if a.buddy_known else []
+        extra = ["--buddy-copies", "on" if design.startswith("buddy") else "off"] if a.buddy_known else []
+        if design == "buddy_every":  # copies every N steps (--buddy-every)
+            extra += ["--buddy-every", str(a.buddy_every)]
         cmd = sl.checkpointless_command(a, mesh, run_dir, spares=a.spares, launcher_args=extra)
     sl.write_command(run_dir, cmd)
     return bl.run_command(
@@ -152,7 +154,7 @@ def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, w
         "digest": digest,
         "median_step_s": statistics.median(st) if st else None,
         "cpu_per_step_s": cps,
-        "buddy": buddy_fields(run_dir, start) if design == "buddy" else {},
+        "buddy": buddy_fields(run_dir, start) if design.startswith("buddy") else {},
         "step_s": [round(x, 5) for x in st],
     }
     med = rec["median_step_s"]
@@ -199,8 +201,9 @@ def summarize(runs: list[dict[str, Any]], mesh: str, designs: list[str], rounds:
             "cpu_pair_ratios": bl.summary(cpu_pairs),
             "target_pct": TARGET_PCT[d],
         }
-    buddy = [r["buddy"] for r in ok if r["design"] == "buddy" and r["buddy"]]
-    out["buddy_fields"] = {k: max(b[k] for b in buddy if k in b) for b0 in buddy for k in b0}  # worst run
+    for d, key in (("buddy", "buddy_fields"), ("buddy_every", "buddy_every_fields")):
+        buddy = [r["buddy"] for r in ok if r["design"] == d and r["buddy"]]
+        out[key] = {k: max(b[k] for b in buddy if k in b) for b0 in buddy for k in b0}  # worst run
     return out
 
 
@@ -214,6 +217,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=15, help="steps left out at the start of each run")
     ap.add_argument("--spares", type=int, default=1)
     ap.add_argument("--no-buddy", action="store_true", help="leave out the --buddy-copies on column")
+    ap.add_argument(
+        "--buddy-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add a column with buddy copies every N steps (--buddy-every N; default: no such column)",
+    )
     sl.add_model_args(ap)
     ap.add_argument("--run-timeout", type=float, default=300.0)
     ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
@@ -233,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         notes.append("The --buddy-copies on column was left out (--no-buddy).")
     elif a.buddy_known:
         designs.append("buddy")
+        if a.buddy_every > 1:
+            designs.append("buddy_every")
     else:
         notes.append(
             "The --buddy-copies on column was skipped: `checkpointless run` does not know --buddy-copies yet "
@@ -311,6 +323,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         elif "buddy" in designs:
             notes.append(f"{key} buddy copies: no commit event carried a buddy record.")
+        if s.get("buddy_every_fields"):
+            notes.append(
+                f"{key} buddy copies every {a.buddy_every} steps (worst run): CPU per rank-step "
+                f"{_cpu_parts(s['buddy_every_fields'])}."
+            )
     failed = [f"{r['mesh']} {r['design']} #{r['round']}: {r['error']}" for r in runs if r["error"]]
     if failed:
         notes.append("Failed runs: " + "; ".join(failed))
