@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import checkpointless as cl
 
@@ -53,12 +54,18 @@ class GPT(nn.Module):
         self.register_buffer(
             "mask", torch.triu(torch.full((seq_len, seq_len), float("-inf")), 1), persistent=False
         )
+        self.checkpointing = False  # recompute each block's activations in backward
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         x = self.tok(idx) + self.pos[:t]
         for b in self.blocks:
-            x = b(x, self.mask[:t, :t])
+            if self.checkpointing and self.training:
+                # the block runs again in backward (its dropout masks reproduced from the saved RNG
+                # state; under FSDP2 its parameters all-gathered again)
+                x = checkpoint(b, x, self.mask[:t, :t], use_reentrant=False)
+            else:
+                x = b(x, self.mask[:t, :t])
         return self.head(self.ln(x))
 
 
@@ -119,6 +126,11 @@ def main() -> None:
         "reduction (FSDP2's set_requires_gradient_sync, data parallel's no_sync)",
     )
     ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute every block's activations in backward (torch.utils.checkpoint) instead of keeping them",
+    )
+    ap.add_argument(
         "--compile",
         action="store_true",
         help="compile each transformer block with torch.compile (inductor) before sharding or data "
@@ -138,6 +150,7 @@ def main() -> None:
         if not args.fsdp:  # a spare on a spare host fills its own cache for the ranks it may take
             prefetch_as_spare(ds, seq_len=args.seq_len, global_batch=args.global_batch, seed=args.seed)
     model = GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
+    model.checkpointing = args.activation_checkpointing
     if args.compile:
         # in place (Module.compile), so parameter names and the tracked state keep their keys;
         # compilation itself happens on the first forward

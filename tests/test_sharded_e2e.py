@@ -222,3 +222,18 @@ def test_gradient_accumulation_is_recovered_bitwise(tmp_path: Path, corpus: Path
     res = run_job(tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script_args=args, timeout=100)
     check_shards(res, ref)
     assert len(res.of("fault_injected")) == 2 and res.of("spare_assigned"), res.output[-4000:]
+
+
+@pytest.mark.timeout(240)
+def test_activation_checkpointing_is_recovered_bitwise(tmp_path: Path, corpus: Path) -> None:
+    # Every block's activations recomputed in backward (torch.utils.checkpoint): FSDP2 all-gathers
+    # each block's parameters a second time inside backward, so the peers of a rank killed in its
+    # backward abort out of a recompute's all-gather or a reduce-scatter with FSDP2 mid-backward,
+    # and a replayed step must reproduce the recompute's dropout masks from the saved RNG state.
+    args = [*HSDP, "--activation-checkpointing"]
+    ref = run_job(tmp_path / "ref", corpus, nproc=4, spares=0, script_args=args, timeout=100)
+    assert ref.rc == 0 and sorted(ref.digests) == [0, 1, 2, 3], ref.output[-4000:]
+    faults = ["kill:rank=1:step=3:site=backward", "raise:rank=2:step=6:site=backward"]
+    res = run_job(tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script_args=args, timeout=100)
+    check_shards(res, ref)
+    assert len(res.of("fault_injected")) == 2 and res.of("spare_assigned"), res.output[-4000:]
