@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from checkpointless.comm.communicator import default_backend
+from checkpointless.comm.handle import default_backend
 
 torch.use_deterministic_algorithms(True, warn_only=True)
 torch.backends.cuda.enable_flash_sdp(False)

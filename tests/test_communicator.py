@@ -137,7 +137,7 @@ class _CompletesAsTheWaitGivesUp:
 
 
 def test_polled_wait_does_not_take_its_own_timeout_for_the_collectives_failure() -> None:
-    from checkpointless.comm.communicator import Handle
+    from checkpointless.comm.handle import Handle
 
     work = _CompletesAsTheWaitGivesUp()
     finished: list[Handle] = []

@@ -1,22 +1,22 @@
-"""A communicator that can be aborted and rebuilt without leaving the process.
+"""The job's data-parallel communicator: one case of the groups that outlive a generation.
 
-Why not plain ``torch.distributed`` calls: gloo's ``abort()`` does not wake a thread that is
-already waiting in a collective (see shared/REFERENCES.md), and a hung peer keeps its sockets open,
-so a waiting survivor would sit until gloo's timeout. Here every collective is issued
-asynchronously and its completion is mirrored into a :class:`Handle` that we own. ``abort()``
-fails every pending handle at once, from any thread, and the training thread, which waits in
-bounded 10 ms slices, leaves the collective within one slice. The gloo work itself is left to finish or time out in the background
-(its process group is parked in a graveyard, never destroyed under a waiting thread).
+Every communicator of a job is a :class:`~checkpointless.comm.process_group.ResilientProcessGroup`:
+the mesh's groups under FSDP2, torch's default group, and this one, which carries the
+data-parallel gradient all-reduce, the job's barriers and a central-store rendezvous's state
+transfer. It is that group of every rank (not registered with c10d: nothing of torch's looks it
+up), plus what the job's recovery reads from it: whether the main thread waits in a collective
+right now (hang triage), how long it has waited in all (a straggler's busy time), and the
+fault-injection site of the all-reduce. Generations, the abort from another thread, the parked
+groups and the routing of CUDA tensors to NCCL are the group's (``process_group.py``), so the
+data-parallel path and the sharded one are the same code.
 
-Each rebuild makes a new gloo process group for a new *generation*, with the same rank numbers,
-so reductions keep their order and results stay bitwise reproducible.
+Each rebuild forms the group of a new *generation* with the same rank numbers, so reductions keep
+their order and results stay bitwise reproducible.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -25,236 +25,54 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpointless.config import ENV
-from checkpointless.errors import CommAborted, RendezvousError
+from checkpointless.comm.handle import Handle, default_backend
+from checkpointless.comm.process_group import ResilientProcessGroup
+from checkpointless.errors import CommAborted
 
-__all__ = ["Communicator", "Handle"]
-
-
-_POLL_S = 0.01  # a polled wait re-checks for an abort this often
-
-
-class Handle:
-    """Completion of one collective, abortable from another thread.
-
-    How completion is observed: gloo collectives are *polled* by the thread that waits, in short
-    bounded waits inside gloo (the GIL released), checking between them whether an abort failed
-    the handle. A Python callback on gloo's own thread would be simpler, but it must take the
-    GIL from the training thread in the middle of the backward pass; with more threads than
-    cores that hand-over stalled every bucket's all-reduce issue by about a millisecond.
-    Works without a future (gloo send/recv) are waited on a helper thread; others (NCCL) get a
-    future callback.
-    """
-
-    __slots__ = ("_done", "_error", "_lock", "_on_finish", "_poll", "_stream_work", "_work", "result")
-
-    def __init__(
-        self, work: Any, result: Any, on_finish: Callable[[Handle], None], poll: bool = False
-    ) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._work = work
-        self._on_finish = on_finish
-        self._poll = False
-        # NCCL: the future completes once the collective is *enqueued* on NCCL's stream, and its
-        # callback runs on a stream of its own. The waiting thread's stream must still be made
-        # to wait for the collective's end, as work.wait() does (on the host it does not block),
-        # or the next kernel on it could read the buffer before the reduction has written it.
-        self._stream_work: Any = None
-        self.result = result
-        try:
-            fut = work.get_future()
-        except RuntimeError:
-            # gloo's send/recv and reduce-scatter have no future, and their wait ignores its
-            # timeout, so they cannot be polled: a pooled thread waits for them instead (a new
-            # thread per collective cost more than FSDP's small reduce-scatters themselves)
-            _waiters().submit(self._wait_work)
-        else:
-            if poll:
-                self._poll = True  # completion is seen by wait(); nothing runs on gloo's thread
-            else:
-                self._stream_work = work
-                fut.add_done_callback(self._on_future)
-
-    def _wait_work(self) -> None:
-        try:
-            self._work.wait()
-        except Exception as e:
-            self._finish(e)
-        else:
-            self._finish(None)
-
-    def _on_future(self, fut: Any) -> None:
-        try:
-            fut.value()
-        except Exception as e:
-            self._finish(e)
-        else:
-            self._finish(None)
-
-    def _finish(self, error: BaseException | None) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._error = error
-            self._done.set()
-        self._work = None  # the gloo work may outlive us in the graveyard; drop our reference
-        self._on_finish(self)
-
-    def abort(self, reason: str) -> None:
-        self._finish(CommAborted(reason))
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def _poll_until(self, deadline: float | None) -> None:
-        work = self._work  # _finish (an abort, from any thread) clears the attribute
-        while work is not None and not self._done.is_set():
-            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-            if left <= 0:
-                return
-            try:
-                # whole milliseconds, at least one: c10d reads a 0 ms timeout as "wait for ever"
-                work.wait(datetime.timedelta(milliseconds=max(1, int(left * 1000))))
-            except Exception:
-                if not work.is_completed():
-                    continue  # only our bounded wait ran out; the collective goes on
-                # It may have completed between our bounded wait giving up and the check: the
-                # exception could be that timeout, not the collective's. Ask for its outcome.
-                self._finish(_outcome(work))
-            else:
-                self._finish(None)
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for completion; raise :class:`CommAborted` if aborted or the collective failed."""
-        if self._poll:
-            self._poll_until(None if timeout is None else time.monotonic() + timeout)
-        if not self._done.wait(0 if self._poll else timeout):
-            raise CommAborted(f"collective did not complete within {timeout:.1f} s")
-        if self._error is not None:
-            if isinstance(self._error, CommAborted):
-                raise self._error
-            raise CommAborted(f"collective failed: {self._error}") from self._error
-        work, self._stream_work = self._stream_work, None
-        if work is not None:
-            try:
-                work.wait()  # orders this thread's current stream after the collective
-            except Exception as e:
-                raise CommAborted(f"collective failed: {e}") from e
-        return self.result
-
-
-class _Waiters:
-    """Daemon threads that wait for works, reused while idle. A wait stuck on a dead peer holds
-    its thread until gloo's own timeout, so a new thread is started whenever none is idle. Not
-    ``ThreadPoolExecutor``: its threads are joined at interpreter exit, and a stuck one would
-    hold a finishing process for gloo's whole timeout."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._idle = 0
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            if self._idle > 0:
-                self._idle -= 1
-            else:
-                threading.Thread(target=self._serve, daemon=True, name="cl-work-wait").start()
-        self._jobs.put(fn)
-
-    def _serve(self) -> None:
-        while True:
-            self._jobs.get()()
-            with self._lock:
-                self._idle += 1
-
-
-_pool: _Waiters | None = None
-
-
-def _waiters() -> _Waiters:
-    """The process's waiters, made on first use and again in a forked child (threads do not
-    survive a fork; the fork template never waits on a collective)."""
-    global _pool
-    if _pool is None:
-        _pool = _Waiters()
-    return _pool
-
-
-def _forget_pool() -> None:
-    global _pool
-    _pool = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _outcome(work: Any) -> BaseException | None:
-    """A completed work's own result: its exception, or None (no wait: it has completed)."""
-    try:
-        work.wait(datetime.timedelta(milliseconds=1))
-    except Exception as e:
-        return e
-    return None
-
-
-def default_backend() -> str:
-    """gloo on CPU, NCCL when CUDA is present; ``CHECKPOINTLESS_BACKEND`` overrides."""
-    choice = os.environ.get("CHECKPOINTLESS_BACKEND")
-    if choice:
-        return choice
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _new_group(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    if backend == "gloo":
-        host = os.environ.get(ENV.HOST)
-        if not host:  # standalone: gloo's own choice (the interface of this machine's host name)
-            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        # Under the launcher, gloo's listener binds to the job's interface (--host) only; its
-        # default follows the host name, which may be reachable from other machines.
-        gopts = dist.ProcessGroupGloo._Options()
-        gopts._timeout = timeout
-        gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        return dist.ProcessGroupGloo(store, rank, world_size, gopts)
-    raise RendezvousError(f"unknown backend {backend!r}; use gloo or nccl (CHECKPOINTLESS_BACKEND)")
+__all__ = ["Communicator"]
 
 
 class Communicator:
     """One rank's view of the job's data-parallel group, across generations.
 
-    With NCCL the gradients go over NCCL and a gloo group of the same generation carries the
-    CPU-side traffic (state transfer, barriers); with gloo one group does both.
+    With NCCL the gradients (CUDA tensors) go over NCCL and the group's gloo side carries the
+    CPU traffic (state transfer, barriers); with gloo one group does both.
     """
 
     def __init__(
         self, rank: int, world_size: int, timeout: datetime.timedelta, backend: str | None = None
     ) -> None:
         self.backend = backend or default_backend()
-        self.rank = rank
-        self.world_size = world_size
         self.timeout = timeout
-        self.generation = -1
-        self._pg: Any = None
-        self._cpu_pg: Any = None  # the gloo group for CPU tensors when the main group is NCCL
-        self._store: Any = None
-        # re-entrant: a collective that fails at once completes its Handle inside _issue, and
-        # the completion callback takes this lock again to forget the handle
-        self._lock = threading.RLock()
-        self._pending: set[Handle] = set()
-        self._aborted: str | None = "not connected yet"
-        self._graveyard: list[Any] = []
+        self.group = self._group(rank, world_size)
+        self._retired: list[ResilientProcessGroup] = []  # groups of an earlier shape (see rebuild)
         self.in_collective_since: float | None = None  # read by the heartbeat for hang triage
         # seconds spent waiting in collectives, ever: a step's duration minus its share is the
         # rank's busy time, which tells a straggler host from its waiting peers
         self.waited_s = 0.0
         self.before_allreduce: Callable[[], None] | None = None  # fault-injection site
+
+    def _group(self, rank: int, world_size: int) -> ResilientProcessGroup:
+        return ResilientProcessGroup(
+            rank,
+            world_size,
+            range(world_size),
+            self.timeout,
+            key="dp",  # apart from the default group's ("world") and the mesh's keys
+            device_backend="nccl" if self.backend == "nccl" else None,
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.group.size()
+
+    @property
+    def generation(self) -> int:
+        return self.group.generation
 
     # -- generations -------------------------------------------------------------------------
     def rebuild(
@@ -266,119 +84,64 @@ class Communicator:
         deadline: float,
         cancelled: threading.Event | None = None,
     ) -> float:
-        """Form the process group of ``generation``; return seconds spent waiting for peers.
-
-        Construction runs on a helper thread so that an abort (``cancelled``) or the deadline can
-        end the wait at once even while gloo blocks connecting to a peer that will never come.
-        """
-        self.abort(f"superseded by generation {generation}")
-        result: dict[str, Any] = {}
-
-        def build() -> None:
-            try:
-                left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-                if self.backend == "gloo":
-                    result["pg"] = _new_group("gloo", store, rank, world_size, left)
-                else:
-                    result["pg"] = _new_group(
-                        self.backend, dist.PrefixStore("main/", store), rank, world_size, left
-                    )
-                    result["cpu"] = _new_group(
-                        "gloo", dist.PrefixStore("cpu/", store), rank, world_size, left
-                    )
-            except Exception as e:
-                result["error"] = e
-
+        """Form the group of ``generation`` from ``store``; return the seconds spent waiting
+        for peers. Blocks until every rank has joined, ``deadline`` (``time.monotonic()``)
+        passes, or ``cancelled`` is set (:class:`~checkpointless.errors.RendezvousError`)."""
+        if (rank, world_size) != (self.rank, self.world_size):
+            # A process learns its place after it is made (init; a spare given a rank): a group's
+            # rank and size are fixed, so that place gets a group of its own.
+            self.group.abort(f"superseded by generation {generation}")
+            self._retired.append(self.group)
+            self.group = self._group(rank, world_size)
         t0 = time.monotonic()
-        th = threading.Thread(target=build, daemon=True, name=f"cl-pg-gen{generation}")
-        th.start()
-        while th.is_alive():
-            th.join(0.005)
-            if cancelled is not None and cancelled.is_set():
-                raise RendezvousError(f"generation {generation} rendezvous cancelled: a newer fault")
-            if time.monotonic() > deadline:
-                raise RendezvousError(f"generation {generation} rendezvous timed out; some rank never joined")
-        if "error" in result:
-            raise RendezvousError(f"generation {generation} rendezvous failed: {result['error']}")
-        with self._lock:
-            if self._pg is not None:
-                self._graveyard.append(self._pg)
-            if self._cpu_pg is not None:
-                self._graveyard.append(self._cpu_pg)
-            self._pg = result["pg"]
-            self._cpu_pg = result.get("cpu")
-            # a Python store must outlive its process group: torch keeps only the C++ half
-            if self._store is not None:
-                self._graveyard.append(self._store)
-            self._store = store
-            self.rank, self.world_size, self.generation = rank, world_size, generation
-            self._aborted = None
+        self.group.configure(generation, store, deadline, cancelled)
         return time.monotonic() - t0
 
     def abort(self, reason: str) -> int:
         """Fail every pending collective now (thread-safe); return how many were pending."""
-        with self._lock:
-            self._aborted = reason
-            pending = list(self._pending)
-            for pg in (self._pg, self._cpu_pg):
-                if pg is not None:
-                    if self.backend == "nccl" and pg is self._pg:
-                        pg.abort()  # NCCL can abort its kernels; gloo's abort would not wake waiters
-                    self._graveyard.append(pg)  # parked: destroying it could block on gloo
-            self._pg = self._cpu_pg = None
-        for h in pending:
-            h.abort(f"generation {self.generation} aborted: {reason}")
-        return len(pending)
+        return self.group.abort(reason)
 
     @property
     def aborted(self) -> str | None:
-        return self._aborted
+        return self.group.aborted
 
     def check(self) -> None:
         """Raise :class:`CommAborted` if this generation has been aborted."""
-        reason = self._aborted
+        reason = self.group.aborted
         if reason is not None:
             raise CommAborted(f"generation {self.generation} aborted: {reason}")
 
+    def release_graveyard(self) -> None:
+        """Drop parked process groups (their destructors join gloo threads: off this thread)."""
+        self.group.release_graveyard()
+        retired, self._retired = self._retired, []
+        for g in retired:
+            g.release_graveyard()
+
     # -- collectives -------------------------------------------------------------------------
-    def _issue(self, fn: Callable[[Any], Any], result: Any, cpu: bool = False) -> Handle:
-        with self._lock:
-            if self._aborted is not None or self._pg is None:
-                raise CommAborted(f"generation {self.generation} aborted: {self._aborted}")
-            pg = self._cpu_pg if (cpu and self._cpu_pg is not None) else self._pg
-            work = fn(pg)
-            h = Handle(work, result, self._forget, poll=pg is not self._pg or self.backend == "gloo")
-            if not h.done():
-                self._pending.add(h)
-        return h
-
-    def _forget(self, h: Handle) -> None:
-        with self._lock:
-            self._pending.discard(h)
-
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
         if self.before_allreduce is not None:
             self.before_allreduce()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        return self._issue(lambda pg: pg.allreduce([tensor], opts), tensor)
+        return self.group.handle(lambda pg: pg.allreduce([tensor], opts), tensor, tensor)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        return self._issue(lambda pg: pg.broadcast([tensor], opts), tensor)
+        return self.group.handle(lambda pg: pg.broadcast([tensor], opts), tensor, tensor)
 
     def allgather(self, tensor: torch.Tensor) -> Handle:
         outs = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        return self._issue(lambda pg: pg.allgather([outs], [tensor]), outs)
+        return self.group.handle(lambda pg: pg.allgather([outs], [tensor]), outs, tensor)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
-        """Point-to-point of a CPU tensor (state transfer), on the gloo group."""
-        return self._issue(lambda pg: pg.send([tensor], dst, tag), tensor, cpu=True)
+        """Point-to-point of a CPU tensor (state transfer), on the gloo side."""
+        return self.group.handle(lambda pg: pg.send([tensor], dst, tag), tensor, tensor)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        return self._issue(lambda pg: pg.recv([tensor], src, tag), tensor, cpu=True)
+        return self.group.handle(lambda pg: pg.recv([tensor], src, tag), tensor, tensor)
 
     def wait(self, handle: Handle, timeout: float | None = None) -> Any:
         """Wait on ``handle`` while telling the heartbeat that we are inside a collective."""
@@ -391,12 +154,5 @@ class Communicator:
 
     def barrier(self, timeout: float) -> None:
         opts = dist.AllreduceOptions()
-        t = torch.zeros(1)
-        self.wait(self._issue(lambda pg: pg.allreduce([t], opts), t, cpu=True), timeout)
-
-    def release_graveyard(self) -> None:
-        """Drop parked process groups whose threads are idle; the destructor joins them."""
-        with self._lock:
-            parked, self._graveyard = self._graveyard, []
-        if parked:
-            threading.Thread(target=parked.clear, daemon=True, name="cl-pg-reaper").start()
+        t = torch.zeros(1)  # a CPU tensor: the gloo side, on NCCL hosts too
+        self.wait(self.group.handle(lambda pg: pg.allreduce([t], opts), t, t), timeout)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from checkpointless.comm.communicator import Communicator, Handle
+from checkpointless.comm.communicator import Communicator
+from checkpointless.comm.handle import Handle
 
 __all__ = ["DataParallel", "plan_buckets"]
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 # torch does not re-export this one from torch.distributed (the others it does)
 from torch._C._distributed_c10d import AllgatherOptions
 
-from checkpointless.comm.communicator import Handle, _new_group, default_backend
+from checkpointless.comm.handle import Handle, default_backend, new_group
 from checkpointless.comm.work import AbortableWork, ChainWork
 from checkpointless.errors import CommAborted, RendezvousError
 
@@ -94,6 +94,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._pending: set[Handle] = set()
         self._aborted: str | None = "not configured yet"
         self._graveyard: list[Any] = []
+        self._stores: list[Any] = []  # the current generation's stores (see configure)
         self._name: str | None = None
         self._desc = self.key
         # called with "allreduce" or "reduce_scatter" before such a collective is issued: the
@@ -157,10 +158,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         def build() -> None:
             try:
                 left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-                result["pg"] = _new_group(backend, sub, self._group_rank, self._group_size, left)
+                result["pg"] = new_group(backend, sub, self._group_rank, self._group_size, left)
                 if self.device_backend and dev_sub is not None:
                     left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-                    result["dev"] = _new_group(
+                    result["dev"] = new_group(
                         self.device_backend, dev_sub, self._group_rank, self._group_size, left
                     )
             except Exception as e:
@@ -184,8 +185,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
                     self._graveyard.append(old)
             self._pg = result["pg"]
             self._dev_pg = result.get("dev")
-            # a Python store must outlive its process group: torch keeps only the C++ half
-            self._graveyard.extend(x for x in (sub, dev_sub) if x is not None)
+            # a Python store must outlive its process group (torch keeps only the C++ half):
+            # this generation's stay referenced here until the next one replaces them
+            self._graveyard.extend(self._stores)
+            self._stores = [x for x in (store, sub, dev_sub) if x is not None]
             self.generation = generation
             self._aborted = None
 
@@ -218,9 +221,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
             threading.Thread(target=parked.clear, daemon=True, name="cl-rpg-reaper").start()
 
     # -- collectives ----------------------------------------------------------------------------
-    def _issue(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> AbortableWork:
+    def handle(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> Handle:
         """Issue ``fn(group)`` on this generation's group for the device of ``on`` (a tensor, or
-        a list of them): the device group for CUDA tensors when there is one, else gloo."""
+        a list of them: the device group for CUDA tensors when there is one, else gloo) and
+        return its completion, which :meth:`abort` fails. The data-parallel communicator waits
+        on these directly; c10d callers get them wrapped as a ``dist.Work`` (:meth:`_issue`)."""
         with self._lock:
             if self._aborted is not None or self._pg is None:
                 raise CommAborted(f"group {self.key} generation {self.generation} aborted: {self._aborted}")
@@ -230,7 +235,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
             h = Handle(work, result, self._forget, poll=not dev)
             if not h.done():
                 self._pending.add(h)
-        return AbortableWork(h, result)
+        return h
+
+    def _issue(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> AbortableWork:
+        return AbortableWork(self.handle(fn, result, on), result)
 
     def _forget(self, h: Handle) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpointless.comm.communicator import Handle
+from checkpointless.comm.handle import Handle
 from checkpointless.errors import CommAborted
 
 __all__ = ["AbortableWork", "ChainWork", "waiting_since"]

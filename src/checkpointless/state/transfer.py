@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from checkpointless.comm.communicator import Communicator, Handle
+from checkpointless.comm.communicator import Communicator
+from checkpointless.comm.handle import Handle
 from checkpointless.errors import StateTransferError
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import SOLO_MIN, digest, layout, mismatch, receive_buffers, unpack

@@ -1,0 +1,223 @@
+"""Completion of one collective that another thread can fail at once, and the groups it runs on.
+
+Why not plain ``torch.distributed`` waits: gloo's ``abort()`` does not wake a thread that is
+already waiting in a collective (see shared/REFERENCES.md), and a hung peer keeps its sockets
+open, so a waiting survivor would sit until gloo's timeout. Every collective of ours is issued
+asynchronously and its completion mirrored into a :class:`Handle` that we own; the group's
+``abort()`` fails every pending handle, and the waiting thread, which waits in bounded 10 ms
+slices, leaves within one slice. Used by :class:`~checkpointless.comm.process_group.ResilientProcessGroup`,
+on which every communicator of a job is built.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpointless.config import ENV
+from checkpointless.errors import CommAborted, RendezvousError
+
+__all__ = ["Handle", "default_backend", "new_group"]
+
+
+_POLL_S = 0.01  # a polled wait re-checks for an abort this often
+
+
+class Handle:
+    """Completion of one collective, abortable from another thread.
+
+    How completion is observed: gloo collectives are *polled* by the thread that waits, in short
+    bounded waits inside gloo (the GIL released), checking between them whether an abort failed
+    the handle. A Python callback on gloo's own thread would be simpler, but it must take the
+    GIL from the training thread in the middle of the backward pass; with more threads than
+    cores that hand-over stalled every bucket's all-reduce issue by about a millisecond.
+    Works without a future (gloo send/recv) are waited on a helper thread; others (NCCL) get a
+    future callback.
+    """
+
+    __slots__ = ("_done", "_error", "_lock", "_on_finish", "_poll", "_stream_work", "_work", "result")
+
+    def __init__(
+        self, work: Any, result: Any, on_finish: Callable[[Handle], None], poll: bool = False
+    ) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._work = work
+        self._on_finish = on_finish
+        self._poll = False
+        # NCCL: the future completes once the collective is *enqueued* on NCCL's stream, and its
+        # callback runs on a stream of its own. The waiting thread's stream must still be made
+        # to wait for the collective's end, as work.wait() does (on the host it does not block),
+        # or the next kernel on it could read the buffer before the reduction has written it.
+        self._stream_work: Any = None
+        self.result = result
+        try:
+            fut = work.get_future()
+        except RuntimeError:
+            # gloo's send/recv and reduce-scatter have no future, and their wait ignores its
+            # timeout, so they cannot be polled: a pooled thread waits for them instead (a new
+            # thread per collective cost more than FSDP's small reduce-scatters themselves)
+            _waiters().submit(self._wait_work)
+        else:
+            if poll:
+                self._poll = True  # completion is seen by wait(); nothing runs on gloo's thread
+            else:
+                self._stream_work = work
+                fut.add_done_callback(self._on_future)
+
+    def _wait_work(self) -> None:
+        try:
+            self._work.wait()
+        except Exception as e:
+            self._finish(e)
+        else:
+            self._finish(None)
+
+    def _on_future(self, fut: Any) -> None:
+        try:
+            fut.value()
+        except Exception as e:
+            self._finish(e)
+        else:
+            self._finish(None)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+        self._work = None  # the gloo work may outlive us in the graveyard; drop our reference
+        self._on_finish(self)
+
+    def abort(self, reason: str) -> None:
+        self._finish(CommAborted(reason))
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _poll_until(self, deadline: float | None) -> None:
+        work = self._work  # _finish (an abort, from any thread) clears the attribute
+        while work is not None and not self._done.is_set():
+            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                return
+            try:
+                # whole milliseconds, at least one: c10d reads a 0 ms timeout as "wait for ever"
+                work.wait(datetime.timedelta(milliseconds=max(1, int(left * 1000))))
+            except Exception:
+                if not work.is_completed():
+                    continue  # only our bounded wait ran out; the collective goes on
+                # It may have completed between our bounded wait giving up and the check: the
+                # exception could be that timeout, not the collective's. Ask for its outcome.
+                self._finish(_outcome(work))
+            else:
+                self._finish(None)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for completion; raise :class:`CommAborted` if aborted or the collective failed."""
+        if self._poll:
+            self._poll_until(None if timeout is None else time.monotonic() + timeout)
+        if not self._done.wait(0 if self._poll else timeout):
+            raise CommAborted(f"collective did not complete within {timeout:.1f} s")
+        if self._error is not None:
+            if isinstance(self._error, CommAborted):
+                raise self._error
+            raise CommAborted(f"collective failed: {self._error}") from self._error
+        work, self._stream_work = self._stream_work, None
+        if work is not None:
+            try:
+                work.wait()  # orders this thread's current stream after the collective
+            except Exception as e:
+                raise CommAborted(f"collective failed: {e}") from e
+        return self.result
+
+
+class _Waiters:
+    """Daemon threads that wait for works, reused while idle. A wait stuck on a dead peer holds
+    its thread until gloo's own timeout, so a new thread is started whenever none is idle. Not
+    ``ThreadPoolExecutor``: its threads are joined at interpreter exit, and a stuck one would
+    hold a finishing process for gloo's whole timeout."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._serve, daemon=True, name="cl-work-wait").start()
+        self._jobs.put(fn)
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+_pool: _Waiters | None = None
+
+
+def _waiters() -> _Waiters:
+    """The process's waiters, made on first use and again in a forked child (threads do not
+    survive a fork; the fork template never waits on a collective)."""
+    global _pool
+    if _pool is None:
+        _pool = _Waiters()
+    return _pool
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _outcome(work: Any) -> BaseException | None:
+    """A completed work's own result: its exception, or None (no wait: it has completed)."""
+    try:
+        work.wait(datetime.timedelta(milliseconds=1))
+    except Exception as e:
+        return e
+    return None
+
+
+def default_backend() -> str:
+    """gloo on CPU, NCCL when CUDA is present; ``CHECKPOINTLESS_BACKEND`` overrides."""
+    choice = os.environ.get("CHECKPOINTLESS_BACKEND")
+    if choice:
+        return choice
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def new_group(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    if backend == "gloo":
+        host = os.environ.get(ENV.HOST)
+        if not host:  # standalone: gloo's own choice (the interface of this machine's host name)
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        # Under the launcher, gloo's listener binds to the job's interface (--host) only; its
+        # default follows the host name, which may be reachable from other machines.
+        gopts = dist.ProcessGroupGloo._Options()
+        gopts._timeout = timeout
+        gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, rank, world_size, gopts)
+    raise RendezvousError(f"unknown backend {backend!r}; use gloo or nccl (CHECKPOINTLESS_BACKEND)")
