@@ -9,10 +9,6 @@ another thread while a rank waits in an all-gather or a reduce-scatter for a sto
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import os
-import queue
-import socket
 import threading
 import time
 import traceback
@@ -22,6 +18,7 @@ import pytest
 
 from checkpointless.comm.mesh import make_device_mesh, mesh_lines
 from checkpointless.errors import ConfigError
+from ranks import spawn_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,17 +41,6 @@ def _train_step(model: Any, opt: Any, step: int, rank: int, before_backward: Any
     loss.backward()
     opt.step()
     opt.zero_grad()
-
-
-def _worker(rank: int, port: int, mode: str, shape: tuple[int, ...], out: Any) -> None:
-    try:
-        out.put((rank, _run(rank, port, mode, shape)))
-    except BaseException:
-        out.put((rank, {"error": traceback.format_exc()}))
-    out.close()
-    out.join_thread()
-    # leave without destructors: aborted gloo groups may still hold a collective in flight
-    os._exit(0)
 
 
 def _run(rank: int, port: int, mode: str, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -158,33 +144,7 @@ def _fault_then_recover(
 
 
 def _launch(mode: str, shape: tuple[int, ...]) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, mode, shape, q)) for r in range(4)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        deadline = time.monotonic() + 90
-        while len(results) < 4:
-            try:
-                rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert len(results) == 4, f"{mode} {shape}: only ranks {sorted(results)} reported"
-    for rank, res in results.items():
-        assert "error" not in res, f"{mode} {shape} rank {rank}:\n{res['error']}"
-    return results
+    return spawn_ranks(_run, 4, (mode, shape), timeout=90, what=f"{mode} {shape}")
 
 
 _BASELINE: dict[tuple[int, ...], dict[int, dict[str, Any]]] = {}

@@ -14,17 +14,14 @@ all-reduce for a stopped peer are woken by an abort.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import os
-import queue
-import socket
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ranks import spawn_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -222,44 +219,8 @@ def _run(rank: int, port: int, mode: str, tmp: str) -> dict[str, Any]:
     return res
 
 
-def _worker(rank: int, port: int, mode: str, tmp: str, out: Any) -> None:
-    try:
-        out.put((rank, _run(rank, port, mode, tmp)))
-    except BaseException:
-        out.put((rank, {"error": traceback.format_exc()}))
-    out.close()
-    out.join_thread()
-    os._exit(0)  # aborted gloo groups may hold a collective in flight: no destructors
-
-
 def _launch(mode: str, tmp: Path) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, mode, str(tmp), q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        deadline = time.monotonic() + 150
-        while len(results) < WORLD:
-            try:
-                rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert len(results) == WORLD, f"{mode}: only ranks {sorted(results)} reported"
-    for rank, res in results.items():
-        assert "error" not in res, f"{mode} rank {rank}:\n{res['error']}"
-    return results
+    return spawn_ranks(_run, WORLD, (mode, str(tmp)), timeout=150, what=mode)
 
 
 def test_every_collective_matches_torch_groups_across_generations(tmp_path: Path) -> None:

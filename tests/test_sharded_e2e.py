@@ -185,6 +185,27 @@ def test_uneven_shards_in_mixed_precision_are_recovered_bitwise(
         assert any(2 in p.get("from_copy", []) and [2, 3] in p["sources"] for p in plans), plans
 
 
+def ref_then_faults(
+    tmp_path: Path,
+    corpus: Path,
+    args: list[str],
+    faults: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+) -> tuple[JobResult, JobResult]:
+    """The HSDP 2x2 job ``args`` without faults, then with ``faults`` (one spare): every rank's
+    shards of the second bitwise those of the first, every fault injected, a spare used."""
+    ref = run_job(tmp_path / "ref", corpus, nproc=4, spares=0, script_args=args, timeout=timeout, env=env)
+    assert ref.rc == 0, ref.output[-4000:]
+    assert sorted(ref.digests) == [0, 1, 2, 3] and len(set(ref.digests.values())) == 2, ref.digests
+    res = run_job(
+        tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script_args=args, timeout=timeout, env=env
+    )
+    check_shards(res, ref)
+    assert len(res.of("fault_injected")) == len(faults) and res.of("spare_assigned"), res.output[-4000:]
+    return ref, res
+
+
 @pytest.mark.timeout(300)
 def test_compiled_blocks_are_recovered_bitwise(tmp_path: Path, corpus: Path) -> None:
     # torchtitan's recipe: every block compiled by inductor, then fully_shard. A killed rank's
@@ -194,16 +215,9 @@ def test_compiled_blocks_are_recovered_bitwise(tmp_path: Path, corpus: Path) -> 
     # the cache under the test's folder: nothing left in /tmp, and the faulted run reuses the
     # reference's kernels as a replacement on a real host reuses the job's
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    ref = run_job(tmp_path / "ref", corpus, nproc=4, spares=0, script_args=args, timeout=200, env=env)
-    assert ref.rc == 0, ref.output[-4000:]
-    assert sorted(ref.digests) == [0, 1, 2, 3] and len(set(ref.digests.values())) == 2, ref.digests
-    assert any((tmp_path / "inductor").rglob("*.py")), "inductor compiled nothing: the blocks ran eagerly"
     faults = ["kill:rank=1:step=3", "raise:rank=2:step=6:site=backward"]
-    res = run_job(
-        tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script_args=args, timeout=200, env=env
-    )
-    check_shards(res, ref)
-    assert len(res.of("fault_injected")) == 2 and res.of("spare_assigned"), res.output[-4000:]
+    _, res = ref_then_faults(tmp_path, corpus, args, faults, timeout=200, env=env)
+    assert any((tmp_path / "inductor").rglob("*.py")), "inductor compiled nothing: the blocks ran eagerly"
     assert any([1, 3] in p.get("sources", []) for p in res.of("plan")), res.of("plan")
 
 
@@ -216,12 +230,7 @@ def test_gradient_accumulation_is_recovered_bitwise(tmp_path: Path, corpus: Path
     # only in the last micro-batch's all-reduce), an exception inside the last micro-batch's
     # reduce-scatter with its own; the replay must start the step's sum from nothing everywhere.
     args = [*HSDP, "--global-batch", "24", "--grad-accum", "3", "--param-dtype", "bfloat16"]
-    ref = run_job(tmp_path / "ref", corpus, nproc=4, spares=0, script_args=args, timeout=100)
-    assert ref.rc == 0 and sorted(ref.digests) == [0, 1, 2, 3], ref.output[-4000:]
-    faults = ["kill:rank=1:step=3", "raise:rank=2:step=6:site=backward"]
-    res = run_job(tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script_args=args, timeout=100)
-    check_shards(res, ref)
-    assert len(res.of("fault_injected")) == 2 and res.of("spare_assigned"), res.output[-4000:]
+    ref_then_faults(tmp_path, corpus, args, ["kill:rank=1:step=3", "raise:rank=2:step=6:site=backward"], 100)
 
 
 @pytest.mark.timeout(240)
@@ -231,9 +240,5 @@ def test_activation_checkpointing_is_recovered_bitwise(tmp_path: Path, corpus: P
     # backward abort out of a recompute's all-gather or a reduce-scatter with FSDP2 mid-backward,
     # and a replayed step must reproduce the recompute's dropout masks from the saved RNG state.
     args = [*HSDP, "--activation-checkpointing"]
-    ref = run_job(tmp_path / "ref", corpus, nproc=4, spares=0, script_args=args, timeout=100)
-    assert ref.rc == 0 and sorted(ref.digests) == [0, 1, 2, 3], ref.output[-4000:]
     faults = ["kill:rank=1:step=3:site=backward", "raise:rank=2:step=6:site=backward"]
-    res = run_job(tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script_args=args, timeout=100)
-    check_shards(res, ref)
-    assert len(res.of("fault_injected")) == 2 and res.of("spare_assigned"), res.output[-4000:]
+    ref_then_faults(tmp_path, corpus, args, faults, 100)

@@ -1,0 +1,66 @@
+"""Ranks as spawned processes on one machine, for tests of process groups below the launcher.
+
+``spawn_ranks(run, world, args)`` starts ``world`` processes; each calls ``run(rank, port,
+*args)`` (a module-level function: it is pickled by name) with the port of a free TCPStore
+address and returns a dict, which comes back by rank. A rank that raises comes back as its
+traceback, and the call fails naming it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["spawn_ranks"]
+
+
+def _rank_main(
+    run: Callable[..., dict[str, Any]], rank: int, port: int, args: tuple[Any, ...], out: Any
+) -> None:
+    try:
+        out.put((rank, run(rank, port, *args)))
+    except BaseException:
+        out.put((rank, {"error": traceback.format_exc()}))
+    out.close()
+    out.join_thread()
+    # leave without destructors: aborted gloo groups may still hold a collective in flight
+    os._exit(0)
+
+
+def spawn_ranks(
+    run: Callable[..., dict[str, Any]], world: int, args: tuple[Any, ...], timeout: float, what: str
+) -> dict[int, dict[str, Any]]:
+    """Every rank's result, or an assertion naming ``what`` and the ranks that failed."""
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(run, r, port, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(results) < world:
+            try:
+                rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert len(results) == world, f"{what}: only ranks {sorted(results)} reported"
+    for rank, res in results.items():
+        assert "error" not in res, f"{what} rank {rank}:\n{res['error']}"
+    return results
