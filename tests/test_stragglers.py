@@ -118,9 +118,10 @@ def test_a_slow_host_among_noise_is_the_only_one_reported(seed: int, slow: float
 # -- the coordinator applying the rule ---------------------------------------------------------
 
 
-def _job(**flags: Any) -> Coordinator:
-    """2 hosts x 2 ranks + a spare host with two ready spares, generation 0 formed.
-    Host 0 holds ranks 0-1 (workers 0-1), host 1 ranks 2-3 (workers 2-3), host 2 the spares."""
+def _job(ready: int = 2, **flags: Any) -> Coordinator:
+    """2 hosts x 2 ranks + a spare host with two spares (``ready`` of them ready), generation 0
+    formed. Host 0 holds ranks 0-1 (workers 0-1), host 1 ranks 2-3 (workers 2-3), host 2 the
+    spares."""
     cfg = LaunchConfig(
         script=SCRIPT, nproc=4, spares=2, nnodes=2, nproc_per_node=2, spare_nodes=1,
         local_agent=False, lease=3, **flags,
@@ -138,11 +139,12 @@ def _job(**flags: Any) -> Coordinator:
     for m in c.procs.values():
         m.joined = True
     c._refill_spares(101.0)
-    for s in [x for x in c.drain() if isinstance(x, Spawn)]:
+    for i, s in enumerate([x for x in c.drain() if isinstance(x, Spawn)]):
         assert s.host == 2
         c.on_started(s.worker_id, f"10.0.0.2:{30000 + s.worker_id}")
         c.on_connected(s.worker_id, 101.0)
-        c.on_message(s.worker_id, SpareReady(), 101.0, 1e9)
+        if i < ready:
+            c.on_message(s.worker_id, SpareReady(), 101.0, 1e9)
     c.drain()
     return c
 
@@ -202,6 +204,35 @@ def test_swap_moves_the_slow_hosts_ranks_to_the_spare_host() -> None:
     # the round runs in the same tick: the spare host's processes are assigned at once
     new = {x.message.rank: x.worker_id for x in out if isinstance(x, Send) and isinstance(x.message, Assign)}
     assert new == {2: 4, 3: 5}, "the spare host's processes take ranks 2 and 3"
+
+
+@pytest.mark.timeout(10)
+def test_a_swap_waits_for_the_spare_host_and_happens_once_it_is_ready() -> None:
+    # reported while one of the spare host's two spares is still starting: nothing moves (the
+    # rule reports a host once), and the move happens at the first step after the spare is ready
+    c = _job(ready=1, straggler_ratio=1.5, straggler_window=3, swap_stragglers=True)
+    out = _steps(c, 1, 5, slow=3.0)
+    assert len(_emitted(out, "straggler")) == 1 and not _emitted(out, "straggler_swap")
+    waits = [x.text for x in out if isinstance(x, Log) and "not moving ranks [2, 3] yet" in x.text]
+    assert len(waits) == 1, "the wait is logged once, not at every step"
+    assert not [x for x in out if isinstance(x, Kill)]
+    c.on_message(5, SpareReady(), 107.0, 1e9)
+    out = _steps(c, 6, 7, slow=3.0)
+    assert _emitted(out, "straggler_swap") == [{"host": 1, "address": "10.0.0.1", "ranks": [2, 3]}]
+    assert sorted(x.worker_id for x in out if isinstance(x, Kill)) == [2, 3]
+    new = {x.message.rank: x.worker_id for x in out if isinstance(x, Send) and isinstance(x.message, Assign)}
+    assert new == {2: 4, 3: 5}
+
+
+@pytest.mark.timeout(10)
+def test_a_due_move_is_dropped_when_the_host_recovers() -> None:
+    c = _job(ready=1, straggler_ratio=1.5, straggler_window=3, swap_stragglers=True)
+    _steps(c, 1, 4, slow=3.0)
+    assert c.stragglers is not None and set(c.stragglers.due_moves) == {1}
+    out = _steps(c, 5, 8, slow=1.0)  # as fast as the others again: cleared
+    assert _emitted(out, "straggler_cleared") and not c.stragglers.due_moves
+    c.on_message(5, SpareReady(), 110.0, 1e9)
+    assert not _emitted(_steps(c, 9, 11, slow=1.0), "straggler_swap"), "a recovered host is not moved"
 
 
 @pytest.mark.timeout(10)

@@ -144,11 +144,20 @@ class StragglerWatch:
         self.rule = rule
         self.state = StragglerState()
         self._last_step: int | None = None
+        # reported hosts whose ranks are to be moved (--swap-stragglers) once a spare host is
+        # ready, with their ratio; kept by the coordinator (coordinator/watch.py)
+        self.due_moves: dict[int, float] = {}
+
+    @property
+    def last_step(self) -> int | None:
+        """The step of the newest sample (None: none since the start or the last reset)."""
+        return self._last_step
 
     def reset(self) -> None:
         """A recovery round: the ranks and processes changed; their old windows say nothing."""
         self.state = StragglerState()
         self._last_step = None
+        self.due_moves.clear()
 
     def observe(self, ranks: Sequence[RankTiming]) -> list[tuple[Verdict, list[int]]]:
         """Each verdict with the ranks of its host; empty unless a new step was reached."""

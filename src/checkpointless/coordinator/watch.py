@@ -47,7 +47,11 @@ def hint_spares(c: Coordinator) -> None:
 def check_stragglers(c: Coordinator, now: float, wall: float) -> None:
     """Report a host whose ranks are persistently slower than the others (the rule is
     coordinator/stragglers.py); with --swap-stragglers, move its ranks to a spare host by the
-    host-loss path: its workers are killed, the host is fenced, spares take the ranks."""
+    host-loss path: its workers are killed, the host is fenced, spares take the ranks.
+
+    A straggler reported while no spare host is ready for all its ranks (the spares still
+    starting, say) stays due for a move: it is tried again at each new step until it succeeds
+    or the host is cleared, since the rule reports a host once, not at every slow step."""
     watch = c.stragglers
     if watch is None:
         return
@@ -55,9 +59,11 @@ def check_stragglers(c: Coordinator, now: float, wall: float) -> None:
         watch.reset()  # the members are changing: a window must not span a recovery
         return
     timings = [RankTiming(m.host, r, m.step, m.busy_time) for r, m in c.ranks.items()]
+    sampled = watch.last_step
     for v, ranks in watch.observe(timings):
         h = c.hosts[v.host]
         if not v.reported:
+            watch.due_moves.pop(v.host, None)
             c._emit("straggler_cleared", host=v.host, address=h.address, ranks=ranks, ratio=v.ratio)
             c._log("info", f"host {h.address} (ranks {ranks}) is no longer a straggler")
             continue
@@ -68,18 +74,35 @@ def check_stragglers(c: Coordinator, now: float, wall: float) -> None:
             f"straggler host {h.address} (agent {v.host}, ranks {ranks}): busy {v.ratio:.2f}x the "
             f"other hosts' over the last {len(window)} steps",
         )
-        if not c.cfg.swap_stragglers:
-            continue
-        idle = [m for m in c.procs.values() if m.role == "spare" and m.rank is None and m.ready]
-        holding = {m.host for m in c.ranks.values()}  # a spare beside ranks serves only its host
-        spares = [(m.worker_id, m.host) for m in idle if m.connected and m.host not in holding]
-        if not h.remote or len(pick_spares(len(ranks), spares)) < len(ranks):
-            c._log("warning", f"not moving ranks {ranks}: no spare host ready for all of them")
-            continue
-        why = f"straggler host: busy {v.ratio:.2f}x the others; its ranks move to a spare host"
-        c._emit("straggler_swap", host=v.host, address=h.address, ranks=ranks)
-        # Kill, not _kill: these are moved, not hung; the host-loss path counts them as killed
-        for m in [m for m in c.procs.values() if m.host == v.host]:
-            c._out.append(Kill(m.worker_id, why, m.host))
-        host_lost(c, v.host, why, now, wall)
-        return
+        if c.cfg.swap_stragglers and _move(c, v.host, v.ratio, now, wall):
+            return
+    if watch.last_step != sampled:  # a new step: try the moves still due (spares may be ready now)
+        for host, ratio in sorted(watch.due_moves.items()):
+            if _move(c, host, ratio, now, wall):
+                return
+
+
+def _move(c: Coordinator, host: int, ratio: float, now: float, wall: float) -> bool:
+    """Move a straggler host's ranks to a spare host, or leave the move due (logged once)."""
+    assert c.stragglers is not None
+    h = c.hosts[host]
+    ranks = sorted(r for r, m in c.ranks.items() if m.host == host)
+    idle = [m for m in c.procs.values() if m.role == "spare" and m.rank is None and m.ready]
+    holding = {m.host for m in c.ranks.values()}  # a spare beside ranks serves only its host
+    spares = [(m.worker_id, m.host) for m in idle if m.connected and m.host not in holding]
+    if not h.remote or len(pick_spares(len(ranks), spares)) < len(ranks):
+        if host not in c.stragglers.due_moves:
+            c._log(
+                "warning",
+                f"not moving ranks {ranks} yet: no spare host ready for all of them (tried again at each step)",
+            )
+        c.stragglers.due_moves[host] = ratio
+        return False
+    c.stragglers.due_moves.pop(host, None)
+    why = f"straggler host: busy {ratio:.2f}x the others; its ranks move to a spare host"
+    c._emit("straggler_swap", host=host, address=h.address, ranks=ranks)
+    # Kill, not _kill: these are moved, not hung; the host-loss path counts them as killed
+    for m in [m for m in c.procs.values() if m.host == host]:
+        c._out.append(Kill(m.worker_id, why, m.host))
+    host_lost(c, host, why, now, wall)
+    return True
