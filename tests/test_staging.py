@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from checkpointless.state.codec import Layout, layout
+from checkpointless.state.device_copy import copy_out, host_buffer
 from checkpointless.state.snapshot import collect_state
 from checkpointless.state.staging import guarded_pointers, staged_layout
 
@@ -111,3 +112,21 @@ def test_a_tensor_replaced_at_the_same_place_and_a_changed_tree() -> None:
     renamed = {"t": base}
     lay = _same_as_fresh(renamed, guarded)
     assert all(m["path"].startswith("/'t'") for m in lay.manifest["tensors"])
+
+
+def test_a_host_layout_lands_through_copy_out_with_the_staged_bytes() -> None:
+    """On the host a staged layout needs no event (``ready`` is None), and ``copy_out`` lands each
+    message in its destination as it was staged, whatever the forward pass changes after; a
+    destination list that does not match is refused (the CUDA path: benchmarks/gpu_check.py)."""
+    model, opt, objects = _setup()
+    _train(model, opt)
+    lay = staged_layout(collect_state(objects, 0, None), guarded_pointers([opt]))
+    assert lay.ready is None
+    staged = _bytes(lay)
+    model(torch.randn(5, 4))  # changes the unguarded buffer in place
+    sizes = [int(m.numel()) for m in lay.messages]
+    out = host_buffer(sum(sizes), lay.ready)
+    copy_out(lay.messages, list(out.split(sizes)), lay.ready)
+    assert [bytes(p.numpy().tobytes()) for p in out.split(sizes)] == staged
+    with pytest.raises(ValueError, match="2 messages for 1 destinations"):
+        copy_out(lay.messages[:2], [out], None)

@@ -51,6 +51,7 @@ from checkpointless.rendezvous.peers import parse_address
 from checkpointless.state.buddy_shm import SlotPool, SlotRef, read_slot, writer_of
 from checkpointless.state.buddy_stream import Copy, CopyReceiver, CopySender
 from checkpointless.state.codec import Layout, digest, unpack
+from checkpointless.state.device_copy import copy_out, host_buffer
 from checkpointless.state.staging import staged_layout
 from checkpointless.state.stream import StreamRoute
 
@@ -114,6 +115,15 @@ def _packed(manifest: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
         offsets.append(offsets[-1] + n)
     tensors = [{**m, "msg": 0, "offset": offsets[int(m["msg"])], "solo": False} for m in manifest["tensors"]]
     return {"tree": manifest["tree"], "tensors": tensors, "messages": [sum(sizes)]}
+
+
+def _pack(lay: Layout, sizes: list[int], out: torch.Tensor) -> None:
+    """``lay``'s messages back to back into ``out``: one ``torch.cat`` on the host; from a GPU,
+    each message on the copy stream (state/device_copy.py), landed when this returns."""
+    if lay.ready is None:
+        torch.cat(lay.messages, out=out)
+    else:
+        copy_out(lay.messages, list(out.split(sizes)), lay.ready)
 
 
 class BuddyCopies:
@@ -186,7 +196,7 @@ class BuddyCopies:
             return False
         if staged is None:
             staged = staged_layout(state, guarded)
-        lay = Layout(staged.manifest, list(staged.messages))  # our own list: _undo_copy clears it
+        lay = Layout(staged.manifest, list(staged.messages), staged.ready)  # our list: _undo_copy clears it
         self._sent.clear()
         self._cancel.clear()
         self._copied_in = self._generation
@@ -228,8 +238,8 @@ class BuddyCopies:
         reuse = old is not None and old.slot is None and int(old.buffers[0].numel()) == sum(sizes)
         flat = old.buffers[0] if reuse and old is not None else None
         if flat is None:
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        torch.cat(lay.messages, out=flat)
+            flat = host_buffer(sum(sizes), lay.ready)
+        _pack(lay, sizes, flat)
         lay.messages.clear()  # the live tensors are no longer read: the update may change them
         with self._lock:
             self._undo[step] = _Copy(manifest, [flat])
@@ -245,7 +255,7 @@ class BuddyCopies:
         known = self._keeper_files
         name, data, inode = pool.take(sum(sizes), None if known is None else known | undo)
         self._keeper_files = None  # the keeper may list this copy once it arrives: unknown until acked
-        torch.cat(lay.messages, out=data)
+        _pack(lay, sizes, data)
         lay.messages.clear()  # the live tensors are no longer read: the update may change them
         ref = SlotRef(name, inode, int(data.numel()), digest(data))
         with self._lock:

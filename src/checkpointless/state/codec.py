@@ -59,6 +59,9 @@ class Layout:
 
     manifest: dict[str, Any]
     messages: list[torch.Tensor]  # uint8, contiguous; large tensors are views of the state itself
+    # a staged layout's messages may lie on a GPU: the events after which they hold the step's
+    # state (state/device_copy.py); None: every message is in host memory
+    ready: list[Any] | None = None
 
     def manifest_bytes(self) -> bytes:
         return json.dumps(self.manifest, separators=(",", ":"), allow_nan=True).encode()

@@ -51,6 +51,7 @@ from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.errors import ConfigError, StateTransferError
 from checkpointless.events import get_logger
 from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers, unpack
+from checkpointless.state.device_copy import copy_out
 from checkpointless.state.snapshot import (
     Stateful,
     restore_from,
@@ -210,11 +211,16 @@ def write_snapshot(
             dst = torch.frombuffer(mm, dtype=torch.uint8)
             copy_s = 0.0
             try:
-                for off, msg in zip(offsets, lay.messages, strict=True):
-                    if cancel is not None and cancel.is_set():
-                        break
-                    n = int(msg.numel())
-                    dst[data_start + off : data_start + off + n].copy_(msg)
+                spans = [
+                    (data_start + off, int(m.numel())) for off, m in zip(offsets, lay.messages, strict=True)
+                ]
+                if lay.ready is not None:  # from a GPU: beside the training stream, all at once
+                    copy_out(lay.messages, [dst[a : a + n] for a, n in spans], lay.ready)
+                else:
+                    for (a, n), msg in zip(spans, lay.messages, strict=True):
+                        if cancel is not None and cancel.is_set():
+                            break
+                        dst[a : a + n].copy_(msg)
                 copy_s = time.monotonic() - t0
             finally:
                 lay.messages.clear()  # drop our views of the live tensors before anyone waits on us
@@ -381,7 +387,7 @@ class SnapshotWriter:
         if snapshot_path(self.directory, step).exists():
             return False  # a replay of steps already covered (after a restore)
         src = staged if staged is not None else staged_layout(state, guarded)
-        lay = Layout(src.manifest, list(src.messages))  # our own list: the writer clears it
+        lay = Layout(src.manifest, list(src.messages), src.ready)  # our own list: the writer clears it
         self._copied.clear()
         self._cancel.clear()
         self._thread = threading.Thread(

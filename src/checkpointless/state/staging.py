@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from checkpointless.state.codec import Layout, as_byte_view, encode, tensor_meta
+from checkpointless.state.device_copy import device_byte_view, on_device, ready_events
 
 __all__ = ["guarded_pointers", "staged_layout"]
 
@@ -92,7 +93,9 @@ def _byte_views(guarded: set[int]) -> Callable[[torch.Tensor], torch.Tensor]:
         v = memo.get(ptr)
         if v is not None and v.numel() == nbytes and t.is_contiguous():
             return v
-        v = as_byte_view(t)
+        # a CUDA tensor's bytes stay on the device: the copy's own thread brings them over
+        # (state/device_copy.py)
+        v = device_byte_view(t) if on_device(t) else as_byte_view(t)
         if ptr in guarded and v.data_ptr() == ptr:  # a view of live memory, not a copy
             memo[ptr] = v
         return v
@@ -152,9 +155,10 @@ def staged_layout(state: Any, guarded: set[int]) -> Layout:
             meta.update(msg=i, offset=0, solo=True)
         if view is None:
             view = as_bytes(t)
-            if view.data_ptr() not in guarded and t.device.type == "cpu":
-                # nothing waits for the copy before changing it: copy now (a device tensor's
-                # bytes were just copied to host memory, which nothing else holds)
+            if view.data_ptr() not in guarded and view.device == t.device:
+                # nothing waits for the copy before changing it: copy now, on the host or on
+                # the device (on the training stream, before the forward may change it); a
+                # tensor of another accelerator was just copied to host memory, held by nobody
                 view = view.clone()
         now.tensors.append(t)
         now.keys.append(key)
@@ -163,4 +167,6 @@ def staged_layout(state: Any, guarded: set[int]) -> Layout:
         messages.append(view)
     _last = now
     manifest = {"tree": skeleton, "tensors": now.metas, "messages": [int(m["nbytes"]) for m in now.metas]}
-    return Layout(manifest, messages)
+    # recorded after the clones: once it has passed on the device, the state as this step began
+    # is all there for the copy thread (None when everything is on the host)
+    return Layout(manifest, messages, ready=ready_events(messages))
