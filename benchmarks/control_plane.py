@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent.beats import WorkerBeat, beats_message, beats_of
-from checkpointless.coordinator import Coordinator, Send, Spawn
+from checkpointless.coordinator import Coordinator, HostTable, Send, Spawn
 from checkpointless.launcher.control import _CLIENT_NONCE, _NONCE, _SEQ, MAX_CONTROL_HEADER, Connection
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import (
@@ -98,6 +98,9 @@ class RunResult:
     largest_frames: dict[str, int]  # message type -> its largest sealed frame, bytes
     all_fit_control_cap: bool  # every frame sent fits the worker's MAX_CONTROL_HEADER
     table_chunks: int  # PeerTable chunks in the full table (what a new member receives)
+    table_bytes: int = 0  # the whole table of generation 0 as sealed frames
+    startup_tables_to_hosts: int = 0  # whole tables sent at start-up to hosts' agents ...
+    startup_tables_to_members: int = 0  # ... and to single members
 
 
 def _config(hosts: int, per_host: int, spare_hosts: int) -> LaunchConfig:
@@ -123,12 +126,20 @@ class _Shell:
         self.c = c
         self.now = 100.0
         self.sent: dict[int, Message] = {}  # distinct messages sent (sized after the timings)
+        # whole peer tables sent: to a host's agent (agent/tables.py) and to single members
+        self.tables = {"hosts": 0, "members": 0}
 
     def flush(self) -> list[Any]:
         out = self.c.drain()
         for cmd in out:
             if isinstance(cmd, Send):
                 self.sent.setdefault(id(cmd.message), cmd.message)
+                if isinstance(cmd.message, PeerTable) and cmd.message.first == 0:
+                    self.tables["members"] += 1
+            if isinstance(cmd, HostTable):
+                self.tables["hosts"] += 1
+                for m in cmd.chunks:
+                    self.sent.setdefault(id(m), m)
             if isinstance(cmd, Spawn):
                 self.c.on_started(
                     cmd.worker_id, f"10.0.{cmd.host // 256}.{cmd.host % 256}:{30000 + cmd.worker_id}"
@@ -183,6 +194,7 @@ def run_once(hosts: int, per_host: int = 8, spare_hosts: int = 2, heartbeat_roun
         return plan_s
 
     startup_s, plan0_s = _cpu(startup)
+    startup_tables = dict(sh.tables)
 
     members = list(c.procs)
     beat = Heartbeat(step=10, progress_age=0.05, in_collective=True, step_time=0.3)
@@ -278,6 +290,13 @@ def run_once(hosts: int, per_host: int = 8, spare_hosts: int = 2, heartbeat_roun
         largest_frames=dict(sorted(largest.items())),
         all_fit_control_cap=max(largest.values()) <= MAX_CONTROL_HEADER,
         table_chunks=sum(1 for m in sh.sent.values() if isinstance(m, PeerTable) and m.version == m_version),
+        table_bytes=sum(
+            len(encode_frame(s2c, {**encode(m), _NONCE: "n" * 32, _SEQ: 10**9}))
+            for m in sh.sent.values()
+            if isinstance(m, PeerTable) and m.version == 1
+        ),
+        startup_tables_to_hosts=startup_tables["hosts"],
+        startup_tables_to_members=startup_tables["members"],
     )
 
 
@@ -528,7 +547,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{m.fault_round_s:7.3f} s (lost {m.fault_host_lost_s:.3f}, assign {m.fault_assign_s:.3f}, "
             f"reports {m.fault_reports_s:.3f}, plan {m.fault_plan_s:.3f}; {m.fault_commands} commands); "
             f"one Recover {m.recover_frame_bytes / 1e3:.1f} kB, sealed in {m.recover_seal_ms:.2f} ms; "
-            f"per agent row {m.beat_row_us:.2f} us; full table {m.table_chunks} chunks; largest frames "
+            f"per agent row {m.beat_row_us:.2f} us; full table {m.table_chunks} chunks, "
+            f"{m.table_bytes / 1e3:.1f} kB, at start-up to {m.startup_tables_to_hosts} hosts + "
+            f"{m.startup_tables_to_members} members "
+            f"({(m.startup_tables_to_hosts + m.startup_tables_to_members) * m.table_bytes / 1e9:.2f} GB); "
+            "largest frames "
             + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in m.largest_frames.items())
             + ("" if m.all_fit_control_cap else " -- OVER THE CAP"),
             flush=True,

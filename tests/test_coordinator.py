@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from checkpointless.coordinator import Command, Coordinator, Emit, Kill, Log, Send, Spawn, Stop
+from checkpointless.coordinator import Command, Coordinator, Emit, HostTable, Kill, Log, Send, Spawn, Stop
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.peer_table import TableChunk, assemble, table_digest
 from checkpointless.protocol import (
@@ -133,15 +133,18 @@ def test_a_killed_rank_is_replaced_by_the_ready_spare_and_receives_state() -> No
     out += h.advance(0.01)
     plan = next(iter(h.sent(out, Recover).values())).plan
     assert plan["target_step"] == 7 and plan["source"] == 0 and plan["receivers"] == [1]
-    # the peer table travels as a delta to the survivors, whole (in chunks) to the spare
+    # the peer table travels as a delta to the survivors, whole (in chunks) to the spare's host,
+    # whose agent keeps it for the spare (agent/tables.py); nothing whole to a member
     recovers = h.sent(out, Recover)
     assert recovers[0].moved_ranks == [1] and recovers[0].moved_to == ["127.0.0.1:30003"]
     assert "peers" not in recovers[0].rendezvous
-    chunks = [
-        c.message
-        for c in out
-        if isinstance(c, Send) and c.worker_id == 3 and isinstance(c.message, PeerTable)
-    ]
+    assert not h.sent(out, PeerTable)
+    (copy,) = [c for c in out if isinstance(c, HostTable)]
+    first_plan = min(i for i, c in enumerate(out) if isinstance(c, Send) and isinstance(c.message, Recover))
+    assert copy.host == 0 and out.index(copy) < first_plan, "the host's copy goes out before the plans"
+
+    chunks = [c for c in copy.chunks if isinstance(c, PeerTable)]
+    assert all(c.version == recovers[3].table_version for c in chunks)
     table = assemble([TableChunk(c.first, c.hosts, c.runs) for c in chunks], 3)
     assert table == ["127.0.0.1:30000", "127.0.0.1:30003", "127.0.0.1:30002"], "rank 1 is the spare now"
     assert table_digest(table) == recovers[3].table_digest == recovers[0].table_digest

@@ -75,6 +75,12 @@ def test_host_loss_moves_its_ranks_to_the_spare_host(netns_hosts: Any, tmp_path:
         assert {moved[2], moved[3]} <= job.spare_host_spawns(), "the lost ranks must land on the spare host"
     rec = job.events("recovery")[-1]
     assert rec["transport"] == "stream", rec
+    # the peer table went to each host's agent, once per version, and every worker read it there
+    # (agent/tables.py): none whole to a member, none asked for
+    plans = job.events("plan")
+    assert all(p["peer_tables"]["members"] == 0 for p in plans), plans
+    assert plans[0]["peer_tables"]["hosts"] >= 2 and plans[-1]["peer_tables"]["hosts"] == 1, plans
+    assert not job.events("peer_table_request")
 
 
 @pytest.mark.netns

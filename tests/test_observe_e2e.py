@@ -104,6 +104,11 @@ def test_metrics_status_and_report_of_a_faulted_job(
     plan = next(e for e in ev if e["event"] == "plan" and e["generation"] == rec["generation"])
     sent = _metric(text, "checkpointless_state_transferred_bytes_total")
     assert sent == pytest.approx(rec["state_bytes"] * len(plan["receivers"])) and sent > 0
+    # the spare read the new peer table from the host's copy (agent/tables.py), as every rank did
+    # at start-up: one copy per round to the host, none whole to a member, none asked for
+    plans = [e for e in ev if e["event"] == "plan"]
+    assert [p["peer_tables"] for p in plans] == [{"hosts": 1, "members": 0}] * 2, plans
+    assert not [e for e in ev if e["event"] == "peer_table_request"]
     assert _metric(text, "checkpointless_generation") == rec["generation"]
     assert _metric(text, "checkpointless_steps_committed_total") > 5
     assert _metric(text, "checkpointless_step_duration_seconds_count") > 3

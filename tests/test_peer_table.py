@@ -1,17 +1,22 @@
 """The peer table's wire forms (peer_table.py) as pure functions, and the coordinator's side of
 them: whatever the table, the worker's rebuilt copy equals the coordinator's, every chunk and
 every Recover fits the control-frame cap, and a worker that missed a delta asks for the whole
-table instead of meeting a wrong peer."""
+table instead of meeting a wrong peer; a host's agent keeps one checked copy of each version for
+its workers (agent/tables.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointless.coordinator import Coordinator, Send, Spawn
+from checkpointless.agent.tables import TableFiles, read_table
+from checkpointless.coordinator import Coordinator, HostTable, Send, Spawn
 from checkpointless.launcher.control import MAX_CONTROL_HEADER
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.peer_table import (
@@ -156,6 +161,7 @@ class Job:
         self.c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
         self.now = 10.0
         self.workers: dict[int, TableHolder] = {}
+        self.copies: dict[int, tuple[int, str, list[str]]] = {}  # host -> its agent's table
         self.c.start(self.now)
         self.out = self.flush()
 
@@ -171,10 +177,19 @@ class Job:
         self.c.tick(self.now, 1e9)
         return self.flush()
 
-    def deliver(self, out: list[Any], drop: frozenset[int] = frozenset()) -> dict[int, dict[str, Any] | None]:
-        """Play each worker's link: chunks into its holder, each Recover resolved (None: it asks)."""
+    def deliver(
+        self, out: list[Any], drop: frozenset[int] = frozenset(), host_copy: bool = True
+    ) -> dict[int, dict[str, Any] | None]:
+        """Play each worker's link: chunks into its holder, each Recover resolved (None: it asks);
+        and each agent's copy of the table (``HostTable``), which a worker whose plan names a
+        version it does not hold takes when it is that version (``host_copy``: it has one)."""
         resolved: dict[int, dict[str, Any] | None] = {}
         for cmd in out:
+            if isinstance(cmd, HostTable):
+                c0 = cmd.chunks[0]
+                assert isinstance(c0, PeerTable)
+                parts = [TableChunk(c.first, c.hosts, c.runs) for c in cmd.chunks if isinstance(c, PeerTable)]
+                self.copies[cmd.host] = (c0.version, c0.digest, assemble(parts, c0.world_size))
             if not isinstance(cmd, Send) or cmd.worker_id in drop:
                 continue
             h = self.workers.setdefault(cmd.worker_id, TableHolder())
@@ -182,7 +197,17 @@ class Job:
             if isinstance(m, PeerTable):
                 h.on_chunk(m.version, m.digest, m.world_size, TableChunk(m.first, m.hosts, m.runs))
             elif isinstance(m, Recover):
-                resolved[cmd.worker_id] = h.resolve(encode(m))
+                got = h.resolve(encode(m))
+                copy = self.copies.get(self.c.procs[cmd.worker_id].host)
+                if (
+                    got is None
+                    and host_copy
+                    and copy is not None
+                    and copy[:2] == (m.table_version, m.table_digest)
+                ):
+                    h.adopt(m.table_version, copy[2])
+                    got = h.resolve(encode(m))
+                resolved[cmd.worker_id] = got
         return resolved
 
 
@@ -237,7 +262,14 @@ def test_every_member_meets_the_coordinators_table_through_two_rounds_and_a_miss
     truth[4] = j.c.ranks[4].store_address
     # the coordinator believes worker 1 holds version 2, so it sent it only the delta 2 -> 3
     assert not any(isinstance(c, Send) and c.worker_id == 1 and isinstance(c.message, PeerTable) for c in out)
-    res = j.deliver(out)
+    # its host's agent holds version 3 (sent for the new spare): a worker with that copy takes it
+    # there; one without (no table directory) must not resolve the plan and asks instead
+    base = {w: (h.version, list(h.peers)) for w, h in j.workers.items()}
+    with_copy = j.deliver(out)
+    assert with_copy[1] is not None and with_copy[1]["rendezvous"]["peers"] == truth
+    for w, (version, peers) in base.items():
+        j.workers[w].adopt(version, peers)
+    res = j.deliver(out, host_copy=False)
     assert j.workers[1].version == 1 and res[1] is None, (
         "a worker that missed a delta must not resolve the plan"
     )
@@ -365,3 +397,66 @@ def test_a_worker_link_that_missed_a_delta_asks_for_the_whole_table_before_it_se
     finally:
         link.close()
         server.stop()
+
+
+# -- the host's copy (agent/tables.py) -------------------------------------------------------------
+def _table_msgs(peers: list[str], version: int, budget: int = CHUNK_BYTES) -> list[PeerTable]:
+    d = table_digest(peers)
+    return [PeerTable(version, d, len(peers), c.first, c.hosts, c.runs) for c in encode_chunks(peers, budget)]
+
+
+def test_a_hosts_copy_is_written_whole_checked_and_read_back_only_for_its_version(tmp_path: Path) -> None:
+    peers = [f"10.0.{h // 250}.{h % 250}:{29500 + r}" for h in range(300) for r in range(8)]
+    msgs = _table_msgs(peers, 4, budget=2048)
+    assert len(msgs) > 3, "several chunks"
+    files = TableFiles(tmp_path / "peers")
+    written = [files.on_chunk(m) for m in msgs]
+    assert written == [None] * (len(msgs) - 1) + [4], "written once, when the last chunk arrived"
+    assert [p.name for p in (tmp_path / "peers").iterdir()] == ["v4"], "no temporary file left"
+    assert (tmp_path / "peers" / "v4").stat().st_mode & 0o777 == 0o600
+    d = msgs[0].digest
+    assert read_table(tmp_path / "peers", 4, d) == peers
+    assert read_table(tmp_path / "peers", 4, "0" * 24) is None, "a plan with another digest"
+    assert read_table(tmp_path / "peers", 5, d) is None, "no copy of that version"
+
+
+def test_a_broken_table_is_never_written_and_a_bad_file_is_never_read(tmp_path: Path) -> None:
+    peers = [f"10.0.0.{h}:{29500 + r}" for h in range(200) for r in range(4)]
+    msgs = _table_msgs(peers, 2, budget=1024)
+    files = TableFiles(tmp_path / "peers")
+    assert all(files.on_chunk(m) is None for m in msgs[:1] + msgs[2:]), "a chunk missing"
+    forged = [dataclasses.replace(m, digest="f" * 24) for m in msgs]
+    assert all(files.on_chunk(m) is None for m in forged), "chunks that do not match their digest"
+    assert not list((tmp_path / "peers").iterdir())
+    d = msgs[0].digest
+    path = tmp_path / "peers" / "v2"
+    for body in (
+        b"{not json",
+        b'{"version": 2}',
+        json.dumps({"version": 2, "digest": d, "chunks": 7}).encode(),
+    ):
+        path.write_bytes(body)
+        assert read_table(tmp_path / "peers", 2, d) is None
+    path.unlink()
+    real = tmp_path / "elsewhere"
+    real.write_bytes(b"{}")
+    path.symlink_to(real)
+    assert read_table(tmp_path / "peers", 2, d) is None, "a link is not followed"
+
+
+def test_a_host_keeps_its_two_newest_tables(tmp_path: Path) -> None:
+    files = TableFiles(tmp_path / "peers")
+    peers = [f"10.0.0.1:{29500 + r}" for r in range(4)]
+    for v in (1, 2, 3):
+        peers[v] = f"10.0.0.9:{29600 + v}"
+        for m in _table_msgs(peers, v):
+            files.on_chunk(m)
+    assert sorted(p.name for p in (tmp_path / "peers").iterdir()) == ["v2", "v3"]
+
+
+def test_a_table_directory_open_to_others_is_refused(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    open_dir.chmod(0o777)
+    with pytest.raises(OSError, match="not a private directory"):
+        TableFiles(open_dir)

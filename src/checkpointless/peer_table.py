@@ -323,6 +323,11 @@ class TableHolder:
         self.version, self.peers = version, parts
         return True
 
+    def adopt(self, version: int, peers: list[str]) -> None:
+        """Hold ``peers`` as ``version`` (a whole table already checked against its digest)."""
+        self._building, self._parts = None, []
+        self.version, self.peers = version, list(peers)
+
     def resolve(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         out = dict(msg)
         out["plan"] = expand_plan(dict(msg.get("plan", {})))

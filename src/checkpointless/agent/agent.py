@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent.beats import BEAT_ENV, BeatReader, WorkerBeat, make_beat_dir
+from checkpointless.agent.tables import TABLE_ENV, TableFiles
 from checkpointless.config import ENV
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger, open_private_append
@@ -32,7 +33,7 @@ from checkpointless.launcher.forkserver import (
 from checkpointless.launcher.output import OutputTail, worker_log
 from checkpointless.launcher.policy import Limits, ProcWatch
 from checkpointless.launcher.proctable import read_sample
-from checkpointless.protocol import SUCCESSION_ENV, Succession, succession_to_env
+from checkpointless.protocol import SUCCESSION_ENV, PeerTable, Succession, succession_to_env
 
 __all__ = ["Agent", "AgentConfig", "ProcExit", "ProcVerdict", "ProcessHandle"]
 
@@ -109,6 +110,7 @@ class Agent:
         self._sampled = 0.0
         self._reaped = 0.0
         self.beats = self._beat_reader(env)
+        self.tables = self._table_files(env)
         # the newest succession heard (agent/remote.py sets it): every process started from now
         # on gets it, so that one still starting when the coordinator is lost can reconnect
         self.succession: Succession | None = None
@@ -126,6 +128,25 @@ class Agent:
         except OSError as e:
             log.warning("workers heartbeat over their own connections: %s", e)
             return None
+
+    @staticmethod
+    def _table_files(env: dict[str, str]) -> TableFiles | None:
+        """Where this host keeps the peer table for its workers (agent/tables.py)."""
+        job = env.get(ENV.JOB_ID)
+        if not job:
+            return None
+        from checkpointless.launcher.reaper import job_shm_dir
+
+        try:
+            return TableFiles(job_shm_dir(job) / "peers")
+        except OSError as e:
+            log.warning("workers get the peer table over their own connections: %s", e)
+            return None
+
+    def on_table_chunk(self, msg: PeerTable) -> None:
+        """A chunk of the peer table the coordinator sends this host's workers through us."""
+        if self.tables is not None:
+            self.tables.on_chunk(msg)
 
     def read_beats(self, now: float) -> list[WorkerBeat]:
         """Heartbeats this host's processes published since the last call (any one thread)."""
@@ -197,6 +218,8 @@ class Agent:
         env[ENV.STORE_PORT] = str(port)  # 0 when the rendezvous is not root-less
         if self.beats is not None:
             env[BEAT_ENV] = str(self.beats.path(worker_id))
+        if self.tables is not None:
+            env[TABLE_ENV] = str(self.tables.directory)
         if self.succession is not None:
             env[SUCCESSION_ENV] = succession_to_env(self.succession)
         argv = [self.cfg.python, self.cfg.script, *self.cfg.script_args]

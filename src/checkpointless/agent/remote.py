@@ -49,6 +49,7 @@ from checkpointless.protocol import (
     AgentWelcome,
     KillCmd,
     Message,
+    PeerTable,
     ProcConnected,
     ProcExited,
     ProcStarted,
@@ -151,6 +152,8 @@ class _Session:
                     agent.kill(msg.worker_id, msg.why)
                 elif isinstance(msg, ProcConnected):
                     agent.mark_connected(msg.worker_id)  # judged by heartbeats from now on
+                elif isinstance(msg, PeerTable):
+                    agent.on_table_chunk(msg)  # kept for this host's workers (agent/tables.py)
                 elif isinstance(msg, Shutdown):
                     return "shutdown"
                 elif isinstance(msg, Succession) and msg.term >= self.w.term:

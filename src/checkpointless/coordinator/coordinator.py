@@ -26,6 +26,7 @@ from checkpointless.coordinator.state import (
     Command,
     Emit,
     HostState,
+    HostTable,
     Kill,
     Log,
     Member,
@@ -96,6 +97,8 @@ class Coordinator:
         self.hosts: dict[int, HostState] = {}  # agent id -> its host (one machine: host 0 only)
         self.table = TableKeeper()  # the root-less peer table as the members hold it
         self._table_msgs: tuple[int, list[PeerTable]] = (0, [])
+        self.table_sends = 0  # whole tables sent to one member (start-up without a host copy, requests)
+        self.host_tables = 0  # whole tables sent to a host's agent for its members
         self.started = False
         self._out: list[Command] = []
         rule = StragglerRule(cfg.straggler_ratio, cfg.straggler_window) if cfg.straggler_ratio else None
@@ -343,6 +346,9 @@ class Coordinator:
                 m, now, msg.step, msg.progress_age, msg.in_collective, msg.step_time, msg.busy_time
             )
         elif isinstance(msg, PeerTableRequest):
+            # the host's copy failed this member (none, not yet there, or not matching): worth
+            # seeing, since every member of a host asking costs what the copy was meant to save
+            self._emit("peer_table_request", worker=m.worker_id, rank=m.rank, host=m.host, have=msg.have)
             self._send_table(m)
         elif isinstance(msg, SpareReady):
             m.ready = True
@@ -387,19 +393,42 @@ class Coordinator:
         if busy_time is not None:
             m.busy_time = busy_time
 
+    def _table_chunks(self) -> list[PeerTable]:
+        """The current table as messages: built once per version, for every member and host."""
+        t = self.table
+        if self._table_msgs[0] != t.version:
+            msgs = [
+                PeerTable(t.version, t.digest, len(t.peers), c.first, c.hosts, c.runs) for c in t.chunks()
+            ]
+            self._table_msgs = (t.version, msgs)
+        return self._table_msgs[1]
+
     def _send_table(self, m: Member) -> None:
         """The whole peer table to one member, in chunks (peer_table.py)."""
         t = self.table
         if t.version == 0:
             return  # no plan yet: its first Recover brings the table
-        if self._table_msgs[0] != t.version:  # one set of messages per version, for every member
-            msgs = [
-                PeerTable(t.version, t.digest, len(t.peers), c.first, c.hosts, c.runs) for c in t.chunks()
-            ]
-            self._table_msgs = (t.version, msgs)
-        for chunk in self._table_msgs[1]:
+        for chunk in self._table_chunks():
             self._send(m, chunk)
+        self.table_sends += 1
         if m.connected and not m.exited:  # _send drops what a closed connection cannot take
+            t.sent(m.worker_id)
+
+    def _give_table(self, m: Member) -> None:
+        """Bring a member that needs the whole table up to the current version: through its host's
+        copy (agent/tables.py), sent to the agent once per version for all its workers; the member
+        reads it there when its plan arrives, and asks us itself (``PeerTableRequest``) only when
+        that copy fails it. A member of a host we do not know as live gets its own copy."""
+        t = self.table
+        h = self.hosts.get(m.host)
+        if h is None or h.lost or t.version == 0:
+            self._send_table(m)
+            return
+        if h.table_version != t.version:
+            h.table_version = t.version
+            self._out.append(HostTable(h.host, tuple(self._table_chunks())))
+            self.host_tables += 1
+        if m.connected and not m.exited:
             t.sent(m.worker_id)
 
     # -- faults -------------------------------------------------------------------------------

@@ -96,15 +96,19 @@ def advance_round(c: Coordinator, now: float) -> None:
         moved_ranks=[rank for rank, _ in t.moved],
         moved_to=[address for _, address in t.moved],
     )
+    sends, hosts = c.table_sends, c.host_tables
     for m in c.ranks.values():
         if rootless and t.needs_full(m.worker_id):
-            c._send_table(m)
+            c._give_table(m)
         elif m.connected and not m.exited:
             t.sent(m.worker_id)
+    for m in c.ranks.values():  # after every host's copy: a remote agent gets it first
         c._send(m, msg)
     r.phase = "rebuild"
     r.plan_sent = now
-    c._emit("plan", generation=r.target, **plan_json)
+    # whole tables this round sent to hosts' agents and to single members (agent/tables.py)
+    tables = {"hosts": c.host_tables - hosts, "members": c.table_sends - sends}
+    c._emit("plan", generation=r.target, peer_tables=tables, **plan_json)
 
 
 def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> None:

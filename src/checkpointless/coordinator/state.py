@@ -13,7 +13,19 @@ from typing import Any
 from checkpointless.protocol import Message
 from checkpointless.recovery.decisions import MemberReport
 
-__all__ = ["Command", "Emit", "HostState", "Kill", "Log", "Member", "Round", "Send", "Spawn", "Stop"]
+__all__ = [
+    "Command",
+    "Emit",
+    "HostState",
+    "HostTable",
+    "Kill",
+    "Log",
+    "Member",
+    "Round",
+    "Send",
+    "Spawn",
+    "Stop",
+]
 
 
 @dataclass
@@ -27,6 +39,7 @@ class HostState:
     order: int = -1  # placement hint from the agent (Slurm's node id)
     node_rank: int | None = None  # None: a spare host
     lost: bool = False
+    table_version: int = 0  # the newest peer table sent to its agent for its workers (0: none)
 
 
 @dataclass
@@ -105,6 +118,14 @@ class Kill(Command):
 class Send(Command):
     worker_id: int
     message: Message
+
+
+@dataclass(frozen=True)
+class HostTable(Command):
+    """Give a host's agent the whole peer table, which it keeps for its workers (agent/tables.py)."""
+
+    host: int
+    chunks: tuple[Message, ...]  # PeerTable chunks, in rank order
 
 
 @dataclass(frozen=True)

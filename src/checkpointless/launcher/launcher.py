@@ -28,7 +28,7 @@ from typing import Any
 
 from checkpointless.agent import Agent, AgentConfig, ProcExit
 from checkpointless.config import ENV
-from checkpointless.coordinator import Coordinator, Emit, Kill, Log, Send, Spawn, Stop
+from checkpointless.coordinator import Coordinator, Emit, HostTable, Kill, Log, Send, Spawn, Stop
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.agents import AgentHosts, _beat_agents, _hang_up
 from checkpointless.launcher.control import Connection, ControlServer
@@ -41,6 +41,7 @@ from checkpointless.protocol import (
     AgentHello,
     Hello,
     KillCmd,
+    PeerTable,
     ProcConnected,
     ProtocolError,
     SpareReady,
@@ -370,6 +371,16 @@ class Launcher(AgentHosts):
                         self._agents[c.host].send(encode(SpawnCmd(c.worker_id, c.role)))
                     elif agent is not None and c.host == self._local_host:
                         coord.on_started(c.worker_id, agent.spawn(c.worker_id, c.role))
+                elif isinstance(c, HostTable):
+                    # before the plans that name its version go out, in this same pass: the
+                    # embedded agent has the file written by then; a remote one gets the chunks
+                    # first on its own connection
+                    for chunk in c.chunks:
+                        if c.host in self._agents:
+                            self._agents[c.host].send(encode(chunk))
+                        elif agent is not None and c.host == self._local_host:
+                            assert isinstance(chunk, PeerTable)
+                            agent.on_table_chunk(chunk)
                 elif isinstance(c, Kill):
                     if c.host in self._agents:
                         self._agents[c.host].send(encode(KillCmd(c.worker_id, c.why)))

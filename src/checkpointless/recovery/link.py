@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar, overload
 
 from checkpointless.agent.beats import BEAT_ENV, BeatWriter
+from checkpointless.agent.tables import TABLE_ENV, read_table, table_path
 from checkpointless.config import WorkerEnv
 from checkpointless.events import get_logger
 from checkpointless.launcher.control import ControlClient
@@ -63,6 +64,7 @@ from checkpointless.protocol import (
 __all__ = ["LauncherLink", "set_parent_death_signal"]
 
 log = get_logger()
+_HOST_TABLE_WAIT_S = 1.0  # how long a plan waits for its host's copy of the table to appear
 # the kinds of message a caller waits for, so that it gets their union back, typed
 A = TypeVar("A", bound=Message)
 B = TypeVar("B", bound=Message)
@@ -106,6 +108,8 @@ class LauncherLink:
         self._held: Recover | None = None  # a recover waiting for the full table
         self._asked = 0  # full tables asked for in a row that did not arrive intact
         self._beats: BeatWriter | None = None
+        tables = os.environ.get(TABLE_ENV)
+        self._tables = Path(tables) if tables else None  # the host's peer tables (agent/tables.py)
         path = os.environ.get(BEAT_ENV)
         if path:
             try:
@@ -223,9 +227,11 @@ class LauncherLink:
             log.warning("cannot read the plan for generation %d: %s", msg.generation, e)
             self._held = None
             return msg
+        if resolved is None and self._from_host(msg):
+            resolved = self.table.resolve(encode(msg))
         if resolved is None:
-            # a delta for a table we do not hold (or that would not match its digest):
-            # never meet peers at guessed addresses; ask for all of it and wait
+            # a delta for a table we do not hold (or that would not match its digest), and no
+            # good copy on this host: never meet peers at guessed addresses; ask for all of it
             log.info(
                 "peer table v%d does not apply to v%d here; asking for all of it",
                 msg.table_version,
@@ -236,6 +242,24 @@ class LauncherLink:
             return None
         self._held = None
         return dataclasses.replace(msg, plan=resolved["plan"], rendezvous=resolved["rendezvous"])
+
+    def _from_host(self, msg: Recover) -> bool:
+        """Take the plan's table version from the copy this host's agent keeps (agent/tables.py),
+        checked against the plan's digest. The agent gets it on a connection of its own, sent just
+        before our plan: a copy not there yet is waited for briefly (on this reader thread, which
+        has nothing else to do while it has no plan to hand on)."""
+        if self._tables is None or msg.table_version < 0:
+            return False
+        path = table_path(self._tables, msg.table_version)
+        deadline = time.monotonic() + _HOST_TABLE_WAIT_S
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        peers = read_table(self._tables, msg.table_version, msg.table_digest)
+        if peers is None:
+            log.info("no good copy of peer table v%d on this host", msg.table_version)
+            return False
+        self.table.adopt(msg.table_version, peers)
+        return True
 
     def _on_table_chunk(self, m: PeerTable) -> None:
         try:
