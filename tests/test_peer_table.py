@@ -444,7 +444,7 @@ def test_a_broken_table_is_never_written_and_a_bad_file_is_never_read(tmp_path: 
     assert read_table(tmp_path / "peers", 2, d) is None, "a link is not followed"
 
 
-def test_a_host_keeps_its_two_newest_tables(tmp_path: Path) -> None:
+def test_a_host_keeps_the_two_tables_written_last(tmp_path: Path) -> None:
     files = TableFiles(tmp_path / "peers")
     peers = [f"10.0.0.1:{29500 + r}" for r in range(4)]
     for v in (1, 2, 3):
@@ -452,6 +452,12 @@ def test_a_host_keeps_its_two_newest_tables(tmp_path: Path) -> None:
         for m in _table_msgs(peers, v):
             files.on_chunk(m)
     assert sorted(p.name for p in (tmp_path / "peers").iterdir()) == ["v2", "v3"]
+    # a coordinator elected after a failover numbers its tables from 1 again
+    peers[0] = "10.0.0.8:29700"
+    for m in _table_msgs(peers, 1):
+        files.on_chunk(m)
+    assert sorted(p.name for p in (tmp_path / "peers").iterdir()) == ["v1", "v3"]
+    assert read_table(tmp_path / "peers", 1, table_digest(peers)) == peers
 
 
 def test_a_table_directory_open_to_others_is_refused(tmp_path: Path) -> None:

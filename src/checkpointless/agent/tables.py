@@ -14,7 +14,7 @@ ranks per host.
 The file holds the chunks as they came (runs of consecutive ports, not one address per rank), is
 written whole under a temporary name and renamed, in a directory only this user can use (as the
 heartbeat records: a planted table would send a worker to a stranger's key server), and the agent
-keeps the two newest versions (a worker may still be reading the one before the newest).
+keeps the two versions written last (a worker may still be reading the one before).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class TableFiles:
         self.directory = make_beat_dir(directory)
         self._building: list[PeerTable] = []
         self._holder = TableHolder()  # checks each table as it is built
-        self.written = 0  # the newest version written here
+        self.written = 0  # the version written last
+        self._recent: list[int] = []  # the versions kept, oldest first
 
     def on_chunk(self, msg: PeerTable) -> int | None:
         """Take one chunk; the version written once a whole table has arrived intact, else None.
@@ -91,10 +92,15 @@ class TableFiles:
             tmp.unlink(missing_ok=True)
             log.warning("cannot keep peer table v%d for this host's workers: %s", version, e)
             return
-        self.written = max(self.written, version)
+        # the two written last, not the two highest: a coordinator elected after a failover
+        # numbers its tables from 1 again (a file of the same number from before is refused by
+        # its digest, never taken for the new table)
+        older = [v for v in self._recent if v != version]
+        self._recent = [*older[len(older) - (_KEEP - 1) :], version]
+        self.written = version
+        keep = {table_path(self.directory, v).name for v in self._recent}
         for old in self.directory.glob("v*"):
-            v = old.name[1:]
-            if v.isdigit() and int(v) <= self.written - _KEEP:
+            if old.name not in keep:
                 old.unlink(missing_ok=True)
 
 
