@@ -118,6 +118,10 @@ def test_a_delta_rebuilds_the_new_table_and_a_missed_one_is_detected(peers: list
         other = list(peers)
         other[untouched[0]] += "x"
         assert holder_with(other, 1).resolve(recover) is None
+    # nor one that holds the plan's version number for another table (a coordinator elected after
+    # a failover numbers from 1 again): the number alone is never trusted
+    if new != peers:
+        assert holder_with(peers, 2).resolve(recover) is None
 
 
 @settings(max_examples=200, deadline=None)

@@ -302,6 +302,7 @@ class TableHolder:
     def __init__(self) -> None:
         self.version = -1  # none yet
         self.peers: list[str] = []
+        self.digest = ""  # of ``peers``
         self._building: tuple[int, str, int] | None = None  # version, digest, world size
         self._parts: list[str] = []
 
@@ -320,13 +321,13 @@ class TableHolder:
         parts, self._building, self._parts = self._parts, None, []
         if table_digest(parts) != digest:
             raise TableError(f"full table version {version} does not match its digest")
-        self.version, self.peers = version, parts
+        self.version, self.peers, self.digest = version, parts, digest
         return True
 
     def adopt(self, version: int, peers: list[str]) -> None:
         """Hold ``peers`` as ``version`` (a whole table already checked against its digest)."""
         self._building, self._parts = None, []
-        self.version, self.peers = version, list(peers)
+        self.version, self.peers, self.digest = version, list(peers), table_digest(peers)
 
     def resolve(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         out = dict(msg)
@@ -336,6 +337,11 @@ class TableHolder:
         if desc.get("kind") != "rootless" or version < 0 or "peers" in desc:
             out["rendezvous"] = desc  # no table to keep (--rendezvous tcp), or an inline one
             return out
+        digest = msg.get("table_digest")
+        if self.version == version and digest and digest != self.digest:
+            # the same number for another table: a coordinator elected after a failover numbers
+            # its tables from 1 again. Never trust a number alone
+            return None
         if self.version != version:
             base = int(msg.get("table_base", -1))
             if base < 0 or self.version != base:
@@ -346,7 +352,7 @@ class TableHolder:
                 return None
             if table_digest(peers) != msg.get("table_digest"):
                 return None
-            self.version, self.peers = version, peers
+            self.version, self.peers, self.digest = version, peers, str(digest)
         desc["peers"] = list(self.peers)
         out["rendezvous"] = desc
         return out

@@ -38,6 +38,10 @@ _KEEP = 2  # versions kept on a host
 _MAX_BYTES = 64 << 20  # a table file larger than this is not ours (80k ranks: ~0.4 MB)
 
 
+def _same_table(a: PeerTable, b: PeerTable) -> bool:
+    return (a.version, a.digest, a.world_size) == (b.version, b.digest, b.world_size)
+
+
 def table_path(directory: Path, version: int) -> Path:
     return directory / f"v{version}"
 
@@ -59,6 +63,8 @@ class TableFiles:
         A broken table is dropped (logged): its workers then ask the coordinator themselves."""
         if msg.first == 0:
             self._building = []
+        elif not self._building or not _same_table(self._building[-1], msg):
+            return None  # the rest of a table given up on: wait for the next table's first chunk
         self._building.append(msg)
         try:
             done = self._holder.on_chunk(

@@ -252,14 +252,25 @@ class LauncherLink:
             return False
         path = table_path(self._tables, msg.table_version)
         deadline = time.monotonic() + _HOST_TABLE_WAIT_S
-        while not path.exists() and time.monotonic() < deadline:
+        seen: tuple[int, int, int] | None = None
+        while True:
+            try:
+                st = path.stat()
+                now = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except OSError:
+                now = None
+            if now is not None and now != seen:  # there, or replaced: (re)read it
+                seen = now
+                peers = read_table(self._tables, msg.table_version, msg.table_digest)
+                if peers is not None:
+                    self.table.adopt(msg.table_version, peers)
+                    return True
+            # not there yet, or another table of that number (a coordinator elected after a
+            # failover numbers from 1 again, and its copy may still be on its way)
+            if time.monotonic() >= deadline:
+                log.info("no good copy of peer table v%d on this host", msg.table_version)
+                return False
             time.sleep(0.005)
-        peers = read_table(self._tables, msg.table_version, msg.table_digest)
-        if peers is None:
-            log.info("no good copy of peer table v%d on this host", msg.table_version)
-            return False
-        self.table.adopt(msg.table_version, peers)
-        return True
 
     def _on_table_chunk(self, m: PeerTable) -> None:
         try:
