@@ -14,9 +14,10 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from checkpointless.agent.beats import BEAT_ENV, BeatReader, WorkerBeat, make_beat_dir
 from checkpointless.agent.tables import TABLE_ENV, TableFiles
@@ -38,6 +39,7 @@ from checkpointless.protocol import SUCCESSION_ENV, PeerTable, Succession, succe
 __all__ = ["Agent", "AgentConfig", "ProcExit", "ProcVerdict", "ProcessHandle"]
 
 log = get_logger()
+T = TypeVar("T")
 
 # a fresh interpreter, or a fork of the template that has already imported torch
 ProcessHandle = subprocess.Popen[bytes] | ForkedProcess
@@ -109,38 +111,32 @@ class Agent:
         self.forkserver: ForkServer | None = None
         self._sampled = 0.0
         self._reaped = 0.0
-        self.beats = self._beat_reader(env)
-        self.tables = self._table_files(env)
+        # the workers' heartbeat records (agent/beats.py) and this host's peer tables (agent/tables.py)
+        self.beats = self._in_job_shm(
+            env,
+            lambda d: BeatReader(make_beat_dir(d / "beats")),
+            "workers heartbeat over their own connections",
+        )
+        self.tables = self._in_job_shm(
+            env, lambda d: TableFiles(d / "peers"), "workers get the peer table over their own connections"
+        )
         # the newest succession heard (agent/remote.py sets it): every process started from now
         # on gets it, so that one still starting when the coordinator is lost can reconnect
         self.succession: Succession | None = None
 
     @staticmethod
-    def _beat_reader(env: dict[str, str]) -> BeatReader | None:
-        """The records this host's workers publish their heartbeats in (agent/beats.py)."""
+    def _in_job_shm(env: dict[str, str], make: Callable[[Path], T], without: str) -> T | None:
+        """``make`` of the job's private shared-memory directory (heartbeat records, peer tables),
+        or None when the job has none or it cannot be used there (``without`` says what then)."""
         job = env.get(ENV.JOB_ID)
         if not job:
             return None
         from checkpointless.launcher.reaper import job_shm_dir
 
         try:
-            return BeatReader(make_beat_dir(job_shm_dir(job) / "beats"))
+            return make(job_shm_dir(job))
         except OSError as e:
-            log.warning("workers heartbeat over their own connections: %s", e)
-            return None
-
-    @staticmethod
-    def _table_files(env: dict[str, str]) -> TableFiles | None:
-        """Where this host keeps the peer table for its workers (agent/tables.py)."""
-        job = env.get(ENV.JOB_ID)
-        if not job:
-            return None
-        from checkpointless.launcher.reaper import job_shm_dir
-
-        try:
-            return TableFiles(job_shm_dir(job) / "peers")
-        except OSError as e:
-            log.warning("workers get the peer table over their own connections: %s", e)
+            log.warning("%s: %s", without, e)
             return None
 
     def on_table_chunk(self, msg: PeerTable) -> None:
