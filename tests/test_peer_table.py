@@ -191,8 +191,7 @@ class Job:
         for cmd in out:
             if isinstance(cmd, HostTable):
                 c0 = cmd.chunks[0]
-                assert isinstance(c0, PeerTable)
-                parts = [TableChunk(c.first, c.hosts, c.runs) for c in cmd.chunks if isinstance(c, PeerTable)]
+                parts = [TableChunk(c.first, c.hosts, c.runs) for c in cmd.chunks]
                 self.copies[cmd.host] = (c0.version, c0.digest, assemble(parts, c0.world_size))
             if not isinstance(cmd, Send) or cmd.worker_id in drop:
                 continue

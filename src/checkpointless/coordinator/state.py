@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpointless.protocol import Message
+from checkpointless.protocol import Message, PeerTable
 from checkpointless.recovery.decisions import MemberReport
 
 __all__ = [
@@ -125,7 +125,7 @@ class HostTable(Command):
     """Give a host's agent the whole peer table, which it keeps for its workers (agent/tables.py)."""
 
     host: int
-    chunks: tuple[Message, ...]  # PeerTable chunks, in rank order
+    chunks: tuple[PeerTable, ...]  # in rank order
 
 
 @dataclass(frozen=True)

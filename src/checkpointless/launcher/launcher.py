@@ -41,7 +41,6 @@ from checkpointless.protocol import (
     AgentHello,
     Hello,
     KillCmd,
-    PeerTable,
     ProcConnected,
     ProtocolError,
     SpareReady,
@@ -379,7 +378,6 @@ class Launcher(AgentHosts):
                         if c.host in self._agents:
                             self._agents[c.host].send(encode(chunk))
                         elif agent is not None and c.host == self._local_host:
-                            assert isinstance(chunk, PeerTable)
                             agent.on_table_chunk(chunk)
                 elif isinstance(c, Kill):
                     if c.host in self._agents:

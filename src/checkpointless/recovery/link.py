@@ -247,11 +247,14 @@ class LauncherLink:
         """Take the plan's table version from the copy this host's agent keeps (agent/tables.py),
         checked against the plan's digest. The agent gets it on a connection of its own, sent just
         before our plan: a copy not there yet is waited for briefly (on this reader thread, which
-        has nothing else to do while it has no plan to hand on)."""
+        has nothing else to do while it has no plan to hand on) when the coordinator must have
+        sent one (we hold no table, or the plan carries no delta); a worker that merely missed a
+        delta looks once and asks."""
         if self._tables is None or msg.table_version < 0:
             return False
         path = table_path(self._tables, msg.table_version)
-        deadline = time.monotonic() + _HOST_TABLE_WAIT_S
+        expected = self.table.version < 0 or msg.table_base < 0
+        deadline = time.monotonic() + (_HOST_TABLE_WAIT_S if expected else 0.0)
         seen: tuple[int, int, int] | None = None
         while True:
             try:
