@@ -4,6 +4,9 @@ says, and its messages must hold that step's bytes, whatever changed in between.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -130,3 +133,17 @@ def test_a_host_layout_lands_through_copy_out_with_the_staged_bytes() -> None:
     assert [bytes(p.numpy().tobytes()) for p in out.split(sizes)] == staged
     with pytest.raises(ValueError, match="2 messages for 1 destinations"):
         copy_out(lay.messages[:2], [out], None)
+
+
+def test_the_gpu_checks_staging_check_holds_on_the_host() -> None:
+    """benchmarks/gpu_check.py's ``staging_cuda`` runs only where a GPU is lent; its logic (stage,
+    change the state on the training side at once, land the undo copy and a snapshot, compare
+    bitwise with the state as staged) is run here on the host so that it cannot rot unseen."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    out = mod.check_staging_cuda("cpu", 64)
+    assert out["ok"] and out["undo_copy_bitwise"] and out["snapshot_bitwise"], out
