@@ -154,7 +154,8 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
         r.replace.discard(rank)  # settled once the spare reports; re-added if it dies first
         c._emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)
         c._log("info", f"spare {spare.worker_id} takes rank {rank}")
-        c._refill_spares(now)  # refill the pool in the background
+    if match:
+        c._refill_spares(now)  # refill the pool in the background (once: it walks every rank)
     if not r.replace:
         c._condition("spare_wait", False)
     r.waiting_since = None
