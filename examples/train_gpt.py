@@ -151,6 +151,16 @@ def main() -> None:
             prefetch_as_spare(ds, seq_len=args.seq_len, global_batch=args.global_batch, seed=args.seed)
     model = GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
     model.checkpointing = args.activation_checkpointing
+    recomputed = [0]  # blocks whose forward ran again in this step's backward
+    if args.activation_checkpointing:
+
+        def count_recompute(module: nn.Module, inputs: object) -> None:
+            # a forward run by the autograd engine is torch.utils.checkpoint recomputing it
+            if torch._C._current_graph_task_id() != -1:
+                recomputed[0] += 1
+
+        for block in model.blocks:
+            block.register_forward_pre_hook(count_recompute)
     if args.compile:
         # in place (Module.compile), so parameter names and the tracked state keep their keys;
         # compilation itself happens on the first forward
@@ -210,6 +220,7 @@ def main() -> None:
             job.record(batch=hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16])
             x, y = x.to(job.device), y.to(job.device)
             opt.zero_grad(set_to_none=True)
+            recomputed[0] = 0
             loss = torch.zeros((), device=job.device)  # the step's loss: the micro-batches' sum
             for xs, ys, last in micro_batches(x, y, args.grad_accum):
                 if args.grad_accum > 1:  # only the last micro-batch's backward reduces (all K's sum)
@@ -224,6 +235,8 @@ def main() -> None:
             opt.step()
             sched.step()
             job.record(loss=round(loss.item(), 6))
+            if args.activation_checkpointing:
+                job.record(recomputed=recomputed[0])
             if job.rank == 0:
                 print(
                     f"step {step.index:4d}  loss {loss.item():.4f}  ppl {math.exp(min(loss.item(), 20)):.1f}",

@@ -74,17 +74,22 @@ class JobResult:
         heard every rank form generation 0, and is then part of forming it, not a recovery."""
         return [f for e in self.of("started") for f in e.get("faults", [])]
 
+    def commits(self) -> list[dict[str, Any]]:
+        """Every rank's ``commit`` events, a replayed step's each time it committed."""
+        out: list[dict[str, Any]] = []
+        for f in sorted(self.run_dir.glob("rank-*.jsonl")):
+            events = (json.loads(line) for line in f.read_text().splitlines())
+            out.extend(e for e in events if e["event"] == "commit")
+        return out
+
     def batches(self) -> dict[tuple[int, int], str]:
         """(rank, step) -> batch digest of the committed step (last write wins: a replayed
         step that committed twice must have committed the same batch)."""
         out: dict[tuple[int, int], str] = {}
-        for f in sorted(self.run_dir.glob("rank-*.jsonl")):
-            for line in f.read_text().splitlines():
-                e = json.loads(line)
-                if e["event"] == "commit":
-                    key = (e["rank"], e["step"])
-                    assert out.get(key, e["batch"]) == e["batch"], f"rank/step {key} committed two batches"
-                    out[key] = e["batch"]
+        for e in self.commits():
+            key = (e["rank"], e["step"])
+            assert out.get(key, e["batch"]) == e["batch"], f"rank/step {key} committed two batches"
+            out[key] = e["batch"]
         return out
 
     def pids(self) -> list[int]:

@@ -241,4 +241,12 @@ def test_activation_checkpointing_is_recovered_bitwise(tmp_path: Path, corpus: P
     # and a replayed step must reproduce the recompute's dropout masks from the saved RNG state.
     args = [*HSDP, "--activation-checkpointing"]
     faults = ["kill:rank=1:step=3:site=backward", "raise:rank=2:step=6:site=backward"]
-    ref_then_faults(tmp_path, corpus, args, faults, 100)
+    runs = ref_then_faults(tmp_path, corpus, args, faults, 100)
+    # the flag is honoured (recompute gives the same bits as none, so the digests cannot show
+    # it): every committed step of every rank, replays included, ran each block's forward again
+    # inside its backward
+    layers = int(HSDP[HSDP.index("--layers") + 1])
+    for res in runs:
+        commits = res.commits()
+        assert len({(e["rank"], e["step"]) for e in commits}) == 4 * 10, "every rank's every step"
+        assert {e.get("recomputed") for e in commits} == {layers}, commits
