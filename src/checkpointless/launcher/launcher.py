@@ -262,6 +262,15 @@ class Launcher(AgentHosts):
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signal = signum
+        # A signal ends the job: its secret goes now, not when the loop gets to the shutdown.
+        # A scheduler's SIGKILL can follow within seconds (scancel: KillWait, 2 s on some
+        # clusters), and the loop may be in a send to a slow peer (up to 5 s); this handler
+        # runs at once even then (Python runs it before retrying an interrupted call).
+        if not self._stepped_down:
+            try:
+                self.secret_file.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     # -- the loop: observations in, commands out -----------------------------------------------
     def _drain_inbox(self) -> None:
