@@ -42,6 +42,10 @@ def _same_table(a: PeerTable, b: PeerTable) -> bool:
     return (a.version, a.digest, a.world_size) == (b.version, b.digest, b.world_size)
 
 
+def _nofollow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
 def table_path(directory: Path, version: int) -> Path:
     return directory / f"v{version}"
 
@@ -55,7 +59,6 @@ class TableFiles:
         self.directory = make_beat_dir(directory)
         self._building: list[PeerTable] = []
         self._holder = TableHolder()  # checks each table as it is built
-        self.written = 0  # the version written last
         self._recent: list[int] = []  # the versions kept, oldest first
 
     def on_chunk(self, msg: PeerTable) -> int | None:
@@ -103,7 +106,6 @@ class TableFiles:
         # its digest, never taken for the new table)
         older = [v for v in self._recent if v != version]
         self._recent = [*older[len(older) - (_KEEP - 1) :], version]
-        self.written = version
         keep = {table_path(self.directory, v).name for v in self._recent}
         for old in self.directory.glob("v*"):
             if old.name not in keep:
@@ -114,23 +116,15 @@ def read_table(directory: Path, version: int, digest: str) -> list[str] | None:
     """The peer table of ``version`` from the host's copy, checked against ``digest`` (the one the
     worker's plan carries); None when there is none or it does not check out (the caller then
     asks the coordinator for its own)."""
-    path = table_path(directory, version)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or st.st_size > _MAX_BYTES:
-            return None
-        with os.fdopen(fd, "rb") as f:
-            fd = -1
+        # never through a link, never someone else's file, never an unbounded read
+        with open(table_path(directory, version), "rb", opener=_nofollow) as f:
+            st = os.fstat(f.fileno())
+            if st.st_uid != os.geteuid() or st.st_size > _MAX_BYTES:
+                return None
             body: Any = json.loads(f.read())
     except (OSError, ValueError):
         return None
-    finally:
-        if fd >= 0:
-            os.close(fd)
     try:
         if body["version"] != version or body["digest"] != digest:
             return None

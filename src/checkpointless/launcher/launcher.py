@@ -419,10 +419,6 @@ class Launcher(AgentHosts):
             self.observers.close()
             self.events.close()
             return
-        # First: nothing reads it from here on (every process has it, none is started), and a
-        # scheduler's stop (scancel: SIGTERM, then SIGKILL after its KillWait, 2 s on some
-        # clusters) may not leave time for the graceful part below
-        self.secret_file.unlink(missing_ok=True)
         if self.coordinator is not None and self.stopping is None:
             self.coordinator.fail("the launcher stopped")  # sends every process its shutdown
             self._execute()

@@ -104,16 +104,15 @@ def copy_out(messages: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], rea
         for d, m in zip(dsts, messages, strict=True):
             d.copy_(m)
         return
-    devices = {m.device for m in messages if on_device(m)}
-    streams = [_copy_stream(d) for d in sorted(devices, key=str)]
-    for s in streams:
+    streams = {m.device: _copy_stream(m.device) for m in messages if on_device(m)}
+    for s in streams.values():
         for ev in ready:
             s.wait_event(ev)
     for d, m in zip(dsts, messages, strict=True):
         if on_device(m):
-            with torch.cuda.stream(_copy_stream(m.device)):
+            with torch.cuda.stream(streams[m.device]):
                 d.copy_(m, non_blocking=True)
         else:
             d.copy_(m)
-    for s in streams:
+    for s in streams.values():
         s.synchronize()
