@@ -184,9 +184,45 @@ def test_plain_mode_runs_an_unchanged_ddp_script_rootless_and_restarts_it(tmp_pa
     # torch's env:// rendezvous was served by the root-less store, not a TCPStore on rank 0
     assert out.count("store RootlessStore") >= 2 and "store TCPStore" not in out
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-    # the script's own crash comes first and costs one restart; on a loaded machine a slow start
-    # can cost another (a peer's request to a rank still importing torch times out)
+    # the script's own crash (rank 1, or rank 0 failing on its loss if the launcher looked after
+    # both had gone), and nothing else: torch 2.13 aborts a DDP process in interpreter teardown
+    # on 30-50% of runs (launcher/run_script.py), which cost a restart here before
     faults = [e["rank"] for e in events if e["event"] == "fault"]
-    assert faults[0] == 1 and len(faults) <= 2
+    assert len(faults) == 1, faults
     assert [e["attempt"] for e in events if e["event"] == "restart"] == list(range(1, len(faults) + 1))
+    assert_nothing_left(run_dir, str(events[0]["job"]))
+
+
+@pytest.mark.timeout(180)
+def test_plain_mode_runs_an_unchanged_fsdp2_script(tmp_path: Path) -> None:
+    # torch's device mesh makes its groups with new_group over the store init_process_group got:
+    # the root-less store must outlive init_process_group (it once vanished, and every group
+    # after the first failed inside torch with "Not implemented")
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, SCRIPTS / "plain_fsdp.py", "--plain", "--nproc", "2", "--max-restarts", "3")
+    out, _ = proc.communicate(timeout=170)
+    assert proc.returncode == 0, out[-3000:]
+    sums = {line.split()[1]: line.split()[-1] for line in out.splitlines() if " done shard sum " in line}
+    assert sorted(sums) == ["0", "1"], out[-3000:]
+    assert sums["0"] != sums["1"], "each rank holds its own shard"
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    # one fault, one restart: rank 1's crash (or rank 0's error on losing it, if the launcher
+    # looked after both had gone), and no abort at exit after the script's end
+    assert len([e for e in events if e["event"] == "fault"]) == 1
+    assert events[-1]["event"] == "job_end" and events[-1]["status"] == "ok"
+    assert_nothing_left(run_dir, str(events[0]["job"]))
+
+
+@pytest.mark.timeout(60)
+def test_plain_mode_reports_a_job_whose_ranks_all_fail_at_once(tmp_path: Path) -> None:
+    # every rank exits non-zero between two looks of the launcher: that is a failed attempt (it
+    # once passed for a finished job, exit code 0), restarted up to --max-restarts, then an error
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, SCRIPTS / "plain_fail.py", "--plain", "--nproc", "2", "--max-restarts", "1")
+    out, _ = proc.communicate(timeout=50)
+    assert proc.returncode == 1, out[-3000:]
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["attempt"] for e in events if e["event"] == "fault"] == [0, 1]
+    assert events[-1]["event"] == "job_end" and events[-1]["status"] == "failed"
+    assert "giving up after 1 restart(s)" in out
     assert_nothing_left(run_dir, str(events[0]["job"]))

@@ -69,6 +69,19 @@ def _battery(rank: int, mesh: Any, ckpt: Path) -> dict[str, Any]:
     out["reduce_scatter_tensor"] = _bytes(one)
     dist.reduce_scatter(one, [rnd(3) for _ in range(WORLD)], group=pg)
     out["reduce_scatter"] = _bytes(one)
+    # ours carries a reduce-scatter as the all-reduce gloo's is made of: the same sums in the
+    # same order, bit for bit, also where the order shows (magnitudes from 1e-5 to 1e5, four
+    # ranks, sizes that gloo's all-reduce cuts differently), on a 2-D input, in bfloat16, for MAX
+    for rows in (1, 700, 20_000):
+        spread = rnd(WORLD * rows, 3) * torch.exp(rnd(WORLD * rows, 3) * 4)
+        part = torch.empty(rows, 3)
+        dist.reduce_scatter_tensor(part, spread, group=pg)
+        out[f"reduce_scatter_tensor_{rows}x3"] = _bytes(part)
+    half = torch.empty(9, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(half, rnd(9 * WORLD).to(torch.bfloat16), group=pg)
+    out["reduce_scatter_tensor_bf16"] = _bytes(half)
+    dist.reduce_scatter_tensor(one, rnd(3 * WORLD), op=dist.ReduceOp.MAX, group=pg)
+    out["reduce_scatter_tensor_max"] = _bytes(one)
     parts = [torch.empty(2) for _ in range(WORLD)]
     dist.gather(rnd(2), parts if rank == 2 else None, group_dst=2, group=pg)
     out["gather"] = b"".join(_bytes(p) for p in parts) if rank == 2 else b""

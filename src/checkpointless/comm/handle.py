@@ -63,9 +63,9 @@ class Handle:
         try:
             fut = work.get_future()
         except RuntimeError:
-            # gloo's send/recv and reduce-scatter have no future, and their wait ignores its
-            # timeout, so they cannot be polled: a pooled thread waits for them instead (a new
-            # thread per collective cost more than FSDP's small reduce-scatters themselves)
+            # gloo's send/recv (and its own reduce-scatter, which process_group.py therefore
+            # issues as the all-reduce it is) have no future, and their wait ignores its
+            # timeout, so they cannot be polled: a pooled thread waits for them instead
             _waiters().submit(self._wait_work)
         else:
             if poll:

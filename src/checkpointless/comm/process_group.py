@@ -304,7 +304,37 @@ class ResilientProcessGroup(dist.ProcessGroup):
     ) -> AbortableWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         self._before("reduce_scatter")
-        return self._issue(lambda pg: pg._reduce_scatter_base(output, input, opts), output, input)
+        return self._reduce_scatter_one(output, input, opts)
+
+    def _reduce_scatter_one(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> AbortableWork:
+        if self._dev_pg is not None and _on_cuda(input):
+            return self._issue(lambda pg: pg._reduce_scatter_base(output, input, opts), output, input)
+        # gloo's reduce-scatter is an all-reduce of a copy of the input followed by a copy of this
+        # rank's part (checked bit for bit in tests/test_process_group_collectives.py), done in
+        # the work's wait(), so its work has no future and ignores a bounded wait: a thread of
+        # ours had to wait for it, and its completion then hopped to the training thread (the
+        # single largest cost of our groups under FSDP2 on two cores). The same all-reduce issued
+        # here is pollable like every other collective, and the part is copied out as the
+        # training thread's wait returns: the same bytes travel and the same sums are made.
+        n = output.numel()
+        if input.numel() != n * self._group_size:
+            raise ValueError(
+                f"reduce_scatter: input of {input.numel()} elements, output of {n} in a group of "
+                f"{self._group_size}; the input must hold {n * self._group_size} (size x output)"
+            )
+        if input.dtype != output.dtype:
+            raise ValueError(f"reduce_scatter: input is {input.dtype}, output {output.dtype}; use one dtype")
+        flat = input.detach().reshape(-1).clone()
+        aopts = dist.AllreduceOptions()
+        aopts.reduceOp = opts.reduceOp
+        start = self._group_rank * n
+
+        def take_part() -> None:
+            with torch.no_grad():
+                output.copy_(flat.narrow(0, start, n).view(output.shape))
+
+        h = self.handle(lambda pg: pg.allreduce([flat], aopts), output, flat)
+        return AbortableWork(h, output, then=take_part)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
@@ -320,7 +350,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
     ) -> AbortableWork:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         self._before("reduce_scatter")
-        return self._chain("_reduce_scatter_base", outputs, inputs, opts)
+        # issued one after another, matched by the peers in that order (as _chain)
+        works = [self._reduce_scatter_one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return ChainWork(works, outputs)
 
     # The rest of c10d's collectives, for code beside FSDP2 on the same groups: DTensor
     # (``distribute_tensor`` scatters or broadcasts, ``redistribute`` all-to-alls), DCP's

@@ -8,7 +8,9 @@ abort from another thread wakes the waiter with :class:`~checkpointless.errors.C
 from __future__ import annotations
 
 import datetime
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,11 +40,15 @@ class AbortableWork(dist.Work):
     calls it from its copy-out after an all-gather and from ``dist.*`` with ``async_op=False``.
     """
 
-    def __init__(self, handle: Handle, result: Any) -> None:
+    def __init__(self, handle: Handle, result: Any, then: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._handle = handle
         self._result = result
         self._source: Any = None  # the gloo work of a receive from any source
+        # run once, by the first wait() that sees the collective succeed, before it returns (a
+        # reduce-scatter carried by an all-reduce copies its own part out: process_group.py)
+        self._then = then
+        self._then_lock = threading.Lock() if then is not None else None
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]
         global _waiting_since
@@ -52,10 +58,15 @@ class AbortableWork(dist.Work):
             self._handle.wait(secs)
         finally:
             _waiting_since = None
+        if self._then_lock is not None:
+            with self._then_lock:
+                then, self._then = self._then, None
+                if then is not None:
+                    then()
         return True
 
     def is_completed(self) -> bool:
-        return self._handle.done()
+        return self._handle.done() and self._then is None
 
     def is_success(self) -> bool:
         return self._handle.done() and self._handle._error is None

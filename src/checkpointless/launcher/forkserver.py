@@ -213,8 +213,8 @@ class ForkServer:
 def _run_child(req: dict[str, Any], fds: list[int], parent: int) -> None:
     """In the forked worker: become the script's process, run it, exit with its status."""
     import random
-    import runpy
-    import traceback
+
+    from checkpointless.launcher.run_script import run_script
 
     # wait until the intermediate process has gone and we belong to the launcher, so that the
     # parent-death signal the worker sets up refers to the launcher, not to a process that exits
@@ -246,43 +246,8 @@ def _run_child(req: dict[str, Any], fds: list[int], parent: int) -> None:
         import torch
 
         torch.set_num_threads(int(threads))
-    script = req["argv"][1]
     signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has
-    sys.argv = list(req["argv"][1:])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        # a worker's fast exit (recovery/process.py) runs among the exit functions below and
-        # would end the process with 0: tell it how the script ended
-        process = sys.modules.get("checkpointless.recovery.process")
-        if process is not None:
-            process.note_exit_code(code)
-        # what interpreter shutdown would do: join non-daemon threads, run atexit, flush
-        with contextlib.suppress(Exception):
-            import threading
-
-            getattr(threading, "_shutdown", lambda: None)()
-        with contextlib.suppress(Exception):
-            import atexit
-
-            atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+    run_script(list(req["argv"][1:]))
 
 
 def _serve(sock: socket.socket) -> None:

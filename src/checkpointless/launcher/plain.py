@@ -77,24 +77,29 @@ def _attempts(launcher: Any, listeners: list[Any], ports: list[int], peers: str,
                 }
             )
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+            # the script runs as __main__, unchanged, and its process ends without the
+            # interpreter teardown that can abort it after it has finished (run_script.py)
             p = subprocess.Popen(
-                [cfg.python, cfg.script, *cfg.script_args], env=env, pass_fds=(listeners[rank].fileno(),)
+                [cfg.python, "-m", "checkpointless.launcher.run_script", cfg.script, *cfg.script_args],
+                env=env,
+                pass_fds=(listeners[rank].fileno(),),
             )
             with open(open_private_append(launcher.run_dir / "pids"), "w") as f:
                 f.write(f"{p.pid}\n")
             procs.append(p)
         events.emit("plain_start", attempt=attempt, pids=[p.pid for p in procs])
         failed: tuple[int, int] | None = None
-        while failed is None and any(p.poll() is None for p in procs):
+        while True:
             if launcher._signal is not None:
                 _kill_all(procs)
                 events.emit("job_end", status="failed", error=f"signal {launcher._signal}", restarts=attempt)
                 return 128 + int(launcher._signal)
-            for rank, p in enumerate(procs):
-                code = p.poll()
-                if code not in (None, 0):
-                    failed = (rank, code)
-                    break
+            # Every exit code is read before the loop may end: processes that all failed between
+            # two looks must not pass for a job that finished.
+            codes = [p.poll() for p in procs]
+            failed = next(((rank, c) for rank, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or all(c == 0 for c in codes):
+                break
             time.sleep(0.05)
         if failed is None:
             events.emit("job_end", status="ok", restarts=attempt)

@@ -46,7 +46,14 @@ def _rootless_env_handler(url: str, timeout: Any = None, **kwargs: Any) -> Any:
         server=server,
     )
     os.environ["CHECKPOINTLESS_RENDEZVOUS"] = type(store).__name__  # for the script and tests to see
+    # c10d keeps only the C++ half of a Python store: without a Python reference its methods
+    # vanish, and every group made after init_process_group (dist.new_group, a device mesh's
+    # groups) fails inside torch with "Not implemented"
+    _STORES.append(store)
     yield (store, rank, world)
+
+
+_STORES: list[Any] = []  # every store handed to torch, alive for the life of the process
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
