@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(90)
 SCRIPT = """
 import os, random, sys, socket
 sys.stderr.write(f"role={os.environ['ROLE']} args={sys.argv[1:]} rand={random.random()}\\n")
+sys.stderr.write(f"session_leader={os.getsid(0) == os.getpid()} template_session={os.getsid(0) == int(os.environ['TEMPLATE_SID'])}\\n")
 if "STORE" in os.environ:
     s = socket.socket(fileno=int(os.environ["STORE"]))
     sys.stderr.write(f"listening={s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)}\\n")
@@ -49,7 +50,8 @@ def run(
     fds = {"stderr": w}
     if listener is not None:
         fds["STORE"] = listener.fileno()
-    p = server.spawn([sys.executable, str(script), name], dict(os.environ, **env), str(tmp_path), fds)
+    env = dict(os.environ, TEMPLATE_SID=str(os.getsid(server.popen.pid)), **env)
+    p = server.spawn([sys.executable, str(script), name], env, str(tmp_path), fds)
     os.close(w)
     return p, r
 
@@ -67,6 +69,9 @@ def test_exit_status_environment_and_descriptors(server: ForkServer, tmp_path: P
         assert p.wait(30) == 3
     out = read_all(r)
     assert "role=worker args=['a1']" in out and "listening=1" in out and "threads=1 x=3.0" in out, out
+    # a session of its own, as torchrun gives each worker (the kernel's autogroup scheduling:
+    # ranks sharing one session slowed two ranks on two cores by 3-5%, forkserver.py)
+    assert "session_leader=True template_session=False" in out, out
 
 
 def test_each_fork_draws_fresh_python_randomness(server: ForkServer, tmp_path: Path) -> None:

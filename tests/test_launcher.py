@@ -205,6 +205,7 @@ def test_plain_mode_runs_an_unchanged_fsdp2_script(tmp_path: Path) -> None:
     sums = {line.split()[1]: line.split()[-1] for line in out.splitlines() if " done shard sum " in line}
     assert sorted(sums) == ["0", "1"], out[-3000:]
     assert sums["0"] != sums["1"], "each rank holds its own shard"
+    assert out.count("session-leader True") == 2, "each rank in a session of its own, as under torchrun"
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     # one fault, one restart: rank 1's crash (or rank 0's error on losing it, if the launcher
     # looked after both had gone), and no abort at exit after the script's end

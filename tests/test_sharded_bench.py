@@ -29,7 +29,8 @@ def _bench(name: str) -> ModuleType:
 @pytest.mark.timeout(150)
 def test_steady_state_compares_plain_fsdp_with_checkpointless(tmp_path: Path) -> None:
     out = tmp_path / "ov.json"
-    argv = ["--meshes", "1,2", "--rounds", "1", "--steps", "14", "--warmup", "4", *TINY, "--out", str(out)]
+    argv = ["--meshes", "1,2", "--rounds", "1", "--steps", "14", "--warmup", "4", "--plain-column", *TINY]
+    argv += ["--out", str(out)]
     res = _bench("sharded_overhead").main(argv)
     assert [r["error"] for r in res["runs"]] == [None] * len(res["runs"]), res["runs"]
     s = res["summary"]["1x2"]
@@ -41,6 +42,9 @@ def test_steady_state_compares_plain_fsdp_with_checkpointless(tmp_path: Path) ->
     # the two designs train the same shards: bitwise equal final weights on every rank
     assert s["designs"]["fsdp"]["digests"] == s["designs"]["checkpointless"]["digests"]
     assert len(s["designs"]["fsdp"]["digests"]) == 1
+    # the same torch script under `checkpointless run --plain`: the launcher's environment alone
+    assert "fsdp_plain" in res["designs"] and s["vs_fsdp"]["fsdp_plain"]["target_pct"] is None
+    assert s["designs"]["fsdp_plain"]["digests"] == s["designs"]["fsdp"]["digests"]
     if "buddy" not in res["designs"]:
         assert any("--buddy-copies" in n for n in res["notes"]), res["notes"]
     else:  # the copies' extra memory per rank, read from the commit events, and the same shards

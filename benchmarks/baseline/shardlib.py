@@ -89,6 +89,17 @@ def checkpointless_command(
     ]  # fmt: skip
 
 
+def plain_command(a: argparse.Namespace, mesh: tuple[int, int], run_dir: Path) -> list[str]:
+    """The torchrun baseline's script, unchanged, under ``checkpointless run --plain``: our launcher
+    and root-less rendezvous, none of our code in the training loop."""
+    return [
+        bl.PYTHON, "-m", "checkpointless", "run", "--plain", "--nproc", str(mesh[0] * mesh[1]),
+        "--max-restarts", "0", "--run-dir", str(run_dir / "launcher"), "--port-base", str(port_base(run_dir)),
+        "--port-range", "200", str(FSDP_BASELINE), *model_args(a, mesh), "--ckpt-every", "0",
+        "--log-dir", str(run_dir), "--digest-out", str(run_dir / "digest.{rank}"),
+    ]  # fmt: skip
+
+
 def torchrun_command(
     a: argparse.Namespace,
     mesh: tuple[int, int],

@@ -23,6 +23,8 @@ for step in range(3):
     model(torch.ones(2, 8)).sum().backward()
     opt.step()
     opt.zero_grad()
-total = sum(float(p.to_local().sum()) for p in model.parameters())
-print(f"rank {dist.get_rank()} done shard sum {total:.6f}", flush=True)
+total = sum(float(p.detach().to_local().sum()) for p in model.parameters())
+# one write per line: the two ranks share the launcher's stdout
+leader = os.getsid(0) == os.getpid()  # a session of its own, as under torchrun
+os.write(1, f"rank {dist.get_rank()} session-leader {leader} done shard sum {total:.6f}\n".encode())
 dist.destroy_process_group()

@@ -243,6 +243,7 @@ class Agent:
                     stdout=subprocess.DEVNULL if self.cfg.quiet_workers else None,
                     stderr=err_w,
                     pass_fds=(listener.fileno(),) if listener is not None else (),
+                    start_new_session=True,  # see the fork server's worker (forkserver.py)
                 )
         finally:
             os.close(err_w)

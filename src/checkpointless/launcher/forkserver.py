@@ -267,6 +267,14 @@ def _serve(sock: socket.socket) -> None:
             if worker == 0:
                 os.close(w)
                 sock.close()
+                # A session of its own, as torchrun gives each worker. Where the kernel groups
+                # processes by session for scheduling (autogroup, on by default on many
+                # distributions), ranks sharing the launcher's session compete as one group,
+                # thread by thread, and each rank's gloo threads preempt its peers' training
+                # threads: 3-5% longer steps for two ranks on two cores, measured with an
+                # unchanged torch FSDP2 script under --plain against torchrun (BENCHMARKS.md).
+                # Ctrl-C is the launcher's to handle either way (it stops the workers).
+                os.setsid()
                 _run_child(req, fds, os.getppid())
             os.write(w, str(worker).encode())
             os._exit(0)

@@ -78,11 +78,13 @@ def _attempts(launcher: Any, listeners: list[Any], ports: list[int], peers: str,
             )
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
             # the script runs as __main__, unchanged, and its process ends without the
-            # interpreter teardown that can abort it after it has finished (run_script.py)
+            # interpreter teardown that can abort it after it has finished (run_script.py); a
+            # session of its own, as torchrun gives it (launcher/forkserver.py says why)
             p = subprocess.Popen(
                 [cfg.python, "-m", "checkpointless.launcher.run_script", cfg.script, *cfg.script_args],
                 env=env,
                 pass_fds=(listeners[rank].fileno(),),
+                start_new_session=True,
             )
             with open(open_private_append(launcher.run_dir / "pids"), "w") as f:
                 f.write(f"{p.pid}\n")
