@@ -5,9 +5,10 @@ the script (a DDP model still holds it after ``destroy_process_group``) keeps it
 and one of them may free the last collective's work while the interpreter is being torn down.
 That work holds a Python object, the thread cannot take the GIL any more and is unwound, and
 the process aborts (``terminate called without an active exception``, SIGABRT) after the script
-has finished: measured on 30-50% of runs of a 5-step DDP script, under torchrun as well. Here
-everything interpreter shutdown does for the script (join its non-daemon threads, run its exit
-functions, flush) is done, and the process then ends at once with the script's own status.
+has finished: on half of the runs of a 5-step DDP script under ``--plain`` (5 of 10), and seen
+under torchrun as well. Here everything interpreter shutdown does for the script (join its
+non-daemon threads, run its exit functions, flush) is done, and the process then ends at once
+with the script's own status.
 
 Used by every worker the fork server starts and, as ``python -m
 checkpointless.launcher.run_script SCRIPT ARGS...``, by every process of ``--plain``.
