@@ -45,7 +45,6 @@ import shardlib as sl
 
 __all__ = ["main"]
 
-DESIGNS = ("fsdp", "fsdp_plain", "checkpointless", "buddy", "buddy_every")
 # fsdp_plain has no target: it tells what the launcher's environment alone costs
 TARGET_PCT: dict[str, float | None] = {
     "fsdp_plain": None,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,22 +176,31 @@ def test_launcher_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
     assert_nothing_left(run_dir, str(start["job"]), timeout=15)
 
 
+def run_plain(
+    tmp_path: Path, script: str, *args: str, timeout: float
+) -> tuple[int, str, list[dict[str, Any]]]:
+    """Run ``tests/scripts/<script>`` under ``--plain`` on 2 ranks to its end; its exit code, its
+    output and its events. Afterwards nothing of the job may be left."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, SCRIPTS / script, "--plain", "--nproc", "2", *args)
+    out, _ = proc.communicate(timeout=timeout)
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert_nothing_left(run_dir, str(events[0]["job"]))
+    return proc.returncode, out, events
+
+
 @pytest.mark.timeout(180)
 def test_plain_mode_runs_an_unchanged_ddp_script_rootless_and_restarts_it(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = launch(run_dir, SCRIPTS / "plain_ddp.py", "--plain", "--nproc", "2")
-    out, _ = proc.communicate(timeout=170)
-    assert proc.returncode == 0, out[-3000:]
+    rc, out, events = run_plain(tmp_path, "plain_ddp.py", timeout=170)
+    assert rc == 0, out[-3000:]
     # torch's env:// rendezvous was served by the root-less store, not a TCPStore on rank 0
     assert out.count("store RootlessStore") >= 2 and "store TCPStore" not in out
-    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     # the script's own crash (rank 1, or rank 0 failing on its loss if the launcher looked after
     # both had gone), and nothing else: torch 2.13 aborts a DDP process in interpreter teardown
     # on half of the runs (launcher/run_script.py), which cost a restart here before
     faults = [e["rank"] for e in events if e["event"] == "fault"]
     assert len(faults) == 1, faults
     assert [e["attempt"] for e in events if e["event"] == "restart"] == list(range(1, len(faults) + 1))
-    assert_nothing_left(run_dir, str(events[0]["job"]))
 
 
 @pytest.mark.timeout(180)
@@ -198,32 +208,24 @@ def test_plain_mode_runs_an_unchanged_fsdp2_script(tmp_path: Path) -> None:
     # torch's device mesh makes its groups with new_group over the store init_process_group got:
     # the root-less store must outlive init_process_group (it once vanished, and every group
     # after the first failed inside torch with "Not implemented")
-    run_dir = tmp_path / "run"
-    proc = launch(run_dir, SCRIPTS / "plain_fsdp.py", "--plain", "--nproc", "2", "--max-restarts", "3")
-    out, _ = proc.communicate(timeout=170)
-    assert proc.returncode == 0, out[-3000:]
+    rc, out, events = run_plain(tmp_path, "plain_fsdp.py", "--max-restarts", "3", timeout=170)
+    assert rc == 0, out[-3000:]
     sums = {line.split()[1]: line.split()[-1] for line in out.splitlines() if " done shard sum " in line}
     assert sorted(sums) == ["0", "1"], out[-3000:]
     assert sums["0"] != sums["1"], "each rank holds its own shard"
     assert out.count("session-leader True") == 2, "each rank in a session of its own, as under torchrun"
-    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     # one fault, one restart: rank 1's crash (or rank 0's error on losing it, if the launcher
     # looked after both had gone), and no abort at exit after the script's end
     assert len([e for e in events if e["event"] == "fault"]) == 1
     assert events[-1]["event"] == "job_end" and events[-1]["status"] == "ok"
-    assert_nothing_left(run_dir, str(events[0]["job"]))
 
 
 @pytest.mark.timeout(60)
 def test_plain_mode_reports_a_job_whose_ranks_all_fail_at_once(tmp_path: Path) -> None:
     # every rank exits non-zero between two looks of the launcher: that is a failed attempt (it
     # once passed for a finished job, exit code 0), restarted up to --max-restarts, then an error
-    run_dir = tmp_path / "run"
-    proc = launch(run_dir, SCRIPTS / "plain_fail.py", "--plain", "--nproc", "2", "--max-restarts", "1")
-    out, _ = proc.communicate(timeout=50)
-    assert proc.returncode == 1, out[-3000:]
-    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    rc, out, events = run_plain(tmp_path, "plain_fail.py", "--max-restarts", "1", timeout=50)
+    assert rc == 1, out[-3000:]
     assert [e["attempt"] for e in events if e["event"] == "fault"] == [0, 1]
     assert events[-1]["event"] == "job_end" and events[-1]["status"] == "failed"
     assert "giving up after 1 restart(s)" in out
-    assert_nothing_left(run_dir, str(events[0]["job"]))
