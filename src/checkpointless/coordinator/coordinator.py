@@ -65,6 +65,10 @@ if TYPE_CHECKING:
 __all__ = ["JUDGE_EVERY_S", "Coordinator"]
 
 JUDGE_EVERY_S = 0.25  # how often hangs are judged and spares hinted (seconds of the shell's clock)
+# A clean exit (code 0) of a connected process waits this long at most for its connection's end:
+# the process table can show the exit before the control connection's last frames (its Done, its
+# commits) have been read, and a finished rank would then be taken for a fault.
+CLEAN_EXIT_GRACE_S = 2.0
 
 
 class Coordinator:
@@ -107,6 +111,8 @@ class Coordinator:
         self._hinted: dict[int, int] = {}  # spare worker id -> the step of its last Prefetch
         self._judged_at = float("-inf")  # when hangs were last judged (and spares hinted)
         self.conditions = Conditions()  # lasting states, logged when they begin and end
+        # worker id -> (deadline, the exit's arguments): clean exits waiting for their connection's end
+        self._held_exits: dict[int, tuple[float, tuple[Any, ...]]] = {}
 
     # -- the shell's interface ----------------------------------------------------------------
     def drain(self) -> list[Command]:
@@ -197,9 +203,13 @@ class Coordinator:
             self._apply_heartbeat(m, at, b.step, b.progress_age, b.in_collective, b.step_time, b.busy_time)
 
     def on_closed(self, worker_id: int) -> None:
+        """The worker's control connection ended: every frame it sent has been handled."""
         m = self.procs.get(worker_id)
         if m is not None:
             m.connected = False
+        held = self._held_exits.pop(worker_id, None)
+        if held is not None:
+            self._guarded(process_exited, self, *held[1])
 
     def on_message(self, worker_id: int, msg: Message, now: float, wall: float) -> None:
         self._guarded(self._handle, worker_id, msg, now, wall)
@@ -207,7 +217,15 @@ class Coordinator:
     def on_exit(
         self, worker_id: int, code: int, own_failure: bool, detail: str, tail: str, now: float, wall: float
     ) -> None:
-        self._guarded(process_exited, self, worker_id, code, own_failure, detail, tail, now, wall)
+        args = (worker_id, code, own_failure, detail, tail, now, wall)
+        m = self.procs.get(worker_id)
+        if code == 0 and m is not None and m.connected and not m.done:
+            # Its last frames may still be unread: decide once its connection has ended (or the
+            # grace ran out). Only a clean exit waits; a crash or a kill is a fault whatever
+            # came before it, and waiting would only delay the recovery.
+            self._held_exits[worker_id] = (now + CLEAN_EXIT_GRACE_S, args)
+            return
+        self._guarded(process_exited, self, *args)
 
     def on_verdict(self, worker_id: int, why: str, now: float) -> None:
         """The agent's process-table reading says this process must go (stopped, wedged)."""
@@ -442,6 +460,10 @@ class Coordinator:
     # -- faults -------------------------------------------------------------------------------
 
     def _tick(self, now: float, wall: float) -> None:
+        for wid, (deadline, args) in list(self._held_exits.items()):
+            if now >= deadline:  # its connection outlived it (a forked child holds the socket)
+                del self._held_exits[wid]
+                process_exited(self, *args)
         for h in list(self.hosts.values()):
             if h.remote and not h.lost and now - h.last_seen > self.cfg.lease:
                 host_lost(

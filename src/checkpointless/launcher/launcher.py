@@ -298,10 +298,11 @@ class Launcher(AgentHosts):
                 return
             for seen in agent.poll(now) if agent is not None else []:
                 if isinstance(seen, ProcExit):
+                    # its connection stays until it closes: frames it sent before it exited (its
+                    # Done) are still to be read, and the coordinator waits for them
                     coord.on_exit(
                         seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail, now, wall
                     )
-                    self._conns.pop(seen.worker_id, None)
                 else:
                     coord.on_verdict(seen.worker_id, f"(pid {seen.pid}) {seen.why}", now)
             if agent is not None and self._local_host is not None and now - beats_read >= 0.25:
