@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from checkpointless.coordinator import Command, Coordinator, Emit, HostTable, Kill, Log, Send, Spawn, Stop
-from checkpointless.coordinator.coordinator import CLEAN_EXIT_GRACE_S
+from checkpointless.coordinator.coordinator import EXIT_GRACE_S
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.peer_table import TableChunk, assemble, table_digest
 from checkpointless.protocol import (
@@ -17,6 +17,7 @@ from checkpointless.protocol import (
     Assign,
     Committed,
     Done,
+    Fatal,
     Heartbeat,
     Message,
     PeerTable,
@@ -219,6 +220,7 @@ def test_spares_that_die_before_ready_end_the_job_naming_the_cause() -> None:
     h = Harness(max_start_failures=3)
     start_job(h)
     h.exit(3, 1, own=True, detail="exited with code 1")  # it had been ready: not a start failure
+    h.closed(3)  # (its connection's end: a process that exited itself is judged then)
     h.exit(4, 1, own=True, detail="exited with code 1: ImportError: no module named foo")
     h.exit(5, 1, own=True, detail="exited with code 1: ImportError: no module named foo")
     assert not h.c.stopping
@@ -322,11 +324,22 @@ def test_a_clean_exit_without_done_is_a_fault_once_its_connection_ends_or_the_gr
     h.exit(0, 0, detail="exited with code 0")
     h.closed(0)  # its connection ended with no Done: it left the loop early
     assert [f["rank"] for f in h.events("fault")] == [0]
-    h.exit(1, 0, detail="exited with code 0")  # a forked child still holds its socket open
-    h.advance(CLEAN_EXIT_GRACE_S / 2)
+    h.exit(1, 0, detail="exited with code 0")  # something still holds its socket open
+    h.advance(EXIT_GRACE_S / 2)
     assert [f["rank"] for f in h.events("fault")] == [0]
-    h.advance(CLEAN_EXIT_GRACE_S)
+    h.advance(EXIT_GRACE_S)
     assert [f["rank"] for f in h.events("fault")] == [0, 1]
+
+
+def test_a_fatal_error_read_after_its_exit_still_ends_the_job() -> None:
+    h = Harness(spares=0)
+    start_job_without_spares(h)
+    h.exit(1, 1, detail="exited with code 1")  # its Fatal is still in the socket
+    out = h.msg(1, Fatal(error="step 4 raised ValueError 3 times in a row"))
+    out += h.closed(1)
+    assert not h.events("fault"), "a fatal error is the job's end, not a fault to recover"
+    stop = [c for c in out if isinstance(c, Stop)]
+    assert stop and stop[0].code != 0 and "3 times in a row" in stop[0].why, out
 
 
 def start_job_without_spares(h: Harness) -> None:

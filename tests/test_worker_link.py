@@ -94,3 +94,49 @@ def test_waiting_names_the_kinds_it_waited_for(tmp_path: Path, monkeypatch: pyte
     finally:
         link.close()
         server.stop()
+
+
+_FORKING_WORKER = """
+import os, sys, time
+from checkpointless.launcher.control import ControlClient
+client = ControlClient(("127.0.0.1", int(sys.argv[1])), bytes.fromhex(sys.argv[2]), lambda m: None, lambda w: None)
+client.send({"type": "hello", "worker_id": 0})
+child = os.fork()
+if child == 0:  # a DataLoader worker, say: it outlives its parent for a while
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+client.send({"type": "done", "step": 3})
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_connection_ends_with_the_worker_even_while_a_forked_child_lives() -> None:
+    # The launcher judges a worker's exit once its connection has ended (its last frames read);
+    # a forked child holding the socket open would delay that until the child died.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    secret = b"5a" * 32
+    server = ControlServer("127.0.0.1", 0, secret)
+    server.start()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_WORKER, str(server.address[1]), secret.hex()], stdout=subprocess.PIPE
+    )
+    child = 0
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        assert proc.wait(timeout=30) == 0
+        got = [server.inbox.get(timeout=10)[1]["type"] for _ in range(3)]
+        assert got == ["hello", "done", "_closed"], got
+        os.kill(child, 0)  # the child is still alive: the connection ended with its parent
+    finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=10)
+        server.stop()

@@ -65,10 +65,12 @@ if TYPE_CHECKING:
 __all__ = ["JUDGE_EVERY_S", "Coordinator"]
 
 JUDGE_EVERY_S = 0.25  # how often hangs are judged and spares hinted (seconds of the shell's clock)
-# A clean exit (code 0) of a connected process waits this long at most for its connection's end:
-# the process table can show the exit before the control connection's last frames (its Done, its
-# commits) have been read, and a finished rank would then be taken for a fault.
-CLEAN_EXIT_GRACE_S = 2.0
+# A process that ended itself (an exit code, not a signal) while connected waits this long at most
+# for its connection's end: the process table can show the exit before the connection's last frames
+# have been read, and those decide what the exit was (a Done: a finished rank, not a fault; a Fatal:
+# the job's end, not a recovery). The worker closes its copy of the socket in forked children, so
+# the connection ends with the process; the grace covers anything else holding it open.
+EXIT_GRACE_S = 1.0
 
 
 class Coordinator:
@@ -111,7 +113,7 @@ class Coordinator:
         self._hinted: dict[int, int] = {}  # spare worker id -> the step of its last Prefetch
         self._judged_at = float("-inf")  # when hangs were last judged (and spares hinted)
         self.conditions = Conditions()  # lasting states, logged when they begin and end
-        # worker id -> (deadline, the exit's arguments): clean exits waiting for their connection's end
+        # worker id -> (deadline, the exit's arguments): exits waiting for their connection's end
         self._held_exits: dict[int, tuple[float, tuple[Any, ...]]] = {}
 
     # -- the shell's interface ----------------------------------------------------------------
@@ -219,11 +221,10 @@ class Coordinator:
     ) -> None:
         args = (worker_id, code, own_failure, detail, tail, now, wall)
         m = self.procs.get(worker_id)
-        if code == 0 and m is not None and m.connected and not m.done:
+        if code >= 0 and m is not None and m.connected and not m.done:
             # Its last frames may still be unread: decide once its connection has ended (or the
-            # grace ran out). Only a clean exit waits; a crash or a kill is a fault whatever
-            # came before it, and waiting would only delay the recovery.
-            self._held_exits[worker_id] = (now + CLEAN_EXIT_GRACE_S, args)
+            # grace ran out). A killed process (a signal) had no last words: no wait for it.
+            self._held_exits[worker_id] = (now + EXIT_GRACE_S, args)
             return
         self._guarded(process_exited, self, *args)
 

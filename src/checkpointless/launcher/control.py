@@ -22,6 +22,7 @@ reaches a worker whose main thread is stuck inside a collective.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import secrets
 import select
@@ -30,6 +31,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +58,21 @@ _C2S, _S2C = "control/c2s", "control/s2c"
 # protocol fields inside the sealed header; stripped before a message reaches its consumer
 _NONCE, _SEQ, _CLIENT_NONCE = "_n", "_q", "_c"
 _LISTENER, _WAKER = object(), object()
+
+# Every live ControlClient of this process. A forked child (a DataLoader worker) closes its copies
+# of their sockets: it must never write to them, and while it held one the launcher would not see
+# the connection end when the worker itself dies, which is how it knows it has read the worker's
+# last frames (coordinator.py, EXIT_GRACE_S). close(), not shutdown(): the parent's end stays up.
+_CLIENTS: weakref.WeakSet[ControlClient] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for client in list(_CLIENTS):
+        with contextlib.suppress(OSError):
+            client.sock.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _send_bounded(sock: socket.socket, key: bytes, msg: dict[str, Any], timeout: float) -> None:
@@ -330,6 +347,7 @@ class ControlClient:
         self._closing = False
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="cl-control-client")
         self._reader.start()
+        _CLIENTS.add(self)
 
     def send(self, msg: dict[str, Any]) -> None:
         with self._send_lock:
