@@ -9,7 +9,9 @@ S transfers run at once, each from a different source. From the job's own record
 * the recovery event: ``state_bytes`` (one receiver's state), ``transfer_s`` (generation formed ->
   every rank holds verified state: the sources' collect, the stream, the XXH3 check, the restore
   into the model and optimizer), and the plan's (receiver, source) pairs;
-* each receiver's own ``state receiver in X s`` line (the per-rank log).
+* each receiver's own ``state receiver in X s`` line (the per-rank log);
+* the recovery event's ``transfer_parts``: the slowest receiver's ``transfer_s`` split into its
+  own tensors collected (the landing zone), the wire (``recv_s``), the XXH3 check and the restore.
 
 The aggregate rate is receivers x state bytes / transfer_s. The loopback limit is measured in the
 same run, right after each job, on the same machine: the same number of concurrent plain TCP
@@ -131,6 +133,8 @@ def job_record(run_dir: Path, group: list[int]) -> dict[str, Any]:
         "downtime_s": float(rec["downtime_s"]),
         "transport": rec.get("transport"),
         "receiver_s": per_rank,
+        # the slowest receiver's transfer_s split: own tensors collected, wire, XXH3, restore
+        "parts": rec.get("transfer_parts") or {},
     }
     if sorted(r for r, _ in sources) != sorted(group):
         out["error"] = f"the plan's receivers {sorted(r for r, _ in sources)} are not the lost group {group}"
@@ -173,6 +177,11 @@ def one_run(a: argparse.Namespace, i: int, work: Path) -> dict[str, Any]:
         f"{rec['aggregate_mbps']:.0f} MB/s; loopback x{n} {rec['loopback_n_mbps']:.0f} MB/s "
         f"({100 * rec['share_of_loopback']:.1f}%), x1 {rec['loopback_1_mbps']:.0f} MB/s"
     )
+    if rec["parts"]:
+        split = ", ".join(
+            f"{k.removesuffix('_s')} {v:.3f}" for k, v in rec["parts"].items() if k.endswith("_s")
+        )
+        bl.say(f"      rank {rec['parts'].get('rank')}'s transfer: {split} s")
     return rec
 
 
@@ -231,6 +240,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     }
     summary["receivers"] = bl.summary([r["receivers"] for r in ok])
+    for part in ("state_collect_s", "recv_s", "verify_s", "state_restore_s"):
+        got = [r["parts"][part] for r in ok if part in r.get("parts", {})]
+        if got:
+            summary[f"receiver_{part}"] = bl.summary(got)
     notes = []
     if ok:
         share = summary["share_of_loopback"]["median"]

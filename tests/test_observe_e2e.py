@@ -104,6 +104,11 @@ def test_metrics_status_and_report_of_a_faulted_job(
     plan = next(e for e in ev if e["event"] == "plan" and e["generation"] == rec["generation"])
     sent = _metric(text, "checkpointless_state_transferred_bytes_total")
     assert sent == pytest.approx(rec["state_bytes"] * len(plan["receivers"])) and sent > 0
+    # where the receiver's transfer went: its parts, each timed, within the whole
+    parts = rec["transfer_parts"]
+    assert parts["role"] == "receiver" and parts["rank"] in plan["receivers"], parts
+    split = [parts[k] for k in ("state_collect_s", "recv_s", "verify_s", "state_restore_s")]
+    assert all(v >= 0 for v in split) and sum(split) <= rec["transfer_s"] + 1e-3, (parts, rec)
     # the spare read the new peer table from the host's copy (agent/tables.py), as every rank did
     # at start-up: one copy per round to the host, none whole to a member, none asked for
     plans = [e for e in ev if e["event"] == "plan"]

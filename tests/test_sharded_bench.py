@@ -91,6 +91,7 @@ def test_transfer_recovers_a_whole_replica_group_and_measures_loopback(tmp_path:
     assert sorted(run["sources"]) == [[0, 2], [1, 3]] and run["receivers"] == 2
     assert run["state_bytes"] > 0 and run["transfer_s"] > 0
     assert run["aggregate_mbps"] > 0 and run["loopback_n_mbps"] > 0 and run["share_of_loopback"] > 0
+    assert run["parts"]["role"] == "receiver" and run["parts"]["recv_s"] > 0, run["parts"]
 
 
 @pytest.mark.timeout(60)

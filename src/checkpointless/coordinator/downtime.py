@@ -11,7 +11,7 @@ from typing import Any
 
 from checkpointless.coordinator.state import Round
 
-__all__ = ["recovery_fields"]
+__all__ = ["recovery_fields", "transfer_parts"]
 
 
 def recovery_fields(
@@ -59,6 +59,7 @@ def recovery_fields(
     kinds = ", ".join(f"{f['kind']} on rank {f['rank']}" for f in causes)
     fields: dict[str, Any] = {
         "generation": r.target,
+        "transfer_parts": transfer_parts(r.recovered),
         "faults": [{k: v for k, v in f.items() if k != "detected"} for f in r.faults],
         "downtime_s": round(downtime, 4),
         "state_bytes": nbytes,
@@ -73,3 +74,20 @@ def recovery_fields(
         f"{phases['first_batch_s']:.3f}s, first step {first_step}; downtime {downtime:.3f} s after detection"
     )
     return fields, summary, used_fired
+
+
+_PARTS = ("state_collect_s", "layout_s", "send_s", "recv_s", "verify_s", "state_restore_s")
+
+
+def transfer_parts(recovered: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """Where the slowest receiver's ``transfer_s`` went (its own tensors collected as the landing
+    zone, the wire, the digests, the load into the model and optimizer), or the slowest source's
+    when nobody received; None when no rank moved state."""
+    movers = [(r, x) for r, x in recovered.items() if x.get("role") in ("receiver", "source")]
+    if not movers:
+        return None
+    receivers = [(r, x) for r, x in movers if x.get("role") == "receiver"]
+    rank, x = max(receivers or movers, key=lambda rx: float(rx[1].get("transfer_s", 0.0)))
+    out: dict[str, Any] = {"rank": rank, "role": x.get("role")}
+    out.update({k: round(float(x[k]), 4) for k in _PARTS if isinstance(x.get(k), int | float)})
+    return out

@@ -240,14 +240,18 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
         log.info("restored the checkpoint of step %d from %s", target, job._checkpoint_dir)
     elif to_send:
         rng = resume_rng(job, target)
+        tc = time.monotonic()
         state = collect_state(job._objects, target, rng)
+        info["state_collect_s"] = time.monotonic() - tc
         info.update(send_state(job.comm, state, to_send, job.rendezvous_timeout, route))
         info["role"] = "source"
         restore_rng(rng)
     elif job.rank in receivers:
         # our own tensors are the landing zone: a receiver's state is replaced anyway, and
         # receiving in place spares a copy and a page fault per 4 KiB of state
+        tc = time.monotonic()
         own = collect_state(job._objects, target, capture_rng())
+        info["state_collect_s"] = time.monotonic() - tc
         if job._arena is not None:
             job._arena.reset()  # a transfer that failed before may have taken some of it
         if route is not None and job.rank in plan.get("from_copy", ()):
@@ -259,11 +263,15 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
         if job._arena is not None:
             job._arena.release_unused()
             job._arena = None  # what was carved out lives on in the received tensors
+        tr = time.monotonic()
         step, rng = restore_state(job._objects, state)
         if step != target:
             raise StateTransferError(f"received state for step {step}, the plan says {target}")
         restore_rng(rng)
         info.update(stats)
+        # transfer_s, split: state_collect_s (own tensors, the landing zone), recv_s (the wire),
+        # verify_s (digests), state_restore_s (load_state_dict into the model and optimizer)
+        info["state_restore_s"] = time.monotonic() - tr
         info["role"] = "receiver"
         if job.rank in plan.get("from_copy", ()):
             info["transport"] = "buddy"
