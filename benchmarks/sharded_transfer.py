@@ -11,7 +11,8 @@ S transfers run at once, each from a different source. From the job's own record
   into the model and optimizer), and the plan's (receiver, source) pairs;
 * each receiver's own ``state receiver in X s`` line (the per-rank log);
 * the recovery event's ``transfer_parts``: the slowest receiver's ``transfer_s`` split into its
-  own tensors collected (the landing zone), the wire (``recv_s``), the XXH3 check and the restore.
+  own tensors collected (the landing zone), the stream (``recv_s``, hashed as it arrives), the
+  digests compared with the tree rebuilt (``verify_s``), and the restore.
 
 The aggregate rate is receivers x state bytes / transfer_s. The loopback limit is measured in the
 same run, right after each job, on the same machine: the same number of concurrent plain TCP
@@ -133,7 +134,7 @@ def job_record(run_dir: Path, group: list[int]) -> dict[str, Any]:
         "downtime_s": float(rec["downtime_s"]),
         "transport": rec.get("transport"),
         "receiver_s": per_rank,
-        # the slowest receiver's transfer_s split: own tensors collected, wire, XXH3, restore
+        # the slowest receiver's transfer_s split: own tensors collected, stream, digests, restore
         "parts": rec.get("transfer_parts") or {},
     }
     if sorted(r for r, _ in sources) != sorted(group):

@@ -269,8 +269,9 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
             raise StateTransferError(f"received state for step {step}, the plan says {target}")
         restore_rng(rng)
         info.update(stats)
-        # transfer_s, split: state_collect_s (own tensors, the landing zone), recv_s (the wire),
-        # verify_s (digests), state_restore_s (load_state_dict into the model and optimizer)
+        # transfer_s, split: state_collect_s (own tensors, the landing zone), recv_s (the stream,
+        # hashed as it arrives), verify_s (digests compared, tree rebuilt), state_restore_s (the
+        # load into the model and optimizer)
         info["state_restore_s"] = time.monotonic() - tr
         info["role"] = "receiver"
         if job.rank in plan.get("from_copy", ()):
