@@ -163,7 +163,7 @@ def test_every_rank_killed_resumes_a_stateful_dataloader_from_the_snapshot(tmp_p
     stop = threading.Event()
     # rank 0 sleeps as step 6 begins (the snapshot of step 6 is written meanwhile), then every
     # rank is SIGKILLed at once
-    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 6, stop), daemon=True)
+    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 6, stop, 2), daemon=True)
     killer.start()
     try:
         res = run_job(

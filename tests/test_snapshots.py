@@ -151,12 +151,23 @@ def _snapshot_dir_of(run_dir: Path) -> Path | None:
     return None
 
 
-def _kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Event) -> None:
-    """Once the snapshot of ``step`` is published, SIGKILL every process holding a rank at once."""
+def _kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Event, nproc: int) -> None:
+    """Once the snapshot of ``step`` is published and every rank has committed the step before it
+    (the others then wait in step ``step``'s all-reduce), SIGKILL every process holding a rank at
+    once. Why both: the snapshot is written as rank 0 begins ``step``; on a loaded machine another
+    rank may still be between its update and its commit record then, and a kill there loses the
+    record (not the state: the snapshot holds it), which the test's batch check would miss."""
+
+    def committed(rank: int) -> bool:
+        f = run_dir / f"rank-{rank}.jsonl"
+        lines = f.read_text().splitlines() if f.exists() else []
+        return any(
+            json.loads(x).get("event") == "commit" and json.loads(x).get("step") == step - 1 for x in lines
+        )
 
     def ready(job: str) -> bool:
         where = _snapshot_dir_of(run_dir)
-        return where is not None and snapshot_path(where, step).exists()
+        return where is not None and snapshot_path(where, step).exists() and all(map(committed, range(nproc)))
 
     kill_workers_when(run_dir, ready, stop)
 
@@ -170,7 +181,7 @@ def test_every_rank_killed_at_once_restores_from_the_snapshot(
     stop = threading.Event()
     # rank 0 sleeps 5 s as step 6 begins (its snapshot of step 6 is written meanwhile); the
     # others wait for it in the all-reduce; then every rank is SIGKILLed at the same moment
-    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 6, stop), daemon=True)
+    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 6, stop, 3), daemon=True)
     killer.start()
     try:
         res = run_job(
