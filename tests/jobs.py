@@ -206,6 +206,19 @@ def alive(pid: int) -> bool:
         return False
 
 
+def all_committed(run_dir: Path, step: int, nproc: int) -> bool:
+    """Whether every rank's event file records its commit of ``step``. A test that kills every
+    rank once a snapshot or checkpoint appears waits for this too: the copy is written as rank 0
+    begins the next step, when another rank may still be between its update and its commit
+    record, and a kill there loses the record (not the state), which a batch check would miss."""
+    for rank in range(nproc):
+        f = run_dir / f"rank-{rank}.jsonl"
+        events = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+        if not any(e.get("event") == "commit" and e.get("step") == step for e in events):
+            return False
+    return True
+
+
 def kill_workers_when(run_dir: Path, ready: Callable[[str], bool], stop: threading.Event) -> None:
     """Once ``ready(job_id)`` holds, SIGKILL every worker the launcher spawned, all at once (the
     processes holding ranks, as long as none was replaced yet). Gives up after 120 s or ``stop``."""

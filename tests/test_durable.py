@@ -34,7 +34,7 @@ from checkpointless.state.durable import (
 )
 from checkpointless.state.snapshot import capture_rng, collect_state, restore_rng
 from checkpointless.state.staging import guarded_pointers
-from jobs import EXAMPLE, kill_workers_when, run_job
+from jobs import EXAMPLE, all_committed, kill_workers_when, run_job
 from test_faults_e2e import check_recovered
 
 
@@ -209,9 +209,16 @@ def test_checkpoint_every_parses_steps_and_times_and_refuses_the_rest(tmp_path: 
         cfg.validate()
 
 
-def _kill_every_rank_after_checkpoint(run_dir: Path, step: int, stop: threading.Event) -> None:
-    """Once the checkpoint of ``step`` is complete, SIGKILL every process holding a rank at once."""
-    kill_workers_when(run_dir, lambda job: step in list_checkpoints(run_dir / "checkpoints" / job), stop)
+def _kill_every_rank_after_checkpoint(run_dir: Path, step: int, stop: threading.Event, nproc: int) -> None:
+    """Once the checkpoint of ``step`` is complete and every rank has committed the step before
+    it (``all_committed``), SIGKILL every process holding a rank at once."""
+
+    def ready(job: str) -> bool:
+        return step in list_checkpoints(run_dir / "checkpoints" / job) and all_committed(
+            run_dir, step - 1, nproc
+        )
+
+    kill_workers_when(run_dir, ready, stop)
 
 
 @pytest.mark.timeout(300)
@@ -223,7 +230,9 @@ def test_every_rank_killed_without_snapshots_restores_from_the_checkpoint(
     stop = threading.Event()
     # rank 0 sleeps 8 s as step 3 begins (room for a slow disk on a busy machine) (its checkpoint of step 3 is written meanwhile); the
     # others wait for it in the all-reduce; then every rank is SIGKILLed at the same moment
-    killer = threading.Thread(target=_kill_every_rank_after_checkpoint, args=(run_dir, 3, stop), daemon=True)
+    killer = threading.Thread(
+        target=_kill_every_rank_after_checkpoint, args=(run_dir, 3, stop, 3), daemon=True
+    )
     killer.start()
     try:
         res = run_job(

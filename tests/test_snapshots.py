@@ -28,7 +28,7 @@ from checkpointless.state.shm_snapshot import (
 )
 from checkpointless.state.snapshot import capture_rng, collect_state
 from checkpointless.state.staging import guarded_pointers
-from jobs import kill_workers_when, run_job
+from jobs import all_committed, kill_workers_when, run_job
 from test_faults_e2e import check_recovered
 
 
@@ -153,21 +153,16 @@ def _snapshot_dir_of(run_dir: Path) -> Path | None:
 
 def _kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Event, nproc: int) -> None:
     """Once the snapshot of ``step`` is published and every rank has committed the step before it
-    (the others then wait in step ``step``'s all-reduce), SIGKILL every process holding a rank at
-    once. Why both: the snapshot is written as rank 0 begins ``step``; on a loaded machine another
-    rank may still be between its update and its commit record then, and a kill there loses the
-    record (not the state: the snapshot holds it), which the test's batch check would miss."""
-
-    def committed(rank: int) -> bool:
-        f = run_dir / f"rank-{rank}.jsonl"
-        lines = f.read_text().splitlines() if f.exists() else []
-        return any(
-            json.loads(x).get("event") == "commit" and json.loads(x).get("step") == step - 1 for x in lines
-        )
+    (the others then wait in step ``step``'s all-reduce; see ``all_committed``), SIGKILL every
+    process holding a rank at once."""
 
     def ready(job: str) -> bool:
         where = _snapshot_dir_of(run_dir)
-        return where is not None and snapshot_path(where, step).exists() and all(map(committed, range(nproc)))
+        return (
+            where is not None
+            and snapshot_path(where, step).exists()
+            and all_committed(run_dir, step - 1, nproc)
+        )
 
     kill_workers_when(run_dir, ready, stop)
 
