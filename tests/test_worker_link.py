@@ -6,6 +6,10 @@ later abort or plan still arrives, typed)."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -115,11 +119,6 @@ os._exit(0)
 def test_a_worker_connection_ends_with_the_worker_even_while_a_forked_child_lives() -> None:
     # The launcher judges a worker's exit once its connection has ended (its last frames read);
     # a forked child holding the socket open would delay that until the child died.
-    import os
-    import signal
-    import subprocess
-    import sys
-
     secret = b"5a" * 32
     server = ControlServer("127.0.0.1", 0, secret)
     server.start()

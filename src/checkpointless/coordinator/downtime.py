@@ -76,18 +76,17 @@ def recovery_fields(
     return fields, summary, used_fired
 
 
-_PARTS = ("state_collect_s", "layout_s", "send_s", "recv_s", "verify_s", "state_restore_s")
+_PARTS = ("state_collect_s", "recv_s", "verify_s", "state_restore_s")
 
 
 def transfer_parts(recovered: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     """Where the slowest receiver's ``transfer_s`` went (its own tensors collected as the landing
-    zone, the wire, the digests, the load into the model and optimizer), or the slowest source's
-    when nobody received; None when no rank moved state."""
-    movers = [(r, x) for r, x in recovered.items() if x.get("role") in ("receiver", "source")]
-    if not movers:
+    zone, the stream, the digests, the load into the model and optimizer); None when no rank
+    received state."""
+    receivers = [(r, x) for r, x in recovered.items() if x.get("role") == "receiver"]
+    if not receivers:
         return None
-    receivers = [(r, x) for r, x in movers if x.get("role") == "receiver"]
-    rank, x = max(receivers or movers, key=lambda rx: float(rx[1].get("transfer_s", 0.0)))
-    out: dict[str, Any] = {"rank": rank, "role": x.get("role")}
+    rank, x = max(receivers, key=lambda rx: float(rx[1].get("transfer_s", 0.0)))
+    out: dict[str, Any] = {"rank": rank, "role": "receiver"}
     out.update({k: round(float(x[k]), 4) for k in _PARTS if isinstance(x.get(k), int | float)})
     return out

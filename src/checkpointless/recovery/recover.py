@@ -240,9 +240,7 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
         log.info("restored the checkpoint of step %d from %s", target, job._checkpoint_dir)
     elif to_send:
         rng = resume_rng(job, target)
-        tc = time.monotonic()
         state = collect_state(job._objects, target, rng)
-        info["state_collect_s"] = time.monotonic() - tc
         info.update(send_state(job.comm, state, to_send, job.rendezvous_timeout, route))
         info["role"] = "source"
         restore_rng(rng)
