@@ -161,8 +161,8 @@ def plan(name: str, seed: int) -> Scenario:
                     out.append(Strike("fault", rng.uniform(0.0, 1.0), kill, (_rank(rng),)))
         return Scenario(name, seed, 2, tuple(out), inject)
     if name == "all-replicas":
-        # every replica at once: no survivor holds the state. Written as it should behave (the
-        # job recovers, bitwise); with peer-to-peer state alone it cannot, see the test below.
+        # every replica at once: no survivor holds the state, so the replacements restore the
+        # newest shared-memory snapshot and replay from it (still bitwise)
         return Scenario(name, seed, 4, (Strike("step", _steps(rng, 1, 20, STEPS - 40)[0], kill, ("all",)),))
     raise ValueError(f"unknown soak scenario {name!r}")
 
