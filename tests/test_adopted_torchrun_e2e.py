@@ -29,6 +29,7 @@ def torchrun_env() -> dict[str, str]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash prints every thread's Python stack
     return env
 
 
@@ -69,6 +70,65 @@ def test_adopted_tutorial_under_plain_torchrun_is_one_job_bitwise_equal_to_check
     assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
     assert ref.digest == digests[0], "torchrun's run differs from the same job under checkpointless run"
     assert WARNING not in ref.output
+
+
+# A small adopted script; an exit handler registered before init() runs after the job's own and
+# reports what is left of torch.distributed and of the job's communicator at that point.
+EXIT_PROBE = """
+import atexit, sys
+import torch
+import torch.distributed as dist
+import checkpointless as cl
+
+def report():
+    job = cl.init()
+    print(f"rank {job.rank} at exit: initialized={dist.is_initialized()} comm={job.comm.aborted}", flush=True)
+
+atexit.register(report)
+job = cl.init()
+if sys.argv[1] == "mesh":
+    job.device_mesh(("shard",), (2,))
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+model = job.data_parallel(net)
+job.track(model=net, optimizer=opt)
+for step in job.steps(4):
+    with step:
+        loss = model(torch.full((2, 4), float(job.rank))).sum()
+        opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def _torchrun_probe(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "probe.py"
+    script.write_text(EXIT_PROBE)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), mode]
+    return subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(200)
+def test_under_plain_torchrun_the_groups_are_closed_before_the_interpreter_exits(tmp_path: Path) -> None:
+    # Left to the interpreter's own teardown, gloo groups can abort a process that has finished
+    # (seen once in this suite: SIGABRT after both digests were written); the job closes its
+    # groups and torch's at exit, before the teardown.
+    proc = _torchrun_probe(tmp_path, "plain")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} at exit: initialized=False comm=closed" in out, out[-4000:]
+
+
+@pytest.mark.timeout(200)
+def test_a_sharded_job_under_plain_torchrun_stops_with_the_command_that_runs_it(tmp_path: Path) -> None:
+    proc = _torchrun_probe(tmp_path, "mesh")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    for rank in (0, 1):
+        assert f"[rank{rank}]: checkpointless.errors.ConfigError: job.device_mesh(" in out, out[-4000:]
+    assert "does not run under plain torchrun; start it with `checkpointless run --nproc 2" in out
+    assert "at exit: initialized=False" not in out  # no clean end, so nothing was registered
 
 
 def test_torchrun_is_recognised_only_with_its_variables_and_a_world_of_many() -> None:

@@ -118,6 +118,12 @@ class Communicator:
         for g in retired:
             g.release_graveyard()
 
+    def close(self) -> None:
+        """Drop every communicator of this one now (see ResilientProcessGroup.close)."""
+        retired, self._retired = self._retired, []
+        for g in [*retired, self.group]:
+            g.close()
+
     # -- collectives -------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
         if self.before_allreduce is not None:

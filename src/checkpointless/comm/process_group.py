@@ -220,6 +220,16 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if parked:
             threading.Thread(target=parked.clear, daemon=True, name="cl-rpg-reaper").start()
 
+    def close(self) -> None:
+        """Drop this group's communicators now, on the calling thread (a job without our launcher,
+        at its exit: recovery/process.py's ``close_at_exit``). Pending collectives fail first."""
+        self.abort("closed")
+        with self._lock:
+            parked, self._graveyard = self._graveyard, []
+            stores, self._stores = self._stores, []
+        parked.clear()  # the gloo destructors join their threads here, with the interpreter alive
+        stores.clear()
+
     # -- collectives ----------------------------------------------------------------------------
     def handle(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> Handle:
         """Issue ``fn(group)`` on this generation's group for the device of ``on`` (a tensor, or

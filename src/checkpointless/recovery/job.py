@@ -48,7 +48,7 @@ from checkpointless.recovery.epochs import EpochDriver
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
-from checkpointless.recovery.process import install_fast_exit, short_error, warm_up
+from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error, warm_up
 from checkpointless.recovery.recover import fatal, recover, recover_from
 from checkpointless.recovery.rng import StepStreams
 from checkpointless.recovery.sections import Section, due_sections
@@ -282,6 +282,15 @@ class Job:
         FSDP. Call it once, after ``init()`` and before ``track()`` (docs/adoption.md)."""
         if self._mesh is not None or self._started:
             raise ConfigError("job.device_mesh() can be called once, before job.steps()")
+        if self.under_torchrun:
+            # The job's groups here are torchrun's own gloo group and one communicator; the mesh's
+            # resilient groups would need the default group to be ours, and rank 0's state (what
+            # every rank takes at job.steps() under torchrun) is one shard, not every rank's.
+            raise ConfigError(
+                f"job.device_mesh{tuple(names)!r}: a sharded job does not run under plain torchrun; "
+                f"start it with `checkpointless run --nproc {self.world_size} --spares 1 <script> "
+                "[args...]` (one host: --nproc; many: docs/operations.md)"
+            )
         err = mesh_shape_error(names, shape, self.world_size)
         if err is not None:
             raise err
@@ -527,6 +536,16 @@ class Job:
         if self._link is not None:
             self._link.send(Done(step=self.committed_step))
             install_fast_exit()
+        else:  # torchrun or standalone: the process exits normally, its groups closed first
+            close_at_exit(self._close_groups, self.rendezvous_timeout)
+
+    def _close_groups(self) -> None:
+        self.comm.close()
+        if self._default is not None:
+            self._default.pg.close()
+        if self._mesh is not None:
+            for pg in self._mesh.mesh.groups:  # the world group may be the default group: close twice is fine
+                pg.close()
 
     def _per_epoch(self) -> int:
         if self._steps_per_epoch is not None:

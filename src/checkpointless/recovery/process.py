@@ -7,15 +7,20 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from checkpointless.events import get_logger
 from checkpointless.state.codec import tensor_paths
 from checkpointless.state.snapshot import collect_state
 
 __all__ = [
+    "close_at_exit",
     "install_fast_exit",
     "looks_like_comm_error",
     "note_exit_code",
@@ -60,6 +65,34 @@ def install_fast_exit() -> None:
 
     sys.excepthook = hook
     atexit.register(exit_now)
+
+
+def close_at_exit(close: Callable[[], None], timeout: float) -> None:
+    """At interpreter exit, while the interpreter is still whole: run ``close`` (the job's own
+    groups), then destroy torch's process groups, as torch asks every script to do before it
+    exits. For a job that ends without our launcher (plain torchrun, ``python train.py``), which
+    leaves through the normal exit rather than :func:`install_fast_exit`. Left to the exit, its
+    gloo groups came down after the interpreter had: seen as a rare SIGABRT ("terminate called
+    without an active exception") after a clean end under plain torchrun, the symptom torch
+    reports for scripts that skip ``destroy_process_group`` (pytorch/pytorch#190489). Bounded by
+    ``timeout`` seconds: a group that does not come down by then is left to the exit."""
+
+    def shut() -> None:
+        try:
+            close()
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as e:  # leaving anyway: say why the groups stayed
+            get_logger().warning("closing the job's process groups at exit: %s", short_error(e))
+
+    def at_exit() -> None:
+        th = threading.Thread(target=shut, name="cl-close-groups", daemon=True)
+        th.start()
+        th.join(timeout)
+        if th.is_alive():
+            get_logger().warning("the job's process groups were still closing after %.0f s", timeout)
+
+    atexit.register(at_exit)
 
 
 def looks_like_comm_error(exc: BaseException) -> bool:
