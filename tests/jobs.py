@@ -188,6 +188,17 @@ def run_job(
     return job.finish(timeout)
 
 
+def torchrun_env() -> dict[str, str]:
+    """This environment for a job under plain torchrun: nothing of a surrounding checkpointless
+    job may leak in, so it is torchrun alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINTLESS_", "TORCHELASTIC_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash prints every thread's Python stack
+    return env
+
+
 def read_digests(folder: Path, prefix: str) -> dict[int, str]:
     """rank -> digest from the files ``<folder>/<prefix><rank>``."""
     out: dict[int, str] = {}

@@ -11,11 +11,13 @@ tests/test_buddy_e2e.py).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from jobs import TINY, JobResult, alive, run_job
+from jobs import EXAMPLE, ROOT, TINY, JobResult, alive, read_digests, run_job, torchrun_env
 
 HSDP = [*TINY, "--fsdp", "2,2"]
 _REF: dict[str, JobResult] = {}
@@ -50,6 +52,23 @@ def check_shards(res: JobResult, ref: JobResult) -> None:
     # (the others are still reporting): start-up absorbs it, and must say so
     assert res.of("recovery") or res.startup_faults(), res.output[-4000:]
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_under_plain_torchrun_ends_with_the_same_shards_as_under_checkpointless_run(
+    tmp_path: Path, corpus: Path, hsdp_reference: JobResult
+) -> None:
+    # One job without recovery: the mesh's groups form once from torchrun's store, and each rank
+    # starts from its shard's holder in the first replica group, as the launcher's first round does
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(EXAMPLE), *HSDP]
+    cmd += ["--data", str(corpus), "--digest-out", str(tmp_path / "torchrun.digest-{rank}")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("started by torchrun, so this job runs WITHOUT in-process recovery") == 4, out[-4000:]
+    got = read_digests(tmp_path, "torchrun.digest-")
+    assert got == hsdp_reference.digests, f"shards differ from the same job under checkpointless run: {got}"
 
 
 def fault_plans(res: JobResult) -> list[dict[int, int]]:

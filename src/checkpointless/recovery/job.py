@@ -151,6 +151,7 @@ class Job:
         self._in_section: str | None = None
         self._steps_per_epoch: int | None = None
         self.under_torchrun = False  # started by plain torchrun: one job, without recovery
+        self._torchrun_store: dist.Store | None = None  # its store, which the job's groups form from
         self._epochs: EpochDriver | None = None  # job.epochs(): the step loop split into epochs
         self._step_loader: StepLoader | StatefulStepLoader | None = None  # step.batch's loader
 
@@ -248,12 +249,15 @@ class Job:
         """Started by plain torchrun: torchrun's group is the default group, and the job's own
         communicator forms once from torchrun's store (recovery/torchrun.py says why)."""
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
-        self.rank, self.world_size, store = join_torchrun_group(timeout)
+        self.rank, self.world_size, store, own_default = join_torchrun_group(timeout)
         setup_logging(f"rank {self.rank}")
         if self.comm.backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank)) % torch.cuda.device_count())
         deadline = time.monotonic() + self.rendezvous_timeout
-        self.comm.rebuild(0, dist.PrefixStore("checkpointless/", store), self.rank, self.world_size, deadline)
+        self._torchrun_store = dist.PrefixStore("checkpointless/", store)
+        if own_default:  # torch's default group is the job's, as under the launcher: a mesh adopts it
+            self._install_default_group().configure(0, self._torchrun_store, deadline, None)
+        self.comm.rebuild(0, self._torchrun_store, self.rank, self.world_size, deadline)
         self.generation = 0
         self.under_torchrun = True
         log.warning("%s", torchrun_warning(self.rank, self.world_size))
@@ -282,15 +286,6 @@ class Job:
         FSDP. Call it once, after ``init()`` and before ``track()`` (docs/adoption.md)."""
         if self._mesh is not None or self._started:
             raise ConfigError("job.device_mesh() can be called once, before job.steps()")
-        if self.under_torchrun:
-            # The job's groups here are torchrun's own gloo group and one communicator; the mesh's
-            # resilient groups would need the default group to be ours, and rank 0's state (what
-            # every rank takes at job.steps() under torchrun) is one shard, not every rank's.
-            raise ConfigError(
-                f"job.device_mesh{tuple(names)!r}: a sharded job does not run under plain torchrun; "
-                f"start it with `checkpointless run --nproc {self.world_size} --spares 1 <script> "
-                "[args...]` (one host: --nproc; many: docs/operations.md)"
-            )
         err = mesh_shape_error(names, shape, self.world_size)
         if err is not None:
             raise err
@@ -303,7 +298,10 @@ class Job:
         self._objects[SHARD_STATE_NAME] = self._mesh.identity()
         if self._mesh.shards > 1:
             self._sharded_copies()
-        if self._link is None:  # run plainly: a world of one, formed at once
+        if self._torchrun_store is not None:  # plain torchrun: formed once, from torchrun's store
+            deadline = time.monotonic() + self.rendezvous_timeout
+            self._mesh.configure(0, dist.PrefixStore("mesh/", self._torchrun_store), deadline, None)
+        elif self._link is None:  # run plainly: a world of one, formed at once
             self._mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
         return self._mesh.device_mesh
 
@@ -501,8 +499,9 @@ class Job:
         self._started = True
         self.committed_step = start
         if self.under_torchrun:  # what the launcher's first round does: rank 0's state everywhere
+            shards = self._mesh.shards if self._mesh is not None else 1
             self.committed_step = start_from_rank0(
-                self.comm, self._objects, start, self.rank, self.world_size, self.rendezvous_timeout
+                self.comm, self._objects, start, self.rank, self.world_size, self.rendezvous_timeout, shards
             )
         if self._link is not None and not self._objects:
             fatal(

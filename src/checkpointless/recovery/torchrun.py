@@ -8,9 +8,11 @@ the rank it was given, before any line of the script after ``init()`` runs.
 
 The other direction: an adopted script started by plain ``torchrun`` has torchrun's variables and
 store but no launcher of ours. It must not become N single-process jobs (each training alone and
-all writing the same files), so ``init()`` joins torchrun's group as one job that does not
-recover (:func:`join_torchrun_group`), says so once per rank, and starts every rank from rank 0's
-state as the launcher's first round would (:func:`start_from_rank0`).
+all writing the same files), so ``init()`` joins torchrun's rendezvous as one job that does not
+recover (:func:`join_torchrun_group`): the job's groups (torch's default group, its communicator,
+a device mesh's groups) form once from torchrun's store. It says so once per rank, and starts
+every rank from its shard's holder in the first replica group (rank 0 in data parallelism) as the
+launcher's first round would (:func:`start_from_rank0`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from checkpointless.errors import ConfigError
@@ -113,31 +114,43 @@ def torchrun_warning(rank: int, world_size: int) -> str:
     )
 
 
-def join_torchrun_group(timeout: datetime.timedelta) -> tuple[int, int, dist.Store]:
-    """Join torchrun's default process group (env:// rendezvous) unless the script already did;
-    return (rank, world size, torchrun's store) for the job's own communicator."""
-    if not dist.is_initialized():
-        # gloo for CPU tensors always; NCCL next to it for CUDA tensors when there is a GPU
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend, timeout=timeout)
-    store = dist.distributed_c10d._get_default_store()
-    return dist.get_rank(), dist.get_world_size(), store
+def join_torchrun_group(timeout: datetime.timedelta) -> tuple[int, int, dist.Store, bool]:
+    """Join torchrun's rendezvous (env://); return (rank, world size, torchrun's store, whether
+    torch's default group is still to be made). A script that initialised torch.distributed
+    before ``init()`` keeps its group (False); otherwise the job makes the default group its own
+    resilient one, as under the launcher, so that a device mesh can adopt it (True)."""
+    if dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+        return dist.get_rank(), dist.get_world_size(), store, False
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return rank, world_size, store, True
 
 
 def start_from_rank0(
-    comm: Any, objects: dict[str, Stateful], start: int, rank: int, world_size: int, timeout: float
+    comm: Any,
+    objects: dict[str, Stateful],
+    start: int,
+    rank: int,
+    world_size: int,
+    timeout: float,
+    shards: int = 1,
 ) -> int:
-    """What the launcher's first round does, done over the job's own group: every rank takes
-    rank 0's tracked state, its RNG state and its start step (as DDP broadcasts rank 0's weights
-    at construction). Returns the start step."""
-    if world_size < 2:
+    """What the launcher's first round does, done over the job's own group: every rank takes the
+    tracked state, RNG state and start step of the rank that holds its shard in the first replica
+    group, rank ``rank % shards`` (with one shard that is rank 0, as DDP broadcasts rank 0's
+    weights at construction; a sharded mesh with one replica group has nothing to send). Returns
+    the start step."""
+    if world_size <= shards:
         return start
     rng = capture_rng()
-    if rank == 0:
-        send_state(comm, collect_state(objects, start, rng), list(range(1, world_size)), timeout)
+    source = rank % shards
+    if rank == source:
+        peers = list(range(rank + shards, world_size, shards))
+        send_state(comm, collect_state(objects, start, rng), peers, timeout)
         return start
     own = collect_state(objects, start, rng)
-    state, _ = receive_state(comm, 0, timeout, own)
+    state, _ = receive_state(comm, source, timeout, own)
     step, rng0 = restore_state(objects, state)
     restore_rng(rng0)
     return step
