@@ -246,8 +246,8 @@ class Job:
         self.generation = 0
 
     def _join_torchrun(self) -> None:
-        """Started by plain torchrun: torchrun's group is the default group, and the job's own
-        communicator forms once from torchrun's store (recovery/torchrun.py says why)."""
+        """Started by plain torchrun: the job's default group and communicator form once from
+        torchrun's store, as one job without recovery (recovery/torchrun.py says why)."""
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
         self.rank, self.world_size, store, own_default = join_torchrun_group(timeout)
         setup_logging(f"rank {self.rank}")
@@ -498,7 +498,7 @@ class Job:
         self._steps_per_epoch = steps_per_epoch
         self._started = True
         self.committed_step = start
-        if self.under_torchrun:  # what the launcher's first round does: rank 0's state everywhere
+        if self.under_torchrun:  # what the launcher's first round does: the first replica's state
             shards = self._mesh.shards if self._mesh is not None else 1
             self.committed_step = start_from_rank0(
                 self.comm, self._objects, start, self.rank, self.world_size, self.rendezvous_timeout, shards
