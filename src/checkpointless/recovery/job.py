@@ -690,7 +690,7 @@ _JOB: Job | None = None
 
 def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
     """Join the job. Under ``checkpointless run`` this connects to the launcher (and, in a spare,
-    waits to be given a rank); under plain torchrun it joins torchrun's group as a job without
+    waits to be given a rank); under plain torchrun it joins torchrun's rendezvous as a job without
     recovery (one warning per rank); run plainly, it makes a single-process job."""
     global _JOB
     if _JOB is not None:
