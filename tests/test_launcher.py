@@ -169,6 +169,10 @@ def test_launcher_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
     proc = launch(run_dir, SCRIPTS / "slow_steps.py", "--nproc", "2", "--spares", "1")
     start = wait_for_event(run_dir, "started", 90)
     assert all(alive(p) for p in job_pids(run_dir))
+    # the launcher never imports torch (only its workers and their fork template do): it starts
+    # the job that much sooner and holds no torch memory for the job's whole life
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert "libtorch" not in maps, "the launcher has torch loaded"
     os.kill(proc.pid, signal.SIGKILL)
     # the pipe closes once the reaper has killed what the launcher left (under a loaded suite on
     # 2 cores that took over 10 s once); what must hold is the check below

@@ -7,6 +7,8 @@ costs the healthy ranks one fast, named :class:`~checkpointless.errors.Rendezvou
 next generation forms once that rank is replaced. See docs/rendezvous.md.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from checkpointless.rendezvous.barrier import store_barrier
 from checkpointless.rendezvous.peers import PeerTable, group_by_owner, key_owner, parse_address
 from checkpointless.rendezvous.ports import (
@@ -17,7 +19,9 @@ from checkpointless.rendezvous.ports import (
     port_range_from_env,
 )
 from checkpointless.rendezvous.server import KeyServer, ServerStats
-from checkpointless.rendezvous.store import RootlessStore
+
+if TYPE_CHECKING:
+    from checkpointless.rendezvous.store import RootlessStore
 
 __all__ = [
     "PORT_BASE_SETTING",
@@ -34,3 +38,14 @@ __all__ = [
     "port_range_from_env",
     "store_barrier",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # RootlessStore subclasses torch's Store, so importing it imports torch (1.5-2 s of CPU). The
+    # launcher and agents need only ports, listeners and peer tables from this package: they load
+    # the store on first use, and a job's processes start that much sooner.
+    if name == "RootlessStore":
+        from checkpointless.rendezvous.store import RootlessStore
+
+        return RootlessStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
