@@ -32,7 +32,7 @@ import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from checkpointless.errors import CheckpointlessError
 
@@ -292,7 +292,7 @@ def _serve(sock: socket.socket) -> None:
             return
 
 
-def main() -> int:
+def main() -> NoReturn:
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     with contextlib.suppress(OSError):  # die with the launcher, even if it is SIGKILLed
@@ -305,13 +305,17 @@ def main() -> int:
     import checkpointless.comm.data_parallel
     import checkpointless.recovery.job  # noqa: F401
 
-    try:
+    with contextlib.suppress(OSError):  # the launcher gone already: _serve sees it and returns
         _send_msg(sock, {"ready": True})
-    except OSError:
-        return 0
     _serve(sock)
-    return 0
+    # The launcher has hung up. Leave without the interpreter's teardown: with torch and dynamo
+    # imported it takes ~1 s of CPU, which the launcher would wait for at every job's end, and the
+    # template holds nothing that needs it (no files, no threads, no state).
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
