@@ -11,11 +11,13 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from checkpointless.data.corpus import make_synthetic_corpus
 from checkpointless.data.dataset import TokenDataset
 from checkpointless.data.digest import array_digest, batch_digest
 from checkpointless.data.format import TokenFileHeader, TokenFileWriter, read_header, write_token_file
-from checkpointless.data.loader import BatchLoader
 from checkpointless.data.prepare import prepare_main
 from checkpointless.data.sampler import GlobalSampler
 from checkpointless.data.shm_cache import (
@@ -26,8 +28,15 @@ from checkpointless.data.shm_cache import (
     remove_job_cache,
     start_cache_janitor,
 )
-from checkpointless.data.spare_cache import prefetch_as_spare
 from checkpointless.data.tokenize import ByteTokenizer, get_tokenizer
+
+if TYPE_CHECKING:
+    from checkpointless.data.loader import BatchLoader
+    from checkpointless.data.spare_cache import prefetch_as_spare
+
+# Loaded on first use: they yield torch tensors, so importing them imports torch (1.5-2 s of CPU),
+# which `checkpointless data prepare` and the launcher's clean-up of the batch cache never need.
+_LAZY = {"BatchLoader": "checkpointless.data.loader", "prefetch_as_spare": "checkpointless.data.spare_cache"}
 
 __all__ = [
     "BatchKey",
@@ -51,3 +60,9 @@ __all__ = [
     "start_cache_janitor",
     "write_token_file",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
