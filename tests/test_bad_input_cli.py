@@ -139,3 +139,26 @@ def test_simulate_refuses_bad_arguments(place: Path, args: list[str], needle: st
     rc, out = cli(place, "simulate", "--no-plot", *args)
     assert rc == 2 and needle in out and "Traceback" not in out, out
     assert listing(place) == before
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_command_answers_without_importing_torch(place: Path) -> None:
+    # A bad flag is answered before anything heavy loads: importing torch is 1.5-2 s of CPU on a
+    # small machine, and `data prepare` and the launcher never need it themselves.
+    probe = (
+        "import sys\n"
+        "from checkpointless.cli import main\n"
+        "for argv in (['data', 'prepare', 'c.jsonl', '-o', 'missing/x.tokens'], ['run', '--nproc', '0', 'x.py'],"
+        " ['simulate', '--no-plot', '--days', 'nan']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch loaded' if 'torch' in sys.modules else 'no torch')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHECKPOINTLESS_")}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=place, env=env, capture_output=True, text=True, timeout=50
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "no torch", proc.stdout + proc.stderr
