@@ -208,8 +208,10 @@ def summarize(runs: list[dict[str, Any]], mesh: str, designs: list[str], rounds:
             "ratio_median_step": ratio,
             "overhead_pct": (ratio - 1) * 100 if ratio else None,
             "pair_ratios": bl.summary(pairs),
+            "pair_ci95": bl.ratio_ci(pairs),
             "ratio_cpu_per_step": c / cb if c and cb else None,
             "cpu_pair_ratios": bl.summary(cpu_pairs),
+            "cpu_pair_ci95": bl.ratio_ci(cpu_pairs),
             "target_pct": TARGET_PCT[d],
         }
     for d, key in (("buddy", "buddy_fields"), ("buddy_every", "buddy_every_fields")):
@@ -330,6 +332,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{key} {d}: overhead {pct:.1f}% against target ≤ {v['target_pct']:g}% "
                 f"({'met' if pct <= v['target_pct'] else 'NOT met'}){spread}."
             )
+            for what, ci in (("step", v["pair_ci95"]), ("CPU", v["cpu_pair_ci95"])):
+                if ci["lo"] is not None:
+                    notes.append(
+                        f"{key} {d}, paired rounds by {what}: {100 * (ci['geomean'] - 1):+.1f}% "
+                        f"(95% CI {100 * (ci['lo'] - 1):+.1f}% to {100 * (ci['hi'] - 1):+.1f}%, "
+                        f"{ci['n']} rounds): {bl.verdict(ci, v['target_pct'])} against ≤ {v['target_pct']:g}%."
+                    )
         if s["buddy_fields"]:
             bf = s["buddy_fields"]
             notes.append(

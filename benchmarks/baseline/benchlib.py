@@ -10,8 +10,10 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import math
 import os
 import platform
+import random
 import signal
 import socket
 import statistics
@@ -292,6 +294,48 @@ def summary(values: Sequence[float | None]) -> dict[str, Any]:
         "n": len(xs),
         "values": [round(x, 4) for x in xs],
     }
+
+
+def ratio_ci(ratios: Sequence[float], level: float = 0.95, resamples: int = 10_000) -> dict[str, Any]:
+    """Geometric mean of paired ratios (one per round: design / baseline, run next to each other)
+    with a percentile-bootstrap confidence interval.
+
+    Why a bootstrap: the round ratios on a shared machine are skewed by load bursts, so an interval
+    from a normal or t model would be wrong in an unknown direction; resampling the rounds assumes
+    only that they are independent. The seed is fixed so that the same runs give the same interval.
+    Why paired and geometric: each ratio already cancels the load both runs of a round saw, and
+    ratios compose by multiplication (1.1 and 1/1.1 average to parity)."""
+    logs = [math.log(r) for r in ratios if r and r > 0]
+    if len(logs) < 3:
+        return {
+            "n": len(logs),
+            "geomean": math.exp(statistics.fmean(logs)) if logs else None,
+            "lo": None,
+            "hi": None,
+        }
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return {
+        "n": len(logs),
+        "level": level,
+        "geomean": math.exp(statistics.fmean(logs)),
+        "lo": math.exp(means[int(tail * resamples)]),
+        "hi": math.exp(means[min(resamples - 1, int((1.0 - tail) * resamples))]),
+    }
+
+
+def verdict(ci: dict[str, Any], target_pct: float) -> str:
+    """'met' when the whole interval is within the target, 'NOT met' when all of it is over, and
+    'undecided' when the interval straddles it: the runs cannot tell at this machine's noise."""
+    if ci["lo"] is None:
+        return "undecided (fewer than 3 rounds)"
+    limit = 1.0 + target_pct / 100
+    if ci["hi"] <= limit:
+        return "met"
+    if ci["lo"] > limit:
+        return "NOT met"
+    return "undecided"
 
 
 def fmt(x: float | None, nd: int = 2) -> str:
