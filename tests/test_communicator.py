@@ -144,3 +144,83 @@ def test_polled_wait_does_not_take_its_own_timeout_for_the_collectives_failure()
     h = Handle(work, "result", finished.append, poll=True)
     assert h.wait(5) == "result"  # the collective succeeded: no CommAborted
     assert finished == [h] and work.waits == 2
+
+
+def _barrier_worker(rank: int, port: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from checkpointless.comm.communicator import Communicator
+    from checkpointless.errors import CommAborted
+
+    base = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    comm = Communicator(rank, 2, datetime.timedelta(seconds=60))
+
+    def barrier() -> str:
+        t0 = time.monotonic()
+        try:
+            comm.barrier(30)
+            return f"passed {time.monotonic() - t0:.2f}"
+        except CommAborted:
+            return f"aborted {time.monotonic() - t0:.2f}"
+
+    # A: rank 0's barrier is aborted while rank 1, alive and on its way, has not reached it yet.
+    # Rank 1 passes it once it arrives, so rank 0 must pass it too.
+    comm.rebuild(0, dist.PrefixStore("gen0/", base), rank, 2, time.monotonic() + 30)
+    if rank == 0:
+        threading.Timer(0.2, lambda: comm.abort("a peer failed")).start()
+    else:
+        time.sleep(0.5)
+    out.put((f"late-peer-rank{rank}", barrier()))
+    # B: rank 1 never comes: rank 0's aborted barrier fails once the settle time has passed
+    comm.rebuild(1, dist.PrefixStore("gen1/", base), rank, 2, time.monotonic() + 30)
+    if rank == 0:
+        threading.Timer(0.2, lambda: comm.abort("a peer failed")).start()
+        out.put(("absent-peer", barrier()))
+        base.set("b-done", "1")
+    else:
+        base.wait(["b-done"], datetime.timedelta(seconds=30))
+    # C: an all-reduce that completed before the abort, unobserved by its waiter, keeps its result
+    comm.rebuild(2, dist.PrefixStore("gen2/", base), rank, 2, time.monotonic() + 30)
+    t = torch.ones(2) * (rank + 1)
+    h = comm.allreduce(t)
+    if rank == 0:
+        h.work.wait()  # the collective completes; our handle has not seen it
+        comm.abort("a peer failed")
+    try:
+        out.put((f"completed-rank{rank}", comm.wait(h, 30).tolist()))
+    except CommAborted as e:
+        out.put((f"completed-rank{rank}", f"aborted: {e}"))
+    out.close()
+    out.join_thread()
+    os._exit(0)  # skip tearing down the parked groups
+
+
+def test_a_barrier_aborted_as_it_completes_is_passed_like_its_peers_passed_it() -> None:
+    # The barrier before a sharded update (recovery/job.py): a rank must not fail a barrier its
+    # peer passed, or the peer updates and it does not, and the shard groups end a step apart.
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=_barrier_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(q.get(timeout=60) for _ in range(5))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert results["late-peer-rank1"].startswith("passed"), results
+    assert results["late-peer-rank0"].startswith("passed"), results
+    outcome, took = results["absent-peer"].split()
+    assert outcome == "aborted" and 1.1 <= float(took) < 5, results
+    assert results["completed-rank0"] == results["completed-rank1"] == [3.0, 3.0], results

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from checkpointless.config import ENV
 from checkpointless.errors import CommAborted, RendezvousError
 
-__all__ = ["Handle", "default_backend", "new_group"]
+__all__ = ["Handle", "completes", "default_backend", "new_group"]
 
 
 _POLL_S = 0.01  # a polled wait re-checks for an abort this often
@@ -100,10 +100,26 @@ class Handle:
         self._on_finish(self)
 
     def abort(self, reason: str) -> None:
+        work = self._work
+        if self._poll and work is not None and _completed(work):
+            # It completed before the abort, but its waiter has not looked yet (on busy cores the
+            # abort's thread can take the GIL before the waiter returns from gloo). Its outcome
+            # stands: every rank's part is in, and a peer may already act on it. The barrier
+            # before a sharded update depends on this (recovery/job.py): had this rank failed a
+            # barrier its peers passed, they would update and it would not, and the shard
+            # groups would end at different steps with no single step's state anywhere (seen
+            # in 2 of 16 HSDP runs with a fault inside one rank's update).
+            self._finish(_outcome(work))
+            return
         self._finish(CommAborted(reason))
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def work(self) -> Any:
+        """The backend's work while the collective is pending (None once it has finished)."""
+        return self._work
 
     def _poll_until(self, deadline: float | None) -> None:
         work = self._work  # _finish (an abort, from any thread) clears the attribute
@@ -186,6 +202,25 @@ def _forget_pool() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool)
+
+
+def completes(work: Any, within: float) -> bool:
+    """Whether a polled (gloo) ``work`` whose handle was aborted still completes successfully
+    within ``within`` seconds. Its group is parked, not destroyed, so the wait is safe."""
+    if work is None:
+        return False
+    try:
+        work.wait(datetime.timedelta(milliseconds=max(1, int(within * 1000))))
+    except Exception:
+        return False
+    return True
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return False
 
 
 def _outcome(work: Any) -> BaseException | None:
