@@ -177,8 +177,9 @@ class Communicator:
         flight is given ``_SETTLE_S`` more to complete. In 24 HSDP 2x2 runs with a fault inside
         one rank's update, 8 barriers were aborted in flight and every one completed within
         0.1 ms of the abort; without this, 2-3 of such 24 runs ended with the shard groups at
-        different steps and no consistent step to recover to. A barrier that a peer never reached fails at once if that peer is dead, or
-        after the settle time if it is alive but elsewhere."""
+        different steps and no consistent step to recover to. A barrier that a peer never
+        reached fails at once if that peer is dead, or after the settle time if it is alive
+        but elsewhere."""
         opts = dist.AllreduceOptions()
         t = torch.zeros(1)  # a CPU tensor: the gloo side, on NCCL hosts too
         h = self.group.handle(lambda pg: pg.allreduce([t], opts), t, t)

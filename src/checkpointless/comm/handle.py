@@ -107,8 +107,8 @@ class Handle:
             # stands: every rank's part is in, and a peer may already act on it. The barrier
             # before a sharded update depends on this (recovery/job.py): had this rank failed a
             # barrier its peers passed, they would update and it would not, and the shard
-            # groups would end at different steps with no single step's state anywhere (seen
-            # in 2 of 16 HSDP runs with a fault inside one rank's update).
+            # groups would end at different steps with no single step's state anywhere
+            # (Communicator.barrier).
             self._finish(_outcome(work))
             return
         self._finish(CommAborted(reason))
