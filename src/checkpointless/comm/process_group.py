@@ -213,21 +213,24 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def aborted(self) -> str | None:
         return self._aborted
 
-    def release_graveyard(self) -> None:
-        """Drop parked gloo groups (their destructors join gloo threads: off this thread)."""
+    def release_graveyard(self, here: bool = False) -> None:
+        """Drop parked gloo groups. Their destructors join gloo's threads, so by default that
+        happens on a helper thread; ``here`` does it on the calling thread (see :meth:`close`)."""
         with self._lock:
             parked, self._graveyard = self._graveyard, []
-        if parked:
+        if here:
+            parked.clear()
+        elif parked:
             threading.Thread(target=parked.clear, daemon=True, name="cl-rpg-reaper").start()
 
     def close(self) -> None:
         """Drop this group's communicators now, on the calling thread (a job without our launcher,
         at its exit: recovery/process.py's ``close_at_exit``). Pending collectives fail first."""
         self.abort("closed")
+        # the gloo destructors join their threads here, while the interpreter is alive
+        self.release_graveyard(here=True)
         with self._lock:
-            parked, self._graveyard = self._graveyard, []
             stores, self._stores = self._stores, []
-        parked.clear()  # the gloo destructors join their threads here, with the interpreter alive
         stores.clear()
 
     # -- collectives ----------------------------------------------------------------------------
