@@ -204,7 +204,10 @@ def steady_start(run_dir: Path, done: dict[int, float], warmup: int) -> int:
 def cpu_per_step(samples: list[tuple[float, float]], done: dict[int, float], warmup: int) -> float | None:
     """CPU seconds of the whole job (every process it started) per step, after the warm-up:
     unlike wall time, hardly moved by other work on a shared machine."""
-    steps = sorted(s for s in done if s >= warmup)
+    # Only steps inside the sampled span: a job that exits within a sampling interval of its last
+    # step leaves no sample after it (every process gone), and the tree's CPU there is unknown.
+    span = (samples[0][0], samples[-1][0]) if samples else (0.0, -1.0)
+    steps = sorted(s for s in done if s >= warmup and span[0] <= done[s] <= span[1])
     if len(steps) < 2:
         return None
     c0, c1 = bl.cpu_at(samples, done[steps[0]]), bl.cpu_at(samples, done[steps[-1]])
