@@ -109,6 +109,20 @@ def test_recurring_exception_stops_the_job_with_a_clear_error(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(120)
+def test_a_loop_body_outside_with_step_stops_the_job_naming_the_fix(tmp_path: Path) -> None:
+    # Without `with step:` nothing commits: job.steps() would hand out step 0 for ever (and the
+    # sharded example hung in a collective), so the job stops at the end of the first body.
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, SCRIPTS / "no_with_step.py", "--nproc", "2", "--spares", "0")
+    out, _ = proc.communicate(timeout=110)
+    assert proc.returncode == 1, out[-3000:]
+    assert "ran outside `with step:` (step 0)" in out and "put the step's work inside it" in out, out[-3000:]
+    end = wait_for_event(run_dir, "job_end", 1)
+    assert end["status"] == "failed"
+    assert_nothing_left(run_dir, str(end["job"]))
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_an_error_escaping_the_loop_after_a_committed_step_fails_the_job(tmp_path: Path, how: str) -> None:
     # regression: it was taken for a clean `break`, and the fast exit turned the ranks' failure

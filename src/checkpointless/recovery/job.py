@@ -520,6 +520,17 @@ class Job:
             while self._run_sections() or not self._finished(total):
                 step = Step(self, self.committed_step)
                 yield step
+                if not step.entered:
+                    # Without `with step:` nothing commits, so the loop would yield the same step
+                    # for ever, and a recovery could neither stop nor replay the body: say so
+                    # instead of training on outside the job.
+                    fatal(
+                        self,
+                        f"the body of `for step in job.steps(...)` ran outside `with step:` (step "
+                        f"{step.index}); put the step's work inside it: "
+                        "`for step in job.steps(N):` then `with step:` around forward, backward and "
+                        "the optimizer step",
+                    )
         except GeneratorExit:  # the script left the loop with `break`
             if step is None or not step.committed:  # an error escaping the loop, not a clean end
                 log.warning("left job.steps() in a step that did not commit: not a clean end")

@@ -22,6 +22,7 @@ class Step:
         self.job = job
         self.index = index
         self.committed = False
+        self.entered = False  # job.steps() refuses a step whose body ran outside `with step:`
 
     @property
     def epoch(self) -> int:
@@ -40,6 +41,7 @@ class Step:
         return self.job._batch(self.index)
 
     def __enter__(self) -> Step:
+        self.entered = True
         enter_step(self.job, self.index)
         return self
 
