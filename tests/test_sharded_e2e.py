@@ -71,6 +71,28 @@ def test_hsdp_under_plain_torchrun_ends_with_the_same_shards_as_under_checkpoint
     assert got == hsdp_reference.digests, f"shards differ from the same job under checkpointless run: {got}"
 
 
+@pytest.mark.timeout(240)
+def test_ranks_seeded_apart_start_from_their_shards_holder_under_both_launchers(
+    tmp_path: Path, corpus: Path
+) -> None:
+    # Every rank builds its own initial weights (seeded by rank), so the replicas of a shard
+    # agree at the end only if each rank took its shard's state from the first replica group's
+    # holder as the job started: under checkpointless run (the first round) and under torchrun
+    # (recovery/torchrun.py), alike.
+    script = Path(__file__).parent / "scripts" / "hsdp_start.py"
+    res = run_job(tmp_path / "run", corpus, nproc=4, spares=0, script=script, script_args=[], timeout=120)
+    assert res.rc == 0, res.output[-4000:]
+    d = res.digests
+    assert sorted(d) == [0, 1, 2, 3] and d[0] == d[2] and d[1] == d[3] and d[0] != d[1], d
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(script)]
+    cmd += ["--digest-out", str(tmp_path / "torchrun.digest-{rank}")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    got = read_digests(tmp_path, "torchrun.digest-")
+    assert got == d, f"under torchrun the shards differ from checkpointless run's: {got} against {d}"
+
+
 def fault_plans(res: JobResult) -> list[dict[int, int]]:
     """receiver -> source of every recovery plan after the first generation."""
     return [{r: s for r, s in e.get("sources", [])} for e in res.of("plan") if e["generation"] > 0]
