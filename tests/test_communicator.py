@@ -9,12 +9,36 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 pytestmark = pytest.mark.timeout(90)
+
+
+def _run_pair(target: Callable[..., None], count: int) -> dict[str, Any]:
+    """Run ``target(rank, port, queue)`` in two fresh processes; the first ``count`` (name,
+    value) results they put on the queue."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=target, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(q.get(timeout=60) for _ in range(count))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
 
 
 def _worker(rank: int, port: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -55,24 +79,7 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:  # type: ignore[type-a
 
 
 def test_abort_unblocks_a_waiting_collective_and_next_generation_works() -> None:
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(q.get(timeout=60) for _ in range(3))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    results = _run_pair(_worker, 3)
     assert "aborted" in results, results
     assert 0.4 < results["aborted"] < 1.5, f"abort took {results['aborted']:.3f} s"
     assert results["gen1-rank0"] == [21.0, 21.0, 21.0]
@@ -201,24 +208,7 @@ def _barrier_worker(rank: int, port: int, out: mp.Queue) -> None:  # type: ignor
 def test_a_barrier_aborted_as_it_completes_is_passed_like_its_peers_passed_it() -> None:
     # The barrier before a sharded update (recovery/job.py): a rank must not fail a barrier its
     # peer passed, or the peer updates and it does not, and the shard groups end a step apart.
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    procs = [ctx.Process(target=_barrier_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(q.get(timeout=60) for _ in range(5))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    results = _run_pair(_barrier_worker, 5)
     assert results["late-peer-rank1"].startswith("passed"), results
     assert results["late-peer-rank0"].startswith("passed"), results
     outcome, took = results["absent-peer"].split()
