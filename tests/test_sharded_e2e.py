@@ -54,20 +54,28 @@ def check_shards(res: JobResult, ref: JobResult) -> None:
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
 
 
+def under_torchrun(
+    tmp_path: Path, script: Path, args: list[str], timeout: float
+) -> tuple[str, dict[int, str]]:
+    """``script args`` on 4 ranks under plain torchrun, which must succeed: its output and every
+    rank's digest."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(script), *args]
+    cmd += ["--digest-out", str(tmp_path / "torchrun.digest-{rank}")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out, read_digests(tmp_path, "torchrun.digest-")
+
+
 @pytest.mark.timeout(300)
 def test_hsdp_under_plain_torchrun_ends_with_the_same_shards_as_under_checkpointless_run(
     tmp_path: Path, corpus: Path, hsdp_reference: JobResult
 ) -> None:
     # One job without recovery: the mesh's groups form once from torchrun's store, and each rank
     # starts from its shard's holder in the first replica group, as the launcher's first round does
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(EXAMPLE), *HSDP]
-    cmd += ["--data", str(corpus), "--digest-out", str(tmp_path / "torchrun.digest-{rank}")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    out, got = under_torchrun(tmp_path, EXAMPLE, [*HSDP, "--data", str(corpus)], timeout=240)
     assert out.count("started by torchrun, so this job runs WITHOUT in-process recovery") == 4, out[-4000:]
-    got = read_digests(tmp_path, "torchrun.digest-")
     assert got == hsdp_reference.digests, f"shards differ from the same job under checkpointless run: {got}"
 
 
@@ -84,12 +92,7 @@ def test_ranks_seeded_apart_start_from_their_shards_holder_under_both_launchers(
     assert res.rc == 0, res.output[-4000:]
     d = res.digests
     assert sorted(d) == [0, 1, 2, 3] and d[0] == d[2] and d[1] == d[3] and d[0] != d[1], d
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(script)]
-    cmd += ["--digest-out", str(tmp_path / "torchrun.digest-{rank}")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    got = read_digests(tmp_path, "torchrun.digest-")
+    _, got = under_torchrun(tmp_path, script, [], timeout=100)
     assert got == d, f"under torchrun the shards differ from checkpointless run's: {got} against {d}"
 
 

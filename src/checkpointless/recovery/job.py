@@ -64,7 +64,7 @@ from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import (
     export_torchrun_env,
     join_torchrun_group,
-    start_from_rank0,
+    start_from_first_replica,
     started_by_torchrun,
     torchrun_warning,
 )
@@ -500,7 +500,7 @@ class Job:
         self.committed_step = start
         if self.under_torchrun:  # what the launcher's first round does: the first replica's state
             shards = self._mesh.shards if self._mesh is not None else 1
-            self.committed_step = start_from_rank0(
+            self.committed_step = start_from_first_replica(
                 self.comm, self._objects, start, self.rank, self.world_size, self.rendezvous_timeout, shards
             )
         if self._link is not None and not self._objects:

@@ -12,7 +12,7 @@ all writing the same files), so ``init()`` joins torchrun's rendezvous as one jo
 recover (:func:`join_torchrun_group`): the job's groups (torch's default group, its communicator,
 a device mesh's groups) form once from torchrun's store. It says so once per rank, and starts
 every rank from its shard's holder in the first replica group (rank 0 in data parallelism) as the
-launcher's first round would (:func:`start_from_rank0`).
+launcher's first round would (:func:`start_from_first_replica`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = [
     "TORCHRUN_VARIABLES",
     "export_torchrun_env",
     "join_torchrun_group",
-    "start_from_rank0",
+    "start_from_first_replica",
     "started_by_torchrun",
     "torchrun_env",
     "torchrun_warning",
@@ -127,7 +127,7 @@ def join_torchrun_group(timeout: datetime.timedelta) -> tuple[int, int, dist.Sto
     return rank, world_size, store, True
 
 
-def start_from_rank0(
+def start_from_first_replica(
     comm: Any,
     objects: dict[str, Stateful],
     start: int,
