@@ -299,6 +299,22 @@ def test_a_fault_before_the_first_generation_forms_is_named_by_start_up() -> Non
     assert end and end[0]["faults"] == 1 and end[0]["startup_faults"] == 1, end
 
 
+def test_settled_only_while_nothing_is_in_flight() -> None:
+    # the launcher's loop slows down while settled (policy.loop_wait): never during a start,
+    # a round, or an exit that waits for its connection's end
+    h = Harness()
+    assert not h.c.settled(), "starting: nobody connected yet"
+    start_job(h)
+    assert h.c.settled()
+    h.exit(1, -9)
+    assert not h.c.settled(), "a killed rank starts a round"
+    h2 = Harness(spares=0)
+    start_job_without_spares(h2)
+    assert h2.c.settled()
+    h2.exit(0, 0, detail="exited with code 0")  # its Done may still be unread
+    assert not h2.c.settled()
+
+
 def test_a_clean_exit_seen_before_its_done_is_read_is_not_a_fault() -> None:
     # The process table can report a finished rank's exit before the control connection's last
     # frames are read (the CI run that found this: 'FAULT rank 0: exit (exited with code 0)').

@@ -11,10 +11,14 @@ import time
 import pytest
 
 from checkpointless.launcher.policy import (
+    LOOP_BUSY_S,
+    LOOP_QUIET_S,
+    QUIET_AFTER_S,
     FaultRecord,
     Limits,
     ProcWatch,
     budget_verdict,
+    loop_wait,
     progress_limit,
     start_failure_verdict,
 )
@@ -131,3 +135,12 @@ def test_start_failures_end_a_respawn_loop_with_the_cause() -> None:
     assert start_failure_verdict(3, 2, 3, "exited with code 1", "tail") is None
     why = start_failure_verdict(3, 3, 3, "exited with code 1: PermissionError: cache", "Traceback...")
     assert why is not None and "rank 3" in why and "PermissionError" in why and "Traceback" in why
+
+
+def test_the_loop_slows_only_when_settled_and_quiet_for_a_while() -> None:
+    assert LOOP_BUSY_S < LOOP_QUIET_S <= 0.1  # the process table is still read ten times a second
+    assert loop_wait(100.0, 100.0 - QUIET_AFTER_S, settled=True) == LOOP_QUIET_S
+    # anything in flight (a round, a process starting, an exit awaiting its connection's end)
+    assert loop_wait(100.0, 0.0, settled=False) == LOOP_BUSY_S
+    # an event moments ago: the rest of it (a killed rank's exit after its connection's end)
+    assert loop_wait(100.0, 100.0 - QUIET_AFTER_S / 2, settled=True) == LOOP_BUSY_S

@@ -247,6 +247,15 @@ class Coordinator:
         """The shell hit an error it cannot recover from (a launcher bug, a spawn that failed)."""
         self._stop(why, 1)
 
+    def settled(self) -> bool:
+        """Nothing in flight: no round, no exit waiting for its connection's end, and every live
+        process connected (one still starting may die before it can say so)."""
+        return (
+            self.round is None
+            and not self._held_exits
+            and all(m.connected or m.exited for m in self.procs.values())
+        )
+
     def live_connected(self) -> list[int]:
         return [m.worker_id for m in self.procs.values() if m.connected and not m.exited]
 

@@ -33,12 +33,13 @@ from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.agents import AgentHosts, _beat_agents, _hang_up
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.model import LaunchConfig, checkpoint_root, config_from_json, config_to_json
-from checkpointless.launcher.policy import Limits
+from checkpointless.launcher.policy import Limits, loop_wait
 from checkpointless.launcher.reaper import cleanup_job, job_shm_dir
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
 from checkpointless.observe.hooks import start_observers
 from checkpointless.protocol import (
     AgentHello,
+    Heartbeat,
     Hello,
     KillCmd,
     ProcConnected,
@@ -81,6 +82,7 @@ class Launcher(AgentHosts):
         self.stopping: str | None = None
         self.exit_code = 0
         self._signal: int | None = None
+        self._last_event = 0.0  # monotonic time of the loop's last event (policy.loop_wait)
         self.agent: Agent | None = None
         self.coordinator: Coordinator | None = None
         self._conns: dict[int, Connection] = {}  # worker id -> its control connection
@@ -274,14 +276,23 @@ class Launcher(AgentHosts):
 
     # -- the loop: observations in, commands out -----------------------------------------------
     def _drain_inbox(self) -> None:
+        assert self.coordinator is not None
+        wait = loop_wait(time.monotonic(), self._last_event, self.coordinator.settled())
         try:
-            conn, msg = self.server.inbox.get(timeout=0.02)
+            conn, msg = self.server.inbox.get(timeout=wait)
+            self._note(msg)
             self._receive(conn, msg)
             while True:
                 conn, msg = self.server.inbox.get_nowait()
+                self._note(msg)
                 self._receive(conn, msg)
         except queue.Empty:
             pass
+
+    def _note(self, raw: dict[str, Any]) -> None:
+        # heartbeats arrive four times a second from every worker: they are not events
+        if raw.get("type") != Heartbeat.TYPE:
+            self._last_event = time.monotonic()
 
     def _loop(self) -> None:
         coord, agent = self.coordinator, self.agent
@@ -297,6 +308,7 @@ class Launcher(AgentHosts):
             if self._lost_majority(now):
                 return
             for seen in agent.poll(now) if agent is not None else []:
+                self._last_event = now
                 if isinstance(seen, ProcExit):
                     # its connection stays until it closes: frames it sent before it exited (its
                     # Done) are still to be read, and the coordinator waits for them

@@ -8,7 +8,9 @@ These are the rules that decide when a process is given up on and when the job a
   again across steps ends the job instead of spinning through recoveries;
 * :func:`start_failure_verdict` ends respawn loops: a rank whose replacements keep dying before
   they join;
-* :func:`progress_limit` scales the no-progress limit with the job's own measured step time.
+* :func:`progress_limit` scales the no-progress limit with the job's own measured step time;
+* :func:`loop_wait` paces the launcher's own loop: brisk while anything is in flight, slower
+  while the job just trains.
 
 Each is unit-tested by feeding it a situation (tests/test_policy.py).
 """
@@ -27,6 +29,7 @@ __all__ = [
     "ProcWatch",
     "budget_verdict",
     "first_step_limit",
+    "loop_wait",
     "progress_limit",
     "start_failure_verdict",
 ]
@@ -95,6 +98,25 @@ def progress_limit(hang_timeout: float, hang_factor: float, step_times: Sequence
     own steps is a hang, and never sooner than the fixed timeout.
     """
     return max(hang_timeout, hang_factor * max(step_times, default=0.0))
+
+
+# The launcher's loop waits this long for a message before it looks at its processes again.
+# Busy: a round in flight, a process starting or exiting, anything but heartbeats lately. Then an
+# exit seen by waitpid a tick late is a tick more downtime. Quiet: the job trains, every message
+# (a worker's report, a connection's end) wakes the loop at once anyway, and the process table is
+# still read ten times a second; a 50 Hz loop there cost ~10 ms of CPU a second (measured on
+# 2 cores: 16.7 -> 6.0 ms/s), taken from training ranks that use every core.
+LOOP_BUSY_S = 0.02
+LOOP_QUIET_S = 0.1
+QUIET_AFTER_S = 2.0  # ... and the loop stays brisk this long after the last event
+
+
+def loop_wait(now: float, last_event: float, settled: bool) -> float:
+    """Seconds the launcher's loop may wait for a message: ``settled`` (the coordinator has
+    nothing in flight) and no event since ``QUIET_AFTER_S`` before ``now``, or it keeps ticking."""
+    if settled and now - last_event >= QUIET_AFTER_S:
+        return LOOP_QUIET_S
+    return LOOP_BUSY_S
 
 
 def first_step_limit(progress_limit: float, first_step_timeout: float) -> float:

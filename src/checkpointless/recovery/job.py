@@ -627,6 +627,16 @@ class Job:
         return self.comm.aborted or (self._mesh.aborted() if self._mesh is not None else None)
 
     def _before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
+        # The update must not change tensors still being read: a snapshot's copy, DCP's staging,
+        # the buddy copy's stream. Waited for before the barrier below, so that once past it
+        # nothing can refuse the update: a buddy copy abandoned by an abort raises CommAborted
+        # here, while every rank is still on this side of the barrier.
+        if self._snapshots is not None:
+            self._snapshots.wait_copied(self.rendezvous_timeout)
+        if self._checkpoints is not None:
+            self._checkpoints.wait_staged(self.rendezvous_timeout)
+        if self._buddies is not None:
+            self._buddies.wait_sent(self.rendezvous_timeout, self._copy_aborted)
         if (
             self._mesh is not None
             and self._mesh.shards > 1
@@ -646,12 +656,6 @@ class Job:
                 self._default.check()
             if self._mesh is not None:
                 self._mesh.check()
-        if self._snapshots is not None:  # the update must not change tensors still being copied
-            self._snapshots.wait_copied(self.rendezvous_timeout)
-        if self._checkpoints is not None:  # nor tensors DCP is still staging
-            self._checkpoints.wait_staged(self.rendezvous_timeout)
-        if self._buddies is not None:  # nor tensors still streaming to the buddy
-            self._buddies.wait_sent(self.rendezvous_timeout, self._copy_aborted)
         self._dirty = True
         if self._step_index is not None and self._injector.due("optimizer", self._step_index):
             # rehearse a fault half-way through the update: some parameters already changed
