@@ -11,6 +11,7 @@ tests/test_buddy_e2e.py).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,8 +93,12 @@ def test_ranks_seeded_apart_start_from_their_shards_holder_under_both_launchers(
     assert res.rc == 0, res.output[-4000:]
     d = res.digests
     assert sorted(d) == [0, 1, 2, 3] and d[0] == d[2] and d[1] == d[3] and d[0] != d[1], d
-    _, got = under_torchrun(tmp_path, script, [], timeout=100)
+    out, got = under_torchrun(tmp_path, script, [], timeout=100)
     assert got == d, f"under torchrun the shards differ from checkpointless run's: {got} against {d}"
+    # the mesh reused the default group init() had formed from torchrun's store (formed twice,
+    # the first one stayed parked with its gloo threads for the whole job)
+    parks = sorted(re.findall(r"rank (\d): default group parks (\d+) item", out))
+    assert parks == [(str(r), "0") for r in range(4)], out[-3000:]
 
 
 def fault_plans(res: JobResult) -> list[dict[int, int]]:

@@ -3,7 +3,10 @@ a script that seeds each process differently would. Only the job's start transfe
 takes its shard's state from the rank that holds it in the first replica group) makes the two
 replicas of each shard equal, and then they train identically.
 
---digest-out: each rank writes a hash of its own shards to the path with "{rank}" filled in."""
+--digest-out: each rank writes a hash of its own shards to the path with "{rank}" filled in. Each
+rank also prints how much of a superseded communicator (its gloo group, its stores) its default
+group holds parked: under plain torchrun the mesh must reuse the default group that init()
+formed, not form it a second time."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import hashlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -45,6 +49,8 @@ def main() -> None:
     for p in model.parameters():
         h.update(p.detach().to_local().contiguous().numpy().tobytes())
     Path(args.digest_out.format(rank=job.rank)).write_text(h.hexdigest())
+    world = dist.distributed_c10d._get_default_group()
+    print(f"rank {job.rank}: default group parks {len(world._graveyard)} item(s)", flush=True)
 
 
 if __name__ == "__main__":

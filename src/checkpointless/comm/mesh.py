@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -68,14 +68,19 @@ class ResilientMesh:
         store: dist.Store,
         deadline: float,
         cancelled: threading.Event | None = None,
+        formed: Collection[ResilientProcessGroup] = (),
     ) -> None:
         """Form every group's communicator of ``generation`` under the store prefix
         ``gen<generation>/`` (blocks until all members joined or ``deadline``, a
         ``time.monotonic()`` value). Every rank configures its groups in the same global order
         (world, then dimension 0's groups, then dimension 1's), so no two ranks wait on each
-        other crosswise."""
+        other crosswise. Groups in ``formed`` already have this generation's communicator
+        (the default group under plain torchrun) and are left as they are; every rank must
+        pass the same ones."""
         gen_store = dist.PrefixStore(f"gen{generation}/", store)
         for pg in self.groups:
+            if pg in formed:
+                continue
             pg.configure(generation, gen_store, deadline, cancelled)
         self.generation = generation
 

@@ -300,7 +300,12 @@ class Job:
             self._sharded_copies()
         if self._torchrun_store is not None:  # plain torchrun: formed once, from torchrun's store
             deadline = time.monotonic() + self.rendezvous_timeout
-            self._mesh.configure(0, dist.PrefixStore("mesh/", self._torchrun_store), deadline, None)
+            # The mesh's world group is torch's default group, which init() formed already
+            # (_join_torchrun); forming it again would park a second gloo group, its threads
+            # running, for the rest of the job (plain torchrun releases nothing until exit).
+            world = self._mesh.mesh.world
+            formed = (world,) if world.generation == 0 and world.aborted is None else ()
+            self._mesh.configure(0, dist.PrefixStore("mesh/", self._torchrun_store), deadline, None, formed)
         elif self._link is None:  # run plainly: a world of one, formed at once
             self._mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
         return self._mesh.device_mesh

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.mesh import ResilientMesh, make_device_mesh, reset_fsdp
+from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.errors import CommAborted, ConfigError, StateTransferError
 from checkpointless.state.buddy import BuddyCopies, copy_channel
 from checkpointless.state.snapshot import Stateful
@@ -113,10 +114,15 @@ class ShardedRun:
                 raise CommAborted(f"mesh group {pg.key} aborted: {pg.aborted}")
 
     def configure(
-        self, generation: int, store: dist.Store, deadline: float, cancelled: threading.Event | None
+        self,
+        generation: int,
+        store: dist.Store,
+        deadline: float,
+        cancelled: threading.Event | None,
+        formed: Collection[ResilientProcessGroup] = (),
     ) -> None:
         # a prefix of our own: the data-parallel communicator forms from the same store
-        self.mesh.configure(generation, dist.PrefixStore("mesh/", store), deadline, cancelled)
+        self.mesh.configure(generation, dist.PrefixStore("mesh/", store), deadline, cancelled, formed)
 
     def reset(self, modules: Sequence[nn.Module]) -> None:
         for m in modules:
