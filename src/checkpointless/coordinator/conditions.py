@@ -1,6 +1,6 @@
 """Conditions that last: said once when they begin and once when they end, never per tick.
 
-The coordinator's loop turns every ~20 ms; a state such as "no spare host is left" or "rank 3
+The coordinator's loop turns every 20-100 ms; a state such as "no spare host is left" or "rank 3
 waits for a spare" holds over thousands of turns. :class:`Conditions` remembers which are on and
 returns a :class:`Change` only when one flips, so the caller logs and emits exactly twice.
 """

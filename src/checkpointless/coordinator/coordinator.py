@@ -479,7 +479,7 @@ class Coordinator:
                 host_lost(
                     self, h.host, f"no word from its agent for {self.cfg.lease:.1f} s (lease)", now, wall
                 )
-        # Judging hangs and hinting spares walk every rank; the shell ticks 50 times a second,
+        # Judging hangs and hinting spares walk every rank; the shell ticks up to 50 times a second,
         # and at 80k ranks one walk costs ~50-130 ms. Hang limits are seconds long, and a hint
         # covers the next steps, so doing either a quarter second late costs nothing.
         walk = now - self._judged_at >= JUDGE_EVERY_S
