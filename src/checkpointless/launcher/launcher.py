@@ -38,6 +38,7 @@ from checkpointless.launcher.reaper import cleanup_job, job_shm_dir
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
 from checkpointless.observe.hooks import start_observers
 from checkpointless.protocol import (
+    AgentHeartbeat,
     AgentHello,
     Heartbeat,
     Hello,
@@ -56,6 +57,7 @@ from checkpointless.state.checkpoint_dir import remove_partial
 __all__ = ["LaunchConfig", "Launcher", "config_from_json", "config_to_json"]
 
 log = get_logger()
+_BEATS = frozenset({Heartbeat.TYPE, AgentHeartbeat.TYPE})  # messages that are not events (loop_wait)
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -290,8 +292,8 @@ class Launcher(AgentHosts):
             pass
 
     def _note(self, raw: dict[str, Any]) -> None:
-        # heartbeats arrive four times a second from every worker: they are not events
-        if raw.get("type") != Heartbeat.TYPE:
+        # heartbeats (a worker's, four times a second; a host agent's, twice) are not events
+        if raw.get("type") not in _BEATS:
             self._last_event = time.monotonic()
 
     def _loop(self) -> None:

@@ -104,8 +104,8 @@ def progress_limit(hang_timeout: float, hang_factor: float, step_times: Sequence
 # Busy: a round in flight, a process starting or exiting, anything but heartbeats lately. Then an
 # exit seen by waitpid a tick late is a tick more downtime. Quiet: the job trains, every message
 # (a worker's report, a connection's end) wakes the loop at once anyway, and the process table is
-# still read ten times a second; a 50 Hz loop there cost ~10 ms of CPU a second (measured on
-# 2 cores: 16.7 -> 6.0 ms/s), taken from training ranks that use every core.
+# still read ten times a second; a 50 Hz loop there cost ~9 ms of CPU a second more, taken from
+# training ranks that use every core (benchmarks/supervision_cpu.py on 2 cores: 15.2 -> 6.0 ms/s).
 LOOP_BUSY_S = 0.02
 LOOP_QUIET_S = 0.1
 QUIET_AFTER_S = 2.0  # ... and the loop stays brisk this long after the last event
