@@ -84,6 +84,7 @@ class TakeoverLauncher(Launcher):
         self.stopping: str | None = None
         self.exit_code = 0
         self._signal: int | None = None
+        self._last_event = 0.0  # the loop's pacing (policy.loop_wait), as Launcher.__init__ sets it
         self.agent = agent
         self.coordinator: Coordinator | None = None
         self._conns: dict[int, Connection] = {}
