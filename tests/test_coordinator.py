@@ -303,7 +303,7 @@ def test_settled_only_while_nothing_is_in_flight() -> None:
     # the launcher's loop slows down while settled (policy.loop_wait): never during a start,
     # a round, or an exit that waits for its connection's end
     h = Harness()
-    assert not h.c.settled(), "starting: nobody connected yet"
+    assert not h.c.settled(), "starting: the first round is in flight until everyone joined"
     start_job(h)
     assert h.c.settled()
     h.exit(1, -9)

@@ -43,6 +43,14 @@ def wait_for_event(run_dir: Path, name: str, timeout: float) -> dict[str, object
     raise AssertionError(f"no {name!r} event within {timeout} s")
 
 
+def run_to_failure(run_dir: Path, script: str, timeout: float) -> tuple[str, dict[str, object]]:
+    """``script`` on 2 ranks without spares, which must fail the job: its output and ``job_end``."""
+    proc = launch(run_dir, SCRIPTS / script, "--nproc", "2", "--spares", "0")
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 1, out[-4000:]
+    return out, wait_for_event(run_dir, "job_end", 1)
+
+
 def assert_nothing_left(run_dir: Path, job: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -93,11 +101,8 @@ def test_port_in_use_names_the_port_and_the_setting(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_recurring_exception_stops_the_job_with_a_clear_error(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, SCRIPTS / "always_fails.py", "--nproc", "2", "--spares", "0")
-    out, _ = proc.communicate(timeout=110)
-    assert proc.returncode == 1, out[-3000:]
+    out, end = run_to_failure(run_dir, "always_fails.py", timeout=110)
     assert "not a transient fault" in out and "ZeroDivisionError" in out
-    end = wait_for_event(run_dir, "job_end", 1)
     assert end["status"] == "failed"
     assert_nothing_left(run_dir, str(end["job"]))
     # each process's stderr is kept in a file of its own: the failing rank's holds its traceback
@@ -113,11 +118,8 @@ def test_a_loop_body_outside_with_step_stops_the_job_naming_the_fix(tmp_path: Pa
     # Without `with step:` nothing commits: job.steps() would hand out step 0 for ever (and the
     # sharded example hung in a collective), so the job stops at the end of the first body.
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, SCRIPTS / "no_with_step.py", "--nproc", "2", "--spares", "0")
-    out, _ = proc.communicate(timeout=110)
-    assert proc.returncode == 1, out[-3000:]
+    out, end = run_to_failure(run_dir, "no_with_step.py", timeout=110)
     assert "ran outside `with step:` (step 0)" in out and "put the step's work inside it" in out, out[-3000:]
-    end = wait_for_event(run_dir, "job_end", 1)
     assert end["status"] == "failed"
     assert_nothing_left(run_dir, str(end["job"]))
 

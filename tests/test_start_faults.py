@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from jobs import alive, run_job
-from test_launcher import SCRIPTS, assert_nothing_left, launch, wait_for_event
+from test_launcher import SCRIPTS, assert_nothing_left, launch, run_to_failure, wait_for_event
 
 
 @pytest.mark.timeout(180)
@@ -89,10 +89,7 @@ def test_respawn_loop_stops_naming_the_rank_and_the_cause(tmp_path: Path) -> Non
 @pytest.mark.timeout(150)
 def test_a_fault_that_moves_with_the_steps_exhausts_the_budget(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, SCRIPTS / "moving_fault.py", "--nproc", "2", "--spares", "0")
-    out, _ = proc.communicate(timeout=140)
-    assert proc.returncode == 1, out[-4000:]
-    end = wait_for_event(run_dir, "job_end", 1)
+    _, end = run_to_failure(run_dir, "moving_fault.py", timeout=140)
     error = str(end["error"])
     assert "rank 1 failed 4 times with exception" in error and "bad input row" in error, error
     # every round before the budget ran out was counted and reported

@@ -248,13 +248,11 @@ class Coordinator:
         self._stop(why, 1)
 
     def settled(self) -> bool:
-        """Nothing in flight: no round, no exit waiting for its connection's end, and every live
-        process connected (one still starting may die before it can say so)."""
-        return (
-            self.round is None
-            and not self._held_exits
-            and all(m.connected or m.exited for m in self.procs.values())
-        )
+        """Nothing in flight: started, no round, no exit waiting for its connection's end. O(1):
+        the shell asks on every loop turn, and a walk of every member would cost milliseconds a
+        turn at tens of thousands of ranks. (A spare that dies while it starts has no connection
+        to wake the loop; waitpid sees it on the next turn, 0.1 s at most.)"""
+        return self.started and self.round is None and not self._held_exits
 
     def live_connected(self) -> list[int]:
         return [m.worker_id for m in self.procs.values() if m.connected and not m.exited]
