@@ -81,6 +81,12 @@ class Launcher(AgentHosts):
         except BaseException:
             remove_early(self.run_dir, self._created_run_dir, self.secret_file)
             raise
+        local = 0 if cfg.local_agent else None  # the embedded agent is host 0
+        self._init_loop(term=0, local_host=local, next_host=1 if cfg.local_agent else 0)
+
+    def _init_loop(self, *, term: int, local_host: int | None, next_host: int) -> None:
+        """The supervision loop's state, from one place for the launcher and a takeover (which has no
+        `__init__` of ours to run: its run directory, secret and key exist already)."""
         self.stopping: str | None = None
         self.exit_code = 0
         self._signal: int | None = None
@@ -90,12 +96,12 @@ class Launcher(AgentHosts):
         self._conns: dict[int, Connection] = {}  # worker id -> its control connection
         self._agents: dict[int, Connection] = {}  # agent (host) id -> a remote agent's connection
         self._agent_of: dict[Connection, int] = {}
-        self._next_host = 1 if cfg.local_agent else 0  # the embedded agent is host 0
-        self._local_host: int | None = 0 if cfg.local_agent else None  # the embedded agent's id
+        self._next_host = next_host
+        self._local_host = local_host  # the embedded agent's id
         self._beat_stop = threading.Event()
         # coordinator failover (docs/architecture.md): this coordinator's term, each agent's
         # failover address, and whether it stepped down (its processes are left to the agents)
-        self.term = 0
+        self.term = term
         self._failover: dict[int, str] = {}
         self._stepped_down = False
         self._announced: list[int] = []  # the membership last sent to everyone

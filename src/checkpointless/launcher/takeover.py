@@ -81,26 +81,15 @@ class TakeoverLauncher(Launcher):
         self.secret_file = secret_file
         self.shm_key = shm_key
         self.events = EventLog(self.run_dir / "events.jsonl", job=job_id)
-        self.stopping: str | None = None
-        self.exit_code = 0
-        self._signal: int | None = None
-        self._last_event = 0.0  # the loop's pacing (policy.loop_wait), as Launcher.__init__ sets it
+        # agents that join from now on get ids no member ever had (a fenced member may rejoin)
+        self._init_loop(
+            term=mandate.term,
+            local_host=mandate.agent_id,
+            next_host=1 + max([mandate.agent_id, *mandate.members]),
+        )
         self.agent = agent
-        self.coordinator: Coordinator | None = None
-        self._conns: dict[int, Connection] = {}
-        self._agents: dict[int, Connection] = {}
-        self._agent_of: dict[Connection, int] = {}
-        self._local_host = mandate.agent_id
-        self._beat_stop = threading.Event()
-        self.term = mandate.term
-        self._failover = {}
-        self._stepped_down = False
-        self._announced = []
-        self.reaper = None
         self.server = server
         self.mandate = mandate
-        # agents that join from now on get ids no member ever had (a fenced member may rejoin)
-        self._next_host = 1 + max([mandate.agent_id, *mandate.members])
         self._resumed = False
         self._settled: float | None = None  # when every reported process had reconnected
         self._later: list[tuple[Connection, dict[str, Any]]] = []  # workers' messages in the gather
