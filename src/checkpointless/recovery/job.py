@@ -21,8 +21,6 @@ applied its update). Models, optimizers and data objects stay in memory througho
 from __future__ import annotations
 
 import datetime
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,46 +35,38 @@ from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.comm.work import waiting_since
 from checkpointless.config import WorkerEnv
-from checkpointless.errors import CheckpointlessError, CommAborted, ConfigError
+from checkpointless.errors import CheckpointlessError, ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
-from checkpointless.protocol import Abort, Assign, Done, Fired, Heartbeat, Prefetch, Prepare, SpareReady
+from checkpointless.protocol import Abort, Fired, Heartbeat
 from checkpointless.recovery.amp import is_grad_scaler
 from checkpointless.recovery.default_group import DefaultGroup, configure_standalone, install_default_group
 from checkpointless.recovery.divergence import DEFAULT_EVERY
+from checkpointless.recovery.driver import run_steps
 from checkpointless.recovery.epochs import EpochDriver
-from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
+from checkpointless.recovery.link import LauncherLink
 from checkpointless.recovery.loader import StepLoader
-from checkpointless.recovery.loop import LOOP_STATE_NAME, LoopControl
-from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error, warm_up
-from checkpointless.recovery.recover import fatal, recover, recover_from
+from checkpointless.recovery.loop import LoopControl
 from checkpointless.recovery.rng import StepStreams
-from checkpointless.recovery.sections import Section, due_sections
+from checkpointless.recovery.sections import Section
 from checkpointless.recovery.sharded import (
     SHARD_STATE_NAME,
     ShardedRun,
-    buddies_wanted,
     local_stateful,
     mesh_shape_error,
 )
+from checkpointless.recovery.startup import connect, join_torchrun, sharded_copies, standalone
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import (
     export_torchrun_env,
-    join_torchrun_group,
-    start_from_first_replica,
     started_by_torchrun,
-    torchrun_warning,
 )
 from checkpointless.state.arena import Arena
 from checkpointless.state.buddy import BuddyCopies
-from checkpointless.state.buddy_ring import buddy_of, owners_of
-from checkpointless.state.durable import CheckpointWriter, parse_every, preload
+from checkpointless.state.durable import CheckpointWriter, parse_every
 from checkpointless.state.shm_snapshot import (
     SnapshotWriter,
-    buddy_copy_dir,
-    rank_snapshot_dir,
-    snapshot_dir,
 )
 from checkpointless.state.snapshot import RngState, Stateful, check_stateful
 
@@ -94,6 +84,9 @@ class Job:
         self.env = env
         self.rank = 0
         self.world_size = 1
+        # (local rank, ranks on this host, host index): host-major placement under a multi-host
+        # launcher, -1s otherwise
+        self.placement: tuple[int, int, int] = (-1, -1, -1)
         self.generation = -1
         self.committed_step = 0
         self.rendezvous_timeout = rendezvous_timeout
@@ -156,112 +149,6 @@ class Job:
         self._step_loader: StepLoader | StatefulStepLoader | None = None  # step.batch's loader
 
     # -- start-up ------------------------------------------------------------------------------
-    def _connect(self) -> None:
-        assert self.env is not None
-        set_parent_death_signal()
-        # Pay lazy first-use costs before the launcher starts timing our heartbeats: a spare
-        # must not pay them after a fault, and a heavy import can hold the GIL for seconds.
-        warm_up()
-        if self.env.store_port:
-            # serve our rendezvous keys from the start: peers may look us up the moment the
-            # launcher names us in a peer table, and a refused connection means "dead"
-            from checkpointless.rendezvous import KeyServer
-
-            server = KeyServer(
-                host=self.env.host,
-                port=self.env.store_port,
-                secret=self.env.secret,
-                listen_fd=self.env.store_fd,
-            )
-            server.start()
-            self._store_state["server"] = server
-        self._link = LauncherLink(self.env, self._on_abort, self._status)
-        if self.env.role == "spare":
-            log.info("spare %d ready, waiting for a rank", self.env.worker_id)
-            self._link.send(SpareReady())
-        msg = self._wait_for_rank()
-        if "checkpointless.data.spare_cache" in sys.modules:  # we have a rank: stop prefetching
-            sys.modules["checkpointless.data.spare_cache"].stop()
-        self.rank = msg.rank
-        self.world_size = msg.world_size
-        # host-major placement (multi-host); -1s from a one-machine launcher
-        self.placement = (msg.local_rank, msg.local_world_size, msg.node_rank)
-        self._report_gen = msg.generation
-        self.is_replacement = self.env.role == "spare"
-        setup_logging(f"rank {self.rank}")
-        self._events = EventLog(
-            self.env.run_dir / f"rank-{self.rank}.jsonl", rank=self.rank, worker=self.env.worker_id
-        )
-        if self.comm.backend == "nccl":
-            torch.cuda.set_device(self.rank % torch.cuda.device_count())
-        every = self._snapshot_every = msg.snapshot_every
-        self._buddy_mode = msg.buddy_copies
-        self._buddy_every = msg.buddy_every
-        if every and self.rank == 0:
-            # One copy per host is enough (replicas are identical after each commit), and the
-            # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
-            # rather than a rotation keeps "one writer at a time" true, which pruning relies on.
-            self._snapshots = SnapshotWriter(snapshot_dir(self.env.job_id), every)
-        if msg.checkpoint_dir:
-            self._checkpoint_dir = Path(msg.checkpoint_dir)
-            ckpt_every = self._checkpoint_every = parse_every(msg.checkpoint_every)
-            if not ckpt_every.off:
-                preload()  # every rank may have to load one after a loss of every replica
-            if self.rank == 0 and not ckpt_every.off:
-                # one writer, as for snapshots: replicas are identical after each commit
-                self._checkpoints = CheckpointWriter(self._checkpoint_dir, ckpt_every)
-        self.divergence_every = msg.divergence_check
-        specs = parse_faults(list(msg.faults), self.world_size)
-        self._injector = Injector(specs, self.rank, set(msg.fired), self._announce_fault)
-
-    def _wait_for_rank(self) -> Assign:
-        """A spare's wait (a worker's is short): its rank, meanwhile paging in and prefetching."""
-        assert self.env is not None and self._link is not None
-        while True:
-            msg = self._link.wait_for((Assign, Prepare, Prefetch), time.monotonic() + 10 * 365 * 86400.0)
-            if isinstance(msg, Assign):
-                return msg
-            if isinstance(msg, Prefetch):  # fill this host's batch cache for the ranks we may take
-                # imported here: only spares on spare hosts need it (and a script that registered
-                # a recipe, data/spare_cache.py, has imported it already)
-                from checkpointless.data import spare_cache
-
-                spare_cache.hint(self.env.job_id, msg.step, list(msg.ranks), msg.world_size)
-                continue
-            self._prepare(msg.state_bytes)
-
-    def _prepare(self, state_bytes: int) -> None:
-        """As a spare: page in room for a replica's state now, not during a recovery."""
-        want = int(state_bytes * 1.01) + (1 << 20)  # alignment padding, a little growth
-        if self._arena is not None and self._arena.size >= want:
-            return
-        t0 = time.monotonic()
-        self._arena = None  # the old one goes first: never hold two
-        self._arena = Arena(want)
-        log.info("paged in %.1f MB for a replica's state in %.2f s", want / 1e6, time.monotonic() - t0)
-
-    def _standalone(self) -> None:
-        store = dist.HashStore()
-        self.comm.rebuild(0, store, 0, 1, time.monotonic() + 30)
-        self.generation = 0
-
-    def _join_torchrun(self) -> None:
-        """Started by plain torchrun: the job's default group and communicator form once from
-        torchrun's store, as one job without recovery (recovery/torchrun.py says why)."""
-        timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
-        self.rank, self.world_size, store, own_default = join_torchrun_group(timeout)
-        setup_logging(f"rank {self.rank}")
-        if self.comm.backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank)) % torch.cuda.device_count())
-        deadline = time.monotonic() + self.rendezvous_timeout
-        self._torchrun_store = dist.PrefixStore("checkpointless/", store)
-        if own_default:  # torch's default group is the job's, as under the launcher: a mesh adopts it
-            self._install_default_group().configure(0, self._torchrun_store, deadline, None)
-        self.comm.rebuild(0, self._torchrun_store, self.rank, self.world_size, deadline)
-        self.generation = 0
-        self.under_torchrun = True
-        log.warning("%s", torchrun_warning(self.rank, self.world_size))
-
     def _install_default_group(self) -> DefaultGroup:
         # after the rank is known; recovery/default_group.py says why every job gets one
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
@@ -297,7 +184,7 @@ class Job:
             self._default.handed_to_mesh()
         self._objects[SHARD_STATE_NAME] = self._mesh.identity()
         if self._mesh.shards > 1:
-            self._sharded_copies()
+            sharded_copies(self)
         if self._torchrun_store is not None:  # plain torchrun: formed once, from torchrun's store
             deadline = time.monotonic() + self.rendezvous_timeout
             # The mesh's world group is torch's default group, which init() formed already
@@ -309,41 +196,6 @@ class Job:
         elif self._link is None:  # run plainly: a world of one, formed at once
             self._mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
         return self._mesh.device_mesh
-
-    def _sharded_copies(self) -> None:
-        """On a mesh with S > 1 each rank holds a different shard: snapshots become per-rank (every
-        rank its own file in the job's shm directory), buddy copies start (docs/architecture.md)."""
-        assert self._mesh is not None
-        if self._checkpoint_dir is not None:
-            # every rank its own DCP checkpoint of its own shard, in a directory of its own
-            self._checkpoint_dir = self._checkpoint_dir / f"rank{self.rank}"
-            off = self._checkpoint_every.off
-            self._checkpoints = (
-                None if off else CheckpointWriter(self._checkpoint_dir, self._checkpoint_every)
-            )
-        if self.env is None:
-            self._snapshots = None
-            return
-        buddies = buddies_wanted(self._buddy_mode, self._mesh.shape)
-        # With buddy copies each rank also keeps its own two newest step states in process memory
-        # (its undo copies, state/buddy.py), what a survivor rolls back from when the lost rank
-        # kept its copy; the shared-memory snapshots stay at their cadence, for a replacement on
-        # the same host whose keeper was lost too.
-        every = self._snapshot_every
-        self._snapshots = None
-        if every:
-            self._own_snapshots = rank_snapshot_dir(self.env.job_id, self.rank)
-            self._snapshots = SnapshotWriter(self._own_snapshots, every)
-        if buddies:
-            per_host = self.placement[1] if self.placement[1] > 0 else self.world_size
-            self._buddies = BuddyCopies(
-                self.rank,
-                buddy_of(self.rank, self.world_size, per_host),
-                owners_of(self.rank, self.world_size, per_host),
-                self.rendezvous_timeout,
-                shm_dir=buddy_copy_dir(self.env.job_id),
-                every=self._buddy_every,
-            )
 
     @property
     def dp_rank(self) -> int:
@@ -494,73 +346,7 @@ class Job:
         rank's. A replacement ignores it: it receives state and step from a peer, so guard the
         loading code with ``if not job.is_replacement``. ``steps_per_epoch`` gives ``step.epoch``
         (default: the length of the one ``job.loader()``)."""
-        if self._started:
-            raise ConfigError("job.steps() can run only once per process")
-        if not 0 <= start <= total:
-            raise ConfigError(f"job.steps(total={total}, start={start}): start must be in 0..total")
-        if steps_per_epoch is not None and steps_per_epoch < 1:
-            raise ConfigError(f"steps_per_epoch must be a positive number of steps (got {steps_per_epoch})")
-        self._steps_per_epoch = steps_per_epoch
-        self._started = True
-        self.committed_step = start
-        if self.under_torchrun:  # what the launcher's first round does: the first replica's state
-            shards = self._mesh.shards if self._mesh is not None else 1
-            self.committed_step = start_from_first_replica(
-                self.comm, self._objects, start, self.rank, self.world_size, self.rendezvous_timeout, shards
-            )
-        if self._link is not None and not self._objects:
-            fatal(
-                self,
-                "job.track() registered nothing: a replacement rank would start from scratch and "
-                "diverge; call job.track(model=..., optimizer=...) before job.steps()",
-            )
-        if self._link is not None:
-            self._objects[LOOP_STATE_NAME] = self._loop  # an early end travels to a replacement
-            if self.is_replacement:
-                recover(self, cause="join", error=None, committed=-1, valid=False)
-            else:
-                recover(self, cause="start", error=None, committed=start, valid=True)
-        step: Step | None = None
-        try:
-            while self._run_sections() or not self._finished(total):
-                step = Step(self, self.committed_step)
-                yield step
-                if not step.entered:
-                    # Without `with step:` nothing commits, so the loop would yield the same step
-                    # for ever, and a recovery could neither stop nor replay the body: say so
-                    # instead of training on outside the job.
-                    fatal(
-                        self,
-                        f"the body of `for step in job.steps(...)` ran outside `with step:` (step "
-                        f"{step.index}); put the step's work inside it: "
-                        "`for step in job.steps(N):` then `with step:` around forward, backward and "
-                        "the optimizer step",
-                    )
-        except GeneratorExit:  # the script left the loop with `break`
-            if step is None or not step.committed:  # an error escaping the loop, not a clean end
-                log.warning("left job.steps() in a step that did not commit: not a clean end")
-                return
-            self._loop.request_stop(self.committed_step)
-            while self._link is not None and not self._finish_barrier():
-                pass
-        for loader in self._loaders:
-            loader.close()
-        if self._checkpoints is not None and not self._checkpoints.wait_idle(self.rendezvous_timeout):
-            # the process leaves with os._exit: a save still running would be cut off as a .tmp
-            log.warning("the last checkpoint was still being written after %.0f s", self.rendezvous_timeout)
-        if self._link is not None:
-            self._link.send(Done(step=self.committed_step))
-            install_fast_exit()
-        else:  # torchrun or standalone: the process exits normally, its groups closed first
-            close_at_exit(self._close_groups, self.rendezvous_timeout)
-
-    def _close_groups(self) -> None:
-        self.comm.close()
-        if self._default is not None:
-            self._default.pg.close()
-        if self._mesh is not None:
-            for pg in self._mesh.mesh.groups:  # the world group may be the default group: close twice is fine
-                pg.close()
+        return run_steps(self, total, start, steps_per_epoch)
 
     def _per_epoch(self) -> int:
         if self._steps_per_epoch is not None:
@@ -571,50 +357,6 @@ class Job:
             f"step.epoch needs the epoch length: pass job.steps(total, steps_per_epoch=N) (this job "
             f"has {len(self._loaders)} job.loader()s, so the length is not implied)"
         )
-
-    def _run_sections(self) -> bool:
-        """Run the sections due at this step boundary until each completes; always False (so it
-        can sit in the loop's condition)."""
-        while due := due_sections(self._sections, self.committed_step, self._loop.sections_done):
-            sec, at = due[0], self.committed_step
-            self._record = {}
-            self._in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
-            try:
-                sec.fn()
-            except Exception as exc:
-                if self._link is None:
-                    raise
-                self._in_section = None
-                log.info("section %r after step %d interrupted: %s", sec.name, at - 1, short_error(exc))
-                recover_from(self, at, exc)  # nothing was updated: every survivor stays valid
-                continue
-            finally:
-                self._in_section = None
-            self._loop.sections_done[sec.name] = at
-            if self._events is not None:
-                self._events.emit(
-                    "section", name=sec.name, step=at, generation=self.generation, **self._record
-                )
-            self._record = {}
-            self._progress_t = time.monotonic()
-        return False
-
-    def _finished(self, total: int) -> bool:
-        if self.committed_step < self._loop.end(total):
-            return False
-        return self._link is None or self._finish_barrier()
-
-    def _finish_barrier(self) -> bool:
-        # Nobody leaves before everyone has the final state: a rank that left early could be
-        # the only source a late replacement could receive from.
-        try:
-            self.comm.barrier(timeout=self.rendezvous_timeout)
-            return True
-        except CommAborted as e:
-            log.info("final barrier interrupted: %s", short_error(e))
-            self.comm.abort(f"rank {self.rank} left the final barrier")
-            recover(self, "comm", short_error(e), self.committed_step, True)
-            return False
 
     def _site(self, site: str) -> None:
         if self._deferred is not None:
@@ -721,15 +463,15 @@ def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
         raise
     job = Job(env, rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries)
     if env is None and started_by_torchrun():
-        job._join_torchrun()  # torchrun's variables stay as torchrun set them
+        join_torchrun(job)  # torchrun's variables stay as torchrun set them
     elif env is None:
         setup_logging("rank 0")
-        job._standalone()
+        standalone(job)
         configure_standalone(job._install_default_group())
         export_torchrun_env(0, 1, keep_existing=True)
     else:
         setup_logging(f"{env.role} {env.worker_id}")
-        job._connect()
+        connect(job)
         job._install_default_group()
         export_torchrun_env(
             job.rank, job.world_size, placement=job.placement

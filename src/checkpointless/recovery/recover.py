@@ -2,7 +2,7 @@
 receive the state the plan names, and settle on the step to resume from.
 
 Functions of the :class:`~checkpointless.recovery.job.Job` they act on, kept apart from the
-step loop in ``job.py``: the loop calls :func:`recover_from` when a step fails and
+step loop in ``driver.py``: the loop calls :func:`recover_from` when a step fails and
 :func:`recover` when a collective outside a step (the final barrier, a section) does.
 """
 

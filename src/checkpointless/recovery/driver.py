@@ -1,0 +1,147 @@
+"""The step loop behind ``job.steps()``: start (or join) the job's state, yield steps until every
+rank has committed the total, run the sections due between steps, and leave together.
+
+Functions of the :class:`~checkpointless.recovery.job.Job` they drive, kept apart from its public
+API in ``job.py`` (as recover.py keeps the recovery round and startup.py the joining). A step's
+own commit and fault handling are in step.py and commit.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from checkpointless.errors import CommAborted, ConfigError
+from checkpointless.events import get_logger
+from checkpointless.protocol import Done
+from checkpointless.recovery.loop import LOOP_STATE_NAME
+from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
+from checkpointless.recovery.recover import fatal, recover, recover_from
+from checkpointless.recovery.sections import due_sections
+from checkpointless.recovery.step import Step
+from checkpointless.recovery.torchrun import start_from_first_replica
+
+if TYPE_CHECKING:
+    from checkpointless.recovery.job import Job
+
+__all__ = ["run_steps"]
+
+log = get_logger()
+
+
+def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> Iterator[Step]:
+    """The generator behind :meth:`Job.steps` (its docstring says what it yields)."""
+    if job._started:
+        raise ConfigError("job.steps() can run only once per process")
+    if not 0 <= start <= total:
+        raise ConfigError(f"job.steps(total={total}, start={start}): start must be in 0..total")
+    if steps_per_epoch is not None and steps_per_epoch < 1:
+        raise ConfigError(f"steps_per_epoch must be a positive number of steps (got {steps_per_epoch})")
+    job._steps_per_epoch = steps_per_epoch
+    job._started = True
+    job.committed_step = start
+    if job.under_torchrun:  # what the launcher's first round does: the first replica's state
+        shards = job._mesh.shards if job._mesh is not None else 1
+        job.committed_step = start_from_first_replica(
+            job.comm, job._objects, start, job.rank, job.world_size, job.rendezvous_timeout, shards
+        )
+    if job._link is not None and not job._objects:
+        fatal(
+            job,
+            "job.track() registered nothing: a replacement rank would start from scratch and "
+            "diverge; call job.track(model=..., optimizer=...) before job.steps()",
+        )
+    if job._link is not None:
+        job._objects[LOOP_STATE_NAME] = job._loop  # an early end travels to a replacement
+        if job.is_replacement:
+            recover(job, cause="join", error=None, committed=-1, valid=False)
+        else:
+            recover(job, cause="start", error=None, committed=start, valid=True)
+    step: Step | None = None
+    try:
+        while _run_sections(job) or not _finished(job, total):
+            step = Step(job, job.committed_step)
+            yield step
+            if not step.entered:
+                # Without `with step:` nothing commits, so the loop would yield the same step
+                # for ever, and a recovery could neither stop nor replay the body: say so
+                # instead of training on outside the job.
+                fatal(
+                    job,
+                    f"the body of `for step in job.steps(...)` ran outside `with step:` (step "
+                    f"{step.index}); put the step's work inside it: "
+                    "`for step in job.steps(N):` then `with step:` around forward, backward and "
+                    "the optimizer step",
+                )
+    except GeneratorExit:  # the script left the loop with `break`
+        if step is None or not step.committed:  # an error escaping the loop, not a clean end
+            log.warning("left job.steps() in a step that did not commit: not a clean end")
+            return
+        job._loop.request_stop(job.committed_step)
+        while job._link is not None and not _finish_barrier(job):
+            pass
+    for loader in job._loaders:
+        loader.close()
+    if job._checkpoints is not None and not job._checkpoints.wait_idle(job.rendezvous_timeout):
+        # the process leaves with os._exit: a save still running would be cut off as a .tmp
+        log.warning("the last checkpoint was still being written after %.0f s", job.rendezvous_timeout)
+    if job._link is not None:
+        job._link.send(Done(step=job.committed_step))
+        install_fast_exit()
+    else:  # torchrun or standalone: the process exits normally, its groups closed first
+        close_at_exit(lambda: _close_groups(job), job.rendezvous_timeout)
+
+
+def _close_groups(job: Job) -> None:
+    job.comm.close()
+    if job._default is not None:
+        job._default.pg.close()
+    if job._mesh is not None:
+        for pg in job._mesh.mesh.groups:  # the world group may be the default group: close twice is fine
+            pg.close()
+
+
+def _run_sections(job: Job) -> bool:
+    """Run the sections due at this step boundary until each completes; always False (so it
+    can sit in the loop's condition)."""
+    while due := due_sections(job._sections, job.committed_step, job._loop.sections_done):
+        sec, at = due[0], job.committed_step
+        job._record = {}
+        job._in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
+        try:
+            sec.fn()
+        except Exception as exc:
+            if job._link is None:
+                raise
+            job._in_section = None
+            log.info("section %r after step %d interrupted: %s", sec.name, at - 1, short_error(exc))
+            recover_from(job, at, exc)  # nothing was updated: every survivor stays valid
+            continue
+        finally:
+            job._in_section = None
+        job._loop.sections_done[sec.name] = at
+        if job._events is not None:
+            job._events.emit("section", name=sec.name, step=at, generation=job.generation, **job._record)
+        job._record = {}
+        job._progress_t = time.monotonic()
+    return False
+
+
+def _finished(job: Job, total: int) -> bool:
+    if job.committed_step < job._loop.end(total):
+        return False
+    return job._link is None or _finish_barrier(job)
+
+
+def _finish_barrier(job: Job) -> bool:
+    # Nobody leaves before everyone has the final state: a rank that left early could be
+    # the only source a late replacement could receive from.
+    try:
+        job.comm.barrier(timeout=job.rendezvous_timeout)
+        return True
+    except CommAborted as e:
+        log.info("final barrier interrupted: %s", short_error(e))
+        job.comm.abort(f"rank {job.rank} left the final barrier")
+        recover(job, "comm", short_error(e), job.committed_step, True)
+        return False

@@ -1,0 +1,192 @@
+"""How a worker process joins its job, before ``job.steps()``: under the launcher (a worker or a
+hot spare waiting for a rank), under plain torchrun, or run plainly as a world of one.
+
+Functions of the :class:`~checkpointless.recovery.job.Job` they set up, kept apart from its
+public API in ``job.py`` (as recover.py keeps the recovery round, driver.py the step loop): ``init()``
+picks one of :func:`connect`, :func:`join_torchrun` and :func:`standalone`, and
+``job.device_mesh()`` calls :func:`sharded_copies` once a mesh shards the state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from checkpointless.events import EventLog, get_logger, setup_logging
+from checkpointless.faults.inject import Injector, parse_faults
+from checkpointless.protocol import Assign, Prefetch, Prepare, SpareReady
+from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
+from checkpointless.recovery.process import warm_up
+from checkpointless.recovery.sharded import buddies_wanted
+from checkpointless.recovery.torchrun import join_torchrun_group, torchrun_warning
+from checkpointless.state.arena import Arena
+from checkpointless.state.buddy import BuddyCopies
+from checkpointless.state.buddy_ring import buddy_of, owners_of
+from checkpointless.state.durable import CheckpointWriter, parse_every, preload
+from checkpointless.state.shm_snapshot import (
+    SnapshotWriter,
+    buddy_copy_dir,
+    rank_snapshot_dir,
+    snapshot_dir,
+)
+
+if TYPE_CHECKING:
+    from checkpointless.recovery.job import Job
+
+__all__ = ["connect", "join_torchrun", "sharded_copies", "standalone"]
+
+log = get_logger()
+
+
+def connect(job: Job) -> None:
+    """Under the launcher: serve our rendezvous keys, connect, wait for a rank (a spare pages in
+    and prefetches meanwhile), then set up what the launcher's assignment asks for."""
+    assert job.env is not None
+    set_parent_death_signal()
+    # Pay lazy first-use costs before the launcher starts timing our heartbeats: a spare
+    # must not pay them after a fault, and a heavy import can hold the GIL for seconds.
+    warm_up()
+    if job.env.store_port:
+        # serve our rendezvous keys from the start: peers may look us up the moment the
+        # launcher names us in a peer table, and a refused connection means "dead"
+        from checkpointless.rendezvous import KeyServer
+
+        server = KeyServer(
+            host=job.env.host,
+            port=job.env.store_port,
+            secret=job.env.secret,
+            listen_fd=job.env.store_fd,
+        )
+        server.start()
+        job._store_state["server"] = server
+    job._link = LauncherLink(job.env, job._on_abort, job._status)
+    if job.env.role == "spare":
+        log.info("spare %d ready, waiting for a rank", job.env.worker_id)
+        job._link.send(SpareReady())
+    msg = _wait_for_rank(job)
+    if "checkpointless.data.spare_cache" in sys.modules:  # we have a rank: stop prefetching
+        sys.modules["checkpointless.data.spare_cache"].stop()
+    job.rank = msg.rank
+    job.world_size = msg.world_size
+    job.placement = (msg.local_rank, msg.local_world_size, msg.node_rank)
+    job._report_gen = msg.generation
+    job.is_replacement = job.env.role == "spare"
+    setup_logging(f"rank {job.rank}")
+    job._events = EventLog(
+        job.env.run_dir / f"rank-{job.rank}.jsonl", rank=job.rank, worker=job.env.worker_id
+    )
+    if job.comm.backend == "nccl":
+        torch.cuda.set_device(job.rank % torch.cuda.device_count())
+    every = job._snapshot_every = msg.snapshot_every
+    job._buddy_mode = msg.buddy_copies
+    job._buddy_every = msg.buddy_every
+    if every and job.rank == 0:
+        # One copy per host is enough (replicas are identical after each commit), and the
+        # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
+        # rather than a rotation keeps "one writer at a time" true, which pruning relies on.
+        job._snapshots = SnapshotWriter(snapshot_dir(job.env.job_id), every)
+    if msg.checkpoint_dir:
+        job._checkpoint_dir = Path(msg.checkpoint_dir)
+        ckpt_every = job._checkpoint_every = parse_every(msg.checkpoint_every)
+        if not ckpt_every.off:
+            preload()  # every rank may have to load one after a loss of every replica
+        if job.rank == 0 and not ckpt_every.off:
+            # one writer, as for snapshots: replicas are identical after each commit
+            job._checkpoints = CheckpointWriter(job._checkpoint_dir, ckpt_every)
+    job.divergence_every = msg.divergence_check
+    specs = parse_faults(list(msg.faults), job.world_size)
+    job._injector = Injector(specs, job.rank, set(msg.fired), job._announce_fault)
+
+
+def _wait_for_rank(job: Job) -> Assign:
+    """A spare's wait (a worker's is short): its rank, meanwhile paging in and prefetching."""
+    assert job.env is not None and job._link is not None
+    while True:
+        msg = job._link.wait_for((Assign, Prepare, Prefetch), time.monotonic() + 10 * 365 * 86400.0)
+        if isinstance(msg, Assign):
+            return msg
+        if isinstance(msg, Prefetch):  # fill this host's batch cache for the ranks we may take
+            # imported here: only spares on spare hosts need it (and a script that registered
+            # a recipe, data/spare_cache.py, has imported it already)
+            from checkpointless.data import spare_cache
+
+            spare_cache.hint(job.env.job_id, msg.step, list(msg.ranks), msg.world_size)
+            continue
+        _prepare(job, msg.state_bytes)
+
+
+def _prepare(job: Job, state_bytes: int) -> None:
+    """As a spare: page in room for a replica's state now, not during a recovery."""
+    want = int(state_bytes * 1.01) + (1 << 20)  # alignment padding, a little growth
+    if job._arena is not None and job._arena.size >= want:
+        return
+    t0 = time.monotonic()
+    job._arena = None  # the old one goes first: never hold two
+    job._arena = Arena(want)
+    log.info("paged in %.1f MB for a replica's state in %.2f s", want / 1e6, time.monotonic() - t0)
+
+
+def standalone(job: Job) -> None:
+    """Run plainly: a world of one, formed at once from a store in this process."""
+    store = dist.HashStore()
+    job.comm.rebuild(0, store, 0, 1, time.monotonic() + 30)
+    job.generation = 0
+
+
+def join_torchrun(job: Job) -> None:
+    """Started by plain torchrun: the job's default group and communicator form once from
+    torchrun's store, as one job without recovery (recovery/torchrun.py says why)."""
+    timeout = datetime.timedelta(seconds=job.rendezvous_timeout)
+    job.rank, job.world_size, store, own_default = join_torchrun_group(timeout)
+    setup_logging(f"rank {job.rank}")
+    if job.comm.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", job.rank)) % torch.cuda.device_count())
+    deadline = time.monotonic() + job.rendezvous_timeout
+    job._torchrun_store = dist.PrefixStore("checkpointless/", store)
+    if own_default:  # torch's default group is the job's, as under the launcher: a mesh adopts it
+        job._install_default_group().configure(0, job._torchrun_store, deadline, None)
+    job.comm.rebuild(0, job._torchrun_store, job.rank, job.world_size, deadline)
+    job.generation = 0
+    job.under_torchrun = True
+    log.warning("%s", torchrun_warning(job.rank, job.world_size))
+
+
+def sharded_copies(job: Job) -> None:
+    """On a mesh with S > 1 each rank holds a different shard: snapshots become per-rank (every
+    rank its own file in the job's shm directory), buddy copies start (docs/architecture.md)."""
+    assert job._mesh is not None
+    if job._checkpoint_dir is not None:
+        # every rank its own DCP checkpoint of its own shard, in a directory of its own
+        job._checkpoint_dir = job._checkpoint_dir / f"rank{job.rank}"
+        off = job._checkpoint_every.off
+        job._checkpoints = None if off else CheckpointWriter(job._checkpoint_dir, job._checkpoint_every)
+    if job.env is None:
+        job._snapshots = None
+        return
+    buddies = buddies_wanted(job._buddy_mode, job._mesh.shape)
+    # With buddy copies each rank also keeps its own two newest step states in process memory
+    # (its undo copies, state/buddy.py), what a survivor rolls back from when the lost rank
+    # kept its copy; the shared-memory snapshots stay at their cadence, for a replacement on
+    # the same host whose keeper was lost too.
+    every = job._snapshot_every
+    job._snapshots = None
+    if every:
+        job._own_snapshots = rank_snapshot_dir(job.env.job_id, job.rank)
+        job._snapshots = SnapshotWriter(job._own_snapshots, every)
+    if buddies:
+        per_host = job.placement[1] if job.placement[1] > 0 else job.world_size
+        job._buddies = BuddyCopies(
+            job.rank,
+            buddy_of(job.rank, job.world_size, per_host),
+            owners_of(job.rank, job.world_size, per_host),
+            job.rendezvous_timeout,
+            shm_dir=buddy_copy_dir(job.env.job_id),
+            every=job._buddy_every,
+        )
