@@ -328,9 +328,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             spread = (
                 f"; round ratios spread {100 * (pr['max'] - pr['min']):.1f} points" if pr["n"] >= 2 else ""
             )
+            # the ratio of the medians is a point estimate: the verdict is the paired interval's
             notes.append(
-                f"{key} {d}: overhead {pct:.1f}% against target ≤ {v['target_pct']:g}% "
-                f"({'met' if pct <= v['target_pct'] else 'NOT met'}){spread}."
+                f"{key} {d}: ratio of the medians {pct:+.1f}% (target ≤ {v['target_pct']:g}%; "
+                f"the verdict is the paired rounds' interval){spread}."
             )
             for what, ci in (("step", v["pair_ci95"]), ("CPU", v["cpu_pair_ci95"])):
                 if ci["lo"] is not None:

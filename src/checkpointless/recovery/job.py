@@ -58,16 +58,11 @@ from checkpointless.recovery.sharded import (
 from checkpointless.recovery.startup import connect, join_torchrun, sharded_copies, standalone
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.step import Step
-from checkpointless.recovery.torchrun import (
-    export_torchrun_env,
-    started_by_torchrun,
-)
+from checkpointless.recovery.torchrun import export_torchrun_env, started_by_torchrun
 from checkpointless.state.arena import Arena
 from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.durable import CheckpointWriter, parse_every
-from checkpointless.state.shm_snapshot import (
-    SnapshotWriter,
-)
+from checkpointless.state.shm_snapshot import SnapshotWriter
 from checkpointless.state.snapshot import RngState, Stateful, check_stateful
 
 __all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
