@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 if os.environ.get("CHECKPOINTLESS_ROLE") == "spare" and os.environ.get("CHECKPOINTLESS_WORKER_ID") == "3":
-    import checkpointless.recovery.job as job_module
+    import checkpointless.recovery.startup as startup_module
 
     class _DieWhenReady:
         """Stands in for the module's logger: passes everything on, and dies at 'ready'."""
@@ -25,6 +25,6 @@ if os.environ.get("CHECKPOINTLESS_ROLE") == "spare" and os.environ.get("CHECKPOI
         def __getattr__(self, name: str) -> Any:
             return getattr(self._inner, name)
 
-    job_module.log = _DieWhenReady(job_module.log)  # type: ignore[assignment]
+    startup_module.log = _DieWhenReady(startup_module.log)  # type: ignore[assignment]
 
 runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"), run_name="__main__")
