@@ -196,6 +196,36 @@ def test_launcher_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
     assert_nothing_left(run_dir, str(start["job"]), timeout=15)
 
 
+@pytest.mark.timeout(120)
+def test_reaper_outlives_a_sigterm_to_the_whole_tree(tmp_path: Path) -> None:
+    """scancel or a tree kill sends SIGTERM to every process at once, then SIGKILL to what is left:
+    the reaper must survive the first and clean up after a launcher the second cut short."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, SCRIPTS / "slow_steps.py", "--nproc", "2", "--spares", "1")
+    start = wait_for_event(run_dir, "started", 90)
+    reapers = [
+        int(c.name)
+        for c in Path("/proc").iterdir()
+        if c.name.isdigit()
+        and b"checkpointless.launcher.reaper" in _read(c / "cmdline")
+        and str(start["job"]).encode() in _read(c / "cmdline")
+    ]
+    assert len(reapers) == 1, reapers
+    os.kill(reapers[0], signal.SIGTERM)
+    time.sleep(0.5)  # a reaper that dies on SIGTERM is gone by now
+    assert alive(reapers[0]), "the reaper died on SIGTERM"
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher never gets to clean up itself
+    proc.communicate(timeout=30)
+    assert_nothing_left(run_dir, str(start["job"]), timeout=15)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
 def run_plain(
     tmp_path: Path, script: str, *args: str, timeout: float
 ) -> tuple[int, str, list[dict[str, Any]]]:

@@ -58,6 +58,11 @@ def cleanup_job(run_dir: Path, job_id: str, keep_secret: bool = False) -> int:
 def main() -> int:
     run_dir, job_id = Path(sys.argv[1]), sys.argv[2]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which cleans up
+    # A SIGTERM sent to every process of the job at once (scancel, a kill of the whole tree)
+    # reaches us with the launcher's: dying on it would leave the launcher's own cleanup
+    # unwatched, and a launcher killed before it finished would leave shared memory behind. We
+    # end when the launcher does (end-of-file), and SIGKILL still ends us.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         sys.stdin.buffer.read()
     except (OSError, KeyboardInterrupt):
