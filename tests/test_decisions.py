@@ -220,10 +220,73 @@ def test_sharded_initial_generation_syncs_each_shard_from_replica_group_zero() -
     assert plan.receivers == () and plan.source_of() == {}
 
 
+def test_a_resumed_sharded_job_starts_at_the_step_its_shards_were_restored_from() -> None:
+    # every rank restored its shard of step 7 and passed start=7: the job starts there, not at 0
+    plan = plan_recovery([MemberReport(r, 7, True, mesh=(2, 2)) for r in range(4)], initial=True)
+    assert plan.target_step == 7 and plan.source_of() == {2: 0, 3: 1}
+    plan = plan_recovery([MemberReport(r, 7, True, mesh=(1, 4)) for r in range(4)], initial=True)
+    assert plan.target_step == 7 and plan.receivers == ()
+
+
+def test_the_first_sync_takes_each_shard_from_its_lowest_valid_holder() -> None:
+    # rank 0 failed while the first sync loaded its state (invalid): shard 0 comes from rank 2
+    reports = [MemberReport(r, 7, r != 0, mesh=(2, 2)) for r in range(4)]
+    plan = plan_recovery(reports, initial=True)
+    assert plan.target_step == 7 and plan.source_of() == {0: 2, 3: 1}
+    # without a mesh: the lowest valid rank's state and step, as DDP's broadcast from rank 0
+    plan = plan_recovery(
+        [MemberReport(0, -1, False), MemberReport(1, 7, True), MemberReport(2, 0, True)], initial=True
+    )
+    assert (plan.target_step, plan.source, plan.receivers) == (7, 1, (0, 2))
+
+
+def test_shards_restored_from_different_steps_are_refused_at_the_start() -> None:
+    # a model of shard 0 at step 7 and shard 1 at step 0 never existed: refuse, never train on it
+    reports = [MemberReport(r, 7 if r % 2 == 0 else 0, True, mesh=(2, 2)) for r in range(4)]
+    with pytest.raises(NotRecoverableError, match=r"rank 0: 7, rank 1: 0.*job.steps\(start=\)"):
+        plan_recovery(reports, initial=True)
+    # without a mesh only the reference's step counts (the others take its whole state)
+    plan = plan_recovery([MemberReport(0, 7, True), MemberReport(1, 0, True)], initial=True)
+    assert plan.target_step == 7
+
+
+def test_a_shard_with_no_valid_holder_at_the_start_is_an_error() -> None:
+    reports = [MemberReport(r, 7, r not in (1, 3), mesh=(2, 2)) for r in range(4)]
+    with pytest.raises(NotRecoverableError, match=r"shard\(s\) \[1\]"):
+        plan_recovery(reports, initial=True)
+
+
 def test_fsdp_without_replicas_ends_with_a_clear_error_never_a_wrong_shard() -> None:
     reports = _mesh_reports((1, 4), {2: (-1, False)})
     reports = [MemberReport(r.rank, r.committed_step, r.valid, snapshot_step=3, mesh=(1, 4)) for r in reports]
     with pytest.raises(NotRecoverableError, match=r"ranks \[2\].*R >= 2"):
+        plan_recovery(reports)
+
+
+def test_sharded_checkpoint_fallback_takes_the_newest_step_every_rank_has() -> None:
+    # Nothing in memory is left (R = 1, no copies). Each rank writes its own shard's checkpoints
+    # and keeps the newest two: rank 1's save of step 9 was still being written when the fault
+    # came. Step 6 is the newest that every rank has.
+    have = {0: (6, 9), 1: (3, 6), 2: (6, 9), 3: (6, 9)}
+    reports = [
+        MemberReport(r, 10 if r else -1, r != 0, checkpoint_step=max(s), checkpoint_steps=s, mesh=(1, 4))
+        for r, s in have.items()
+    ]
+    plan = plan_recovery(reports)
+    assert plan.from_checkpoint and plan.target_step == 6 and plan.receivers == (0, 1, 2, 3)
+    # no step that every rank has: the documented error, never shards of different steps
+    reports = [
+        MemberReport(
+            r,
+            s.checkpoint_step or 0,
+            s.valid,
+            checkpoint_step=s.checkpoint_step,
+            checkpoint_steps=(s.checkpoint_step,) if s.checkpoint_step else (),
+            mesh=(1, 4),
+        )
+        for r, s in enumerate(reports)
+    ]
+    with pytest.raises(NotRecoverableError, match="no replica, no buddy copy"):
         plan_recovery(reports)
 
 

@@ -126,6 +126,27 @@ def test_async_writer_is_consistent_although_the_update_runs_right_after(tmp_pat
     writer.close(10)
 
 
+@pytest.mark.timeout(30)
+def test_per_rank_writers_of_a_sharded_job_fall_due_at_the_same_step(tmp_path: Path) -> None:
+    # Two ranks' writers saving every 10 s, each rank committing a step 2 ms after the other.
+    # Counted from each writer's own start, their saves would fall on different steps wherever
+    # the writers started apart; on the shared wall clock both fall due at the first step after
+    # each 10 s boundary, so every rank has a checkpoint of that step.
+    every = CheckpointEvery(seconds=10.0)
+    a = CheckpointWriter(tmp_path / "a", every, aligned=True)
+    b = CheckpointWriter(tmp_path / "b", every, aligned=True)
+    assert a._interval is not None and b._interval is not None
+    boundary = 1_000_000.0  # a wall-clock time on a 10 s boundary; the writers began before it
+    a._interval = b._interval = int(boundary // 10) - 1
+    steps = [(k, boundary - 7.9 + 0.4 * k) for k in range(1, 60)]  # steps of 0.4 s
+    due_a = [k for k, w in steps if a.due(k, 0.0, wall=w)]
+    due_b = [k for k, w in steps if b.due(k, 0.0, wall=w + 0.002)]
+    assert due_a == due_b == [20, 45], (due_a, due_b)
+    # rank 0's writer of a data-parallel job counts from its own last save
+    c = CheckpointWriter(tmp_path / "c", every)
+    assert not c.due(1, time.monotonic()) and c.due(1, time.monotonic() + 10.0)
+
+
 @pytest.mark.timeout(60)
 def test_keeps_the_newest_two_and_refuses_an_unreadable_one(tmp_path: Path) -> None:
     for s in (3, 6, 9):

@@ -1,11 +1,14 @@
-"""Pure parts of sharded jobs: the shard identity a transfer carries, and mesh-shape checks."""
+"""Pure parts of sharded jobs: the shard identity a transfer carries, mesh-shape checks, and
+which of its own states a rank offers a plan."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from checkpointless.errors import StateTransferError
-from checkpointless.recovery.recover import plan_sources
+from checkpointless.recovery.recover import own_states, plan_sources
 from checkpointless.recovery.sharded import ShardIdentity, mesh_shape_error
 
 pytestmark = pytest.mark.timeout(10)
@@ -59,3 +62,21 @@ def test_divergence_is_judged_among_the_replicas_of_each_shard() -> None:
     v = judge_replicas([7, 9, 6, 9], 2)  # two replicas of shard 0 differ: neither can be trusted
     assert v.divergent == (0, 2) and not v.has_majority
     assert judge_replicas([5, 5, 6], 1).divergent == (2,)  # plain data parallel: one column
+
+
+class _Undo:
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = steps
+
+    def undo_steps(self) -> list[int]:
+        return self.steps
+
+
+def test_a_rank_found_divergent_offers_none_of_its_earlier_own_states() -> None:
+    # A rank healed at step 8 after a divergence check: its undo copies of steps 7 and 8 may
+    # hold the divergent state, so a later plan must not roll it back to one of them; the undo
+    # copy of step 9, taken after it received the majority's state, is offered.
+    job = SimpleNamespace(_own_snapshots=None, _buddies=_Undo([7, 8, 9]), _own_states_after=-1)
+    assert own_states(job) == [7, 8, 9]  # type: ignore[arg-type]
+    job._own_states_after = 8
+    assert own_states(job) == [9]  # type: ignore[arg-type]

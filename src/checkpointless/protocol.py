@@ -140,6 +140,9 @@ class Stopped(Message):
     step: int | None = None  # the step that was running
     snapshot_step: int | None = None  # newest complete shared-memory snapshot it can see
     checkpoint_step: int | None = None  # newest complete durable checkpoint it can see
+    # every complete one it can see (a sharded mesh: its own shard's, which must match a step
+    # that every other rank also has)
+    checkpoint_steps: list[int] = field(default_factory=list)
     time: float = 0.0
     mesh: list[int] | None = None  # (replicate, shard) of a sharded job's mesh; None: data parallel
     # [owner, step] of every verified buddy copy this member keeps (state/buddy.py)
@@ -202,6 +205,9 @@ class Assign(Message):
     divergence_check: int = 100  # steps between replica digest comparisons (0: off)
     buddy_copies: str = "auto"  # auto | on | off: shard copies on another host (state/buddy.py)
     buddy_every: int = 1  # steps between those copies
+    # given before the job's first state sync formed (a rank lost during start-up): the process
+    # starts as that rank's original would have, restoring the script's own checkpoint
+    initial: bool = False
 
 
 @dataclass(frozen=True)

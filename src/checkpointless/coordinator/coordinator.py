@@ -178,7 +178,7 @@ class Coordinator:
         m.connected = True
         m.last_message = now
         if m.role == "worker" and m.rank is not None:
-            self._assign(m, m.rank, 0, now)
+            self._assign(m, m.rank, 0, now, initial=True)
         return True
 
     def awaits_late_hello(self, worker_id: int) -> bool:
@@ -342,7 +342,7 @@ class Coordinator:
             m.killed_for = why
             self._out.append(Kill(m.worker_id, why, m.host))
 
-    def _assign(self, m: Member, rank: int, generation: int, now: float) -> None:
+    def _assign(self, m: Member, rank: int, generation: int, now: float, initial: bool) -> None:
         m.rank = rank
         m.assigned_at = now
         where = placement(rank, self.cfg.per_node)
@@ -363,6 +363,7 @@ class Coordinator:
                 divergence_check=self.cfg.divergence_check,
                 buddy_copies=self.cfg.buddy_copies,
                 buddy_every=self.cfg.buddy_every,
+                initial=initial,
             ),
         )
 

@@ -47,6 +47,7 @@ def on_stopped(c: Coordinator, m: Member, msg: Stopped, now: float, wall: float)
         msg.valid,
         msg.snapshot_step,
         msg.checkpoint_step,
+        checkpoint_steps=tuple(msg.checkpoint_steps),
         mesh=(msg.mesh[0], msg.mesh[1]) if msg.mesh and len(msg.mesh) == 2 else None,
         copies=tuple((c[0], c[1]) for c in msg.copies if len(c) == 2),
         own_snapshots=tuple(msg.own_snapshots),
@@ -150,7 +151,7 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
         c.ranks[rank] = spare
         if old_host[rank] not in live:
             r.moving.setdefault(old_host[rank], spare.host)
-        c._assign(spare, rank, r.target, now)
+        c._assign(spare, rank, r.target, now, initial=r.initial)
         r.replace.discard(rank)  # settled once the spare reports; re-added if it dies first
         c._emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)
         c._log("info", f"spare {spare.worker_id} takes rank {rank}")

@@ -146,6 +146,9 @@ def check_divergence(job: Job) -> None:
         # by the round the divergent rank starts, and it reports then (valid, at this step).
         return
     job.comm.abort(f"divergence check after step {step - 1}")
+    # Its snapshots and undo copies up to here may hold the divergent state (it began somewhere
+    # since the last check): a later rollback must not restore one of them, so none is offered.
+    job._own_states_after = step
     recover(job, "exception", why, step, False)
 
 

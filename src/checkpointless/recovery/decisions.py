@@ -33,6 +33,9 @@ class MemberReport:
     snapshot_step: int | None = None
     # the newest complete durable (DCP) checkpoint this member can see (None: none, or off)
     checkpoint_step: int | None = None
+    # every complete durable checkpoint it can see, oldest first (on a sharded mesh its own
+    # shard's: the plan needs a step that every rank has)
+    checkpoint_steps: tuple[int, ...] = ()
     # (replicate, shard) sizes of the job's device mesh (None: replicated data parallel); rank r
     # holds shard coordinate r % shard in replica group r // shard (row-major, comm/mesh.py)
     mesh: tuple[int, int] | None = None
@@ -101,8 +104,9 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     makes every rank that applied the update hold the *same* new state. So resume at the newest
     step any valid replica has reached (a rank that finished its update never has to undo it),
     and let every rank that is behind, invalid or new receive from the lowest such rank. At the
-    job's first generation (``initial``) rank 0's state is the reference, as DDP's broadcast, and
-    rank 0's committed step is where the job starts (non-zero when the script resumed).
+    job's first generation (``initial``) the lowest valid rank's state is the reference (rank 0's
+    unless it failed), as DDP's broadcast, and its committed step is where the job starts
+    (non-zero when the script resumed); on a mesh, each shard's (:func:`_plan_initial`).
 
     When no replica is valid, the newest complete shared-memory snapshot any member can see is
     the state: every rank loads it (survivors too, since they may be ahead of it) and the steps
@@ -119,12 +123,10 @@ def plan_recovery(reports: list[MemberReport], initial: bool = False) -> Recover
     if ranks != list(range(len(ranks))):
         raise NotRecoverableError(f"generation members are not ranks 0..{len(ranks) - 1}: {ranks}")
     mesh = _common_mesh(reports)
-    if mesh is not None:
-        return _plan_sharded(reports, mesh, initial)
     if initial:
-        # rank 0's step too: a script that restored its own checkpoint starts there (job.steps(start=))
-        start = max(0, next(r.committed_step for r in reports if r.rank == 0))
-        return RecoveryPlan(start, 0, tuple(r for r in ranks if r != 0))
+        return _plan_initial(reports, 1 if mesh is None else mesh[1])
+    if mesh is not None:
+        return _plan_sharded(reports, mesh)
     valid = [r for r in reports if r.valid]
     if not valid:
         return _fallback(reports, ranks)
@@ -168,7 +170,47 @@ def _common_mesh(reports: list[MemberReport]) -> tuple[int, int] | None:
     return mesh
 
 
-def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: bool) -> RecoveryPlan:
+def _plan_initial(reports: list[MemberReport], shards: int) -> RecoveryPlan:
+    """The job's first state sync, as DDP's broadcast at construction: for each shard coordinate
+    (one, without a mesh) the lowest valid rank that holds it is the reference, and every other
+    rank takes its shard's reference's state and start step.
+
+    The start step is the one the script passed to ``job.steps(start=)`` after restoring its own
+    checkpoint (0 when it did not). On a mesh every reference restored one shard, so they must
+    agree on it: shards of different steps would make a model that no run ever had. Without a
+    mesh only the reference's counts (the other ranks take its whole state), as DDP takes rank
+    0's. A valid rank is one that ran the script's start-up itself, a process that took a rank
+    lost during start-up included (recovery/startup.py); a rank into which an earlier attempt of
+    this sync failed to load a state is not, and a coordinate with no valid rank left is an error,
+    never a shard of unknown provenance."""
+    refs: dict[int, MemberReport] = {}
+    for r in sorted(reports, key=lambda m: m.rank):
+        if r.valid and r.rank % shards not in refs:
+            refs[r.rank % shards] = r
+    missing = sorted(set(range(shards)) - set(refs))
+    if missing:
+        raise NotRecoverableError(
+            f"no valid rank holds shard(s) {missing} at the job's start (reports: "
+            f"{[(r.rank, r.committed_step, r.valid) for r in reports]}); every holder of those "
+            "shards failed while the job's first state sync loaded it; start the job again"
+        )
+    starts = {max(0, r.committed_step) for r in refs.values()}
+    if len(starts) > 1:
+        detail = ", ".join(f"rank {r.rank}: {max(0, r.committed_step)}" for r in refs.values())
+        raise NotRecoverableError(
+            f"the ranks that hold the shards start from different steps ({detail}); each restored "
+            "its shard of a checkpoint of another step. Restore one checkpoint on every rank and "
+            "pass its step to job.steps(start=) everywhere"
+        )
+    start = starts.pop()
+    pairs = tuple((r.rank, refs[r.rank % shards].rank) for r in sorted(reports, key=lambda m: m.rank))
+    pairs = tuple((r, src) for r, src in pairs if r != src)
+    if shards == 1:
+        return RecoveryPlan(start, refs[0].rank, tuple(r for r, _ in pairs))
+    return RecoveryPlan(start, refs[0].rank, tuple(r for r, _ in pairs), sources=pairs)
+
+
+def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int]) -> RecoveryPlan:
     """The plan for a (replicate, shard) mesh: every rank that does not hold its shard at the
     target step gets it from the best holder left, in this order (docs/fault-model.md):
 
@@ -193,10 +235,6 @@ def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: b
     """
     ranks = sorted(r.rank for r in reports)
     shards = mesh[1]
-    if initial:
-        # the first replica group's shards are the reference, as DDP's broadcast from rank 0
-        pairs = tuple((r, r % shards) for r in ranks if r >= shards)
-        return RecoveryPlan(0, 0, tuple(p[0] for p in pairs), sources=pairs)
     keepers: dict[tuple[int, int], list[int]] = {}  # (owner, step) -> members keeping that copy
     for m in reports:
         for owner, step in m.copies:
@@ -211,11 +249,13 @@ def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: b
             return plan
     if shards == 1:
         return _fallback(reports, ranks)
-    ckpts = {r.checkpoint_step for r in reports}
-    common = ckpts.pop() if len(ckpts) == 1 else None
-    if common is not None:
-        # every rank sees its own (per-rank) checkpoint of one step: each loads its own shard
-        return RecoveryPlan(common, -1, tuple(ranks), from_checkpoint=True)
+    # Each rank writes its own shard's checkpoints, asynchronously, and keeps the newest few: a
+    # fault can land while some rank's newest is still being written, or after a rank skipped
+    # one (its previous save still running). The newest step that every rank has is the state.
+    common = set.intersection(*(_checkpoints_of(r) for r in reports))
+    if common:
+        # every rank loads its own (per-rank) checkpoint of that step: its own shard
+        return RecoveryPlan(max(common), -1, tuple(ranks), from_checkpoint=True)
     newest = max((r.committed_step for r in valid), default=0)
     stuck = [r.rank for r in reports if not (r.valid and r.committed_step == newest)]
     raise NotRecoverableError(
@@ -226,8 +266,15 @@ def _plan_sharded(reports: list[MemberReport], mesh: tuple[int, int], initial: b
         "cannot be rebuilt (docs/fault-model.md); run with more than one replica group "
         "(job.device_mesh(..., (R, S)) with R >= 2), keep --buddy-copies on, and keep "
         "--snapshot-every on so a rank whose host survives has its own snapshot (and "
-        "--checkpoint-every with a number of steps as the last resort)"
+        "--checkpoint-every as the last resort)"
     )
+
+
+def _checkpoints_of(r: MemberReport) -> set[int]:
+    steps = set(r.checkpoint_steps)
+    if r.checkpoint_step is not None:
+        steps.add(r.checkpoint_step)
+    return steps
 
 
 def _assign_sources(

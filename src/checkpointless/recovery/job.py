@@ -123,6 +123,9 @@ class Job:
         self._snapshot_every = 0
         self._checkpoint_every = parse_every("0")
         self._own_snapshots: Path | None = None  # a sharded mesh: this rank's own snapshot directory
+        # own states (snapshots, undo copies) of this step or earlier are not offered to a plan:
+        # the rank was found divergent then, so they may hold its divergent state (commit.py)
+        self._own_states_after = -1
         self._buddy_mode = "off"  # --buddy-copies: auto | on | off
         self._buddy_every = 1  # --buddy-every: steps between copies
         self._buddies: BuddyCopies | None = None  # this rank's copies, kept on another host

@@ -21,7 +21,7 @@ from checkpointless.recovery.process import looks_like_comm_error, short_error
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.sharded import send_copies
 from checkpointless.state.buddy import copy_channel
-from checkpointless.state.durable import newest_checkpoint, restore_checkpoint
+from checkpointless.state.durable import list_checkpoints, restore_checkpoint
 from checkpointless.state.shm_snapshot import list_snapshots, newest_snapshot, restore_snapshot, snapshot_dir
 from checkpointless.state.snapshot import (
     RngState,
@@ -142,13 +142,15 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
         gen = job._report_gen
         if resend:
             snap = newest_own_snapshot(job)
+            ckpts = list_checkpoints(job._checkpoint_dir) if job._checkpoint_dir is not None else []
             job._link.send(
                 dataclasses.replace(
                     report,
                     for_generation=gen,
                     time=time.time(),
                     snapshot_step=snap,
-                    checkpoint_step=newest_checkpoint(job._checkpoint_dir),
+                    checkpoint_step=ckpts[-1] if ckpts else None,
+                    checkpoint_steps=ckpts,
                     mesh=list(job._mesh.shape) if job._mesh is not None else None,
                     copies=[list(c) for c in job._buddies.held()] if job._buddies else [],
                     own_snapshots=own_states(job),
@@ -309,7 +311,7 @@ def own_states(job: Job) -> list[int]:
     steps = set(list_snapshots(job._own_snapshots)) if job._own_snapshots else set()
     if job._buddies is not None:
         steps.update(job._buddies.undo_steps())
-    return sorted(steps)
+    return sorted(s for s in steps if s > job._own_states_after)
 
 
 def newest_own_snapshot(job: Job) -> int | None:

@@ -77,7 +77,10 @@ def connect(job: Job) -> None:
     job.world_size = msg.world_size
     job.placement = (msg.local_rank, msg.local_world_size, msg.node_rank)
     job._report_gen = msg.generation
-    job.is_replacement = job.env.role == "spare"
+    # A spare given a rank lost during start-up, before the job's first state sync, is no
+    # replacement: no peer holds what the original would have restored (the script's own
+    # checkpoint, with R = 1 the only copy of this shard), so it starts as the original would.
+    job.is_replacement = job.env.role == "spare" and not msg.initial
     setup_logging(f"rank {job.rank}")
     job._events = EventLog(
         job.env.run_dir / f"rank-{job.rank}.jsonl", rank=job.rank, worker=job.env.worker_id
@@ -166,7 +169,9 @@ def sharded_copies(job: Job) -> None:
         # every rank its own DCP checkpoint of its own shard, in a directory of its own
         job._checkpoint_dir = job._checkpoint_dir / f"rank{job.rank}"
         off = job._checkpoint_every.off
-        job._checkpoints = None if off else CheckpointWriter(job._checkpoint_dir, job._checkpoint_every)
+        job._checkpoints = (
+            None if off else CheckpointWriter(job._checkpoint_dir, job._checkpoint_every, aligned=True)
+        )
     if job.env is None:
         job._snapshots = None
         return

@@ -202,11 +202,21 @@ def save_checkpoint(directory: Path, step: int, state: Any) -> CheckpointInfo:
 
 class CheckpointWriter:
     """Rank 0's asynchronous DCP saves: at most one in flight; a due save while one is still
-    being written is skipped, so training never queues behind the disk."""
+    being written is skipped, so training never queues behind the disk.
 
-    def __init__(self, directory: Path, every: CheckpointEvery) -> None:
+    ``aligned``: one of the per-rank writers of a sharded job, whose checkpoints are of use only
+    where every rank has one of the same step. A time interval then counts on the wall clock,
+    which the ranks' hosts share to within milliseconds and the ranks reach each step together:
+    every rank's save falls due at the same step (unless an interval ends within the few
+    milliseconds between their commits). Counted from each writer's own start, as rank 0's is,
+    the ranks' saves would drift apart by their start-up offsets."""
+
+    def __init__(self, directory: Path, every: CheckpointEvery, aligned: bool = False) -> None:
         self.directory = directory
         self.every = every
+        self._interval: int | None = None  # aligned time-based saves: the wall-clock interval
+        if aligned and every.seconds:
+            self._interval = int(time.time() // every.seconds)
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self._stager = DefaultStager(
@@ -226,11 +236,19 @@ class CheckpointWriter:
         self._logged = False
         self.skipped = 0
 
-    def due(self, step: int, now: float) -> bool:
+    def due(self, step: int, now: float, wall: float | None = None) -> bool:
+        """Whether step ``step`` should be saved; ``now`` is ``time.monotonic()``, ``wall``
+        ``time.time()`` (read here when not given). Called once per committed step."""
         if step <= 0 or self.every.off:
             return False
         if self.every.steps:
             return step % self.every.steps == 0
+        if self._interval is not None:
+            interval = int((time.time() if wall is None else wall) // self.every.seconds)
+            if interval == self._interval:
+                return False
+            self._interval = interval
+            return True
         return now - self._last_start >= self.every.seconds
 
     def start(self, step: int, state: Any, guarded: set[int]) -> bool:
