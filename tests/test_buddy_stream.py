@@ -19,6 +19,7 @@ import torch
 from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.rendezvous import KeyServer
 from checkpointless.state.buddy import BuddyCopies
+from checkpointless.state.staging import staged_layout
 from checkpointless.state.stream import StreamRoute
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,7 +184,8 @@ def test_a_file_copy_damaged_after_it_was_listed_is_refused_not_served(
     pair: tuple[BuddyCopies, BuddyCopies],
 ) -> None:
     """The keeper holds only the file's name and digest: bytes changed behind its back (a bug,
-    another process) must fail the copy when it is used, and a replaced file unlists it."""
+    another process) must fail the copy when it is used and unlist it (the next round plans
+    without it, not with it again), and a replaced file unlists it."""
     owner, keeper, shm = _file_pair(pair)
     for step in range(2):
         owner.start(step, _state(step), guarded=set())
@@ -196,11 +198,12 @@ def test_a_file_copy_damaged_after_it_was_listed_is_refused_not_served(
         f.write(b"\xff\xfe")
     with pytest.raises(StateTransferError, match="digest"):
         keeper.copy(0, 1)
+    assert keeper.held() == [(0, 0)], "a copy that failed its check is still reported"
     assert torch.equal(keeper.copy(0, 0)["objects"]["w"], _state(0)["objects"]["w"])  # type: ignore[index]
     old = keeper._held[0][0].slot
     assert old is not None
     (shm / old.name).unlink()
-    assert keeper.held() == [(0, 1)], "a copy whose file is gone is not reported"
+    assert keeper.held() == [], "a copy whose file is gone is not reported"
 
 
 def test_the_owner_never_writes_a_file_its_keeper_lists(pair: tuple[BuddyCopies, BuddyCopies]) -> None:
@@ -251,3 +254,16 @@ def test_a_full_shared_memory_sends_copies_over_the_socket_instead(tmp_path: Pat
             assert torch.equal(owner.undo(2)["objects"]["w"], _state(2)["objects"]["w"])  # type: ignore[index]
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_a_copy_cancelled_while_it_was_packed_is_never_published(
+    pair: tuple[BuddyCopies, BuddyCopies],
+) -> None:
+    """wait_sent gives up on a copy past its timeout, and the update may then change the tensors
+    being packed: a copy cancelled by then is refused, not kept as an undo copy (which a
+    rollback restores without a digest check) or sent."""
+    owner, _ = pair
+    owner._cancel.set()  # as wait_sent leaves it when it gave up during the packing
+    with pytest.raises(CommAborted, match="cancelled while it was packed"):
+        owner._undo_copy(5, staged_layout(_state(5), set()))
+    assert owner.undo_steps() == [], "a torn copy was published as an undo copy"

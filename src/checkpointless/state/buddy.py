@@ -240,10 +240,18 @@ class BuddyCopies:
         if flat is None:
             flat = host_buffer(sum(sizes), lay.ready)
         _pack(lay, sizes, flat)
+        self._check_packed(step)
         lay.messages.clear()  # the live tensors are no longer read: the update may change them
         with self._lock:
             self._undo[step] = _Copy(manifest, [flat])
         return Layout(manifest, [flat])
+
+    def _check_packed(self, step: int) -> None:
+        """Refuse a copy cancelled while it was packed. The cancel comes from wait_sent giving up
+        on it, after which the update may have changed tensors half-way through the packing:
+        such a copy would be torn, and an undo copy is restored without a digest check."""
+        if self._cancel.is_set():
+            raise CommAborted(f"buddy copy of step {step} cancelled while it was packed")
 
     def _file_copy(self, step: int, lay: Layout, pool: SlotPool) -> tuple[Layout, SlotRef]:
         """Pack ``lay``'s messages into one of this rank's copy files (one its keeper does not
@@ -256,6 +264,7 @@ class BuddyCopies:
         name, data, inode = pool.take(sum(sizes), None if known is None else known | undo)
         self._keeper_files = None  # the keeper may list this copy once it arrives: unknown until acked
         _pack(lay, sizes, data)
+        self._check_packed(step)
         lay.messages.clear()  # the live tensors are no longer read: the update may change them
         ref = SlotRef(name, inode, int(data.numel()), digest(data))
         with self._lock:
@@ -450,8 +459,16 @@ class BuddyCopies:
             raise StateTransferError(f"no buddy copy of rank {owner} at step {step} is kept here")
         if kept.slot is not None:
             assert self.shm_dir is not None and kept.received is not None
-            manifest = kept.received.parse_tree()
-            return unpack(manifest, [read_slot(self.shm_dir, owner, kept.slot)])
+            try:
+                manifest = kept.received.parse_tree()
+                return unpack(manifest, [read_slot(self.shm_dir, owner, kept.slot)])
+            except StateTransferError:
+                # A file that fails its check now always will: unlisted, so that the next round
+                # plans with what is left (another step, a snapshot) instead of this copy again.
+                with self._lock:
+                    if self._held.get(owner, {}).get(step) is kept:
+                        del self._held[owner][step]
+                raise
         return kept.tree()
 
     def undo_steps(self) -> list[int]:
