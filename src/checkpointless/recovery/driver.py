@@ -21,6 +21,7 @@ from checkpointless.recovery.recover import fatal, recover, recover_from
 from checkpointless.recovery.sections import due_sections
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import start_from_first_replica
+from checkpointless.state.snapshot import capture_rng
 
 if TYPE_CHECKING:
     from checkpointless.recovery.job import Job
@@ -107,6 +108,11 @@ def _run_sections(job: Job) -> bool:
     can sit in the loop's condition)."""
     while due := due_sections(job._sections, job.committed_step, job._loop.sections_done):
         sec, at = due[0], job.committed_step
+        # The generators as the section begins: a fault inside it redoes the section from them
+        # (resume_rng, also what a replacement receives). The first attempt has drawn from them
+        # already, and an evaluation that samples, or dropout left on, would otherwise leave
+        # every later step with other random numbers than the run without the fault.
+        job._step_rng = (at, capture_rng())
         job._record = {}
         job._in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
         try:
