@@ -165,6 +165,43 @@ def test_a_killed_rank_is_replaced_by_the_ready_spare_and_receives_state() -> No
     assert len(rec) == 1 and rec[0]["first_step_s"] is not None and rec[0]["downtime_s"] > 0
 
 
+def test_a_spare_given_a_rank_has_the_first_step_allowance_to_set_up() -> None:
+    # The spare runs the script's set-up after init() before it reports (moving the model,
+    # fully_shard, the optimizer): longer than the hang limit (10 s) is not a hang. A survivor
+    # that never leaves its step is one.
+    h = Harness(first_step_timeout=120.0)
+    start_job(h)
+    for wid in range(3):
+        h.msg(wid, Heartbeat(step=7, progress_age=0.1))
+    out = h.exit(1, -9)
+    out += h.advance(0.01)
+    assert h.sent(out, Assign)[3].rank == 1
+    h.msg(0, Stopped(for_generation=1, committed_step=7, valid=True))
+    h.msg(2, Stopped(for_generation=1, committed_step=7, valid=True))
+    for _ in range(12):  # 60 s of set-up, every process's heartbeat going
+        for wid in (0, 2, 3):
+            h.msg(wid, Heartbeat(step=None if wid == 3 else 7, progress_age=0.1))
+        out = h.advance(5.0)
+        assert not [c for c in out if isinstance(c, Kill)], "the spare was killed while setting up"
+    out = h.msg(3, Stopped(for_generation=1, committed_step=-1, valid=False))
+    out += h.advance(0.01)
+    assert h.sent(out, Recover), "the round went on once the spare reported"
+    # past the allowance it is killed, and says why
+    h2 = Harness(first_step_timeout=30.0)
+    start_job(h2)
+    h2.exit(1, -9)
+    h2.advance(0.01)
+    h2.msg(0, Stopped(for_generation=1, committed_step=7, valid=True))
+    h2.msg(2, Stopped(for_generation=1, committed_step=7, valid=True))
+    killed: list[Kill] = []
+    for _ in range(10):
+        for wid in (0, 2, 3):
+            h2.msg(wid, Heartbeat(step=None if wid == 3 else 7, progress_age=0.1))
+        killed += [c for c in h2.advance(5.0) if isinstance(c, Kill)]
+    assert [k.worker_id for k in killed] == [3], killed
+    assert "did not report after it was given its rank within 30.0 s" in killed[0].why
+
+
 def test_every_round_is_reported_even_when_the_job_ends_first() -> None:
     h = Harness()
     start_job(h)

@@ -124,6 +124,23 @@ def test_idle_connections_cost_no_threads_and_are_closed_after_the_auth_deadline
     client.close()
 
 
+def test_a_worker_connects_through_a_flood_of_idle_connections(control: ControlServer) -> None:
+    # A local process holds the server's limit of idle connections (renewing them would keep it
+    # there): a worker or spare connecting now must still get through, or every spare would
+    # fail at its start. The oldest idle connection makes room, not the newcomer.
+    socks = [socket.create_connection(control.address, timeout=5) for _ in range(MAX_UNAUTHENTICATED)]
+    try:
+        time.sleep(0.3)
+        assert control.unauthenticated == MAX_UNAUTHENTICATED
+        client = _worker(control)
+        assert _next(control)[1]["type"] == "hello"
+        assert _closed_within(socks[0], 3), "the oldest idle connection was not the one dropped"
+        client.close()
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_a_slow_partial_frame_does_not_delay_a_worker(control: ControlServer) -> None:
     with socket.create_connection(control.address, timeout=5) as slow:
         slow.sendall(struct.pack(">IQ", 100, 0))  # half a prefix, then nothing

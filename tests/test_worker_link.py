@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ import pytest
 
 from checkpointless.agent.beats import BEAT_ENV
 from checkpointless.config import WorkerEnv
-from checkpointless.launcher.control import ControlServer
+from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.protocol import (
     SUCCESSION_ENV,
     Abort,
@@ -139,3 +140,23 @@ def test_a_worker_connection_ends_with_the_worker_even_while_a_forked_child_live
         proc.kill()
         proc.wait(timeout=10)
         server.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_send_hangs_up_and_leaves_the_close_to_the_server() -> None:
+    # The decision loop and the heartbeat thread send on connections that the server's selector
+    # thread owns. A send to a worker that is gone must only shut the socket down: closed there,
+    # the descriptor would be freed while still registered, its end never reported (`_closed`),
+    # and the next socket accepted under the same number would fail to register.
+    ours, theirs = socket.socketpair()
+    conn = Connection(ours, b"5a" * 32)
+    conn.authenticated = True
+    theirs.close()
+    deadline = time.monotonic() + 10
+    while conn.send({"type": "abort", "generation": 1, "reason": "x"}):
+        assert time.monotonic() < deadline, "sends to a closed peer kept succeeding"
+    assert conn.closed and not conn.send({"type": "abort", "generation": 2, "reason": "x"})
+    assert ours.fileno() != -1, "the send closed the descriptor the server's selector still holds"
+    ours.setblocking(False)
+    assert ours.recv(16) == b"", "the socket was not shut down, so the server never sees its end"
+    ours.close()

@@ -11,9 +11,7 @@ the caller fences its host. See docs/architecture.md, "Coordinator failover".
 
 from __future__ import annotations
 
-import contextlib
 import queue
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +38,6 @@ class Joined:
     welcome: AgentWelcome
 
 
-def _hang_up(conn: Connection) -> None:
-    with contextlib.suppress(OSError):
-        conn.sock.shutdown(socket.SHUT_RDWR)
-
-
 Early = list[tuple[float, Connection, dict[str, Any]]]  # (arrival, connection, message)
 
 
@@ -64,10 +57,10 @@ def refuse_all(server: ControlServer, early: Early, keep_s: float, serving: int 
         if raw.get("type") in ("vote", "hello") and not _settled(raw, serving):
             early.append((now, conn, raw))
         elif raw.get("type") != "_closed":
-            _hang_up(conn)
+            conn.hang_up()
     for item in [e for e in early if now - e[0] > keep_s or _settled(e[2], serving)]:
         early.remove(item)
-        _hang_up(item[1])
+        item[1].hang_up()
 
 
 def _settled(raw: dict[str, Any], serving: int) -> bool:
@@ -167,7 +160,7 @@ def _collect(
         left = end - time.monotonic()
         if left <= 0 or stop:
             for conn in [*votes, *(c for c, _ in pending)]:
-                _hang_up(conn)  # they move on to the next term
+                conn.hang_up()  # they move on to the next term
             log.warning(
                 "term %d: %d of %d votes, no majority; giving it up", term, len(votes) + 1, len(members)
             )
@@ -183,17 +176,17 @@ def _collect(
         try:
             msg = decode(raw)
         except ProtocolError:
-            _hang_up(conn)
+            conn.hang_up()
             continue
         if isinstance(msg, Vote) and msg.term == term and msg.agent_id in members:
             if msg.agent_id in {v.agent_id for v in votes.values()} or msg.agent_id == me:
-                _hang_up(conn)
+                conn.hang_up()
             else:
                 votes[conn] = msg
         elif isinstance(msg, Hello) and 0 < msg.term <= term:
             pending.append((conn, raw))
         else:
-            _hang_up(conn)  # another term's vote or reconnect: that one goes elsewhere
+            conn.hang_up()  # another term's vote or reconnect: that one goes elsewhere
     log.warning("term %d: majority of %s reached (%d votes)", term, members, len(votes) + 1)
     return votes, pending
 

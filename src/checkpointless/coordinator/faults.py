@@ -171,18 +171,24 @@ def check_hangs(c: Coordinator, now: float, wall: float) -> None:
         health.append(WorkerHealth(rank, m.last_message, progress, m.in_collective, m.step_time is None))
     times = [m.step_time for m in c.ranks.values() if m.step_time is not None]
     limit = progress_limit(c.cfg.hang_timeout, c.cfg.hang_factor, times)
+    first = first_step_limit(limit, c.cfg.first_step_timeout)
     r = c.round
     if r is not None and r.phase == "collect" and not r.initial:
         # a member that keeps its heartbeat but never leaves its step after the abort (a busy
         # loop) holds the round up: it is hung like a process that stopped
         for rank, m in c.ranks.items():
             waiting = rank not in r.reports and rank not in r.replace and m.connected
-            if waiting and now - max(r.abort_sent, m.assigned_at) > limit:
-                why = f"did not leave its step within {limit:.1f} s of the abort"
+            # A spare given the rank this round reports only once it reaches job.steps(): it
+            # first runs the script's set-up after init() (the model to its device, fully_shard,
+            # the optimizer, the data loader), which has the first step's allowance, not the
+            # step-time limit. A stopped one is still caught by its silence.
+            allowed = limit if m.joined else first
+            if waiting and now - max(r.abort_sent, m.assigned_at) > allowed:
+                what = "leave its step" if m.joined else "report after it was given its rank"
+                why = f"did not {what} within {allowed:.1f} s of the abort"
                 c._log("warning", f"rank {rank} {why}; killing it")
                 c._kill(m, why)
                 return
-    first = first_step_limit(limit, c.cfg.first_step_timeout)
     culprits, why = find_hung(health, now, c.cfg.hang_timeout, limit, first)
     if not culprits and why and c.round is None:
         # everyone waits for everyone (a lost message, a wedged link): nobody to replace,

@@ -9,10 +9,8 @@ checker; the control server and the decision loop stay in ``launcher.py``.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -41,14 +39,6 @@ from checkpointless.protocol import (
 __all__ = ["AgentHosts"]
 
 log = get_logger()
-
-
-def _hang_up(conn: Connection) -> None:
-    """End a connection from the decision loop. Only a shutdown, not a close: the server's
-    selector thread still has the socket registered, sees the end and closes it itself (closing
-    here would free the descriptor for reuse while it is still registered there)."""
-    with contextlib.suppress(OSError):
-        conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 def _beat_agents(agents: dict[int, Connection], stop: threading.Event) -> None:
@@ -178,7 +168,7 @@ class AgentHosts:
         assert coord is not None
         if isinstance(msg, AgentHello):
             if conn in self._agent_of or conn.worker_id is not None or coord.stopping is not None:
-                _hang_up(conn)
+                conn.hang_up()
                 return
             host = self._next_host
             self._next_host += 1
@@ -193,7 +183,7 @@ class AgentHosts:
             return
         host = self._agent_of[conn]
         if not coord.host_alive(host):
-            _hang_up(conn)  # a fenced host: its reports are about ranks that moved on
+            conn.hang_up()  # a fenced host: its reports are about ranks that moved on
             return
         coord.on_agent_seen(host, now)
         if isinstance(msg, ProcStarted):
@@ -207,7 +197,7 @@ class AgentHosts:
                 coord.on_beats(host, beats_of(msg), now)
             except ProtocolError as e:
                 log.warning("closing agent %d's connection: %s", host, e)
-                _hang_up(conn)
+                conn.hang_up()
 
     def _welcome(self, host: int) -> AgentWelcome:
         c = self.cfg

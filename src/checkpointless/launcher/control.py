@@ -118,15 +118,25 @@ class Connection:
             _send_bounded(self.sock, self._tx_key, {**msg, _SEQ: self._seq_out}, _SEND_TIMEOUT_S)
 
     def send(self, msg: dict[str, Any]) -> bool:
-        """Send; return False (and close) if the worker is gone or not reading."""
+        """Send; return False (and hang up) if the worker is gone or not reading."""
         if self.closed or not self.authenticated:
             return False
         try:
             self._send_sealed({**msg, _NONCE: self.peer_nonce})
             return True
         except (OSError, FrameError):
-            self.close()
+            self.hang_up()
             return False
+
+    def hang_up(self) -> None:
+        """End the connection from a thread other than the server's (the decision loop, the
+        heartbeat thread): a shutdown only. The server's selector still has the socket and sees
+        its end, then drops and closes it and reports ``_closed``. Closing it here would free the
+        descriptor while it is still registered: the end would never be reported, and the next
+        socket accepted under the same number would fail to register, ending the server's thread."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def accept_frame(self, header: dict[str, Any]) -> dict[str, Any]:
         """Check a sealed frame's nonce and sequence; return the message without them."""
@@ -237,9 +247,13 @@ class ControlServer:
             except OSError:  # e.g. EMFILE: it stays in the backlog; the next select retries
                 return
             if self.unauthenticated >= MAX_UNAUTHENTICATED:
-                self.rejected += 1  # a flood of idle connections: the newest one pays
-                sock.close()
-                continue
+                # A flood of idle connections: the oldest pays. Refusing the newest would let a
+                # local process that keeps renewing its connections refuse every worker and
+                # spare (each fails at its start); a real peer authenticates within
+                # milliseconds, so it is never the oldest for long.
+                oldest = min((c for c in self._conns if not c.authenticated), key=lambda c: c.accepted_at)
+                self.rejected += 1
+                self._drop(oldest, "too many unauthenticated connections", report=False)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock, self.secret)

@@ -30,7 +30,7 @@ from checkpointless.agent import Agent, AgentConfig, ProcExit
 from checkpointless.config import ENV
 from checkpointless.coordinator import Coordinator, Emit, HostTable, Kill, Log, Send, Spawn, Stop
 from checkpointless.events import EventLog, get_logger, setup_logging
-from checkpointless.launcher.agents import AgentHosts, _beat_agents, _hang_up
+from checkpointless.launcher.agents import AgentHosts, _beat_agents
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.model import LaunchConfig, checkpoint_root, config_from_json, config_to_json
 from checkpointless.launcher.policy import Limits, loop_wait
@@ -349,7 +349,7 @@ class Launcher(AgentHosts):
             msg = decode(raw)
         except ProtocolError as e:
             log.warning("closing a control connection: %s", e)
-            _hang_up(conn)
+            conn.hang_up()
             return
         if conn in self._agent_of or isinstance(msg, AgentHello):
             self._from_agent(conn, msg, now)
@@ -360,11 +360,11 @@ class Launcher(AgentHosts):
             # a vote or a reconnect after a failover: one that arrives once the new coordinator
             # has rebuilt its state is too late (its process was not vouched for), except from a
             # spare that was starting then (it had no connection to lose; rebuild.py kept it)
-            _hang_up(conn)
+            conn.hang_up()
             return
         if isinstance(msg, Hello):
             if conn.worker_id is not None or not coord.on_connected(msg.worker_id, now):
-                _hang_up(conn)  # a process we did not start (or of a lost host), or a second hello
+                conn.hang_up()  # a process we did not start (or of a lost host), or a second hello
             else:
                 conn.worker_id = msg.worker_id
                 self._conns[msg.worker_id] = conn
@@ -425,7 +425,7 @@ class Launcher(AgentHosts):
         for host, conn in list(self._agents.items()):
             if not coord.host_alive(host):  # fenced: cut it off; it rejoins as a new agent
                 del self._agents[host]
-                _hang_up(conn)
+                conn.hang_up()
                 changed = True
         if changed:
             self._announce()  # the membership a majority is counted against has shrunk

@@ -23,7 +23,7 @@ from checkpointless.coordinator import Coordinator
 from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
 from checkpointless.coordinator.takeover import TakeoverHost, resume
 from checkpointless.events import EventLog, get_logger, setup_logging
-from checkpointless.launcher.agents import _beat_agents, _hang_up
+from checkpointless.launcher.agents import _beat_agents
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.launcher import Launcher
 from checkpointless.launcher.model import LaunchConfig, checkpoint_root
@@ -207,7 +207,7 @@ class TakeoverLauncher(Launcher):
         for conn, raw in backlog:  # after the deadline: the loop's ordinary path handles them
             self.server.inbox.put((conn, raw))
         for conn, _ in self._orphans.values():
-            _hang_up(conn)  # no voting agent reported this process
+            conn.hang_up()  # no voting agent reported this process
         return list(procs.values()), list(workers.values())
 
     def _settled_at(self, grace: float) -> float:
@@ -236,7 +236,7 @@ class TakeoverLauncher(Launcher):
         try:
             msg = decode(raw)
         except ProtocolError:
-            _hang_up(conn)
+            conn.hang_up()
             return
         said_hello = conn.worker_id is not None or any(c is conn for c, _ in self._orphans.values())
         if conn in self._agent_of or said_hello:
@@ -248,7 +248,7 @@ class TakeoverLauncher(Launcher):
         m = self.mandate
         if isinstance(msg, Vote) and msg.term == self.term and msg.agent_id in m.members:
             if msg.agent_id == m.agent_id or msg.agent_id in self._agents:
-                _hang_up(conn)
+                conn.hang_up()
                 return
             # a member that found the loss a little after the majority: it joins, with its processes
             m.voters[conn] = msg
@@ -263,13 +263,13 @@ class TakeoverLauncher(Launcher):
             return
         if isinstance(msg, Hello) and 0 < msg.term <= self.term and conn.worker_id is None:
             if msg.worker_id in workers or msg.worker_id in self._orphans:
-                _hang_up(conn)
+                conn.hang_up()
             elif msg.worker_id not in procs:
                 self._orphans[msg.worker_id] = (conn, msg)  # its agent's vote may be on its way
             else:
                 self._take_hello(conn, msg, workers)
             return
-        _hang_up(conn)  # another term's vote or reconnect, or a frame before hello
+        conn.hang_up()  # another term's vote or reconnect, or a frame before hello
 
     def _take_hello(self, conn: Connection, msg: Hello, workers: dict[int, WorkerReport]) -> None:
         conn.worker_id = msg.worker_id
