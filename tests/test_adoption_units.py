@@ -257,6 +257,45 @@ def test_a_rolled_forward_last_step_still_ends_its_epoch() -> None:
     assert trace == [0, 1, 2, "end 0", 3, 4, 5, "end 1", "closed=True"]
 
 
+def test_a_replacement_placed_after_a_rolled_forward_epoch_end_runs_that_epochs_work() -> None:
+    # Steps 0-2 are epoch 0. Step 2 faulted after its update was applied (rolled forward to 3);
+    # the survivors sent their state from inside step 2, before their epoch-0 work, and run that
+    # work as they leave the recovery. The replacement placed at step 3 runs it too, with no
+    # steps, so a scheduler stepped after each epoch steps as often on every rank.
+    from checkpointless.recovery.epochs import EpochDriver
+    from checkpointless.recovery.loop import LoopControl
+
+    def run(sent_epochs_done: int) -> list[Any]:
+        loop = LoopControl()
+
+        def joined() -> Iterator[_FakeStep]:
+            loop.epochs_done = sent_epochs_done  # what the join's transfer loads
+            for i in (3, 4, 5):
+                yield _FakeStep(i)
+
+        driver = EpochDriver(joined(), 3, loop, start_epoch=0)
+        trace: list[Any] = []
+        for epoch in driver.epochs():
+            for step in driver.epoch_steps():
+                step.committed = True
+                trace.append(step.index)
+            trace.append(f"end {epoch}")
+        return [*trace, loop.epochs_done]
+
+    assert run(sent_epochs_done=-1) == ["end 0", 3, 4, 5, "end 1", 1]
+    # sent after the epoch-0 work had run (a fault in step 3): nothing extra
+    assert run(sent_epochs_done=0) == [3, 4, 5, "end 1", 1]
+    # a job resumed at epoch 1 by the script (start=1) runs no work for epoch 0
+    loop = LoopControl()
+    driver = EpochDriver(iter([_FakeStep(3), _FakeStep(4), _FakeStep(5)]), 3, loop, start_epoch=1)
+    seen: list[tuple[int, int]] = []
+    for epoch in driver.epochs():
+        for step in driver.epoch_steps():
+            step.committed = True
+            seen.append((epoch, step.index))
+    assert seen == [(1, 3), (1, 4), (1, 5)] and loop.epochs_done == 1
+
+
 def test_break_out_of_the_epoch_loop_closes_the_step_loop_at_a_committed_step() -> None:
     assert _run_epochs([0, 1, 2, 3, 4, 5], per=3, fail=set(), stop_after_epoch=0) == [
         0,

@@ -20,7 +20,15 @@ flat loop, and a ``break`` out of the outer loop after it leaves at a committed 
 A replacement's outer loop starts at the epoch of the step it resumes at, and its inner loop at
 that step, so its per-epoch work runs at the same epochs as its peers'. A rank whose interrupted
 last step of an epoch was rolled forward by a recovery (its update applied) never sees that step
-commit; the next step belongs to the next epoch, and the inner loop returns then.
+commit; the next step belongs to the next epoch, and the inner loop returns then, so it runs that
+epoch's per-epoch work as it leaves the recovery. It sent its state to a replacement *before*
+that (inside the recovery), so the state says which epochs' work had run (``LoopControl.
+epochs_done``): a replacement whose first step begins an epoch while the previous epoch's work
+has not run first gets that epoch with no steps, and runs its work too. A scheduler stepped
+after each epoch thus steps as often on the replacement as on its peers.
+
+Not covered: a recovery that rolls back (a snapshot of an earlier epoch) runs the per-epoch work
+of the epoch it left before the earlier epoch is replayed.
 """
 
 from __future__ import annotations
@@ -29,30 +37,44 @@ from collections.abc import Iterator
 from typing import Any
 
 from checkpointless.errors import ConfigError
+from checkpointless.recovery.loop import LoopControl
 
 __all__ = ["EpochDriver"]
 
+_NO_STEPS = object()  # the pending "step" of an epoch whose inner loop has nothing left to run
+
 
 class EpochDriver:
-    """Splits the steps of ``job.steps()`` into epochs of ``per_epoch`` steps."""
+    """Splits the steps of ``job.steps()`` into epochs of ``per_epoch`` steps. ``loop`` is the
+    job's loop state, which travels with the training state; ``start_epoch`` the first epoch."""
 
-    def __init__(self, steps: Iterator[Any], per_epoch: int) -> None:
+    def __init__(
+        self, steps: Iterator[Any], per_epoch: int, loop: LoopControl | None = None, start_epoch: int = 0
+    ) -> None:
         self._steps = steps
         self.per_epoch = per_epoch
         self._pending: Any = None  # the step the next inner loop starts with
         self._carried: Any = None  # a step of the next epoch that ended an inner loop
+        self._loop = loop if loop is not None else LoopControl()
+        # before the start round: the epochs before the first ran in an earlier job (or none); a
+        # replacement's join then replaces this with its peers' count
+        self._loop.epochs_done = start_epoch - 1
 
     def epochs(self) -> Iterator[int]:
         try:
             step = next(self._steps, None)  # the start round runs here: a replacement is placed
+            if step is not None and step.index % self.per_epoch == 0:
+                behind = step.index // self.per_epoch - 1
+                if self._loop.epochs_done < behind:
+                    # placed at an epoch's first step by a recovery that rolled the previous
+                    # epoch's last step forward: its peers run that epoch's work as they leave
+                    # the recovery, after they sent this state, so it runs it too
+                    self._pending, self._carried = _NO_STEPS, step
+                    yield from self._epoch(behind)
+                    step, self._carried = self._carried, None
             while step is not None:
                 self._pending = step
-                yield step.index // self.per_epoch
-                if self._pending is step:
-                    raise ConfigError(
-                        "an epoch of job.epochs() ran none of its steps: inside the epoch loop, run "
-                        "`for step in job.epoch_steps(): with step: ...`"
-                    )
+                yield from self._epoch(step.index // self.per_epoch)
                 step, self._carried = self._carried, None
                 if step is None:  # after the epoch's last commit: the per-epoch work has run
                     step = next(self._steps, None)
@@ -62,10 +84,21 @@ class EpochDriver:
             if close is not None:
                 close()
 
+    def _epoch(self, epoch: int) -> Iterator[int]:
+        yield epoch
+        if self._pending is not None:
+            raise ConfigError(
+                "an epoch of job.epochs() ran none of its steps: inside the epoch loop, run "
+                "`for step in job.epoch_steps(): with step: ...`"
+            )
+        self._loop.epochs_done = epoch  # its per-epoch work has run
+
     def epoch_steps(self) -> Iterator[Any]:
         step, self._pending = self._pending, None
         if step is None:
             raise ConfigError("job.epoch_steps() runs once per epoch, inside `for epoch in job.epochs(...)`")
+        if step is _NO_STEPS:
+            return
         epoch = step.index // self.per_epoch
         while True:
             yield step

@@ -264,7 +264,8 @@ class Job:
         if not 0 <= start <= count:
             raise ConfigError(f"job.epochs({count}, start={start}): start must be in 0..{count}")
         self._step_loader = wrapped
-        self._epochs = EpochDriver(self.steps(count * per, start * per, steps_per_epoch=per), per)
+        steps = self.steps(count * per, start * per, steps_per_epoch=per)
+        self._epochs = EpochDriver(steps, per, self._loop, start)
         return self._epochs.epochs()
 
     def epoch_steps(self) -> Iterator[Step]:

@@ -25,6 +25,10 @@ class LoopControl:
         # protected sections (recovery/sections.py) finished at the current step boundary: a
         # replacement that receives this skips them, one that does not runs them with the others
         self.sections_done: dict[str, int] = {}
+        # job.epochs(): the last epoch whose per-epoch work (the code after its inner loop) has
+        # run on this rank; a replacement that receives a state sent before its peers ran one
+        # runs it too (recovery/epochs.py)
+        self.epochs_done = -1
 
     def end(self, total: int) -> int:
         """The number of committed steps after which the loop ends."""
@@ -35,8 +39,13 @@ class LoopControl:
         self.stop_at = after if self.stop_at < 0 else min(self.stop_at, after)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stop_at": self.stop_at, "sections_done": dict(self.sections_done)}
+        return {
+            "stop_at": self.stop_at,
+            "sections_done": dict(self.sections_done),
+            "epochs_done": self.epochs_done,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stop_at = int(state["stop_at"])
         self.sections_done = {str(k): int(v) for k, v in state.get("sections_done", {}).items()}
+        self.epochs_done = int(state.get("epochs_done", -1))

@@ -1,0 +1,62 @@
+"""job.epochs() with a learning-rate scheduler stepped after each epoch (the per-epoch work), and
+a metric all-reduced after each update: a fault in the last step of an epoch, after the update,
+rolls that step forward, and every rank's scheduler must still step once per epoch.
+
+Every rank writes the SHA-256 of its final weights to --digest-out ("{rank}" filled in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from adopt import Points
+from torch.utils.data import DataLoader, DistributedSampler
+
+import checkpointless as cl
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--data", help="ignored (the test helper passes it)")
+    ap.add_argument("--digest-out", required=True)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    job = cl.init()
+    ds = Points(48)
+    sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=3)
+    dl = DataLoader(ds, batch_size=4, sampler=sampler, drop_last=True)
+    model = job.data_parallel(net)
+    job.track(model=net, optimizer=opt, scheduler=sched)
+    for _epoch in job.epochs(args.epochs, dl):
+        for step in job.epoch_steps():
+            with step:
+                x, y = step.batch
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                job.all_reduce(loss.detach())  # a metric, reduced after the update
+        sched.step()  # the per-epoch work
+
+    h = hashlib.sha256()
+    for name, t in sorted(net.state_dict().items()):
+        h.update(name.encode() + t.contiguous().numpy().tobytes())
+    h.update(repr(sched.state_dict()["last_epoch"]).encode())
+    path = Path(args.digest_out.replace("{rank}", str(job.rank)))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(h.hexdigest() + "\n")
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""job.epochs() through a fault that rolls an epoch's last step forward (tests/scripts/epochs_sched.py).
+
+3 ranks, 48 samples in batches of 4: 4 steps per epoch, 3 epochs. Rank 1 is killed half-way
+through its update of step 3, the last of epoch 0; the others have applied theirs and stop in the
+metric's all-reduce after it, so the recovery resumes at step 4 (rolled forward). The survivors
+step their scheduler for epoch 0 as they leave the recovery, after they sent the replacement its
+state: the replacement must step it too, or it trains epoch 1 at epoch 0's learning rate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs import ROOT, alive, run_job
+
+SCRIPT = ROOT / "tests" / "scripts" / "epochs_sched.py"
+NOWHERE = Path("/nonexistent")
+
+
+@pytest.mark.timeout(300)
+def test_a_rolled_forward_epoch_end_steps_the_replacements_scheduler_too(tmp_path: Path) -> None:
+    ref = run_job(tmp_path / "ref", NOWHERE, nproc=3, spares=0, script=SCRIPT, script_args=[])
+    assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
+    res = run_job(
+        tmp_path / "run", NOWHERE, 3, 1, ["kill:rank=1:step=3:site=optimizer"], script=SCRIPT, script_args=[]
+    )
+    assert res.rc == 0, res.output[-6000:]
+    plans = [p for p in res.of("plan") if p["generation"] > 0]
+    assert plans and plans[0]["target_step"] == 4 and plans[0]["receivers"] == [1], plans
+    assert [e["rank"] for e in res.of("spare_assigned")] == [1]
+    res.assert_same_weights(ref, 3)
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
