@@ -114,6 +114,22 @@ def test_grad_scaler_exact_through_a_fault_inside_the_optimizer_step(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("loader", [[], ["--stateful"]], ids=["DataLoader", "StatefulDataLoader"])
+def test_augmentation_and_dropout_on_the_global_generator_are_exact_through_a_replay(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, loader: list[str]
+) -> None:
+    # Without workers the batch's augmentation draws from torch's global generator inside the
+    # step, before dropout does. The survivors replay step 6 with the batch they hold (nothing is
+    # read again), and the replacement reads it at a seek: the step's dropout must draw the same
+    # numbers as without the fault everywhere, so the read may not move the step's stream.
+    args = [*BASE, "--workers", "0", "--augment", *loader]
+    ref = reference(tmp_path_factory, args)
+    faults = ["kill:rank=1:step=6"]
+    res = run_job(tmp_path / "run", Path("/nonexistent"), NPROC, 1, faults, script=SCRIPT, script_args=args)
+    check_bitwise(res, ref, faults=1)
+
+
+@pytest.mark.timeout(300)
 def test_per_rank_generator_streams_are_reproduced_by_a_replacement(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

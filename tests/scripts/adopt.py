@@ -34,6 +34,14 @@ class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, (x[:8].sum() > 0).long()
 
 
+class NoisyPoints(Points):
+    """Points with random augmentation drawn from torch's global generator in ``__getitem__``."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(i)
+        return x + 0.05 * torch.randn(16), y
+
+
 def digest(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -53,6 +61,9 @@ def main() -> None:
     ap.add_argument("--break-after", type=int, default=-1, help="break after this step commits")
     ap.add_argument("--stop-at", type=int, default=-1, help="call job.stop() in this step")
     ap.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
+    ap.add_argument(
+        "--augment", action="store_true", help="augmentation and dropout from torch's global generator"
+    )
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     ap.add_argument("--digest-out", required=True)
     args = ap.parse_args()
@@ -71,7 +82,7 @@ def main() -> None:
     for name, value in want.items():
         assert os.environ[name] == str(value), (name, os.environ.get(name), value)
 
-    ds = Points(args.samples)
+    ds = NoisyPoints(args.samples) if args.augment else Points(args.samples)
     sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=7)
     loader_type = DataLoader
     if args.stateful:
@@ -93,6 +104,8 @@ def main() -> None:
                 mask = (torch.rand(out.shape, generator=g) > 0.3).to(out.dtype) / 0.7
                 job.record(mask=digest(mask))
                 out = out * mask
+            if args.augment:
+                out = F.dropout(out, 0.2)  # draws after the batch's augmentation did
             loss = F.cross_entropy(out.float(), y)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()

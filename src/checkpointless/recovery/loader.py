@@ -16,7 +16,8 @@ the position is read.
 
 The twin's worker seeds come from a generator seeded from the epoch alone, not from the global
 torch generator, so making an iterator (which a replacement does at another step than the
-survivors) never moves the training step's random numbers.
+survivors) never moves the training step's random numbers. Without workers the batch is read in
+this process on the global generators, seeded per step for the read (``rng.batch_rng``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 from checkpointless.errors import ConfigError
+from checkpointless.recovery.rng import batch_rng
 
 __all__ = ["StepLoader"]
 
@@ -147,7 +149,8 @@ class StepLoader:
                 self.seeks += 1
             self._start(epoch, pos)
         assert self._iter is not None
-        data = next(self._iter)
+        with batch_rng(step):  # augmentation in this process: a function of the step
+            data = next(self._iter)
         self._next = step + 1
         self._held = (step, data)
         return data

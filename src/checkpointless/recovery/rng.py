@@ -10,13 +10,17 @@ from :meth:`checkpointless.Job.generator` instead: a ``torch.Generator`` seeded 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import random
+from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from checkpointless.errors import ConfigError
 
-__all__ = ["StepStreams", "stream_seed"]
+__all__ = ["StepStreams", "batch_rng", "stream_seed"]
 
 
 def stream_seed(seed: int, name: str, rank: int, step: int) -> int:
@@ -56,3 +60,29 @@ class StepStreams:
             gen.manual_seed(stream_seed(seed, name, rank, step))
             self._live[key] = gen
         return gen
+
+
+@contextlib.contextmanager
+def batch_rng(step: int) -> Iterator[None]:
+    """Fetch step ``step``'s batch with the global generators (torch's CPU one, NumPy's, Python's)
+    seeded from the step, and put them back afterwards.
+
+    Why: a DataLoader without workers runs ``__getitem__`` (and its random augmentation) in the
+    training process, inside the step, on the global generators. A replay hands out the batch
+    it holds without reading it again, and a replacement reads it at a seek: either way the
+    draws would differ from the run without the fault, and so would every random number the step
+    draws after them (dropout). Seeded per step, a batch is the same whoever reads it and
+    whenever, and the step's own stream never sees the fetch, as with workers (whose seeds do not
+    come from the step's stream either). The same seed on every rank, as the global generators
+    are the same on every rank (each rank reads other samples)."""
+    seed = stream_seed(0, "batch", 0, step)
+    cpu, py, npy = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        random.setstate(py)
+        np.random.set_state(npy)

@@ -34,6 +34,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from checkpointless.errors import ConfigError
+from checkpointless.recovery.rng import batch_rng
 
 __all__ = ["StatefulStepLoader", "is_stateful_loader"]
 
@@ -98,25 +99,36 @@ class StatefulStepLoader:
             return self._held[1]  # a replay trains on the very batch it had
         if self._restored or self._iter is None or step != self._next:
             self._seek(step)
+        data, before = self._read(step)
+        self._before = before
+        self._next = step + 1
+        self._held = (step, data)
+        return data
+
+    def _read(self, step: int) -> tuple[Any, dict[str, Any]]:
+        # Each iter() and each read runs on the global generators seeded from the step
+        # (rng.batch_rng), never on the step's own stream: iter() draws its base seed there
+        # unless the loader has a generator of its own, and without workers the read itself
+        # draws (augmentation). Seeded apart, a read draws the same whether or not an iterator
+        # was just made for it (a replacement's seek makes one; the run without the fault did not).
         assert self._iter is not None
         before = self._position()
         try:
-            data = next(self._iter)
+            with batch_rng(step):
+                data = next(self._iter)
         except StopIteration:  # the epoch ended: the next one starts with this step
             self._epoch += 1
-            self._iter = iter(self._start_epoch())
+            self._iter = self._make_iter()
             before = self._position()
             try:
-                data = next(self._iter)
+                with batch_rng(step):
+                    data = next(self._iter)
             except StopIteration:
                 raise ConfigError(
                     f"the StatefulDataLoader yielded no batch in epoch {self._epoch}; job.loader() "
                     "needs at least one batch per epoch"
                 ) from None
-        self._before = before
-        self._next = step + 1
-        self._held = (step, data)
-        return data
+        return data, before
 
     def _position(self) -> dict[str, Any]:
         # deep-copied: the loader may update the dicts of its state in place as it goes on
@@ -148,7 +160,11 @@ class StatefulStepLoader:
                 "(loader.batch(step.index) once per step)"
             )
         self._next = step
-        self._iter = iter(self._start_epoch())
+        self._iter = self._make_iter()
+
+    def _make_iter(self) -> Iterator[Any]:
+        with batch_rng(-1 - self._epoch):  # whatever it draws, away from the step's stream
+            return iter(self._start_epoch())
 
     def _start_epoch(self) -> Any:
         # what a `for epoch: sampler.set_epoch(epoch); for batch in loader` loop does
