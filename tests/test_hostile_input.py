@@ -273,6 +273,33 @@ def test_a_forged_key_server_request_gets_no_sealed_reply(keyserver: KeyServer) 
     assert keyserver.keyspace.missing(["k"]) == ["k"]
 
 
+def test_a_key_server_connection_may_announce_a_large_value_only_after_its_first_sealed_frame(
+    keyserver: KeyServer,
+) -> None:
+    # 1 MiB is within the cap for values, but no connection's first frame carries one (a hello
+    # or a read comes first): announced before any frame has passed its seal, it is closed at the
+    # prefix, so idle connections cannot each make the server buffer up to the cap.
+    addr = ("127.0.0.1", keyserver.port)
+    with socket.create_connection(addr, timeout=5) as sock:
+        sock.sendall(struct.pack(">IQ", 64, 1 << 20) + b"\0" * 32)
+        # at the prefix, long before a partial frame's deadline (io_timeout, 2 s here)
+        assert _closed_within(sock, 1.0)
+    # after a sealed hello the same connection sets a 1 MiB value
+    with socket.create_connection(addr, timeout=5) as sock:
+        send_frame(sock, derive_key(SECRET, KEYSERVER_C2S), {"op": "hello", "seq": 1})
+        (hello, _) = recv_frame(sock, derive_key(SECRET, KEYSERVER_S2C), time.monotonic() + 5)
+        value = b"v" * (1 << 20)
+        send_frame(
+            sock,
+            derive_key(SECRET, KEYSERVER_C2S),
+            {"op": "set", "keys": ["big"], "lens": [len(value)], "seq": 2, "nonce": hello["nonce"]},
+            value,
+        )
+        (reply, _) = recv_frame(sock, derive_key(SECRET, KEYSERVER_S2C), time.monotonic() + 5)
+        assert reply["ok"] is True, reply
+    assert keyserver.keyspace.missing(["big"]) == []
+
+
 def test_an_oversized_key_server_prefix_is_closed_before_the_body(keyserver: KeyServer) -> None:
     before = _rss_bytes()
     with socket.create_connection(("127.0.0.1", keyserver.port), timeout=5) as sock:

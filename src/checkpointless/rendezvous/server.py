@@ -62,6 +62,10 @@ _READ_CHUNK = 256 << 10
 # these need the connection's nonce ("stream" too: a replayed one must not get a connection)
 MUTATING_OPS = frozenset({"set", "add", "cas", "append", "del", "stream"})
 _MAX_PAYLOAD = 64 << 20  # rendezvous values are addresses and ids; more is a bug or an attack
+# A connection's first frame is a hello or a read (a write needs the nonce a hello issues), so
+# it has no payload to speak of: until a frame has passed its seal, a connection may announce
+# only this much, and a flood of connections that never authenticate buffers little each.
+_FIRST_MAX_PAYLOAD = 64 << 10
 _FRAME_OVERHEAD = 12 + 32  # length prefix + MAC, for the byte counters
 _LISTENER = object()
 _WAKER = object()
@@ -114,7 +118,7 @@ class _Conn:
         self.nonce: str | None = None  # issued by the first "hello" on this connection
         self.last_seq = 0
         self.pending: set[_Pending] = set()
-        self.decoder = FrameDecoder(rx_key, max_payload=_MAX_PAYLOAD)
+        self.decoder = FrameDecoder(rx_key, max_payload=_FIRST_MAX_PAYLOAD)
         self.partial_since: float | None = None  # when the frame in progress started arriving
 
 
@@ -363,6 +367,8 @@ class KeyServer:
             self.stats.rejected += 1  # replayed or reordered: never trust this connection again
             self._drop(conn)
             return
+        if conn.last_seq == 0:  # its first sealed frame: it may send values of any allowed size now
+            conn.decoder = FrameDecoder(self._rx_key, max_payload=_MAX_PAYLOAD)
         conn.last_seq = seq
         self.stats.requests += 1
         self.stats.bytes_in += _FRAME_OVERHEAD + len(json.dumps(header)) + len(payload)
