@@ -124,6 +124,8 @@ def test_loaders_that_cannot_seek_are_refused_with_what_to_do() -> None:
         StepLoader(make(rank=1)[1], dp_rank=0, dp_size=2)
     with pytest.raises(ConfigError, match="non-zero number of batches"):
         StepLoader(DataLoader(Counting(2), batch_size=3, drop_last=True))
+    with pytest.raises(ConfigError, match=r"in_order=False.*leave in_order at its default"):
+        StepLoader(DataLoader(Counting(8), batch_size=2, num_workers=1, in_order=False))
     # sequential order is a function of nothing: accepted
     assert StepLoader(DataLoader(Counting(8), batch_size=2)).batch(3).tolist() == [6, 7]
 

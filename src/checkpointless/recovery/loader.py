@@ -104,6 +104,12 @@ class StepLoader:
                 "shuffle=True, seed=...) instead of shuffle=True (it works with one rank too)"
             )
         _check_ranks(sampler, dp_rank, dp_size)
+        if loader.num_workers > 0 and not getattr(loader, "in_order", True):
+            raise ConfigError(
+                "the DataLoader was built with in_order=False: its workers hand batches out in the "
+                "order they finish, so step s's batch would change from one run (and one replay) to "
+                "the next; leave in_order at its default (True)"
+            )
         if not isinstance(batch_sampler, Sized) or len(batch_sampler) == 0:
             raise ConfigError(
                 "job.loader() needs a DataLoader with a known, non-zero number of batches per epoch "
