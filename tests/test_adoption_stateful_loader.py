@@ -98,6 +98,9 @@ def test_an_iterable_dataset_that_cannot_seek_is_refused_with_the_fix() -> None:
     assert is_stateful_loader(dl)
     with pytest.raises(ConfigError, match=r"cannot seek in the iterable dataset Stream.*state_dict\(\)"):
         StatefulStepLoader(dl)
+    unordered = StatefulDataLoader(Squares(), batch_size=3, num_workers=1, in_order=False)
+    with pytest.raises(ConfigError, match=r"in_order=False.*leave in_order at its default"):
+        StatefulStepLoader(unordered)
 
 
 class SeekableStream(IterableDataset[int]):

@@ -75,6 +75,12 @@ class StatefulStepLoader:
                 "job.loader() needs batches: the StatefulDataLoader was built with batch_size=None; "
                 "give it a batch_size (or a batch_sampler)"
             )
+        if getattr(loader, "num_workers", 0) > 0 and not getattr(loader, "in_order", True):
+            raise ConfigError(
+                "the StatefulDataLoader was built with in_order=False: its workers hand batches out "
+                "in the order they finish, so step s's batch would change from one run (and one "
+                "replay) to the next; leave in_order at its default (True)"
+            )
         self.loader = loader
         # step.epoch needs it; an iterable dataset's loader may have no length
         self.batches_per_epoch: int | None = None
