@@ -202,6 +202,37 @@ def test_a_spare_given_a_rank_has_the_first_step_allowance_to_set_up() -> None:
     assert "did not report after it was given its rank within 30.0 s" in killed[0].why
 
 
+def _fault_from_snapshot(h: Harness, gen: int, step: int) -> None:
+    # every rank's state was lost: each reports invalid, the plan restores the snapshot of step 5
+    h.msg(1, Stopped(for_generation=0, committed_step=step, valid=False, cause="exception", step=step))
+    for wid in range(3):
+        h.msg(wid, Stopped(for_generation=gen, committed_step=-1, valid=False, snapshot_step=5, step=step))
+    out = h.advance(0.01)
+    plans = h.sent(out, Recover)
+    assert plans and all(p.plan["target_step"] == 5 for p in plans.values()), out
+    for wid in range(3):
+        h.msg(wid, Recovered(generation=gen))
+
+
+def test_faults_at_later_steps_are_progress_though_each_restores_the_same_snapshot() -> None:
+    # snapshots every 50 steps, faults at 6, 7, 8, 9 (the job trains past each between them):
+    # every plan restores step 5, and none of that is a loop
+    h = Harness(max_step_failures=2, spares=0)
+    start_job_without_spares(h)
+    for gen, step in enumerate((6, 7, 8, 9), start=1):
+        _fault_from_snapshot(h, gen, step)
+    assert h.c.stopping is None
+    # the same step failing each time is: the job ends on the third
+    h = Harness(max_step_failures=2, spares=0)
+    start_job_without_spares(h)
+    _fault_from_snapshot(h, 1, 6)
+    _fault_from_snapshot(h, 2, 6)
+    with pytest.raises(AssertionError):  # no plan goes out: the job ends instead
+        _fault_from_snapshot(h, 3, 6)
+    assert h.c.stopping is not None
+    assert any(isinstance(c, Log) and "faults keep recurring at step 5" in c.text for c in h.log)
+
+
 def test_every_round_is_reported_even_when_the_job_ends_first() -> None:
     h = Harness()
     start_job(h)

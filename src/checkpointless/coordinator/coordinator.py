@@ -101,6 +101,7 @@ class Coordinator:
         self._fired_at: float | None = None  # wall time the last injected fault fired
         self._last_target: int | None = None
         self._same_target = 0
+        self._last_reached = -1  # the latest step a fault has come from
         self.hosts: dict[int, HostState] = {}  # agent id -> its host (one machine: host 0 only)
         self.table = TableKeeper()  # the root-less peer table as the members hold it
         self._table_msgs: tuple[int, list[PeerTable]] = (0, [])

@@ -71,9 +71,14 @@ def advance_round(c: Coordinator, now: float) -> None:
         return
     plan = plan_recovery([r.reports[k] for k in sorted(r.reports)], initial=r.initial)
     # every round counts, the start-up ones too: a recovery that fails the same way each time
-    # must end the job, not spin through generations
-    c._same_target = c._same_target + 1 if plan.target_step == c._last_target else 1
+    # must end the job, not spin through generations. Progress is a fault at a later step than
+    # any before: a plan that restores the same older snapshot each time keeps its target while
+    # the job trains past it between faults, and that is no loop.
+    reached = max((f["step"] for f in r.faults if f.get("step") is not None), default=-1)
+    stuck = plan.target_step == c._last_target and reached <= c._last_reached
+    c._same_target = c._same_target + 1 if stuck else 1
     c._last_target = plan.target_step
+    c._last_reached = max(c._last_reached, reached)
     if c._same_target > c.cfg.max_step_failures + (1 if r.initial else 0):
         raise NotRecoverableError(
             f"faults keep recurring at step {plan.target_step}: {c._same_target} recoveries in a "
