@@ -42,6 +42,19 @@ class NoisyPoints(Points):
         return x + 0.05 * torch.randn(16), y
 
 
+def write_digest(pattern: str, rank: int, state: dict[str, torch.Tensor], extra: bytes = b"") -> None:
+    """Write the SHA-256 of ``state`` (by name) and ``extra`` to ``pattern`` with "{rank}" filled
+    in, atomically: a test never reads half a digest."""
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        h.update(name.encode() + t.contiguous().numpy().tobytes())
+    h.update(extra)
+    path = Path(pattern.replace("{rank}", str(rank)))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(h.hexdigest() + "\n")
+    os.replace(tmp, path)
+
+
 def digest(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -124,13 +137,7 @@ def main() -> None:
         from checkpointless.config import job_shm_name
 
         Path(args.digest_out.replace("{rank}", "shm")).write_text(job_shm_name(job.job_id))
-    h = hashlib.sha256()
-    for name, t in sorted(net.state_dict().items()):
-        h.update(name.encode() + t.contiguous().numpy().tobytes())
-    path = Path(args.digest_out.replace("{rank}", str(job.rank)))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(h.hexdigest() + "\n")
-    os.replace(tmp, path)
+    write_digest(args.digest_out, job.rank, net.state_dict())
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ SHA-256.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import signal
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from adopt import Points, digest
+from adopt import Points, digest, write_digest
 from torch.utils.data import DataLoader, DistributedSampler
 
 import checkpointless as cl
@@ -101,13 +99,7 @@ def main() -> None:
     if args.save and job.rank == 0:
         state = {"model": net.state_dict(), "optimizer": opt.state_dict(), "step": job.step}
         torch.save({**state, "rng": torch.get_rng_state()}, args.save)
-    h = hashlib.sha256()
-    for name, t in sorted(net.state_dict().items()):
-        h.update(name.encode() + t.contiguous().numpy().tobytes())
-    path = Path(args.digest_out.replace("{rank}", str(job.rank)))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(h.hexdigest() + "\n")
-    os.replace(tmp, path)
+    write_digest(args.digest_out, job.rank, net.state_dict())
 
 
 if __name__ == "__main__":

@@ -8,13 +8,10 @@ Every rank writes the SHA-256 of its final weights to --digest-out ("{rank}" fil
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from adopt import Points
+from adopt import Points, write_digest
 from torch.utils.data import DataLoader, DistributedSampler
 
 import checkpointless as cl
@@ -48,14 +45,7 @@ def main() -> None:
                 job.all_reduce(loss.detach())  # a metric, reduced after the update
         sched.step()  # the per-epoch work
 
-    h = hashlib.sha256()
-    for name, t in sorted(net.state_dict().items()):
-        h.update(name.encode() + t.contiguous().numpy().tobytes())
-    h.update(repr(sched.state_dict()["last_epoch"]).encode())
-    path = Path(args.digest_out.replace("{rank}", str(job.rank)))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(h.hexdigest() + "\n")
-    os.replace(tmp, path)
+    write_digest(args.digest_out, job.rank, net.state_dict(), repr(sched.state_dict()["last_epoch"]).encode())
 
 
 if __name__ == "__main__":
