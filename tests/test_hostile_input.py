@@ -130,7 +130,10 @@ def test_a_worker_connects_through_a_flood_of_idle_connections(control: ControlS
     # fail at its start. The oldest idle connection makes room, not the newcomer.
     socks = [socket.create_connection(control.address, timeout=5) for _ in range(MAX_UNAUTHENTICATED)]
     try:
-        time.sleep(0.3)
+        # all accepted (well before the authentication deadline would close them)
+        deadline = time.monotonic() + AUTH_DEADLINE_S / 2
+        while control.unauthenticated < MAX_UNAUTHENTICATED and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert control.unauthenticated == MAX_UNAUTHENTICATED
         client = _worker(control)
         assert _next(control)[1]["type"] == "hello"

@@ -8,6 +8,9 @@ Every rank writes the SHA-256 of its final weights to --digest-out ("{rank}" fil
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import time
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +23,9 @@ import checkpointless as cl
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument(
+        "--die-after-update", type=int, default=-1, help="rank 1 SIGKILLs itself 1 s after this step's update"
+    )
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     ap.add_argument("--digest-out", required=True)
     args = ap.parse_args()
@@ -42,6 +48,11 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
+                if step.index == args.die_after_update and job.rank == 1 and not job.is_replacement:
+                    # the others have applied their update by then and wait in the metric's
+                    # all-reduce: the step is rolled forward, whatever the machine's speed
+                    time.sleep(1.0)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 job.all_reduce(loss.detach())  # a metric, reduced after the update
         sched.step()  # the per-epoch work
 
