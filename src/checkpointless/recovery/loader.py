@@ -155,8 +155,11 @@ class StepLoader:
                 self.seeks += 1
             self._start(epoch, pos)
         assert self._iter is not None
-        with batch_rng(step):  # augmentation in this process: a function of the step
+        if self._twin.num_workers:  # the workers read it, on seeds of their own
             data = next(self._iter)
+        else:
+            with batch_rng(step):  # augmentation in this process: a function of the step
+                data = next(self._iter)
         self._next = step + 1
         self._held = (step, data)
         return data
