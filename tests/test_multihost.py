@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from harness.netns_job import start_netns_job, wait_for
+from harness.netns_job import host_shm_dirs, start_netns_job, wait_for
 from jobs import TINY, JobResult, alive, run_job
 
 ARGS = [*TINY[2:], "--steps", "40"]  # long enough to lose a host mid-run
@@ -122,21 +122,27 @@ def test_a_one_way_partition_is_fenced_too(
     netns_hosts: Any, tmp_path: Path, corpus: Path, direction: str
 ) -> None:
     """Host 1 hears but cannot speak ("out"), or speaks but cannot hear ("in"): either way its
-    workers must stop within a lease, its ranks move to the spare host, and the job ends bitwise."""
+    workers must stop within a lease, its ranks move to the spare host, and the job ends bitwise.
+    Its agent, told not to rejoin, leaves nothing of the job in its host's shared memory."""
     ref = _reference(tmp_path / "ref", corpus)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 180
-    job = start_netns_job(cluster, run_dir, corpus, ARGS)
-    wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
-    h1 = cluster.hosts[1]
-    h1.partition(direction)  # type: ignore[arg-type]
-    cut = time.monotonic()
-    wait_for(lambda: len(h1.pids()) <= 2, deadline, "host 1's workers to be stopped")
-    # within a lease of noticing (3 s here), plus the noticing, on a busy machine
-    assert time.monotonic() - cut < 20, "host 1's workers outlived the lease"
-    h1.heal()
-    res = job.finish(deadline, lenient=[1])
+    with host_shm_dirs(3) as shm:
+        job = start_netns_job(cluster, run_dir, corpus, ARGS, shm_dirs=shm, agent_flags=["--no-rejoin"])
+        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+        h1 = cluster.hosts[1]
+        assert list(shm[1].iterdir()), "host 1 holds none of the job's shared memory to clean up"
+        h1.partition(direction)  # type: ignore[arg-type]
+        cut = time.monotonic()
+        wait_for(lambda: len(h1.pids()) <= 2, deadline, "host 1's workers to be stopped")
+        # within a lease of noticing (3 s here), plus the noticing, on a busy machine
+        assert time.monotonic() - cut < 20, "host 1's workers outlived the lease"
+        wait_for(lambda: job.agents[1].poll() is not None, deadline, "host 1's fenced agent to exit")
+        assert job.agents[1].returncode == 1, job.agents[1].returncode
+        assert not list(shm[1].iterdir()), "the fenced agent left the job's shared memory behind"
+        h1.heal()
+        res = job.finish(deadline)
     check_recovered(res, ref, {2, 3})
     moved = {e["rank"] for e in job.events("spare_assigned")}
     assert {2, 3} <= moved, moved

@@ -170,6 +170,7 @@ def start_netns_job(
     shm_dirs: Sequence[Path] | None = None,
     env: Mapping[str, str] | None = None,
     script: Path = EXAMPLE,
+    agent_flags: Sequence[str] = (),
 ) -> NetnsJob:
     """Start the coordinator on host 0, then an agent on every host of ``cluster``.
 
@@ -178,7 +179,7 @@ def start_netns_job(
     Each of ``inject`` becomes an ``--inject`` fault spec; ``launcher_flags`` (e.g.
     ``["--swap-stragglers"]``) follow them, before the script.
     ``shm_dirs[i]`` becomes host i's agent's CHECKPOINTLESS_SHM_DIR; ``env`` is added to every
-    process's environment.
+    process's environment; ``agent_flags`` (e.g. ``["--no-rejoin"]``) go to every agent.
     """
     if nnodes + spare_nodes != len(cluster.hosts):
         raise ValueError(
@@ -208,7 +209,7 @@ def start_netns_job(
     for i, h in enumerate(cluster.hosts):
         agent = [
             *py, "agent", "--coordinator", f"{h0.address}:{control_port}", "--host", h.address,
-            "--secret-file", str(run_dir / "secret"), "--node-order", str(i),
+            "--secret-file", str(run_dir / "secret"), "--node-order", str(i), *agent_flags,
         ]  # fmt: skip
         agent_env = dict(base)
         if shm_dirs is not None:

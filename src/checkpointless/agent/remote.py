@@ -251,12 +251,14 @@ def run_agent(
     old_int = signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
     # where to (re)join: the coordinator, then (after a failover is possible) its successors
     targets = [coordinator]
+    served: str | None = None  # the job whose shared memory this host may still hold
     try:
         while True:
             joined = _join(targets, secret, hello, connect_timeout)
             if joined is None:
                 return 1
             client, inbox, welcome = joined
+            served = welcome.job_id
             log.info(
                 "joined job %s as agent %d (lease %.1f s)", welcome.job_id, welcome.agent_id, welcome.lease
             )
@@ -272,6 +274,10 @@ def run_agent(
             log.info("rejoining the coordinator as a new agent (a spare host)")
     finally:
         failover.stop()
+        if served is not None:
+            # a fenced agent keeps the job's shared memory only while it may serve the job again;
+            # leaving for good (refused on rejoin, --no-rejoin, a signal) must not strand it
+            shutil.rmtree(job_shm_dir(served), ignore_errors=True)
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
 
