@@ -16,10 +16,12 @@ from checkpointless.coordinator.placement import (
     placement,
     spare_host,
     spare_share,
+    spares_to_move,
+    squeezed_to_retire,
 )
 from checkpointless.errors import ConfigError
 from checkpointless.launcher.model import LaunchConfig
-from checkpointless.protocol import Abort, Assign, SpareReady
+from checkpointless.protocol import Abort, Assign, Recover, Recovered, SpareReady, Stopped
 from checkpointless.recovery.torchrun import torchrun_env
 
 pytestmark = pytest.mark.timeout(10)
@@ -252,3 +254,93 @@ def test_a_rejoined_host_is_a_spare_host() -> None:
     # spares only, spread over the hosts that hold no ranks: the old host never gets ranks back
     assert [(s.role, s.host) for s in out if isinstance(s, Spawn)] == [("spare", 2), ("spare", 3)]
     assert c.hosts[0].lost and c.hosts[3].node_rank is None
+
+
+def _spares(c: Coordinator, out: list[object], at: float) -> list[tuple[int, int]]:
+    """The spares spawned in ``out``, started and ready: [(worker id, host)]."""
+    new = [(x.worker_id, x.host) for x in out if isinstance(x, Spawn) and x.role == "spare"]
+    for wid, host in new:
+        c.on_started(wid, f"10.0.0.{host}:{30000 + wid}")
+        c.on_connected(wid, at)
+    return new
+
+
+def _ready(c: Coordinator, wid: int, at: float) -> list[object]:
+    c.on_message(wid, SpareReady(), at, 1e9)
+    return list(c.drain())
+
+
+def _form_round(c: Coordinator, at: float) -> list[object]:
+    """Every rank reports, the plan goes out, every rank recovers: the round has formed."""
+    r = c.round
+    assert r is not None
+    for _, m in sorted(c.ranks.items()):
+        stopped = Stopped(for_generation=r.target, committed_step=5, valid=m.joined)
+        c.on_message(m.worker_id, stopped, at, 1e9)
+    c.tick(at + 0.01, 1e9)
+    out = list(c.drain())
+    assert any(isinstance(x, Send) and isinstance(x.message, Recover) for x in out)
+    for m in list(c.ranks.values()):
+        c.on_message(m.worker_id, Recovered(generation=r.target), at + 0.02, 1e9)
+    assert c.round is None, "the round formed"
+    return out + list(c.drain())
+
+
+@pytest.mark.parametrize("joins", ["after", "during"])
+def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(joins: str) -> None:
+    """A lost host's ranks use up the spare host, so the pool is refilled beside the ranks, where
+    it could not take a whole lost host's ranks. A host that joins (after the round, or during it:
+    then once it has formed) gets the pool: spares start there, and each squeezed spare is
+    stopped once one of them is ready, so the next lost host finds its spares warm."""
+    c, spawns = _coordinator()
+    for s in spawns:
+        c.on_started(s.worker_id, f"10.0.0.{s.host}:{30000 + s.worker_id}")
+        c.on_connected(s.worker_id, 100.0)
+    c.drain()
+    c.round, c.generation = None, 0
+    for m in c.procs.values():
+        m.joined = True
+    c._refill_spares(101.0)
+    for wid, _ in _spares(c, list(c.drain()), 101.0):
+        _ready(c, wid, 101.0)
+    for h in (1, 2):
+        c.on_agent_seen(h, 104.5)
+    c.tick(104.5, 1e9)  # host 0 (ranks 2, 3) is lost: they take the spare host's spares
+    squeezed = _spares(c, list(c.drain()), 104.6)
+    assert sorted(h for _, h in squeezed) == [1, 2], "no spare host left: the pool goes beside ranks"
+    for wid, _ in squeezed:
+        _ready(c, wid, 104.7)
+    if joins == "during":
+        c.add_host(3, "10.0.0.3", True, 104.8)
+        assert not [x for x in c.drain() if isinstance(x, Spawn)], "not while the round places spares"
+    out = _form_round(c, 105.0)
+    if joins == "after":
+        assert not [x for x in out if isinstance(x, Spawn)]
+        c.add_host(3, "10.0.0.3", True, 106.0)
+        out = list(c.drain())
+    moving = _spares(c, out, 106.1)
+    assert [h for _, h in moving] == [3, 3], "the joined host takes a spare host's worth"
+    retired = [x for x in _ready(c, moving[0][0], 106.2) if isinstance(x, Kill)]
+    assert len(retired) == 1 and retired[0].worker_id in {w for w, _ in squeezed}, "one ready, one stopped"
+    c.on_exit(retired[0].worker_id, -9, False, "SIGKILL", "", 106.3, 1e9)
+    assert not [x for x in c.drain() if isinstance(x, Spawn)], "a stopped squeezed spare is not replaced"
+    retired += [x for x in _ready(c, moving[1][0], 106.4) if isinstance(x, Kill)]
+    assert sorted(x.worker_id for x in retired) == sorted(w for w, _ in squeezed)
+    c.on_exit(retired[1].worker_id, -9, False, "SIGKILL", "", 106.5, 1e9)
+    assert not [x for x in c.drain() if isinstance(x, Spawn | Kill)]
+    idle = sorted((m.worker_id, m.host) for m in c.procs.values() if m.role == "spare" and m.rank is None)
+    assert idle == moving, "the pool is the joined host's two spares, and nothing else"
+
+
+def test_spares_move_to_a_spare_host_only_in_place_of_squeezed_ones() -> None:
+    views = [HostView(0, 2, 3), HostView(1, 2, 3), HostView(2, 0, 0)]
+    assert spares_to_move(views, squeezed=2, idle=2, spares=2, per_host=2) == 2
+    assert spares_to_move(views, squeezed=2, idle=4, spares=2, per_host=8) == 0, "already started"
+    assert spares_to_move(views, squeezed=2, idle=3, spares=2, per_host=8) == 1
+    assert spares_to_move(views, squeezed=2, idle=2, spares=2, per_host=1) == 1, "room for one"
+    assert spares_to_move(views[:2], squeezed=2, idle=2, spares=2, per_host=2) == 0, "no free host"
+    # one stopped per spare ready elsewhere, from the host running the most squeezed spares
+    assert squeezed_to_retire([(5, 0), (6, 1), (7, 1)], idle=4, spares=2, ready_elsewhere=1) == [7]
+    assert squeezed_to_retire([(5, 0), (6, 1)], idle=4, spares=2, ready_elsewhere=0) == []
+    assert squeezed_to_retire([(5, 0), (6, 1)], idle=2, spares=2, ready_elsewhere=2) == []
+    assert squeezed_to_retire([(5, 0), (6, 1)], idle=5, spares=2, ready_elsewhere=3) == [5, 6]

@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.conditions import Conditions
 from checkpointless.coordinator.faults import check_hangs, flush_pending, host_lost, process_exited
-from checkpointless.coordinator.placement import HostView, assign_hosts, placement, spare_host, spare_share
+from checkpointless.coordinator.placement import (
+    HostView,
+    assign_hosts,
+    placement,
+    spare_host,
+    spare_share,
+    spares_to_move,
+    squeezed_to_retire,
+)
 from checkpointless.coordinator.rounds import advance_round, on_committed, on_recovered, on_stopped
 from checkpointless.coordinator.state import (
     Command,
@@ -87,6 +95,7 @@ class Coordinator:
         self.generation = -1
         self.round: Round | None = None
         self.fired: set[str] = set()
+        self.refill_after_round = False  # a host joined while a round ran
         self.pending: Round | None = None  # a formed round whose first step is not done everywhere
         self.first_commits: dict[int, float] = {}
         self.first_batches: dict[int, float] = {}
@@ -127,8 +136,13 @@ class Coordinator:
         host (a healed host too: it never gets its old ranks back, they have moved on)."""
         self.hosts[host] = HostState(host, address, remote, now, order)
         self._emit("host_joined", host=host, address=address, spare=self.started)
-        if self.started and self.stopping is None and self.round is None:
-            self._refill_spares(now)
+        if self.started and self.stopping is None:
+            if self.round is None:
+                self._refill_spares(now)
+            else:
+                # not while the round places spares of its own; once it has formed (the pool may
+                # have had no host to refill onto until this one came)
+                self.refill_after_round = True
 
     def on_agent_seen(self, host: int, now: float) -> None:
         h = self.hosts.get(host)
@@ -334,9 +348,37 @@ class Coordinator:
             host = self._spare_host(views=views)
             if host is None:
                 return
-            self._spawn("spare", now, host=host)
-            views = [dataclasses.replace(v, procs=v.procs + 1) if v.host == host else v for v in views]
+            views = self._spawn_spare(host, now, views)
             idle += 1
+        if self.cfg.nnodes == 1 and len(self.hosts) == 1:
+            return  # one machine: its only host holds the ranks and the spares
+        rank_hosts = {v.host for v in views if v.ranks}
+        squeezed = sum(1 for m in self._idle() if m.host in rank_hosts)
+        for _ in range(spares_to_move(views, squeezed, idle, self.cfg.spares, self.cfg.per_node)):
+            host = self._spare_host(strict=True, views=views)
+            if host is None:
+                return
+            views = self._spawn_spare(host, now, views)
+
+    def _spawn_spare(self, host: int, now: float, views: list[HostView]) -> list[HostView]:
+        self._spawn("spare", now, host=host)
+        return [dataclasses.replace(v, procs=v.procs + 1) if v.host == host else v for v in views]
+
+    def _idle(self) -> list[Member]:
+        return [m for m in self.procs.values() if m.role == "spare" and m.rank is None and not m.exited]
+
+    def _retire_squeezed(self) -> None:
+        """Spares that are ready on hosts without ranks stand in for the spares squeezed beside
+        ranks (placement.py): stop those, so the pool sits where a lost host's ranks can go."""
+        if len(self.hosts) < 2:
+            return
+        rank_hosts = {m.host for m in self.ranks.values()}
+        live = [m for m in self._idle() if m.killed_for is None]
+        squeezed = [(m.worker_id, m.host) for m in live if m.host in rank_hosts]
+        elsewhere = sum(1 for m in live if m.ready and m.host not in rank_hosts)
+        for wid in squeezed_to_retire(squeezed, len(live), self.cfg.spares, elsewhere):
+            self._kill(self.procs[wid], "moved to a spare host")
+            self._emit("spare_retired", worker=wid, host=self.procs[wid].host)
 
     def _kill(self, m: Member, why: str) -> None:
         if not m.exited:
@@ -392,6 +434,8 @@ class Coordinator:
             self._emit("spare_ready", worker=m.worker_id)
             if self.state_bytes:
                 self._send(m, Prepare(self.state_bytes))
+            if self.round is None:
+                self._retire_squeezed()
         elif isinstance(msg, Fired):
             self.fired.add(msg.id)
             self._fired_at = msg.time

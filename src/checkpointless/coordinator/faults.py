@@ -146,7 +146,8 @@ def spare_lost(
             f"(last: {detail}); the script fails before or inside checkpointless.init(), so every "
             "replacement would too. Fix what its output shows" + (f":\n{tail}" if tail else "")
         )
-    c._log("warning", f"spare {m.worker_id} exited (code {code}); starting another")
+    if m.killed_for is None:
+        c._log("warning", f"spare {m.worker_id} exited (code {code}); starting another")
     c._refill_spares(now)
 
 

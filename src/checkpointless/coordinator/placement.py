@@ -10,7 +10,9 @@ Once no spare host has room (the spare hosts took a lost host's ranks), single s
 hosts that hold ranks, at most ``spare_share`` each: a process that dies alone is then still
 replaced, by a spare on its own host, which takes its device (``LOCAL_RANK``). Such a spare never
 takes another host's rank: its device is in use there, so a whole lost host still needs a spare
-host (or waits for one to join, up to ``--spare-wait``).
+host (or waits for one to join, up to ``--spare-wait``). When a host with no ranks joins again,
+the squeezed spares move to it (:func:`spares_to_move`, then :func:`squeezed_to_retire` as each
+new one is ready), so that the next lost host finds its spares warm.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ __all__ = [
     "placement",
     "spare_host",
     "spare_share",
+    "spares_to_move",
+    "squeezed_to_retire",
 ]
 
 
@@ -105,6 +109,31 @@ def spare_host(hosts: list[HostView], per_host: int, single_host: bool, share: i
     if not room:
         return None
     return min(room, key=lambda h: (h.procs - h.ranks, h.procs, h.host)).host
+
+
+def spares_to_move(hosts: list[HostView], squeezed: int, idle: int, spares: int, per_host: int) -> int:
+    """How many spares to start on hosts that hold no ranks, in place of the ``squeezed`` idle
+    spares that run beside ranks: those cannot take a lost host's ranks, so a spare host that
+    joins should hold the pool instead. ``idle`` spares exist against a target of ``spares``;
+    those above it are replacements already started (each retires one squeezed spare once
+    ready), so they are not started twice. Never more than the free hosts have room for."""
+    room = sum(per_host - h.procs for h in hosts if h.ranks == 0 and h.procs < per_host)
+    return max(0, min(squeezed - max(0, idle - spares), room))
+
+
+def squeezed_to_retire(
+    squeezed: list[tuple[int, int]], idle: int, spares: int, ready_elsewhere: int
+) -> list[int]:
+    """The squeezed spares [(worker id, host)] to stop: one for each spare that is ready on a host
+    without ranks, while ``idle`` spares exceed the target of ``spares``; from the hosts that run
+    the most of them, the newest first. Without a ready spare elsewhere nothing is stopped: an
+    extra spare beside the ranks is no reason to lose a warm one."""
+    extra = min(idle - spares, ready_elsewhere, len(squeezed))
+    if extra <= 0:
+        return []
+    per_host = Counter(host for _, host in squeezed)
+    order = sorted(squeezed, key=lambda s: (-per_host[s[1]], s[1], -s[0]))
+    return [wid for wid, _ in order[:extra]]
 
 
 def match_spares(

@@ -189,8 +189,13 @@ def on_recovered(c: Coordinator, m: Member, msg: Recovered, now: float) -> None:
         c.startup_faults = len(causes)
         c._log("info", f"generation {r.target} formed in {now - r.started:.2f} s after launch{during}")
         c._emit("started", generation=r.target, seconds=now - r.started, faults=causes)
+        c.refill_after_round = False
         c._refill_spares(now)
         return
+    if c.refill_after_round:
+        c.refill_after_round = False
+        c._refill_spares(now)
+    c._retire_squeezed()  # replacements that became ready during the round
     c.pending = r
     c.first_commits = {}
     c.first_batches = {}
