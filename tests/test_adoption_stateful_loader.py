@@ -79,6 +79,55 @@ def test_position_survives_the_codec_into_a_fresh_loader(workers: int) -> None:
     first.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("resumed", ["no", "checkpoint", "checkpoint, asked"])
+def test_a_state_taken_before_the_first_read_places_the_loader_at_the_first_step(
+    workers: int, resumed: str
+) -> None:
+    """A snapshot (or a peer's state) taken as the job's first step begins, before any batch was
+    read: the step is not known yet (a resumed job starts where the script's checkpoint put the
+    loader). Restored into the same loader after it has gone on (a rollback), and into a fresh
+    loader (a replacement, which skips the script's checkpoint), it yields the batches from the
+    first step on. Taking it starts no iterator and draws nothing from the global generator
+    ("asked": the script itself called the loader's state_dict() before the first read, which
+    made the iterator that the first read goes on with)."""
+    start = 0 if resumed == "no" else 5
+
+    def at_start() -> Any:
+        loader = make(workers)
+        if start:  # the script's own checkpoint, saved after 5 batches
+            ckpt = StatefulStepLoader(make(workers))
+            for s in range(start):
+                ckpt.batch(s)
+            loader.load_state_dict(ckpt.loader.state_dict())
+            ckpt.close()
+        if resumed == "checkpoint, asked":
+            loader.state_dict()
+        return loader
+
+    first = StatefulStepLoader(at_start())
+    made = first.loader._iterator
+    torch.manual_seed(11)
+    rng = torch.get_rng_state()
+    snap = through_codec(first.state_dict())
+    assert torch.equal(torch.get_rng_state(), rng), "taking the state drew from the global generator"
+    assert first.loader._iterator is made, "taking the state started an iterator"
+    seen = [first.batch(s) for s in range(start, start + 4)]
+    first.load_state_dict(snap)  # a rollback to the snapshot of the first step
+    again = [first.batch(s) for s in range(start, start + 4)]
+    assert all(torch.equal(a, b) for a, b in zip(again, seen, strict=True)), "rollback"
+    other = StatefulStepLoader(make(workers))  # a replacement: the script's checkpoint is not loaded
+    other.load_state_dict(snap)
+    got = [other.batch(s) for s in range(start, start + 4)]
+    assert all(torch.equal(a, b) for a, b in zip(got, seen, strict=True)), "replacement"
+    reference = StatefulStepLoader(make(workers))
+    want = [reference.batch(s) for s in range(start + 4)][start:]
+    assert all(torch.equal(a, b) for a, b in zip(seen, want, strict=True)), "the resumed batches"
+    for loader in (first, other, reference):
+        loader.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_position_for_another_step_is_refused() -> None:
     first = StatefulStepLoader(make(0))

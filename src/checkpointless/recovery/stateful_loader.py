@@ -17,6 +17,12 @@ tagged with the step whose batch the loader yields next:
 Both travel in :meth:`state_dict` (the job tracks the wrapper like any other object), and
 :meth:`load_state_dict` keeps them until ``batch(step)`` says which step is wanted: the job's
 recovery settles on the interrupted step or the next one, and this object is not told which.
+Before its first read the wrapper does not know its first step (a resumed job starts wherever
+the script's checkpoint put it), so its state is one position with no step: where the loader is
+now, for whichever step is asked for first. That position is read without starting an iterator
+(which would start workers and draw a seed): the state the script loaded and the loader has
+not used yet, the iterator a ``state_dict()`` call of the script made, or ``{}`` for a loader at
+its start.
 
 The positions are per loader, not per rank: a replacement loads the state a *peer* saved into its
 own loader, whose sampler still carries its own rank. That is right for the usual loader states
@@ -95,15 +101,17 @@ class StatefulStepLoader:
         self._held: tuple[int, Any] | None = None  # the last batch handed out, for a replay
         self._before: dict[str, Any] | None = None  # position before the held batch
         self._restored: dict[int, dict[str, Any]] = {}  # step -> position, from load_state_dict
+        self._restored_first: dict[str, Any] | None = None  # a position for the first step asked
         self.seeks = 0  # positions loaded into the loader after it had started
 
     def batch(self, step: int) -> Any:
         """The batch of ``step``: held for a replay, next from the loader, or from a restored position."""
         if step < 0:
             raise ConfigError(f"step {step} is negative; steps count from 0")
-        if self._held is not None and self._held[0] == step and not self._restored:
+        restoring = bool(self._restored) or self._restored_first is not None
+        if self._held is not None and self._held[0] == step and not restoring:
             return self._held[1]  # a replay trains on the very batch it had
-        if self._restored or self._iter is None or step != self._next:
+        if restoring or self._iter is None or step != self._next:
             self._seek(step)
         data, before = self._read(step)
         self._before = before
@@ -142,22 +150,29 @@ class StatefulStepLoader:
 
     def _seek(self, step: int) -> None:
         pos = self._restored.get(step)
+        if pos is None:
+            pos = self._restored_first
         if pos is None and self._restored:
             raise ConfigError(
                 f"the received StatefulDataLoader position is for step(s) {sorted(self._restored)}, "
                 f"not for step {step}: the loader cannot be placed there"
             )
         self._restored.clear()
+        self._restored_first = None
         self._held = None
+        per = self.batches_per_epoch
         if pos is not None:
             self.loader.load_state_dict(pos["loader"])  # consumed by the next iter()
-            self._epoch = int(pos["epoch"])
+            if not pos["loader"]:
+                # {} puts the loader back at its start, provided no state is pending
+                self.loader.next_iter_state = None
+            epoch = pos["epoch"]
+            self._epoch = int(epoch) if epoch is not None else (step // per if per else 0)
             if self._iter is not None:
                 self.seeks += 1
         elif self._iter is None:
             # the first batch of the run: the loader is where the script put it (at its start,
             # or at a state the script restored with its own checkpoint, for job.steps(start=))
-            per = self.batches_per_epoch
             self._epoch = step // per if per else 0
         else:
             raise ConfigError(
@@ -186,14 +201,28 @@ class StatefulStepLoader:
     def state_dict(self) -> dict[str, Any]:
         """The loader's position before the held step's batch and its position now."""
         if self._iter is None:
-            return {"positions": []}
+            return {"positions": [{"step": None, "epoch": None, "loader": self._unread()}]}
         positions = [self._position()]
         if self._before is not None and self._held is not None:
             positions.insert(0, self._before)
         return {"positions": positions}
 
+    def _unread(self) -> dict[str, Any]:
+        """Where the loader stands before this wrapper's first read, without starting it."""
+        pending = getattr(self.loader, "next_iter_state", None)
+        if pending is not None:  # the script's checkpoint, loaded and not used yet
+            return copy.deepcopy(pending)
+        if getattr(self.loader, "_initial_iter_for_state_dict", False):
+            # the script asked the loader for its state before iterating: that made an iterator
+            # (drawing its seed), which our first iter() takes over, so its state is the answer.
+            # Any other iterator the script made is replaced by a fresh one at our first iter().
+            return copy.deepcopy(self.loader.state_dict())
+        return {}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._restored = {int(p["step"]): p for p in state["positions"]}
+        positions = state["positions"]
+        self._restored = {int(p["step"]): p for p in positions if p["step"] is not None}
+        self._restored_first = next((p for p in positions if p["step"] is None), None)
 
     def close(self) -> None:
         """Drop the iterator (its workers stop unless the loader keeps them persistent)."""
