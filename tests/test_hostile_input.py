@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -23,6 +24,8 @@ from checkpointless.launcher.control import (
 )
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
 from checkpointless.rendezvous import KeyServer
+from checkpointless.rendezvous.client import PeerClient
+from checkpointless.rendezvous.peers import PeerTable
 from checkpointless.rendezvous.server import KEYSERVER_C2S, KEYSERVER_S2C
 from checkpointless.wire import PREFIX_SIZE, derive_key, recv_frame, send_frame
 
@@ -310,6 +313,105 @@ def test_an_oversized_key_server_prefix_is_closed_before_the_body(keyserver: Key
         assert _closed_within(sock, 3)
     assert _rss_bytes() - before < 64 << 20
     assert _ks_request(("127.0.0.1", keyserver.port), {"op": "ping", "seq": 1})["ok"] is True
+
+
+def test_idle_key_server_connections_are_capped_and_expire_but_a_peer_gets_through() -> None:
+    """A local process floods the key server with connections that never send a byte. They hold
+    at most max_unsealed descriptors (the oldest makes room for each new one) and each is closed
+    once hello_timeout passes; a peer connecting meanwhile is served, and a peer's authenticated
+    connection left idle in its pool is kept past hello_timeout."""
+    server = KeyServer("127.0.0.1", 0, SECRET, io_timeout=2.0, hello_timeout=1.5, max_unsealed=8)
+    server.start()
+    addr = ("127.0.0.1", server.port)
+    flood = [socket.create_connection(addr, timeout=5) for _ in range(40)]
+    try:
+        client = PeerClient(PeerTable([f"127.0.0.1:{server.port}"]), SECRET, "g", connect_grace=1.0)
+        deadline = time.monotonic() + 5
+        reply, _ = client.call(0, ({"op": "set", "keys": ["k"], "lens": [1]}, b"v"), deadline)
+        assert reply["ok"] is True
+        assert server.stats.peak_connections <= 8 + 2, server.stats.as_dict()
+        assert all(_closed_within(s, 1.0) for s in flood[:30]), "the oldest idle ones make room"
+        survivors = flood[-8:]
+        assert all(_closed_within(s, 1.5 + 2.0) for s in survivors), "idle past hello_timeout"
+        assert server.stats.unsealed_closed >= 39, server.stats.as_dict()
+        time.sleep(0.5)
+        # the peer's pooled connection (a hello passed its seal) is still open and serves again
+        reply, _ = client.call(0, ({"op": "count", "prefix": "k"}, b""), time.monotonic() + 5)
+        assert reply["count"] == 1 and server.stats.connections == 41, server.stats.as_dict()
+        client.close()
+    finally:
+        for s in flood:
+            s.close()
+        server.stop()
+
+
+class _ClosesFirstConnection:
+    """A port in front of a real key server that closes its first connection unanswered, as an
+    owner does to a fresh connection when a flood of idle ones fills its quota; later ones are
+    relayed to the server."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.accepted = 0
+        self.threads: list[threading.Thread] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.accepted == 1:
+                sock.close()
+                continue
+            upstream = socket.create_connection(self.target, timeout=5)
+            for a, b in ((sock, upstream), (upstream, sock)):
+                t = threading.Thread(target=self._pipe, args=(a, b), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_fresh_connection_closed_unanswered_is_retried_once(keyserver: KeyServer, op: str) -> None:
+    """The client sends again, on a new connection, a request whose fresh connection was closed
+    before any answer: a read, or a write whose nonce handshake had not been answered (so the
+    write never left). The write is applied once."""
+    keyserver.keyspace.set("r", b"x")
+    relay = _ClosesFirstConnection(("127.0.0.1", keyserver.port))
+    client = PeerClient(PeerTable([f"127.0.0.1:{relay.port}"]), SECRET, "g", connect_grace=1.0)
+    try:
+        deadline = time.monotonic() + 5
+        if op == "read":
+            _, payload = client.call(0, ({"op": "get", "keys": ["r"], "timeout": 2}, b""), deadline)
+            assert bytes(payload) == b"x"
+        else:
+            reply, _ = client.call(0, ({"op": "add", "keys": ["n"], "amount": 1}, b""), deadline)
+            assert reply["ok"] is True
+            reply, _ = client.call(0, ({"op": "add", "keys": ["n"], "amount": 0}, b""), deadline)
+            assert reply["value"] == 1, f"the add was applied {reply['value']} times"
+        assert relay.accepted == 2, "one retry, on a new connection"
+    finally:
+        client.close()
+        relay.close()
 
 
 # -- files ---------------------------------------------------------------------------------

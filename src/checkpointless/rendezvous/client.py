@@ -15,6 +15,12 @@ the rank, its address and the generation):
   process's sockets are closed by its kernel at once, so this takes microseconds, not a timeout);
 * no answer by the deadline: the key was never written (the server says which keys are missing),
   or the participant hangs.
+
+One exception: an owner closes a fresh connection, before answering anything on it, when a flood
+of idle connections fills its quota of unauthenticated ones (server.py). So a request whose fresh
+connection is closed unanswered is sent again, once, on a new connection, if sending it twice
+cannot change anything (a read, or a write that never left); a refusal on that new connection is
+reported at once, since the owner was listening a moment before.
 """
 
 from __future__ import annotations
@@ -45,17 +51,22 @@ _RETRY_MAX_S = 0.25
 class _Link:
     """One connection to one owner's key server (every frame on it sealed with the secret)."""
 
-    __slots__ = ("nonce", "rank", "seq", "sock")
+    __slots__ = ("answered", "nonce", "rank", "seq", "sock")
 
     def __init__(self, rank: int, sock: socket.socket) -> None:
         self.rank = rank
         self.sock = sock
         self.nonce = ""
         self.seq = 0
+        self.answered = False  # the owner has answered on it: a close now means its death
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+class _ClosedFresh(RendezvousError):
+    """A fresh connection was closed before any answer (see the module's note)."""
 
 
 class PeerClient:
@@ -122,8 +133,9 @@ class PeerClient:
             self._idle_order.clear()
 
     # -- connecting ---------------------------------------------------------------------------
-    def _connect(self, rank: int, deadline: float) -> _Link:
+    def _connect(self, rank: int, deadline: float, grace: float | None = None) -> _Link:
         host, port = self.peers.endpoint(rank)
+        grace = self.connect_grace if grace is None else grace
         refused_since: float | None = None
         pause = _RETRY_FIRST_S
         while True:
@@ -135,13 +147,13 @@ class PeerClient:
             except ConnectionRefusedError:
                 now = time.monotonic()
                 refused_since = now if refused_since is None else refused_since
-                if now - refused_since >= self.connect_grace:
+                if now - refused_since >= grace:
                     raise self._error(
                         rank,
                         f"refused connections for {now - refused_since:.1f} s: that participant "
                         "is dead or never started",
                     ) from None
-                time.sleep(max(0.0, min(pause, deadline - now, refused_since + self.connect_grace - now)))
+                time.sleep(max(0.0, min(pause, deadline - now, refused_since + grace - now)))
                 pause = min(pause * 2, _RETRY_MAX_S)
                 continue
             except TimeoutError:
@@ -164,7 +176,9 @@ class PeerClient:
 
     def _receive(self, link: _Link, deadline: float, during: str) -> Reply:
         try:
-            return recv_frame(link.sock, self._rx_key, deadline)
+            reply = recv_frame(link.sock, self._rx_key, deadline)
+            link.answered = True
+            return reply
         except FrameError as e:
             if "authentication" in str(e):
                 raise self._error(
@@ -178,11 +192,15 @@ class PeerClient:
                 if link.seq > 1
                 else "it has died, or refused our authentication (wrong job secret?)"
             )
-            raise self._error(link.rank, f"closed the connection during {during}: {why}") from e
+            raise self._closed(link, f"closed the connection during {during}: {why}") from e
         except TimeoutError:
             raise self._error(link.rank, f"did not answer {during} before the deadline") from None
         except OSError as e:  # ECONNRESET and friends: the owner's kernel tore the socket down
-            raise self._error(link.rank, f"dropped the connection during {during} ({e}): it has died") from e
+            raise self._closed(link, f"dropped the connection during {during} ({e}): it has died") from e
+
+    def _closed(self, link: _Link, what: str) -> RendezvousError:
+        error = _ClosedFresh if not link.answered else RendezvousError
+        return error(f"{self._who(link.rank)} {what} [generation {self.generation!r}]")
 
     # -- requests -----------------------------------------------------------------------------
     def _send(self, link: _Link, request: Request, deadline: float) -> None:
@@ -197,7 +215,7 @@ class PeerClient:
         except TimeoutError:
             raise self._error(link.rank, f"did not take the {header['op']!r} request in time") from None
         except OSError as e:
-            raise self._error(link.rank, f"dropped the connection ({e}): it has died") from e
+            raise self._closed(link, f"dropped the connection ({e}): it has died") from e
         self.requests_sent += 1
 
     def _check_reply(self, link: _Link, op: str, reply: Reply) -> Reply:
@@ -226,12 +244,31 @@ class PeerClient:
         are on their way, so it overlaps with the owners' work. The first failing owner raises
         :class:`RendezvousError` at once; connections with replies still outstanding are closed.
         """
+        replies: dict[int, Reply] = {}
+        sent: set[int] = set()
+        try:
+            self._fanout(requests, deadline, local, replies, sent, grace=None)
+        except _ClosedFresh:
+            left = {r: q for r, q in requests.items() if r not in replies}
+            if any(r in sent and q[0]["op"] in MUTATING_OPS for r, q in left.items()):
+                raise  # a write may have been applied: sending it again could apply it twice
+            self._fanout(left, deadline, None, replies, set(), grace=0.0)
+        return replies
+
+    def _fanout(
+        self,
+        requests: dict[int, Request],
+        deadline: float,
+        local: Callable[[], None] | None,
+        replies: dict[int, Reply],
+        sent: set[int],
+        grace: float | None,
+    ) -> None:
         reply_deadline = deadline + _REPLY_MARGIN_S
         links: dict[int, _Link] = {}
-        replies: dict[int, Reply] = {}
         try:
             for rank in requests:
-                links[rank] = self._checkout(rank) or self._connect(rank, deadline)
+                links[rank] = self._checkout(rank) or self._connect(rank, deadline, grace)
             self._handshake(
                 [
                     links[r]
@@ -242,6 +279,7 @@ class PeerClient:
             )
             for rank, request in requests.items():
                 self._send(links[rank], request, reply_deadline)
+                sent.add(rank)
             if local is not None:
                 local()
             self._collect(links, requests, replies, reply_deadline)
@@ -254,7 +292,6 @@ class PeerClient:
             raise
         for link in links.values():
             self._checkin(link)
-        return replies
 
     def _collect(
         self,

@@ -22,6 +22,13 @@ The loop never blocks on a client's bytes: each connection assembles its frames 
 dribbles a frame costs only its buffer, and a frame left incomplete for ``io_timeout`` closes the
 connection. (Replies are still written with ``io_timeout`` as their bound: they are small, and a
 client that stops reading its own replies only delays the loop by that much once.)
+
+A connection that has not yet sent a sealed frame proves nothing, so it is held on a short leash:
+closed if its first frame is not complete within ``hello_timeout``, and, once more than
+``max_unsealed`` such connections are open, the oldest of them is closed for each new one. A
+flood of idle connections from a local process therefore holds a bounded number of descriptors
+and never keeps the job's own peers out (they send their first frame right after connecting;
+the client reconnects once if a fresh connection is closed before it was answered).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import selectors
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from checkpointless.errors import ConfigError
@@ -66,6 +73,8 @@ _MAX_PAYLOAD = 64 << 20  # rendezvous values are addresses and ids; more is a bu
 # it has no payload to speak of: until a frame has passed its seal, a connection may announce
 # only this much, and a flood of connections that never authenticate buffers little each.
 _FIRST_MAX_PAYLOAD = 64 << 10
+_HELLO_TIMEOUT_S = 30.0  # a peer connects to every owner, then sends: the gap grows with N
+_MAX_UNSEALED = 256  # well under a process's usual 1024 descriptors
 _FRAME_OVERHEAD = 12 + 32  # length prefix + MAC, for the byte counters
 _LISTENER = object()
 _WAKER = object()
@@ -96,7 +105,15 @@ def split_values(lens: Any, payload: bytes | bytearray, count: int) -> list[byte
 class ServerStats:
     """Load counters of one key server (read by the benchmarks; written by the loop only)."""
 
-    __slots__ = ("bytes_in", "bytes_out", "connections", "peak_connections", "rejected", "requests")
+    __slots__ = (
+        "bytes_in",
+        "bytes_out",
+        "connections",
+        "peak_connections",
+        "rejected",
+        "requests",
+        "unsealed_closed",
+    )
 
     def __init__(self) -> None:
         self.requests = 0
@@ -105,16 +122,18 @@ class ServerStats:
         self.connections = 0
         self.peak_connections = 0
         self.rejected = 0  # connections closed for a bad seal, a missing nonce or a replayed sequence
+        self.unsealed_closed = 0  # connections closed before their first sealed frame (idle or flood)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
 class _Conn:
-    __slots__ = ("decoder", "last_seq", "nonce", "partial_since", "pending", "sock")
+    __slots__ = ("accepted", "decoder", "last_seq", "nonce", "partial_since", "pending", "sock")
 
-    def __init__(self, sock: socket.socket, rx_key: bytes) -> None:
+    def __init__(self, sock: socket.socket, rx_key: bytes, accepted: float) -> None:
         self.sock = sock
+        self.accepted = accepted
         self.nonce: str | None = None  # issued by the first "hello" on this connection
         self.last_seq = 0
         self.pending: set[_Pending] = set()
@@ -160,11 +179,19 @@ class KeyServer:
         *,
         listen_fd: int | None = None,
         io_timeout: float = 5.0,
+        hello_timeout: float = _HELLO_TIMEOUT_S,
+        max_unsealed: int = _MAX_UNSEALED,
     ) -> None:
         if not isinstance(secret, bytes) or not secret:
             raise ConfigError("the key server needs the job secret as non-empty bytes")
-        if io_timeout <= 0:
-            raise ConfigError(f"io_timeout must be positive, got {io_timeout}")
+        if io_timeout <= 0 or hello_timeout <= 0:
+            raise ConfigError(
+                f"io_timeout and hello_timeout must be positive, got {io_timeout}, {hello_timeout}"
+            )
+        if max_unsealed < 1:
+            raise ConfigError(f"max_unsealed must be at least 1, got {max_unsealed}")
+        self.hello_timeout = hello_timeout
+        self.max_unsealed = max_unsealed
         self.secret = secret
         self._rx_key = derive_key(secret, KEYSERVER_C2S)
         self._tx_key = derive_key(secret, KEYSERVER_S2C)
@@ -191,6 +218,8 @@ class KeyServer:
         self._timers: list[tuple[float, int, _Pending]] = []
         self._tick = itertools.count()
         self._conns: set[_Conn] = set()
+        # connections with no sealed frame yet, oldest first (insertion order is accept order)
+        self._unsealed: OrderedDict[_Conn, None] = OrderedDict()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         # connections handed over to a bulk transfer (see open_channel), by channel name
@@ -266,6 +295,7 @@ class KeyServer:
                 self._answer_ready()
                 self._expire()
                 self._expire_partial()
+                self._expire_unsealed()
             # Answers already due go out before the port closes: a rank that leaves right after
             # a barrier must not take with it the reply that lets the last peer leave too.
             self._answer_ready()
@@ -275,7 +305,19 @@ class KeyServer:
     def _next_timeout(self) -> float | None:
         due = [self._timers[0][0]] if self._timers else []
         due += [c.partial_since + self.io_timeout for c in self._conns if c.partial_since is not None]
+        if self._unsealed:
+            due.append(next(iter(self._unsealed)).accepted + self.hello_timeout)
         return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _expire_unsealed(self) -> None:
+        """Close connections that have not sent a sealed frame within hello_timeout."""
+        cutoff = time.monotonic() - self.hello_timeout
+        while self._unsealed:
+            conn = next(iter(self._unsealed))
+            if conn.accepted > cutoff:
+                return
+            self.stats.unsealed_closed += 1
+            self._drop(conn)
 
     def _expire_partial(self) -> None:
         """Close connections whose frame stayed incomplete for io_timeout (stopped or hostile)."""
@@ -303,7 +345,13 @@ class KeyServer:
                 return
             sock.setblocking(False)  # reads never wait; _send bounds its writes by io_timeout
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, self._rx_key)
+            conn = _Conn(sock, self._rx_key, time.monotonic())
+            if len(self._unsealed) >= self.max_unsealed:
+                # a flood: the oldest has had the longest to speak, and the job's own peers
+                # speak at once, so the newest is the likeliest to be one of them
+                self.stats.unsealed_closed += 1
+                self._drop(next(iter(self._unsealed)))
+            self._unsealed[conn] = None
             self._conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self.stats.connections += 1
@@ -315,6 +363,7 @@ class KeyServer:
             if p.watch is not None:
                 self.keyspace.unwatch(p.watch)
         conn.pending.clear()
+        self._unsealed.pop(conn, None)
         if conn in self._conns:
             self._conns.discard(conn)
             with contextlib.suppress(KeyError, ValueError, OSError):
@@ -369,6 +418,7 @@ class KeyServer:
             return
         if conn.last_seq == 0:  # its first sealed frame: it may send values of any allowed size now
             conn.decoder = FrameDecoder(self._rx_key, max_payload=_MAX_PAYLOAD)
+            self._unsealed.pop(conn, None)
         conn.last_seq = seq
         self.stats.requests += 1
         self.stats.bytes_in += _FRAME_OVERHEAD + len(json.dumps(header)) + len(payload)
