@@ -1,9 +1,10 @@
 """The Lightning example under `checkpointless run`, with real faults, bitwise on every rank.
 
 Each run is examples/lightning_gpt.py (a LightningModule, a Trainer with CheckpointlessStrategy,
-the DataLoader into which Lightning injects its DistributedSampler) on 3 ranks and 1 spare. It
-must end with every rank's final weights equal to a fault-free run's, and every (rank, step) must
-have trained on the batch the fault-free run trained on.
+the DataLoader into which Lightning injects its DistributedSampler, a stateful callback keeping an
+EMA of the weights) on 3 ranks and 1 spare. It must end with every rank's final weights and EMA
+equal to a fault-free run's, and every (rank, step) must have trained on the batch the fault-free
+run trained on.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytest.importorskip("lightning", reason="the `lightning` extra is not installed"
 
 SCRIPT = ROOT / "examples" / "lightning_gpt.py"
 ARGS = ["--steps", "8", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16"]
-ARGS += ["--global-batch", "12", "--print-batches"]
+ARGS += ["--global-batch", "12", "--print-batches", "--ema", "0.9"]
 _REF: dict[str, JobResult] = {}
 
 
@@ -44,11 +45,36 @@ def assert_same_checkpoints(res: JobResult, ref: JobResult) -> None:
         want = torch.load(want_dir / name, weights_only=False)
         for key in ("global_step", "epoch", "loops", "lr_schedulers"):
             assert got[key] == want[key], f"{name}: {key} differs"
+        # the callbacks' state: ModelCheckpoint's paths and the weights' EMA (a replacement
+        # received them, and its walk past covered batches never reached them)
+        here, there = _paths(got["callbacks"], str(got_dir)), _paths(want["callbacks"], str(want_dir))
+        assert _same(here, there), f"{name}: callback state differs"
         for k, t in want["state_dict"].items():
             assert torch.equal(got["state_dict"][k], t), f"{name}: weight {k} differs"
         for a, b in zip(got["optimizer_states"], want["optimizer_states"], strict=True):
             for pa, pb in zip(a["state"].values(), b["state"].values(), strict=True):
                 assert all(torch.equal(pa[k], pb[k]) for k in pb), f"{name}: optimizer state differs"
+
+
+def _paths(state: object, ckpt_dir: str) -> object:
+    """The state with the run's checkpoint directory named alike (runs write to their own)."""
+    if isinstance(state, str):
+        return state.replace(ckpt_dir, "<ckpt>")
+    if isinstance(state, dict):
+        return {_paths(k, ckpt_dir): _paths(v, ckpt_dir) for k, v in state.items()}
+    return state
+
+
+def _same(a: object, b: object) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def batches(res: JobResult) -> dict[tuple[int, int], str]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +39,51 @@ def test_scheduler_ledger_never_applies_a_call_twice_and_travels() -> None:
     # a replacement walking past batches 0..2 must not step the scheduler it received again
     assert [received.should_step("0", m) for m in (1, 2, 3, 4)] == [False, False, False, True]
     assert received.should_step("1", 1), "schedulers are counted separately"
+
+
+@pytest.mark.timeout(60)
+def test_callback_state_travels_with_its_position_and_no_hook_reaches_it_twice() -> None:
+    """A receiver behind the position of the callback state it receives leaves the stateful
+    callbacks out of Lightning's hooks until its loop enters that batch; a checkpoint callback
+    walks along and gets the received state back; a receiver at or past it keeps its own."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+
+    from checkpointless.integrations._lightning_callbacks import CallbackReplica, has_state
+
+    def trainer() -> tuple[Any, EarlyStopping, ModelCheckpoint, LearningRateMonitor]:
+        stop, ckpt, lr = EarlyStopping(monitor="val"), ModelCheckpoint(monitor="val"), LearningRateMonitor()
+        t = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=[stop, lr, ckpt])
+        return t, stop, ckpt, lr
+
+    sender_trainer, stop, ckpt, lr = trainer()
+    assert has_state(stop) and has_state(ckpt) and not has_state(lr)
+    sender = CallbackReplica(sender_trainer)
+    assert sender.callbacks == [stop, ckpt]
+    sender.enter(5)
+    stop.wait_count, ckpt.best_model_path = 2, "best.ckpt"
+    state = sender.state_dict()
+
+    t, stop2, ckpt2, lr2 = trainer()
+    replacement = CallbackReplica(t)  # a replacement: its loop has not started
+    replacement.load_state_dict(state)
+    assert (stop2.wait_count, ckpt2.best_model_path) == (2, "best.ckpt") and replacement.behind
+    assert stop2 not in t.callbacks and {lr2, ckpt2} <= set(t.callbacks), "EarlyStopping sits out"
+    ckpt2.best_model_path = "changed by the walk"
+    replacement.enter(4)
+    assert stop2 not in t.callbacks, "batch 4's hooks are in the received state already"
+    replacement.enter(5)
+    assert stop2 in t.callbacks and not replacement.behind
+    assert ckpt2.best_model_path == "best.ckpt", "the checkpoint callback gets the received state back"
+
+    t, stop3, _, _ = trainer()
+    survivor = CallbackReplica(t)
+    survivor.enter(5)
+    stop3.wait_count = 1  # its own, which has seen every hook the sender's had
+    survivor.load_state_dict(state)
+    assert stop3.wait_count == 1 and not survivor.behind and stop3 in t.callbacks
+    with pytest.raises(ValueError, match="same Trainer callbacks"):
+        CallbackReplica(t).load_state_dict({"batch": 9, "callbacks": [{}]})
 
 
 @pytest.mark.timeout(60)

@@ -18,6 +18,10 @@ strategy, and nothing else:
   walks the loop forward, skipping ``training_step`` and the update, until the loop reaches C.
   The batches come from the same DataLoader and ``DistributedSampler`` as on every other rank, so
   the data position is exact; nothing it skips touches the received state.
+- Callbacks with state (``state_dict()``: ``EarlyStopping``, ``ModelCheckpoint``, an EMA of the
+  weights) are part of the replica, with the position in Lightning's loop their state belongs to,
+  so that a rank behind it never lets a hook reach them twice (``_lightning_callbacks.py``).
+  The fp16 ``GradScaler`` of ``precision="16-mixed"`` travels too.
 
 What runs outside a step (Lightning's barriers, broadcasts, metric reductions between batches,
 the loop's per-batch SIGTERM broadcast) cannot be replayed, so the strategy keeps those local:
@@ -42,6 +46,7 @@ from torch import nn
 import checkpointless
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
+from checkpointless.integrations._lightning_callbacks import CallbackReplica
 from checkpointless.integrations._lightning_internals import ProgressMark, keep_sigterm_local
 from checkpointless.integrations._lightning_state import (
     TESTED_LIGHTNING,
@@ -137,6 +142,7 @@ class CheckpointlessStrategy(DDPStrategy):
         self._catch_up_rng: RngState | None = None  # a replacement's RNG for its first real step
         self._ledger = SchedulerLedger()
         self._sigterm: Any = None
+        self._callbacks: CallbackReplica | None = None
 
     # -- ranks, devices, data ------------------------------------------------------------------
     @property
@@ -209,6 +215,12 @@ class CheckpointlessStrategy(DDPStrategy):
             objects[f"optimizer{i}"] = opt
         for i, cfg in enumerate(trainer.lr_scheduler_configs):
             objects[f"scheduler{i}"] = cfg.scheduler
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:  # precision="16-mixed": the loss scale and its growth tracker
+            objects["grad_scaler"] = scaler
+        self._callbacks = CallbackReplica(trainer)
+        if self._callbacks.callbacks:
+            objects["lightning_callbacks"] = self._callbacks
         self._job.track(**objects)
         self._steps = self._job.steps(2**62)  # Lightning decides the end; see on_train_end
         self._pending = self._next_step()
@@ -266,6 +278,8 @@ class CheckpointlessStrategy(DDPStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self._module.trainer
         lightning_step = trainer.global_step
+        if self._callbacks is not None:
+            self._callbacks.enter(lightning_step)
         mark = ProgressMark(trainer)
         replay = False
         while True:
@@ -315,6 +329,8 @@ class CheckpointlessStrategy(DDPStrategy):
             self._skipping = False
 
     def on_train_end(self) -> None:
+        if self._callbacks is not None:
+            self._callbacks.rejoin()
         if self._steps is None or self._done:
             return
         # every rank ends at the same batch (Lightning's max_steps/max_epochs); the job's end
