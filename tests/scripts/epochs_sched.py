@@ -2,7 +2,11 @@
 a metric all-reduced after each update: a fault in the last step of an epoch, after the update,
 rolls that step forward, and every rank's scheduler must still step once per epoch.
 
-Every rank writes the SHA-256 of its final weights to --digest-out ("{rank}" filled in).
+--mesh R,S shards the model with FSDP2 over that mesh (job.device_mesh, fully_shard) instead of
+data parallelism: with R = 1 and no buddy copies a lost rank's shard exists only in snapshots, so
+the job rolls back, across an epoch's end when the newest snapshot is in an earlier epoch.
+
+Every rank writes the SHA-256 of its final weights (its shards) to --digest-out ("{rank}" filled in).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 from adopt import Points, write_digest
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import checkpointless as cl
@@ -26,6 +32,7 @@ def main() -> None:
     ap.add_argument(
         "--die-after-update", type=int, default=-1, help="rank 1 SIGKILLs itself 1 s after this step's update"
     )
+    ap.add_argument("--mesh", help="R,S: FSDP2 over this mesh instead of data parallelism")
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     ap.add_argument("--digest-out", required=True)
     args = ap.parse_args()
@@ -36,9 +43,19 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     job = cl.init()
     ds = Points(48)
-    sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=3)
+    sampler = DistributedSampler(ds, num_replicas=job.dp_size, rank=job.dp_rank, shuffle=True, seed=3)
     dl = DataLoader(ds, batch_size=4, sampler=sampler, drop_last=True)
-    model = job.data_parallel(net)
+    if args.mesh:
+        mesh = job.device_mesh(("replicate", "shard"), tuple(int(n) for n in args.mesh.split(",")))
+        for layer in net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+        # the optimizer must see the sharded parameters fully_shard put in place
+        opt = torch.optim.SGD(net.parameters(), lr=0.2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    else:
+        model = job.data_parallel(net)
     job.track(model=net, optimizer=opt, scheduler=sched)
     for _epoch in job.epochs(args.epochs, dl):
         for step in job.epoch_steps():
@@ -56,7 +73,8 @@ def main() -> None:
                 job.all_reduce(loss.detach())  # a metric, reduced after the update
         sched.step()  # the per-epoch work
 
-    write_digest(args.digest_out, job.rank, net.state_dict(), repr(sched.state_dict()["last_epoch"]).encode())
+    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in net.state_dict().items()}
+    write_digest(args.digest_out, job.rank, local, repr(sched.state_dict()["last_epoch"]).encode())
 
 
 if __name__ == "__main__":

@@ -27,13 +27,18 @@ epochs_done``): a replacement whose first step begins an epoch while the previou
 has not run first gets that epoch with no steps, and runs its work too. A scheduler stepped
 after each epoch thus steps as often on the replacement as on its peers.
 
-Not covered: a recovery that rolls back (a snapshot of an earlier epoch) runs the per-epoch work
-of the epoch it left before the earlier epoch is replayed.
+A recovery that rolls back to an earlier epoch (a snapshot, when no replica held the state)
+leaves the inner loop of an epoch that did not finish, and the code after it runs as the inner
+loop returns: the script's loops cannot skip it. So the driver holds the restored state (a copy
+in host memory, taken as the rollback returns) and puts it back once that code has run, before
+the earlier epoch is replayed: the abandoned epoch's work then changes nothing that is tracked
+(the scheduler, the loop's count of epochs, the generators). What it did outside the tracked
+state (a line printed, a file written) stays done.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from checkpointless.errors import ConfigError
@@ -49,10 +54,18 @@ class EpochDriver:
     job's loop state, which travels with the training state; ``start_epoch`` the first epoch."""
 
     def __init__(
-        self, steps: Iterator[Any], per_epoch: int, loop: LoopControl | None = None, start_epoch: int = 0
+        self,
+        steps: Iterator[Any],
+        per_epoch: int,
+        loop: LoopControl | None = None,
+        start_epoch: int = 0,
+        hold: Callable[[], Callable[[], None]] | None = None,
     ) -> None:
         self._steps = steps
         self.per_epoch = per_epoch
+        # hold(): copy the tracked state now and return what puts the copy back (Job._hold_state)
+        self._hold = hold
+        self._put_back: Callable[[], None] | None = None  # after a rollback's abandoned epoch
         self._pending: Any = None  # the step the next inner loop starts with
         self._carried: Any = None  # a step of the next epoch that ended an inner loop
         self._loop = loop if loop is not None else LoopControl()
@@ -75,6 +88,9 @@ class EpochDriver:
             while step is not None:
                 self._pending = step
                 yield from self._epoch(step.index // self.per_epoch)
+                if self._put_back is not None:  # the abandoned epoch's work ran: undo it
+                    self._put_back()
+                    self._put_back = None
                 step, self._carried = self._carried, None
                 if step is None:  # after the epoch's last commit: the per-epoch work has run
                     step = next(self._steps, None)
@@ -108,5 +124,8 @@ class EpochDriver:
             if step is None:
                 return  # the job ended (job.stop()), inside this epoch
             if step.index // self.per_epoch != epoch:
-                self._carried = step  # rolled forward past the epoch's last step
+                # rolled forward past the epoch's last step, or back to an earlier epoch
+                self._carried = step
+                if step.index // self.per_epoch < epoch and self._hold is not None:
+                    self._put_back = self._hold()
                 return

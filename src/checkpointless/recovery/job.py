@@ -63,7 +63,16 @@ from checkpointless.state.arena import Arena
 from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.durable import CheckpointWriter, parse_every
 from checkpointless.state.shm_snapshot import SnapshotWriter
-from checkpointless.state.snapshot import RngState, Stateful, check_stateful
+from checkpointless.state.snapshot import (
+    RngState,
+    Stateful,
+    capture_rng,
+    check_stateful,
+    collect_state,
+    host_copy,
+    restore_rng,
+    restore_state,
+)
 
 __all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
 
@@ -265,8 +274,19 @@ class Job:
             raise ConfigError(f"job.epochs({count}, start={start}): start must be in 0..{count}")
         self._step_loader = wrapped
         steps = self.steps(count * per, start * per, steps_per_epoch=per)
-        self._epochs = EpochDriver(steps, per, self._loop, start)
+        self._epochs = EpochDriver(steps, per, self._loop, start, hold=self._hold_state)
         return self._epochs.epochs()
+
+    def _hold_state(self) -> Callable[[], None]:
+        """Copy the tracked state and the generators to host memory; return what restores them
+        (recovery/epochs.py: after a rollback to an earlier epoch). Rare, so a plain copy."""
+        held = host_copy(collect_state(self._objects, self.committed_step, capture_rng()))
+
+        def put_back() -> None:
+            _, rng = restore_state(self._objects, held)
+            restore_rng(rng)
+
+        return put_back
 
     def epoch_steps(self) -> Iterator[Step]:
         """The steps of the current epoch of ``job.epochs()`` (use as its inner loop)."""

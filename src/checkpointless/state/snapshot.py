@@ -8,6 +8,7 @@ the data pipeline derives its samples from the step).
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -22,6 +23,7 @@ __all__ = [
     "Stateful",
     "capture_rng",
     "collect_state",
+    "host_copy",
     "restore_from",
     "restore_rng",
     "restore_state",
@@ -73,6 +75,20 @@ def collect_state(objects: dict[str, Stateful], step: int, rng: RngState) -> dic
         "rng": rng,
         "objects": {name: obj.state_dict() for name, obj in objects.items()},
     }
+
+
+def host_copy(tree: Any) -> Any:
+    """A copy of a state tree whose tensors are copied to host memory (nothing aliases the live
+    state, and a device holding the training state needs no room for a second one)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: host_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [host_copy(v) for v in tree]
+    if type(tree) is tuple:
+        return tuple(host_copy(v) for v in tree)
+    return copy.deepcopy(tree)
 
 
 def restore_state(objects: dict[str, Stateful], state: dict[str, Any]) -> tuple[int, RngState]:
