@@ -286,12 +286,14 @@ def _form_round(c: Coordinator, at: float) -> list[object]:
     return out + list(c.drain())
 
 
-@pytest.mark.parametrize("joins", ["after", "during"])
-def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(joins: str) -> None:
+@pytest.mark.parametrize("case", ["after", "during", "starting", "fault"])
+def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(case: str) -> None:
     """A lost host's ranks use up the spare host, so the pool is refilled beside the ranks, where
     it could not take a whole lost host's ranks. A host that joins (after the round, or during it:
     then once it has formed) gets the pool: spares start there, and each squeezed spare is
-    stopped once one of them is ready, so the next lost host finds its spares warm."""
+    stopped once one of them is ready, so the next lost host finds its spares warm. A squeezed
+    spare stopped while still starting is no failed start ("starting"), and one being stopped is
+    never given a rank ("fault": a rank on its host fails before it has exited)."""
     c, spawns = _coordinator()
     for s in spawns:
         c.on_started(s.worker_id, f"10.0.0.{s.host}:{30000 + s.worker_id}")
@@ -308,13 +310,14 @@ def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(joins: str) ->
     c.tick(104.5, 1e9)  # host 0 (ranks 2, 3) is lost: they take the spare host's spares
     squeezed = _spares(c, list(c.drain()), 104.6)
     assert sorted(h for _, h in squeezed) == [1, 2], "no spare host left: the pool goes beside ranks"
-    for wid, _ in squeezed:
-        _ready(c, wid, 104.7)
-    if joins == "during":
+    if case != "starting":
+        for wid, _ in squeezed:
+            _ready(c, wid, 104.7)
+    if case == "during":
         c.add_host(3, "10.0.0.3", True, 104.8)
         assert not [x for x in c.drain() if isinstance(x, Spawn)], "not while the round places spares"
     out = _form_round(c, 105.0)
-    if joins == "after":
+    if case != "during":
         assert not [x for x in out if isinstance(x, Spawn)]
         c.add_host(3, "10.0.0.3", True, 106.0)
         out = list(c.drain())
@@ -322,14 +325,28 @@ def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(joins: str) ->
     assert [h for _, h in moving] == [3, 3], "the joined host takes a spare host's worth"
     retired = [x for x in _ready(c, moving[0][0], 106.2) if isinstance(x, Kill)]
     assert len(retired) == 1 and retired[0].worker_id in {w for w, _ in squeezed}, "one ready, one stopped"
-    c.on_exit(retired[0].worker_id, -9, False, "SIGKILL", "", 106.3, 1e9)
+    if case == "fault":
+        # rank 0 fails on the host of the spare being stopped: the ready spare host takes it
+        assert c.procs[retired[0].worker_id].host == c.ranks[0].host
+        c.on_exit(c.ranks[0].worker_id, -9, False, "SIGKILL", "", 106.25, 1e9)
+        c.tick(106.26, 1e9)
+        got = {
+            x.message.rank: x.worker_id
+            for x in c.drain()
+            if isinstance(x, Send) and isinstance(x.message, Assign)
+        }
+        assert got == {0: moving[0][0]}, got
+        return
+    own = case == "starting"  # the agent reports a process it killed before it was ready as its own
+    c.on_exit(retired[0].worker_id, -9, own, "SIGKILL", "", 106.3, 1e9)
     assert not [x for x in c.drain() if isinstance(x, Spawn)], "a stopped squeezed spare is not replaced"
     retired += [x for x in _ready(c, moving[1][0], 106.4) if isinstance(x, Kill)]
     assert sorted(x.worker_id for x in retired) == sorted(w for w, _ in squeezed)
-    c.on_exit(retired[1].worker_id, -9, False, "SIGKILL", "", 106.5, 1e9)
+    c.on_exit(retired[1].worker_id, -9, own, "SIGKILL", "", 106.5, 1e9)
     assert not [x for x in c.drain() if isinstance(x, Spawn | Kill)]
     idle = sorted((m.worker_id, m.host) for m in c.procs.values() if m.role == "spare" and m.rank is None)
     assert idle == moving, "the pool is the joined host's two spares, and nothing else"
+    assert c._early_spare_deaths == 0 and c.stopping is None, "a stopped spare is no failed start"
 
 
 def test_spares_move_to_a_spare_host_only_in_place_of_squeezed_ones() -> None:

@@ -32,6 +32,7 @@ from checkpointless.coordinator.placement import (
 )
 from checkpointless.coordinator.rounds import advance_round, on_committed, on_recovered, on_stopped
 from checkpointless.coordinator.state import (
+    RETIRED,
     Command,
     Emit,
     HostState,
@@ -96,6 +97,8 @@ class Coordinator:
         self.round: Round | None = None
         self.fired: set[str] = set()
         self.refill_after_round = False  # a host joined while a round ran
+        # spares started on a joined host in place of squeezed ones, not yet standing in for them
+        self.moving_spares: set[int] = set()
         self.pending: Round | None = None  # a formed round whose first step is not done everywhere
         self.first_commits: dict[int, float] = {}
         self.first_batches: dict[int, float] = {}
@@ -350,18 +353,22 @@ class Coordinator:
                 return
             views = self._spawn_spare(host, now, views)
             idle += 1
-        if self.cfg.nnodes == 1 and len(self.hosts) == 1:
-            return  # one machine: its only host holds the ranks and the spares
+        if not any(v.ranks == 0 and v.procs < self.cfg.per_node for v in views):
+            return  # no host without ranks has room (one machine never has one)
         rank_hosts = {v.host for v in views if v.ranks}
-        squeezed = sum(1 for m in self._idle() if m.host in rank_hosts)
+        squeezed = sum(1 for m in self._idle() if m.host in rank_hosts and m.killed_for is None)
         for _ in range(spares_to_move(views, squeezed, idle, self.cfg.spares, self.cfg.per_node)):
             host = self._spare_host(strict=True, views=views)
             if host is None:
                 return
-            views = self._spawn_spare(host, now, views)
+            views = self._spawn_spare(host, now, views, moving=True)
 
-    def _spawn_spare(self, host: int, now: float, views: list[HostView]) -> list[HostView]:
-        self._spawn("spare", now, host=host)
+    def _spawn_spare(
+        self, host: int, now: float, views: list[HostView], moving: bool = False
+    ) -> list[HostView]:
+        m = self._spawn("spare", now, host=host)
+        if moving and m is not None:
+            self.moving_spares.add(m.worker_id)
         return [dataclasses.replace(v, procs=v.procs + 1) if v.host == host else v for v in views]
 
     def _idle(self) -> list[Member]:
@@ -377,8 +384,9 @@ class Coordinator:
         squeezed = [(m.worker_id, m.host) for m in live if m.host in rank_hosts]
         elsewhere = sum(1 for m in live if m.ready and m.host not in rank_hosts)
         for wid in squeezed_to_retire(squeezed, len(live), self.cfg.spares, elsewhere):
-            self._kill(self.procs[wid], "moved to a spare host")
+            self._kill(self.procs[wid], RETIRED)
             self._emit("spare_retired", worker=wid, host=self.procs[wid].host)
+        self.moving_spares -= {m.worker_id for m in live if m.ready}  # they stand in now
 
     def _kill(self, m: Member, why: str) -> None:
         if not m.exited:
@@ -387,6 +395,7 @@ class Coordinator:
 
     def _assign(self, m: Member, rank: int, generation: int, now: float, initial: bool) -> None:
         m.rank = rank
+        self.moving_spares.discard(m.worker_id)
         m.assigned_at = now
         where = placement(rank, self.cfg.per_node)
         self._send(
@@ -434,7 +443,7 @@ class Coordinator:
             self._emit("spare_ready", worker=m.worker_id)
             if self.state_bytes:
                 self._send(m, Prepare(self.state_bytes))
-            if self.round is None:
+            if self.round is None and m.worker_id in self.moving_spares:
                 self._retire_squeezed()
         elif isinstance(msg, Fired):
             self.fired.add(msg.id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.downtime import recovery_fields
-from checkpointless.coordinator.state import Member, Round
+from checkpointless.coordinator.state import RETIRED, Member, Round
 from checkpointless.errors import NotRecoverableError
 from checkpointless.launcher.policy import (
     FaultRecord,
@@ -136,7 +136,9 @@ def spare_lost(
     c: Coordinator, m: Member, code: int, own_failure: bool, detail: str, tail: str, now: float
 ) -> None:
     c._emit("spare_lost", worker=m.worker_id, code=code)
-    if not m.ready and own_failure:
+    c.moving_spares.discard(m.worker_id)
+    retired = m.killed_for == RETIRED
+    if not m.ready and own_failure and not retired:  # a spare we stopped did not fail to start
         c._early_spare_deaths += 1
     elif m.ready:
         c._early_spare_deaths = 0
@@ -146,7 +148,7 @@ def spare_lost(
             f"(last: {detail}); the script fails before or inside checkpointless.init(), so every "
             "replacement would too. Fix what its output shows" + (f":\n{tail}" if tail else "")
         )
-    if m.killed_for is None:
+    if not retired:
         c._log("warning", f"spare {m.worker_id} exited (code {code}); starting another")
     c._refill_spares(now)
 

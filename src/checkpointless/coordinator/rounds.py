@@ -118,7 +118,8 @@ def advance_round(c: Coordinator, now: float) -> None:
 
 
 def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> None:
-    spares = [m for m in c.procs.values() if m.role == "spare" and m.rank is None]
+    # a spare being stopped (retired: coordinator._retire_squeezed) is neither offered nor awaited
+    spares = [m for m in c.procs.values() if m.role == "spare" and m.rank is None and m.killed_for is None]
     pool = [(m.worker_id, m.host) for m in spares if m.ready and m.connected]
     live = {h.host for h in c.hosts.values() if not h.lost}
     holding = {m.host for m in c.ranks.values() if m.host in live}
@@ -195,7 +196,8 @@ def on_recovered(c: Coordinator, m: Member, msg: Recovered, now: float) -> None:
     if c.refill_after_round:
         c.refill_after_round = False
         c._refill_spares(now)
-    c._retire_squeezed()  # replacements that became ready during the round
+    if c.moving_spares:
+        c._retire_squeezed()  # spares moved to a joined host that became ready during the round
     c.pending = r
     c.first_commits = {}
     c.first_batches = {}

@@ -42,6 +42,10 @@ class HostState:
     table_version: int = 0  # the newest peer table sent to its agent for its workers (0: none)
 
 
+# why a coordinator stops an idle spare beside ranks: one on a host without ranks took its place
+RETIRED = "moved to a spare host"
+
+
 @dataclass
 class Member:
     """One worker or spare process, as the coordinator knows it from messages and agent reports."""
