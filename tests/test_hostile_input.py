@@ -345,6 +345,34 @@ def test_idle_key_server_connections_are_capped_and_expire_but_a_peer_gets_throu
         server.stop()
 
 
+def test_a_burst_of_peers_larger_than_the_unsealed_quota_is_served() -> None:
+    """N peers connect to one owner at once (a fan-out at start-up), more than max_unsealed: the
+    owner serves what each has sent before it closes one for room, so every peer is answered."""
+    server = KeyServer("127.0.0.1", 0, SECRET, max_unsealed=4)
+    server.start()
+    server.keyspace.set("k", b"v")
+    table = PeerTable([f"127.0.0.1:{server.port}"])
+    start = threading.Barrier(24)
+    got: list[bytes] = []
+
+    def peer() -> None:
+        client = PeerClient(table, SECRET, "g", connect_grace=1.0)
+        start.wait()
+        _, payload = client.call(0, ({"op": "get", "keys": ["k"], "timeout": 2}, b""), time.monotonic() + 5)
+        got.append(bytes(payload))
+        client.close()
+
+    threads = [threading.Thread(target=peer) for _ in range(24)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert got == [b"v"] * 24, f"{len(got)} of 24 peers answered; {server.stats.as_dict()}"
+    finally:
+        server.stop()
+
+
 class _ClosesFirstConnection:
     """A port in front of a real key server that closes its first connection unanswered, as an
     owner does to a fresh connection when a flood of idle ones fills its quota; later ones are
@@ -400,15 +428,19 @@ def test_a_fresh_connection_closed_unanswered_is_retried_once(keyserver: KeyServ
     client = PeerClient(PeerTable([f"127.0.0.1:{relay.port}"]), SECRET, "g", connect_grace=1.0)
     try:
         deadline = time.monotonic() + 5
+        shared: list[int] = []  # the caller's own share of a fan-out runs once, retry or not
         if op == "read":
-            _, payload = client.call(0, ({"op": "get", "keys": ["r"], "timeout": 2}, b""), deadline)
+            request = ({"op": "get", "keys": ["r"], "timeout": 2}, b"")
+            _, payload = client.fanout({0: request}, deadline, local=lambda: shared.append(1))[0]
             assert bytes(payload) == b"x"
         else:
-            reply, _ = client.call(0, ({"op": "add", "keys": ["n"], "amount": 1}, b""), deadline)
+            request = ({"op": "add", "keys": ["n"], "amount": 1}, b"")
+            reply, _ = client.fanout({0: request}, deadline, local=lambda: shared.append(1))[0]
             assert reply["ok"] is True
             reply, _ = client.call(0, ({"op": "add", "keys": ["n"], "amount": 0}, b""), deadline)
             assert reply["value"] == 1, f"the add was applied {reply['value']} times"
         assert relay.accepted == 2, "one retry, on a new connection"
+        assert shared == [1], f"the local share ran {len(shared)} times"
     finally:
         client.close()
         relay.close()

@@ -69,6 +69,12 @@ class _ClosedFresh(RendezvousError):
     """A fresh connection was closed before any answer (see the module's note)."""
 
 
+def _rewound(header: dict[str, Any], deadline: float) -> dict[str, Any]:
+    if "timeout" not in header:
+        return header
+    return {**header, "timeout": max(0.0, deadline - time.monotonic())}
+
+
 class PeerClient:
     """Connections from one participant to the owners of one generation's keys.
 
@@ -147,6 +153,10 @@ class PeerClient:
             except ConnectionRefusedError:
                 now = time.monotonic()
                 refused_since = now if refused_since is None else refused_since
+                if grace <= 0:  # a retry: it listened a moment ago
+                    raise self._error(
+                        rank, "closed a fresh connection, then refused a new one: it has died"
+                    ) from None
                 if now - refused_since >= grace:
                     raise self._error(
                         rank,
@@ -163,10 +173,9 @@ class PeerClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return _Link(rank, sock)
 
-    def _handshake(self, links: list[_Link], deadline: float) -> None:
-        """Get a nonce on each link (needed before it may change a key), all round trips at once."""
-        for link in links:
-            self._send(link, ({"op": "hello"}, b""), deadline)
+    def _finish_handshake(self, links: list[_Link], deadline: float) -> None:
+        """Read the nonce (needed before a link may change a key) of each link whose hello went
+        out as it connected: all round trips at once."""
         for link in links:
             header, _ = self._check_reply(link, "hello", self._receive(link, deadline, "the handshake"))
             nonce = header.get("nonce")
@@ -246,13 +255,23 @@ class PeerClient:
         """
         replies: dict[int, Reply] = {}
         sent: set[int] = set()
+        ran: list[bool] = []
+
+        def share() -> None:
+            ran.append(True)
+            if local is not None:
+                local()
+
         try:
-            self._fanout(requests, deadline, local, replies, sent, grace=None)
+            self._fanout(requests, deadline, share, replies, sent, grace=None)
         except _ClosedFresh:
             left = {r: q for r, q in requests.items() if r not in replies}
             if any(r in sent and q[0]["op"] in MUTATING_OPS for r, q in left.items()):
                 raise  # a write may have been applied: sending it again could apply it twice
-            self._fanout(left, deadline, None, replies, set(), grace=0.0)
+            # a wait's own timeout is what is left of the deadline now, so that the owner's
+            # "never written" reply still arrives before ours
+            left = {r: (_rewound(h, deadline), p) for r, (h, p) in left.items()}
+            self._fanout(left, deadline, None if ran else share, replies, set(), grace=0.0)
         return replies
 
     def _fanout(
@@ -266,20 +285,22 @@ class PeerClient:
     ) -> None:
         reply_deadline = deadline + _REPLY_MARGIN_S
         links: dict[int, _Link] = {}
+        hellos: list[_Link] = []
         try:
-            for rank in requests:
-                links[rank] = self._checkout(rank) or self._connect(rank, deadline, grace)
-            self._handshake(
-                [
-                    links[r]
-                    for r, (h, _) in requests.items()
-                    if h["op"] in MUTATING_OPS and not links[r].nonce
-                ],
-                reply_deadline,
-            )
+            # each request (or the hello a write needs first) goes out as its link connects: an
+            # owner holds a connection that has sent nothing on a short leash (server.py)
             for rank, request in requests.items():
-                self._send(links[rank], request, reply_deadline)
-                sent.add(rank)
+                link = links[rank] = self._checkout(rank) or self._connect(rank, deadline, grace)
+                if request[0]["op"] in MUTATING_OPS and not link.nonce:
+                    self._send(link, ({"op": "hello"}, b""), reply_deadline)
+                    hellos.append(link)
+                else:
+                    self._send(link, request, reply_deadline)
+                    sent.add(rank)
+            self._finish_handshake(hellos, reply_deadline)
+            for link in hellos:
+                self._send(link, requests[link.rank], reply_deadline)
+                sent.add(link.rank)
             if local is not None:
                 local()
             self._collect(links, requests, replies, reply_deadline)

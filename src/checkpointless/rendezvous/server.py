@@ -24,11 +24,12 @@ connection. (Replies are still written with ``io_timeout`` as their bound: they 
 client that stops reading its own replies only delays the loop by that much once.)
 
 A connection that has not yet sent a sealed frame proves nothing, so it is held on a short leash:
-closed if its first frame is not complete within ``hello_timeout``, and, once more than
-``max_unsealed`` such connections are open, the oldest of them is closed for each new one. A
-flood of idle connections from a local process therefore holds a bounded number of descriptors
-and never keeps the job's own peers out (they send their first frame right after connecting;
-the client reconnects once if a fresh connection is closed before it was answered).
+closed if its first frame is not complete within ``hello_timeout``, and at most ``max_unsealed``
+such connections are held: for each new one past that, the oldest is served what it sent, and
+closed if that did not seal it. A flood of idle connections from a local process therefore holds
+a bounded number of descriptors, while the job's own peers, which send their first frame as they
+connect (client.py), are sealed rather than closed, even when N of them arrive at once; should
+one be closed anyway, the client sends its request again once on a new connection.
 """
 
 from __future__ import annotations
@@ -345,17 +346,26 @@ class KeyServer:
                 return
             sock.setblocking(False)  # reads never wait; _send bounds its writes by io_timeout
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, self._rx_key, time.monotonic())
             if len(self._unsealed) >= self.max_unsealed:
-                # a flood: the oldest has had the longest to speak, and the job's own peers
-                # speak at once, so the newest is the likeliest to be one of them
-                self.stats.unsealed_closed += 1
-                self._drop(next(iter(self._unsealed)))
+                self._make_room()
+            conn = _Conn(sock, self._rx_key, time.monotonic())
             self._unsealed[conn] = None
             self._conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self.stats.connections += 1
             self.stats.peak_connections = max(self.stats.peak_connections, len(self._conns))
+
+    def _make_room(self) -> None:
+        """Close the oldest unsealed connection, serving first what it may have sent: one whose
+        frame waits unread in its buffer is a peer that connected in a burst (a fan-out of N
+        ranks), not an idle one, and its frame seals it. The job's peers send their first frame
+        as they connect (client.py), so only a connection that sent nothing at all is closed."""
+        while len(self._unsealed) >= self.max_unsealed:
+            oldest = next(iter(self._unsealed))
+            self._serve(oldest)
+            if oldest in self._unsealed:
+                self.stats.unsealed_closed += 1
+                self._drop(oldest)
 
     def _drop(self, conn: _Conn) -> None:
         for p in conn.pending:
