@@ -106,11 +106,13 @@ def test_a_state_taken_before_the_first_read_places_the_loader_at_the_first_step
             loader.state_dict()
         return loader
 
-    first = StatefulStepLoader(at_start())
+    # the job tells the loader its next step; a loader on its own tags the position with none
+    first = StatefulStepLoader(at_start(), next_step=(lambda: start) if workers else None)
     made = first.loader._iterator
     torch.manual_seed(11)
     rng = torch.get_rng_state()
     snap = through_codec(first.state_dict())
+    assert [p["step"] for p in snap["positions"]] == [start if workers else None]
     assert torch.equal(torch.get_rng_state(), rng), "taking the state drew from the global generator"
     assert first.loader._iterator is made, "taking the state started an iterator"
     seen = [first.batch(s) for s in range(start, start + 4)]
@@ -125,6 +127,23 @@ def test_a_state_taken_before_the_first_read_places_the_loader_at_the_first_step
     want = [reference.batch(s) for s in range(start + 4)][start:]
     assert all(torch.equal(a, b) for a, b in zip(seen, want, strict=True)), "the resumed batches"
     for loader in (first, other, reference):
+        loader.close()
+
+
+@pytest.mark.timeout(60)
+def test_positions_received_and_not_used_yet_are_the_state_passed_on() -> None:
+    """A replacement's state is taken before its first read (its snapshot or copy as its first
+    step begins): it must be the positions it received, not its own loader's start."""
+    first = StatefulStepLoader(make(0))
+    seen = [first.batch(s) for s in range(6)]
+    received = StatefulStepLoader(make(0), next_step=lambda: 5)
+    received.load_state_dict(through_codec(first.state_dict()))
+    passed = through_codec(received.state_dict())
+    assert sorted(p["step"] for p in passed["positions"]) == [5, 6]
+    later = StatefulStepLoader(make(0))
+    later.load_state_dict(passed)
+    assert torch.equal(later.batch(5), seen[5]) and torch.equal(received.batch(5), seen[5])
+    for loader in (first, received, later):
         loader.close()
 
 

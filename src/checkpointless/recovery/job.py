@@ -252,7 +252,9 @@ class Job:
         """Make a map-style ``DataLoader`` step-addressable: ``.batch(step.index)``; a torchdata
         ``StatefulDataLoader`` goes through its own state, tracked with the job's (docs/adoption.md)."""
         if is_stateful_loader(dataloader):
-            wrapped: StepLoader | StatefulStepLoader = StatefulStepLoader(dataloader)
+            wrapped: StepLoader | StatefulStepLoader = StatefulStepLoader(
+                dataloader, next_step=lambda: self.committed_step
+            )
             self.track(**{f"_loader{len(self._loaders)}": wrapped})  # its position travels too
         else:
             wrapped = StepLoader(dataloader, dp_rank=self.rank, dp_size=self.world_size)

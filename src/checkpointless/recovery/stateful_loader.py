@@ -17,12 +17,13 @@ tagged with the step whose batch the loader yields next:
 Both travel in :meth:`state_dict` (the job tracks the wrapper like any other object), and
 :meth:`load_state_dict` keeps them until ``batch(step)`` says which step is wanted: the job's
 recovery settles on the interrupted step or the next one, and this object is not told which.
-Before its first read the wrapper does not know its first step (a resumed job starts wherever
-the script's checkpoint put it), so its state is one position with no step: where the loader is
-now, for whichever step is asked for first. That position is read without starting an iterator
-(which would start workers and draw a seed): the state the script loaded and the loader has
-not used yet, the iterator a ``state_dict()`` call of the script made, or ``{}`` for a loader at
-its start.
+Before its first read the loader stands before the batch of the job's next step (a resumed job
+starts wherever the script's checkpoint put it), and its state is that one position, tagged with
+that step (``next_step``, the job's; without one, with no step: for whichever step is asked
+first). It is read without starting an iterator (which would start workers and draw a seed): the
+state the script loaded and the loader has not used yet, the iterator a ``state_dict()`` call of
+the script made, or ``{}`` for a loader at its start. Positions received and not used yet (a
+replacement's state is taken before its first read: a snapshot, a copy) are its state as they are.
 
 The positions are per loader, not per rank: a replacement loads the state a *peer* saved into its
 own loader, whose sampler still carries its own rank. That is right for the usual loader states
@@ -34,7 +35,7 @@ that differs per rank (a per-rank file offset) would give the replacement the pe
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 from torch.utils.data import IterableDataset
@@ -60,7 +61,7 @@ def _stateful(obj: object) -> bool:
 class StatefulStepLoader:
     """``batch(step)`` for a ``StatefulDataLoader``; build it with :meth:`checkpointless.Job.loader`."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, next_step: Callable[[], int] | None = None) -> None:
         if not is_stateful_loader(loader):
             raise ConfigError(
                 f"StatefulStepLoader takes torchdata's StatefulDataLoader, got {type(loader).__name__}"
@@ -88,6 +89,7 @@ class StatefulStepLoader:
                 "replay) to the next; leave in_order at its default (True)"
             )
         self.loader = loader
+        self._next_step = next_step  # the job's next step: the one a loader that has not read is before
         # step.epoch needs it; an iterable dataset's loader may have no length
         self.batches_per_epoch: int | None = None
         if isinstance(loader, Sized):
@@ -200,8 +202,14 @@ class StatefulStepLoader:
     # -- tracked state: the positions travel to a replacement ----------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The loader's position before the held step's batch and its position now."""
+        if self._restored or self._restored_first is not None:  # received, not used yet
+            pending = list(self._restored.values())
+            if self._restored_first is not None:
+                pending.append(self._restored_first)
+            return {"positions": copy.deepcopy(pending)}
         if self._iter is None:
-            return {"positions": [{"step": None, "epoch": None, "loader": self._unread()}]}
+            step = self._next_step() if self._next_step is not None else None
+            return {"positions": [{"step": step, "epoch": None, "loader": self._unread()}]}
         positions = [self._position()]
         if self._before is not None and self._held is not None:
             positions.insert(0, self._before)
