@@ -101,7 +101,10 @@ CASES = [
     ("sigkill", "kill:rank=1:step=4"),
     ("raise-forward", "raise:rank=1:step=3:site=forward"),
     ("raise-backward", "raise:rank=2:step=4:site=backward"),
-    ("raise-mid-optimizer", "raise:rank=1:step=4:site=optimizer"),
+    # rank 0 (which writes the checkpoints) fails inside its update of step 4; its peers finish
+    # theirs, so it is rolled forward to step 5 and writes epoch=0-step=5.ckpt while its stateful
+    # callbacks sit out the hooks of batch 4, which the received state holds already
+    ("raise-mid-optimizer", "raise:rank=0:step=4:site=optimizer"),
     ("sigstop-hang", "hang:rank=2:step=5"),
     # rank 0 writes the checkpoints; its replacement walks past step 5 and must not overwrite
     # epoch=0-step=5.ckpt with its later state
@@ -129,5 +132,5 @@ def test_lightning_fault_is_survived_bitwise(
         assert "Lightning's loop catches up" in res.output
     if "optimizer" in fault:
         plans = [p for p in res.of("plan") if p["generation"] > 0]
-        assert 1 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
+        assert 0 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"

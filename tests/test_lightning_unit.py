@@ -43,45 +43,79 @@ def test_scheduler_ledger_never_applies_a_call_twice_and_travels() -> None:
 
 @pytest.mark.timeout(60)
 def test_callback_state_travels_with_its_position_and_no_hook_reaches_it_twice() -> None:
-    """A receiver behind the position of the callback state it receives leaves the stateful
-    callbacks out of Lightning's hooks until its loop enters that batch; a checkpoint callback
-    walks along and gets the received state back; a receiver at or past it keeps its own."""
+    """A replacement loads the callback state it receives and leaves the stateful callbacks out
+    of Lightning's hooks until its loop trains the state's batch or walks past it; a checkpoint
+    callback walks along and gets the received state back. A rank that has trained keeps its own
+    (rolled forward, it gets the later hooks of its batch from Lightning). A callback with a hook
+    inside the closure is put back as the step began when the step is replayed."""
     pl = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 
     from checkpointless.integrations._lightning_callbacks import CallbackReplica, has_state
 
-    def trainer() -> tuple[Any, EarlyStopping, ModelCheckpoint, LearningRateMonitor]:
-        stop, ckpt, lr = EarlyStopping(monitor="val"), ModelCheckpoint(monitor="val"), LearningRateMonitor()
-        t = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=[stop, lr, ckpt])
-        return t, stop, ckpt, lr
+    class GradNorms(pl.Callback):  # changes its state inside the closure
+        def __init__(self) -> None:
+            self.seen = 0
 
-    sender_trainer, stop, ckpt, lr = trainer()
+        def on_after_backward(self, trainer: Any, module: Any) -> None:
+            self.seen += 1
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"seen": self.seen}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.seen = state["seen"]
+
+    def trainer() -> tuple[Any, EarlyStopping, ModelCheckpoint, LearningRateMonitor, GradNorms]:
+        stop, ckpt, lr, norms = (
+            EarlyStopping(monitor="val"),
+            ModelCheckpoint(monitor="val"),
+            LearningRateMonitor(),
+            GradNorms(),
+        )
+        callbacks = [stop, lr, norms, ckpt]
+        t = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=callbacks)
+        return t, stop, ckpt, lr, norms
+
+    sender_trainer, stop, ckpt, lr, _ = trainer()
     assert has_state(stop) and has_state(ckpt) and not has_state(lr)
     sender = CallbackReplica(sender_trainer)
-    assert sender.callbacks == [stop, ckpt]
-    sender.enter(5)
+    assert [type(cb) for cb in sender.callbacks] == [EarlyStopping, GradNorms, ModelCheckpoint]
+    sender.at(5)
     stop.wait_count, ckpt.best_model_path = 2, "best.ckpt"
     state = sender.state_dict()
 
-    t, stop2, ckpt2, lr2 = trainer()
+    t, stop2, ckpt2, lr2, _ = trainer()
     replacement = CallbackReplica(t)  # a replacement: its loop has not started
     replacement.load_state_dict(state)
     assert (stop2.wait_count, ckpt2.best_model_path) == (2, "best.ckpt") and replacement.behind
     assert stop2 not in t.callbacks and {lr2, ckpt2} <= set(t.callbacks), "EarlyStopping sits out"
     ckpt2.best_model_path = "changed by the walk"
-    replacement.enter(4)
+    replacement.at(4)
+    replacement.passed(4)
     assert stop2 not in t.callbacks, "batch 4's hooks are in the received state already"
-    replacement.enter(5)
+    replacement.at(5)
+    replacement.train(5)
     assert stop2 in t.callbacks and not replacement.behind
     assert ckpt2.best_model_path == "best.ckpt", "the checkpoint callback gets the received state back"
 
-    t, stop3, _, _ = trainer()
+    t, stop3, _, _, _ = trainer()
+    past = CallbackReplica(t)  # the sender was past batch 5's update, inside its optimizer_step
+    past.load_state_dict(state)
+    past.at(5)
+    past.passed(5)
+    assert stop3 in t.callbacks, "batch 5's later hooks are still to come: they take them"
+
+    t, stop4, _, _, norms4 = trainer()
     survivor = CallbackReplica(t)
-    survivor.enter(5)
-    stop3.wait_count = 1  # its own, which has seen every hook the sender's had
+    survivor.at(4)  # rolled forward: it faulted in batch 4, the state is of batch 5
+    survivor.train(4)
+    stop4.wait_count = 1  # its own: batch 4's later hooks are still to come, from Lightning
+    norms4.seen = 3  # the closure's hooks of the failed attempt
     survivor.load_state_dict(state)
-    assert stop3.wait_count == 1 and not survivor.behind and stop3 in t.callbacks
+    assert stop4.wait_count == 1 and not survivor.behind and stop4 in t.callbacks
+    survivor.rewind()
+    assert norms4.seen == 0, "a replay starts from the state the step began with"
     with pytest.raises(ValueError, match="same Trainer callbacks"):
         CallbackReplica(t).load_state_dict({"batch": 9, "callbacks": [{}]})
 

@@ -3,22 +3,26 @@
 Callbacks such as ``EarlyStopping``, ``ModelCheckpoint`` or an EMA of the weights change as
 Lightning calls their hooks around each batch: ``on_train_batch_start`` before the strategy's
 ``optimizer_step``, ``on_train_batch_end`` after it. Their state therefore belongs to a position
-in Lightning's loop, not to a job step alone, and a rank that receives it may stand elsewhere:
+in Lightning's loop, not to a job step alone: the batch whose ``optimizer_step`` the sender was
+in (at the end of the fit, the batch after the last: every hook has run).
 
-- a replacement starts Lightning's loop at batch 0 while the state it received is of batch C;
-- a survivor that faulted in batch B may receive the state of batch B + 1 (its peers finished
-  B's update and the plan rolled it forward), in which the peers' ``on_train_batch_end(B)`` and
-  ``on_train_batch_start(B + 1)`` have run already, and Lightning will call them here too.
+- A replacement starts Lightning's loop at batch 0 while the state it receives is of batch C. It
+  loads that state and leaves the callbacks out of Lightning's hooks until its loop trains batch
+  C, or has walked past it (the sender may have been past that batch's update, still inside its
+  ``optimizer_step``), so that no hook reaches them twice.
+- A rank that has trained keeps its own callbacks whatever it receives. A fault leaves them
+  valid (it breaks the weights or the optimizer, not what the hooks saw), and a rank rolled
+  forward past the batch it faulted in still gets that batch's later hooks from Lightning, now
+  with the received weights: what the callbacks of a run without the fault saw.
 
-So the state travels with its position: the batch whose ``optimizer_step`` the sender was in.
-A receiver behind that position loads it and leaves the callbacks out of Lightning's hooks until
-its own loop enters that batch's ``optimizer_step``, so that no hook reaches them twice. A
-receiver at that position or past it keeps its own callbacks, which have seen as much.
+Hooks that run inside Lightning's closure (``on_before_backward``, ``on_after_backward``,
+``on_before_zero_grad``, ``on_before_optimizer_step``) run again when a step is replayed: the
+state of the callbacks that implement one is kept as each step begins and put back for a replay.
 
 Checkpoint callbacks are the exception to being left out: what they did in this process (the
 last file saved, the step saved last) decides what they write at the end of the fit, so they walk
-along (the strategy drops their writes while the rank is behind), and the state they received is
-loaded again once the walk is over.
+along (the strategy drops their writes while the replacement catches up), and the state they
+received is loaded again once the walk is over.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ def has_state(callback: pl.Callback) -> bool:
     return type(callback).state_dict is not pl.Callback.state_dict
 
 
+_CLOSURE_HOOKS = (
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+)
+
+
+def _hooks_closure(callback: pl.Callback) -> bool:
+    return any(getattr(type(callback), h) is not getattr(pl.Callback, h) for h in _CLOSURE_HOOKS)
+
+
 # Trainer.callbacks is an attribute the callback connector sets, which Lightning's annotations do
 # not declare; its hooks iterate it afresh on every call (trainer/call.py)
 def _callbacks(trainer: pl.Trainer) -> list[pl.Callback]:
@@ -50,6 +66,10 @@ def _set_callbacks(trainer: pl.Trainer, callbacks: list[pl.Callback]) -> None:
 class CallbackReplica:
     """The Trainer's stateful callbacks as one tracked object (``job.track``)."""
 
+    # a rank that has trained keeps its own callbacks, so a received state must not be written
+    # into their live tensors (state/snapshot.py, landing_zone)
+    lands_in_place = False
+
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
         # every rank builds the same callbacks in the same order, so the list lines up
@@ -58,6 +78,10 @@ class CallbackReplica:
         self._rejoin_at: int | None = None
         self._full: list[pl.Callback] | None = None  # the whole list, while some are left out
         self._walked: list[tuple[pl.Callback, dict[str, Any]]] = []
+        # callbacks whose state a replayed closure would change twice, and their state at the
+        # step's start
+        self._in_closure = [cb for cb in self.callbacks if _hooks_closure(cb)]
+        self._at_start: list[dict[str, Any]] = []
 
     @property
     def behind(self) -> bool:
@@ -69,8 +93,8 @@ class CallbackReplica:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         batch = int(state["batch"])
-        if batch <= self.position and not self.behind:
-            return  # this rank's own callbacks have seen every hook the sender's had
+        if batch <= self.position or (self.position >= 0 and not self.behind):
+            return  # a rank that has trained keeps its own callbacks (see the module's notes)
         states = state["callbacks"]
         if len(states) != len(self.callbacks):
             raise ValueError(
@@ -79,6 +103,7 @@ class CallbackReplica:
             )
         for cb, s in zip(self.callbacks, states, strict=True):
             cb.load_state_dict(s)
+        self._at_start = []  # the received state is newer than this step's start
         if self._full is None:
             self._full = _callbacks(self.trainer)
         walking = [cb for cb in self.callbacks if isinstance(cb, Checkpoint)]
@@ -86,9 +111,25 @@ class CallbackReplica:
         _set_callbacks(self.trainer, [cb for cb in self._full if cb not in self.callbacks or cb in walking])
         self._rejoin_at = batch
 
-    def enter(self, batch: int) -> None:
-        """The strategy's optimizer_step for ``batch`` begins."""
+    def at(self, batch: int) -> None:
+        """The strategy's optimizer_step for ``batch`` begins (every attempt at it)."""
         self.position = batch
+
+    def train(self, batch: int) -> None:
+        """This rank trains ``batch`` now: callbacks left out take hooks from here on, and the
+        state that a replay would change twice is kept."""
+        if self._rejoin_at is not None and batch >= self._rejoin_at:
+            self.rejoin()
+        self._at_start = [copy.deepcopy(cb.state_dict()) for cb in self._in_closure]
+
+    def rewind(self) -> None:
+        """A replay of the step: its closure's hooks reach the callbacks again from the start."""
+        for cb, state in zip(self._in_closure, self._at_start, strict=False):
+            cb.load_state_dict(copy.deepcopy(state))
+
+    def passed(self, batch: int) -> None:
+        """This rank skipped ``batch`` (its update is in the state it holds); its later hooks are
+        the ones the callbacks' state still needs when it was sent from inside this batch."""
         if self._rejoin_at is not None and batch >= self._rejoin_at:
             self.rejoin()
 

@@ -278,19 +278,27 @@ class CheckpointlessStrategy(DDPStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self._module.trainer
         lightning_step = trainer.global_step
-        if self._callbacks is not None:
-            self._callbacks.enter(lightning_step)
+        callbacks = self._callbacks
+        if callbacks is not None:
+            callbacks.at(lightning_step)
         mark = ProgressMark(trainer)
         replay = False
         while True:
             if replay:
                 mark.restore()  # Lightning counts the batch once, however often its closure ran
+                if callbacks is not None:
+                    callbacks.rewind()
             replay = True
             if self._done or batch_action(lightning_step, self._job.step) is BatchAction.SKIP:
-                return self._skip(closure)
+                self._skip(closure)
+                if callbacks is not None:
+                    callbacks.passed(lightning_step)
+                return None
             if self._catch_up_rng is not None:
                 restore_rng(self._catch_up_rng)
                 self._catch_up_rng = None
+            if callbacks is not None:
+                callbacks.train(lightning_step)
             step = self._pending if self._pending is not None else self._next_step()
             self._pending = None
             if step is None:
@@ -329,15 +337,18 @@ class CheckpointlessStrategy(DDPStrategy):
             self._skipping = False
 
     def on_train_end(self) -> None:
+        if self._steps is not None and not self._done:
+            if self._callbacks is not None:
+                # every hook of the fit has reached the callbacks: a replacement sent their state
+                # now must not let its own walk's hooks reach them again
+                self._callbacks.at(self._module.trainer.global_step)
+            # every rank ends at the same batch (Lightning's max_steps/max_epochs); the job's end
+            # waits until all hold the final state, recovering a rank that fails meanwhile
+            self._job.stop()
+            while not self._done:
+                self._next_step()
         if self._callbacks is not None:
             self._callbacks.rejoin()
-        if self._steps is None or self._done:
-            return
-        # every rank ends at the same batch (Lightning's max_steps/max_epochs); the job's end
-        # waits until all hold the final state, recovering a rank that fails meanwhile
-        self._job.stop()
-        while not self._done:
-            self._next_step()
 
     # -- collectives outside a step ------------------------------------------------------------
     def barrier(self, *args: Any, **kwargs: Any) -> None:

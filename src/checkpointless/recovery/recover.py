@@ -27,6 +27,7 @@ from checkpointless.state.snapshot import (
     RngState,
     capture_rng,
     collect_state,
+    landing_zone,
     restore_from,
     restore_rng,
     restore_state,
@@ -250,7 +251,7 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
         # our own tensors are the landing zone: a receiver's state is replaced anyway, and
         # receiving in place spares a copy and a page fault per 4 KiB of state
         tc = time.monotonic()
-        own = collect_state(job._objects, target, capture_rng())
+        own = landing_zone(job._objects, target, capture_rng())
         info["state_collect_s"] = time.monotonic() - tc
         if job._arena is not None:
             job._arena.reset()  # a transfer that failed before may have taken some of it

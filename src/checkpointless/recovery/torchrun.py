@@ -29,6 +29,7 @@ from checkpointless.state.snapshot import (
     Stateful,
     capture_rng,
     collect_state,
+    landing_zone,
     restore_rng,
     restore_state,
 )
@@ -149,7 +150,7 @@ def start_from_first_replica(
         peers = list(range(rank + shards, world_size, shards))
         send_state(comm, collect_state(objects, start, rng), peers, timeout)
         return start
-    own = collect_state(objects, start, rng)
+    own = landing_zone(objects, start, rng)
     state, _ = receive_state(comm, source, timeout, own)
     step, rng0 = restore_state(objects, state)
     restore_rng(rng0)

@@ -24,6 +24,7 @@ __all__ = [
     "capture_rng",
     "collect_state",
     "host_copy",
+    "landing_zone",
     "restore_from",
     "restore_rng",
     "restore_state",
@@ -77,6 +78,15 @@ def collect_state(objects: dict[str, Stateful], step: int, rng: RngState) -> dic
     }
 
 
+def landing_zone(objects: dict[str, Stateful], step: int, rng: RngState) -> dict[str, Any]:
+    """The objects' current state, as the place a received or stored state lands in: tensors of
+    the same path, dtype and shape are overwritten in place. An object whose ``load_state_dict``
+    may keep its own state (``lands_in_place = False``: Lightning's callbacks on a rank that has
+    trained) is left out, so what arrives for it lands in fresh memory instead."""
+    kept = {n: o for n, o in objects.items() if getattr(o, "lands_in_place", True)}
+    return collect_state(kept, step, rng)
+
+
 def host_copy(tree: Any) -> Any:
     """A copy of a state tree whose tensors are copied to host memory (nothing aliases the live
     state, and a device holding the training state needs no room for a second one)."""
@@ -117,7 +127,7 @@ def restore_from(
     the objects' own tensors are the landing zone, as when a peer sends the state), and returns
     (state, stats). Returns the stats.
     """
-    own = collect_state(objects, step, capture_rng())
+    own = landing_zone(objects, step, capture_rng())
     state, stats = load(own)
     del own
     got, rng = restore_state(objects, state)
