@@ -71,6 +71,8 @@ def main() -> None:
                     time.sleep(1.0)
                     os.kill(os.getpid(), signal.SIGKILL)
                 job.all_reduce(loss.detach())  # a metric, reduced after the update
+        if job.epoch_abandoned:  # a rollback left this epoch; its work runs, and is undone
+            print(f"rank {job.rank} abandoned epoch {_epoch}", flush=True)
         sched.step()  # the per-epoch work
 
     local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in net.state_dict().items()}

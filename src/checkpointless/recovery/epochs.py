@@ -33,7 +33,8 @@ loop returns: the script's loops cannot skip it. So the driver holds the restore
 in host memory, taken as the rollback returns) and puts it back once that code has run, before
 the earlier epoch is replayed: the abandoned epoch's work then changes nothing that is tracked
 (the scheduler, the loop's count of epochs, the generators). What it did outside the tracked
-state (a line printed, a file written) stays done.
+state (a line printed, a file written) stays done; code that should not run for an abandoned
+epoch (an evaluation that may ``break``, a file) can ask ``job.epoch_abandoned``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class EpochDriver:
         # hold(): copy the tracked state now and return what puts the copy back (Job._hold_state)
         self._hold = hold
         self._put_back: Callable[[], None] | None = None  # after a rollback's abandoned epoch
+        self.abandoned = False  # the last inner loop ended in a rollback to an earlier epoch
         self._pending: Any = None  # the step the next inner loop starts with
         self._carried: Any = None  # a step of the next epoch that ended an inner loop
         self._loop = loop if loop is not None else LoopControl()
@@ -113,6 +115,7 @@ class EpochDriver:
         step, self._pending = self._pending, None
         if step is None:
             raise ConfigError("job.epoch_steps() runs once per epoch, inside `for epoch in job.epochs(...)`")
+        self.abandoned = False
         if step is _NO_STEPS:
             return
         epoch = step.index // self.per_epoch
@@ -126,6 +129,8 @@ class EpochDriver:
             if step.index // self.per_epoch != epoch:
                 # rolled forward past the epoch's last step, or back to an earlier epoch
                 self._carried = step
-                if step.index // self.per_epoch < epoch and self._hold is not None:
-                    self._put_back = self._hold()
+                if step.index // self.per_epoch < epoch:
+                    self.abandoned = True
+                    if self._hold is not None:
+                        self._put_back = self._hold()
                 return

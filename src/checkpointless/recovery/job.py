@@ -279,6 +279,12 @@ class Job:
         self._epochs = EpochDriver(steps, per, self._loop, start, hold=self._hold_state)
         return self._epochs.epochs()
 
+    @property
+    def epoch_abandoned(self) -> bool:
+        """True after an epoch of ``job.epochs()`` whose inner loop ended in a rollback to an
+        earlier epoch (its per-epoch work still runs; recovery/epochs.py)."""
+        return self._epochs is not None and self._epochs.abandoned
+
     def _hold_state(self) -> Callable[[], None]:
         """Copy the tracked state and the generators to host memory; return what restores them
         (recovery/epochs.py: after a rollback to an earlier epoch). Rare, so a plain copy."""
