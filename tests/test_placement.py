@@ -19,6 +19,7 @@ from checkpointless.coordinator.placement import (
     spares_to_move,
     squeezed_to_retire,
 )
+from checkpointless.coordinator.spares import refill_spares
 from checkpointless.errors import ConfigError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Abort, Assign, Recover, Recovered, SpareReady, Stopped
@@ -160,7 +161,7 @@ def test_coordinator_places_nodes_and_moves_a_lost_host_to_the_spare_host() -> N
     c.generation = 0
     for m in c.procs.values():
         m.joined = True
-    c._refill_spares(101.0)
+    refill_spares(c, 101.0)
     spares = [x for x in c.drain() if isinstance(x, Spawn)]
     assert [(s.role, s.host) for s in spares] == [("spare", 2), ("spare", 2)]
     for s in spares:
@@ -302,7 +303,7 @@ def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(case: str) -> 
     c.round, c.generation = None, 0
     for m in c.procs.values():
         m.joined = True
-    c._refill_spares(101.0)
+    refill_spares(c, 101.0)
     for wid, _ in _spares(c, list(c.drain()), 101.0):
         _ready(c, wid, 101.0)
     for h in (1, 2):

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpointless.coordinator import Command, Coordinator, Emit, Kill, Log, Send, Spawn
+from checkpointless.coordinator.spares import refill_spares
 from checkpointless.coordinator.stragglers import (
     StragglerRule,
     StragglerState,
@@ -138,7 +139,7 @@ def _job(ready: int = 2, **flags: Any) -> Coordinator:
     c.generation = 0
     for m in c.procs.values():
         m.joined = True
-    c._refill_spares(101.0)
+    refill_spares(c, 101.0)
     for i, s in enumerate([x for x in c.drain() if isinstance(x, Spawn)]):
         assert s.host == 2
         c.on_started(s.worker_id, f"10.0.0.2:{30000 + s.worker_id}")

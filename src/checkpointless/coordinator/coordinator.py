@@ -15,24 +15,14 @@ plan goes out (``Recover``), and once every rank has ``Recovered`` the new gener
 
 from __future__ import annotations
 
-import dataclasses
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.conditions import Conditions
 from checkpointless.coordinator.faults import check_hangs, flush_pending, host_lost, process_exited
-from checkpointless.coordinator.placement import (
-    HostView,
-    assign_hosts,
-    placement,
-    spare_host,
-    spare_share,
-    spares_to_move,
-    squeezed_to_retire,
-)
+from checkpointless.coordinator.placement import assign_hosts, placement
 from checkpointless.coordinator.rounds import advance_round, on_committed, on_recovered, on_stopped
+from checkpointless.coordinator.spares import refill_spares, retire_squeezed, spare_host_for
 from checkpointless.coordinator.state import (
-    RETIRED,
     Command,
     Emit,
     HostState,
@@ -141,7 +131,7 @@ class Coordinator:
         self._emit("host_joined", host=host, address=address, spare=self.started)
         if self.started and self.stopping is None:
             if self.round is None:
-                self._refill_spares(now)
+                refill_spares(self, now)
             else:
                 # not while the round places spares of its own; once it has formed (the pool may
                 # have had no host to refill onto until this one came)
@@ -298,7 +288,7 @@ class Coordinator:
         """Start a process; a spare goes to a spare host, else (unless ``strict``) as a single
         spare onto a host that holds ranks; None when no live host may take one."""
         if host is None:
-            host = self._spare_host(strict)
+            host = spare_host_for(self, strict)
             if host is None:
                 return None
         wid = self.next_worker_id
@@ -307,28 +297,6 @@ class Coordinator:
         self.procs[wid] = m
         self._out.append(Spawn(wid, role, host))
         return m
-
-    def _spare_host(self, strict: bool = False, views: list[HostView] | None = None) -> int | None:
-        if views is None:
-            views = self._host_views()
-        single = self.cfg.nnodes == 1 and len(self.hosts) == 1
-        share = 0 if strict else spare_share(self.cfg.spares, sum(1 for v in views if v.ranks))
-        return spare_host(views, self.cfg.per_node, single_host=single, share=share)
-
-    def _host_views(self) -> list[HostView]:
-        # one pass over the ranks and processes, not one per host: a many-host job spawns a spare
-        # host's worth of spares at once, and hosts x ranks per spawn was quadratic in the job size
-        ranks = Counter(m.host for m in self.ranks.values())
-        procs = Counter(m.host for m in self.procs.values())
-        views = [HostView(h.host, ranks[h.host], procs[h.host]) for h in self.hosts.values() if not h.lost]
-        if self.cfg.nnodes > 1 or len(self.hosts) > 1:
-            self._condition(
-                "no_spare_host",
-                bool(views) and not any(v.ranks == 0 for v in views),
-                "no spare host is left: a process that fails alone is replaced by a spare on its "
-                "own host, but the loss of a whole host now waits for a host to join (--spare-wait)",
-            )
-        return views
 
     def _condition(self, name: str, on: bool, detail: str = "") -> None:
         """Log and emit a lasting state once when it begins and once when it ends."""
@@ -340,53 +308,6 @@ class Coordinator:
             self._log("warning", ch.detail)
         else:
             self._log("info", f"resolved: {ch.detail}")
-
-    def _refill_spares(self, now: float) -> None:
-        # The host views (a walk over every rank and process) are built once and kept up to date
-        # as spares are placed: a lost host's worth of spares, each placed over a fresh walk,
-        # was a third of a fault round's coordinator time at 80k ranks.
-        views = self._host_views()  # also when none is spawned: a host may have joined or been lost
-        idle = self._idle_spares()
-        while idle < self.cfg.spares:
-            host = self._spare_host(views=views)
-            if host is None:
-                return
-            views = self._spawn_spare(host, now, views)
-            idle += 1
-        if not any(v.ranks == 0 and v.procs < self.cfg.per_node for v in views):
-            return  # no host without ranks has room (one machine never has one)
-        rank_hosts = {v.host for v in views if v.ranks}
-        squeezed = sum(1 for m in self._idle() if m.host in rank_hosts and m.killed_for is None)
-        for _ in range(spares_to_move(views, squeezed, idle, self.cfg.spares, self.cfg.per_node)):
-            host = self._spare_host(strict=True, views=views)
-            if host is None:
-                return
-            views = self._spawn_spare(host, now, views, moving=True)
-
-    def _spawn_spare(
-        self, host: int, now: float, views: list[HostView], moving: bool = False
-    ) -> list[HostView]:
-        m = self._spawn("spare", now, host=host)
-        if moving and m is not None:
-            self.moving_spares.add(m.worker_id)
-        return [dataclasses.replace(v, procs=v.procs + 1) if v.host == host else v for v in views]
-
-    def _idle(self) -> list[Member]:
-        return [m for m in self.procs.values() if m.role == "spare" and m.rank is None and not m.exited]
-
-    def _retire_squeezed(self) -> None:
-        """Spares that are ready on hosts without ranks stand in for the spares squeezed beside
-        ranks (placement.py): stop those, so the pool sits where a lost host's ranks can go."""
-        if len(self.hosts) < 2:
-            return
-        rank_hosts = {m.host for m in self.ranks.values()}
-        live = [m for m in self._idle() if m.killed_for is None]
-        squeezed = [(m.worker_id, m.host) for m in live if m.host in rank_hosts]
-        elsewhere = sum(1 for m in live if m.ready and m.host not in rank_hosts)
-        for wid in squeezed_to_retire(squeezed, len(live), self.cfg.spares, elsewhere):
-            self._kill(self.procs[wid], RETIRED)
-            self._emit("spare_retired", worker=wid, host=self.procs[wid].host)
-        self.moving_spares -= {m.worker_id for m in live if m.ready}  # they stand in now
 
     def _kill(self, m: Member, why: str) -> None:
         if not m.exited:
@@ -419,9 +340,6 @@ class Coordinator:
             ),
         )
 
-    def _idle_spares(self) -> int:
-        return sum(1 for m in self.procs.values() if m.role == "spare" and m.rank is None)
-
     # -- messages -----------------------------------------------------------------------------
     def _handle(self, worker_id: int, msg: Message, now: float, wall: float) -> None:
         m = self.procs.get(worker_id)
@@ -444,7 +362,7 @@ class Coordinator:
             if self.state_bytes:
                 self._send(m, Prepare(self.state_bytes))
             if self.round is None and m.worker_id in self.moving_spares:
-                self._retire_squeezed()
+                retire_squeezed(self)
         elif isinstance(msg, Fired):
             self.fired.add(msg.id)
             self._fired_at = msg.time

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.downtime import recovery_fields
+from checkpointless.coordinator.spares import refill_spares
 from checkpointless.coordinator.state import RETIRED, Member, Round
 from checkpointless.errors import NotRecoverableError
 from checkpointless.launcher.policy import (
@@ -150,7 +151,7 @@ def spare_lost(
         )
     if not retired:
         c._log("warning", f"spare {m.worker_id} exited (code {code}); starting another")
-    c._refill_spares(now)
+    refill_spares(c, now)
 
 
 def start_failed(c: Coordinator, rank: int, detail: str, tail: str) -> None:

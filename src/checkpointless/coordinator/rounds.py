@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from checkpointless.coordinator.faults import record_fault, report_recovery
 from checkpointless.coordinator.placement import match_spares
+from checkpointless.coordinator.spares import refill_spares, retire_squeezed
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.errors import NotRecoverableError
 from checkpointless.peer_table import compact_plan
@@ -118,7 +119,7 @@ def advance_round(c: Coordinator, now: float) -> None:
 
 
 def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> None:
-    # a spare being stopped (retired: coordinator._retire_squeezed) is neither offered nor awaited
+    # a spare being stopped (retired: spares.retire_squeezed) is neither offered nor awaited
     spares = [m for m in c.procs.values() if m.role == "spare" and m.rank is None and m.killed_for is None]
     pool = [(m.worker_id, m.host) for m in spares if m.ready and m.connected]
     live = {h.host for h in c.hosts.values() if not h.lost}
@@ -162,7 +163,7 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
         c._emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)
         c._log("info", f"spare {spare.worker_id} takes rank {rank}")
     if match:
-        c._refill_spares(now)  # refill the pool in the background (once: it walks every rank)
+        refill_spares(c, now)  # refill the pool in the background (once: it walks every rank)
     if not r.replace:
         c._condition("spare_wait", False)
     r.waiting_since = None
@@ -191,13 +192,13 @@ def on_recovered(c: Coordinator, m: Member, msg: Recovered, now: float) -> None:
         c._log("info", f"generation {r.target} formed in {now - r.started:.2f} s after launch{during}")
         c._emit("started", generation=r.target, seconds=now - r.started, faults=causes)
         c.refill_after_round = False
-        c._refill_spares(now)
+        refill_spares(c, now)
         return
     if c.refill_after_round:
         c.refill_after_round = False
-        c._refill_spares(now)
+        refill_spares(c, now)
     if c.moving_spares:
-        c._retire_squeezed()  # spares moved to a joined host that became ready during the round
+        retire_squeezed(c)  # spares moved to a joined host that became ready during the round
     c.pending = r
     c.first_commits = {}
     c.first_batches = {}
