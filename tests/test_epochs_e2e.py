@@ -55,4 +55,5 @@ def test_a_rollback_to_an_earlier_epoch_undoes_the_abandoned_epochs_work(tmp_pat
     assert res.digests == ref.digests, "every rank's shards must equal the fault-free run's"
     assert "rank 0 abandoned epoch 1" in res.output, "the survivor's epoch 1 was left by a rollback"
     assert "abandoned epoch" not in ref.output
+    assert "marked abandoned" not in res.output, "the replayed epoch is not abandoned"
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"

@@ -350,6 +350,46 @@ def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(case: str) -> 
     assert c._early_spare_deaths == 0 and c.stopping is None, "a stopped spare is no failed start"
 
 
+def test_a_spare_hosts_own_ready_spares_do_not_stand_in_for_squeezed_ones() -> None:
+    """Four spares, a spare host with room for two: two are squeezed beside the ranks. A host that
+    joins starts two in their place; when the first is ready, one squeezed spare is stopped, not
+    both (the spare host's two were in the pool already), so the pool never drops below four
+    ready-or-starting spares."""
+    cfg = LaunchConfig(
+        script=SCRIPT,
+        nproc=4,
+        spares=4,
+        nnodes=2,
+        nproc_per_node=2,
+        spare_nodes=1,
+        local_agent=False,
+        lease=3,
+    )
+    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    for host, order in ((0, 1), (1, 0), (2, 2)):
+        c.add_host(host, f"10.0.0.{host}", True, 100.0, order)
+    c.start(100.0)
+    for s in [x for x in c.drain() if isinstance(x, Spawn)]:
+        c.on_started(s.worker_id, f"10.0.0.{s.host}:{30000 + s.worker_id}")
+        c.on_connected(s.worker_id, 100.0)
+    c.drain()
+    c.round, c.generation = None, 0
+    for m in c.procs.values():
+        m.joined = True
+    refill_spares(c, 101.0)
+    pool = _spares(c, list(c.drain()), 101.0)
+    assert sorted(h for _, h in pool) == [0, 1, 2, 2], "two on the spare host, two squeezed"
+    for wid, _ in pool:
+        _ready(c, wid, 101.0)
+    c.add_host(3, "10.0.0.3", True, 106.0)
+    moving = _spares(c, list(c.drain()), 106.1)
+    assert [h for _, h in moving] == [3, 3]
+    first = [x.worker_id for x in _ready(c, moving[0][0], 106.2) if isinstance(x, Kill)]
+    second = [x.worker_id for x in _ready(c, moving[1][0], 106.3) if isinstance(x, Kill)]
+    squeezed = {w for w, h in pool if h in (0, 1)}
+    assert len(first) == 1 and len(second) == 1 and {*first, *second} == squeezed, (first, second)
+
+
 def test_spares_move_to_a_spare_host_only_in_place_of_squeezed_ones() -> None:
     views = [HostView(0, 2, 3), HostView(1, 2, 3), HostView(2, 0, 0)]
     assert spares_to_move(views, squeezed=2, idle=2, spares=2, per_host=2) == 2
@@ -357,8 +397,8 @@ def test_spares_move_to_a_spare_host_only_in_place_of_squeezed_ones() -> None:
     assert spares_to_move(views, squeezed=2, idle=3, spares=2, per_host=8) == 1
     assert spares_to_move(views, squeezed=2, idle=2, spares=2, per_host=1) == 1, "room for one"
     assert spares_to_move(views[:2], squeezed=2, idle=2, spares=2, per_host=2) == 0, "no free host"
-    # one stopped per spare ready elsewhere, from the host running the most squeezed spares
-    assert squeezed_to_retire([(5, 0), (6, 1), (7, 1)], idle=4, spares=2, ready_elsewhere=1) == [7]
-    assert squeezed_to_retire([(5, 0), (6, 1)], idle=4, spares=2, ready_elsewhere=0) == []
-    assert squeezed_to_retire([(5, 0), (6, 1)], idle=2, spares=2, ready_elsewhere=2) == []
-    assert squeezed_to_retire([(5, 0), (6, 1)], idle=5, spares=2, ready_elsewhere=3) == [5, 6]
+    # one stopped per moved spare that is ready, from the host running the most squeezed spares
+    assert squeezed_to_retire([(5, 0), (6, 1), (7, 1)], idle=4, spares=2, arrived=1) == [7]
+    assert squeezed_to_retire([(5, 0), (6, 1)], idle=4, spares=2, arrived=0) == []
+    assert squeezed_to_retire([(5, 0), (6, 1)], idle=2, spares=2, arrived=2) == []
+    assert squeezed_to_retire([(5, 0), (6, 1)], idle=5, spares=2, arrived=3) == [5, 6]

@@ -26,7 +26,15 @@ from checkpointless.state.shm_snapshot import (
     snapshot_path,
     write_snapshot,
 )
-from checkpointless.state.snapshot import capture_rng, collect_state
+from checkpointless.state.snapshot import (
+    capture_rng,
+    collect_state,
+    host_copy,
+    land,
+    landing_zone,
+    restore_rng,
+    restore_state,
+)
 from checkpointless.state.staging import guarded_pointers
 from jobs import all_committed, kill_workers_when, run_job
 from test_faults_e2e import check_recovered
@@ -70,6 +78,26 @@ def test_snapshot_restores_model_optimizer_and_rng_exactly(tmp_path: Path) -> No
     stats = restore_snapshot(objects, writer.directory, 4)
     assert stats["bytes"] > 4_000_000
     assert all(torch.equal(a, b) for a, b in zip(want, _flat(net, opt), strict=True))
+    assert torch.equal(torch.rand(3), expected_draw)
+
+
+@pytest.mark.timeout(30)
+def test_a_host_copy_is_put_back_into_the_live_tensors() -> None:
+    # job.epochs() holds such a copy through an abandoned epoch's work (recovery/epochs.py): put
+    # back, the values must be exact and the model's and optimizer's tensors the same objects,
+    # or an optimizer on a device would hold two copies of its state while it loads
+    net, opt = _trained()
+    objects: dict[str, Any] = {"model": net, "optimizer": opt}
+    want = _flat(net, opt)
+    held = host_copy(collect_state(objects, 4, capture_rng()))
+    expected_draw = torch.rand(3)
+    live = [id(v) for st in opt.state.values() for v in st.values()]
+    net(torch.randn(4, 600)).sum().backward()
+    opt.step()  # the abandoned epoch's work moves everything on
+    _, rng = restore_state(objects, land(held, landing_zone(objects, 9, capture_rng())))
+    restore_rng(rng)
+    assert all(torch.equal(a, b) for a, b in zip(want, _flat(net, opt), strict=True))
+    assert [id(v) for st in opt.state.values() for v in st.values()] == live
     assert torch.equal(torch.rand(3), expected_draw)
 
 

@@ -58,6 +58,8 @@ def main() -> None:
         model = job.data_parallel(net)
     job.track(model=net, optimizer=opt, scheduler=sched)
     for _epoch in job.epochs(args.epochs, dl):
+        if job.epoch_abandoned:  # only from an abandoned epoch's inner loop to its next epoch
+            print(f"rank {job.rank} starts epoch {_epoch} marked abandoned", flush=True)
         for step in job.epoch_steps():
             with step:
                 x, y = step.batch

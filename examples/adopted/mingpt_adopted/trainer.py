@@ -132,7 +132,7 @@ class Trainer:
             for step in self.job.epoch_steps():
                 with step:
                     self._run_batch(*step.batch)
-            if self.local_rank == 0 and epoch % self.save_every == 0:
+            if self.local_rank == 0 and epoch % self.save_every == 0 and not self.job.epoch_abandoned:
                 self._save_snapshot(epoch)
             # eval run
             if self.test_loader:

@@ -121,14 +121,13 @@ def spares_to_move(hosts: list[HostView], squeezed: int, idle: int, spares: int,
     return max(0, min(squeezed - max(0, idle - spares), room))
 
 
-def squeezed_to_retire(
-    squeezed: list[tuple[int, int]], idle: int, spares: int, ready_elsewhere: int
-) -> list[int]:
-    """The squeezed spares [(worker id, host)] to stop: one for each spare that is ready on a host
-    without ranks, while ``idle`` spares exceed the target of ``spares``; from the hosts that run
-    the most of them, the newest first. Without a ready spare elsewhere nothing is stopped: an
-    extra spare beside the ranks is no reason to lose a warm one."""
-    extra = min(idle - spares, ready_elsewhere, len(squeezed))
+def squeezed_to_retire(squeezed: list[tuple[int, int]], idle: int, spares: int, arrived: int) -> list[int]:
+    """The squeezed spares [(worker id, host)] to stop: one for each of the ``arrived`` spares
+    (started on a host without ranks to move the pool there, and now ready), while ``idle``
+    spares exceed the target of ``spares``; from the hosts that run the most of them, the newest
+    first. Until a moved spare is ready nothing is stopped: an extra spare beside the ranks is no
+    reason to lose a warm one."""
+    extra = min(idle - spares, arrived, len(squeezed))
     if extra <= 0:
         return []
     per_host = Counter(host for _, host in squeezed)

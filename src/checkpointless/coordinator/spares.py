@@ -86,11 +86,13 @@ def retire_squeezed(c: Coordinator) -> None:
     rank_hosts = {m.host for m in c.ranks.values()}
     live = [m for m in _idle(c) if m.killed_for is None]
     squeezed = [(m.worker_id, m.host) for m in live if m.host in rank_hosts]
-    elsewhere = sum(1 for m in live if m.ready and m.host not in rank_hosts)
-    for wid in squeezed_to_retire(squeezed, len(live), c.cfg.spares, elsewhere):
+    # only spares started to move the pool stand in for squeezed ones: a spare host's own ready
+    # spares (or one that refilled a lost spare there) were counted in the pool already
+    arrived = {m.worker_id for m in live if m.ready and m.worker_id in c.moving_spares}
+    for wid in squeezed_to_retire(squeezed, len(live), c.cfg.spares, len(arrived)):
         c._kill(c.procs[wid], RETIRED)
         c._emit("spare_retired", worker=wid, host=c.procs[wid].host)
-    c.moving_spares -= {m.worker_id for m in live if m.ready}  # they stand in now
+    c.moving_spares -= arrived  # they stand in now
 
 
 def _spawn_spare(

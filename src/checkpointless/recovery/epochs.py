@@ -93,6 +93,7 @@ class EpochDriver:
                 if self._put_back is not None:  # the abandoned epoch's work ran: undo it
                     self._put_back()
                     self._put_back = None
+                self.abandoned = False  # the next epoch (the replayed one) is not abandoned
                 step, self._carried = self._carried, None
                 if step is None:  # after the epoch's last commit: the per-epoch work has run
                     step = next(self._steps, None)

@@ -70,6 +70,8 @@ from checkpointless.state.snapshot import (
     check_stateful,
     collect_state,
     host_copy,
+    land,
+    landing_zone,
     restore_rng,
     restore_state,
 )
@@ -291,7 +293,9 @@ class Job:
         held = host_copy(collect_state(self._objects, self.committed_step, capture_rng()))
 
         def put_back() -> None:
-            _, rng = restore_state(self._objects, held)
+            # into the live tensors, as a received state lands: no second copy on the device
+            own = landing_zone(self._objects, self.committed_step, capture_rng())
+            _, rng = restore_state(self._objects, land(held, own))
             restore_rng(rng)
 
         return put_back

@@ -24,6 +24,7 @@ __all__ = [
     "capture_rng",
     "collect_state",
     "host_copy",
+    "land",
     "landing_zone",
     "restore_from",
     "restore_rng",
@@ -99,6 +100,27 @@ def host_copy(tree: Any) -> Any:
     if type(tree) is tuple:
         return tuple(host_copy(v) for v in tree)
     return copy.deepcopy(tree)
+
+
+def land(tree: Any, own: Any) -> Any:
+    """``tree`` with each tensor that ``own`` (a :func:`landing_zone`) holds at the same path with
+    the same dtype and shape copied into ``own``'s tensor and put in its place: loading the result
+    keeps the live tensors (an optimizer's ``load_state_dict`` would otherwise move a host copy to
+    the device as new tensors, the old ones still alive, two copies of its state at once)."""
+    if isinstance(tree, torch.Tensor):
+        if isinstance(own, torch.Tensor) and own.shape == tree.shape and own.dtype == tree.dtype:
+            with torch.no_grad():
+                own.copy_(tree)
+            return own
+        return tree
+    if isinstance(tree, dict):
+        at: dict[Any, Any] = own if isinstance(own, dict) else {}
+        return {k: land(v, at.get(k)) for k, v in tree.items()}
+    if type(tree) in (list, tuple):
+        same = type(own) is type(tree) and len(own) == len(tree)
+        landed = [land(v, own[i] if same else None) for i, v in enumerate(tree)]
+        return landed if type(tree) is list else tuple(landed)
+    return tree
 
 
 def restore_state(objects: dict[str, Stateful], state: dict[str, Any]) -> tuple[int, RngState]:
