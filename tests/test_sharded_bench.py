@@ -98,3 +98,30 @@ def test_transfer_recovers_a_whole_replica_group_and_measures_loopback(tmp_path:
 def test_loopback_copy_moves_every_byte() -> None:
     took = _bench("sharded_transfer").loopback_rate(4 << 20, 2)
     assert 0 < took < 30
+
+
+@pytest.mark.timeout(30)
+def test_pooled_rounds_pair_within_each_run_and_skip_failed_ones(tmp_path: Path) -> None:
+    def run(rnd: int, design: str, step: float, cpu: float, error: str | None = None) -> dict[str, object]:
+        common = {"mesh": "2x2", "round": rnd, "design": design, "error": error, "digest": "d"}
+        return {**common, "median_step_s": step, "cpu_per_step_s": cpu}
+
+    # run A: rounds 0 and 1 paired (1.1 and 1.0 by step); round 2's plain run failed: no pair
+    a = [run(0, "fsdp", 1.0, 2.0), run(0, "checkpointless", 1.1, 2.2), run(1, "fsdp", 2.0, 4.0)]
+    a += [
+        run(1, "checkpointless", 2.0, 4.0),
+        run(2, "fsdp", 1.0, 1.0, "rc 1"),
+        run(2, "checkpointless", 9.0, 9.0),
+    ]
+    # run B: round numbers restart; its pair must not be matched with run A's round 0
+    b = [run(0, "checkpointless", 0.9, 1.8), run(0, "fsdp", 1.0, 2.0)]
+    files = []
+    for name, runs in (("a.json", a), ("b.json", b)):
+        files.append(tmp_path / name)
+        files[-1].write_text(json.dumps({"command": "x", "machine": {"git": "g"}, "runs": runs}))
+    res = _bench("pool_rounds").main([*map(str, files), "--out", str(tmp_path / "p.json")])
+    assert res["step_ratios"] == [1.1, 1.0, 0.9] and res["cpu_ratios"] == [1.1, 1.0, 0.9]
+    assert [p["rounds"] for p in res["parts"]] == [2, 1] and res["same_shards"]
+    assert res["step_ci95"]["geomean"] == pytest.approx((1.1 * 1.0 * 0.9) ** (1 / 3))
+    assert res["step_verdict"] == "undecided" and "**pooled** | 3 |" in res["table"]
+    assert json.loads((tmp_path / "p.json").read_text())["rounds"] == 3
