@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -125,3 +126,14 @@ def test_pooled_rounds_pair_within_each_run_and_skip_failed_ones(tmp_path: Path)
     assert res["step_ci95"]["geomean"] == pytest.approx((1.1 * 1.0 * 0.9) ** (1 / 3))
     assert res["step_verdict"] == "undecided" and "**pooled** | 3 |" in res["table"]
     assert json.loads((tmp_path / "p.json").read_text())["rounds"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_wait_cost_measures_the_three_ways_to_wait(tmp_path: Path) -> None:
+    out = tmp_path / "w.json"
+    # a process of its own: the ranks are spawned and import the script by its own name
+    argv = ["--rounds", "3", "--repeats", "1", "--late-ms", "40", "--out", str(out)]
+    subprocess.run([sys.executable, str(BENCH / "wait_cost.py"), *argv], check=True, timeout=100)
+    s = json.loads(out.read_text())["summary"]
+    assert set(s) == {"blocking", "slices", "handle"} and all(v["cpu_ms_per_wait"] > 0 for v in s.values())
+    assert s["slices"]["timeouts_per_wait"] >= 2, "a peer 40 ms late outlasts several 10 ms slices"
