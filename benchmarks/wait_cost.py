@@ -6,10 +6,10 @@ thread and gloo's own threads, so a callback on gloo's thread is counted):
 
 * ``blocking``: torch's ``work.wait()`` (what plain torch does; cannot be woken by an abort);
 * ``slices``: bounded 10 ms ``work.wait(timeout)`` calls until it completes, each timeout ending
-  in c10d's error (checkpointless before session 19);
-* ``handle``: checkpointless's :class:`~checkpointless.comm.handle.Handle`, as every collective of a
-  job is waited on (one 10 ms slice, then asleep on an event that the work's future or an abort
-  sets).
+  in c10d's error: what checkpointless's :class:`~checkpointless.comm.handle.Handle` does (it
+  checks for an abort between slices);
+* ``event``: a candidate tried in session 19 and not adopted (BENCHMARKS.md): one 10 ms slice,
+  then asleep on an event that the work's future callback (or an abort) sets.
 
 Why: on two busy cores a collective waits for a descheduled peer for tens of milliseconds, and
 whatever a wait costs per millisecond of waiting becomes step time there.
@@ -27,6 +27,7 @@ import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
 
 import benchlib as bl
 
-MODES = ("blocking", "slices", "handle")
+MODES = ("blocking", "slices", "event")
 
 
 def _wait(mode: str, work: Any) -> int:
-    """Wait for ``work`` the ``mode`` way; return how many bounded waits timed out (slices)."""
+    """Wait for ``work`` the ``mode`` way; return how many bounded waits timed out."""
     if mode == "blocking":
         work.wait()
         return 0
@@ -57,10 +58,15 @@ def _wait(mode: str, work: Any) -> int:
                 timeouts += 1
                 if work.is_completed():
                     return timeouts
-    from checkpointless.comm.handle import Handle
-
-    Handle(work, None, lambda h: None, poll=True).wait(60.0)
-    return 0  # its one bounded wait is inside the handle, not counted here
+    try:
+        work.wait(datetime.timedelta(milliseconds=10))
+    except Exception:
+        if not work.is_completed():
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _: done.set())
+            done.wait(60.0)
+        return 1
+    return 0
 
 
 def _worker(rank: int, path: str, mode: str, rounds: int, late_s: float, q: Any) -> None:
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary[m] = {
             "cpu_ms_per_wait": statistics.median(r["cpu_ms"] for r in mine),
             "timeouts_per_wait": statistics.median(r["timeouts_per_wait"] for r in mine)
-            if m == "slices"
+            if m != "blocking"
             else None,
         }
     res = {
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"peer late by {a.late_ms:g} ms; process CPU of the waiting rank per wait (median of {a.repeats}):")
     for m in MODES:
         s = summary[m]
-        note = f"  ({s['timeouts_per_wait']:.1f} timed-out bounded waits)" if m == "slices" else ""
+        note = f"  ({s['timeouts_per_wait']:.1f} timed-out bounded waits)" if m != "blocking" else ""
         print(f"  {m:9s} {s['cpu_ms_per_wait']:6.3f} ms{note}")
     return res
 

@@ -135,5 +135,5 @@ def test_wait_cost_measures_the_three_ways_to_wait(tmp_path: Path) -> None:
     argv = ["--rounds", "3", "--repeats", "1", "--late-ms", "40", "--out", str(out)]
     subprocess.run([sys.executable, str(BENCH / "wait_cost.py"), *argv], check=True, timeout=100)
     s = json.loads(out.read_text())["summary"]
-    assert set(s) == {"blocking", "slices", "handle"} and all(v["cpu_ms_per_wait"] > 0 for v in s.values())
+    assert set(s) == {"blocking", "slices", "event"} and all(v["cpu_ms_per_wait"] > 0 for v in s.values())
     assert s["slices"]["timeouts_per_wait"] >= 2, "a peer 40 ms late outlasts several 10 ms slices"

@@ -4,8 +4,8 @@ Why not plain ``torch.distributed`` waits: gloo's ``abort()`` does not wake a th
 already waiting in a collective (see shared/REFERENCES.md), and a hung peer keeps its sockets
 open, so a waiting survivor would sit until gloo's timeout. Every collective of ours is issued
 asynchronously and its completion mirrored into a :class:`Handle` that we own; the group's
-``abort()`` fails every pending handle, and the waiting thread (in a bounded 10 ms wait inside
-gloo, then asleep on the handle's event) leaves at once, or at the end of that first slice. Used by :class:`~checkpointless.comm.process_group.ResilientProcessGroup`,
+``abort()`` fails every pending handle, and the waiting thread, which waits in bounded 10 ms
+slices, leaves within one slice. Used by :class:`~checkpointless.comm.process_group.ResilientProcessGroup`,
 on which every communicator of a job is built.
 """
 
@@ -28,19 +28,17 @@ from checkpointless.errors import CommAborted, RendezvousError
 __all__ = ["Handle", "completes", "default_backend", "new_group"]
 
 
-_POLL_S = 0.01  # the bounded wait inside gloo before a waiter sleeps on the handle's event
+_POLL_S = 0.01  # a polled wait re-checks for an abort this often
 
 
 class Handle:
     """Completion of one collective, abortable from another thread.
 
-    How completion is observed: a gloo collective is first *polled* by the thread that waits, in
-    one bounded wait inside gloo (the GIL released). A Python callback on gloo's own thread from
-    the start would be simpler, but it must take the GIL from the training thread in the middle
-    of the backward pass; with more threads than cores that hand-over stalled every bucket's
-    all-reduce issue by about a millisecond. A collective still pending after that slice has a
-    late peer and a thread blocked on it: only then is the callback hooked to the work's future,
-    and the thread sleeps on the handle's event, which the callback or an abort sets.
+    How completion is observed: gloo collectives are *polled* by the thread that waits, in short
+    bounded waits inside gloo (the GIL released), checking between them whether an abort failed
+    the handle. A Python callback on gloo's own thread would be simpler, but it must take the
+    GIL from the training thread in the middle of the backward pass; with more threads than
+    cores that hand-over stalled every bucket's all-reduce issue by about a millisecond.
     Works without a future (gloo send/recv) are waited on a helper thread; others (NCCL) get a
     future callback.
     """
@@ -125,30 +123,21 @@ class Handle:
 
     def _poll_until(self, deadline: float | None) -> None:
         work = self._work  # _finish (an abort, from any thread) clears the attribute
-        if work is None or self._done.is_set():
-            return
-        left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-        if left <= 0:
-            return
-        try:
-            # whole milliseconds, at least one: c10d reads a 0 ms timeout as "wait for ever"
-            work.wait(datetime.timedelta(milliseconds=max(1, int(left * 1000))))
-        except Exception:
-            if work.is_completed():
+        while work is not None and not self._done.is_set():
+            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                return
+            try:
+                # whole milliseconds, at least one: c10d reads a 0 ms timeout as "wait for ever"
+                work.wait(datetime.timedelta(milliseconds=max(1, int(left * 1000))))
+            except Exception:
+                if not work.is_completed():
+                    continue  # only our bounded wait ran out; the collective goes on
                 # It may have completed between our bounded wait giving up and the check: the
                 # exception could be that timeout, not the collective's. Ask for its outcome.
                 self._finish(_outcome(work))
-                return
-            # Still pending after one slice: a peer is late. Each further bounded wait would
-            # end in c10d's timeout error, ~0.2 ms of CPU apiece (benchmarks/wait_cost.py: 2.5 ms
-            # of CPU to wait 100 ms in slices, 1.5 ms this way, 0.8 ms blocked in torch's wait),
-            # which on busy cores is step time. From
-            # here the work's future reports completion while this thread sleeps on the event,
-            # so its callback takes the GIL from no one, and an abort sets the same event.
-            work.get_future().add_done_callback(self._on_future)
-            self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        else:
-            self._finish(None)
+            else:
+                self._finish(None)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Wait for completion; raise :class:`CommAborted` if aborted or the collective failed."""
