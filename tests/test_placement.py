@@ -123,11 +123,11 @@ def test_a_lost_node_is_replaced_from_one_spare_host() -> None:
     assert pick_spares(3, [(1, 2), (2, 3)]) == [1, 2]  # fewer than asked: all of them
 
 
-def _coordinator() -> tuple[Coordinator, list[Spawn]]:
+def _coordinator(spares: int = 2) -> tuple[Coordinator, list[Spawn]]:
     cfg = LaunchConfig(
         script=SCRIPT,
         nproc=4,
-        spares=2,
+        spares=spares,
         nnodes=2,
         nproc_per_node=2,
         spare_nodes=1,
@@ -266,6 +266,19 @@ def _spares(c: Coordinator, out: list[object], at: float) -> list[tuple[int, int
     return new
 
 
+def _running_with_spares(c: Coordinator, spawns: list[Spawn]) -> list[tuple[int, int]]:
+    """Every rank started and joined, the spare pool spawned and started: [(worker id, host)]."""
+    for s in spawns:
+        c.on_started(s.worker_id, f"10.0.0.{s.host}:{30000 + s.worker_id}")
+        c.on_connected(s.worker_id, 100.0)
+    c.drain()
+    c.round, c.generation = None, 0
+    for m in c.procs.values():
+        m.joined = True
+    refill_spares(c, 101.0)
+    return _spares(c, list(c.drain()), 101.0)
+
+
 def _ready(c: Coordinator, wid: int, at: float) -> list[object]:
     c.on_message(wid, SpareReady(), at, 1e9)
     return list(c.drain())
@@ -296,15 +309,7 @@ def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(case: str) -> 
     spare stopped while still starting is no failed start ("starting"), and one being stopped is
     never given a rank ("fault": a rank on its host fails before it has exited)."""
     c, spawns = _coordinator()
-    for s in spawns:
-        c.on_started(s.worker_id, f"10.0.0.{s.host}:{30000 + s.worker_id}")
-        c.on_connected(s.worker_id, 100.0)
-    c.drain()
-    c.round, c.generation = None, 0
-    for m in c.procs.values():
-        m.joined = True
-    refill_spares(c, 101.0)
-    for wid, _ in _spares(c, list(c.drain()), 101.0):
+    for wid, _ in _running_with_spares(c, spawns):
         _ready(c, wid, 101.0)
     for h in (1, 2):
         c.on_agent_seen(h, 104.5)
@@ -355,29 +360,8 @@ def test_a_spare_hosts_own_ready_spares_do_not_stand_in_for_squeezed_ones() -> N
     joins starts two in their place; when the first is ready, one squeezed spare is stopped, not
     both (the spare host's two were in the pool already), so the pool never drops below four
     ready-or-starting spares."""
-    cfg = LaunchConfig(
-        script=SCRIPT,
-        nproc=4,
-        spares=4,
-        nnodes=2,
-        nproc_per_node=2,
-        spare_nodes=1,
-        local_agent=False,
-        lease=3,
-    )
-    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
-    for host, order in ((0, 1), (1, 0), (2, 2)):
-        c.add_host(host, f"10.0.0.{host}", True, 100.0, order)
-    c.start(100.0)
-    for s in [x for x in c.drain() if isinstance(x, Spawn)]:
-        c.on_started(s.worker_id, f"10.0.0.{s.host}:{30000 + s.worker_id}")
-        c.on_connected(s.worker_id, 100.0)
-    c.drain()
-    c.round, c.generation = None, 0
-    for m in c.procs.values():
-        m.joined = True
-    refill_spares(c, 101.0)
-    pool = _spares(c, list(c.drain()), 101.0)
+    c, spawns = _coordinator(spares=4)
+    pool = _running_with_spares(c, spawns)
     assert sorted(h for _, h in pool) == [0, 1, 2, 2], "two on the spare host, two squeezed"
     for wid, _ in pool:
         _ready(c, wid, 101.0)
