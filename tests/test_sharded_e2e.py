@@ -134,7 +134,15 @@ def test_hsdp_fault_is_recovered_from_the_replica_peer(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "faults",
-    [["hang:rank=3:step=4"], ["kill:rank=1:step=4", "kill:rank=2:step=4:site=recovery"]],
+    [
+        ["hang:rank=3:step=4"],
+        # rank 1 dawdles first, so every peer has committed step 3 and the round is for step 4
+        [
+            "slow:rank=1:step=4:seconds=1",
+            "kill:rank=1:step=4:site=forward",
+            "kill:rank=2:step=4:site=recovery",
+        ],
+    ],
     ids=["sigstop", "second-fault-during-recovery"],
 )
 def test_hsdp_hang_and_fault_during_recovery(
