@@ -38,6 +38,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -369,6 +370,48 @@ def check_fsdp_groups() -> dict[str, Any]:
     return out
 
 
+def check_fsdp_step_time(
+    sizes: tuple[tuple[str, int, int, int], ...] = (("small", 256, 4, 256), ("large", 1024, 8, 4096)),
+    rounds: int = 3,
+    steps: int = 60,
+    device: str = "cuda",
+) -> dict[str, Any]:
+    """FSDP2 step time on the GPU over torch's own NCCL group against ours (a world of one), runs
+    alternating (plain ours, ours plain, ...) in fresh processes (``benchmarks/gpu_fsdp_step.py``);
+    every run's final weights must be bitwise the same. The ratio is a figure, not a pass mark:
+    the "small" model is launch-bound, so it shows the per-collective cost of our groups at its
+    largest; the "large" one is a compute-bound step."""
+    script = REPO / "benchmarks" / "gpu_fsdp_step.py"
+    out: dict[str, Any] = {}
+    digests: set[str] = set()
+    for name, dim, layers, rows in sizes:
+        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "ours": []}
+        for r in range(rounds):
+            for groups in ("plain", "ours") if r % 2 == 0 else ("ours", "plain"):
+                with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                    cmd = [sys.executable, str(script), "--groups", groups, "--device", device]
+                    cmd += ["--dim", str(dim)]
+                    cmd += ["--layers", str(layers), "--rows", str(rows), "--steps", str(steps)]
+                    subprocess.run([*cmd, "--out", f.name], cwd=REPO, check=True, timeout=180)
+                    runs[groups].append(json.loads(Path(f.name).read_text()))
+        med = {g: statistics.median(x["step_ms_median"] for x in v) for g, v in runs.items()}
+        cpu = {g: statistics.median(x["cpu_ms_median"] for x in v) for g, v in runs.items()}
+        digests |= {x["digest"] + name for v in runs.values() for x in v}
+        out[name] = {
+            "model": f"{layers} blocks of Linear({dim}, {4 * dim}) GELU Linear, {rows} rows, AdamW",
+            "step_ms_plain": round(med["plain"], 3),
+            "step_ms_ours": round(med["ours"], 3),
+            "ratio": round(med["ours"] / med["plain"], 4),
+            "cpu_ms_plain": round(cpu["plain"], 3),
+            "cpu_ms_ours": round(cpu["ours"], 3),
+            "per_run_step_ms": {g: [round(x["step_ms_median"], 3) for x in v] for g, v in runs.items()},
+            "group_types": sorted({x["group_type"] for v in runs.values() for x in v}),
+        }
+    out["bitwise_plain_equals_ours"] = len(digests) == len(sizes)
+    out["ok"] = out["bitwise_plain_equals_ours"]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="where gpu-check.json/.md go")
@@ -397,6 +440,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="cl-gpu-check-") as tmp:
         checks.append(("job_nccl", lambda: check_job(Path(tmp) / "ddp")))
         checks.append(("fsdp_groups_nccl", check_fsdp_groups))
+        checks.append(("fsdp_step_time_nccl", check_fsdp_step_time))
         # FSDP2 on a mesh of one under the launcher: an exception inside the reduce-scatter and
         # one in the forward recovered in process; one in the optimizer (the only rank's state
         # half-updated) restored from the shared-memory snapshot of step 15 and replayed

@@ -15,6 +15,7 @@ import datetime
 import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -181,11 +182,14 @@ def reset_fsdp(module: nn.Module) -> None:
         state._training_state = TrainingState.IDLE
         state._modules_to_run_forward.clear()
         comm = state._comm_ctx
-        if hasattr(comm, "reduce_scatter_states"):  # set up by FSDP2's lazy init (first forward)
+        if hasattr(comm, "post_forward_order"):  # set up by FSDP2's lazy init (first forward)
             comm.all_gather_state = None
-            comm.reduce_scatter_states.clear()
             comm.post_forward_order.clear()
-        for group in state._fsdp_param_groups:
+            if hasattr(comm, "reduce_scatter_states"):
+                comm.reduce_scatter_states.clear()
+            else:  # torch 2.11 retains one reduce-scatter state, not a list
+                comm.reduce_scatter_state = None
+        for group in _param_groups(state):
             group._all_gather_result = None
             group._post_reduce_event = None
             group._all_reduce_state = None
@@ -203,3 +207,13 @@ def reset_fsdp(module: nn.Module) -> None:
                     unsharded.grad = None
     for p in module.parameters():
         p.grad = None
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list in torch 2.13, at most one before (2.11 is the
+    torch of the lent GPU machine, where ``benchmarks/gpu_check.py`` runs; the package pins 2.13)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    one = state._fsdp_param_group
+    return [] if one is None else [one]
