@@ -415,6 +415,7 @@ def check_fsdp_step_time(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="where gpu-check.json/.md go")
+    ap.add_argument("--skip", default="", help="checks to leave out, comma-separated names")
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: fixed GEMMs
     import torch
@@ -457,6 +458,7 @@ def main() -> int:
                 ),
             )
         )
+        checks = [(n, fn) for n, fn in checks if n not in a.skip.split(",")]
         for name, fn in checks:
             t0 = time.monotonic()
             try:

@@ -214,3 +214,18 @@ def test_a_barrier_aborted_as_it_completes_is_passed_like_its_peers_passed_it() 
     outcome, took = results["absent-peer"].split()
     assert outcome == "aborted" and 1.1 <= float(took) < 5, results
     assert results["completed-rank0"] == results["completed-rank1"] == [3.0, 3.0], results
+
+
+def test_a_collective_issued_without_work_is_complete_on_its_callers_stream() -> None:
+    """NCCL returns no work for a synchronous collective (``async_op=False``: from torch 2.8 it
+    runs on the caller's stream), which is what a training script's plain ``dist.all_reduce``
+    is; its handle must be complete at once, return its result, and leave nothing pending for an
+    abort (the first GPU run of FSDP2 under the launcher failed every step here)."""
+    from checkpointless.comm.handle import Handle
+
+    finished: list[Handle] = []
+    h = Handle(None, "result", finished.append, poll=False)
+    assert h.done() and h.work is None
+    assert h.wait(0) == "result"
+    h.abort("late abort")  # already complete: its outcome stands
+    assert h.wait(0) == "result"

@@ -60,6 +60,13 @@ class Handle:
         # or the next kernel on it could read the buffer before the reduction has written it.
         self._stream_work: Any = None
         self.result = result
+        if work is None:
+            # A synchronous NCCL collective (``async_op=False``: torch passes ``asyncOp`` False
+            # and NCCL, from torch 2.8, issues it on the caller's stream and returns no work).
+            # Kernels later on that stream already run after it, so to its caller it is done;
+            # an abort still reaches it, through the group's NCCL abort of its kernels.
+            self._done.set()
+            return
         try:
             fut = work.get_future()
         except RuntimeError:
