@@ -23,11 +23,15 @@ a machine with several GPUs. On one GPU this checks what can be checked:
    group, an abort and a re-formed generation in the middle of training, bitwise; then the example
    with ``--fsdp 1,1`` under the launcher through an exception in the reduce-scatter, one in the
    forward and one in the optimizer step (restored from the snapshot and replayed), bitwise.
+   Then FSDP2's step time over torch's own NCCL group against ours, on a compute-bound and a
+   launch-bound model, in fresh processes alternating (``benchmarks/gpu_fsdp_step.py``), final
+   weights bitwise equal across every run.
    What one GPU leaves untested: shards over several ranks, so no all-gather or reduce-scatter
    that moves bytes between GPUs, no replica peer or buddy copy between GPUs, and no NCCL abort of
    a collective that a dead peer left hanging.
 
-    python3 benchmarks/gpu_check.py --out DIR      # writes DIR/gpu-check.json and .md
+    python3 benchmarks/gpu_check.py --out DIR      # writes DIR/gpu-check.json
+    python3 benchmarks/gpu_check.py --out DIR --skip fsdp_step_time_nccl   # leave a check out
 
 On a machine without CUDA it says so and exits 0 (nothing to check).
 """

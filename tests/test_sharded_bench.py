@@ -137,3 +137,15 @@ def test_wait_cost_measures_the_three_ways_to_wait(tmp_path: Path) -> None:
     s = json.loads(out.read_text())["summary"]
     assert set(s) == {"blocking", "slices", "event"} and all(v["cpu_ms_per_wait"] > 0 for v in s.values())
     assert s["slices"]["timeouts_per_wait"] >= 2, "a peer 40 ms late outlasts several 10 ms slices"
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_step_time_check_runs_both_designs_on_the_host() -> None:
+    """benchmarks/gpu_check.py's FSDP2 step-time comparison runs where a GPU is lent; on the CPU
+    (gloo) the same script runs both designs in fresh processes and their final weights agree."""
+    r = _bench("gpu_check").check_fsdp_step_time(
+        sizes=(("tiny", 32, 2, 16),), rounds=1, steps=3, device="cpu"
+    )
+    assert r["bitwise_plain_equals_ours"] and r["ok"], r
+    assert r["tiny"]["group_types"] == ["ProcessGroup", "ResilientProcessGroup"]
+    assert r["tiny"]["step_ms_plain"] > 0 and r["tiny"]["step_ms_ours"] > 0
