@@ -218,9 +218,10 @@ def test_a_barrier_aborted_as_it_completes_is_passed_like_its_peers_passed_it() 
 
 def test_a_collective_issued_without_work_is_complete_on_its_callers_stream() -> None:
     """NCCL returns no work for a synchronous collective (``async_op=False``: from torch 2.8 it
-    runs on the caller's stream), which is what a training script's plain ``dist.all_reduce``
-    is; its handle must be complete at once, return its result, and leave nothing pending for an
-    abort (the first GPU run of FSDP2 under the launcher failed every step here)."""
+    runs on the caller's stream), which is how FSDP2 issues its all-gathers, reduce-scatters and
+    HSDP all-reduces, and what a script's plain ``dist.all_reduce`` is; its handle must be
+    complete at once, return its result, and leave nothing pending for an abort (the first GPU
+    run of FSDP2 under the launcher failed every step in its HSDP all-reduce here)."""
     from checkpointless.comm.handle import Handle
 
     finished: list[Handle] = []

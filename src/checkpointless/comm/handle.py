@@ -2,10 +2,11 @@
 
 Why not plain ``torch.distributed`` waits: gloo's ``abort()`` does not wake a thread that is
 already waiting in a collective (see shared/REFERENCES.md), and a hung peer keeps its sockets
-open, so a waiting survivor would sit until gloo's timeout. Every collective of ours is issued
-asynchronously and its completion mirrored into a :class:`Handle` that we own; the group's
-``abort()`` fails every pending handle, and the waiting thread, which waits in bounded 10 ms
-slices, leaves within one slice. Used by :class:`~checkpointless.comm.process_group.ResilientProcessGroup`,
+open, so a waiting survivor would sit until gloo's timeout. Every collective's completion is
+mirrored into a :class:`Handle` that we own; the group's ``abort()`` fails every pending handle,
+and the waiting thread, which waits on gloo in bounded 10 ms slices, leaves within one slice.
+(An NCCL collective of CUDA tensors never holds the host: its handle completes as it is
+enqueued, or at once when it was synchronous and NCCL returned no work.) Used by :class:`~checkpointless.comm.process_group.ResilientProcessGroup`,
 on which every communicator of a job is built.
 """
 

@@ -155,7 +155,7 @@ def reset_fsdp(module: nn.Module) -> None:
     """Forget an abandoned forward or backward in every FSDP2 module under ``module``, so that
     the step can be replayed from the start (after :meth:`ResilientMesh.configure`).
 
-    What an abort leaves behind, and why each part is cleared (torch 2.13's FSDP2):
+    What an abort leaves behind, and why each part is cleared (torch 2.13's FSDP2; 2.11's too):
 
     - a parameter group's pending all-gather result (``_all_gather_result``) holds the aborted
       work; waiting on it again would raise, so it is dropped, not waited;
@@ -164,10 +164,18 @@ def reset_fsdp(module: nn.Module) -> None:
     - training states stuck in FORWARD / PRE_BACKWARD, prefetch indices and the root's
       ``post_backward_final_callback_queued`` flag: the final callback never ran, and with
       the flag set FSDP2 would never queue it again, so gradients would not be finished;
-    - the shared comm context's retained reduce-scatter states and forward order;
+    - the shared comm context's retained reduce-scatter states, post-reduce events and forward
+      order;
     - gradients: reduce-scatters that completed before the abort left sharded gradients, and
       unsharded parameters may hold gradients computed before the abort that no reduce-scatter
       took yet; the replay would add to both, so every one of them is set to None.
+
+    On a GPU, every CUDA event that a dropped state holds is waited on first by the current
+    stream (and a reshard's by the all-gather streams), as torch 2.13's own
+    ``FSDPState._reset_iter_state`` does: the buffers of a collective's state were allocated on
+    the compute stream, and without the wait the compute stream could reuse them while a
+    collective's stream still reads them. Waiting on an event is not waiting on the aborted
+    work: NCCL's abort has ended its kernels, so the events complete.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -183,13 +191,27 @@ def reset_fsdp(module: nn.Module) -> None:
         state._modules_to_run_forward.clear()
         comm = state._comm_ctx
         if hasattr(comm, "post_forward_order"):  # set up by FSDP2's lazy init (first forward)
+            _stream_waits(getattr(comm.all_gather_state, "event", None))
             comm.all_gather_state = None
             comm.post_forward_order.clear()
             if hasattr(comm, "reduce_scatter_states"):
+                _stream_waits(*(st.event for st in comm.reduce_scatter_states))
                 comm.reduce_scatter_states.clear()
             else:  # torch 2.11 retains one reduce-scatter state, not a list
+                _stream_waits(getattr(comm.reduce_scatter_state, "event", None))
                 comm.reduce_scatter_state = None
+            last = getattr(comm, "_last_post_reduce_events", None)  # torch 2.13
+            if last:
+                _stream_waits(*last.values())
+                last.clear()
         for group in _param_groups(state):
+            _stream_waits(
+                getattr(group._all_gather_result, "all_gather_event", None),
+                group._post_reduce_event,
+                getattr(group._all_reduce_state, "event", None),
+            )
+            if group._reshard_after_forward_event is not None:
+                group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
             group._all_gather_result = None
             group._post_reduce_event = None
             group._all_reduce_state = None
@@ -201,12 +223,20 @@ def reset_fsdp(module: nn.Module) -> None:
             for fp in group.fsdp_params:
                 fp.unsharded_accumulated_grad = None
                 # backward computed this gradient but the abort came before its reduce-scatter
-                # took it: the replay's backward would add to it
+                # took it: the replay would add to it
                 unsharded = getattr(fp, "_unsharded_param", None)
                 if unsharded is not None:
                     unsharded.grad = None
     for p in module.parameters():
         p.grad = None
+
+
+def _stream_waits(*events: Any) -> None:
+    """Make the current CUDA stream wait for each of ``events`` that is a CUDA event (FSDP2 on a
+    CPU mesh records none, or device-less ones that nothing needs to wait for)."""
+    for ev in events:
+        if isinstance(ev, torch.cuda.Event) or (isinstance(ev, torch.Event) and ev.device.type == "cuda"):
+            ev.wait(torch.cuda.current_stream())
 
 
 def _param_groups(state: Any) -> list[Any]:

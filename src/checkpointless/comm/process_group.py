@@ -17,11 +17,14 @@ communicator), so :meth:`ResilientProcessGroup.abort` from another thread wakes 
 parked, never destroyed under a waiting thread.
 
 On a CUDA host (the job's backend NCCL) each generation also forms an NCCL group, and a
-collective on CUDA tensors goes there (FSDP2's all-gathers and reduce-scatters of a model on the
-GPU), completed through its future and ordered on the waiting thread's stream as the
-data-parallel communicator does; CPU tensors (a metric, the job's own checks) still go to gloo.
-An abort aborts the NCCL group's kernels. Not yet run on a GPU: the FSDP2 check in
-``benchmarks/gpu_check.py`` is what to run where one is lent.
+collective on CUDA tensors goes there (FSDP2's all-gathers, reduce-scatters and HSDP
+all-reduces of a model on the GPU). An asynchronous one completes through its future and is
+ordered on the waiting thread's stream as the data-parallel communicator does; a synchronous one
+(``async_op=False``, which is how FSDP2 issues its collectives) runs on the caller's stream and
+NCCL returns no work for it, so it is complete as issued (handle.py). CPU tensors (a metric, the
+job's own checks) still go to gloo. An abort aborts the NCCL group's kernels, which is what ends
+a host wait (``loss.item()``, say) on a collective that a dead peer left hanging. Run on one GPU
+with one rank (``benchmarks/gpu_check.py``); never yet with several NCCL ranks.
 
 The groups are made through c10d's backend-plugin path (``init_process_group`` and
 ``new_group`` with :data:`BACKEND_NAME`), so torch does its own bookkeeping: the group name,

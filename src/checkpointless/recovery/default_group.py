@@ -9,7 +9,9 @@ right after ``init()`` learns this rank, so those calls work with no change to t
 The group carries no communicator until the job forms a generation; the job then drives it
 like the groups of a device mesh: :meth:`DefaultGroup.abort` with the data-parallel
 communicator (a metric all-reduce blocked on a dead peer wakes with ``CommAborted``, which
-replays the step), :meth:`DefaultGroup.configure` from the generation's store, and
+replays the step; on a GPU the host never waits in an all-reduce of a CUDA tensor, and the abort
+of the NCCL group's kernels is what ends a later host wait on it, such as ``loss.item()``, after
+which the update's check refuses the step), :meth:`DefaultGroup.configure` from the generation's store, and
 :meth:`DefaultGroup.release` once the generation has formed. When the script later calls
 ``job.device_mesh(...)``, the mesh adopts this very group as its world group and configures it
 itself, so :meth:`DefaultGroup.handed_to_mesh` turns this driver off rather than forming the
