@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     torch.use_deterministic_algorithms(True, warn_only=True)
     store = dist.HashStore()
     names = ("replicate", "shard")
-    issued: list[str] = []  # collectives through our groups (None: torch's own, not counted)
+    issued: list[str] = []  # collectives through our groups (torch's own groups are not counted)
     if a.groups == "plain":
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
         mesh = init_device_mesh(a.device, (1, 1), mesh_dim_names=names)

@@ -6,8 +6,9 @@ open, so a waiting survivor would sit until gloo's timeout. Every collective's c
 mirrored into a :class:`Handle` that we own; the group's ``abort()`` fails every pending handle,
 and the waiting thread, which waits on gloo in bounded 10 ms slices, leaves within one slice.
 (An NCCL collective of CUDA tensors never holds the host: its handle completes as it is
-enqueued, or at once when it was synchronous and NCCL returned no work.) Used by :class:`~checkpointless.comm.process_group.ResilientProcessGroup`,
-on which every communicator of a job is built.
+enqueued, or at once when it was synchronous and NCCL returned no work.) Used by
+:class:`~checkpointless.comm.process_group.ResilientProcessGroup`, on which every communicator of
+a job is built.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ like the groups of a device mesh: :meth:`DefaultGroup.abort` with the data-paral
 communicator (a metric all-reduce blocked on a dead peer wakes with ``CommAborted``, which
 replays the step; on a GPU the host never waits in an all-reduce of a CUDA tensor, and the abort
 of the NCCL group's kernels is what ends a later host wait on it, such as ``loss.item()``, after
-which the update's check refuses the step), :meth:`DefaultGroup.configure` from the generation's store, and
-:meth:`DefaultGroup.release` once the generation has formed. When the script later calls
-``job.device_mesh(...)``, the mesh adopts this very group as its world group and configures it
-itself, so :meth:`DefaultGroup.handed_to_mesh` turns this driver off rather than forming the
-group twice.
+which the update's check refuses the step), :meth:`DefaultGroup.configure` from the
+generation's store, and :meth:`DefaultGroup.release` once the generation has formed. When the
+script later calls ``job.device_mesh(...)``, the mesh adopts this very group as its world group
+and configures it itself, so :meth:`DefaultGroup.handed_to_mesh` turns this driver off rather
+than forming the group twice.
 """
 
 from __future__ import annotations
