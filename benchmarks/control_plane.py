@@ -65,7 +65,7 @@ from checkpointless.wire import FrameDecoder, FrameTooLarge, derive_key, encode_
 __all__ = ["RunResult", "WireCost", "main", "model", "run_once", "wire_cost"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
-HEARTBEAT_S = 0.25  # the workers' heartbeat interval (Heartbeat's docstring in protocol.py)
+HEARTBEAT_S = 0.25  # the workers' heartbeat interval (Heartbeat's docstring in protocol/worker_link.py)
 AGENT_BEAT_S = 0.5  # an agent's heartbeat, which carries its workers' beats (agent/remote.py)
 MODEL_HOSTS = (1000, 2500, 5000, 10000)
 TICKS_PER_S = 50  # the launcher's loop waits at most 0.02 s on its inbox, then ticks

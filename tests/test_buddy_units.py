@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from checkpointless.errors import ConfigError, NotRecoverableError
 from checkpointless.recovery.decisions import MemberReport, plan_recovery
 from checkpointless.recovery.sharded import buddies_wanted
-from checkpointless.state.buddy import copy_due
+from checkpointless.state.buddy_owner import copy_due
 from checkpointless.state.buddy_ring import buddy_of, host_of, owners_of
 
 pytestmark = pytest.mark.timeout(30)

@@ -206,7 +206,7 @@ def _barrier_worker(rank: int, port: int, out: mp.Queue) -> None:  # type: ignor
 
 
 def test_a_barrier_aborted_as_it_completes_is_passed_like_its_peers_passed_it() -> None:
-    # The barrier before a sharded update (recovery/job.py): a rank must not fail a barrier its
+    # The barrier before a sharded update (recovery/guard.py): a rank must not fail a barrier its
     # peer passed, or the peer updates and it does not, and the shard groups end a step apart.
     results = _run_pair(_barrier_worker, 5)
     assert results["late-peer-rank1"].startswith("passed"), results

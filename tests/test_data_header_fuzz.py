@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpointless.data import TokenDataset, read_header, write_token_file
-from checkpointless.data.format import FORMAT_VERSION, MAX_VOCAB, TokenFileHeader, scan_max_token
+from checkpointless.data.format import FORMAT_VERSION, MAX_VOCAB, TokenFileHeader
+from checkpointless.data.format_check import scan_max_token
 from checkpointless.errors import DataError
 
 FIX = "checkpointless data prepare"

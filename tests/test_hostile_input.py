@@ -25,8 +25,8 @@ from checkpointless.launcher.control import (
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
 from checkpointless.rendezvous import KeyServer
 from checkpointless.rendezvous.client import PeerClient
+from checkpointless.rendezvous.keyproto import KEYSERVER_C2S, KEYSERVER_S2C
 from checkpointless.rendezvous.peers import PeerTable
-from checkpointless.rendezvous.server import KEYSERVER_C2S, KEYSERVER_S2C
 from checkpointless.wire import PREFIX_SIZE, derive_key, recv_frame, send_frame
 
 pytestmark = pytest.mark.timeout(60)

@@ -32,7 +32,7 @@ from checkpointless.rendezvous import (
     port_range_from_env,
     store_barrier,
 )
-from checkpointless.rendezvous.server import KEYSERVER_C2S, KEYSERVER_S2C
+from checkpointless.rendezvous.keyproto import KEYSERVER_C2S, KEYSERVER_S2C
 from checkpointless.wire import derive_key, recv_frame, send_frame
 
 SECRET = b"unit-test-secret"

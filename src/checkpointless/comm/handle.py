@@ -114,7 +114,7 @@ class Handle:
             # It completed before the abort, but its waiter has not looked yet (on busy cores the
             # abort's thread can take the GIL before the waiter returns from gloo). Its outcome
             # stands: every rank's part is in, and a peer may already act on it. The barrier
-            # before a sharded update depends on this (recovery/job.py): had this rank failed a
+            # before a sharded update depends on this (recovery/guard.py): had this rank failed a
             # barrier its peers passed, they would update and it would not, and the shard
             # groups would end at different steps with no single step's state anywhere
             # (Communicator.barrier).

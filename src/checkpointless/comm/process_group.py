@@ -30,15 +30,17 @@ The groups are made through c10d's backend-plugin path (``init_process_group`` a
 ``new_group`` with :data:`BACKEND_NAME`), so torch does its own bookkeeping: the group name,
 the registry that ``DeviceMesh.get_group`` and functional collectives resolve names in, and
 the global-to-group rank map.
+
+Forming, aborting and parking each generation's communicators, and issuing one collective on
+the current one, are the base class's (:class:`~checkpointless.comm.generations.GenerationGroup`,
+``generations.py``); this module is what c10d sees: the group's identity, every collective, and
+the backend's registration.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,16 +49,16 @@ import torch.distributed as dist
 # torch does not re-export this one from torch.distributed (the others it does)
 from torch._C._distributed_c10d import AllgatherOptions
 
-from checkpointless.comm.handle import Handle, default_backend, new_group
+from checkpointless.comm.generations import GenerationGroup, on_cuda
+from checkpointless.comm.handle import default_backend
 from checkpointless.comm.work import AbortableWork, ChainWork
-from checkpointless.errors import CommAborted, RendezvousError
 
 __all__ = ["BACKEND_NAME", "ResilientProcessGroup", "register_backend"]
 
 BACKEND_NAME = "checkpointless"
 
 
-class ResilientProcessGroup(dist.ProcessGroup):
+class ResilientProcessGroup(GenerationGroup):
     """One group of fixed members (global ranks), carried across generations.
 
     ``key`` names the group inside each generation's store prefix (the same on every member,
@@ -64,45 +66,6 @@ class ResilientProcessGroup(dist.ProcessGroup):
     ``<prefix>/<key>/`` with fixed rank numbers: reductions keep their order and results stay
     bitwise reproducible from one generation to the next.
     """
-
-    def __init__(
-        self,
-        rank: int,
-        size: int,
-        global_ranks: Sequence[int],
-        timeout: datetime.timedelta,
-        key: str | None = None,
-        device_backend: str | None = None,
-    ):
-        super().__init__(rank, size)
-        if not 0 <= rank < size or len(global_ranks) != size:
-            raise ValueError(
-                f"ResilientProcessGroup: rank {rank} and members {list(global_ranks)} do not fit "
-                f"a group of size {size}; pass the group rank and all {size} global ranks"
-            )
-        self._group_rank = rank
-        self._group_size = size
-        self.global_ranks = tuple(global_ranks)
-        # the default group needs a key of its own: a 1-D mesh's group has the same members
-        self.key = key or "r" + ".".join(str(r) for r in self.global_ranks)
-        self.timeout = timeout
-        # "nccl": each generation also forms a group for CUDA tensors (None: gloo carries all)
-        self.device_backend = device_backend
-        self.generation = -1
-        # re-entrant: a collective that fails at once completes its Handle inside _issue, and
-        # the completion callback takes this lock again to forget the handle
-        self._lock = threading.RLock()
-        self._pg: Any = None
-        self._dev_pg: Any = None  # this generation's group for CUDA tensors (device_backend)
-        self._pending: set[Handle] = set()
-        self._aborted: str | None = "not configured yet"
-        self._graveyard: list[Any] = []
-        self._stores: list[Any] = []  # the current generation's stores (see configure)
-        self._name: str | None = None
-        self._desc = self.key
-        # called with "allreduce" or "reduce_scatter" before such a collective is issued: the
-        # job's fault-injection sites (an exception raised here surfaces inside FSDP's backward)
-        self.before_collective: Callable[[str], None] | None = None
 
     # -- identity: what FSDP2, DeviceMesh and c10d ask ----------------------------------------
     def rank(self) -> int:
@@ -139,126 +102,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ResilientProcessGroup({self.key}, rank {self._group_rank}, gen {self.generation})"
 
-    # -- generations ----------------------------------------------------------------------------
-    def configure(
-        self,
-        generation: int,
-        store: dist.Store,
-        deadline: float,
-        cancelled: threading.Event | None = None,
-        backend: str = "gloo",
-    ) -> None:
-        """Form this group's communicator of ``generation`` from ``store`` (a prefix store of
-        that generation) and make it current. Blocks until every member has joined, the
-        ``deadline`` (``time.monotonic()``) passes, or ``cancelled`` is set. Construction runs
-        on a helper thread so that a cancel ends the wait even while gloo is connecting."""
-        self.abort(f"superseded by generation {generation}")
-        result: dict[str, Any] = {}
-        sub = dist.PrefixStore(f"{self.key}/", store)
-
-        dev_sub = dist.PrefixStore(f"{self.device_backend}/", sub) if self.device_backend else None
-
-        def build() -> None:
-            try:
-                left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-                result["pg"] = new_group(backend, sub, self._group_rank, self._group_size, left)
-                if self.device_backend and dev_sub is not None:
-                    left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-                    result["dev"] = new_group(
-                        self.device_backend, dev_sub, self._group_rank, self._group_size, left
-                    )
-            except Exception as e:
-                result["error"] = e
-
-        th = threading.Thread(target=build, daemon=True, name=f"cl-rpg-{self.key}-gen{generation}")
-        th.start()
-        while th.is_alive():
-            th.join(0.005)
-            if cancelled is not None and cancelled.is_set():
-                raise RendezvousError(f"group {self.key} generation {generation}: cancelled by a newer fault")
-            if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"group {self.key} generation {generation}: timed out; some member never joined"
-                )
-        if "error" in result:
-            raise RendezvousError(f"group {self.key} generation {generation} failed: {result['error']}")
-        with self._lock:
-            for old in (self._pg, self._dev_pg):
-                if old is not None:
-                    self._graveyard.append(old)
-            self._pg = result["pg"]
-            self._dev_pg = result.get("dev")
-            # a Python store must outlive its process group (torch keeps only the C++ half):
-            # this generation's stay referenced here until the next one replaces them
-            self._graveyard.extend(self._stores)
-            self._stores = [x for x in (store, sub, dev_sub) if x is not None]
-            self.generation = generation
-            self._aborted = None
-
-    def abort(self, reason: str = "aborted") -> int:  # type: ignore[override]
-        """Fail every pending collective now (thread-safe) and refuse new ones until the next
-        :meth:`configure`; return how many were pending."""
-        with self._lock:
-            self._aborted = reason
-            pending = list(self._pending)
-            if self._pg is not None:
-                self._graveyard.append(self._pg)  # parked: destroying it could block on gloo
-                self._pg = None
-            if self._dev_pg is not None:
-                self._dev_pg.abort()  # NCCL can abort its kernels (a hung one holds the stream)
-                self._graveyard.append(self._dev_pg)
-                self._dev_pg = None
-        for h in pending:
-            h.abort(f"group {self.key} generation {self.generation} aborted: {reason}")
-        return len(pending)
-
-    @property
-    def aborted(self) -> str | None:
-        return self._aborted
-
-    def release_graveyard(self, here: bool = False) -> None:
-        """Drop parked gloo groups. Their destructors join gloo's threads, so by default that
-        happens on a helper thread; ``here`` does it on the calling thread (see :meth:`close`)."""
-        with self._lock:
-            parked, self._graveyard = self._graveyard, []
-        if here:
-            parked.clear()
-        elif parked:
-            threading.Thread(target=parked.clear, daemon=True, name="cl-rpg-reaper").start()
-
-    def close(self) -> None:
-        """Drop this group's communicators now, on the calling thread (a job without our launcher,
-        at its exit: recovery/process.py's ``close_at_exit``). Pending collectives fail first."""
-        self.abort("closed")
-        # the gloo destructors join their threads here, while the interpreter is alive
-        self.release_graveyard(here=True)
-        with self._lock:
-            stores, self._stores = self._stores, []
-        stores.clear()
-
     # -- collectives ----------------------------------------------------------------------------
-    def handle(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> Handle:
-        """Issue ``fn(group)`` on this generation's group for the device of ``on`` (a tensor, or
-        a list of them: the device group for CUDA tensors when there is one, else gloo) and
-        return its completion, which :meth:`abort` fails. The data-parallel communicator waits
-        on these directly; c10d callers get them wrapped as a ``dist.Work`` (:meth:`_issue`)."""
-        with self._lock:
-            if self._aborted is not None or self._pg is None:
-                raise CommAborted(f"group {self.key} generation {self.generation} aborted: {self._aborted}")
-            dev = self._dev_pg is not None and _on_cuda(on)
-            work = fn(self._dev_pg if dev else self._pg)
-            # gloo is polled by the waiting thread; NCCL completes through its future
-            h = Handle(work, result, self._forget, poll=not dev)
-            if not h.done():
-                self._pending.add(h)
-        return h
-
     def _issue(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> AbortableWork:
         return AbortableWork(self.handle(fn, result, on), result)
-
-    def _forget(self, h: Handle) -> None:
-        with self._lock:
-            self._pending.discard(h)
 
     def _before(self, kind: str) -> None:
         if self.before_collective is not None:
@@ -323,7 +169,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return self._reduce_scatter_one(output, input, opts)
 
     def _reduce_scatter_one(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> AbortableWork:
-        if self._dev_pg is not None and _on_cuda(input):
+        if self._dev_pg is not None and on_cuda(input):
             return self._issue(lambda pg: pg._reduce_scatter_base(output, input, opts), output, input)
         # gloo's reduce-scatter is an all-reduce of a copy of the input followed by a copy of this
         # rank's part (checked bit for bit in tests/test_process_group_collectives.py), done in
@@ -456,13 +302,6 @@ class ResilientProcessGroup(dist.ProcessGroup):
             for o, i in zip(outputs, inputs, strict=True)
         ]
         return ChainWork(works, outputs)
-
-
-def _on_cuda(x: Any) -> bool:
-    """Whether ``x`` (a tensor, or a list of tensors or of lists of them) lives on a GPU."""
-    while isinstance(x, list | tuple) and x:
-        x = x[0]
-    return isinstance(x, torch.Tensor) and x.is_cuda
 
 
 def _call(method: str, output: torch.Tensor, input: torch.Tensor, opts: Any, pg: Any) -> Any:

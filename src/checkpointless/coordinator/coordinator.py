@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.conditions import Conditions
 from checkpointless.coordinator.faults import check_hangs, flush_pending, host_lost, process_exited
+from checkpointless.coordinator.messages import apply_heartbeat, handle
 from checkpointless.coordinator.placement import assign_hosts, placement
-from checkpointless.coordinator.rounds import advance_round, on_committed, on_recovered, on_stopped
-from checkpointless.coordinator.spares import refill_spares, retire_squeezed, spare_host_for
+from checkpointless.coordinator.rounds import advance_round
+from checkpointless.coordinator.spares import refill_spares, spare_host_for
 from checkpointless.coordinator.state import (
     Command,
     Emit,
     HostState,
-    HostTable,
     Kill,
     Log,
     Member,
@@ -41,22 +41,7 @@ from checkpointless.errors import NotRecoverableError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.launcher.policy import FaultRecord
 from checkpointless.peer_table import TableKeeper
-from checkpointless.protocol import (
-    Assign,
-    Committed,
-    Done,
-    Fatal,
-    Fired,
-    Heartbeat,
-    Message,
-    PeerTable,
-    PeerTableRequest,
-    Prepare,
-    Recovered,
-    Shutdown,
-    SpareReady,
-    Stopped,
-)
+from checkpointless.protocol import Assign, Message, PeerTable, Shutdown
 
 if TYPE_CHECKING:
     from checkpointless.agent.beats import WorkerBeat
@@ -210,7 +195,7 @@ class Coordinator:
             if m is None or m.host != host:
                 continue
             at = max(now - b.age, m.last_message)
-            self._apply_heartbeat(m, at, b.step, b.progress_age, b.in_collective, b.step_time, b.busy_time)
+            apply_heartbeat(m, at, b.step, b.progress_age, b.in_collective, b.step_time, b.busy_time)
 
     def on_closed(self, worker_id: int) -> None:
         """The worker's control connection ended: every frame it sent has been handled."""
@@ -222,7 +207,7 @@ class Coordinator:
             self._guarded(process_exited, self, *held[1])
 
     def on_message(self, worker_id: int, msg: Message, now: float, wall: float) -> None:
-        self._guarded(self._handle, worker_id, msg, now, wall)
+        self._guarded(handle, self, worker_id, msg, now, wall)
 
     def on_exit(
         self, worker_id: int, code: int, own_failure: bool, detail: str, tail: str, now: float, wall: float
@@ -339,104 +324,6 @@ class Coordinator:
                 initial=initial,
             ),
         )
-
-    # -- messages -----------------------------------------------------------------------------
-    def _handle(self, worker_id: int, msg: Message, now: float, wall: float) -> None:
-        m = self.procs.get(worker_id)
-        if m is None:
-            return
-        m.last_message = now
-        if isinstance(msg, Heartbeat):
-            self._apply_heartbeat(
-                m, now, msg.step, msg.progress_age, msg.in_collective, msg.step_time, msg.busy_time
-            )
-        elif isinstance(msg, PeerTableRequest):
-            # the host's copy failed this member (none, not yet there, or not matching): worth
-            # seeing, since every member of a host asking costs what the copy was meant to save
-            self._emit("peer_table_request", worker=m.worker_id, rank=m.rank, host=m.host, have=msg.have)
-            self._send_table(m)
-        elif isinstance(msg, SpareReady):
-            m.ready = True
-            self._early_spare_deaths = 0
-            self._emit("spare_ready", worker=m.worker_id)
-            if self.state_bytes:
-                self._send(m, Prepare(self.state_bytes))
-            if self.round is None and m.worker_id in self.moving_spares:
-                retire_squeezed(self)
-        elif isinstance(msg, Fired):
-            self.fired.add(msg.id)
-            self._fired_at = msg.time
-            self._emit("fault_injected", rank=m.rank, id=msg.id, kind=msg.kind, fired_at=msg.time)
-        elif isinstance(msg, Stopped):
-            on_stopped(self, m, msg, now, wall)
-        elif isinstance(msg, Recovered):
-            on_recovered(self, m, msg, now)
-        elif isinstance(msg, Committed):
-            on_committed(self, m, msg, now)
-        elif isinstance(msg, Done):
-            m.done = True
-        elif isinstance(msg, Fatal):
-            raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
-
-    @staticmethod
-    def _apply_heartbeat(
-        m: Member,
-        at: float,
-        step: int | None,
-        progress_age: float | None,
-        in_collective: bool,
-        step_time: float | None,
-        busy_time: float | None = None,
-    ) -> None:
-        """A heartbeat the worker sent at ``at`` (directly, or published for its agent)."""
-        m.last_message = at
-        m.in_collective = in_collective
-        if progress_age is not None:
-            m.progress_known = True
-            m.last_progress = at - progress_age
-        m.step = step
-        if step_time is not None:
-            m.step_time = step_time
-        if busy_time is not None:
-            m.busy_time = busy_time
-
-    def _table_chunks(self) -> list[PeerTable]:
-        """The current table as messages: built once per version, for every member and host."""
-        t = self.table
-        if self._table_msgs[0] != t.version:
-            msgs = [
-                PeerTable(t.version, t.digest, len(t.peers), c.first, c.hosts, c.runs) for c in t.chunks()
-            ]
-            self._table_msgs = (t.version, msgs)
-        return self._table_msgs[1]
-
-    def _send_table(self, m: Member) -> None:
-        """The whole peer table to one member, in chunks (peer_table.py)."""
-        t = self.table
-        if t.version == 0:
-            return  # no plan yet: its first Recover brings the table
-        for chunk in self._table_chunks():
-            self._send(m, chunk)
-        self.table_sends += 1
-        if m.connected and not m.exited:  # _send drops what a closed connection cannot take
-            t.sent(m.worker_id)
-
-    def _give_table(self, m: Member) -> None:
-        """Bring a member that needs the whole table up to the current version: through its host's
-        copy (agent/tables.py), sent to the agent once per version for all its workers; the member
-        reads it there when its plan arrives, and asks us itself (``PeerTableRequest``) only when
-        that copy fails it. A member of a host we do not know as live gets its own copy."""
-        t = self.table
-        h = self.hosts.get(m.host)
-        if h is None or h.lost or t.version == 0:
-            self._send_table(m)
-            return
-        if h.table_version != t.version:
-            h.table_version = t.version
-            self._out.append(HostTable(h.host, tuple(self._table_chunks())))
-            self.host_tables += 1
-        if m.connected and not m.exited:
-            t.sent(m.worker_id)
 
     # -- faults -------------------------------------------------------------------------------
 

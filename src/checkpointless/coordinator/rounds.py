@@ -11,6 +11,7 @@ from checkpointless.coordinator.faults import record_fault, report_recovery
 from checkpointless.coordinator.placement import match_spares
 from checkpointless.coordinator.spares import refill_spares, retire_squeezed
 from checkpointless.coordinator.state import Member, Round
+from checkpointless.coordinator.tables import give_table
 from checkpointless.errors import NotRecoverableError
 from checkpointless.peer_table import compact_plan
 from checkpointless.protocol import Committed, Prepare, Recover, Recovered, Stopped
@@ -106,7 +107,7 @@ def advance_round(c: Coordinator, now: float) -> None:
     sends, hosts = c.table_sends, c.host_tables
     for m in c.ranks.values():
         if rootless and t.needs_full(m.worker_id):
-            c._give_table(m)
+            give_table(c, m)
         elif m.connected and not m.exited:
             t.sent(m.worker_id)
     for m in c.ranks.values():  # after every host's copy: a remote agent gets it first

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 from checkpointless.data.corpus import make_synthetic_corpus
 from checkpointless.data.dataset import TokenDataset
 from checkpointless.data.digest import array_digest, batch_digest
-from checkpointless.data.format import TokenFileHeader, TokenFileWriter, read_header, write_token_file
+from checkpointless.data.format import TokenFileHeader
+from checkpointless.data.format_check import read_header
+from checkpointless.data.format_writer import TokenFileWriter, write_token_file
 from checkpointless.data.prepare import prepare_main
 from checkpointless.data.sampler import GlobalSampler
 from checkpointless.data.shm_cache import (

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from checkpointless.data.format import TokenFileHeader, Verify, read_header, verify_token_file
+from checkpointless.data.format import TokenFileHeader
+from checkpointless.data.format_check import Verify, read_header, verify_token_file
 from checkpointless.errors import ConfigError, DataError
 
 __all__ = ["TokenDataset"]

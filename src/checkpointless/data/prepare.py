@@ -20,7 +20,8 @@ from typing import TextIO
 import numpy as np
 from tqdm import tqdm
 
-from checkpointless.data.format import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, TokenFileWriter
+from checkpointless.data.format import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from checkpointless.data.format_writer import TokenFileWriter
 from checkpointless.data.tokenize import get_tokenizer
 from checkpointless.errors import ConfigError, DataError
 

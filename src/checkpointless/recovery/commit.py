@@ -16,6 +16,7 @@ from checkpointless.errors import NotRecoverableError
 from checkpointless.events import get_logger, set_log_step
 from checkpointless.protocol import Committed
 from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
+from checkpointless.recovery.guard import site
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
 from checkpointless.state.snapshot import capture_rng, collect_state
@@ -61,8 +62,8 @@ def enter_step(job: Job, index: int) -> None:
         except Exception as e:  # the disk's trouble must not fail a training step
             log.warning("checkpoint of step %d not started: %s", index, e)
     try:
-        job._site("step")
-    except Exception as e:  # surfaced at the first hook inside the body (see _site)
+        site(job, "step")
+    except Exception as e:  # surfaced at the first hook inside the body (see guard.site)
         job._deferred = e
 
 

@@ -39,7 +39,7 @@ class MemberReport:
     # (replicate, shard) sizes of the job's device mesh (None: replicated data parallel); rank r
     # holds shard coordinate r % shard in replica group r // shard (row-major, comm/mesh.py)
     mesh: tuple[int, int] | None = None
-    # (owner rank, step) of every verified buddy copy this member keeps for others (state/buddy.py)
+    # (owner rank, step) of every verified buddy copy this member keeps for others (state/buddy_keeper.py)
     copies: tuple[tuple[int, int], ...] = ()
     # steps of this rank's own shared-memory snapshots on its host (per-rank, on a sharded mesh)
     own_snapshots: tuple[int, ...] = ()

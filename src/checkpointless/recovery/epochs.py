@@ -40,12 +40,24 @@ epoch (an evaluation that may ``break``, a file) can ask ``job.epoch_abandoned``
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.loop import LoopControl
+from checkpointless.state.snapshot import (
+    capture_rng,
+    collect_state,
+    host_copy,
+    land,
+    landing_zone,
+    restore_rng,
+    restore_state,
+)
 
-__all__ = ["EpochDriver"]
+if TYPE_CHECKING:
+    from checkpointless.recovery.job import Job
+
+__all__ = ["EpochDriver", "hold_state"]
 
 _NO_STEPS = object()  # the pending "step" of an epoch whose inner loop has nothing left to run
 
@@ -64,7 +76,7 @@ class EpochDriver:
     ) -> None:
         self._steps = steps
         self.per_epoch = per_epoch
-        # hold(): copy the tracked state now and return what puts the copy back (Job._hold_state)
+        # hold(): copy the tracked state now and return what puts the copy back (hold_state)
         self._hold = hold
         self._put_back: Callable[[], None] | None = None  # after a rollback's abandoned epoch
         self.abandoned = False  # the last inner loop ended in a rollback to an earlier epoch
@@ -135,3 +147,18 @@ class EpochDriver:
                     if self._hold is not None:
                         self._put_back = self._hold()
                 return
+
+
+def hold_state(job: Job) -> Callable[[], None]:
+    """Copy the job's tracked state and the generators to host memory; return what restores them
+    (the ``hold`` of the job's :class:`EpochDriver`: after a rollback to an earlier epoch). Rare,
+    so a plain copy."""
+    held = host_copy(collect_state(job._objects, job.committed_step, capture_rng()))
+
+    def put_back() -> None:
+        # into the live tensors, as a received state lands: no second copy on the device
+        own = landing_zone(job._objects, job.committed_step, capture_rng())
+        _, rng = restore_state(job._objects, land(held, own))
+        restore_rng(rng)
+
+    return put_back

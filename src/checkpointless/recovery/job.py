@@ -21,6 +21,7 @@ applied its update). Models, optimizers and data objects stay in memory througho
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,17 +34,16 @@ from torch import nn
 
 from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.data_parallel import DataParallel
-from checkpointless.comm.work import waiting_since
 from checkpointless.config import WorkerEnv
 from checkpointless.errors import CheckpointlessError, ConfigError
-from checkpointless.events import EventLog, get_logger, setup_logging
-from checkpointless.faults.inject import FaultSpec, Injector, parse_faults
-from checkpointless.protocol import Abort, Fired, Heartbeat
+from checkpointless.events import EventLog, setup_logging
+from checkpointless.faults.inject import Injector, parse_faults
 from checkpointless.recovery.amp import is_grad_scaler
 from checkpointless.recovery.default_group import DefaultGroup, configure_standalone, install_default_group
 from checkpointless.recovery.divergence import DEFAULT_EVERY
 from checkpointless.recovery.driver import run_steps
-from checkpointless.recovery.epochs import EpochDriver
+from checkpointless.recovery.epochs import EpochDriver, hold_state
+from checkpointless.recovery.guard import after_update, before_update, on_collective, site
 from checkpointless.recovery.link import LauncherLink
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LoopControl
@@ -63,22 +63,9 @@ from checkpointless.state.arena import Arena
 from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.durable import CheckpointWriter, parse_every
 from checkpointless.state.shm_snapshot import SnapshotWriter
-from checkpointless.state.snapshot import (
-    RngState,
-    Stateful,
-    capture_rng,
-    check_stateful,
-    collect_state,
-    host_copy,
-    land,
-    landing_zone,
-    restore_rng,
-    restore_state,
-)
+from checkpointless.state.snapshot import RngState, Stateful, check_stateful
 
 __all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
-
-log = get_logger()
 
 
 class Job:
@@ -98,7 +85,7 @@ class Job:
         self.rendezvous_timeout = rendezvous_timeout
         self.max_step_retries = max_step_retries
         self.comm = Communicator(0, 1, datetime.timedelta(seconds=rendezvous_timeout))
-        self.comm.before_allreduce = lambda: self._site("allreduce")
+        self.comm.before_allreduce = lambda: site(self, "allreduce")
         self._objects: dict[str, Stateful] = {}
         self._tracked: dict[int, str] = {}  # id(object) -> its name in track()
         self._modules: list[nn.Module] = []
@@ -161,7 +148,9 @@ class Job:
     def _install_default_group(self) -> DefaultGroup:
         # after the rank is known; recovery/default_group.py says why every job gets one
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
-        self._default = install_default_group(self.rank, self.world_size, timeout, self._on_collective)
+        self._default = install_default_group(
+            self.rank, self.world_size, timeout, functools.partial(on_collective, self)
+        )
         return self._default
 
     # -- registration --------------------------------------------------------------------------
@@ -187,7 +176,13 @@ class Job:
             raise err
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
         self._mesh = ShardedRun(
-            names, shape, self.rank, self.world_size, timeout, self._on_collective, self.device.type
+            names,
+            shape,
+            self.rank,
+            self.world_size,
+            timeout,
+            functools.partial(on_collective, self),
+            self.device.type,
         )
         if self._default is not None:  # the mesh's world group is this one: the mesh drives it now
             self._default.handed_to_mesh()
@@ -216,10 +211,6 @@ class Job:
     def dp_size(self) -> int:
         return self.world_size
 
-    def _on_collective(self, kind: str) -> None:
-        # an FSDP reduce-scatter runs inside backward; the replicate all-reduce is the job's
-        self._site("backward" if kind == "reduce_scatter" else "allreduce")
-
     def track(self, **objects: Any) -> None:
         """Register what makes a replica: modules, optimizers, schedulers, your own objects with
         ``state_dict``/``load_state_dict``. Registered state travels to a replacement."""
@@ -239,14 +230,14 @@ class Job:
             self._objects[name] = local_stateful(check_stateful(name, obj))
             if isinstance(obj, nn.Module):
                 self._modules.append(obj)
-                obj.register_forward_pre_hook(lambda m, a: self._site("forward"))
+                obj.register_forward_pre_hook(lambda m, a: site(self, "forward"))
                 first = next((p for p in obj.parameters() if p.requires_grad), None)
                 if first is not None:
-                    first.register_post_accumulate_grad_hook(lambda p: self._site("backward"))
+                    first.register_post_accumulate_grad_hook(lambda p: site(self, "backward"))
             if isinstance(obj, torch.optim.Optimizer):
                 self._optimizers.append(obj)
-                obj.register_step_pre_hook(self._before_update)
-                obj.register_step_post_hook(self._after_update)
+                obj.register_step_pre_hook(functools.partial(before_update, self))
+                obj.register_step_post_hook(functools.partial(after_update, self))
             if is_grad_scaler(obj):
                 self._scalers.append(obj)
 
@@ -278,7 +269,7 @@ class Job:
             raise ConfigError(f"job.epochs({count}, start={start}): start must be in 0..{count}")
         self._step_loader = wrapped
         steps = self.steps(count * per, start * per, steps_per_epoch=per)
-        self._epochs = EpochDriver(steps, per, self._loop, start, hold=self._hold_state)
+        self._epochs = EpochDriver(steps, per, self._loop, start, hold=functools.partial(hold_state, self))
         return self._epochs.epochs()
 
     @property
@@ -287,33 +278,11 @@ class Job:
         earlier epoch (its per-epoch work still runs; recovery/epochs.py)."""
         return self._epochs is not None and self._epochs.abandoned
 
-    def _hold_state(self) -> Callable[[], None]:
-        """Copy the tracked state and the generators to host memory; return what restores them
-        (recovery/epochs.py: after a rollback to an earlier epoch). Rare, so a plain copy."""
-        held = host_copy(collect_state(self._objects, self.committed_step, capture_rng()))
-
-        def put_back() -> None:
-            # into the live tensors, as a received state lands: no second copy on the device
-            own = landing_zone(self._objects, self.committed_step, capture_rng())
-            _, rng = restore_state(self._objects, land(held, own))
-            restore_rng(rng)
-
-        return put_back
-
     def epoch_steps(self) -> Iterator[Step]:
         """The steps of the current epoch of ``job.epochs()`` (use as its inner loop)."""
         if self._epochs is None:
             raise ConfigError("job.epoch_steps() runs inside `for epoch in job.epochs(...)`")
         return self._epochs.epoch_steps()
-
-    def _batch(self, index: int) -> Any:
-        loader = self._step_loader or (self._loaders[0] if len(self._loaders) == 1 else None)
-        if loader is None:
-            raise ConfigError(
-                f"step.batch needs one loader, and this job has {len(self._loaders)} job.loader()s; "
-                "call loader.batch(step.index) on the one you mean"
-            )
-        return loader.batch(index)
 
     def generator(self, name: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
         """Inside a step: a generator seeded from (seed, name, rank, step), for randomness that
@@ -378,104 +347,6 @@ class Job:
         loading code with ``if not job.is_replacement``. ``steps_per_epoch`` gives ``step.epoch``
         (default: the length of the one ``job.loader()``)."""
         return run_steps(self, total, start, steps_per_epoch)
-
-    def _per_epoch(self) -> int:
-        if self._steps_per_epoch is not None:
-            return self._steps_per_epoch
-        if len(self._loaders) == 1 and self._loaders[0].batches_per_epoch:
-            return self._loaders[0].batches_per_epoch
-        raise ConfigError(
-            f"step.epoch needs the epoch length: pass job.steps(total, steps_per_epoch=N) (this job "
-            f"has {len(self._loaders)} job.loader()s, so the length is not implied)"
-        )
-
-    def _site(self, site: str) -> None:
-        if self._deferred is not None:
-            e, self._deferred = self._deferred, None
-            raise e
-        if site == "forward" and self._batch_s is None:
-            # the step's start to the model's first forward: fetching and assembling the batch
-            # (and moving it to the device), measured without asking the script to report it
-            self._batch_s = time.monotonic() - self._progress_t
-        if self._step_index is not None:
-            self._injector.maybe_fire(site, self._step_index)
-
-    def _copy_aborted(self) -> str | None:
-        # a buddy copy is abandoned with the generation (state/buddy.py: wait_sent)
-        return self.comm.aborted or (self._mesh.aborted() if self._mesh is not None else None)
-
-    def _before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
-        # The update must not change tensors still being read: a snapshot's copy, DCP's staging,
-        # the buddy copy's stream. Waited for before the barrier below, so that once past it
-        # nothing can refuse the update: a buddy copy abandoned by an abort raises CommAborted
-        # here, while every rank is still on this side of the barrier.
-        if self._snapshots is not None:
-            self._snapshots.wait_copied(self.rendezvous_timeout)
-        if self._checkpoints is not None:
-            self._checkpoints.wait_staged(self.rendezvous_timeout)
-        if self._buddies is not None:
-            self._buddies.wait_sent(self.rendezvous_timeout, self._copy_aborted)
-        if (
-            self._mesh is not None
-            and self._mesh.shards > 1
-            and self._link is not None
-            and self.world_size > 1
-        ):
-            # Sharded state: no rank may apply its update while another is still inside one of the
-            # step's collectives. Without this, a fault in one rank's update aborts a collective of
-            # another shard's group still in flight, while a third rank has already updated: the
-            # shards end at different steps, and the state of no single step exists anywhere (found
-            # by the HSDP raise-mid-optimizer test). Past this barrier every rank has its gradients
-            # and applies its update even if an abort arrives meanwhile (an update is never undone).
-            self.comm.barrier(self.rendezvous_timeout)  # CommAborted: the step dies before any update
-        else:
-            self.comm.check()  # never apply an update from a generation that was aborted
-            if self._default is not None:
-                self._default.check()
-            if self._mesh is not None:
-                self._mesh.check()
-        self._dirty = True
-        if self._step_index is not None and self._injector.due("optimizer", self._step_index):
-            # rehearse a fault half-way through the update: some parameters already changed
-            with torch.no_grad():
-                first = opt.param_groups[0]["params"][0]
-                first.add_(1.0)
-        self._site("optimizer")
-
-    def _after_update(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self._dirty = False
-        self._updated = True
-
-    def _on_abort(self, msg: Abort) -> None:
-        gen = msg.generation
-        if gen > self._latest_abort:
-            self._latest_abort = gen
-            self._cancel.set()
-            n = self.comm.abort(msg.reason)
-            if self._default is not None:
-                n += self._default.abort(msg.reason)
-            if self._mesh is not None:
-                n += self._mesh.abort(msg.reason)
-            if n:
-                log.info("aborted %d pending collective(s) for generation %d", n, gen)
-
-    def _status(self) -> Heartbeat:
-        since = self.comm.in_collective_since or waiting_since()
-        return Heartbeat(
-            step=self._step_index,
-            # no progress clock while recovering: the launcher times recoveries by their own rules
-            progress_age=None
-            if (self._recovering or not self._started or self._in_section is not None)
-            else time.monotonic() - self._progress_t,
-            in_collective=since is not None,
-            step_time=self._last_step_time,
-            busy_time=self._last_busy_time,
-        )
-
-    def _announce_fault(self, spec: FaultSpec) -> None:
-        log.warning("injecting fault %s", spec.to_text())
-        if self._link is not None:
-            self._link.send(Fired(id=spec.id, kind=spec.kind, time=time.time()))
 
 
 _JOB: Job | None = None

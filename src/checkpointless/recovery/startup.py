@@ -10,6 +10,7 @@ picks one of :func:`connect`, :func:`join_torchrun` and :func:`standalone`, and
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.faults.inject import Injector, parse_faults
 from checkpointless.protocol import Assign, Prefetch, Prepare, SpareReady
+from checkpointless.recovery.callbacks import announce_fault, on_abort, status
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.process import warm_up
 from checkpointless.recovery.sharded import buddies_wanted
@@ -66,7 +68,7 @@ def connect(job: Job) -> None:
         )
         server.start()
         job._store_state["server"] = server
-    job._link = LauncherLink(job.env, job._on_abort, job._status)
+    job._link = LauncherLink(job.env, functools.partial(on_abort, job), functools.partial(status, job))
     if job.env.role == "spare":
         log.info("spare %d ready, waiting for a rank", job.env.worker_id)
         job._link.send(SpareReady())
@@ -105,7 +107,7 @@ def connect(job: Job) -> None:
             job._checkpoints = CheckpointWriter(job._checkpoint_dir, ckpt_every)
     job.divergence_every = msg.divergence_check
     specs = parse_faults(list(msg.faults), job.world_size)
-    job._injector = Injector(specs, job.rank, set(msg.fired), job._announce_fault)
+    job._injector = Injector(specs, job.rank, set(msg.fired), functools.partial(announce_fault, job))
 
 
 def _wait_for_rank(job: Job) -> Assign:
@@ -177,7 +179,7 @@ def sharded_copies(job: Job) -> None:
         return
     buddies = buddies_wanted(job._buddy_mode, job._mesh.shape)
     # With buddy copies each rank also keeps its own two newest step states in process memory
-    # (its undo copies, state/buddy.py), what a survivor rolls back from when the lost rank
+    # (its undo copies, state/buddy_owner.py), what a survivor rolls back from when the lost rank
     # kept its copy; the shared-memory snapshots stay at their cadence, for a replacement on
     # the same host whose keeper was lost too.
     every = job._snapshot_every

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointless.errors import RendezvousError
+from checkpointless.rendezvous.keyproto import KEYSERVER_C2S, KEYSERVER_S2C, MUTATING_OPS, PROTOCOL_VERSION
 from checkpointless.rendezvous.peers import PeerTable
-from checkpointless.rendezvous.server import KEYSERVER_C2S, KEYSERVER_S2C, MUTATING_OPS, PROTOCOL_VERSION
 from checkpointless.wire import FrameError, derive_key, recv_frame, send_frame
 
 __all__ = ["PeerClient", "Reply", "Request"]

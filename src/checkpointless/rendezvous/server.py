@@ -1,10 +1,12 @@
 """The key server every participant runs: it serves the keys that participant owns.
 
 One event-loop thread per participant handles every connection (a full-mesh rendezvous of N ranks
-opens N-1 connections to each server, so a thread per connection would not scale). Requests that
-wait for a key park as a :class:`~checkpointless.rendezvous.keyspace.Watch` and are answered when
-the key is written, or with a timeout reply at their deadline; the loop itself never blocks on a
-slow key.
+opens N-1 connections to each server, so a thread per connection would not scale). This module is
+the connection side: accepting, reading and sealing frames, and deciding which connections to
+trust. What an authenticated request does to the keys, including the requests that wait for a key
+(parked, so the loop never blocks on a slow key), is
+:mod:`~checkpointless.rendezvous.server_requests`; what both ends share (labels, version, ops) is
+:mod:`~checkpointless.rendezvous.keyproto`.
 
 Security: every frame is sealed (:mod:`checkpointless.wire`) with keys derived from the job secret,
 one per direction (``keyserver/c2s`` for requests, ``keyserver/s2c`` for replies, so a recorded
@@ -35,8 +37,6 @@ one be closed anyway, the client sends its request again once on a new connectio
 from __future__ import annotations
 
 import contextlib
-import heapq
-import itertools
 import json
 import queue
 import secrets
@@ -44,31 +44,19 @@ import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any
 
 from checkpointless.errors import ConfigError
-from checkpointless.rendezvous.keyspace import KeySpace, Watch
+from checkpointless.rendezvous.keyproto import KEYSERVER_C2S, KEYSERVER_S2C, MUTATING_OPS, PROTOCOL_VERSION
+from checkpointless.rendezvous.keyspace import KeySpace
 from checkpointless.rendezvous.ports import open_listener
+from checkpointless.rendezvous.server_requests import Pending, RequestHandler
 from checkpointless.wire import FrameDecoder, FrameError, derive_key, send_frame
 
-__all__ = [
-    "KEYSERVER_C2S",
-    "KEYSERVER_S2C",
-    "MUTATING_OPS",
-    "PROTOCOL_VERSION",
-    "KeyServer",
-    "ServerStats",
-    "join_values",
-    "split_values",
-]
+__all__ = ["KeyServer", "ServerStats"]
 
-PROTOCOL_VERSION = 2  # 2: per-direction keys, no sealed "auth" reply
-KEYSERVER_C2S = "keyserver/c2s"  # key labels (wire.derive_key): requests, and stream acks
-KEYSERVER_S2C = "keyserver/s2c"  # replies, and a stream's manifest and trailer
 _READ_CHUNK = 256 << 10
-# these need the connection's nonce ("stream" too: a replayed one must not get a connection)
-MUTATING_OPS = frozenset({"set", "add", "cas", "append", "del", "stream"})
 _MAX_PAYLOAD = 64 << 20  # rendezvous values are addresses and ids; more is a bug or an attack
 # A connection's first frame is a hello or a read (a write needs the nonce a hello issues), so
 # it has no payload to speak of: until a frame has passed its seal, a connection may announce
@@ -79,28 +67,6 @@ _MAX_UNSEALED = 256  # well under a process's usual 1024 descriptors
 _FRAME_OVERHEAD = 12 + 32  # length prefix + MAC, for the byte counters
 _LISTENER = object()
 _WAKER = object()
-
-
-def join_values(values: list[bytes]) -> tuple[list[int], bytes]:
-    """Pack values into one payload plus their lengths (the header carries the lengths)."""
-    return [len(v) for v in values], b"".join(values)
-
-
-def split_values(lens: Any, payload: bytes | bytearray, count: int) -> list[bytes] | None:
-    """Inverse of :func:`join_values`; None when the lengths do not describe the payload."""
-    if (
-        not isinstance(lens, list)
-        or len(lens) != count
-        or not all(isinstance(n, int) and n >= 0 for n in lens)
-        or sum(lens) != len(payload)
-    ):
-        return None
-    out: list[bytes] = []
-    pos = 0
-    for n in lens:
-        out.append(bytes(payload[pos : pos + n]))
-        pos += n
-    return out
 
 
 class ServerStats:
@@ -137,29 +103,9 @@ class _Conn:
         self.accepted = accepted
         self.nonce: str | None = None  # issued by the first "hello" on this connection
         self.last_seq = 0
-        self.pending: set[_Pending] = set()
+        self.pending: set[Pending[_Conn]] = set()  # parked by the request handler
         self.decoder = FrameDecoder(rx_key, max_payload=_FIRST_MAX_PAYLOAD)
         self.partial_since: float | None = None  # when the frame in progress started arriving
-
-
-class _Pending:
-    """A request parked until its keys exist or its deadline passes."""
-
-    __slots__ = ("conn", "deadline", "done", "header", "watch")
-
-    def __init__(self, conn: _Conn, header: dict[str, Any], deadline: float) -> None:
-        self.conn = conn
-        self.header = header
-        self.deadline = deadline
-        self.done = False
-        self.watch: Watch | None = None
-
-
-def _keys_of(header: dict[str, Any]) -> list[str] | None:
-    keys = header.get("keys")
-    if isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys):
-        return keys
-    return None
 
 
 class KeyServer:
@@ -214,10 +160,7 @@ class KeyServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._ready: deque[_Pending] = deque()  # appended by writer threads, drained by the loop
-        self._ready_lock = threading.Lock()
-        self._timers: list[tuple[float, int, _Pending]] = []
-        self._tick = itertools.count()
+        self._requests: RequestHandler[_Conn] = RequestHandler(self.keyspace, self._send, self._wake)
         self._conns: set[_Conn] = set()
         # connections with no sealed frame yet, oldest first (insertion order is accept order)
         self._unsealed: OrderedDict[_Conn, None] = OrderedDict()
@@ -293,18 +236,19 @@ class KeyServer:
                             self._wake_r.recv(4096)
                     else:
                         self._serve(key.data)
-                self._answer_ready()
-                self._expire()
+                self._requests.answer_ready()
+                self._requests.expire()
                 self._expire_partial()
                 self._expire_unsealed()
             # Answers already due go out before the port closes: a rank that leaves right after
             # a barrier must not take with it the reply that lets the last peer leave too.
-            self._answer_ready()
+            self._requests.answer_ready()
         finally:
             self._close_all()
 
     def _next_timeout(self) -> float | None:
-        due = [self._timers[0][0]] if self._timers else []
+        deadline = self._requests.next_deadline()
+        due = [deadline] if deadline is not None else []
         due += [c.partial_since + self.io_timeout for c in self._conns if c.partial_since is not None]
         if self._unsealed:
             due.append(next(iter(self._unsealed)).accepted + self.hello_timeout)
@@ -368,11 +312,7 @@ class KeyServer:
                 self._drop(oldest)
 
     def _drop(self, conn: _Conn) -> None:
-        for p in conn.pending:
-            p.done = True
-            if p.watch is not None:
-                self.keyspace.unwatch(p.watch)
-        conn.pending.clear()
+        self._requests.cancel(conn)
         self._unsealed.pop(conn, None)
         if conn in self._conns:
             self._conns.discard(conn)
@@ -438,135 +378,28 @@ class KeyServer:
             self._send(conn, {"seq": seq, "ok": True, "v": PROTOCOL_VERSION, "nonce": conn.nonce})
             return
         try:
-            self._dispatch(conn, header, payload)
+            if op == "stream":
+                self._hand_over(conn, header)
+            else:
+                self._requests.dispatch(conn, header, payload)
         except Exception as e:  # a bug must cost one request, never the loop (and every rank)
             self._send(conn, {"seq": seq, "ok": False, "error": "bad-request", "detail": repr(e)})
 
-    # -- requests -----------------------------------------------------------------------------
-    def _dispatch(self, conn: _Conn, h: dict[str, Any], payload: bytearray) -> None:
-        op, seq = h.get("op"), h["seq"]
-        ks = self.keyspace
-        if op == "count":
-            prefix = h.get("prefix")
-            if not isinstance(prefix, str):
-                raise ValueError("count needs a prefix")
-            self._send(conn, {"seq": seq, "ok": True, "count": ks.count(prefix)})
+    def _hand_over(self, conn: _Conn, h: dict[str, Any]) -> None:
+        """A ``stream`` request: the connection leaves the loop for the channel it names (see
+        :meth:`open_channel`)."""
+        seq = h["seq"]
+        with self._channels_lock:
+            q = self._channels.get(str(h.get("channel")))
+        if q is None:  # not open (yet): the peer retries until its deadline
+            self._send(conn, {"seq": seq, "ok": False, "error": "no-channel"})
             return
-        if op == "ping":
-            self._send(conn, {"seq": seq, "ok": True})
+        if conn.pending:  # a connection with parked reads cannot leave the loop
+            self._send(conn, {"seq": seq, "ok": False, "error": "busy"})
             return
-        if op == "stream":
-            with self._channels_lock:
-                q = self._channels.get(str(h.get("channel")))
-            if q is None:  # not open (yet): the peer retries until its deadline
-                self._send(conn, {"seq": seq, "ok": False, "error": "no-channel"})
-                return
-            if conn.pending:  # a connection with parked reads cannot leave the loop
-                self._send(conn, {"seq": seq, "ok": False, "error": "busy"})
-                return
-            if self._send(conn, {"seq": seq, "ok": True}):
-                self._conns.discard(conn)
-                with contextlib.suppress(KeyError, ValueError, OSError):
-                    self._sel.unregister(conn.sock)
-                conn.sock.settimeout(self.io_timeout)  # leaves the loop: bounded, blocking calls
-                q.put((conn.sock, h))
-            return
-        keys = _keys_of(h)
-        if keys is None:
-            raise ValueError(f"{op!r} needs a non-empty list of string keys")
-        if op in ("get", "wait"):
-            timeout = h.get("timeout")
-            if not isinstance(timeout, (int, float)):
-                raise ValueError(f"{op} needs a timeout")
-            self._park(_Pending(conn, h, time.monotonic() + float(timeout)))
-        elif op == "set":
-            values = split_values(h.get("lens"), payload, len(keys))
-            if values is None:
-                raise ValueError("set: lengths do not match the payload")
-            ks.multi_set(zip(keys, values, strict=True))
-            self._send(conn, {"seq": seq, "ok": True})
-        elif op == "check":
-            self._send(conn, {"seq": seq, "ok": True, "present": not ks.missing(keys)})
-        elif op == "add":
-            amount = h.get("amount")
-            if not isinstance(amount, int) or len(keys) != 1:
-                raise ValueError("add needs one key and an integer amount")
-            self._send(conn, {"seq": seq, "ok": True, "value": ks.add(keys[0], amount)})
-        elif op == "cas":
-            parts = split_values(h.get("lens"), payload, 2)
-            if parts is None or len(keys) != 1:
-                raise ValueError("cas needs one key, the expected and the desired value")
-            self._send(conn, {"seq": seq, "ok": True}, ks.compare_set(keys[0], parts[0], parts[1]))
-        elif op == "append":
-            if len(keys) != 1:
-                raise ValueError("append needs one key")
-            ks.append(keys[0], bytes(payload))
-            self._send(conn, {"seq": seq, "ok": True})
-        elif op == "del":
-            if len(keys) != 1:
-                raise ValueError("del needs one key")
-            self._send(conn, {"seq": seq, "ok": True, "deleted": ks.delete(keys[0])})
-        else:
-            raise ValueError(f"unknown op {op!r}")
-
-    def _park(self, p: _Pending) -> None:
-        """Answer now if the keys exist; otherwise wait for them (or the deadline)."""
-        if self._answer(p):
-            return
-        p.conn.pending.add(p)
-        p.watch = self.keyspace.watch(p.header["keys"], lambda _w: self._on_ready(p))
-        if p.watch is None:  # written between the two looks
-            p.conn.pending.discard(p)
-            self._answer(p)
-            return
-        heapq.heappush(self._timers, (p.deadline, next(self._tick), p))
-
-    def _on_ready(self, p: _Pending) -> None:
-        # Runs on whichever thread wrote the last key: hand the answer to the loop thread,
-        # which owns the sockets.
-        with self._ready_lock:
-            self._ready.append(p)
-        self._wake()
-
-    def _answer_ready(self) -> None:
-        while True:
-            with self._ready_lock:
-                if not self._ready:
-                    return
-                p = self._ready.popleft()
-            if p.done:
-                continue
-            p.conn.pending.discard(p)
-            p.watch = None
-            if not self._answer(p):  # a key was deleted again in between: keep waiting
-                self._park(p)
-
-    def _answer(self, p: _Pending) -> bool:
-        """Send the reply when every key exists; False (nothing sent) otherwise."""
-        h = p.header
-        if h["op"] == "wait":
-            if self.keyspace.missing(h["keys"]):
-                return False
-            p.done = True
-            self._send(p.conn, {"seq": h["seq"], "ok": True})
-            return True
-        values = self.keyspace.values(h["keys"])
-        if values is None:
-            return False
-        p.done = True
-        lens, payload = join_values(values)
-        self._send(p.conn, {"seq": h["seq"], "ok": True, "lens": lens}, payload)
-        return True
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, p = heapq.heappop(self._timers)
-            if p.done:
-                continue
-            p.done = True
-            p.conn.pending.discard(p)
-            if p.watch is not None:
-                self.keyspace.unwatch(p.watch)
-            missing = self.keyspace.missing(p.header["keys"])
-            self._send(p.conn, {"seq": p.header["seq"], "ok": False, "error": "timeout", "missing": missing})
+        if self._send(conn, {"seq": seq, "ok": True}):
+            self._conns.discard(conn)
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(conn.sock)
+            conn.sock.settimeout(self.io_timeout)  # leaves the loop: bounded, blocking calls
+            q.put((conn.sock, h))

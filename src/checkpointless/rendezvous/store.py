@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointless.errors import ConfigError, RendezvousError
 from checkpointless.rendezvous.client import PeerClient, Request
+from checkpointless.rendezvous.keyproto import join_values, split_values
 from checkpointless.rendezvous.peers import PeerTable, group_by_owner, key_owner
-from checkpointless.rendezvous.server import KeyServer, join_values, split_values
+from checkpointless.rendezvous.server import KeyServer
 
 if TYPE_CHECKING:  # torch.distributed binds Store only at run time, where mypy cannot see it
     from torch._C._distributed_c10d import Store

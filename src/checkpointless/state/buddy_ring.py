@@ -8,7 +8,7 @@ host's copies lie on the next host and the ring closes at the last. When the las
 partly filled the wrap may land on the owner's own host; the next rank off it takes the copy then
 (so a keeper may hold two owners' copies). With full hosts each rank keeps exactly one other rank's
 copy, so the extra memory per rank is one shard's state (two while a new copy
-replaces the old one, see state/buddy.py).
+replaces the old one, see state/buddy_keeper.py).
 
 On one host (``P >= W``) there is no other host; the buddy is then the next rank, ``(r + 1) % W``,
 which still survives the loss of the owner's process, though not of the machine.

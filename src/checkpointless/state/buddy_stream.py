@@ -28,7 +28,7 @@ the owner then never writes.
 
 Any error ends the connection on both sides; the keeper connects again (the owner takes the newest
 connection from its channel), and the next copy carries its layout again. A copy cut off is never
-acknowledged, and never listed by the keeper (state/buddy.py).
+acknowledged, and never listed by the keeper (state/buddy_keeper.py).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class CopySender:
         tree = _json(lay.manifest["tree"])
         parts = (lay.manifest["tensors"], lay.manifest["messages"])
         if self._encoded is None or self._encoded[0] is not parts[0] or self._encoded[1] is not parts[1]:
-            # the same layout objects as the last copy's (state/buddy.py keeps them): encoded once
+            # the same layout objects as the last copy's (state/buddy_owner.py keeps them): encoded once
             layout = _json({"tensors": parts[0], "messages": parts[1]})
             self._encoded = (parts[0], parts[1], layout, digest(layout))
         layout, ldigest = self._encoded[2], self._encoded[3]

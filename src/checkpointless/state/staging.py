@@ -131,7 +131,7 @@ def staged_layout(state: Any, guarded: set[int]) -> Layout:
     weight split two ways is 32 KiB), so a pack would be nearly the whole state, copied into
     fresh memory (a page fault per 4 KiB) on the training thread as every step begins; as views
     they are copied once, on the copy's own thread, straight into the snapshot or the rank's
-    undo copy (state/buddy.py).
+    undo copy (state/buddy_owner.py).
 
     Why remembered: a tensor that is the very object of the last step's state, at the same place
     in it, over the same memory with the same shape and strides, has the same manifest entry and

@@ -39,8 +39,9 @@ import torch
 import xxhash
 
 from checkpointless.errors import StateTransferError
+from checkpointless.rendezvous.keyproto import KEYSERVER_C2S, KEYSERVER_S2C, PROTOCOL_VERSION
 from checkpointless.rendezvous.peers import parse_address
-from checkpointless.rendezvous.server import KEYSERVER_C2S, KEYSERVER_S2C, PROTOCOL_VERSION, KeyServer
+from checkpointless.rendezvous.server import KeyServer
 from checkpointless.state.arena import Arena
 from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers
 from checkpointless.state.manifest import parse_manifest

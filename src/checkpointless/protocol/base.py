@@ -1,0 +1,29 @@
+"""What every message is: a frozen dataclass with a ``TYPE`` name, versioned as a set.
+
+This is the root the message modules (:mod:`~checkpointless.protocol.worker_link`,
+:mod:`~checkpointless.protocol.agent_link`) and the codec (:mod:`~checkpointless.protocol.codec`)
+all build on. It is separate so that they can share it without importing each other: the codec
+must import every message class for its registry, so the base cannot live in the codec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from checkpointless.errors import CheckpointlessError
+
+__all__ = ["VERSION", "Message", "ProtocolError"]
+
+# 2: Recover carries a peer-table delta and a compact plan; PeerTable/PeerTableRequest;
+# AgentHeartbeat carries the host's workers' beats
+VERSION = 2
+
+
+class ProtocolError(CheckpointlessError):
+    """A message that is not one of ours, or whose fields have the wrong types."""
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""

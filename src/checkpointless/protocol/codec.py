@@ -1,0 +1,201 @@
+"""The wire codec of the messages: a message to a JSON object and back, checking every field.
+
+On the wire a message is a JSON object: the dataclass's fields, plus ``"type"`` and the protocol
+version ``"v"`` (inside sealed frames, see :mod:`checkpointless.wire`). :func:`decode` turns a
+received object back into its dataclass and checks every field's type on the way, so the decision
+code never sees a malformed message. The codec is separate from the message classes because it is
+the one part that handles untrusted input: it knows every message type (its registry) and nothing
+else, and the fuzzer in ``tests/test_protocol.py`` aims at it. The same codec carries a
+``Succession`` through a process's environment (:data:`SUCCESSION_ENV`), the one place a message
+travels outside a frame.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any, Union
+
+from checkpointless.protocol.agent_link import (
+    AgentHeartbeat,
+    AgentHello,
+    AgentWelcome,
+    KillCmd,
+    ProcConnected,
+    ProcExited,
+    ProcStarted,
+    ProcVerdict,
+    SpawnCmd,
+    Succession,
+    Vote,
+)
+from checkpointless.protocol.base import VERSION, Message, ProtocolError
+from checkpointless.protocol.worker_link import (
+    Abort,
+    Assign,
+    Committed,
+    Done,
+    Fatal,
+    Fired,
+    Heartbeat,
+    Hello,
+    PeerTable,
+    PeerTableRequest,
+    Prefetch,
+    Prepare,
+    Recover,
+    Recovered,
+    Shutdown,
+    SpareReady,
+    Stopped,
+)
+
+__all__ = ["SUCCESSION_ENV", "decode", "encode", "succession_from_env", "succession_to_env"]
+
+# Every type a receiver accepts, listed rather than collected from Message's subclasses: a class
+# is on the wire only when it is named here, never because some module happened to define it.
+_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello,
+        Heartbeat,
+        PeerTableRequest,
+        SpareReady,
+        Fired,
+        Stopped,
+        Recovered,
+        Committed,
+        Done,
+        Fatal,
+        Assign,
+        Prepare,
+        Prefetch,
+        Abort,
+        Recover,
+        PeerTable,
+        Shutdown,
+        AgentHello,
+        ProcStarted,
+        ProcExited,
+        ProcVerdict,
+        AgentHeartbeat,
+        AgentWelcome,
+        SpawnCmd,
+        KillCmd,
+        ProcConnected,
+        Succession,
+        Vote,
+    )
+}
+
+
+def encode(msg: Message) -> dict[str, Any]:
+    """The JSON object a message travels as."""
+    out: dict[str, Any] = {"type": msg.TYPE, "v": VERSION}
+    for f in dataclasses.fields(msg):
+        out[f.name] = getattr(msg, f.name)
+    return out
+
+
+def _check(name: str, value: Any, hint: Any) -> Any:
+    """``value`` if it fits the annotation ``hint`` (the few shapes our messages use)."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        for arm in typing.get_args(hint):
+            if arm is type(None) and value is None:
+                return None
+            if arm is not type(None):
+                try:
+                    return _check(name, value, arm)
+                except ProtocolError:
+                    continue
+        raise ProtocolError(f"field {name!r}: {value!r} is not {hint}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, list):
+            fast = _fast_list(value, item)  # an agent's heartbeat columns: no call per element
+            return fast if fast is not None else [_check(name, v, item) for v in value]
+    elif origin is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return value
+    raise ProtocolError(f"field {name!r}: {value!r} is not {getattr(hint, '__name__', hint)}")
+
+
+def _fast_list(value: list[Any], item: Any) -> list[Any] | None:
+    """``value`` checked in one pass when ``item`` is a plain scalar type; None: check each."""
+    if item is int:
+        ok = all(type(v) is int for v in value)  # bool is not an int here, as in _check
+    elif item is bool:
+        ok = all(type(v) is bool for v in value)
+    elif item is str:
+        ok = all(type(v) is str for v in value)
+    elif item is float:
+        if all(type(v) is float for v in value):
+            return value
+        return None  # ints among them become floats in _check
+    else:
+        return None
+    return value if ok else None
+
+
+_HINTS: dict[type[Message], dict[str, Any]] = {}
+
+
+def decode(obj: Any) -> Message:
+    """The typed message in a received JSON object; :class:`ProtocolError` if it is not one."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message must be a JSON object, not {type(obj).__name__}")
+    kind = obj.get("type")
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {obj.get('type')!r}")
+    version = obj.get("v", VERSION)
+    if version != VERSION:
+        raise ProtocolError(f"{cls.TYPE}: protocol version {version!r}, this side speaks {VERSION}")
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in obj:
+            kwargs[f.name] = _check(f"{cls.TYPE}.{f.name}", obj[f.name], hints[f.name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
+    return cls(**kwargs)
+
+
+# -- a succession handed to a process as it starts ------------------------------------------------
+SUCCESSION_ENV = "CHECKPOINTLESS_SUCCESSION"  # the agent's newest Succession, as JSON
+
+
+def succession_to_env(s: Succession) -> str:
+    """The value of :data:`SUCCESSION_ENV` for a process the agent starts: a process starting
+    as the coordinator is lost has not heard a ``Succession`` yet, and needs one to reconnect."""
+    return json.dumps(encode(s), separators=(",", ":"))
+
+
+def succession_from_env(text: str | None) -> Succession | None:
+    """The succession in :data:`SUCCESSION_ENV`, or None when unset; :class:`ProtocolError`
+    when it is set but is not one (an agent of another version, a mangled environment)."""
+    if not text:
+        return None
+    try:
+        msg = decode(json.loads(text))
+    except ValueError as e:
+        raise ProtocolError(f"{SUCCESSION_ENV} is not JSON: {e}") from None
+    if not isinstance(msg, Succession):
+        raise ProtocolError(f"{SUCCESSION_ENV} holds a {msg.TYPE}, not a succession")
+    return msg
