@@ -191,7 +191,7 @@ def check_staging_cuda(device: str = "cuda", width: int = 4096) -> dict[str, Any
 
     from checkpointless.state.buddy import BuddyCopies
     from checkpointless.state.codec import as_byte_view, unpack
-    from checkpointless.state.shm_snapshot import load_snapshot, write_snapshot
+    from checkpointless.state.snapshot_file import load_snapshot, write_snapshot
     from checkpointless.state.staging import guarded_pointers, staged_layout
 
     torch.manual_seed(6)

@@ -34,7 +34,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import statebench as sb
 
-from checkpointless.state.shm_snapshot import SnapshotWriter, snapshot_path
+from checkpointless.state.shm_dir import snapshot_path
+from checkpointless.state.shm_snapshot import SnapshotWriter
 from checkpointless.state.snapshot import capture_rng, collect_state
 from checkpointless.state.staging import guarded_pointers
 

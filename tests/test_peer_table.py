@@ -295,7 +295,8 @@ table_fields = st.sampled_from(["version", "digest", "world_size", "first", "hos
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(table_fields, json_values, max_size=7), st.integers(1, 50))
 def test_a_malformed_chunk_is_a_protocol_or_table_error_never_a_crash(body: dict[str, Any], n: int) -> None:
-    """What the worker's reader thread catches (recovery/link.py): ProtocolError or TableError."""
+    """What the worker's reader thread catches (recovery/link.py, link_table.py): ProtocolError or
+    TableError."""
     from checkpointless.protocol import ProtocolError, decode
 
     holder = holder_with([f"10.0.0.1:{i}" for i in range(n)], 1)
@@ -346,7 +347,7 @@ def test_a_sharded_first_plan_is_one_source_run_at_any_size() -> None:
 def test_a_worker_link_that_missed_a_delta_asks_for_the_whole_table_before_it_sees_the_plan(
     tmp_path: Any, monkeypatch: Any
 ) -> None:
-    """The worker's side over a real control connection (recovery/link.py): a Recover whose
+    """The worker's side over a real control connection (recovery/link_table.py): a Recover whose
     delta does not apply is held back, the link asks for the table, and the plan reaches the
     inbox only with the table the digest names; a later delta then applies in place."""
     import time

@@ -18,14 +18,8 @@ import torch
 
 from checkpointless.errors import StateTransferError
 from checkpointless.state.codec import layout
-from checkpointless.state.shm_snapshot import (
-    SnapshotWriter,
-    list_snapshots,
-    load_snapshot,
-    restore_snapshot,
-    snapshot_path,
-    write_snapshot,
-)
+from checkpointless.state.shm_dir import list_snapshots, snapshot_path
+from checkpointless.state.shm_snapshot import SnapshotWriter, restore_snapshot
 from checkpointless.state.snapshot import (
     capture_rng,
     collect_state,
@@ -35,6 +29,7 @@ from checkpointless.state.snapshot import (
     restore_rng,
     restore_state,
 )
+from checkpointless.state.snapshot_file import load_snapshot, write_snapshot
 from checkpointless.state.staging import guarded_pointers
 from jobs import all_committed, kill_workers_when, run_job
 from test_faults_e2e import check_recovered
@@ -127,7 +122,7 @@ _WRITER_LOOP = """
 import sys, torch
 from pathlib import Path
 from checkpointless.state.codec import layout
-from checkpointless.state.shm_snapshot import write_snapshot
+from checkpointless.state.snapshot_file import write_snapshot
 state = {"step": 0, "big": torch.zeros(8 << 20, dtype=torch.uint8), "small": torch.zeros(7)}
 step = 2
 while True:

@@ -158,7 +158,7 @@ def test_stream_with_the_wrong_secret_is_refused() -> None:
 
 
 def test_stream_groups_small_messages_and_keeps_large_ones_alone() -> None:
-    from checkpointless.state.stream import _CHUNK, _groups
+    from checkpointless.state.stream_io import _CHUNK, _groups
 
     sizes = [0, 10, _CHUNK, 5, 0, _CHUNK - 6, 7, 3 * _CHUNK, 1]
     groups = _groups([torch.empty(n, dtype=torch.uint8) for n in sizes])
@@ -254,11 +254,11 @@ def test_stream_sends_large_tensors_to_two_receivers_in_pieces(
 
 @pytest.mark.parametrize("mode", ["inline", "thread"])
 def test_stream_hashers_agree_with_the_codec_digest(mode: str) -> None:
-    from checkpointless.state.stream import _Hasher
+    from checkpointless.state.stream_hash import Hasher
 
     g = torch.Generator().manual_seed(12)
     messages = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (0, 7, 3 << 20, 1000)]
-    hasher = _Hasher(mode == "thread")
+    hasher = Hasher(mode == "thread")
     for m in messages:
         view = memoryview(m.numpy()).cast("B")
         for off in range(0, len(view), 65_537):  # uneven pieces, as sockets return them

@@ -1,5 +1,5 @@
 """A process that starts while the coordinator is lost: its agent hands it the succession in its
-environment (agent/agent.py), its link reconnects to the successor with it (recovery/link.py), and
+environment (agent/agent.py), its link reconnects to the successor with it (recovery/link_failover.py), and
 the successor keeps a spare that was starting then (coordinator/rebuild.py)."""
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 It owns the ranks, the generations, the recovery rounds, the spare pool, hang and stall
 decisions and the fault budget. It touches no socket, process or clock: the shell around it
-(``launcher/launcher.py`` for one machine) feeds it what it observed — a worker's message, a
-process exit, a process-table verdict, the passing of time — and carries out the commands it
-queues (:mod:`checkpointless.coordinator.state`): start or kill a process, send a message, write an
-event, log a line, stop the job. The rules themselves are pure functions in
-``recovery/decisions.py`` and ``launcher/policy.py``; this class applies them to its state.
+(``launcher/launcher.py`` for one machine, its loop in ``launcher/loop.py``) feeds it what it
+observed — a worker's message, a process exit, a process-table verdict, the passing of time — and
+carries out the commands it queues (:mod:`checkpointless.coordinator.state`): start or kill a
+process, send a message, write an event, log a line, stop the job. The rules themselves are pure
+functions in ``recovery/decisions.py`` and ``launcher/policy.py``; this class applies them to its
+state.
 
 A round, in brief: a fault aborts the current generation (``Abort`` to every member), dead or hung
 ranks are replaced by ready spares (``Assign``), every member reports its state (``Stopped``), the

@@ -4,7 +4,7 @@ A mixin of :class:`~checkpointless.launcher.launcher.Launcher` (and so of the ta
 waiting for the job's hosts, an agent's hello and reports, the welcome it gets, the lease beats,
 the succession sent to agents and workers, stepping down without a majority, and releasing the
 agents at the end. The attributes it reads are the launcher's, declared below for the type
-checker; the control server and the decision loop stay in ``launcher.py``.
+checker; the control server stays in ``launcher.py``, the decision loop is in ``loop.py``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class AgentHosts:
     _stepped_down: bool
     _announced: list[int]  # the membership last sent to everyone
 
-    if TYPE_CHECKING:  # the decision loop's, in launcher.py
+    if TYPE_CHECKING:  # the decision loop's, in loop.py
 
         def _execute(self) -> None: ...
 

@@ -5,29 +5,24 @@ is a typed message, and a frame that is not one of ours (an unknown type, a miss
 wrong type) is logged and dropped there, so neither thread ever trips over it later. It acts on
 ``abort`` at once (it fails the communicator's pending collectives, so a main thread blocked in a
 collective wakes up) and queues everything else for the main thread.
-It also keeps the peer table (``peer_table.TableHolder``): ``peer_table`` chunks never reach the
-inbox, and a ``recover`` reaches it with its peer table and plan filled in; one whose delta does
-not apply to the table held here is kept back while the full table is asked for.
+It also keeps the peer table (``link_table.py``): ``peer_table`` chunks never reach the inbox,
+and a ``recover`` reaches it with its peer table and plan filled in.
 
 Heartbeats go to the record the host's agent reads (``agent/beats.py``) when the agent gave us
 one, else over the control connection.
 
 Coordinator failover (docs/architecture.md): once the coordinator has sent a ``succession``, a
-lost connection is not the end. The link tries the candidates term by term, says who it is in its
-hello (rank, generation, step) and carries on with whichever coordinator accepts it; only when no
-coordinator has taken it by a deadline (two leases: the election, then the agents' fencing) does
-the worker exit, as it always did without a succession.
+lost connection is not the end; the link looks for the successor (``link_failover.py``), and the
+worker exits only when no coordinator has taken it by a deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import dataclasses
+import functools
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -35,11 +30,11 @@ from pathlib import Path
 from typing import Any, TypeVar, overload
 
 from checkpointless.agent.beats import BEAT_ENV, BeatWriter
-from checkpointless.agent.tables import TABLE_ENV, read_table, table_path
+from checkpointless.agent.tables import TABLE_ENV
 from checkpointless.config import WorkerEnv
 from checkpointless.events import get_logger
 from checkpointless.launcher.control import ControlClient
-from checkpointless.peer_table import TableChunk, TableHolder
+from checkpointless.peer_table import TableHolder
 from checkpointless.protocol import (
     SUCCESSION_ENV,
     Abort,
@@ -48,7 +43,6 @@ from checkpointless.protocol import (
     Hello,
     Message,
     PeerTable,
-    PeerTableRequest,
     ProtocolError,
     Recover,
     Recovered,
@@ -60,11 +54,12 @@ from checkpointless.protocol import (
     encode,
     succession_from_env,
 )
+from checkpointless.recovery.link_failover import bound_silence, on_lost
+from checkpointless.recovery.link_table import on_table_chunk, resolve
 
 __all__ = ["LauncherLink", "set_parent_death_signal"]
 
 log = get_logger()
-_HOST_TABLE_WAIT_S = 1.0  # how long a plan waits for its host's copy of the table to appear
 # the kinds of message a caller waits for, so that it gets their union back, typed
 A = TypeVar("A", bound=Message)
 B = TypeVar("B", bound=Message)
@@ -116,7 +111,7 @@ class LauncherLink:
                 self._beats = BeatWriter(Path(path))
             except OSError as e:
                 log.warning("heartbeats go over the control connection: %s", e)
-        # what a new coordinator needs to hear after a failover (see _reconnect)
+        # what a new coordinator needs to hear after a failover (see link_failover._reconnect)
         self._succession: Succession | None = None
         self._term = 0  # the newest coordinator term this link has seen; it never goes back
         self._rank = -1
@@ -134,12 +129,13 @@ class LauncherLink:
             # with a succession in hand a dead coordinator is not the end: do not spend the
             # successors' election window on it (a lost host never refuses, it only times out)
             timeout = 10.0 if self._succession is None else min(10.0, self._lease())
-            self.client = ControlClient(env.control, env.secret, self._on_message, self._on_lost, timeout)
+            lost = functools.partial(on_lost, self)
+            self.client = ControlClient(env.control, env.secret, self._on_message, lost, timeout)
         except ConnectionError as e:
             if self._succession is None:
                 raise
             self.client = _Unconnected()
-            self._on_lost(f"cannot reach it at start: {e}")
+            on_lost(self, f"cannot reach it at start: {e}")
         else:
             self.send(Hello(worker_id=env.worker_id, pid=os.getpid(), role=env.role))
         self._hb = threading.Thread(
@@ -176,7 +172,7 @@ class LauncherLink:
         try:
             self.client.send(encode(msg))
         except OSError as e:
-            self._on_lost(f"send failed: {e}")
+            on_lost(self, f"send failed: {e}")
 
     def _on_message(self, raw: dict[str, Any]) -> None:
         """The reader thread's entry for every frame: decoded once, then dispatched."""
@@ -196,15 +192,15 @@ class LauncherLink:
             if msg.term >= self._term:
                 self._succession = msg
                 self._term = msg.term
-                self._bound_silence(msg.lease)
+                bound_silence(self, msg.lease)
             return
         if isinstance(msg, PeerTable):
-            self._on_table_chunk(msg)
+            on_table_chunk(self, msg)
             return
         if isinstance(msg, Assign):
             self._rank = msg.rank
         elif isinstance(msg, Recover):
-            ready = self._resolve(msg)
+            ready = resolve(self, msg)
             if ready is None:
                 return  # held back until the full table arrives
             msg = ready
@@ -216,186 +212,6 @@ class LauncherLink:
                 log.error("launcher stops this process: %s", msg.reason or "")
             os._exit(msg.code)
         self.inbox.put(msg)
-
-    def _resolve(self, msg: Recover) -> Recover | None:
-        """The plan with its peer table filled in, or None when it must wait for the table."""
-        try:
-            resolved = self.table.resolve(encode(msg))
-        except (ValueError, TypeError, KeyError) as e:  # TableError is a ValueError
-            # a plan we cannot read: pass it on as it is, so that joining it fails and is
-            # reported as this round's failure (never a dead reader thread)
-            log.warning("cannot read the plan for generation %d: %s", msg.generation, e)
-            self._held = None
-            return msg
-        if resolved is None and self._from_host(msg):
-            resolved = self.table.resolve(encode(msg))
-        if resolved is None:
-            # a delta for a table we do not hold (or that would not match its digest), and no
-            # good copy on this host: never meet peers at guessed addresses; ask for all of it
-            log.info(
-                "peer table v%d does not apply to v%d here; asking for all of it",
-                msg.table_version,
-                self.table.version,
-            )
-            self._held = msg
-            self.send(PeerTableRequest(have=self.table.version))
-            return None
-        self._held = None
-        return dataclasses.replace(msg, plan=resolved["plan"], rendezvous=resolved["rendezvous"])
-
-    def _from_host(self, msg: Recover) -> bool:
-        """Take the plan's table version from the copy this host's agent keeps (agent/tables.py),
-        checked against the plan's digest. The agent gets it on a connection of its own, sent just
-        before our plan: a copy not there yet is waited for briefly (on this reader thread, which
-        has nothing else to do while it has no plan to hand on) when the coordinator must have
-        sent one (we hold no table, or the plan carries no delta); a worker that merely missed a
-        delta looks once and asks."""
-        if self._tables is None or msg.table_version < 0:
-            return False
-        path = table_path(self._tables, msg.table_version)
-        expected = self.table.version < 0 or msg.table_base < 0
-        deadline = time.monotonic() + (_HOST_TABLE_WAIT_S if expected else 0.0)
-        seen: tuple[int, int, int] | None = None
-        while True:
-            try:
-                st = path.stat()
-                now = (st.st_ino, st.st_mtime_ns, st.st_size)
-            except OSError:
-                now = None
-            if now is not None and now != seen:  # there, or replaced: (re)read it
-                seen = now
-                peers = read_table(self._tables, msg.table_version, msg.table_digest)
-                if peers is not None:
-                    self.table.adopt(msg.table_version, peers)
-                    return True
-            # not there yet, or another table of that number (a coordinator elected after a
-            # failover numbers from 1 again, and its copy may still be on its way)
-            if time.monotonic() >= deadline:
-                log.info("no good copy of peer table v%d on this host", msg.table_version)
-                return False
-            time.sleep(0.005)
-
-    def _on_table_chunk(self, m: PeerTable) -> None:
-        try:
-            done = self.table.on_chunk(
-                m.version, m.digest, m.world_size, TableChunk(m.first, m.hosts, m.runs)
-            )
-        except ValueError as e:  # TableError is a ValueError
-            self._asked += 1
-            if self._asked > 3:  # the coordinator keeps sending a broken table: stop asking
-                log.error(
-                    "peer table still broken after %d tries (%s); waiting for a new plan", self._asked, e
-                )
-                return
-            log.warning("bad peer table chunk (%s); asking again", e)
-            self.send(PeerTableRequest(have=self.table.version))
-            return
-        if done:
-            self._asked = 0
-        held = self._held
-        if done and held is not None:
-            self._held = None
-            self._dispatch(held)  # the plan that waited for this table
-
-    def _on_lost(self, why: str) -> None:
-        if self._stop.is_set():
-            return
-        if self._succession is None:
-            # Nobody is left to coordinate a recovery; staying alive would only leave orphans.
-            log.error("lost the launcher (%s); exiting", why)
-            os._exit(70)
-        with self._lock:
-            self._between = True
-            if self._lost_since is None:
-                self._lost_since = time.monotonic()
-            if self._reconnector is not None and self._reconnector.is_alive():
-                self._retry.set()
-                return
-            log.warning("lost the coordinator (%s); looking for its successor", why)
-            self._reconnector = threading.Thread(target=self._reconnect, daemon=True, name="cl-reconnect")
-            self._reconnector.start()
-
-    def _bound_silence(self, lease: float) -> None:
-        """A coordinator cut off by a partition never closes our connection: its FIN is dropped
-        too. Data we send then goes unacknowledged, and TCP_USER_TIMEOUT turns that into a
-        connection error after a lease, so the reader notices and the reconnect starts. Our
-        heartbeats usually go to the agent's records, not this socket, so the kernel's keepalive
-        probes (every second once idle; answered by the peer's kernel, no work for the
-        coordinator) provide the unacknowledged data."""
-        if not isinstance(self.client, ControlClient):
-            return  # not connected: the next connection gets it (see _dispatch)
-        with contextlib.suppress(OSError, AttributeError):
-            sock = self.client.sock
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(lease * 1000))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(lease)))
-
-    def _reconnect(self) -> None:
-        """Try the successors in order (from the next term's candidate) until one takes this
-        worker, or exit at the deadline. The hello names the lowest term this worker accepts: a
-        stale coordinator (a lower term) refuses it, and so does an agent that is not a
-        candidate; a candidate that loses its election hangs up."""
-        succ = self._succession
-        assert succ is not None and self._lost_since is not None
-        lease = succ.lease
-        deadline = self._lost_since + 2 * lease + 2.0
-        addresses = list(succ.addresses)
-        floor = self._term + 1
-        turn = floor - 1
-        while addresses and time.monotonic() < deadline:
-            host, _, port = addresses[turn % len(addresses)].rpartition(":")
-            turn += 1
-            left = deadline - time.monotonic()
-            try:
-                client = ControlClient(
-                    (host, int(port)),
-                    self.env.secret,
-                    self._on_message,
-                    self._on_lost,
-                    timeout=min(1.0, left),
-                )
-            except (ConnectionError, ValueError):
-                time.sleep(0.05)
-                continue
-            status = self._status()
-            hello = Hello(
-                worker_id=self.env.worker_id,
-                pid=os.getpid(),
-                role=self.env.role,
-                term=floor,
-                rank=self._rank,
-                generation=self._generation,
-                aborted=self._aborted,
-                step=status.step if status.step is not None else -1,
-                ready=self._ready,
-            )
-            try:
-                client.send(encode(hello))
-            except OSError:
-                client.close()
-                continue
-            old, self.client = self.client, client
-            old.close()
-            # from now on reports go to the candidate: one that wins handles them in its first
-            # round (a Stopped sent after the hello would otherwise be lost for good)
-            self._between = False
-            log.info("reconnected to a successor (term %d or later) at %s:%s", floor, host, port)
-            # the candidate may still lose its election: then it hangs up and _on_lost calls again;
-            # until a message arrives, _lost_since keeps the deadline running
-            self._retry.clear()
-            while self._lost_since is not None and time.monotonic() < deadline:
-                if self._stop.wait(0.05):
-                    return
-                if self._retry.is_set():
-                    break
-            if self._lost_since is None:
-                return
-        if self._stop.is_set():
-            return
-        log.error("no coordinator took over within %.1f s of losing the last one; exiting", 2 * lease + 2.0)
-        os._exit(70)
 
     def _heartbeat(self, every: float) -> None:
         while not self._stop.wait(every):

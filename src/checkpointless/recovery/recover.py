@@ -22,7 +22,8 @@ from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.sharded import send_copies
 from checkpointless.state.buddy import copy_channel
 from checkpointless.state.durable import list_checkpoints, restore_checkpoint
-from checkpointless.state.shm_snapshot import list_snapshots, newest_snapshot, restore_snapshot, snapshot_dir
+from checkpointless.state.shm_dir import list_snapshots, newest_snapshot, snapshot_dir
+from checkpointless.state.shm_snapshot import restore_snapshot
 from checkpointless.state.snapshot import (
     RngState,
     capture_rng,

@@ -32,12 +32,8 @@ from checkpointless.state.arena import Arena
 from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.buddy_ring import buddy_of, owners_of
 from checkpointless.state.durable import CheckpointWriter, parse_every, preload
-from checkpointless.state.shm_snapshot import (
-    SnapshotWriter,
-    buddy_copy_dir,
-    rank_snapshot_dir,
-    snapshot_dir,
-)
+from checkpointless.state.shm_dir import buddy_copy_dir, rank_snapshot_dir, snapshot_dir
+from checkpointless.state.shm_snapshot import SnapshotWriter
 
 if TYPE_CHECKING:
     from checkpointless.recovery.job import Job

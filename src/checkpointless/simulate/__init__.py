@@ -3,7 +3,8 @@
 Modules, one concept each: ``calibration`` (per-event costs, JSON loading), ``topology`` (job
 shape, where state copies live), ``failures`` (fault rates and causes, seeded traces),
 ``models`` (pure formulas and recovery plans), ``des`` (the event simulation), ``report``
-(sweeps, tables, JSON, plot) and ``command`` (the command line, :func:`main`).
+(sweeps and what-if cases), ``render`` (tables, JSON, plot) and ``command`` (the command line,
+:func:`main`).
 """
 
 from __future__ import annotations

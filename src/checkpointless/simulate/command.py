@@ -16,17 +16,16 @@ from checkpointless.errors import ConfigError
 from checkpointless.simulate.calibration import load_calibration
 from checkpointless.simulate.des import SimConfig
 from checkpointless.simulate.models import IntervalRule
-from checkpointless.simulate.report import (
-    DEFAULT_GPUS,
+from checkpointless.simulate.render import (
     breakdown_table,
     headline,
     render_markdown,
-    run_report,
     sensitivity_table,
     sweep_table,
     to_json,
     write_plot,
 )
+from checkpointless.simulate.report import DEFAULT_GPUS, run_report
 from checkpointless.simulate.topology import JobShape
 
 __all__ = ["MAX_DAYS", "MAX_GPUS", "MAX_SEEDS", "build_parser", "main"]

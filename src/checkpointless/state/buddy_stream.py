@@ -49,14 +49,8 @@ from checkpointless.errors import StateTransferError
 from checkpointless.state.buddy_shm import SlotRef, check_slot_name
 from checkpointless.state.codec import Layout, digest, mismatch, receive_buffers
 from checkpointless.state.manifest import check_manifest, check_tree
-from checkpointless.state.stream import (
-    StreamRoute,
-    open_stream,
-    read_frame,
-    recv_messages,
-    send_messages,
-    write_frame,
-)
+from checkpointless.state.stream import StreamRoute, open_stream
+from checkpointless.state.stream_io import read_frame, recv_messages, send_messages, write_frame
 
 __all__ = ["Copy", "CopyReceiver", "CopySender"]
 
