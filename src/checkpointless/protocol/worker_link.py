@@ -110,7 +110,7 @@ class Stopped(Message):
     checkpoint_steps: list[int] = field(default_factory=list)
     time: float = 0.0
     mesh: list[int] | None = None  # (replicate, shard) of a sharded job's mesh; None: data parallel
-    # [owner, step] of every verified buddy copy this member keeps (state/buddy.py)
+    # [owner, step] of every verified buddy copy this member keeps (state/buddy_keeper.py)
     copies: list[list[int]] = field(default_factory=list)
     # steps of this rank's own per-rank shared-memory snapshots (a sharded mesh)
     own_snapshots: list[int] = field(default_factory=list)
