@@ -1,7 +1,7 @@
 """Completion of one collective that another thread can fail at once, and the groups it runs on.
 
 Why not plain ``torch.distributed`` waits: gloo's ``abort()`` does not wake a thread that is
-already waiting in a collective (see shared/REFERENCES.md), and a hung peer keeps its sockets
+already waiting in a collective (measured on torch 2.13), and a hung peer keeps its sockets
 open, so a waiting survivor would sit until gloo's timeout. Every collective's completion is
 mirrored into a :class:`Handle` that we own; the group's ``abort()`` fails every pending handle,
 and the waiting thread, which waits on gloo in bounded 10 ms slices, leaves within one slice.
