@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from harness.netns_job import start_netns_job, wait_for
+from jobs import TINY
 from test_multihost import ARGS, _reference, check_recovered
 
 # longer than tests/test_multihost.py's 3 s: on busy cores an agent starting its fork template
@@ -137,3 +138,60 @@ def test_coordinator_host_lost_whole_the_others_elect_and_recover_its_ranks(
     assert set(ev["missing"]) <= {e["rank"] for e in job.events("spare_assigned")}
     ends = job.events("job_end")
     assert [e["status"] for e in ends] == ["ok"], ends
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_a_host_started_after_a_failover_joins_the_successor_and_takes_a_lost_hosts_ranks(
+    netns_hosts: Any, tmp_path: Path, corpus: Path
+) -> None:
+    """Host 0 is lost whole (the coordinator with it) and the spare host takes its ranks. A fourth
+    host then starts an agent given, like every agent, the lost coordinator's address (a
+    recreated pod, a healed node): it finds the successor through the run directory's record and
+    joins as a spare host. The next host lost moves its ranks onto it, and the job ends bitwise."""
+    args = [*TINY[2:], "--steps", "160"]  # room for a host to start and join after the failover
+    ref = _reference(tmp_path / "ref", corpus, args)
+    cluster = netns_hosts(4)
+    run_dir = tmp_path / "job" / "run"
+    deadline = time.monotonic() + 260
+    job = start_netns_job(cluster, run_dir, corpus, args, lease=LEASE, idle=1)
+    h3 = cluster.hosts[3].address
+    try:
+        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+        wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
+        record = run_dir / "coordinator"
+        assert record.read_text().strip() == job.control  # the first coordinator's, as it started
+        assert cluster.hosts[0].kill_all(), "host 0 had no processes to kill"
+        wait_for(lambda: job.events("coordinator_failover"), deadline, "a new coordinator")
+        new = job.events("coordinator_failover")[0]["new"]
+        assert record.read_text().strip() == new != job.control
+        job.start_agent()  # told --coordinator <the lost one>, as every agent was
+        wait_for(
+            lambda: [e for e in job.events("host_joined") if e["address"] == h3],
+            deadline,
+            "the new host to join the successor",
+        )
+        # lose the host that holds ranks and is not the successor's: its ranks go to the new host
+        agent_at = {e["host"]: e["address"] for e in job.events("host_joined")}
+        successor = agent_at[job.events("coordinator_failover")[0]["agent"]]
+        (victim,) = [i for i in (1, 2) if cluster.hosts[i].address != successor]
+        before = len(job.events("recovery"))
+        assert cluster.hosts[victim].kill_all(), f"host {victim} had no processes to kill"
+        wait_for(
+            lambda: len(job.events("recovery")) > before, deadline, "the second host loss to be recovered"
+        )
+    except BaseException:
+        job.kill()
+        raise
+    res = job.finish_agents(deadline, lenient=[0, victim])
+    # host 1 holds ranks 2-3 throughout; host 2 (the spare host) took host 0's ranks 0-1
+    victim_ranks = {2, 3} if victim == 1 else {0, 1}
+    check_recovered(res, ref, {0, 1} | victim_ranks)
+    joined = [e for e in job.events("host_joined") if e["address"] == h3]
+    assert joined and joined[0]["spare"], joined
+    spawned_there = {e["worker"] for e in job.agent_events(h3, "spawn")}
+    taken = {e["rank"] for e in job.events("spare_assigned") if e["worker"] in spawned_there}
+    assert taken == victim_ranks, (taken, victim, job.events("spare_assigned"))
+    ends = job.events("job_end")
+    assert [e["status"] for e in ends] == ["ok"], ends
+    assert not record.exists(), "the record outlived the job"

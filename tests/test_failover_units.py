@@ -27,6 +27,12 @@ from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
 from checkpointless.coordinator.takeover import TakeoverHost, resume
 from checkpointless.launcher.launcher import config_from_json, config_to_json
 from checkpointless.launcher.model import LaunchConfig
+from checkpointless.launcher.runfiles import (
+    COORDINATOR_FILE,
+    forget_coordinator,
+    record_coordinator,
+    recorded_coordinator,
+)
 from checkpointless.protocol import Abort, Assign, Stopped
 
 pytestmark = pytest.mark.timeout(60)
@@ -284,3 +290,38 @@ def test_a_minority_side_never_keeps_a_majority_while_its_peers_go_silent_one_by
     hosts = [HostSeen(h, False, True, now) for h in own]
     hosts += [HostSeen(h, h in lost, True, t) for h, t in last.items()]
     assert not keeps_majority(hosts, now, lease)
+
+
+# -- the run directory's record of the current coordinator (launcher/runfiles.py) ---------------
+
+
+def test_the_coordinator_record_holds_the_newest_address_whole(tmp_path: Path) -> None:
+    path = tmp_path / COORDINATOR_FILE
+    assert recorded_coordinator(path) is None  # before any coordinator started
+    record_coordinator(tmp_path, "10.0.0.1:29400")
+    assert recorded_coordinator(path) == "10.0.0.1:29400"
+    record_coordinator(tmp_path, "10.0.0.3:41234")  # a successor took over
+    assert recorded_coordinator(path) == "10.0.0.3:41234"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [COORDINATOR_FILE]  # no temporary left
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_only_the_recorded_coordinator_removes_the_record(tmp_path: Path) -> None:
+    record_coordinator(tmp_path, "10.0.0.3:41234")
+    forget_coordinator(tmp_path, "10.0.0.1:29400")  # the old one, stepping down, leaves it
+    assert recorded_coordinator(tmp_path / COORDINATOR_FILE) == "10.0.0.3:41234"
+    forget_coordinator(tmp_path, "10.0.0.3:41234")  # the job ends in the successor
+    assert not (tmp_path / COORDINATOR_FILE).exists()
+    forget_coordinator(tmp_path, "10.0.0.3:41234")  # nothing there: nothing to do
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\n", b"10.0.0.1", b"10.0.0.1:", b":29400", b"10.0.0.1:0", b"10.0.0.1:70000", b"10.0.0.1:29x00",
+     b"10.0.0.1 :29400", b"a" * 400 + b":1", b"\xff\xfe:29400"],
+)  # fmt: skip
+def test_a_record_that_is_not_an_address_is_ignored(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / COORDINATOR_FILE
+    path.write_bytes(content)
+    assert recorded_coordinator(path) is None
+    assert recorded_coordinator(tmp_path) is None  # a directory, not a file

@@ -28,7 +28,7 @@ from typing import Any
 
 from jobs import EXAMPLE, ROOT, JobResult, read_digests
 
-from .hosts import NetnsCluster
+from .hosts import Host, NetnsCluster
 
 __all__ = ["CONTROL_PORT", "NetnsJob", "host_shm_dirs", "read_records", "start_netns_job", "wait_for"]
 
@@ -70,6 +70,19 @@ class NetnsJob:
     run_dir: Path
     coordinator: subprocess.Popen[bytes]
     agents: list[subprocess.Popen[bytes]]
+    env: dict[str, str]  # every process's environment
+    control: str  # the coordinator's control address, as the agents were given it
+
+    def start_agent(self, agent_flags: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """Start an agent on the next host without one (a host held back with ``idle``): a host
+        that joins the running job, given the coordinator's address as every agent was."""
+        i = len(self.agents)
+        if i >= len(self.cluster.hosts):
+            raise ValueError(f"every one of the {i} hosts runs an agent already")
+        self.agents.append(
+            _agent(self.cluster.hosts[i], i, self.control, self.run_dir, dict(self.env), agent_flags)
+        )
+        return self.agents[-1]
 
     @property
     def procs(self) -> list[subprocess.Popen[bytes]]:
@@ -171,8 +184,10 @@ def start_netns_job(
     env: Mapping[str, str] | None = None,
     script: Path = EXAMPLE,
     agent_flags: Sequence[str] = (),
+    idle: int = 0,
 ) -> NetnsJob:
-    """Start the coordinator on host 0, then an agent on every host of ``cluster``.
+    """Start the coordinator on host 0, then an agent on every host of ``cluster`` but the last
+    ``idle`` ones (for :meth:`NetnsJob.start_agent` to start later).
 
     ``run_dir``'s parent (made if missing) receives the logs ``coordinator.out`` and
     ``agent-<host>.out`` and the final digests ``<run_dir name>.digest-<rank>``.
@@ -181,9 +196,9 @@ def start_netns_job(
     ``shm_dirs[i]`` becomes host i's agent's CHECKPOINTLESS_SHM_DIR; ``env`` is added to every
     process's environment; ``agent_flags`` (e.g. ``["--no-rejoin"]``) go to every agent.
     """
-    if nnodes + spare_nodes != len(cluster.hosts):
+    if nnodes + spare_nodes + idle != len(cluster.hosts):
         raise ValueError(
-            f"nnodes={nnodes} + spare_nodes={spare_nodes} != {len(cluster.hosts)} hosts: "
+            f"nnodes={nnodes} + spare_nodes={spare_nodes} + idle={idle} != {len(cluster.hosts)} hosts: "
             "make the cluster with one host per node"
         )
     if shm_dirs is not None and len(shm_dirs) != len(cluster.hosts):
@@ -206,17 +221,25 @@ def start_netns_job(
     with open(run_dir.parent / "coordinator.out", "wb") as log:
         coordinator = h0.popen(coord, cwd=ROOT, env=base, stdout=log, stderr=log)
     agents: list[subprocess.Popen[bytes]] = []
-    for i, h in enumerate(cluster.hosts):
-        agent = [
-            *py, "agent", "--coordinator", f"{h0.address}:{control_port}", "--host", h.address,
-            "--secret-file", str(run_dir / "secret"), "--node-order", str(i), *agent_flags,
-        ]  # fmt: skip
+    control = f"{h0.address}:{control_port}"
+    for i, h in enumerate(cluster.hosts[: len(cluster.hosts) - idle]):
         agent_env = dict(base)
         if shm_dirs is not None:
             agent_env["CHECKPOINTLESS_SHM_DIR"] = str(shm_dirs[i])
-        with open(run_dir.parent / f"agent-{i}.out", "wb") as out:
-            agents.append(h.popen(agent, cwd=ROOT, env=agent_env, stdout=out, stderr=out))
-    return NetnsJob(cluster, run_dir, coordinator, agents)
+        agents.append(_agent(h, i, control, run_dir, agent_env, agent_flags))
+    return NetnsJob(cluster, run_dir, coordinator, agents, base, control)
+
+
+def _agent(
+    host: Host, i: int, control: str, run_dir: Path, env: dict[str, str], flags: Sequence[str]
+) -> subprocess.Popen[bytes]:
+    """Host ``i``'s agent, its output in ``agent-<i>.out`` beside the run directory."""
+    agent = [
+        sys.executable, "-m", "checkpointless", "agent", "--coordinator", control, "--host", host.address,
+        "--secret-file", str(run_dir / "secret"), "--node-order", str(i), *flags,
+    ]  # fmt: skip
+    with open(run_dir.parent / f"agent-{i}.out", "wb") as out:
+        return host.popen(agent, cwd=ROOT, env=env, stdout=out, stderr=out)
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import ControlClient, ControlServer
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import job_shm_dir
+from checkpointless.launcher.runfiles import COORDINATOR_FILE, recorded_coordinator
 from checkpointless.launcher.takeover import Mandate
 from checkpointless.protocol import (
     AgentHello,
@@ -249,16 +250,20 @@ def run_agent(
     stop: list[int] = []
     old_term = signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
     old_int = signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
-    # where to (re)join: the coordinator, then (after a failover is possible) its successors
+    # where to (re)join: the coordinator, then (after a failover is possible) its successors;
+    # and before those the coordinator the run directory records, which after a failover is the
+    # successor while --coordinator names the lost one (launcher/runfiles.py)
     targets = [coordinator]
+    record = secret_file.parent / COORDINATOR_FILE
     served: str | None = None  # the job whose shared memory this host may still hold
     try:
         while True:
-            joined = _join(targets, secret, hello, connect_timeout)
+            joined = _join(targets, secret, hello, connect_timeout, record)
             if joined is None:
                 return 1
             client, inbox, welcome = joined
             served = welcome.job_id
+            record = Path(welcome.run_dir) / COORDINATOR_FILE
             log.info(
                 "joined job %s as agent %d (lease %.1f s)", welcome.job_id, welcome.agent_id, welcome.lease
             )
@@ -283,10 +288,15 @@ def run_agent(
 
 
 def _join(
-    targets: list[str], secret: bytes, hello: AgentHello, timeout: float
+    targets: list[str], secret: bytes, hello: AgentHello, timeout: float, record: Path | None = None
 ) -> tuple[ControlClient, queue.Queue[dict[str, Any]], AgentWelcome] | None:
-    """Join the first of ``targets`` that welcomes this agent; each gets the whole timeout when
-    there is one target, else a share of it (a dead or fenced successor must not use it up)."""
+    """Join the first of ``targets`` that welcomes this agent, the coordinator that ``record``
+    names first when it is none of them. Each gets the whole timeout when there is one, else a
+    share of it (a dead or fenced successor must not use it up)."""
+    recorded = recorded_coordinator(record) if record is not None else None
+    if recorded is not None and recorded not in targets:
+        log.info("the run directory names coordinator %s: trying it first", recorded)
+        targets = [recorded, *targets]
     each = timeout if len(targets) == 1 else max(2.0, timeout / len(targets))
     for address in targets:
         addr, _, port = address.rpartition(":")

@@ -36,7 +36,13 @@ from checkpointless.launcher.loop import DecisionLoop
 from checkpointless.launcher.model import LaunchConfig, checkpoint_root, config_from_json, config_to_json
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import cleanup_job, job_shm_dir
-from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
+from checkpointless.launcher.runfiles import (
+    forget_coordinator,
+    make_run_dir,
+    record_coordinator,
+    remove_early,
+    write_secret,
+)
 from checkpointless.observe.hooks import start_observers
 from checkpointless.state.checkpoint_dir import remove_partial
 
@@ -102,6 +108,7 @@ class Launcher(DecisionLoop):
             )
             self.server = ControlServer(self.cfg.host, self.cfg.control_port, self.secret)
             self.server.start()
+            record_coordinator(self.run_dir, self.control_address)
             threading.Thread(
                 target=_beat_agents, args=(self._agents, self._beat_stop), daemon=True, name="cl-agent-beat"
             ).start()
@@ -232,6 +239,11 @@ class Launcher(DecisionLoop):
         self.events.close()
         remove_early(self.run_dir, self._created_run_dir, self.secret_file)
 
+    @property
+    def control_address(self) -> str:
+        """Where this coordinator's control server listens, as agents and workers reach it."""
+        return f"{self.server.address[0]}:{self.server.address[1]}"
+
     def _make_rendezvous(self) -> dict[str, Any]:
         if self.cfg.rendezvous == "rootless":
             return {"kind": "rootless", "timeout": self.cfg.recovery_timeout}
@@ -286,6 +298,7 @@ class Launcher(DecisionLoop):
         self._beat_stop.set()
         self.server.stop()
         self.observers.close()
+        forget_coordinator(self.run_dir, self.control_address)
         cleanup_job(self.run_dir, self.job_id)
         remove_partial(checkpoint_root(self.cfg, self.run_dir, self.job_id))  # checkpoints stay, .tmp go
         if self.reaper is not None:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from checkpointless.config import job_shm_name
+from checkpointless.launcher.runfiles import COORDINATOR_FILE
 
 __all__ = ["cleanup_job", "job_shm_dir", "main"]
 
@@ -68,6 +69,8 @@ def main() -> int:
     except (OSError, KeyboardInterrupt):
         pass
     cleanup_job(run_dir, job_id)
+    # one machine has no failover: whatever address is recorded is this job's ended launcher's
+    (run_dir / COORDINATOR_FILE).unlink(missing_ok=True)
     return 0
 
 

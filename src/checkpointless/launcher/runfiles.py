@@ -1,4 +1,5 @@
-"""The launcher's private files: the run directory and the per-job secret.
+"""The launcher's private files: the run directory, the per-job secret, and the record of where
+the job's coordinator listens now.
 
 The secret authenticates every socket of the job, so whoever reads it can drive the job. It is
 therefore created fresh (``O_EXCL``: never a file someone pre-created with a looser mode), without
@@ -11,12 +12,31 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 from pathlib import Path
 
 from checkpointless.errors import ConfigError
 
-__all__ = ["make_run_dir", "remove_early", "write_secret"]
+__all__ = [
+    "COORDINATOR_FILE",
+    "forget_coordinator",
+    "make_run_dir",
+    "record_coordinator",
+    "recorded_coordinator",
+    "remove_early",
+    "write_secret",
+]
+
+# The run directory's record of the current coordinator's control address, "HOST:PORT": written
+# by the coordinator as it starts and by every successor as it takes over (agent/failover.py), so
+# that an agent started later (a recreated pod, a healed node) finds the job after a failover,
+# when the address it was given is the lost coordinator's. Next to the secret: an agent reads it
+# from its --secret-file's directory.
+COORDINATOR_FILE = "coordinator"
+_MAX_RECORD = 300  # a host name (253) and a port: more is not a record of ours
+# a host name, an IPv4 address or an IPv6 one (with its zone), then the port
+_RECORD = re.compile(rb"([A-Za-z0-9._%:\[\]-]+):([0-9]{1,5})")
 
 
 def make_run_dir(path: Path) -> bool:
@@ -56,6 +76,45 @@ def write_secret(path: Path, secret: bytes) -> None:
     except BaseException:
         path.unlink(missing_ok=True)  # never leave half a secret behind
         raise
+
+
+def record_coordinator(run_dir: Path, address: str) -> None:
+    """Record ``address`` as the job's coordinator: written whole to a temporary file, then
+    renamed over the record, so a reader sees the old address or the new one, never a part."""
+    final = run_dir / COORDINATOR_FILE
+    tmp = run_dir / f".{COORDINATOR_FILE}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(address + "\n")
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def recorded_coordinator(path: Path) -> str | None:
+    """The address in a coordinator record, or None when there is none or it is not one (a
+    reader must not trust the file further than its form: a connection there is still sealed
+    with the job's secret)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_RECORD + 1)
+    except OSError:
+        return None
+    match = _RECORD.fullmatch(raw.strip()) if len(raw) <= _MAX_RECORD else None
+    if match is None or not 0 < int(match[2]) < 65536:
+        return None
+    return raw.strip().decode("ascii")
+
+
+def forget_coordinator(run_dir: Path, address: str) -> None:
+    """Remove the record as the job ends, if it is still this coordinator's: a coordinator that
+    stepped down must not remove its successor's."""
+    path = run_dir / COORDINATOR_FILE
+    if recorded_coordinator(path) == address:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def remove_early(run_dir: Path, created: bool, secret_file: Path) -> None:

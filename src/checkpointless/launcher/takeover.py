@@ -27,6 +27,7 @@ from checkpointless.launcher.agents import _beat_agents
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.launcher import Launcher
 from checkpointless.launcher.model import LaunchConfig, checkpoint_root
+from checkpointless.launcher.runfiles import record_coordinator
 from checkpointless.observe.hooks import start_observers
 from checkpointless.protocol import Hello, ProcExited, ProtocolError, Vote, decode, encode
 
@@ -128,14 +129,16 @@ class TakeoverLauncher(Launcher):
             resume(
                 coord, hosts, procs, workers, rebuilt, f"coordinator lost ({m.why})", m.detected, wall, now
             )
+            # where agents that start from now on find the job (the record names the lost one)
+            record_coordinator(self.run_dir, self.control_address)
             # the next succession: this agent and its voters, each at its failover address
-            self._failover = {m.agent_id: f"{self.server.address[0]}:{self.server.address[1]}"}
+            self._failover = {m.agent_id: self.control_address}
             self._failover.update({v.agent_id: v.failover for v in m.voters.values() if v.failover})
             elect_s, rebuild_s = m.elected - m.detected, now - m.elected
             self.events.emit(
                 "coordinator_failover",
                 old=m.old,
-                new=f"{self.server.address[0]}:{self.server.address[1]}",
+                new=self.control_address,
                 agent=m.agent_id,
                 term=m.term,
                 voters=sorted([m.agent_id, *(v.agent_id for v in m.voters.values())]),
