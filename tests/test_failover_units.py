@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpointless.agent.join import Refused, job_outcome
 from checkpointless.coordinator import Coordinator, Emit, Kill, Send, Stop
 from checkpointless.coordinator.election import (
     Ballot,
@@ -325,3 +326,109 @@ def test_a_record_that_is_not_an_address_is_ignored(tmp_path: Path, content: byt
     path.write_bytes(content)
     assert recorded_coordinator(path) is None
     assert recorded_coordinator(tmp_path) is None  # a directory, not a file
+
+
+class _Coordinators:
+    """Stands in for the network under agent/join.py's ``join``: which addresses welcome the
+    agent, which refuse it, the rest are dead; every attempt is logged, and ``on_try`` may change
+    the world (a successor's record appearing) as an attempt is made."""
+
+    def __init__(self, welcome: frozenset[str] = frozenset(), refuse: frozenset[str] = frozenset()) -> None:
+        self.welcome, self.refuse = welcome, refuse
+        self.tried: list[str] = []
+        self.on_try: Any = None
+
+    def __call__(self, coordinator: tuple[str, int], secret: bytes, hello: Any, timeout: float) -> Any:
+        address = f"{coordinator[0]}:{coordinator[1]}"
+        self.tried.append(address)
+        if self.on_try is not None:
+            self.on_try(len(self.tried))
+        if address in self.welcome:
+            return ("joined", address)
+        if address in self.refuse:
+            raise Refused("hung up")
+        raise ConnectionError("refused")
+
+
+def _join(
+    monkeypatch: pytest.MonkeyPatch,
+    net: _Coordinators,
+    targets: list[str],
+    record: Path,
+    timeout: float = 5.0,
+) -> Any:
+    from checkpointless.agent import join
+
+    monkeypatch.setattr(join, "connect", net)
+    return join.join(targets, b"s", None, timeout, record)  # type: ignore[arg-type]
+
+
+def test_an_agent_tries_the_recorded_coordinator_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record_coordinator(tmp_path, "10.0.0.3:41234")  # the successor, as it took over
+    net = _Coordinators(welcome=frozenset({"10.0.0.3:41234"}))
+    got = _join(monkeypatch, net, ["10.0.0.1:29400"], tmp_path / COORDINATOR_FILE)
+    assert got == ("joined", "10.0.0.3:41234") and net.tried == ["10.0.0.3:41234"]
+
+
+def test_an_agent_sees_a_record_written_while_it_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # started between the coordinator's loss and its successor's record: the given address is
+    # dead, the record still names it; the successor's record appears during the second try
+    record_coordinator(tmp_path, "10.0.0.1:29400")
+    net = _Coordinators(welcome=frozenset({"10.0.0.3:41234"}))
+    net.on_try = lambda n: n == 2 and record_coordinator(tmp_path, "10.0.0.3:41234")
+    got = _join(monkeypatch, net, ["10.0.0.1:29400"], tmp_path / COORDINATOR_FILE)
+    assert got == ("joined", "10.0.0.3:41234")
+    assert net.tried == ["10.0.0.1:29400", "10.0.0.1:29400", "10.0.0.3:41234"], net.tried
+
+
+def test_an_agent_asks_no_refusing_coordinator_again_and_ignores_a_bad_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / COORDINATOR_FILE).write_text("not an address\n")
+    net = _Coordinators(refuse=frozenset({"10.0.0.1:29400", "10.0.0.2:39000"}))
+    got = _join(monkeypatch, net, ["10.0.0.1:29400", "10.0.0.2:39000"], tmp_path / COORDINATOR_FILE, 30.0)
+    assert got is None and net.tried == ["10.0.0.1:29400", "10.0.0.2:39000"], net.tried
+
+
+def test_an_agent_gives_up_on_dead_coordinators_at_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time as _time
+
+    net = _Coordinators()
+    net.on_try = lambda n: _time.sleep(0.05)
+    t0 = _time.monotonic()
+    got = _join(monkeypatch, net, ["10.0.0.1:29400"], tmp_path / COORDINATOR_FILE, 0.5)
+    assert got is None and 0.5 <= _time.monotonic() - t0 < 2.0
+    assert len(net.tried) >= 5 and set(net.tried) == {"10.0.0.1:29400"}
+
+
+def test_an_agent_reads_how_the_job_ended_from_the_event_log_tail(tmp_path: Path) -> None:
+    assert job_outcome(tmp_path) is None  # no event log
+    log = tmp_path / "events.jsonl"
+    lines = [json.dumps({"event": "commit", "step": i, "pad": "x" * 200}) for i in range(2000)]
+    log.write_text("\n".join(lines) + "\n")
+    assert job_outcome(tmp_path) is None  # a long job still running
+    with open(log, "a") as f:
+        f.write(json.dumps({"event": "job_end", "status": "ok", "recoveries": 2}) + "\n")
+        f.write('{"event": "job_end", "status": "ok"')  # a torn last line, skipped
+    assert job_outcome(tmp_path) == "ok"
+    log.write_text(json.dumps({"event": "job_end", "status": "failed", "error": "x"}) + "\n")
+    assert job_outcome(tmp_path) == "failed"
+
+
+def test_a_rejoining_agent_stops_once_the_job_has_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from checkpointless.agent import join
+
+    net = _Coordinators()
+    monkeypatch.setattr(join, "connect", net)
+    gone = [False]
+    net.on_try = lambda n: gone.__setitem__(0, n >= 2)  # the secret goes during the second try
+    got = join.join(["10.0.0.1:29400"], b"s", None, 60.0, None, lambda: gone[0])  # type: ignore[arg-type]
+    assert got is None and len(net.tried) == 2, net.tried

@@ -517,6 +517,25 @@ def test_a_busy_control_port_leaves_no_secret_behind(tmp_path: Path) -> None:
     assert not run.exists(), list(run.iterdir())  # created by this launch, and empty: removed
 
 
+def test_a_crowded_port_range_leaves_no_secret_and_no_coordinator_record(tmp_path: Path) -> None:
+    # fails after the control server started and the coordinator's address was recorded (when
+    # the host's agent looks for its ports): the record goes with everything else (the launcher
+    # removes it, and so does its reaper)
+    run = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        base = s.getsockname()[1]  # busy: 9 of the 10 ports an agent of one rank needs are free
+        proc = subprocess.run(
+            [sys.executable, "-m", "checkpointless", "run", "--run-dir", str(run), "--port-base", str(base),
+             "--port-range", "10", "--nproc", "1", str(Path(__file__).parent / "scripts" / "slow_steps.py")],
+            capture_output=True, text=True, timeout=50,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "ports needed are free" in proc.stderr, proc.stderr
+    assert not run.exists(), list(run.iterdir())  # no secret, no record: removed whole
+
+
 def test_the_shm_name_is_private_and_unguessable(monkeypatch: pytest.MonkeyPatch) -> None:
     from checkpointless.config import job_shm_name
 

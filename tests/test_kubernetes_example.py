@@ -118,6 +118,11 @@ def test_every_command_parses_and_the_pieces_agree() -> None:
     assert int(limits["nvidia.com/gpu"]) == coord.nproc_per_node
     assert agent_mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
 
+    # every pod the same user (the run directory is 0700), agents patient with a late coordinator
+    users = {j["spec"]["template"]["spec"]["securityContext"]["runAsUser"] for j in (coord_job, agents_job)}
+    assert len(users) == 1, users
+    assert agent.connect_timeout >= 300
+
     # Kubernetes must not restart either by itself: the job handles its own faults
     for job in (coord_job, agents_job):
         assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"

@@ -73,15 +73,19 @@ class NetnsJob:
     env: dict[str, str]  # every process's environment
     control: str  # the coordinator's control address, as the agents were given it
 
-    def start_agent(self, agent_flags: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    def start_agent(
+        self, agent_flags: Sequence[str] = (), shm_dir: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         """Start an agent on the next host without one (a host held back with ``idle``): a host
-        that joins the running job, given the coordinator's address as every agent was."""
+        that joins the running job, given the coordinator's address as every agent was.
+        ``shm_dir`` becomes its CHECKPOINTLESS_SHM_DIR (a job started with ``shm_dirs``)."""
         i = len(self.agents)
         if i >= len(self.cluster.hosts):
             raise ValueError(f"every one of the {i} hosts runs an agent already")
-        self.agents.append(
-            _agent(self.cluster.hosts[i], i, self.control, self.run_dir, dict(self.env), agent_flags)
-        )
+        env = dict(self.env)
+        if shm_dir is not None:
+            env["CHECKPOINTLESS_SHM_DIR"] = str(shm_dir)
+        self.agents.append(_agent(self.cluster.hosts[i], i, self.control, self.run_dir, env, agent_flags))
         return self.agents[-1]
 
     @property

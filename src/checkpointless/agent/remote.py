@@ -36,6 +36,7 @@ from typing import Any
 from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
 from checkpointless.agent.beats import beats_message
 from checkpointless.agent.failover import LOST, Early, Joined, elect, refuse_all
+from checkpointless.agent.join import job_outcome, join, read_secret
 from checkpointless.config import ENV
 from checkpointless.coordinator.election import Ballot
 from checkpointless.errors import ConfigError
@@ -43,7 +44,7 @@ from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import ControlClient, ControlServer
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import job_shm_dir
-from checkpointless.launcher.runfiles import COORDINATOR_FILE, recorded_coordinator
+from checkpointless.launcher.runfiles import COORDINATOR_FILE
 from checkpointless.launcher.takeover import Mandate
 from checkpointless.protocol import (
     AgentHello,
@@ -177,49 +178,6 @@ class _Session:
                 return "lost"
 
 
-def _connect(
-    coordinator: tuple[str, int], secret: bytes, hello: AgentHello, timeout: float
-) -> tuple[ControlClient, queue.Queue[dict[str, Any]], AgentWelcome]:
-    inbox: queue.Queue[dict[str, Any]] = queue.Queue()
-    client = ControlClient(
-        coordinator, secret, inbox.put, lambda why: inbox.put({"type": _LOST, "why": why}), timeout=timeout
-    )
-    client.send(encode(hello))
-    deadline = time.monotonic() + max(timeout, 10.0)
-    while True:
-        try:
-            raw = inbox.get(timeout=max(0.01, deadline - time.monotonic()))
-        except queue.Empty:
-            client.close()
-            raise ConnectionError("the coordinator did not welcome this agent in time") from None
-        msg = decode(raw) if raw.get("type") != _LOST else None
-        if isinstance(msg, AgentWelcome):
-            return client, inbox, msg
-        client.close()
-        raise ConnectionError(f"the coordinator refused this agent ({raw.get('reason') or raw.get('why')})")
-
-
-def _read_secret(path: Path, deadline: float) -> bytes:
-    """The job's secret; a batch script may start agents before the coordinator has written it."""
-    while True:
-        try:
-            secret = path.read_bytes().strip()
-            if secret:
-                return secret
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise ConfigError(
-                f"--secret-file {str(path)!r}: {e.strerror}; give the job's secret file"
-            ) from None
-        if time.monotonic() > deadline:
-            raise ConfigError(
-                f"--secret-file {str(path)!r} did not appear; give the coordinator's <run dir>/secret "
-                "(on storage this host shares with the coordinator)"
-            )
-        time.sleep(0.2)
-
-
 def run_agent(
     coordinator: str,
     host: str,
@@ -235,7 +193,7 @@ def run_agent(
         raise ConfigError(
             f"--coordinator {coordinator!r} is not HOST:PORT; e.g. --coordinator 10.0.0.1:29400"
         )
-    secret = _read_secret(secret_file, time.monotonic() + connect_timeout)
+    secret = read_secret(secret_file, time.monotonic() + connect_timeout)
     # bound now so that its address can be in the succession: if this agent is ever elected,
     # the job's workers reconnect here (agent/failover.py)
     failover = ControlServer(host, 0, secret)
@@ -256,14 +214,24 @@ def run_agent(
     targets = [coordinator]
     record = secret_file.parent / COORDINATOR_FILE
     served: str | None = None  # the job whose shared memory this host may still hold
+    run_dir: Path | None = None
     try:
         while True:
-            joined = _join(targets, secret, hello, connect_timeout, record)
+            # Rejoining, a host may have been out of touch while the job ended (a spare host that
+            # noticed a failover late, when the successor had already finished): the ending job
+            # removes its secret, and its event log says how it ended.
+            ended = None if run_dir is None else (lambda: not secret_file.exists())
+            joined = join(targets, secret, hello, connect_timeout, record, ended)
             if joined is None:
+                status = job_outcome(run_dir) if run_dir is not None else None
+                if status is not None:
+                    log.info("the job ended (%s) while this host was out of touch: nothing to rejoin", status)
+                    return 0 if status == "ok" else 1
                 return 1
             client, inbox, welcome = joined
             served = welcome.job_id
-            record = Path(welcome.run_dir) / COORDINATOR_FILE
+            run_dir = Path(welcome.run_dir)
+            record = run_dir / COORDINATOR_FILE
             log.info(
                 "joined job %s as agent %d (lease %.1f s)", welcome.job_id, welcome.agent_id, welcome.lease
             )
@@ -285,26 +253,6 @@ def run_agent(
             shutil.rmtree(job_shm_dir(served), ignore_errors=True)
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
-
-
-def _join(
-    targets: list[str], secret: bytes, hello: AgentHello, timeout: float, record: Path | None = None
-) -> tuple[ControlClient, queue.Queue[dict[str, Any]], AgentWelcome] | None:
-    """Join the first of ``targets`` that welcomes this agent, the coordinator that ``record``
-    names first when it is none of them. Each gets the whole timeout when there is one, else a
-    share of it (a dead or fenced successor must not use it up)."""
-    recorded = recorded_coordinator(record) if record is not None else None
-    if recorded is not None and recorded not in targets:
-        log.info("the run directory names coordinator %s: trying it first", recorded)
-        targets = [recorded, *targets]
-    each = timeout if len(targets) == 1 else max(2.0, timeout / len(targets))
-    for address in targets:
-        addr, _, port = address.rpartition(":")
-        try:
-            return _connect((addr, int(port)), secret, hello, each)
-        except (ConnectionError, ProtocolError) as e:
-            log.error("cannot join the coordinator at %s: %s", address, e)
-    return None
 
 
 def _serve(

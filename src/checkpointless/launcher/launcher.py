@@ -37,6 +37,7 @@ from checkpointless.launcher.model import LaunchConfig, checkpoint_root, config_
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import cleanup_job, job_shm_dir
 from checkpointless.launcher.runfiles import (
+    COORDINATOR_FILE,
     forget_coordinator,
     make_run_dir,
     record_coordinator,
@@ -62,6 +63,9 @@ class Launcher(DecisionLoop):
         self._created_run_dir = make_run_dir(self.run_dir)
         self.secret_file = self.run_dir / "secret"
         write_secret(self.secret_file, self.secret)
+        # a record left by an earlier job here that was killed outright (its secret gone, or the
+        # write above would have refused) must not send this job's agents to a dead address
+        (self.run_dir / COORDINATOR_FILE).unlink(missing_ok=True)
         # The job's /dev/shm name gets a random part that only our processes learn, through the
         # environment (never argv, which every user can read). Set here so the reaper, cleanup_job
         # and every worker (plain mode's too) inherit it: one launcher per process.
@@ -116,8 +120,9 @@ class Launcher(DecisionLoop):
                 # With agents on every host there is nothing here for a reaper to kill: each agent
                 # owns its processes and fences them, and a reaper that cleaned up after a lost
                 # coordinator would end the job that a failover is about to save.
+                reaper = [sys.executable, "-m", "checkpointless.launcher.reaper", str(self.run_dir)]
                 self.reaper = subprocess.Popen(
-                    [sys.executable, "-m", "checkpointless.launcher.reaper", str(self.run_dir), self.job_id],
+                    [*reaper, self.job_id, self.control_address],
                     stdin=subprocess.PIPE,
                     start_new_session=True,
                 )
@@ -278,6 +283,8 @@ class Launcher(DecisionLoop):
                 self.secret_file.unlink(missing_ok=True)
             except OSError:
                 pass
+            if getattr(self, "server", None) is not None:
+                forget_coordinator(self.run_dir, self.control_address)
 
     # -- the end -------------------------------------------------------------------------------
     def _shutdown(self) -> None:

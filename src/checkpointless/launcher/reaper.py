@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from checkpointless.config import job_shm_name
-from checkpointless.launcher.runfiles import COORDINATOR_FILE
+from checkpointless.launcher.runfiles import forget_coordinator
 
 __all__ = ["cleanup_job", "job_shm_dir", "main"]
 
@@ -57,7 +57,7 @@ def cleanup_job(run_dir: Path, job_id: str, keep_secret: bool = False) -> int:
 
 
 def main() -> int:
-    run_dir, job_id = Path(sys.argv[1]), sys.argv[2]
+    run_dir, job_id, control = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which cleans up
     # A SIGTERM sent to every process of the job at once (scancel, a kill of the whole tree)
     # reaches us with the launcher's: dying on it would leave the launcher's own cleanup
@@ -69,8 +69,9 @@ def main() -> int:
     except (OSError, KeyboardInterrupt):
         pass
     cleanup_job(run_dir, job_id)
-    # one machine has no failover: whatever address is recorded is this job's ended launcher's
-    (run_dir / COORDINATOR_FILE).unlink(missing_ok=True)
+    # only while it names the launcher: with remote agents (run --nnodes) a successor may have
+    # taken over after this launcher stepped down, and the record is then the successor's
+    forget_coordinator(run_dir, control)
     return 0
 
 

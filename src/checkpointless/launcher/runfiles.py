@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import stat
 from pathlib import Path
 
 from checkpointless.errors import ConfigError
+from checkpointless.events import get_logger
 
 __all__ = [
     "COORDINATOR_FILE",
@@ -34,6 +36,7 @@ __all__ = [
 # when the address it was given is the lost coordinator's. Next to the secret: an agent reads it
 # from its --secret-file's directory.
 COORDINATOR_FILE = "coordinator"
+log = get_logger()
 _MAX_RECORD = 300  # a host name (253) and a port: more is not a record of ours
 # a host name, an IPv4 address or an IPv6 one (with its zone), then the port
 _RECORD = re.compile(rb"([A-Za-z0-9._%:\[\]-]+):([0-9]{1,5})")
@@ -78,30 +81,53 @@ def write_secret(path: Path, secret: bytes) -> None:
         raise
 
 
-def record_coordinator(run_dir: Path, address: str) -> None:
-    """Record ``address`` as the job's coordinator: written whole to a temporary file, then
-    renamed over the record, so a reader sees the old address or the new one, never a part."""
+def record_coordinator(run_dir: Path, address: str) -> bool:
+    """Record ``address`` as the job's coordinator: written whole to a temporary file of a name
+    no other writer uses (pods share a pid on a shared volume), then renamed over the record, so
+    a reader sees the old address or the new one, never a part. Returns whether it was recorded.
+
+    Best effort: the record is a hint for agents that start later, and a job (a takeover that
+    just saved it, above all) must not end because a shared volume refused a small file."""
     final = run_dir / COORDINATOR_FILE
-    tmp = run_dir / f".{COORDINATOR_FILE}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    tmp = run_dir / f".{COORDINATOR_FILE}.{secrets.token_hex(8)}.tmp"
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(address + "\n")
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(address + "\n")
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        log.warning(
+            "could not record the coordinator's address in %s (%s); agents that start later need "
+            "its address in --coordinator",
+            final,
+            e,
+        )
+        return False
+    return True
 
 
 def recorded_coordinator(path: Path) -> str | None:
-    """The address in a coordinator record, or None when there is none or it is not one (a
-    reader must not trust the file further than its form: a connection there is still sealed
-    with the job's secret)."""
+    """The address in a coordinator record, or None when there is none or it is not one. The
+    file is read as what it must be, a small regular file: never through a symlink, never a
+    FIFO or a device that could block the reader, never more than a record's length. Its
+    content is trusted no further than its form: a connection there is still sealed with the
+    job's secret."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_RECORD + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, _MAX_RECORD + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     match = _RECORD.fullmatch(raw.strip()) if len(raw) <= _MAX_RECORD else None
     if match is None or not 0 < int(match[2]) < 65536:
         return None
@@ -110,7 +136,8 @@ def recorded_coordinator(path: Path) -> str | None:
 
 def forget_coordinator(run_dir: Path, address: str) -> None:
     """Remove the record as the job ends, if it is still this coordinator's: a coordinator that
-    stepped down must not remove its successor's."""
+    stepped down must not remove its successor's. (Read, then removed: a successor that writes
+    in between is one elected while this coordinator was ending the job, which cannot be.)"""
     path = run_dir / COORDINATOR_FILE
     if recorded_coordinator(path) == address:
         with contextlib.suppress(OSError):
@@ -118,9 +145,10 @@ def forget_coordinator(run_dir: Path, address: str) -> None:
 
 
 def remove_early(run_dir: Path, created: bool, secret_file: Path) -> None:
-    """Undo a launch that failed before the job started: the secret, an empty event log, and
-    the run directory if this launch created it and nothing else is in it."""
+    """Undo a launch that failed before the job started: the secret, the coordinator record, an
+    empty event log, and the run directory if this launch created it and nothing else is in it."""
     secret_file.unlink(missing_ok=True)
+    (run_dir / COORDINATOR_FILE).unlink(missing_ok=True)
     events = run_dir / "events.jsonl"
     with contextlib.suppress(OSError):
         if events.stat().st_size == 0:
