@@ -449,3 +449,23 @@ def test_transfer_parts_name_the_slowest_receiver() -> None:
         "state_restore_s": 0.08,
     }
     assert transfer_parts({0: src, 3: {"role": "undo", "transfer_s": 0.1}}) is None
+
+
+def test_a_round_open_when_every_rank_has_finished_ends_the_job() -> None:
+    # A coordinator that took over as the last steps ran (seen in CI: the election took a second
+    # and the job's 33 remaining steps were done by then) opens a round; every rank, already
+    # past its last step, sends Done and exits instead of reporting. The job is complete:
+    # nothing is left to recover, and it must end now, not fail at --recovery-timeout.
+    h = Harness(spares=0)
+    start_job_without_spares(h)
+    h.msg(0, Stopped(for_generation=1, committed_step=9, valid=True, cause="comm"))
+    h.advance(0.01)
+    assert h.c.round is not None, "a round is open"
+    for wid in range(3):
+        h.msg(wid, Done(step=39))
+        h.closed(wid)
+        h.exit(wid, 0, detail="exited with code 0")
+    out = h.advance(0.01)
+    end = h.events("job_end")
+    assert end and end[0]["status"] == "ok", (end, h.events("fault"))
+    assert any(isinstance(c, Stop) and c.code == 0 for c in out)

@@ -355,28 +355,38 @@ class Coordinator:
             self._check_done()
 
     def _check_done(self) -> None:
-        if self.round is not None or not self.ranks:
+        if not self.ranks or not all(m.done and m.exited for m in self.ranks.values()):
             return
-        if all(m.done and m.exited for m in self.ranks.values()):
-            failed = sorted(r for r, m in self.ranks.items() if m.exit_code != 0)
-            if failed:
-                # training finished everywhere, but the script failed after its loop (saving?)
-                self._log(
-                    "error",
-                    f"training finished, but rank(s) {failed} failed after the loop; see their output",
-                )
-            flush_pending(self, "the job ended before every rank committed a step after it")
-            faults = len(self.fault_history)
-            self._emit(
-                "job_end",
-                status="failed" if failed else "ok",
-                recoveries=len(self.recoveries),
-                faults=faults,
-                startup_faults=self.startup_faults,
+        if self.round is not None:
+            # Every rank finished its loop and exited while a round was open: a coordinator that
+            # took over as the last steps ran (its election and rebuild took longer than they
+            # did). Training is complete everywhere and no process is left to recover; waiting
+            # for reports that cannot come would fail a finished job at --recovery-timeout.
+            self._log(
+                "warning",
+                f"every rank finished its last step while recovery round {self.round.target} was "
+                "open; the round is dropped and the job ends",
             )
-            during = f" ({self.startup_faults} during start-up)" if self.startup_faults else ""
-            self._log("info", f"job finished: {len(self.recoveries)} recoveries from {faults} faults{during}")
-            self._end("done", 1 if failed else 0)
+            self.round = None
+        failed = sorted(r for r, m in self.ranks.items() if m.exit_code != 0)
+        if failed:
+            # training finished everywhere, but the script failed after its loop (saving?)
+            self._log(
+                "error",
+                f"training finished, but rank(s) {failed} failed after the loop; see their output",
+            )
+        flush_pending(self, "the job ended before every rank committed a step after it")
+        faults = len(self.fault_history)
+        self._emit(
+            "job_end",
+            status="failed" if failed else "ok",
+            recoveries=len(self.recoveries),
+            faults=faults,
+            startup_faults=self.startup_faults,
+        )
+        during = f" ({self.startup_faults} during start-up)" if self.startup_faults else ""
+        self._log("info", f"job finished: {len(self.recoveries)} recoveries from {faults} faults{during}")
+        self._end("done", 1 if failed else 0)
 
     def _stop(self, why: str, code: int) -> None:
         if self.stopping is not None and self.exit_code:
