@@ -432,3 +432,43 @@ def test_a_rejoining_agent_stops_once_the_job_has_ended(
     net.on_try = lambda n: gone.__setitem__(0, n >= 2)  # the secret goes during the second try
     got = join.join(["10.0.0.1:29400"], b"s", None, 60.0, None, lambda: gone[0])  # type: ignore[arg-type]
     assert got is None and len(net.tried) == 2, net.tried
+
+
+class _Conn:
+    """A connection as refuse_all sees one: it can only be hung up."""
+
+    def __init__(self) -> None:
+        self.hung_up = False
+
+    def hang_up(self) -> None:
+        self.hung_up = True
+
+
+class _Server:
+    def __init__(self) -> None:
+        import queue
+
+        self.inbox: queue.Queue[tuple[Any, dict[str, Any]]] = queue.Queue()
+
+
+def test_a_kept_workers_next_report_is_kept_in_order_and_its_close_forgets_it() -> None:
+    # A worker reconnects to the next candidate before that agent has noticed the loss, and its
+    # interrupted step's Stopped follows the hello at once (seen in CI: the agent hung the
+    # worker up for it; the worker's old hello, still kept, then made the winner count it as
+    # reconnected and refuse its real reconnect as a second hello, until it gave up).
+    from checkpointless.agent.failover import refuse_all
+
+    server, early = _Server(), []  # type: ignore[var-annotated]
+    w1, w2, other = _Conn(), _Conn(), _Conn()
+    hello = {"type": "hello", "worker_id": 2, "term": 1}
+    stopped = {"type": "stopped", "for_generation": 1}
+    for conn, raw in ((w1, hello), (w1, stopped), (w2, {**hello, "worker_id": 3}), (other, stopped)):
+        server.inbox.put((conn, raw))
+    refuse_all(server, early, keep_s=5.0)  # type: ignore[arg-type]
+    assert [(c, r["type"]) for _, c, r in early] == [(w1, "hello"), (w1, "stopped"), (w2, "hello")]
+    assert not w1.hung_up and not w2.hung_up and other.hung_up  # a report with no hello before it
+    server.inbox.put((w2, {"type": "_closed"}))
+    refuse_all(server, early, keep_s=5.0)  # type: ignore[arg-type]
+    assert [(c, r["type"]) for _, c, r in early] == [(w1, "hello"), (w1, "stopped")]
+    refuse_all(server, early, keep_s=0.0)  # a lease later: the hello and its report go together
+    assert early == [] and w1.hung_up

@@ -54,13 +54,30 @@ def refuse_all(server: ControlServer, early: Early, keep_s: float, serving: int 
             conn, raw = server.inbox.get_nowait()
         except queue.Empty:
             break
-        if raw.get("type") in ("vote", "hello") and not _settled(raw, serving):
+        kept = any(c is conn for _, c, _ in early)
+        if raw.get("type") == "_closed":
+            # gone before anyone stood: forget its hello, or a winner would count a worker that
+            # reconnects elsewhere as reconnected here, and refuse its next hello as a second one
+            early[:] = [e for e in early if e[1] is not conn]
+        elif raw.get("type") in ("vote", "hello") and not _settled(raw, serving):
             early.append((now, conn, raw))
-        elif raw.get("type") != "_closed":
+        elif kept:
+            # a kept worker's next message (the Stopped its interrupted step sends right after
+            # its hello): kept in order for the winner's first round, like the hello
+            early.append((now, conn, raw))
+        else:
             conn.hang_up()
-    for item in [e for e in early if now - e[0] > keep_s or _settled(e[2], serving)]:
-        early.remove(item)
-        item[1].hang_up()
+    expired = [e[1] for e in early if e[2].get("type") in ("vote", "hello")]
+    expired = [c for c in expired if _expired(early, c, now, keep_s, serving)]
+    for conn in expired:
+        early[:] = [e for e in early if e[1] is not conn]
+        conn.hang_up()
+
+
+def _expired(early: Early, conn: Connection, now: float, keep_s: float, serving: int) -> bool:
+    """Whether the vote or hello ``conn`` opened with is too old, or for a settled term."""
+    first = next(e for e in early if e[1] is conn)
+    return now - first[0] > keep_s or _settled(first[2], serving)
 
 
 def _settled(raw: dict[str, Any], serving: int) -> bool:
@@ -185,6 +202,8 @@ def _collect(
                 votes[conn] = msg
         elif isinstance(msg, Hello) and 0 < msg.term <= term:
             pending.append((conn, raw))
+        elif any(c is conn for c, _ in pending):
+            pending.append((conn, raw))  # a kept worker's next report: in order, for the first round
         else:
             conn.hang_up()  # another term's vote or reconnect: that one goes elsewhere
     log.warning("term %d: majority of %s reached (%d votes)", term, members, len(votes) + 1)
