@@ -201,8 +201,9 @@ def start_netns_job(
     process's environment; ``agent_flags`` (e.g. ``["--no-rejoin"]``) go to every agent.
     """
     if nnodes + spare_nodes + idle != len(cluster.hosts):
+        held = f" + idle={idle}" if idle else ""
         raise ValueError(
-            f"nnodes={nnodes} + spare_nodes={spare_nodes} + idle={idle} != {len(cluster.hosts)} hosts: "
+            f"nnodes={nnodes} + spare_nodes={spare_nodes}{held} != {len(cluster.hosts)} hosts: "
             "make the cluster with one host per node"
         )
     if shm_dirs is not None and len(shm_dirs) != len(cluster.hosts):
