@@ -207,7 +207,7 @@ class Launcher(DecisionLoop):
         env = dict(os.environ)
         env.update(
             {
-                ENV.CONTROL: f"{self.server.address[0]}:{self.server.address[1]}",
+                ENV.CONTROL: self.control_address,
                 ENV.SECRET_FILE: str(self.secret_file),
                 ENV.RUN_DIR: str(self.run_dir),
                 ENV.JOB_ID: self.job_id,
