@@ -244,3 +244,50 @@ def test_a_host_out_of_touch_while_the_job_ends_after_a_failover_exits_with_the_
     assert "while this host was out of touch" in (run_dir.parent / "agent-2.out").read_text()
     res.assert_same_weights(ref, nproc=4)
     assert [e["status"] for e in job.events("job_end")] == ["ok"]
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_every_rank_finishing_while_no_coordinator_exists_ends_the_job_ok(
+    netns_hosts: Any, tmp_path: Path, corpus: Path
+) -> None:
+    """Every agent is stopped (SIGSTOP) and the coordinator killed a few steps before the end:
+    the ranks run their last steps with no coordinator anywhere, and their Done goes nowhere.
+    Each waits at its exit until the successor, elected once the agents resume, has heard from
+    its hello that it finished; the job then ends ok and bitwise. (Seen in CI: ranks finished
+    during a slow election and left; the successor found no process and failed the job as "lost
+    before generation 0 formed".)"""
+    ref = _reference(tmp_path / "ref", corpus)
+    cluster = netns_hosts(3)
+    run_dir = tmp_path / "job" / "run"
+    deadline = time.monotonic() + 200
+    job = start_netns_job(cluster, run_dir, corpus, ARGS, lease=LEASE)
+    last = int(ARGS[ARGS.index("--steps") + 1]) - 1
+    stopped: list[int] = []
+    try:
+        wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
+        wait_for(lambda: job.committed(0) >= last - 4, deadline, f"rank 0 to commit step {last - 4}")
+        for agent in job.agents:
+            os.kill(agent.pid, signal.SIGSTOP)
+            stopped.append(agent.pid)
+        job.coordinator.kill()
+        job.coordinator.wait(timeout=10)
+        ranks = range(4)
+        wait_for(lambda: min(job.committed(r) for r in ranks) >= last, deadline, "every rank's last step")
+        time.sleep(0.5)  # past their Done: without a successor to wait for they would be gone
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stopped.clear()
+        wait_for(lambda: job.events("job_end"), deadline, "the successor to end the job")
+    except BaseException:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        job.kill()
+        raise
+    res = job.finish_agents(deadline)
+    assert res.rc == 0, res.output
+    res.assert_same_weights(ref, nproc=4)
+    assert [e["status"] for e in job.events("job_end")] == ["ok"], job.events("job_end")
+    assert len(job.events("coordinator_failover")) == 1, job.events("coordinator_failover")
+    assert res.output.count("waiting for its successor to hear it") == 4, res.output

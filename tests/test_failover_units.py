@@ -250,6 +250,33 @@ def test_takeover_before_the_first_generation_ends_the_job_with_the_reason() -> 
     assert stops and stops[0].code == 1 and "before generation 0 formed" in stops[0].why
 
 
+def test_takeover_after_every_rank_finished_ends_the_job_ok() -> None:
+    # Seen in CI: the job's last steps ran while the successor was elected, and every rank's Done
+    # went nowhere. Their hellos say they finished; once each leaves, the job ends ok (it failed
+    # as "lost before generation 0 formed" when the ranks left before the rebuild heard them).
+    cfg = LaunchConfig(script=str(Path(__file__).parent / "scripts" / "slow_steps.py"), nproc=2, spares=0)
+    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    procs = [ProcReport(w, 0, "worker", 100 + w) for w in range(2)]
+    workers = [WorkerReport(w, w, 0, 39, step=39, done=True) for w in range(2)]
+    resume(
+        c, [TakeoverHost(0, "h", False)], procs, workers, rebuild(procs, workers, 2), "lost", 1.0, 1e9, 2.0
+    )
+    assert not [cmd for cmd in c.drain() if isinstance(cmd, Stop)], "nothing ends it before they leave"
+    for w in range(2):
+        c.on_closed(w)
+        c.on_exit(w, 0, False, "exited with code 0", "", 2.1, 1e9)
+    c.tick(2.2, 1e9)
+    out = c.drain()
+    ends = [cmd.fields for cmd in out if isinstance(cmd, Emit) and cmd.event == "job_end"]
+    assert ends and ends[0]["status"] == "ok", out
+    assert any(isinstance(cmd, Stop) and cmd.code == 0 for cmd in out)
+    assert not [
+        cmd
+        for cmd in out
+        if isinstance(cmd, Emit) and cmd.event == "fault" and cmd.fields["kind"] != "coordinator_lost"
+    ]
+
+
 def test_launch_config_travels_to_the_agents_and_back() -> None:
 
     cfg = LaunchConfig(

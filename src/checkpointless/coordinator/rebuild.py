@@ -39,6 +39,7 @@ class WorkerReport:
     ready: bool = False  # a spare that finished warming up
     aborted: int = -1  # the newest generation it stopped for (a round in flight, or a report lost)
     step: int = -1  # the step it was at
+    done: bool = False  # it finished its loop; it leaves once the new coordinator speaks
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ def resume(
         m.connected = w is not None
         m.ready = w is not None and w.ready
         m.joined = w is not None and w.generation >= 0
+        m.done = w is not None and w.done  # its Done went to the lost coordinator, or nowhere
         if w is not None and w.step >= 0:
             m.step = w.step
         coord.procs[p.worker_id] = m

@@ -285,6 +285,7 @@ class TakeoverLauncher(Launcher):
             ready=msg.ready,
             aborted=msg.aborted,
             step=msg.step,
+            done=msg.done,
         )
 
     def _execute(self) -> None:

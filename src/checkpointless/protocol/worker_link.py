@@ -55,6 +55,7 @@ class Hello(Message):
     aborted: int = -1  # the newest generation it stopped for (told to abort, or reported for)
     step: int = -1
     ready: bool = False  # a spare that finished warming up
+    done: bool = False  # it finished its loop (its Done may have gone to the lost coordinator)
 
 
 @dataclass(frozen=True)

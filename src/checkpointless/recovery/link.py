@@ -39,6 +39,7 @@ from checkpointless.protocol import (
     SUCCESSION_ENV,
     Abort,
     Assign,
+    Done,
     Heartbeat,
     Hello,
     Message,
@@ -118,6 +119,7 @@ class LauncherLink:
         self._generation = -1
         self._aborted = -1
         self._ready = False
+        self._done = False  # it sent Done: the job's loop is finished here
         self._lost_since: float | None = None  # lost the coordinator and no successor spoke yet
         self._between = False  # lost it and not connected to a candidate either
         self._reconnector: threading.Thread | None = None
@@ -163,6 +165,8 @@ class LauncherLink:
             self._generation = max(self._generation, msg.generation)
         elif isinstance(msg, SpareReady):
             self._ready = True
+        elif isinstance(msg, Done):
+            self._done = True
         elif isinstance(msg, Stopped):
             # a report that may be lost with the coordinator: the successor's first round must
             # be for a newer generation, so that this worker reports again

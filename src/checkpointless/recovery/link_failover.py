@@ -27,7 +27,7 @@ from checkpointless.protocol import Hello, encode
 if TYPE_CHECKING:
     from checkpointless.recovery.link import LauncherLink
 
-__all__ = ["bound_silence", "on_lost"]
+__all__ = ["await_successor", "bound_silence", "on_lost"]
 
 log = get_logger()
 
@@ -51,6 +51,23 @@ def on_lost(link: LauncherLink, why: str) -> None:
             target=_reconnect, args=(link,), daemon=True, name="cl-reconnect"
         )
         link._reconnector.start()
+
+
+def await_successor(link: LauncherLink) -> None:
+    """At a finished worker's exit: if the coordinator is lost, stay until a successor has
+    taken this worker. Its Done went nowhere (or to the lost coordinator); the hello it sends
+    the successor says it instead. A process that left now would look to the successor like a
+    rank that vanished before it could vouch for it: with every rank gone that way, it would
+    find no generation formed and fail a job that had finished. Bounded: the search exits the
+    process at its own deadline (two leases) if nobody takes it."""
+    succ = link._succession
+    if succ is None or link._stop.is_set():
+        return
+    deadline = time.monotonic() + 2 * succ.lease + 3.0
+    if link._lost_since is not None:
+        log.info("finished while the coordinator is lost; waiting for its successor to hear it")
+    while link._lost_since is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def bound_silence(link: LauncherLink, lease: float) -> None:
@@ -109,6 +126,7 @@ def _reconnect(link: LauncherLink) -> None:
             aborted=link._aborted,
             step=status.step if status.step is not None else -1,
             ready=link._ready,
+            done=link._done,
         )
         try:
             client.send(encode(hello))
