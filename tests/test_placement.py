@@ -12,6 +12,7 @@ from checkpointless.coordinator.placement import (
     HostView,
     assign_hosts,
     match_spares,
+    move_chain,
     pick_spares,
     placement,
     spare_host,
@@ -100,6 +101,17 @@ def test_a_lost_hosts_last_ranks_follow_the_first_to_its_spare_host() -> None:
     # a move does not lend other hosts' spares, nor take a rank whose own host has a spare
     assert match_spares([(5, 2)], [(11, 1)], holding, {2: 3}) == {}
     assert match_spares([(1, 1), (5, 2)], [(11, 1), (13, 3)], holding, {2: 3}) == {1: 11, 5: 13}
+
+
+def test_a_lost_hosts_ranks_follow_on_when_their_spare_host_is_lost_too() -> None:
+    # host 2 was lost; rank 4 moved to spare host 3 and rank 5 waited there; then host 3 was
+    # lost and rank 4 moved on to host 4: rank 5 follows it there, not to another host's spare
+    holding = {0, 1, 4}
+    moving = {2: 3, 3: 4}
+    assert match_spares([(5, 2)], [(14, 4)], holding, moving) == {5: 14}
+    assert match_spares([(5, 2)], [(14, 4)], holding, {2: 3}) == {}, "without the second move"
+    assert move_chain(2, moving) == [2, 3, 4] and move_chain(1, moving) == [1]
+    assert move_chain(2, {2: 3, 3: 2}) == [2, 3], "a host that rejoined under its old id ends it"
 
 
 def test_a_condition_is_reported_when_it_begins_and_ends_only() -> None:
@@ -386,3 +398,46 @@ def test_spares_move_to_a_spare_host_only_in_place_of_squeezed_ones() -> None:
     assert squeezed_to_retire([(5, 0), (6, 1)], idle=4, spares=2, arrived=0) == []
     assert squeezed_to_retire([(5, 0), (6, 1)], idle=2, spares=2, arrived=2) == []
     assert squeezed_to_retire([(5, 0), (6, 1)], idle=5, spares=2, arrived=3) == [5, 6]
+
+
+def test_a_lost_hosts_last_rank_follows_its_first_when_the_spare_host_is_lost_too() -> None:
+    """Host 0 (ranks 2, 3) is lost while only one of the spare host's spares is ready: rank 2
+    moves there, rank 3 waits for the second. Then the spare host is lost too, and a new host
+    joins; its spares become ready one after the other. Both ranks must land there (seen in a
+    local run: rank 3 was never given the second spare and the job failed at --spare-wait)."""
+    c, spawns = _coordinator()
+    pool = _running_with_spares(c, spawns)
+    assert [h for _, h in pool] == [2, 2]
+    _ready(c, pool[0][0], 101.0)  # the second is still starting
+    for h in (1, 2):
+        c.on_agent_seen(h, 104.5)
+    c.tick(104.5, 1e9)
+    out = list(c.drain())
+    first = {
+        x.message.rank: x.worker_id for x in out if isinstance(x, Send) and isinstance(x.message, Assign)
+    }
+    assert first == {2: pool[0][0]}, first
+    c.on_host_lost(2, "its agent's connection closed", 104.6, 1e9)
+    c.drain()
+    c.add_host(3, "10.0.0.3", True, 104.7)
+    c.on_agent_seen(1, 104.8)
+    c.tick(104.8, 1e9)
+    new = _spares(c, list(c.drain()), 104.8)
+    assert [h for _, h in new] == [3, 3], new
+    got: dict[int, int] = {}
+    for i, (wid, _) in enumerate(new):
+        at = 105.0 + 0.02 * i
+        out = _ready(c, wid, at)
+        c.on_agent_seen(1, at)
+        c.on_agent_seen(3, at)
+        c.tick(at, 1e9)
+        out += list(c.drain())
+        got.update(
+            {
+                x.message.rank: x.worker_id
+                for x in out
+                if isinstance(x, Send) and isinstance(x.message, Assign)
+            }
+        )
+    assert got == {2: new[0][0], 3: new[1][0]}, got
+    assert c.stopping is None

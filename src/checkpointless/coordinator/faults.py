@@ -90,6 +90,7 @@ def begin_round(c: Coordinator, first_fault: dict[str, Any], now: float) -> None
         r.faults = prev.faults + r.faults
         r.started = prev.started
         r.replace = set(prev.replace)
+        r.moving = dict(prev.moving)  # a lost host's ranks still go where the first of them went
     c.round = r
     flush_pending(c, "superseded by a new fault before every rank committed a step")
     for rank, m in c.ranks.items():

@@ -28,6 +28,7 @@ __all__ = [
     "Placement",
     "assign_hosts",
     "match_spares",
+    "move_chain",
     "pick_spares",
     "placement",
     "spare_host",
@@ -159,15 +160,26 @@ def match_spares(
     out: dict[int, int] = {}
     rest = []
     for rank, host in ranks:
-        if local.get(host):
-            out[rank] = local[host].pop(0)
-        elif host in moving and local.get(moving[host]):
-            out[rank] = local[moving[host]].pop(0)
+        # its own host first, then each host its host's ranks moved on to, in order: a spare
+        # host lost while the lost host's ranks were moving onto it moved them on again
+        at = next((h for h in move_chain(host, moving) if local.get(h)), None)
+        if at is not None:
+            out[rank] = local[at].pop(0)
         else:
             rest.append(rank)
     free = pick_spares(len(rest), [(w, h) for w, h in ready if h not in holding])
     out.update(zip(rest, free, strict=False))
     return out
+
+
+def move_chain(host: int, moving: Mapping[int, int]) -> list[int]:
+    """``host``, then the host its ranks began moving to, then where that one's moved on to (it
+    was lost in turn while they moved), and so on: a lost host's ranks belong together on the
+    last host of the chain. Ends at a host seen before (a host that rejoined under its old id)."""
+    chain = [host]
+    while chain[-1] in moving and moving[chain[-1]] not in chain:
+        chain.append(moving[chain[-1]])
+    return chain
 
 
 def pick_spares(count: int, ready: list[tuple[int, int]]) -> list[int]:

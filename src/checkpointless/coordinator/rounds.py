@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from checkpointless.coordinator.faults import record_fault, report_recovery
-from checkpointless.coordinator.placement import match_spares
+from checkpointless.coordinator.placement import match_spares, move_chain
 from checkpointless.coordinator.spares import refill_spares, retire_squeezed
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import give_table
@@ -127,7 +127,10 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
     holding = {m.host for m in c.ranks.values() if m.host in live}
     old_host = {rank: c.ranks[rank].host if rank in c.ranks else -1 for rank in ranks}
     match = match_spares([(rank, old_host[rank]) for rank in ranks], pool, holding, r.moving)
-    starting = [m for m in spares if not m.ready]
+    # only a starting spare that could take one of these ranks is worth waiting for: one beside
+    # other ranks takes only its own host's rank (match_spares), so it never serves a lost host's
+    waits_for = {h for rank in ranks if rank not in match for h in move_chain(old_host[rank], r.moving)}
+    starting = [m for m in spares if not m.ready and (m.host not in holding or m.host in waits_for)]
     if r.waiting_since is None:
         r.waiting_since = now
     d = spare_policy(len(match), len(starting), len(ranks), now - r.waiting_since, c.cfg.spare_wait)
@@ -145,8 +148,10 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
         host = old_host[rank]
         if host in live:
             c._spawn("spare", now, host=host)
-        elif host in r.moving:  # the rest of a lost host's ranks follow the first to its spare host
-            c._spawn("spare", now, host=r.moving[host])
+        elif (to := move_chain(host, r.moving)[-1]) in live:
+            # the rest of a lost host's ranks follow the first to its spare host (the newest one
+            # they moved to, if that spare host was lost in turn)
+            c._spawn("spare", now, host=to)
         else:
             c._spawn("spare", now, strict=True)
     if d.action == SpareAction.WAIT and not match:
