@@ -18,6 +18,7 @@ from checkpointless.protocol import (
     Assign,
     Committed,
     Done,
+    DoneSeen,
     Fatal,
     Heartbeat,
     Message,
@@ -469,3 +470,39 @@ def test_a_round_open_when_every_rank_has_finished_ends_the_job() -> None:
     end = h.events("job_end")
     assert end and end[0]["status"] == "ok", (end, h.events("fault"))
     assert any(isinstance(c, Stop) and c.code == 0 for c in out)
+
+
+def test_a_rank_working_after_its_loop_is_not_judged_hung() -> None:
+    # After Done a rank runs the script's own code (saving the model, an evaluation) for as long
+    # as it takes: it makes no step progress by design, and killing it as hung (it was, after the
+    # hang limit) failed a finished job. Its Done is acknowledged (DoneSeen) at once.
+    h = Harness(spares=0)
+    start_job_without_spares(h)
+    seen = {}
+    for wid in range(3):
+        seen.update(h.sent(h.msg(wid, Done(step=39)), DoneSeen))
+    assert sorted(seen) == [0, 1, 2]
+    for i in range(1, 121):  # two minutes of heartbeats without progress, past every limit
+        for wid in range(3):
+            h.msg(wid, Heartbeat(step=39, progress_age=0.5 * i, step_time=0.05))
+        assert not [c for c in h.advance(0.5) if isinstance(c, Kill)], f"killed after {0.5 * i} s"
+    for wid in range(3):
+        h.closed(wid)
+        h.exit(wid, 0, detail="exited with code 0")
+    h.advance(0.01)
+    assert [e["status"] for e in h.events("job_end")] == ["ok"]
+
+
+def test_a_rank_lost_after_the_others_finished_fails_the_job_at_once_and_says_why() -> None:
+    # rank 2 dies after ranks 0 and 1 have left the loop: no peer is left to rebuild it from, so
+    # the job fails on the next tick with the reason, not after --spare-wait or
+    # --recovery-timeout; the finished ranks are not aborted out of their own code
+    h = Harness(spares=0)
+    start_job_without_spares(h)
+    for wid in (0, 1):
+        h.msg(wid, Done(step=39))
+    out = h.exit(2, -9)
+    assert not h.sent(out, Abort), "a finished rank is not aborted"
+    out = h.advance(0.01)
+    stops = [c for c in out if isinstance(c, Stop)]
+    assert stops and stops[0].code != 0 and "lost after training finished" in stops[0].why, out

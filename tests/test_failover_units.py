@@ -34,7 +34,7 @@ from checkpointless.launcher.runfiles import (
     record_coordinator,
     recorded_coordinator,
 )
-from checkpointless.protocol import Abort, Assign, Stopped
+from checkpointless.protocol import Abort, Assign, DoneSeen, Stopped
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -250,18 +250,28 @@ def test_takeover_before_the_first_generation_ends_the_job_with_the_reason() -> 
     assert stops and stops[0].code == 1 and "before generation 0 formed" in stops[0].why
 
 
+def _takeover_after_the_end(missing: int | None = None) -> tuple[Coordinator, list[Any]]:
+    """Two ranks whose last steps ran while no coordinator existed: their hellos say done."""
+    cfg = LaunchConfig(script=str(Path(__file__).parent / "scripts" / "slow_steps.py"), nproc=2, spares=1)
+    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    procs = [ProcReport(w, 0, "worker", 100 + w) for w in range(2)] + [ProcReport(2, 0, "spare", 102)]
+    workers = [WorkerReport(w, w, 0, 39, step=39, done=True) for w in range(2) if w != missing]
+    workers.append(WorkerReport(2, None, -1, -1, ready=True))
+    rebuilt = rebuild(procs, workers, 2)
+    resume(c, [TakeoverHost(0, "h", False)], procs, workers, rebuilt, "lost", 1.0, 1e9, 2.0)
+    return c, c.drain()
+
+
 def test_takeover_after_every_rank_finished_ends_the_job_ok() -> None:
     # Seen in CI: the job's last steps ran while the successor was elected, and every rank's Done
-    # went nowhere. Their hellos say they finished; once each leaves, the job ends ok (it failed
-    # as "lost before generation 0 formed" when the ranks left before the rebuild heard them).
-    cfg = LaunchConfig(script=str(Path(__file__).parent / "scripts" / "slow_steps.py"), nproc=2, spares=0)
-    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
-    procs = [ProcReport(w, 0, "worker", 100 + w) for w in range(2)]
-    workers = [WorkerReport(w, w, 0, 39, step=39, done=True) for w in range(2)]
-    resume(
-        c, [TakeoverHost(0, "h", False)], procs, workers, rebuild(procs, workers, 2), "lost", 1.0, 1e9, 2.0
-    )
-    assert not [cmd for cmd in c.drain() if isinstance(cmd, Stop)], "nothing ends it before they leave"
+    # went nowhere. Their hellos say they finished: nothing is aborted or replayed, each is told
+    # its Done is recorded (it waits for that at its exit), and once they leave the job ends ok
+    # (it failed as "lost before generation 0 formed" when they left before the rebuild).
+    c, out = _takeover_after_the_end()
+    assert not [cmd for cmd in out if isinstance(cmd, Stop)], "nothing ends it before they leave"
+    told = [cmd for cmd in out if isinstance(cmd, Send)]
+    assert {(cmd.worker_id, type(cmd.message)) for cmd in told} == {(0, DoneSeen), (1, DoneSeen)}, told
+    assert c.round is None
     for w in range(2):
         c.on_closed(w)
         c.on_exit(w, 0, False, "exited with code 0", "", 2.1, 1e9)
@@ -270,11 +280,19 @@ def test_takeover_after_every_rank_finished_ends_the_job_ok() -> None:
     ends = [cmd.fields for cmd in out if isinstance(cmd, Emit) and cmd.event == "job_end"]
     assert ends and ends[0]["status"] == "ok", out
     assert any(isinstance(cmd, Stop) and cmd.code == 0 for cmd in out)
-    assert not [
-        cmd
-        for cmd in out
-        if isinstance(cmd, Emit) and cmd.event == "fault" and cmd.fields["kind"] != "coordinator_lost"
-    ]
+    assert not [cmd for cmd in out if isinstance(cmd, Emit) and cmd.event == "fault"]
+
+
+def test_takeover_after_the_end_with_a_rank_lost_fails_at_once_and_says_why() -> None:
+    # a rank lost with the coordinator's host after the last step: no peer is left in the loop
+    # to rebuild it from, and its work after the loop never ran; the job fails now, with why,
+    # not after --spare-wait with a spare that can never recover
+    _, out = _takeover_after_the_end(missing=1)
+    stops = [cmd for cmd in out if isinstance(cmd, Stop)]
+    assert (
+        stops and stops[0].code == 1 and "lost with the coordinator after training finished" in stops[0].why
+    )
+    assert not [cmd for cmd in out if isinstance(cmd, Send) and isinstance(cmd.message, Assign | Abort)]
 
 
 def test_launch_config_travels_to_the_agents_and_back() -> None:

@@ -19,6 +19,7 @@ from checkpointless.coordinator.placement import (
     spare_share,
     spares_to_move,
     squeezed_to_retire,
+    without_spare,
 )
 from checkpointless.coordinator.spares import refill_spares
 from checkpointless.errors import ConfigError
@@ -112,6 +113,21 @@ def test_a_lost_hosts_ranks_follow_on_when_their_spare_host_is_lost_too() -> Non
     assert match_spares([(5, 2)], [(14, 4)], holding, {2: 3}) == {}, "without the second move"
     assert move_chain(2, moving) == [2, 3, 4] and move_chain(1, moving) == [1]
     assert move_chain(2, {2: 3, 3: 2}) == [2, 3], "a host that rejoined under its old id ends it"
+
+
+def test_a_starting_spare_is_on_its_way_only_to_a_rank_it_could_take() -> None:
+    holding = {0, 1}
+    # rank 1 (host 0, live) has its spare starting there; rank 5 (lost host 2) has none: a spare
+    # starts for rank 5 only, not a second one for rank 1
+    assert without_spare([(1, 0), (5, 2)], [0], holding) == [5]
+    # two starting beside host 0's ranks (one a refill) do not cover a lost host's rank
+    assert without_spare([(1, 0), (5, 2)], [0, 0], holding) == [5]
+    # one on a spare host covers any rank (the first waiting); each spare covers one rank
+    assert without_spare([(1, 0), (5, 2)], [3], holding) == [5]
+    assert without_spare([(4, 2), (5, 2)], [3, 3], holding) == []
+    # a lost host's rank whose peer moved to host 4 (now holding) is covered by a spare there
+    assert without_spare([(5, 2)], [4], {0, 1, 4}, {2: 4}) == []
+    assert without_spare([(5, 2)], [4], {0, 1, 4}) == [5]
 
 
 def test_a_condition_is_reported_when_it_begins_and_ends_only() -> None:

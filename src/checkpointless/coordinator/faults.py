@@ -94,7 +94,8 @@ def begin_round(c: Coordinator, first_fault: dict[str, Any], now: float) -> None
     c.round = r
     flush_pending(c, "superseded by a new fault before every rank committed a step")
     for rank, m in c.ranks.items():
-        if rank not in r.replace:
+        # a rank past its loop is in the script's own code: nothing of ours to abort there
+        if rank not in r.replace and not m.done:
             c._send(m, Abort(generation=target, reason=first_fault["detail"]))
 
 
@@ -171,7 +172,10 @@ def check_hangs(c: Coordinator, now: float, wall: float) -> None:
     for rank, m in c.ranks.items():
         if m.exited or m.killed_for is not None or not m.connected:
             continue  # a process still starting is judged from the process table (the agent)
-        progress = m.last_progress if (m.progress_known and c.round is None) else now
+        # a rank past its loop (Done) makes no step progress by design: its script may save or
+        # evaluate for a long time before it leaves; only its silence (a stopped process) counts
+        judged = m.progress_known and c.round is None and not m.done
+        progress = m.last_progress if judged else now
         # no step time yet: this process has not finished a step (its first may be compiling)
         health.append(WorkerHealth(rank, m.last_message, progress, m.in_collective, m.step_time is None))
     times = [m.step_time for m in c.ranks.values() if m.step_time is not None]
@@ -182,7 +186,7 @@ def check_hangs(c: Coordinator, now: float, wall: float) -> None:
         # a member that keeps its heartbeat but never leaves its step after the abort (a busy
         # loop) holds the round up: it is hung like a process that stopped
         for rank, m in c.ranks.items():
-            waiting = rank not in r.reports and rank not in r.replace and m.connected
+            waiting = rank not in r.reports and rank not in r.replace and m.connected and not m.done
             # A spare given the rank this round reports only once it reaches job.steps(): it
             # first runs the script's set-up after init() (the model to its device, fully_shard,
             # the optimizer, the data loader), which has the first step's allowance, not the

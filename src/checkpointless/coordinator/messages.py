@@ -19,6 +19,7 @@ from checkpointless.errors import NotRecoverableError
 from checkpointless.protocol import (
     Committed,
     Done,
+    DoneSeen,
     Fatal,
     Fired,
     Heartbeat,
@@ -70,6 +71,7 @@ def handle(c: Coordinator, worker_id: int, msg: Message, now: float, wall: float
         on_committed(c, m, msg, now)
     elif isinstance(msg, Done):
         m.done = True
+        c._send(m, DoneSeen())  # on many hosts it waits for this before it leaves
     elif isinstance(msg, Fatal):
         raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
 

@@ -35,6 +35,7 @@ __all__ = [
     "spare_share",
     "spares_to_move",
     "squeezed_to_retire",
+    "without_spare",
 ]
 
 
@@ -180,6 +181,35 @@ def move_chain(host: int, moving: Mapping[int, int]) -> list[int]:
     while chain[-1] in moving and moving[chain[-1]] not in chain:
         chain.append(moving[chain[-1]])
     return chain
+
+
+def without_spare(
+    ranks: list[tuple[int, int]],
+    starting: list[int],
+    holding: set[int],
+    moving: Mapping[int, int] | None = None,
+) -> list[int]:
+    """The ranks of ``ranks`` = [(rank, the host it was on)] that no starting spare is on its way
+    to: ``starting`` = the hosts of the spares still starting, each paired with at most one rank
+    by :func:`match_spares`'s rules (one beside ranks serves its host's rank, or a lost host's
+    rank that moved there; one on a spare host serves any). Only these need a spare started."""
+    moving = moving or {}
+    left = Counter(starting)
+    rest = []
+    for rank, host in ranks:
+        at = next((h for h in move_chain(host, moving) if h in holding and left[h]), None)
+        if at is not None:
+            left[at] -= 1
+        else:
+            rest.append(rank)
+    out = []
+    for rank in rest:
+        at = next((h for h in sorted(left) if h not in holding and left[h]), None)
+        if at is not None:
+            left[at] -= 1
+        else:
+            out.append(rank)
+    return out
 
 
 def pick_spares(count: int, ready: list[tuple[int, int]]) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from checkpointless.coordinator.faults import record_fault, report_recovery
-from checkpointless.coordinator.placement import match_spares, move_chain
+from checkpointless.coordinator.placement import match_spares, move_chain, without_spare
 from checkpointless.coordinator.spares import refill_spares, retire_squeezed
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import give_table
@@ -60,6 +60,19 @@ def on_stopped(c: Coordinator, m: Member, msg: Stopped, now: float, wall: float)
 def advance_round(c: Coordinator, now: float) -> None:
     r = c.round
     if r is None or r.phase != "collect":
+        return
+    done = sorted(k for k, m in c.ranks.items() if m.done)
+    if done:
+        # Some rank has left its loop, so every rank passed the last step's collectives: there
+        # is no step left to recover into. The rest only need to finish (_check_done ends the
+        # job); a rank lost meanwhile cannot be rebuilt from peers that have left.
+        lost = sorted(r.replace)
+        if lost:
+            raise NotRecoverableError(
+                f"rank(s) {lost} were lost after training finished (rank(s) {done} had left the "
+                "loop): nothing is left to recover them from, and their work after the loop did "
+                "not run"
+            )
         return
     if r.replace:
         replace_ranks(c, r, sorted(r.replace), now)
@@ -127,22 +140,23 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
     holding = {m.host for m in c.ranks.values() if m.host in live}
     old_host = {rank: c.ranks[rank].host if rank in c.ranks else -1 for rank in ranks}
     match = match_spares([(rank, old_host[rank]) for rank in ranks], pool, holding, r.moving)
-    # only a starting spare that could take one of these ranks is worth waiting for: one beside
-    # other ranks takes only its own host's rank (match_spares), so it never serves a lost host's
-    waits_for = {h for rank in ranks if rank not in match for h in move_chain(old_host[rank], r.moving)}
-    starting = [m for m in spares if not m.ready and (m.host not in holding or m.host in waits_for)]
+    unmatched = [rank for rank in ranks if rank not in match]
+    # a starting spare counts as on its way only to a rank it could take: one beside other
+    # ranks takes only its own host's rank (match_spares), so it never serves a lost host's
+    starting = [m.host for m in spares if not m.ready]
+    bare = without_spare([(rank, old_host[rank]) for rank in unmatched], starting, holding, r.moving)
     if r.waiting_since is None:
         r.waiting_since = now
-    d = spare_policy(len(match), len(starting), len(ranks), now - r.waiting_since, c.cfg.spare_wait)
+    coming = len(unmatched) - len(bare)
+    d = spare_policy(len(match), coming, len(ranks), now - r.waiting_since, c.cfg.spare_wait)
     if d.action == SpareAction.FAIL:
         raise NotRecoverableError(d.reason)
-    unmatched = [rank for rank in ranks if rank not in match]
     c._condition(
         "spare_wait",
         bool(unmatched),
         f"no hot spare ready for rank(s) {unmatched}; starting spares (waits up to {c.cfg.spare_wait:.0f} s)",
     )
-    for rank in unmatched[: d.spawn]:
+    for rank in bare[: d.spawn]:
         # a rank whose host lives gets its spare there (its device is free); a lost host's rank
         # needs a spare host, and a spare squeezed onto another rank host could not take it
         host = old_host[rank]
@@ -162,8 +176,9 @@ def replace_ranks(c: Coordinator, r: Round, ranks: list[int], now: float) -> Non
         if old is not None:
             c._kill(old, old.killed_for or "replaced")
         c.ranks[rank] = spare
-        if old_host[rank] not in live:
-            r.moving.setdefault(old_host[rank], spare.host)
+        # the lost host its peers are to follow it from: the last of its moves so far
+        if (lost := move_chain(old_host[rank], r.moving)[-1]) not in live:
+            r.moving.setdefault(lost, spare.host)
         c._assign(spare, rank, r.target, now, initial=r.initial)
         r.replace.discard(rank)  # settled once the spare reports; re-added if it dies first
         c._emit("spare_assigned", rank=rank, worker=spare.worker_id, generation=r.target)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from checkpointless.coordinator.coordinator import Coordinator
 from checkpointless.coordinator.rebuild import ProcReport, Rebuilt, WorkerReport
 from checkpointless.coordinator.state import HostState, Member, Round
-from checkpointless.protocol import Abort
+from checkpointless.protocol import Abort, DoneSeen
 
 __all__ = ["TakeoverHost", "resume"]
 
@@ -71,6 +71,20 @@ def resume(
             "the coordinator was lost before generation 0 formed: no rank has state to keep; "
             "start the job again"
         )
+        return
+    done = sorted(r for r, m in coord.ranks.items() if m.done)
+    if done:
+        # The last steps ran while no coordinator existed: training is over everywhere, and
+        # the ranks wait at their exit until their Done is seen. Nothing to abort or replay.
+        for rank in done:
+            coord._send(coord.ranks[rank], DoneSeen())
+        if rebuilt.missing:
+            coord.fail(
+                f"rank(s) {rebuilt.missing} were lost with the coordinator after training finished "
+                f"(rank(s) {done} had left the loop): their work after the loop did not run"
+            )
+            return
+        coord._log("info", f"training finished while the coordinator was lost (rank(s) {done} done)")
         return
     record = {
         "time": wall,

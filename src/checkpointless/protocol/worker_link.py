@@ -22,6 +22,7 @@ __all__ = [
     "Assign",
     "Committed",
     "Done",
+    "DoneSeen",
     "Fatal",
     "Fired",
     "Heartbeat",
@@ -232,6 +233,15 @@ class PeerTable(Message):
     first: int
     hosts: list[str] = field(default_factory=list)
     runs: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DoneSeen(Message):
+    """The coordinator has recorded the worker's Done: it may leave. On many hosts a finished
+    worker waits for this at its exit, so that a Done lost with its coordinator is not lost for
+    good (recovery/link_failover.py)."""
+
+    TYPE: ClassVar[str] = "done_seen"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from checkpointless.errors import CommAborted, ConfigError
 from checkpointless.events import get_logger
 from checkpointless.protocol import Done
-from checkpointless.recovery.link_failover import await_successor
+from checkpointless.recovery.link_failover import await_release
 from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
 from checkpointless.recovery.recover import fatal, recover, recover_from
@@ -92,8 +92,8 @@ def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> 
     if job._link is not None:
         job._link.send(Done(step=job.committed_step))
         install_fast_exit()
-        # registered after it, so it runs before the exit: a successor must hear we finished
-        atexit.register(await_successor, job._link)
+        # registered after it, so it runs before the exit: the coordinator must see we finished
+        atexit.register(await_release, job._link)
     else:  # torchrun or standalone: the process exits normally, its groups closed first
         close_at_exit(lambda: _close_groups(job), job.rendezvous_timeout)
 

@@ -40,6 +40,7 @@ from checkpointless.protocol import (
     Abort,
     Assign,
     Done,
+    DoneSeen,
     Heartbeat,
     Hello,
     Message,
@@ -120,6 +121,7 @@ class LauncherLink:
         self._aborted = -1
         self._ready = False
         self._done = False  # it sent Done: the job's loop is finished here
+        self._done_seen = threading.Event()  # the coordinator recorded it (DoneSeen)
         self._lost_since: float | None = None  # lost the coordinator and no successor spoke yet
         self._between = False  # lost it and not connected to a candidate either
         self._reconnector: threading.Thread | None = None
@@ -161,20 +163,24 @@ class LauncherLink:
         return self._succession.lease if self._succession is not None else 5.0
 
     def send(self, msg: Message) -> None:
-        if isinstance(msg, Recovered):
-            self._generation = max(self._generation, msg.generation)
-        elif isinstance(msg, SpareReady):
-            self._ready = True
-        elif isinstance(msg, Done):
-            self._done = True
-        elif isinstance(msg, Stopped):
-            # a report that may be lost with the coordinator: the successor's first round must
-            # be for a newer generation, so that this worker reports again
-            self._aborted = max(self._aborted, msg.for_generation)
-        if self._between:
-            return  # connected to nobody: the report counts in the next hello (see _aborted)
+        # Under the lock the reconnect builds its hello and swaps the connection with: a report
+        # is either in the hello's fields or sent on the new connection, never dropped between.
+        with self._lock:
+            if isinstance(msg, Recovered):
+                self._generation = max(self._generation, msg.generation)
+            elif isinstance(msg, SpareReady):
+                self._ready = True
+            elif isinstance(msg, Done):
+                self._done = True
+            elif isinstance(msg, Stopped):
+                # a report that may be lost with the coordinator: the successor's first round
+                # must be for a newer generation, so that this worker reports again
+                self._aborted = max(self._aborted, msg.for_generation)
+            if self._between:
+                return  # connected to nobody: the report counts in the next hello (see _aborted)
+            client = self.client
         try:
-            self.client.send(encode(msg))
+            client.send(encode(msg))
         except OSError as e:
             on_lost(self, f"send failed: {e}")
 
@@ -200,6 +206,9 @@ class LauncherLink:
             return
         if isinstance(msg, PeerTable):
             on_table_chunk(self, msg)
+            return
+        if isinstance(msg, DoneSeen):
+            self._done_seen.set()
             return
         if isinstance(msg, Assign):
             self._rank = msg.rank

@@ -27,7 +27,7 @@ from checkpointless.protocol import Hello, encode
 if TYPE_CHECKING:
     from checkpointless.recovery.link import LauncherLink
 
-__all__ = ["await_successor", "bound_silence", "on_lost"]
+__all__ = ["await_release", "bound_silence", "on_lost"]
 
 log = get_logger()
 
@@ -53,21 +53,27 @@ def on_lost(link: LauncherLink, why: str) -> None:
         link._reconnector.start()
 
 
-def await_successor(link: LauncherLink) -> None:
-    """At a finished worker's exit: if the coordinator is lost, stay until a successor has
-    taken this worker. Its Done went nowhere (or to the lost coordinator); the hello it sends
-    the successor says it instead. A process that left now would look to the successor like a
-    rank that vanished before it could vouch for it: with every rank gone that way, it would
-    find no generation formed and fail a job that had finished. Bounded: the search exits the
-    process at its own deadline (two leases) if nobody takes it."""
+def await_release(link: LauncherLink) -> None:
+    """At a finished worker's exit, on many hosts: stay until the coordinator has recorded this
+    worker's Done (``DoneSeen``). A Done can be lost with its coordinator: sent into nowhere
+    while the link looked for a successor, or into a connection whose far end had died unseen
+    (a lost host, a partition: noticed only a lease later). The hello to the successor then
+    says it (``Hello.done``). A process that left at once would look to the successor like a
+    rank that vanished, and with every rank gone that way it would fail a finished job. Bounded:
+    a lease to notice a silent loss, then the search's own deadline (two leases), after which
+    the search exits the process anyway. One machine has no successor: nothing to wait for."""
     succ = link._succession
     if succ is None or link._stop.is_set():
         return
-    deadline = time.monotonic() + 2 * succ.lease + 3.0
-    if link._lost_since is not None:
-        log.info("finished while the coordinator is lost; waiting for its successor to hear it")
-    while link._lost_since is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    start = time.monotonic()
+    deadline = start + 3 * succ.lease + 3.0
+    told = False
+    while not link._done_seen.wait(0.05) and time.monotonic() < deadline:
+        if not told and (link._lost_since is not None or time.monotonic() - start > 1.0):
+            told = True
+            log.info("finished; waiting for a coordinator to record it before leaving")
+    if not link._done_seen.is_set():
+        log.warning("left without the coordinator recording that this rank finished")
 
 
 def bound_silence(link: LauncherLink, lease: float) -> None:
@@ -116,28 +122,29 @@ def _reconnect(link: LauncherLink) -> None:
             time.sleep(0.05)
             continue
         status = link._status()
-        hello = Hello(
-            worker_id=link.env.worker_id,
-            pid=os.getpid(),
-            role=link.env.role,
-            term=floor,
-            rank=link._rank,
-            generation=link._generation,
-            aborted=link._aborted,
-            step=status.step if status.step is not None else -1,
-            ready=link._ready,
-            done=link._done,
-        )
-        try:
-            client.send(encode(hello))
-        except OSError:
-            client.close()
-            continue
-        old, link.client = link.client, client
+        with link._lock:  # a report sent meanwhile is in this hello or goes after it (link.send)
+            hello = Hello(
+                worker_id=link.env.worker_id,
+                pid=os.getpid(),
+                role=link.env.role,
+                term=floor,
+                rank=link._rank,
+                generation=link._generation,
+                aborted=link._aborted,
+                step=status.step if status.step is not None else -1,
+                ready=link._ready,
+                done=link._done,
+            )
+            try:
+                client.send(encode(hello))
+            except OSError:
+                client.close()
+                continue
+            old, link.client = link.client, client
+            # from now on reports go to the candidate: one that wins handles them in its first
+            # round (a Stopped sent after the hello would otherwise be lost for good)
+            link._between = False
         old.close()
-        # from now on reports go to the candidate: one that wins handles them in its first
-        # round (a Stopped sent after the hello would otherwise be lost for good)
-        link._between = False
         log.info("reconnected to a successor (term %d or later) at %s:%s", floor, host, port)
         # the candidate may still lose its election: then it hangs up and on_lost calls again;
         # until a message arrives, _lost_since keeps the deadline running
