@@ -506,3 +506,17 @@ def test_a_rank_lost_after_the_others_finished_fails_the_job_at_once_and_says_wh
     out = h.advance(0.01)
     stops = [c for c in out if isinstance(c, Stop)]
     assert stops and stops[0].code != 0 and "lost after training finished" in stops[0].why, out
+
+
+def test_a_rank_caught_in_the_final_barrier_after_another_finished_fails_at_once() -> None:
+    # a round's abort reaches rank 2 inside the final barrier just after ranks 0 and 1 passed it
+    # and sent Done: rank 2 stops and waits for a plan that cannot form without them; the job
+    # says so now instead of at --recovery-timeout
+    h = Harness(spares=0)
+    start_job_without_spares(h)
+    h.msg(2, Stopped(for_generation=1, committed_step=39, valid=True, cause="comm"))
+    for wid in (0, 1):
+        h.msg(wid, Done(step=39))
+    out = h.advance(0.01)
+    stops = [c for c in out if isinstance(c, Stop)]
+    assert stops and stops[0].code != 0 and "[2] were interrupted after training finished" in stops[0].why

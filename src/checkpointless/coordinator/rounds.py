@@ -65,13 +65,21 @@ def advance_round(c: Coordinator, now: float) -> None:
     if done:
         # Some rank has left its loop, so every rank passed the last step's collectives: there
         # is no step left to recover into. The rest only need to finish (_check_done ends the
-        # job); a rank lost meanwhile cannot be rebuilt from peers that have left.
+        # job). A rank lost meanwhile cannot be rebuilt from peers that have left, and one that
+        # stopped for this round (an abort that caught it in the final barrier) waits for a
+        # plan that cannot form without them: say so now rather than at a timeout.
         lost = sorted(r.replace)
-        if lost:
+        caught = sorted(k for k in r.reports if not c.ranks[k].done)
+        if lost or caught:
+            what = f"rank(s) {lost} were lost" if lost else f"rank(s) {caught} were interrupted"
             raise NotRecoverableError(
-                f"rank(s) {lost} were lost after training finished (rank(s) {done} had left the "
-                "loop): nothing is left to recover them from, and their work after the loop did "
-                "not run"
+                f"{what} after training finished (rank(s) {done} had left the loop): nothing is "
+                "left to recover them with, and their work after the loop did not run"
+            )
+        if now - r.started > c.cfg.recovery_timeout:
+            raise NotRecoverableError(
+                f"generation {r.target}: ranks {sorted(set(c.ranks) - set(done))} neither "
+                "finished nor reported within --recovery-timeout after the others finished"
             )
         return
     if r.replace:

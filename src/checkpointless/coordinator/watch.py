@@ -58,6 +58,8 @@ def check_stragglers(c: Coordinator, now: float, wall: float) -> None:
     if c.round is not None or c.pending is not None:
         watch.reset()  # the members are changing: a window must not span a recovery
         return
+    if any(m.done for m in c.ranks.values()):
+        return  # training is over: moving a host now would only fail a finished job
     timings = [RankTiming(m.host, r, m.step, m.busy_time) for r, m in c.ranks.items()]
     sampled = watch.last_step
     for v, ranks in watch.observe(timings):

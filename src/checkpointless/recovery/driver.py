@@ -84,13 +84,16 @@ def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> 
         job._loop.request_stop(job.committed_step)
         while job._link is not None and not _finish_barrier(job):
             pass
+    if job._link is not None:
+        # first: from here on this rank makes no step progress, and must not be judged by it
+        # while the last checkpoint finishes or the script's own code runs after the loop
+        job._link.send(Done(step=job.committed_step))
     for loader in job._loaders:
         loader.close()
     if job._checkpoints is not None and not job._checkpoints.wait_idle(job.rendezvous_timeout):
         # the process leaves with os._exit: a save still running would be cut off as a .tmp
         log.warning("the last checkpoint was still being written after %.0f s", job.rendezvous_timeout)
     if job._link is not None:
-        job._link.send(Done(step=job.committed_step))
         install_fast_exit()
         # registered after it, so it runs before the exit: the coordinator must see we finished
         atexit.register(await_release, job._link)

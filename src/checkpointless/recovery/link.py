@@ -182,7 +182,10 @@ class LauncherLink:
         try:
             client.send(encode(msg))
         except OSError as e:
-            on_lost(self, f"send failed: {e}")
+            with self._lock:
+                stale = client is not self.client  # the reconnect replaced it meanwhile
+            if not stale:
+                on_lost(self, f"send failed: {e}")
 
     def _on_message(self, raw: dict[str, Any]) -> None:
         """The reader thread's entry for every frame: decoded once, then dispatched."""

@@ -110,6 +110,8 @@ def _reconnect(link: LauncherLink) -> None:
         host, _, port = addresses[turn % len(addresses)].rpartition(":")
         turn += 1
         left = deadline - time.monotonic()
+        # before the connection exists: a hang-up right after our hello must not be forgotten
+        link._retry.clear()
         try:
             client = ControlClient(
                 (host, int(port)),
@@ -148,7 +150,6 @@ def _reconnect(link: LauncherLink) -> None:
         log.info("reconnected to a successor (term %d or later) at %s:%s", floor, host, port)
         # the candidate may still lose its election: then it hangs up and on_lost calls again;
         # until a message arrives, _lost_since keeps the deadline running
-        link._retry.clear()
         while link._lost_since is not None and time.monotonic() < deadline:
             if link._stop.wait(0.05):
                 return
