@@ -144,6 +144,23 @@ def test_an_error_escaping_the_loop_after_a_committed_step_fails_the_job(tmp_pat
 
 
 @pytest.mark.timeout(120)
+def test_work_after_the_loop_longer_than_the_hang_limit_is_not_a_hang(tmp_path: Path) -> None:
+    # regression: a rank past its loop makes no step progress, and was killed as hung once the
+    # hang limit passed, so a slow save after training failed a finished job
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "checkpointless", "run", "--run-dir", str(run_dir), "--nproc", "2"]
+    cmd += ["--spares", "0", "--hang-timeout", "1.5", str(SCRIPTS / "work_after_loop.py"), "5", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=110)
+    assert proc.returncode == 0, out[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"], out[-3000:]
+    end = wait_for_event(run_dir, "job_end", 1)
+    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert end["status"] == "ok" and "fault" not in events, out[-3000:]
+    assert_nothing_left(run_dir, str(end["job"]))
+
+
+@pytest.mark.timeout(120)
 def test_no_spare_in_time_stops_the_job_naming_the_settings(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(
