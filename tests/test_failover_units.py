@@ -24,7 +24,7 @@ from checkpointless.coordinator.election import (
     membership,
     quorum,
 )
-from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
+from checkpointless.coordinator.rebuild import Finished, ProcReport, WorkerReport, rebuild
 from checkpointless.coordinator.takeover import TakeoverHost, resume
 from checkpointless.launcher.launcher import config_from_json, config_to_json
 from checkpointless.launcher.model import LaunchConfig
@@ -293,6 +293,29 @@ def test_takeover_after_the_end_with_a_rank_lost_fails_at_once_and_says_why() ->
         stops and stops[0].code == 1 and "lost with the coordinator after training finished" in stops[0].why
     )
     assert not [cmd for cmd in out if isinstance(cmd, Send) and isinstance(cmd.message, Assign | Abort)]
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_takeover_after_every_rank_left_ends_the_job_with_their_status(code: int) -> None:
+    # every rank finished and left (each one's Done acknowledged) just before the coordinator was
+    # lost: no process is left, and their agents' votes say which ranks finished, with what exit
+    # code; it failed as "lost before generation 0 formed" before the agents said so
+    cfg = LaunchConfig(script=str(Path(__file__).parent / "scripts" / "slow_steps.py"), nproc=3, spares=1)
+    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    procs = [ProcReport(3, 0, "spare", 103)]
+    workers = [WorkerReport(3, None, -1, -1, ready=True), WorkerReport(2, 2, 0, 39, done=True)]
+    procs.append(ProcReport(2, 1, "worker", 102))
+    left = [Finished(0, 0, 0, 0), Finished(1, 0, 1, code)]
+    rebuilt = rebuild(procs, workers, 3, left)
+    assert rebuilt.formed and rebuilt.missing == [] and sorted(rebuilt.finished) == [0, 1]
+    resume(c, [TakeoverHost(0, "h", False)], procs, workers, rebuilt, "lost", 1.0, 1e9, 2.0)
+    out = c.drain()
+    assert [(cmd.worker_id, type(cmd.message)) for cmd in out if isinstance(cmd, Send)] == [(2, DoneSeen)]
+    c.on_closed(2)
+    c.on_exit(2, 0, False, "exited with code 0", "", 2.1, 1e9)
+    c.tick(2.2, 1e9)
+    ends = [cmd.fields for cmd in c.drain() if isinstance(cmd, Emit) and cmd.event == "job_end"]
+    assert [e["status"] for e in ends] == ["ok" if code == 0 else "failed"], ends
 
 
 def test_launch_config_travels_to_the_agents_and_back() -> None:

@@ -38,6 +38,9 @@ CASES: list[tuple[str, list[str]]] = [
     ("sigstop-hang", ["hang:rank=1:step=5"]),
     ("busy-loop-hang", ["spin:rank=2:step=3"]),
     ("first-step", ["kill:rank=0:step=0"]),
+    # in the final barrier (step 10 of 10): the survivors meet in the barrier again after the
+    # recovery; one that ran a step instead aborted the job with a collective size mismatch
+    ("final-barrier", ["kill:rank=1:step=10:site=allreduce"]),
     # rank 1 dawdles 1 s into step 4 before it dies, so the others have committed step 3 and the
     # recovery is for step 4 (killed as it started step 4, a peer could still be finishing step
     # 3's commit: the round then targets step 3 and the second fault never came)
@@ -72,6 +75,11 @@ def test_fault_is_survived_bitwise(
         assert 0 <= rec["first_batch_s"] < rec["downtime_s"], rec
         if name != "first-step":  # before the first commit nobody knows the state's size yet
             assert "paged in" in res.output, "the spare should have paged in room for the state"
+    if name == "final-barrier":
+        # one recovery, one spare: the survivors met the spare in the barrier again (one that
+        # ran a step there instead sent a gradient all-reduce into it: gloo aborted the spare)
+        assert "EnforceNotMet" not in res.output, res.output[-6000:]
+        assert len(res.of("spare_assigned")) == 1 and len(res.of("recovery")) == 1, res.output[-6000:]
     if "optimizer" in name:
         plans = [p for p in res.of("plan") if p["generation"] > 0]
         assert 1 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from checkpointless.agent.beats import BeatReader, WorkerBeat, beats_message, beats_of, make_beat_dir
+from checkpointless.agent.beats import (
+    BeatReader,
+    BeatWriter,
+    WorkerBeat,
+    beats_message,
+    beats_of,
+    make_beat_dir,
+)
 from checkpointless.coordinator import Coordinator
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import AgentHeartbeat, Heartbeat, ProtocolError, decode, encode
@@ -151,3 +158,17 @@ def test_a_job_lives_past_its_hang_timeout_on_aggregated_beats_and_leaves_no_shm
             job.proc.kill()
             job.proc.wait(timeout=30)
     assert not shm.exists(), "the job's shared memory (beat records included) must be removed"
+
+
+def test_a_worker_that_finished_its_loop_is_known_to_its_agent_after_it_has_gone(tmp_path: Path) -> None:
+    # what the agent puts in its vote if the coordinator is lost before it ended the job: a rank
+    # whose worker left after finishing is done, not lost (coordinator/rebuild.py)
+    beats = BeatReader(make_beat_dir(tmp_path / "shm" / "beats"))
+    w = BeatWriter(beats.path(3))
+    w.write(Heartbeat(step=39), time.monotonic(), rank=2)
+    assert beats.finished_rank(3) is None, "still in its loop"
+    w.write(Heartbeat(step=39), time.monotonic(), rank=2, done=True)
+    w.close()
+    assert beats.finished_rank(3) == 2
+    assert [b.step for b in beats.read([3], time.monotonic())] == [39], "ordinary beats still read"
+    assert beats.finished_rank(4) is None, "no record"

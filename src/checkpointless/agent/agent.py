@@ -107,6 +107,9 @@ class Agent:
         self._env = env  # the job's variables: every process of this host gets them
         self._events = events
         self.procs: dict[int, _Proc] = {}
+        # workers that left after finishing their loop: worker id -> (rank, exit code), for the
+        # vote if the coordinator is lost before it has ended the job (coordinator/rebuild.py)
+        self.finished: dict[int, tuple[int, int]] = {}
         self._ports = self._allocate_ports(cfg.nproc * 2 + 8)
         self.forkserver: ForkServer | None = None
         self._sampled = 0.0
@@ -282,6 +285,9 @@ class Agent:
                 continue
             del self.procs[p.worker_id]
             if self.beats is not None:
+                rank = self.beats.finished_rank(p.worker_id) if p.role == "worker" else None
+                if rank is not None:
+                    self.finished[p.worker_id] = (rank, code)
                 self.beats.path(p.worker_id).unlink(missing_ok=True)
             out.append(self._exit_of(p, code))
         if now - self._sampled >= 0.1:

@@ -44,8 +44,9 @@ RECORD_BYTES = 64
 _SEQ = struct.Struct("<Q")
 # step (-1: none), written at (monotonic s), progress age (NaN: none), step time (NaN: none),
 # busy time (NaN: none; the step less its waits in collectives: the straggler rule's input),
-# in collective
-_BODY = struct.Struct("<qddddB")
+# in collective, rank (-1: none), done (the loop finished: what the agent tells a successor
+# coordinator of a rank that has left, coordinator/rebuild.py)
+_BODY = struct.Struct("<qddddBiB")
 
 
 @dataclass(slots=True)  # not frozen: an agent's frame makes 8 of these, and frozen __init__ is slow
@@ -90,7 +91,8 @@ class BeatWriter:
         self.path = path
         self._seq = 0
 
-    def write(self, hb: Heartbeat, at: float) -> None:
+    def write(self, hb: Heartbeat, at: float, rank: int = -1, done: bool = False) -> None:
+        """One writer at a time (the seqlock has one writer): the caller serialises."""
         body = _BODY.pack(
             -1 if hb.step is None else hb.step,
             at,
@@ -98,6 +100,8 @@ class BeatWriter:
             math.nan if hb.step_time is None else hb.step_time,
             math.nan if hb.busy_time is None else hb.busy_time,
             1 if hb.in_collective else 0,
+            rank,
+            1 if done else 0,
         )
         self._seq += 1
         self._map[0:8] = _SEQ.pack(self._seq)  # odd: being written
@@ -148,7 +152,7 @@ class BeatReader:
                     continue
                 self._maps[wid] = m
             seq = _SEQ.unpack_from(m, 0)[0]
-            step, at, progress, step_time, busy, coll = _BODY.unpack_from(m, 8)
+            step, at, progress, step_time, busy, coll, _, _ = _BODY.unpack_from(m, 8)
             if seq % 2 or seq == 0 or _SEQ.unpack_from(m, 0)[0] != seq or self._seen.get(wid) == seq:
                 continue  # being written, never written, or nothing new
             self._seen[wid] = seq
@@ -164,6 +168,23 @@ class BeatReader:
                 )
             )
         return out
+
+    def finished_rank(self, worker_id: int) -> int | None:
+        """The rank a worker that has exited last said it finished its loop as, or None (it had
+        not, or wrote no record). Read before the record is removed."""
+        m = self._maps.get(worker_id) or self._open(worker_id)
+        if m is None:
+            return None
+        try:
+            for _ in range(3):  # the writer is gone: a torn record stays torn, so a few tries
+                seq = _SEQ.unpack_from(m, 0)[0]
+                *_, rank, done = _BODY.unpack_from(m, 8)
+                if seq and not seq % 2 and _SEQ.unpack_from(m, 0)[0] == seq:
+                    return rank if done and rank >= 0 else None
+            return None
+        finally:
+            if worker_id not in self._maps:
+                m.close()
 
     def close(self) -> None:
         for m in self._maps.values():

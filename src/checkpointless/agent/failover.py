@@ -97,6 +97,9 @@ def _vote(term: int, me: int, host: str, agent: Agent, failover: str) -> Vote:
         stores=[f"{host}:{p.store_port}" if p.store_port else "" for _, p in procs],
         failover=failover,
         connected=[p.connected for _, p in procs],
+        finished_workers=[wid for wid in sorted(agent.finished)],
+        finished_ranks=[agent.finished[wid][0] for wid in sorted(agent.finished)],
+        finished_codes=[agent.finished[wid][1] for wid in sorted(agent.finished)],
     )
 
 

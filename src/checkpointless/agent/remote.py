@@ -166,7 +166,10 @@ class _Session:
             refuse_all(failover, early, self.w.lease, serving=self.w.term)
             for seen in agent.poll(now):
                 if isinstance(seen, ProcExit):
-                    self.send(ProcExited(seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail))
+                    rank = agent.finished.get(seen.worker_id, (-1, 0))[0]
+                    self.send(
+                        ProcExited(seen.worker_id, seen.code, seen.own_failure, seen.detail, seen.tail, rank)
+                    )
                 else:
                     self.send(ProcVerdict(seen.worker_id, seen.pid, seen.why))
             if self.broken.is_set():

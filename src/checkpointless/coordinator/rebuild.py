@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["ProcReport", "Rebuilt", "WorkerReport", "rebuild"]
+__all__ = ["Finished", "ProcReport", "Rebuilt", "WorkerReport", "rebuild"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,17 @@ class WorkerReport:
 
 
 @dataclass(frozen=True)
+class Finished:
+    """A worker that left after finishing its loop, as its agent reported it in its vote: the
+    lost coordinator had acknowledged its Done but not yet ended the job."""
+
+    worker_id: int
+    host: int  # the agent id
+    rank: int
+    code: int  # its exit code (non-zero: the script failed after its loop)
+
+
+@dataclass(frozen=True)
 class Rebuilt:
     ranks: dict[int, int]  # rank -> the worker id holding it
     missing: list[int]  # ranks nobody holds: spares take them in the first round
@@ -52,6 +63,7 @@ class Rebuilt:
     generation: int  # the generation the first round forms (past any round in flight)
     formed: bool  # some generation had formed: there is state to keep
     next_worker_id: int
+    finished: dict[int, Finished]  # rank -> the worker that held it and left after its loop
 
 
 def _better(a: WorkerReport, b: WorkerReport) -> bool:
@@ -60,9 +72,15 @@ def _better(a: WorkerReport, b: WorkerReport) -> bool:
     return (a.generation, a.committed_step, -a.worker_id) > (b.generation, b.committed_step, -b.worker_id)
 
 
-def rebuild(procs: Iterable[ProcReport], workers: Iterable[WorkerReport], nproc: int) -> Rebuilt:
+def rebuild(
+    procs: Iterable[ProcReport],
+    workers: Iterable[WorkerReport],
+    nproc: int,
+    finished: Iterable[Finished] = (),
+) -> Rebuilt:
     """The rebuilt state. Only processes an agent reported count: the new coordinator can kill
-    those, and a worker whose host did not vote belongs to a host that fences itself."""
+    those, and a worker whose host did not vote belongs to a host that fences itself. A rank
+    whose worker left after finishing is neither held nor missing: it is done."""
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: a job has at least one rank")
     known = {p.worker_id: p for p in procs}
@@ -97,14 +115,16 @@ def rebuild(procs: Iterable[ProcReport], workers: Iterable[WorkerReport], nproc:
     # went to the lost coordinator: that target is spent (those ranks would not report for it
     # again), so the first round after the failover goes past it
     aborted = max((w.aborted for w in said.values()), default=-1)
-    ids = set(known) | set(said)
+    left = {f.rank: f for f in finished if 0 <= f.rank < nproc and f.rank not in claims}
+    ids = set(known) | set(said) | {f.worker_id for f in left.values()}
     return Rebuilt(
         ranks={r: w.worker_id for r, w in sorted(claims.items())},
-        missing=[r for r in range(nproc) if r not in claims],
+        missing=[r for r in range(nproc) if r not in claims and r not in left],
         spares=sorted(spares),
         ready=sorted(wid for wid in spares if said[wid].ready),
         kill=sorted(kill),
         generation=max(newest, aborted) + 1,
-        formed=newest >= 0,
+        formed=newest >= 0 or bool(left),
         next_worker_id=max(ids, default=-1) + 1,
+        finished=dict(sorted(left.items())),
     )

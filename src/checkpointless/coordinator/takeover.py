@@ -59,6 +59,12 @@ def resume(
         m = coord.procs[wid]
         m.rank = rank
         coord.ranks[rank] = m
+    for rank, f in rebuilt.finished.items():
+        # gone already: done and exited, as the lost coordinator would have recorded them
+        m = Member(worker_id=f.worker_id, role="worker", spawned=now, host=f.host, rank=rank)
+        m.done = m.exited = m.joined = True
+        m.exit_code = f.code
+        coord.ranks[rank] = m
     coord.next_worker_id = rebuilt.next_worker_id
     coord.generation = rebuilt.generation - 1
     coord.started = True
@@ -77,7 +83,8 @@ def resume(
         # The last steps ran while no coordinator existed: training is over everywhere, and
         # the ranks wait at their exit until their Done is seen. Nothing to abort or replay.
         for rank in done:
-            coord._send(coord.ranks[rank], DoneSeen())
+            if not coord.ranks[rank].exited:
+                coord._send(coord.ranks[rank], DoneSeen())
         if rebuilt.missing:
             coord.fail(
                 f"rank(s) {rebuilt.missing} were lost with the coordinator after training finished "

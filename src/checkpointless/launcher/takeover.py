@@ -20,7 +20,7 @@ from typing import Any
 
 from checkpointless.agent.agent import Agent, ProcExit
 from checkpointless.coordinator import Coordinator
-from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
+from checkpointless.coordinator.rebuild import Finished, ProcReport, WorkerReport, rebuild
 from checkpointless.coordinator.takeover import TakeoverHost, resume
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.agents import _beat_agents
@@ -94,6 +94,7 @@ class TakeoverLauncher(Launcher):
         self._resumed = False
         self._settled: float | None = None  # when every reported process had reconnected
         self._later: list[tuple[Connection, dict[str, Any]]] = []  # workers' messages in the gather
+        self._left: list[Finished] = []  # workers that left after their loop, reported in the gather
 
     def run(self) -> int:
         setup_logging("coordinator")
@@ -120,11 +121,12 @@ class TakeoverLauncher(Launcher):
             hosts = [TakeoverHost(m.agent_id, m.host, False)]
             hosts += [TakeoverHost(v.agent_id, v.host, True) for v in m.voters.values()]
             now, wall = time.monotonic(), time.time()
-            rebuilt = rebuild(procs, workers, self.cfg.nproc)
+            rebuilt = rebuild(procs, workers, self.cfg.nproc, self._finished())
             log.info(
-                "rebuild from %d processes (%s) and %d reconnects (%s)",
+                "rebuild from %d processes (%s), %d reconnects (%s) and %d ranks finished (%s)",
                 len(procs), ", ".join(f"{p.worker_id}@{p.host}:{p.role}" for p in procs),
                 len(workers), ", ".join(f"{w.worker_id}:r{w.rank}g{w.generation}" for w in workers),
+                len(rebuilt.finished), ", ".join(str(r) for r in rebuilt.finished),
             )  # fmt: skip
             resume(
                 coord, hosts, procs, workers, rebuilt, f"coordinator lost ({m.why})", m.detected, wall, now
@@ -213,6 +215,17 @@ class TakeoverLauncher(Launcher):
             conn.hang_up()  # no voting agent reported this process
         return list(procs.values()), list(workers.values())
 
+    def _finished(self) -> list[Finished]:
+        """Workers that left after finishing their loop, as this host's agent and the voters saw
+        them (the lost coordinator had acknowledged their Done, but not yet ended the job)."""
+        m = self.mandate
+        assert self.agent is not None
+        out = [Finished(wid, m.agent_id, rank, code) for wid, (rank, code) in self.agent.finished.items()]
+        for v in m.voters.values():
+            rows = zip(v.finished_workers, v.finished_ranks, v.finished_codes, strict=False)
+            out += [Finished(wid, v.agent_id, rank, code) for wid, rank, code in rows]
+        return out + self._left
+
     def _settled_at(self, grace: float) -> float:
         if self._settled is None:
             self._settled = time.monotonic()
@@ -245,6 +258,10 @@ class TakeoverLauncher(Launcher):
         if conn in self._agent_of or said_hello:
             if isinstance(msg, ProcExited):
                 procs.pop(msg.worker_id, None)
+                if msg.finished_rank >= 0 and conn in self._agent_of:  # left after its loop
+                    self._left.append(
+                        Finished(msg.worker_id, self._agent_of[conn], msg.finished_rank, msg.code)
+                    )
             elif conn not in self._agent_of:
                 self._later.append((conn, raw))  # a worker's report: for the first round
             return

@@ -62,6 +62,7 @@ class ProcExited(Message):
     own_failure: bool
     detail: str = ""
     tail: str = ""
+    finished_rank: int = -1  # it had finished its loop as this rank (for a successor's rebuild)
 
 
 @dataclass(frozen=True)
@@ -172,3 +173,7 @@ class Vote(Message):
     stores: list[str] = field(default_factory=list)
     failover: str = ""  # the voter's own failover address, for the next succession
     connected: list[bool] = field(default_factory=list)  # had it said hello to the coordinator?
+    # workers that left after finishing their loop (parallel lists: worker id, rank, exit code)
+    finished_workers: list[int] = field(default_factory=list)
+    finished_ranks: list[int] = field(default_factory=list)
+    finished_codes: list[int] = field(default_factory=list)

@@ -142,15 +142,22 @@ def _run_sections(job: Job) -> bool:
 
 
 def _finished(job: Job, total: int) -> bool:
-    if job.committed_step < job._loop.end(total):
-        return False
-    return job._link is None or _finish_barrier(job)
+    while job.committed_step >= job._loop.end(total):
+        if job._link is None or _finish_barrier(job):
+            return True
+        # The barrier was interrupted and a recovery ran. Unless it rolled the job back (then
+        # steps remain), every rank is at the end again and meets in the barrier once more: a
+        # rank that ran a step here instead met its peers' barrier with a gradient all-reduce
+        # (gloo aborts the process on the size mismatch; seen in a soak run).
+    return False
 
 
 def _finish_barrier(job: Job) -> bool:
     # Nobody leaves before everyone has the final state: a rank that left early could be
     # the only source a late replacement could receive from.
     try:
+        # the final barrier is an "allreduce" site of step N, N the job's length (faults/inject.py)
+        job._injector.maybe_fire("allreduce", job.committed_step)
         job.comm.barrier(timeout=job.rendezvous_timeout)
         return True
     except CommAborted as e:

@@ -105,6 +105,7 @@ class LauncherLink:
         self._held: Recover | None = None  # a recover waiting for the full table
         self._asked = 0  # full tables asked for in a row that did not arrive intact
         self._beats: BeatWriter | None = None
+        self._beat_lock = threading.Lock()
         tables = os.environ.get(TABLE_ENV)
         self._tables = Path(tables) if tables else None  # the host's peer tables (agent/tables.py)
         path = os.environ.get(BEAT_ENV)
@@ -176,9 +177,13 @@ class LauncherLink:
                 # a report that may be lost with the coordinator: the successor's first round
                 # must be for a newer generation, so that this worker reports again
                 self._aborted = max(self._aborted, msg.for_generation)
-            if self._between:
-                return  # connected to nobody: the report counts in the next hello (see _aborted)
-            client = self.client
+            between, client = self._between, self.client
+        if isinstance(msg, Done) and self._beats is not None:
+            # the agent reads it when the process has gone: a successor coordinator learns from
+            # its vote that this rank finished, if the coordinator is lost before it ends the job
+            self._write_beat()
+        if between:
+            return  # connected to nobody: the report counts in the next hello (see _aborted)
         try:
             client.send(encode(msg))
         except OSError as e:
@@ -229,11 +234,16 @@ class LauncherLink:
             os._exit(msg.code)
         self.inbox.put(msg)
 
+    def _write_beat(self) -> None:
+        assert self._beats is not None
+        with self._beat_lock:  # the heartbeat thread, and a Done at once (the record's one writer)
+            self._beats.write(self._status(), time.monotonic(), self._rank, self._done)
+
     def _heartbeat(self, every: float) -> None:
         while not self._stop.wait(every):
             if self._beats is not None:
                 # to the host's agent, which stays through a coordinator failover
-                self._beats.write(self._status(), time.monotonic())
+                self._write_beat()
                 continue
             if self._between:
                 continue  # nobody to tell; the link is looking for the next coordinator
