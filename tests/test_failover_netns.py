@@ -24,6 +24,7 @@ from test_multihost import ARGS, _reference, check_recovered
 # longer than tests/test_multihost.py's 3 s: on busy cores an agent starting its fork template
 # was sometimes silent for 3 s, and a host lost at start-up is not what these tests are about
 LEASE = 5.0
+LAST = int(ARGS[ARGS.index("--steps") + 1]) - 1  # the job's last step
 
 
 @pytest.mark.netns
@@ -262,18 +263,17 @@ def test_every_rank_finishing_while_no_coordinator_exists_ends_the_job_ok(
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200
     job = start_netns_job(cluster, run_dir, corpus, ARGS, lease=LEASE)
-    last = int(ARGS[ARGS.index("--steps") + 1]) - 1
     stopped: list[int] = []
     try:
         wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
-        wait_for(lambda: job.committed(0) >= last - 4, deadline, f"rank 0 to commit step {last - 4}")
+        wait_for(lambda: job.committed(0) >= LAST - 4, deadline, f"rank 0 to commit step {LAST - 4}")
         for agent in job.agents:
             os.kill(agent.pid, signal.SIGSTOP)
             stopped.append(agent.pid)
         job.coordinator.kill()
         job.coordinator.wait(timeout=10)
         ranks = range(4)
-        wait_for(lambda: min(job.committed(r) for r in ranks) >= last, deadline, "every rank's last step")
+        wait_for(lambda: min(job.committed(r) for r in ranks) >= LAST, deadline, "every rank's last step")
         time.sleep(0.5)  # past their Done: without a successor to wait for they would be gone
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
@@ -310,10 +310,9 @@ def test_the_coordinator_killed_in_the_last_steps_never_fails_a_finished_job(
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200
     job = start_netns_job(cluster, run_dir, corpus, ARGS, lease=LEASE)
-    last = int(ARGS[ARGS.index("--steps") + 1]) - 1
     try:
         wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
-        at = last - before_end
+        at = LAST - before_end
         wait_for(lambda: job.committed(0) >= at, deadline, f"rank 0 to commit step {at}")
         job.coordinator.kill()
         job.coordinator.wait(timeout=10)
