@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-hsdp test lint typecheck unit soak bench clean env harness
+.PHONY: demo demo-hsdp test lint typecheck soak bench clean env harness
 
 env: $(STAMP)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from checkpointless.errors import ConfigError
-from checkpointless.faults.inject import FaultSpec, parse_faults
+from checkpointless.testing import FaultSpec, parse_faults
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -2,7 +2,8 @@
 
 The public API is small: :func:`init` joins the job, :class:`Job` tracks what makes a replica and
 runs the recoverable step loop, :class:`DataParallel` averages gradients in a way that survives
-an aborted backward. Everything else is reached through the ``checkpointless`` command.
+an aborted backward. Everything else is reached through the ``checkpointless`` command; helpers
+for rehearsing faults in tests live in :mod:`checkpointless.testing`.
 
 The names are imported on first use: the launcher and its reaper watchdog import this package
 too, and they never need torch (importing it costs them seconds of CPU on every start).
@@ -26,7 +27,6 @@ from checkpointless.errors import (
 
 if TYPE_CHECKING:
     from checkpointless.comm.data_parallel import DataParallel
-    from checkpointless.faults.inject import FaultSpec, InjectedFault, parse_faults
     from checkpointless.recovery.job import Job, Step, init
 
 __all__ = [
@@ -35,8 +35,6 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DataParallel",
-    "FaultSpec",
-    "InjectedFault",
     "Job",
     "NotRecoverableError",
     "RendezvousError",
@@ -44,15 +42,11 @@ __all__ = [
     "Step",
     "StepAborted",
     "init",
-    "parse_faults",
 ]
 __version__ = "0.1.0"
 
 _LAZY = {
     "DataParallel": "checkpointless.comm.data_parallel",
-    "FaultSpec": "checkpointless.faults.inject",
-    "InjectedFault": "checkpointless.faults.inject",
-    "parse_faults": "checkpointless.faults.inject",
     "Job": "checkpointless.recovery.job",
     "Step": "checkpointless.recovery.job",
     "init": "checkpointless.recovery.job",
