@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
-import benchlib as bl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as bl
 
 __all__ = [
     "KINDS",

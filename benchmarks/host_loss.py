@@ -50,8 +50,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the namespace harness lives with the tests
 sys.path.insert(0, str(REPO / "benchmarks" / "baseline"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-import benchlib as bl  # noqa: E402
+import _harness as bl  # noqa: E402
 
 from checkpointless.data import make_synthetic_corpus, prepare_main  # noqa: E402
 from harness.hosts import NetnsCluster, netns_unavailable_reason  # noqa: E402

@@ -31,7 +31,6 @@ so much between runs (pair ratios 0.89-1.49) that a 2% difference could not be r
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shlex
@@ -44,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
-import benchlib as bl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as bl
 
 DESIGNS = ("checkpointless", "ddp")
 
@@ -127,8 +127,8 @@ def divergence_cost(a: argparse.Namespace) -> int:
         run_dir = Path(tempfile.mkdtemp(prefix="cl-bench-divergence-"))
         try:
             launch(a, "checkpointless", run_dir / "run")
-            _, done = step_times(run_dir / "run", a.warmup)
-            st, _ = step_times(run_dir / "run", steady_start(run_dir / "run", done, a.warmup))
+            _, done = bl.step_times(run_dir / "run", a.warmup)
+            st, _ = bl.step_times(run_dir / "run", bl.steady_start(run_dir / "run", done, a.warmup))
             step_s = statistics.median(st)
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -169,51 +169,6 @@ def launch(a: argparse.Namespace, design: str, run_dir: Path) -> bl.Finished:
         stderr=run_dir / "stderr.log",
         sample_cpu=True,
     )
-
-
-def step_times(run_dir: Path, warmup: int) -> tuple[list[float], dict[int, float]]:
-    """Durations of steps ``warmup..`` measured between completions on every rank, and the
-    completion time of every step."""
-    done_per_rank = []
-    for f in sorted(run_dir.glob("rank-*.jsonl")):
-        first: dict[int, float] = {}
-        for e in bl.read_jsonl(f):
-            if e.get("event") == "commit":
-                first.setdefault(int(e["step"]), float(e["time"]))
-        done_per_rank.append(first)
-    if not done_per_rank:
-        return [], {}
-    steps = sorted(set.intersection(*(set(d) for d in done_per_rank)))
-    done = {s: max(d[s] for d in done_per_rank) for s in steps}
-    return [done[b] - done[a] for a, b in itertools.pairwise(steps) if b == a + 1 and a >= warmup], done
-
-
-def steady_start(run_dir: Path, done: dict[int, float], warmup: int) -> int:
-    """The first step of the steady state: after the warm-up and, on the checkpointless side,
-    after every hot spare has finished starting (``spare_ready`` events). A spare imports torch
-    on the same cores while the first steps run; that is start-up, not the cost of each step."""
-    ready = [
-        float(e["time"]) for e in bl.read_jsonl(run_dir / "events.jsonl") if e.get("event") == "spare_ready"
-    ]
-    if not ready:
-        return warmup
-    after = [s for s in sorted(done) if s - 1 in done and done[s - 1] >= max(ready)]
-    return max(warmup, after[0]) if after else warmup
-
-
-def cpu_per_step(samples: list[tuple[float, float]], done: dict[int, float], warmup: int) -> float | None:
-    """CPU seconds of the whole job (every process it started) per step, after the warm-up:
-    unlike wall time, hardly moved by other work on a shared machine."""
-    # Only steps inside the sampled span: a job that exits within a sampling interval of its last
-    # step leaves no sample after it (every process gone), and the tree's CPU there is unknown.
-    span = (samples[0][0], samples[-1][0]) if samples else (0.0, -1.0)
-    steps = sorted(s for s in done if s >= warmup and span[0] <= done[s] <= span[1])
-    if len(steps) < 2:
-        return None
-    c0, c1 = bl.cpu_at(samples, done[steps[0]]), bl.cpu_at(samples, done[steps[-1]])
-    if c0 is None or c1 is None:
-        return None
-    return (c1 - c0) / (steps[-1] - steps[0])
 
 
 def other_runs() -> list[str]:
@@ -285,13 +240,7 @@ def main() -> int:
         help="ranks (default 2, one per core here: with 4 ranks on 2 cores the pair ratios spread by ~60 points)",
     )
     ap.add_argument("--spares", type=int, default=1)
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process")
+    bl.add_model_args(ap)
     ap.add_argument("--run-timeout", type=float, default=400.0)
     ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
     ap.add_argument("--out", help="JSON output (default results/overhead.json; --quick: overhead-quick.json)")
@@ -328,25 +277,20 @@ def main() -> int:
     try:
         with bl.cleanup_on_exit(), bl.run_bar(2 * a.pairs, "overhead") as bar:
             for i in range(a.pairs):
-                order = DESIGNS if i % 2 == 0 else tuple(reversed(DESIGNS))
-                for design in order:
+                for design in bl.interleaved(DESIGNS, i):
                     run_dir = work / f"{design}-{i}"
                     shutil.rmtree(run_dir, ignore_errors=True)
                     fin = launch(a, design, run_dir)
-                    _, done = step_times(run_dir, a.warmup)
-                    start = steady_start(run_dir, done, a.warmup)
-                    st, _ = step_times(run_dir, start)
-                    cps = cpu_per_step(fin.cpu_samples, done, start)
+                    _, done = bl.step_times(run_dir, a.warmup)
+                    start = bl.steady_start(run_dir, done, a.warmup)
+                    st, _ = bl.step_times(run_dir, start)
+                    cps = bl.cpu_per_step(fin.cpu_samples, done, start)
                     digest = (
                         (run_dir / "digest").read_text().strip() if (run_dir / "digest").exists() else None
                     )
-                    error = None
-                    if fin.timed_out:
-                        error = "timed out"
-                    elif fin.rc != 0:
-                        error = f"exit code {fin.rc}"
-                    elif len(st) < min(10, a.steps - start - 1):
-                        error = f"only {len(st)} step times in the logs"
+                    error = bl.run_error(
+                        fin.timed_out, fin.rc, len(st), min(10, a.steps - start - 1), (fin.cpu_error, cps)
+                    )
                     rec = {
                         "design": design,
                         "pair": i,

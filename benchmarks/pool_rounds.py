@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchlib as bl
+import _harness as bl
 
 
 def paired(doc: dict[str, Any], mesh: str, design: str) -> tuple[list[float], list[float]]:

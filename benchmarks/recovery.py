@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl
+import _harness as bl
 from downtime import (
     KIND_LABEL,
     KINDS,
@@ -554,13 +554,7 @@ def main() -> int:
     )
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--hang-timeout", type=float, default=5.0, help="same value for both designs")
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process")
+    bl.add_model_args(ap)
     ap.add_argument("--run-timeout", type=float, default=420.0, help="limit per job run, seconds")
     ap.add_argument("--work-dir", help="keep the run directories here (default: a temporary dir, removed)")
     ap.add_argument("--out", help="JSON output (default results/recovery.json; --quick: recovery-quick.json)")

@@ -39,8 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl
-import overhead
+import _harness as bl
 import shardlib as sl
 
 __all__ = ["main"]
@@ -142,18 +141,14 @@ def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, w
     run_dir = work / f"{design}-{mesh[0]}x{mesh[1]}-{i}"
     shutil.rmtree(run_dir, ignore_errors=True)
     fin = launch(a, design, mesh, run_dir)
-    _, done = overhead.step_times(run_dir, a.warmup)
-    start = overhead.steady_start(run_dir, done, a.warmup)
-    st, _ = overhead.step_times(run_dir, start)
-    cps = overhead.cpu_per_step(fin.cpu_samples, done, start)
+    _, done = bl.step_times(run_dir, a.warmup)
+    start = bl.steady_start(run_dir, done, a.warmup)
+    st, _ = bl.step_times(run_dir, start)
+    cps = bl.cpu_per_step(fin.cpu_samples, done, start)
     digest = sl.combine_digests(run_dir, mesh[0] * mesh[1])
-    error = None
-    if fin.timed_out:
-        error = "timed out"
-    elif fin.rc != 0:
-        error = f"exit code {fin.rc} (logs in {run_dir})"
-    elif len(st) < min(5, a.steps - start - 1):
-        error = f"only {len(st)} step times in the logs"
+    error = bl.run_error(fin.timed_out, fin.rc, len(st), min(5, a.steps - start - 1), (fin.cpu_error, cps))
+    if error:
+        error += f" (logs in {run_dir})"
     rec: dict[str, Any] = {
         "design": design,
         "mesh": f"{mesh[0]}x{mesh[1]}",
@@ -165,6 +160,7 @@ def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, w
         "digest": digest,
         "median_step_s": statistics.median(st) if st else None,
         "cpu_per_step_s": cps,
+        "cpu_method": fin.cpu_method,
         "buddy": buddy_fields(run_dir, start) if design.startswith("buddy") else {},
         "step_s": [round(x, 5) for x in st],
     }
@@ -283,8 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ):
             for mesh in meshes:
                 for i in range(a.rounds):
-                    order = designs if i % 2 == 0 else list(reversed(designs))
-                    for design in order:
+                    for design in bl.interleaved(designs, i):
                         runs.append(one_run(a, design, mesh, i, work))
                         bar.update()
     finally:
@@ -384,9 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "notes": notes,
         "runs": runs,
     }
-    bl.write_json(Path(a.out), result)
-    print(f"\nwrote {a.out}")
-    return result
+    return bl.save_result(a.out, result)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl
+import _harness as bl
 import downtime as dt
 import recovery as rv
 import shardlib as sl
@@ -193,9 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "notes": notes,
         "runs": dt.run_rows(runs),
     }
-    bl.write_json(Path(a.out), result)
-    print(f"\nwrote {a.out}")
-    return result
+    return bl.save_result(a.out, result)
 
 
 if __name__ == "__main__":

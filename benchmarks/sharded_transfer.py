@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
-import benchlib as bl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as bl
 import shardlib as sl
 
 __all__ = ["loopback_rate", "main"]
@@ -273,9 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "notes": notes,
         "runs": runs,
     }
-    bl.write_json(Path(a.out), result)
-    print(f"\nwrote {a.out}")
-    return result
+    return bl.save_result(a.out, result)
 
 
 if __name__ == "__main__":

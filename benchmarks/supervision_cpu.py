@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
-import benchlib as bl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as bl
 
 SCRIPT = """\
 import os, time

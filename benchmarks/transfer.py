@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
-import benchlib as bl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as bl
 
 _UNITS = {"K": 10**3, "M": 10**6, "G": 10**9}
 MODES = ("replica", "spare", "fresh", "gloo")

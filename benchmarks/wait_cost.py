@@ -37,8 +37,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchlib as bl
+import _harness as bl
 
 MODES = ("blocking", "slices", "event")
 

@@ -19,7 +19,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-import benchlib as bl
+import _harness as bl
 
 __all__ = [
     "FSDP_BASELINE",
@@ -49,15 +49,7 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return r, s
 
 
-def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The example GPT's size flags, with the defaults every benchmark here uses."""
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process")
+add_model_args = bl.add_model_args  # the example GPT's size flags, as every benchmark takes them
 
 
 def model_args(a: argparse.Namespace, mesh: tuple[int, int]) -> list[str]:
