@@ -78,7 +78,7 @@ def test_malformed_control_messages_are_dropped_and_the_link_keeps_working(
         assert len(dropped) == len(BAD_FRAMES), dropped
         for (_, why), text in zip(BAD_FRAMES, dropped, strict=True):
             assert why in text, (why, text)
-        assert link._term == 0, "a malformed succession must not move the term"
+        assert link.failover.term == 0, "a malformed succession must not move the term"
     finally:
         link.close()
         server.stop()

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from checkpointless.errors import CommAborted, ConfigError
 from checkpointless.events import get_logger
 from checkpointless.protocol import Done
-from checkpointless.recovery.link_failover import await_release
 from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
 from checkpointless.recovery.recover import fatal, recover, recover_from
@@ -96,7 +95,7 @@ def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> 
     if job._link is not None:
         install_fast_exit()
         # registered after it, so it runs before the exit: the coordinator must see we finished
-        atexit.register(await_release, job._link)
+        atexit.register(job._link.await_release)
     else:  # torchrun or standalone: the process exits normally, its groups closed first
         close_at_exit(lambda: _close_groups(job), job.rendezvous_timeout)
 

@@ -5,21 +5,20 @@ is a typed message, and a frame that is not one of ours (an unknown type, a miss
 wrong type) is logged and dropped there, so neither thread ever trips over it later. It acts on
 ``abort`` at once (it fails the communicator's pending collectives, so a main thread blocked in a
 collective wakes up) and queues everything else for the main thread.
-It also keeps the peer table (``link_table.py``): ``peer_table`` chunks never reach the inbox,
-and a ``recover`` reaches it with its peer table and plan filled in.
+It also keeps the peer table (``link_table.PlanTables``): ``peer_table`` chunks never reach the
+inbox, and a ``recover`` reaches it with its peer table and plan filled in.
 
 Heartbeats go to the record the host's agent reads (``agent/beats.py``) when the agent gave us
 one, else over the control connection.
 
 Coordinator failover (docs/architecture.md): once the coordinator has sent a ``succession``, a
-lost connection is not the end; the link looks for the successor (``link_failover.py``), and the
-worker exits only when no coordinator has taken it by a deadline.
+lost connection is not the end; the link looks for the successor (``link_failover.Failover``), and
+the worker exits only when no coordinator has taken it by a deadline.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import queue
 import signal
@@ -34,9 +33,7 @@ from checkpointless.agent.tables import TABLE_ENV
 from checkpointless.config import WorkerEnv
 from checkpointless.events import get_logger
 from checkpointless.launcher.control import ControlClient
-from checkpointless.peer_table import TableHolder
 from checkpointless.protocol import (
-    SUCCESSION_ENV,
     Abort,
     Assign,
     Done,
@@ -54,10 +51,9 @@ from checkpointless.protocol import (
     Succession,
     decode,
     encode,
-    succession_from_env,
 )
-from checkpointless.recovery.link_failover import bound_silence, on_lost
-from checkpointless.recovery.link_table import on_table_chunk, resolve
+from checkpointless.recovery.link_failover import Failover
+from checkpointless.recovery.link_table import PlanTables
 
 __all__ = ["LauncherLink", "set_parent_death_signal"]
 
@@ -101,67 +97,43 @@ class LauncherLink:
         self._on_abort = on_abort
         self._status = status
         self._stop = threading.Event()
-        self.table = TableHolder()  # the reader thread's alone
-        self._held: Recover | None = None  # a recover waiting for the full table
-        self._asked = 0  # full tables asked for in a row that did not arrive intact
+        tables = os.environ.get(TABLE_ENV)  # the host's peer tables (agent/tables.py)
+        self.tables = PlanTables(self.send, self._dispatch, Path(tables) if tables else None)
         self._beats: BeatWriter | None = None
         self._beat_lock = threading.Lock()
-        tables = os.environ.get(TABLE_ENV)
-        self._tables = Path(tables) if tables else None  # the host's peer tables (agent/tables.py)
         path = os.environ.get(BEAT_ENV)
         if path:
             try:
                 self._beats = BeatWriter(Path(path))
             except OSError as e:
                 log.warning("heartbeats go over the control connection: %s", e)
-        # what a new coordinator needs to hear after a failover (see link_failover._reconnect)
-        self._succession: Succession | None = None
-        self._term = 0  # the newest coordinator term this link has seen; it never goes back
+        # what a new coordinator needs to hear after a failover (see _switch)
         self._rank = -1
         self._generation = -1
         self._aborted = -1
         self._ready = False
         self._done = False  # it sent Done: the job's loop is finished here
         self._done_seen = threading.Event()  # the coordinator recorded it (DoneSeen)
-        self._lost_since: float | None = None  # lost the coordinator and no successor spoke yet
         self._between = False  # lost it and not connected to a candidate either
-        self._reconnector: threading.Thread | None = None
-        self._retry = threading.Event()  # the candidate we reached hung up: try the next term
         self._lock = threading.Lock()
-        self._from_env()
+        self.failover = Failover(env.secret, self._stop, self._on_message, self._on_lost, self._switch)
         self.client: ControlClient | _Unconnected
         try:
             # with a succession in hand a dead coordinator is not the end: do not spend the
             # successors' election window on it (a lost host never refuses, it only times out)
-            timeout = 10.0 if self._succession is None else min(10.0, self._lease())
-            lost = functools.partial(on_lost, self)
-            self.client = ControlClient(env.control, env.secret, self._on_message, lost, timeout)
+            timeout = 10.0 if self.failover.succession is None else min(10.0, self.failover.lease())
+            self.client = ControlClient(env.control, env.secret, self._on_message, self._on_lost, timeout)
         except ConnectionError as e:
-            if self._succession is None:
+            if self.failover.succession is None:
                 raise
             self.client = _Unconnected()
-            on_lost(self, f"cannot reach it at start: {e}")
+            self._on_lost(f"cannot reach it at start: {e}")
         else:
             self.send(Hello(worker_id=env.worker_id, pid=os.getpid(), role=env.role))
         self._hb = threading.Thread(
             target=self._heartbeat, args=(heartbeat_s,), daemon=True, name="cl-heartbeat"
         )
         self._hb.start()
-
-    def _from_env(self) -> None:
-        """The succession the agent knew when it started this process (agent/agent.py): a
-        process that starts as the coordinator is lost has heard none itself."""
-        try:
-            known = succession_from_env(os.environ.get(SUCCESSION_ENV))
-        except ProtocolError as e:
-            log.warning("no successors known at start (%s)", e)
-            return
-        if known is not None:
-            self._succession = known
-            self._term = known.term
-
-    def _lease(self) -> float:
-        return self._succession.lease if self._succession is not None else 5.0
 
     def send(self, msg: Message) -> None:
         # Under the lock the reconnect builds its hello and swaps the connection with: a report
@@ -190,11 +162,74 @@ class LauncherLink:
             with self._lock:
                 stale = client is not self.client  # the reconnect replaced it meanwhile
             if not stale:
-                on_lost(self, f"send failed: {e}")
+                self._on_lost(f"send failed: {e}")
+
+    def _on_lost(self, why: str) -> None:
+        if self._stop.is_set():
+            return
+        if self.failover.succession is None:
+            # Nobody is left to coordinate a recovery; staying alive would only leave orphans.
+            log.error("lost the launcher (%s); exiting", why)
+            os._exit(70)
+        with self._lock:
+            self._between = True
+            self.failover.search(why)
+
+    def _switch(self, client: ControlClient, floor: int) -> bool:
+        """Say hello to a successor's candidate (accepting term ``floor`` or later) and make it
+        this link's connection; False when the hello could not be sent."""
+        status = self._status()
+        with self._lock:  # a report sent meanwhile is in this hello or goes after it (send)
+            hello = Hello(
+                worker_id=self.env.worker_id,
+                pid=os.getpid(),
+                role=self.env.role,
+                term=floor,
+                rank=self._rank,
+                generation=self._generation,
+                aborted=self._aborted,
+                step=status.step if status.step is not None else -1,
+                ready=self._ready,
+                done=self._done,
+            )
+            try:
+                client.send(encode(hello))
+            except OSError:
+                client.close()
+                return False
+            old, self.client = self.client, client
+            # from now on reports go to the candidate: one that wins handles them in its first
+            # round (a Stopped sent after the hello would otherwise be lost for good)
+            self._between = False
+        old.close()
+        return True
+
+    def await_release(self) -> None:
+        """At a finished worker's exit, on many hosts: stay until the coordinator has recorded
+        this worker's Done (``DoneSeen``). A Done can be lost with its coordinator: sent into
+        nowhere while the link looked for a successor, or into a connection whose far end had
+        died unseen (a lost host, a partition: noticed only a lease later). The hello to the
+        successor then says it (``Hello.done``). A process that left at once would look to the
+        successor like a rank that vanished, and with every rank gone that way it would fail a
+        finished job. Bounded: a lease to notice a silent loss, then the search's own deadline
+        (two leases), after which the search exits the process anyway. One machine has no
+        successor: nothing to wait for."""
+        succ = self.failover.succession
+        if succ is None or self._stop.is_set():
+            return
+        start = time.monotonic()
+        deadline = start + 3 * succ.lease + 3.0
+        told = False
+        while not self._done_seen.wait(0.05) and time.monotonic() < deadline:
+            if not told and (self.failover.lost_since is not None or time.monotonic() - start > 1.0):
+                told = True
+                log.info("finished; waiting for a coordinator to record it before leaving")
+        if not self._done_seen.is_set():
+            log.warning("left without the coordinator recording that this rank finished")
 
     def _on_message(self, raw: dict[str, Any]) -> None:
         """The reader thread's entry for every frame: decoded once, then dispatched."""
-        self._lost_since = None  # a coordinator is talking to us (even one that garbles a frame)
+        self.failover.heard()  # a coordinator is talking to us (even one that garbles a frame)
         try:
             msg = decode(raw)
         except ProtocolError as e:
@@ -207,13 +242,10 @@ class LauncherLink:
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Succession):
-            if msg.term >= self._term:
-                self._succession = msg
-                self._term = msg.term
-                bound_silence(self, msg.lease)
+            self.failover.on_succession(msg, self.client)
             return
         if isinstance(msg, PeerTable):
-            on_table_chunk(self, msg)
+            self.tables.on_chunk(msg)
             return
         if isinstance(msg, DoneSeen):
             self._done_seen.set()
@@ -221,7 +253,7 @@ class LauncherLink:
         if isinstance(msg, Assign):
             self._rank = msg.rank
         elif isinstance(msg, Recover):
-            ready = resolve(self, msg)
+            ready = self.tables.resolve(msg)
             if ready is None:
                 return  # held back until the full table arrives
             msg = ready
