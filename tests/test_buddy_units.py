@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from checkpointless.coordinator.rules.decisions import MemberReport, plan_recovery
 from checkpointless.errors import ConfigError, NotRecoverableError
-from checkpointless.recovery.decisions import MemberReport, plan_recovery
 from checkpointless.recovery.sharded import buddies_wanted
 from checkpointless.state.buddy_owner import copy_due
 from checkpointless.state.buddy_ring import buddy_of, host_of, owners_of

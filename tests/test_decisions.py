@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointless.errors import NotRecoverableError
-from checkpointless.recovery.decisions import (
+from checkpointless.coordinator.rules.decisions import (
     MemberReport,
     SpareAction,
     WorkerHealth,
@@ -13,6 +12,7 @@ from checkpointless.recovery.decisions import (
     plan_recovery,
     spare_policy,
 )
+from checkpointless.errors import NotRecoverableError
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from checkpointless.launcher.policy import first_step_limit
-from checkpointless.recovery.decisions import MemberReport, WorkerHealth, find_hung, plan_recovery
+from checkpointless.coordinator.rules.budget import first_step_limit
+from checkpointless.coordinator.rules.decisions import MemberReport, WorkerHealth, find_hung, plan_recovery
 from checkpointless.recovery.divergence import due, judge, state_digest
 
 pytestmark = pytest.mark.timeout(30)

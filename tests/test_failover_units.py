@@ -1,5 +1,5 @@
-"""Coordinator failover, the pure rules: who is elected (coordinator/election.py) and the state a
-new coordinator rebuilds from reports (coordinator/rebuild.py)."""
+"""Coordinator failover, the pure rules: who is elected (coordinator/rules/election.py) and the state a
+new coordinator rebuilds from reports (coordinator/rules/rebuild.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from checkpointless.agent.join import Refused, job_outcome
 from checkpointless.coordinator import Coordinator, Emit, Kill, Send, Stop
-from checkpointless.coordinator.election import (
+from checkpointless.coordinator.rules.election import (
     Ballot,
     HostSeen,
     candidate_for,
@@ -24,7 +24,7 @@ from checkpointless.coordinator.election import (
     membership,
     quorum,
 )
-from checkpointless.coordinator.rebuild import Finished, ProcReport, WorkerReport, rebuild
+from checkpointless.coordinator.rules.rebuild import Finished, ProcReport, WorkerReport, rebuild
 from checkpointless.coordinator.takeover import TakeoverHost, resume
 from checkpointless.launcher.launcher import config_from_json, config_to_json
 from checkpointless.launcher.model import LaunchConfig

@@ -162,7 +162,7 @@ def test_a_job_lives_past_its_hang_timeout_on_aggregated_beats_and_leaves_no_shm
 
 def test_a_worker_that_finished_its_loop_is_known_to_its_agent_after_it_has_gone(tmp_path: Path) -> None:
     # what the agent puts in its vote if the coordinator is lost before it ended the job: a rank
-    # whose worker left after finishing is done, not lost (coordinator/rebuild.py)
+    # whose worker left after finishing is done, not lost (coordinator/rules/rebuild.py)
     beats = BeatReader(make_beat_dir(tmp_path / "shm" / "beats"))
     w = BeatWriter(beats.path(3))
     w.write(Heartbeat(step=39), time.monotonic(), rank=2)

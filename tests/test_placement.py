@@ -8,7 +8,7 @@ import pytest
 
 from checkpointless.coordinator import Coordinator, Emit, Kill, Log, Send, Spawn
 from checkpointless.coordinator.conditions import Conditions
-from checkpointless.coordinator.placement import (
+from checkpointless.coordinator.rules.placement import (
     HostView,
     assign_hosts,
     match_spares,

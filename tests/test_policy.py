@@ -10,17 +10,19 @@ import time
 
 import pytest
 
+from checkpointless.coordinator.rules.budget import (
+    FaultRecord,
+    budget_verdict,
+    progress_limit,
+    start_failure_verdict,
+)
 from checkpointless.launcher.policy import (
     LOOP_BUSY_S,
     LOOP_QUIET_S,
     QUIET_AFTER_S,
-    FaultRecord,
     Limits,
     ProcWatch,
-    budget_verdict,
     loop_wait,
-    progress_limit,
-    start_failure_verdict,
 )
 from checkpointless.launcher.proctable import ProcSample, parse_stat, read_sample
 

@@ -1,5 +1,5 @@
 """A spare on a spare host fills its own host's batch cache for the ranks it may take:
-the slot rule (coordinator/prefetch.py), the coordinator's hints, and the spare's prefetcher
+the slot rule (coordinator/rules/prefetch.py), the coordinator's hints, and the spare's prefetcher
 (data/spare_cache.py) writing real files that the rank's own loader then serves."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from checkpointless.coordinator import Coordinator, Send, Spawn
-from checkpointless.coordinator.prefetch import slot_ranks
+from checkpointless.coordinator.rules.prefetch import slot_ranks
 from checkpointless.coordinator.spares import refill_spares
 from checkpointless.data import BatchLoader, ShmBatchCache, TokenDataset, spare_cache
 from checkpointless.data.shm_cache import job_cache_dir

@@ -1,4 +1,4 @@
-"""The straggler-host rule (coordinator/stragglers.py) as pure functions: threshold, window,
+"""The straggler-host rule (coordinator/rules/stragglers.py) as pure functions: threshold, window,
 hysteresis, no false positive on noise; and the coordinator applying it to heartbeats."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpointless.coordinator import Command, Coordinator, Emit, Kill, Log, Send, Spawn
-from checkpointless.coordinator.spares import refill_spares
-from checkpointless.coordinator.stragglers import (
+from checkpointless.coordinator.rules.stragglers import (
     StragglerRule,
     StragglerState,
     Verdict,
     host_ratios,
     judge,
 )
+from checkpointless.coordinator.spares import refill_spares
 from checkpointless.errors import ConfigError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Assign, Heartbeat, SpareReady

@@ -1,6 +1,6 @@
 """A process that starts while the coordinator is lost: its agent hands it the succession in its
 environment (agent/agent.py), its link reconnects to the successor with it (recovery/link_failover.py), and
-the successor keeps a spare that was starting then (coordinator/rebuild.py)."""
+the successor keeps a spare that was starting then (coordinator/rules/rebuild.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from checkpointless.agent.agent import Agent, AgentConfig
 from checkpointless.agent.beats import BEAT_ENV
 from checkpointless.config import ENV, WorkerEnv
-from checkpointless.coordinator.rebuild import ProcReport, WorkerReport, rebuild
+from checkpointless.coordinator.rules.rebuild import ProcReport, WorkerReport, rebuild
 from checkpointless.launcher.control import ControlServer
 from checkpointless.launcher.policy import Limits
 from checkpointless.protocol import (

@@ -108,7 +108,7 @@ class Agent:
         self._events = events
         self.procs: dict[int, _Proc] = {}
         # workers that left after finishing their loop: worker id -> (rank, exit code), for the
-        # vote if the coordinator is lost before it has ended the job (coordinator/rebuild.py)
+        # vote if the coordinator is lost before it has ended the job (coordinator/rules/rebuild.py)
         self.finished: dict[int, tuple[int, int]] = {}
         self._ports = self._allocate_ports(cfg.nproc * 2 + 8)
         self.forkserver: ForkServer | None = None

@@ -45,7 +45,7 @@ _SEQ = struct.Struct("<Q")
 # step (-1: none), written at (monotonic s), progress age (NaN: none), step time (NaN: none),
 # busy time (NaN: none; the step less its waits in collectives: the straggler rule's input),
 # in collective, rank (-1: none), done (the loop finished: what the agent tells a successor
-# coordinator of a rank that has left, coordinator/rebuild.py)
+# coordinator of a rank that has left, coordinator/rules/rebuild.py)
 _BODY = struct.Struct("<qddddBiB")
 
 

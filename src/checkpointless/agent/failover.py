@@ -1,6 +1,6 @@
 """An agent's side of coordinator failover: the election after the coordinator is lost.
 
-The rules are pure (coordinator/election.py); this module does the I/O. Term by term: the
+The rules are pure (coordinator/rules/election.py); this module does the I/O. Term by term: the
 term's candidate counts votes on its failover server (bound when the agent started, named in the
 succession) and wins with a strict majority of the membership; every other agent connects to the
 candidate, sends its :class:`~checkpointless.protocol.Vote` (its processes, for the rebuild) and
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointless.agent.agent import Agent
-from checkpointless.coordinator.election import Ballot, candidate_for, has_quorum
+from checkpointless.coordinator.rules.election import Ballot, candidate_for, has_quorum
 from checkpointless.events import get_logger
 from checkpointless.launcher.control import Connection, ControlClient, ControlServer
 from checkpointless.launcher.takeover import Mandate

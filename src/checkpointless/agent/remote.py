@@ -38,7 +38,7 @@ from checkpointless.agent.beats import beats_message
 from checkpointless.agent.failover import LOST, Early, Joined, elect, refuse_all
 from checkpointless.agent.join import job_outcome, join, read_secret
 from checkpointless.config import ENV
-from checkpointless.coordinator.election import Ballot
+from checkpointless.coordinator.rules.election import Ballot
 from checkpointless.errors import ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import ControlClient, ControlServer

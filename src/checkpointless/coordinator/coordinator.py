@@ -6,7 +6,7 @@ decisions and the fault budget. It touches no socket, process or clock: the shel
 observed — a worker's message, a process exit, a process-table verdict, the passing of time — and
 carries out the commands it queues (:mod:`checkpointless.coordinator.state`): start or kill a
 process, send a message, write an event, log a line, stop the job. The rules themselves are pure
-functions in ``recovery/decisions.py`` and ``launcher/policy.py``; this class applies them to its
+functions in ``coordinator/rules/decisions.py`` and ``launcher/policy.py``; this class applies them to its
 state.
 
 A round, in brief: a fault aborts the current generation (``Abort`` to every member), dead or hung
@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 from checkpointless.coordinator.conditions import Conditions
 from checkpointless.coordinator.faults import check_hangs, flush_pending, host_lost, process_exited
 from checkpointless.coordinator.messages import apply_heartbeat, handle
-from checkpointless.coordinator.placement import assign_hosts, placement
 from checkpointless.coordinator.rounds import advance_round
+from checkpointless.coordinator.rules.budget import FaultRecord
+from checkpointless.coordinator.rules.placement import assign_hosts, placement
+from checkpointless.coordinator.rules.stragglers import StragglerRule, StragglerWatch
 from checkpointless.coordinator.spares import refill_spares, spare_host_for
 from checkpointless.coordinator.state import (
     Command,
@@ -36,11 +38,9 @@ from checkpointless.coordinator.state import (
     Spawn,
     Stop,
 )
-from checkpointless.coordinator.stragglers import StragglerRule, StragglerWatch
 from checkpointless.coordinator.watch import check_stragglers, hint_spares
 from checkpointless.errors import NotRecoverableError
 from checkpointless.launcher.model import LaunchConfig
-from checkpointless.launcher.policy import FaultRecord
 from checkpointless.peer_table import TableKeeper
 from checkpointless.protocol import Assign, Message, PeerTable, Shutdown
 

@@ -8,18 +8,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.downtime import recovery_fields
-from checkpointless.coordinator.spares import refill_spares
-from checkpointless.coordinator.state import RETIRED, Member, Round
-from checkpointless.errors import NotRecoverableError
-from checkpointless.launcher.policy import (
+from checkpointless.coordinator.rules.budget import (
     FaultRecord,
     budget_verdict,
     first_step_limit,
     progress_limit,
     start_failure_verdict,
 )
+from checkpointless.coordinator.rules.decisions import WorkerHealth, find_hung
+from checkpointless.coordinator.spares import refill_spares
+from checkpointless.coordinator.state import RETIRED, Member, Round
+from checkpointless.errors import NotRecoverableError
 from checkpointless.protocol import Abort
-from checkpointless.recovery.decisions import WorkerHealth, find_hung
 
 if TYPE_CHECKING:
     from checkpointless.coordinator.coordinator import Coordinator

@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from checkpointless.coordinator.faults import record_fault, report_recovery
-from checkpointless.coordinator.placement import match_spares, move_chain, without_spare
+from checkpointless.coordinator.rules.decisions import MemberReport, SpareAction, plan_recovery, spare_policy
+from checkpointless.coordinator.rules.placement import match_spares, move_chain, without_spare
 from checkpointless.coordinator.spares import refill_spares, retire_squeezed
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import give_table
 from checkpointless.errors import NotRecoverableError
 from checkpointless.peer_table import compact_plan
 from checkpointless.protocol import Committed, Prepare, Recover, Recovered, Stopped
-from checkpointless.recovery.decisions import MemberReport, SpareAction, plan_recovery, spare_policy
 
 if TYPE_CHECKING:
     from checkpointless.coordinator.coordinator import Coordinator

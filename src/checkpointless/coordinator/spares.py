@@ -9,7 +9,7 @@ import dataclasses
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from checkpointless.coordinator.placement import (
+from checkpointless.coordinator.rules.placement import (
     HostView,
     spare_host,
     spare_share,

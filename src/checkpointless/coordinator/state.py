@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpointless.coordinator.rules.decisions import MemberReport
 from checkpointless.protocol import Message, PeerTable
-from checkpointless.recovery.decisions import MemberReport
 
 __all__ = [
     "Command",
@@ -68,7 +68,9 @@ class Member:
     in_collective: bool = False
     step: int | None = None
     step_time: float | None = None  # the last committed step's duration, as the worker measured it
-    busy_time: float | None = None  # that step less its waits in collectives (coordinator/stragglers.py)
+    busy_time: float | None = (
+        None  # that step less its waits in collectives (coordinator/rules/stragglers.py)
+    )
     killed_for: str | None = None  # why we asked the agent to kill it
     assigned_at: float = 0.0
 

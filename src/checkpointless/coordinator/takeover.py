@@ -1,7 +1,7 @@
 """A new coordinator after a failover: a :class:`Coordinator` set up from a rebuilt state.
 
 Pure like the coordinator itself: the hosts that voted, the processes their agents reported, what
-the workers said when they reconnected (coordinator/rebuild.py) and the times, in; a coordinator
+the workers said when they reconnected (coordinator/rules/rebuild.py) and the times, in; a coordinator
 with its ranks, its spares and its first round out, the round's ``Abort`` and ``Kill`` commands
 queued. The round is an ordinary one for the next generation, so every rank leaves the step it
 was in, spares take the ranks nobody holds, and the interrupted step is replayed.
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from checkpointless.coordinator.coordinator import Coordinator
-from checkpointless.coordinator.rebuild import ProcReport, Rebuilt, WorkerReport
+from checkpointless.coordinator.rules.rebuild import ProcReport, Rebuilt, WorkerReport
 from checkpointless.coordinator.state import HostState, Member, Round
 from checkpointless.protocol import Abort, DoneSeen
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from checkpointless.coordinator.faults import host_lost
-from checkpointless.coordinator.placement import pick_spares
-from checkpointless.coordinator.prefetch import slot_ranks
+from checkpointless.coordinator.rules.placement import pick_spares
+from checkpointless.coordinator.rules.prefetch import slot_ranks
+from checkpointless.coordinator.rules.stragglers import RankTiming
 from checkpointless.coordinator.state import Kill, Member
-from checkpointless.coordinator.stragglers import RankTiming
 from checkpointless.protocol import Prefetch
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def hint_spares(c: Coordinator) -> None:
 
 def check_stragglers(c: Coordinator, now: float, wall: float) -> None:
     """Report a host whose ranks are persistently slower than the others (the rule is
-    coordinator/stragglers.py); with --swap-stragglers, move its ranks to a spare host by the
+    coordinator/rules/stragglers.py); with --swap-stragglers, move its ranks to a spare host by the
     host-loss path: its workers are killed, the host is fenced, spares take the ranks.
 
     A straggler reported while no spare host is ready for all its ranks (the spares still

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from checkpointless.agent import Agent
 from checkpointless.agent.beats import beats_of
 from checkpointless.coordinator import Coordinator
-from checkpointless.coordinator.election import HostSeen, keeps_majority, membership
+from checkpointless.coordinator.rules.election import HostSeen, keeps_majority, membership
 from checkpointless.events import EventLog, get_logger
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.model import LaunchConfig, config_to_json
@@ -131,7 +131,7 @@ class AgentHosts:
         return [HostSeen(h.host, h.lost, h.remote, h.last_seen) for h in coord.hosts.values()]
 
     def _members(self, now: float) -> list[int]:
-        """The membership a majority is counted against (coordinator/election.py); agents are
+        """The membership a majority is counted against (coordinator/rules/election.py); agents are
         told the same, so that a side of a partition that heard of its peers' loss one by one
         cannot count itself a majority either."""
         return membership(self._seen(), now, self.cfg.lease)

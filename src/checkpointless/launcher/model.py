@@ -45,7 +45,7 @@ class LaunchConfig:
     quiet_workers: bool = False
     plain: bool = False  # tier 0: an unchanged script; a fault restarts the whole group
     max_restarts: int = 3
-    # the fault budget (launcher/policy.py): the same rank failing the same way more than this
+    # the fault budget (coordinator/rules/budget.py): the same rank failing the same way more than this
     # many times within fault_window steps ends the job; so does a rank whose replacements die
     # before joining max_start_failures times in a row
     max_repeat_faults: int = 3
@@ -76,7 +76,7 @@ class LaunchConfig:
     lease: float = 5.0  # seconds of silence after which an agent and the coordinator fence each other
     local_agent: bool = True  # False for `checkpointless coordinator`: every host has its own agent
     agent_wait: float = 300.0  # seconds the coordinator waits for its agents to join
-    # straggler hosts (coordinator/stragglers.py): report a host whose ranks' busy time is this
+    # straggler hosts (coordinator/rules/stragglers.py): report a host whose ranks' busy time is this
     # many times the other hosts' for straggler_window steps in a row (0: off); with
     # swap_stragglers, move its ranks to a spare host as if it were lost
     straggler_ratio: float = 0.0

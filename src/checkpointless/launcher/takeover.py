@@ -5,7 +5,7 @@ run directory, the secret and the event log already exist, the control server is
 failover server (bound when the agent started, so its address was in the succession), the
 agent's own :class:`~checkpointless.agent.Agent` is the local agent, and the voters' connections
 are the remote agents. Before the loop it gathers the workers' reconnects (bounded), rebuilds the
-state (coordinator/rebuild.py) and opens the first round (coordinator/takeover.py).
+state (coordinator/rules/rebuild.py) and opens the first round (coordinator/takeover.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from checkpointless.agent.agent import Agent, ProcExit
 from checkpointless.coordinator import Coordinator
-from checkpointless.coordinator.rebuild import Finished, ProcReport, WorkerReport, rebuild
+from checkpointless.coordinator.rules.rebuild import Finished, ProcReport, WorkerReport, rebuild
 from checkpointless.coordinator.takeover import TakeoverHost, resume
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.agents import _beat_agents

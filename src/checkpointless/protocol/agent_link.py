@@ -125,7 +125,7 @@ class AgentWelcome(Message):
 class Succession(Message):
     """Who may take over the coordinator, sent to every agent and worker when the membership
     changes: candidate ``i`` is agent ``successors[i]`` serving on ``addresses[i]``; the
-    membership is what a majority is counted against (coordinator/election.py)."""
+    membership is what a majority is counted against (coordinator/rules/election.py)."""
 
     TYPE: ClassVar[str] = "succession"
     term: int

@@ -49,7 +49,7 @@ class Hello(Message):
     pid: int = 0
     role: str = "worker"
     # after a coordinator failover (a reconnect): the term it accepts and who it is, for the
-    # new coordinator's rebuild (coordinator/rebuild.py); -1 means "none yet"
+    # new coordinator's rebuild (coordinator/rules/rebuild.py); -1 means "none yet"
     term: int = 0
     rank: int = -1
     generation: int = -1  # the newest generation it formed
@@ -164,7 +164,7 @@ class Assign(Message):
     snapshot_every: int = 0
     checkpoint_every: str = "0"  # durable checkpoints: "0" (off), steps or a time (state/durable.py)
     checkpoint_dir: str = ""  # where this job's checkpoints are ("" without any)
-    # placement, host-major (coordinator/placement.py): torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE
+    # placement, host-major (coordinator/rules/placement.py): torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE
     # and GROUP_RANK; -1 from an older coordinator means "one machine" (local == global)
     local_rank: int = -1
     local_world_size: int = -1

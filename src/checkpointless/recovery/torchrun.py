@@ -1,6 +1,6 @@
 """The variables a torchrun-style script reads, set by ``checkpointless.init()``.
 
-Ranks are placed host-major (``coordinator/placement.py``): rank ``r`` of a job with ``P``
+Ranks are placed host-major (``coordinator/rules/placement.py``): rank ``r`` of a job with ``P``
 processes per node is local rank ``r % P`` on node ``r // P``, and the ``Assign`` message carries
 those numbers. A job on one machine is one node, so there the local numbers are the global ones.
 A hot spare has none of the variables while it waits: they are set when ``init()`` returns with

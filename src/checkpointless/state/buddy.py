@@ -3,7 +3,7 @@
 Why: on a sharded mesh without a replica (plain FSDP, ``R = 1``), a rank's shard exists nowhere
 else, so losing the process loses the shard. Each rank therefore streams its state (the same tree
 a peer would send: its local shards, optimizer state, RNG, step) to its *keeper*, the rank one host
-over (state/buddy_ring.py), once per step. The recovery plan (recovery/decisions.py) then names
+over (state/buddy_ring.py), once per step. The recovery plan (coordinator/rules/decisions.py) then names
 the keeper as the source of the lost rank's shard.
 
 Every rank is both: an *owner* that sends its own copies and keeps its undo copies

@@ -2,7 +2,7 @@
 
 A buddy copy exists to survive the loss of its owner, and the most likely large loss is a whole
 host (a kernel panic, a power supply, a network card). So the copy must sit on *another* host.
-Ranks are placed host-major (``coordinator/placement.py``: host h runs ranks ``h*P .. h*P+P-1``
+Ranks are placed host-major (``coordinator/rules/placement.py``: host h runs ranks ``h*P .. h*P+P-1``
 with P ranks per host), so the rank one host over, ``(r + P) % W``, is on the next host: every
 host's copies lie on the next host and the ring closes at the last. When the last host is only
 partly filled the wrap may land on the owner's own host; the next rank off it takes the copy then

@@ -1,0 +1,16 @@
+"""The coordinator's rules: pure functions (and small value types) over what it has observed,
+a decision out. No I/O, no clock, no coordinator state.
+
+Nothing here imports anything above it: only the standard library and ``checkpointless.errors``
+(tests/test_architecture.py holds that). The coordinator's components in ``coordinator/`` apply
+these rules to their own state; the agent and the launcher use a few of them too (the election).
+
+* ``decisions``: the recovery plan from the members' reports, hang detection, the spare wait;
+* ``budget``: the fault budget, respawn loops, the no-progress limits;
+* ``placement``: which host a rank or a spare goes to, and which spares take which ranks;
+* ``stragglers``: hosts whose steps run persistently slower than the others';
+* ``prefetch``: which ranks a spare on a spare host may take;
+* ``election`` and ``rebuild``: a successor coordinator after a failover.
+"""
+
+__all__: list[str] = []
