@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from checkpointless.observe.report import main as report_main
-from checkpointless.observe.runfiles import load_run
+from checkpointless.observe.runfiles import read_jsonl
 from checkpointless.observe.status import main as status_main
 from jobs import ROOT, TINY, alive
 
@@ -36,7 +36,7 @@ def _start(run_dir: Path, data: Path, extra: list[str]) -> subprocess.Popen[str]
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
-    return load_run(run_dir).events if (run_dir / "events.jsonl").exists() else []
+    return read_jsonl(run_dir / "events.jsonl")  # every kind: load_run keeps only what status reads
 
 
 def _wait(what: str, cond: Callable[[], Any], proc: subprocess.Popen[str], timeout: float) -> Any:

@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
             cal = load_calibration(args.calibration, base=ONE_MACHINE)
         ledger = build_ledger(run.events, run.commits, now=_now_if_live(run.events))
+        ledger = replace(ledger, steps_committed=run.steps_committed(ledger.steps_committed))
         est = estimate_restart(ledger, cal, args.checkpoint_every)
     except ConfigError as e:
         print(f"checkpointless report: error: {e}", file=sys.stderr)

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def snapshot(run_dir: Path) -> JobStatus:
     run = load_run(run_dir)
-    return build_status(str(run_dir), run.events, run.commits, time.time())
+    st = build_status(str(run_dir), run.events, run.commits, time.time())
+    return replace(st, steps_committed=run.steps_committed(st.steps_committed))
 
 
 def main(argv: list[str] | None = None) -> int:
