@@ -3,20 +3,43 @@
 The launcher's own logic is not touched: :class:`JobMetrics` listens to its event log (faults,
 recoveries, spares, generations) and follows ``rank-0.jsonl`` for step commits (rank 0 commits
 every step the job commits, whichever process holds it). A private registry keeps the output to
-this job's metrics; the goodput gauge is computed from the ledger when Prometheus scrapes.
+this job's metrics.
+
+Nothing here may slow the control loop, however long the job and however hard it is scraped
+(issue 36):
+
+- the event listener runs on the thread that emitted the event, so it only queues the record; a
+  follower thread applies the queue and rank 0's new commits every :data:`_TICK` seconds;
+- every metric is kept incrementally, O(1) per record and per scrape, and nothing grows with the
+  number of steps: goodput is a :class:`~checkpointless.observe.goodput.GoodputMeter`, not the
+  ledger rebuilt from every commit at each scrape;
+- the endpoint is a :class:`~checkpointless.observe.httpd.MetricsServer`: one thread, a few
+  connections, a 2 s deadline each, not a thread per connection.
 """
 
 from __future__ import annotations
 
+import heapq
+import json
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from checkpointless.errors import ConfigError
-from checkpointless.observe.ledger import build_ledger
+from checkpointless.observe.goodput import GoodputMeter
+from checkpointless.observe.httpd import MetricsServer
 
 __all__ = ["PHASES", "JobMetrics"]
 
@@ -24,6 +47,18 @@ __all__ = ["PHASES", "JobMetrics"]
 PHASES = ("detect", "collect", "rebuild", "transfer", "first_batch", "first_step")
 _RECOVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TICK = 0.25  # seconds between the follower's passes
+_READ_CHUNK = 1 << 22  # rank-0.jsonl read at most 4 MiB a pass: a backlog is caught up in slices
+_MAX_LINE = 1 << 16  # a commit record is ~200 bytes; a longer line is not one, and is skipped
+_INBOX = 100_000  # events waiting for the follower (a launcher writes a few per recovery)
+_GENERATIONS = 16  # receivers kept per plan, for the recovery of the same generation
+
+
+def _time_of(item: tuple[int, dict[str, Any]]) -> float:
+    try:
+        return float(item[1].get("time", 0.0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 class JobMetrics:
@@ -64,29 +99,32 @@ class JobMetrics:
             "Training state sent to receivers in recoveries",
             registry=r,
         )
+        self.meter = GoodputMeter()
         goodput = Gauge(
             "checkpointless_goodput_ratio", "Productive share of the wall time so far (0-1)", registry=r
         )
-        goodput.set_function(self._goodput)
+        goodput.set_function(lambda: self.meter.goodput(time.time()))
         self.generation.set(-1)
-        self._events: list[dict[str, Any]] = []
-        self._commits: list[dict[str, Any]] = []
-        self._ready: set[int] = set()
-        self._receivers: dict[int, int] = {}  # generation -> receivers in its plan
-        self._lock = threading.Lock()
+        self._inbox: deque[dict[str, Any]] = deque(maxlen=_INBOX)
+        self._ready: set[int] = set()  # bounded by the job's workers
+        self._receivers: dict[int, int] = {}  # generation -> receivers in its plan (the last few)
         self._stop = threading.Event()
         self._offset = 0
         self._partial = b""
+        self._skipping = False  # inside an over-long line, dropped up to its newline
         self._last_commit: dict[str, Any] | None = None
         self._tail = threading.Thread(target=self._follow, name="cl-metrics-tail", daemon=True)
-        self._server: Any = None
+        self._server: MetricsServer | None = None
 
     # -- inputs ------------------------------------------------------------------------------
     def on_event(self, e: dict[str, Any]) -> None:
-        """Listener for the launcher's EventLog: keep counters in step with the events."""
+        """Listener for the launcher's EventLog. It runs on the emitting thread (the control loop),
+        so it only queues the record (``deque.append`` is atomic); the follower applies it."""
+        self._inbox.append(e)
+
+    def _apply_event(self, e: dict[str, Any]) -> None:
+        self.meter.event(e)
         kind = e.get("event")
-        with self._lock:
-            self._events.append(e)
         if kind == "fault":
             self.faults.labels(kind=str(e.get("kind"))).inc()
         elif kind == "spare_ready":
@@ -95,6 +133,8 @@ class JobMetrics:
             self._ready.discard(int(e["worker"]))
         elif kind == "plan":
             self._receivers[int(e["generation"])] = len(e.get("receivers") or [])
+            while len(self._receivers) > _GENERATIONS:
+                del self._receivers[min(self._receivers)]
         elif kind == "started":
             self.generation.set(int(e["generation"]))
         elif kind == "recovery":
@@ -108,8 +148,9 @@ class JobMetrics:
             self.state_bytes.inc(float(e.get("state_bytes") or 0.0) * self._receivers.get(gen, 1))
         self.spares_ready.set(len(self._ready))
 
-    def _on_commit(self, c: dict[str, Any]) -> None:
+    def _apply_commit(self, c: dict[str, Any]) -> None:
         self.steps.inc()
+        self.meter.commit(float(c["time"]))
         prev = self._last_commit
         if (
             prev is not None
@@ -119,59 +160,80 @@ class JobMetrics:
         ):
             self.step_time.observe(float(c["time"]) - float(prev["time"]))
         self._last_commit = c
-        with self._lock:
-            self._commits.append(c)
 
     def _follow(self) -> None:
-        import json
-
         path = self.run_dir / "rank-0.jsonl"
-        while not self._stop.wait(0.25):
-            self.poll_commits(path, json.loads)
+        while not self._stop.wait(_TICK):
+            self.pump(path)
 
-    def poll_commits(self, path: Path, parse: Any) -> None:
-        """Read the complete lines appended to ``path`` since the last call."""
+    def pump(self, path: Path, parse: Callable[[bytes], Any] = json.loads) -> None:
+        """One pass of the follower: the events queued so far and the commits appended since the
+        last pass, applied in time order (as the ledger sorts them), each in O(1)."""
+        events = [self._inbox.popleft() for _ in range(len(self._inbox))]
+        commits = self.poll_commits(path, parse)
+        merged = heapq.merge(((0, e) for e in events), ((1, c) for c in commits), key=_time_of)
+        for src, rec in merged:
+            try:
+                (self._apply_commit if src else self._apply_event)(rec)
+            except (KeyError, TypeError, ValueError):
+                continue  # a malformed record is not worth stopping the metrics for
+
+    def poll_commits(self, path: Path, parse: Callable[[bytes], Any] = json.loads) -> list[dict[str, Any]]:
+        """The commit records in the complete lines appended to ``path`` since the last call."""
         try:
             with open(path, "rb") as f:
                 f.seek(self._offset)
-                chunk = f.read()
+                chunk = f.read(_READ_CHUNK)
         except FileNotFoundError:
-            return
+            return []
         self._offset += len(chunk)
-        data = self._partial + chunk
-        *lines, self._partial = data.split(b"\n")  # a line being written waits for its newline
-        for line in lines:
-            if line.strip():
+        *lines, rest = chunk.split(b"\n")  # a line being written waits for its newline
+        if lines:
+            lines[0] = self._partial + lines[0]
+            self._partial, skip_first = b"", self._skipping
+            self._skipping = False
+        else:
+            rest, skip_first = self._partial + rest, False
+        if len(rest) > _MAX_LINE:  # not a commit record: drop it, and the rest of it when it comes
+            rest, self._skipping = b"", True
+        self._partial = rest
+        out = []
+        for i, line in enumerate(lines):
+            if (i == 0 and skip_first) or not line.strip() or len(line) > _MAX_LINE:
+                continue
+            try:
                 rec = parse(line)
-                if rec.get("event") == "commit":
-                    self._on_commit(rec)
-
-    def _goodput(self) -> float:
-        with self._lock:
-            events, commits = list(self._events), list(self._commits)
-        if not any(e.get("event") == "job_start" for e in events):
-            return 0.0
-        return build_ledger(events, commits, now=time.time()).goodput
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("event") == "commit" and "time" in rec:
+                out.append(rec)
+        return out
 
     # -- serving -----------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on ``host:port`` (0: any free port); the port actually bound."""
         if not 0 <= port <= 65535:
             raise ConfigError(f"--metrics-port must be 0-65535 (got {port})")
+        server = MetricsServer(lambda: generate_latest(self.registry), CONTENT_TYPE_LATEST)
         try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+            bound = server.start(host, port)
         except OSError as e:
+            server.close()
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port} ({e.strerror}); choose another --metrics-port"
             ) from None
+        self._server = server
         self._tail.start()
-        return int(self._server.server_address[1])
+        return bound
+
+    @property
+    def server(self) -> MetricsServer | None:
+        return self._server
 
     def close(self) -> None:
         self._stop.set()
         if self._tail.is_alive():
             self._tail.join(timeout=2.0)
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
