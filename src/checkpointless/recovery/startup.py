@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from checkpointless.events import EventLog, get_logger, setup_logging
+from checkpointless.events import get_logger, setup_logging
 from checkpointless.faults.inject import Injector, parse_faults
 from checkpointless.protocol import Assign, Prefetch, Prepare, SpareReady
 from checkpointless.recovery.callbacks import announce_fault, on_abort, status
+from checkpointless.recovery.commit_log import CommitLog
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.process import warm_up
 from checkpointless.recovery.sharded import buddies_wanted
@@ -80,9 +81,9 @@ def connect(job: Job) -> None:
     # checkpoint, with R = 1 the only copy of this shard), so it starts as the original would.
     job.is_replacement = job.env.role == "spare" and not msg.initial
     setup_logging(f"rank {job.rank}")
-    job._events = EventLog(
+    job._events = CommitLog(
         job.env.run_dir / f"rank-{job.rank}.jsonl", rank=job.rank, worker=job.env.worker_id
-    )
+    )  # rotated: bounded whatever the job's length
     if job.comm.backend == "nccl":
         torch.cuda.set_device(job.rank % torch.cuda.device_count())
     every = job._snapshot_every = msg.snapshot_every
@@ -162,7 +163,7 @@ def join_torchrun(job: Job) -> None:
 def sharded_copies(job: Job) -> None:
     """On a mesh with S > 1 each rank holds a different shard: snapshots become per-rank (every
     rank its own file in the job's shm directory), buddy copies start (docs/architecture.md)."""
-    assert job._mesh is not None
+    assert job.groups.mesh is not None
     if job._checkpoint_dir is not None:
         # every rank its own DCP checkpoint of its own shard, in a directory of its own
         job._checkpoint_dir = job._checkpoint_dir / f"rank{job.rank}"
@@ -173,7 +174,7 @@ def sharded_copies(job: Job) -> None:
     if job.env is None:
         job._snapshots = None
         return
-    buddies = buddies_wanted(job._buddy_mode, job._mesh.shape)
+    buddies = buddies_wanted(job._buddy_mode, job.groups.mesh.shape)
     # With buddy copies each rank also keeps its own two newest step states in process memory
     # (its undo copies, state/buddy_owner.py), what a survivor rolls back from when the lost rank
     # kept its copy; the shared-memory snapshots stay at their cadence, for a replacement on
