@@ -117,8 +117,11 @@ class TokenFileWriter:
                 self._chunk = hashlib.sha256()
                 self._chunk_fill = 0
 
-    def add_document(self, tokens: npt.ArrayLike) -> None:
-        """Append one document (a 1-D sequence of ids below vocab_size; empty documents are kept)."""
+    def add_document(self, tokens: npt.ArrayLike, end: bool = True) -> None:
+        """Append one document (a 1-D sequence of ids below vocab_size; empty documents are kept).
+
+        ``end=False`` appends a piece of a document that the next call continues (a long text
+        tokenized a piece at a time)."""
         if self._file is None:
             raise DataError(f"{self.path}: writer is already closed")
         arr = np.asarray(tokens)
@@ -138,7 +141,8 @@ class TokenFileWriter:
             self._file.write(view)
             self._hash_tokens(view)
             self._num_tokens += arr.size
-        self._offsets.append(self._num_tokens)
+        if end:
+            self._offsets.append(self._num_tokens)
 
     def commit(self) -> TokenFileHeader:
         """Write index, chunk table and header, fsync, and atomically rename over ``path``."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 import numpy as np
 from tqdm import tqdm
@@ -25,9 +26,10 @@ from checkpointless.data.format_writer import TokenFileWriter
 from checkpointless.data.tokenize import get_tokenizer
 from checkpointless.errors import ConfigError, DataError
 
-__all__ = ["build_parser", "iter_documents", "prepare_main"]
+__all__ = ["MAX_LINE_BYTES", "build_parser", "iter_documents", "prepare_main"]
 
 _BATCH_DOCS = 512  # documents per encode_batch call: enough to amortise tokenizer overhead
+_BATCH_BYTES = 16 * 1024 * 1024  # and at most this much input per call: memory stays flat
 
 
 def _progress_bar(total: int, stream: TextIO, *, quiet: bool, forced: bool) -> tqdm[None]:
@@ -51,37 +53,110 @@ def _progress_bar(total: int, stream: TextIO, *, quiet: bool, forced: bool) -> t
     )
 
 
-def iter_documents(path: Path, *, text_key: str, split_lines: bool) -> Iterator[tuple[str, int]]:
-    """Yield (document text, input bytes consumed) from one input file.
+MAX_LINE_BYTES = 32 * 1024 * 1024  # one JSONL record or text line; a longer one is an error
+_PIECE_BYTES = 4 * 1024 * 1024  # a text file that is one document is tokenized this much at a time
+
+
+def _open_input(path: Path) -> BinaryIO:
+    """``path`` opened for reading, if it is a regular file (a FIFO would block, a device never end).
+
+    Raises:
+        ConfigError: it does not exist, or it is not a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: input file not found; check the path") from None
+    except OSError as e:
+        raise ConfigError(f"input {str(path)!r} cannot be read ({e.strerror}); check the path") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(_not_regular(path))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _not_regular(path: Path) -> str:
+    return f"input {str(path)!r} is not a regular file (a FIFO, socket or device); pass a file"
+
+
+def _utf8_cut(piece: bytes) -> int:
+    """Where to cut ``piece`` so that no line (or failing that, no UTF-8 character) is split."""
+    nl = piece.rfind(b"\n")
+    if nl >= 0:
+        return nl + 1
+    cut = len(piece)
+    while cut > len(piece) - 4 and cut > 0 and piece[cut - 1] & 0xC0 == 0x80:
+        cut -= 1  # back over continuation bytes to the character's first byte
+    return cut - 1 if cut > 0 and piece[cut - 1] >= 0xC0 else cut
+
+
+def _pieces(f: BinaryIO) -> Iterator[tuple[str, int, bool]]:
+    """A whole file as one document, in pieces cut at line ends: memory stays flat."""
+    rest = b""
+    while True:
+        chunk = f.read(_PIECE_BYTES)
+        buf = rest + chunk
+        if not chunk:
+            yield buf.decode("utf-8", errors="replace"), len(buf), True
+            return
+        cut = _utf8_cut(buf) or len(buf)
+        rest = buf[cut:]
+        if cut:
+            yield buf[:cut].decode("utf-8", errors="replace"), cut, False
+
+
+def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[int, bytes]]:
+    for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+        if len(line) > MAX_LINE_BYTES:
+            raise DataError(
+                f"{path}:{lineno}: line longer than {MAX_LINE_BYTES >> 20} MiB; split the document "
+                "(one record per line) or check that the file is JSONL/text"
+            )
+        yield lineno, line
+
+
+def iter_documents(path: Path, *, text_key: str, split_lines: bool) -> Iterator[tuple[str, int, bool]]:
+    """Yield (text, input bytes consumed, whether the document ends here) from one input file.
 
     ``.jsonl`` / ``.json`` files hold one JSON object per line with the text under ``text_key``;
-    any other file is one document, or one document per non-empty line with ``split_lines``.
+    any other file is one document (yielded in pieces cut at line ends), or one document per
+    non-empty line with ``split_lines``. Lines are read one at a time, each at most
+    :data:`MAX_LINE_BYTES`.
+
+    Raises:
+        ConfigError: ``path`` is missing or not a regular file.
+        DataError: ``FILE:LINE`` of a line that is too long, not JSON, nested too deeply, or
+            without the text field.
     """
     is_jsonl = path.suffix in (".jsonl", ".json")
-    if not path.is_file():
-        raise DataError(f"{path}: input file not found; check the path")
-    with open(path, "rb") as f:
+    with _open_input(path) as f:
         if not is_jsonl and not split_lines:
-            raw = f.read()
-            yield raw.decode("utf-8", errors="replace"), len(raw)
+            yield from _pieces(f)
             return
-        for lineno, line in enumerate(f, start=1):
+        for lineno, line in _lines(f, path):
             if not line.strip():
-                yield "", len(line)  # still counts toward progress, but makes no document
+                yield "", len(line), True  # still counts toward progress, but makes no document
                 continue
             if not is_jsonl:
-                yield line.rstrip(b"\r\n").decode("utf-8", errors="replace"), len(line)
+                yield line.rstrip(b"\r\n").decode("utf-8", errors="replace"), len(line), True
                 continue
             try:
                 obj = json.loads(line)
+            except RecursionError:
+                raise DataError(
+                    f"{path}:{lineno}: JSON nested too deeply to be a record; fix or remove the line"
+                ) from None
             except ValueError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e}); fix or remove the line") from None
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({str(e)[:100]}); fix or remove the line"
+                ) from None
             text = obj.get(text_key) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise DataError(
                     f"{path}:{lineno}: no string field {text_key!r}; pass --text-key with the right field name"
                 )
-            yield text, len(line)
+            yield text, len(line), True
 
 
 def build_parser(prog: str = "checkpointless data prepare") -> argparse.ArgumentParser:
@@ -121,8 +196,10 @@ def _check_paths(inputs: list[str], output: str) -> tuple[list[Path], Path]:
             raise ConfigError("an input path is empty; pass .jsonl or text files")
         if inp.is_dir():
             raise ConfigError(f"input {text!r} is a directory; pass the files in it (e.g. {text}/*.jsonl)")
-        if not inp.is_file():
+        if not inp.exists():
             raise ConfigError(f"{text}: input file not found; check the path")
+        if not inp.is_file():
+            raise ConfigError(_not_regular(inp))
         if not os.access(inp, os.R_OK):
             raise ConfigError(f"input {text!r} is not readable; check its permissions")
     out = Path(output)
@@ -175,22 +252,28 @@ def _prepare(args: argparse.Namespace, stderr: TextIO) -> None:
         ) as writer,
     ):
         texts: list[str] = []
+        ends: list[bool] = []  # whether each text ends its document (a long one comes in pieces)
         pending = 0
+        open_doc = False  # the last text was a piece of a document that goes on
 
         def flush() -> None:
             nonlocal pending
-            for ids in tok.encode_batch(texts):
-                writer.add_document(np.concatenate([ids, suffix]) if suffix.size else ids)
+            for ids, end in zip(tok.encode_batch(texts), ends, strict=True):
+                writer.add_document(np.concatenate([ids, suffix]) if end and suffix.size else ids, end=end)
             texts.clear()
+            ends.clear()
             bar.update(pending)
             pending = 0
 
         for inp in args.inputs:
-            for text, nbytes in iter_documents(inp, text_key=args.text_key, split_lines=args.split_lines):
+            docs = iter_documents(inp, text_key=args.text_key, split_lines=args.split_lines)
+            for text, nbytes, end in docs:
                 pending += nbytes
-                if text:
+                if text or (end and open_doc):
                     texts.append(text)
-                if len(texts) >= _BATCH_DOCS:
+                    ends.append(end)
+                    open_doc = not end
+                if len(texts) >= _BATCH_DOCS or pending >= _BATCH_BYTES:
                     flush()
         flush()
         if writer.num_tokens == 0:
