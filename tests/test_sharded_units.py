@@ -3,12 +3,11 @@ which of its own states a rank offers a plan."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from checkpointless.errors import StateTransferError
-from checkpointless.recovery.recover import own_states, plan_sources
+from checkpointless.recovery.recover import plan_sources
+from checkpointless.recovery.replicas import ReplicaKeeper
 from checkpointless.recovery.sharded import ShardIdentity, mesh_shape_error
 
 pytestmark = pytest.mark.timeout(10)
@@ -76,7 +75,8 @@ def test_a_rank_found_divergent_offers_none_of_its_earlier_own_states() -> None:
     # A rank healed at step 8 after a divergence check: its undo copies of steps 7 and 8 may
     # hold the divergent state, so a later plan must not roll it back to one of them; the undo
     # copy of step 9, taken after it received the majority's state, is offered.
-    job = SimpleNamespace(_own_snapshots=None, _buddies=_Undo([7, 8, 9]), _own_states_after=-1)
-    assert own_states(job) == [7, 8, 9]  # type: ignore[arg-type]
-    job._own_states_after = 8
-    assert own_states(job) == [9]  # type: ignore[arg-type]
+    keeper = ReplicaKeeper()
+    keeper.buddies = _Undo([7, 8, 9])  # type: ignore[assignment]
+    assert keeper.own_states() == [7, 8, 9]
+    keeper.own_states_after = 8
+    assert keeper.own_states() == [9]

@@ -32,11 +32,7 @@ def on_abort(job: Job, msg: Abort) -> None:
     if gen > job._latest_abort:
         job._latest_abort = gen
         job._cancel.set()
-        n = job.comm.abort(msg.reason)
-        if job._default is not None:
-            n += job._default.abort(msg.reason)
-        if job._mesh is not None:
-            n += job._mesh.abort(msg.reason)
+        n = job.groups.abort(msg.reason)
         if n:
             log.info("aborted %d pending collective(s) for generation %d", n, gen)
 

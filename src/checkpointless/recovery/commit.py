@@ -19,8 +19,7 @@ from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
 from checkpointless.recovery.guard import site
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
-from checkpointless.state.snapshot import capture_rng, collect_state
-from checkpointless.state.staging import guarded_pointers, staged_layout
+from checkpointless.state.snapshot import capture_rng
 
 if TYPE_CHECKING:
     from checkpointless.recovery.job import Job
@@ -40,27 +39,7 @@ def enter_step(job: Job, index: int) -> None:
     job._step_rng = (index, capture_rng())
     job._streams.begin_step()
     set_log_step(index)
-    snap = job._snapshots is not None and job._snapshots.due(index)
-    copy = job._buddies is not None and job._buddies.due(index)
-    if snap or copy:
-        t0 = time.thread_time()
-        # The state as this step begins (its RNG included), copied while forward/backward run.
-        # Collected and laid out once for the snapshot and the buddy copy alike: on a sharded
-        # job, walking the optimizer's DTensors is a main-thread cost on every step.
-        state = collect_state(job._objects, index, job._step_rng[1])
-        guarded = guarded_pointers(job._optimizers)
-        staged = staged_layout(state, guarded)
-        if snap and job._snapshots is not None:
-            job._snapshots.start(index, state, guarded, staged)
-        if copy and job._buddies is not None:  # sent while forward/backward run; the update waits for it
-            job._buddies.start(index, state, guarded, staged)
-            job._buddies.cpu_s["stage"] += time.thread_time() - t0
-    if job._checkpoints is not None and job._checkpoints.due(index, job._progress_t):
-        state = collect_state(job._objects, index, job._step_rng[1])
-        try:
-            job._checkpoints.start(index, state, guarded_pointers(job._optimizers))
-        except Exception as e:  # the disk's trouble must not fail a training step
-            log.warning("checkpoint of step %d not started: %s", index, e)
+    job.replicas.begin_step(index, job._objects, job._optimizers, job._step_rng[1], job._progress_t)
     try:
         site(job, "step")
     except Exception as e:  # surfaced at the first hook inside the body (see guard.site)
@@ -75,24 +54,7 @@ def commit(job: Job, index: int) -> None:
     job._last_busy_time = max(0.0, job._last_step_time - (job.comm.waited_s - job._waited_at_step))
     job._progress_t = now
     job._retries.pop(index, None)
-    published = job._snapshots.take_published() if job._snapshots is not None else None
-    if published is not None:
-        job._record["snapshot"] = published.to_json()  # size and bound of the snapshot memory
-    if job._buddies is not None and job._buddies.last_send:
-        b = job._buddies
-        job._record["buddy"] = {
-            **b.last_send,
-            "wait_s": b.last_wait,
-            "keeps": b.kept_copies,  # copies held for other ranks
-            "transport": b.transport,  # "file": a same-host keeper, the bytes in shared memory
-            "keeps_bytes": b.extra_bytes,
-            "undo_bytes": b.undo_bytes,
-            "file_bytes": b.file_bytes,  # shared memory of this rank's copy files (undo + a spare)
-            "cpu_s": dict(b.cpu_s),  # so far, this process: laying out, sending, keeping
-        }
-    saved = job._checkpoints.take_published() if job._checkpoints is not None else None
-    if saved is not None:
-        job._record["checkpoint"] = saved.to_json()
+    job._record.update(job.replicas.published())
     if job._events is not None:
         job._events.emit("commit", step=index, generation=job.generation, **job._record)
     if job._first_commit_after_recovery and job._link is not None:
@@ -117,8 +79,8 @@ def check_divergence(job: Job) -> None:
         return
     if job._link is None and not job.under_torchrun:
         return
-    shards = job._mesh.shards if job._mesh is not None else 1
-    if job._mesh is not None and job._mesh.replicate == 1:
+    shards = job.groups.shards
+    if job.groups.mesh is not None and job.groups.mesh.replicate == 1:
         return  # plain FSDP: every shard exists once, there is no replica to compare it with
     digest = state_digest(job._modules, job._optimizers)
     mine = torch.tensor([digest], dtype=torch.int64, device=job.device)
@@ -149,7 +111,7 @@ def check_divergence(job: Job) -> None:
     job.comm.abort(f"divergence check after step {step - 1}")
     # Its snapshots and undo copies up to here may hold the divergent state (it began somewhere
     # since the last check): a later rollback must not restore one of them, so none is offered.
-    job._own_states_after = step
+    job.replicas.own_states_after = step
     recover(job, "exception", why, step, False)
 
 

@@ -44,7 +44,7 @@ def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> 
     job._started = True
     job.committed_step = start
     if job.under_torchrun:  # what the launcher's first round does: the first replica's state
-        shards = job._mesh.shards if job._mesh is not None else 1
+        shards = job.groups.shards
         job.committed_step = start_from_first_replica(
             job.comm, job._objects, start, job.rank, job.world_size, job.rendezvous_timeout, shards
         )
@@ -89,24 +89,13 @@ def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> 
         job._link.send(Done(step=job.committed_step))
     for loader in job._loaders:
         loader.close()
-    if job._checkpoints is not None and not job._checkpoints.wait_idle(job.rendezvous_timeout):
-        # the process leaves with os._exit: a save still running would be cut off as a .tmp
-        log.warning("the last checkpoint was still being written after %.0f s", job.rendezvous_timeout)
+    job.replicas.finish(job.rendezvous_timeout)
     if job._link is not None:
         install_fast_exit()
         # registered after it, so it runs before the exit: the coordinator must see we finished
         atexit.register(job._link.await_release)
     else:  # torchrun or standalone: the process exits normally, its groups closed first
-        close_at_exit(lambda: _close_groups(job), job.rendezvous_timeout)
-
-
-def _close_groups(job: Job) -> None:
-    job.comm.close()
-    if job._default is not None:
-        job._default.pg.close()
-    if job._mesh is not None:
-        for pg in job._mesh.mesh.groups:  # the world group may be the default group: close twice is fine
-            pg.close()
+        close_at_exit(job.groups.close, job.rendezvous_timeout)
 
 
 def _run_sections(job: Job) -> bool:

@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     from checkpointless.recovery.job import Job
 
-__all__ = ["after_update", "before_update", "copy_aborted", "on_collective", "site"]
+__all__ = ["after_update", "before_update", "on_collective", "site"]
 
 
 def site(job: Job, name: str) -> None:
@@ -41,23 +41,13 @@ def on_collective(job: Job, kind: str) -> None:
     site(job, "backward" if kind == "reduce_scatter" else "allreduce")
 
 
-def copy_aborted(job: Job) -> str | None:
-    # a buddy copy is abandoned with the generation (state/buddy_owner.py: wait_sent)
-    return job.comm.aborted or (job._mesh.aborted() if job._mesh is not None else None)
-
-
 def before_update(job: Job, opt: Any, args: Any, kwargs: Any) -> None:
     # The update must not change tensors still being read: a snapshot's copy, DCP's staging,
     # the buddy copy's stream. Waited for before the barrier below, so that once past it
     # nothing can refuse the update: a buddy copy abandoned by an abort raises CommAborted
     # here, while every rank is still on this side of the barrier.
-    if job._snapshots is not None:
-        job._snapshots.wait_copied(job.rendezvous_timeout)
-    if job._checkpoints is not None:
-        job._checkpoints.wait_staged(job.rendezvous_timeout)
-    if job._buddies is not None:
-        job._buddies.wait_sent(job.rendezvous_timeout, lambda: copy_aborted(job))
-    if job._mesh is not None and job._mesh.shards > 1 and job._link is not None and job.world_size > 1:
+    job.replicas.wait_read(job.rendezvous_timeout, job.groups.aborted)  # abandoned with the generation
+    if job.groups.shards > 1 and job._link is not None and job.world_size > 1:
         # Sharded state: no rank may apply its update while another is still inside one of the
         # step's collectives. Without this, a fault in one rank's update aborts a collective of
         # another shard's group still in flight, while a third rank has already updated: the
@@ -66,11 +56,7 @@ def before_update(job: Job, opt: Any, args: Any, kwargs: Any) -> None:
         # and applies its update even if an abort arrives meanwhile (an update is never undone).
         job.comm.barrier(job.rendezvous_timeout)  # CommAborted: the step dies before any update
     else:
-        job.comm.check()  # never apply an update from a generation that was aborted
-        if job._default is not None:
-            job._default.check()
-        if job._mesh is not None:
-            job._mesh.check()
+        job.groups.check()  # never apply an update from a generation that was aborted
     job._dirty = True
     if job._step_index is not None and job._injector.due("optimizer", job._step_index):
         # rehearse a fault half-way through the update: some parameters already changed

@@ -25,7 +25,6 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,10 +42,12 @@ from checkpointless.recovery.default_group import DefaultGroup, configure_standa
 from checkpointless.recovery.divergence import DEFAULT_EVERY
 from checkpointless.recovery.driver import run_steps
 from checkpointless.recovery.epochs import EpochDriver, hold_state
+from checkpointless.recovery.groups import Groups
 from checkpointless.recovery.guard import after_update, before_update, on_collective, site
 from checkpointless.recovery.link import LauncherLink
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LoopControl
+from checkpointless.recovery.replicas import ReplicaKeeper
 from checkpointless.recovery.rng import StepStreams
 from checkpointless.recovery.sections import Section
 from checkpointless.recovery.sharded import (
@@ -59,10 +60,6 @@ from checkpointless.recovery.startup import connect, join_torchrun, sharded_copi
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import export_torchrun_env, started_by_torchrun
-from checkpointless.state.arena import Arena
-from checkpointless.state.buddy import BuddyCopies
-from checkpointless.state.durable import CheckpointWriter, parse_every
-from checkpointless.state.shm_snapshot import SnapshotWriter
 from checkpointless.state.snapshot import RngState, Stateful, check_stateful
 
 __all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
@@ -84,14 +81,13 @@ class Job:
         self.committed_step = 0
         self.rendezvous_timeout = rendezvous_timeout
         self.max_step_retries = max_step_retries
-        self.comm = Communicator(0, 1, datetime.timedelta(seconds=rendezvous_timeout))
+        # the communicator, torch's default group and the mesh, driven together (groups.py)
+        self.groups = Groups(Communicator(0, 1, datetime.timedelta(seconds=rendezvous_timeout)))
         self.comm.before_allreduce = lambda: site(self, "allreduce")
         self._objects: dict[str, Stateful] = {}
         self._tracked: dict[int, str] = {}  # id(object) -> its name in track()
         self._modules: list[nn.Module] = []
         self._dps: list[DataParallel] = []
-        self._mesh: ShardedRun | None = None  # job.device_mesh(): FSDP2/HSDP over resilient groups
-        self._default: DefaultGroup | None = None  # torch's default group (dist.all_reduce, barrier)
         self._optimizers: list[torch.optim.Optimizer] = []
         self._scalers: list[Any] = []  # GradScalers: per-step bookkeeping reset on a restart
         self._loaders: list[StepLoader | StatefulStepLoader] = []
@@ -114,19 +110,7 @@ class Job:
         self._deferred: BaseException | None = None
         self._first_commit_after_recovery = False
         self._batch_s: float | None = None  # this step's time until its batch was in the model
-        self._arena: Arena | None = None  # a spare's paged-in room for the state it will receive
-        self._snapshots: SnapshotWriter | None = None  # rank 0's shared-memory snapshots
-        self._checkpoints: CheckpointWriter | None = None  # rank 0's durable DCP checkpoints
-        self._checkpoint_dir: Path | None = None  # every rank reads it to report and restore
-        self._snapshot_every = 0
-        self._checkpoint_every = parse_every("0")
-        self._own_snapshots: Path | None = None  # a sharded mesh: this rank's own snapshot directory
-        # own states (snapshots, undo copies) of this step or earlier are not offered to a plan:
-        # the rank was found divergent then, so they may hold its divergent state (commit.py)
-        self._own_states_after = -1
-        self._buddy_mode = "off"  # --buddy-copies: auto | on | off
-        self._buddy_every = 1  # --buddy-every: steps between copies
-        self._buddies: BuddyCopies | None = None  # this rank's copies, kept on another host
+        self.replicas = ReplicaKeeper()  # snapshots, checkpoints, buddy copies, a spare's room
         self._record: dict[str, Any] = {}
         self._interrupted: tuple[int, dict[str, Any]] | None = None
         self._link: LauncherLink | None = None
@@ -148,10 +132,15 @@ class Job:
     def _install_default_group(self) -> DefaultGroup:
         # after the rank is known; recovery/default_group.py says why every job gets one
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
-        self._default = install_default_group(
+        default = self.groups.default = install_default_group(
             self.rank, self.world_size, timeout, functools.partial(on_collective, self)
         )
-        return self._default
+        return default
+
+    @property
+    def comm(self) -> Communicator:
+        """The job's data-parallel communicator (its groups' first)."""
+        return self.groups.comm
 
     # -- registration --------------------------------------------------------------------------
     def data_parallel(
@@ -169,13 +158,13 @@ class Job:
         """A ``DeviceMesh`` for torch's ``fully_shard(module, mesh=...)`` whose groups survive
         recoveries: ``(("replicate", "shard"), (R, S))`` for HSDP, ``(("shard",), (S,))`` for
         FSDP. Call it once, after ``init()`` and before ``track()`` (docs/adoption.md)."""
-        if self._mesh is not None or self._started:
+        if self.groups.mesh is not None or self._started:
             raise ConfigError("job.device_mesh() can be called once, before job.steps()")
         err = mesh_shape_error(names, shape, self.world_size)
         if err is not None:
             raise err
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
-        self._mesh = ShardedRun(
+        mesh = self.groups.mesh = ShardedRun(
             names,
             shape,
             self.rank,
@@ -184,22 +173,22 @@ class Job:
             functools.partial(on_collective, self),
             self.device.type,
         )
-        if self._default is not None:  # the mesh's world group is this one: the mesh drives it now
-            self._default.handed_to_mesh()
-        self._objects[SHARD_STATE_NAME] = self._mesh.identity()
-        if self._mesh.shards > 1:
+        if self.groups.default is not None:  # the mesh's world group is this one: the mesh drives it now
+            self.groups.default.handed_to_mesh()
+        self._objects[SHARD_STATE_NAME] = mesh.identity()
+        if mesh.shards > 1:
             sharded_copies(self)
         if self._torchrun_store is not None:  # plain torchrun: formed once, from torchrun's store
             deadline = time.monotonic() + self.rendezvous_timeout
             # The mesh's world group is torch's default group, which init() formed already
             # (_join_torchrun); forming it again would park a second gloo group, its threads
             # running, for the rest of the job (plain torchrun releases nothing until exit).
-            world = self._mesh.mesh.world
+            world = mesh.mesh.world
             formed = (world,) if world.generation == 0 and world.aborted is None else ()
-            self._mesh.configure(0, dist.PrefixStore("mesh/", self._torchrun_store), deadline, None, formed)
+            mesh.configure(0, dist.PrefixStore("mesh/", self._torchrun_store), deadline, None, formed)
         elif self._link is None:  # run plainly: a world of one, formed at once
-            self._mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
-        return self._mesh.device_mesh
+            mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
+        return mesh.device_mesh
 
     @property
     def dp_rank(self) -> int:

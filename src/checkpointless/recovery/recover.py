@@ -21,8 +21,8 @@ from checkpointless.recovery.process import looks_like_comm_error, short_error
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.sharded import send_copies
 from checkpointless.state.buddy import copy_channel
-from checkpointless.state.durable import list_checkpoints, restore_checkpoint
-from checkpointless.state.shm_dir import list_snapshots, newest_snapshot, snapshot_dir
+from checkpointless.state.durable import restore_checkpoint
+from checkpointless.state.shm_dir import newest_snapshot, snapshot_dir
 from checkpointless.state.shm_snapshot import restore_snapshot
 from checkpointless.state.snapshot import (
     RngState,
@@ -42,7 +42,6 @@ __all__ = [
     "fatal",
     "join_generation",
     "newest_own_snapshot",
-    "own_states",
     "plan_sources",
     "recover",
     "recover_from",
@@ -96,11 +95,7 @@ def recover_from(job: Job, index: int, exc: BaseException) -> None:
             )
     else:
         log.info("step %d interrupted: %s", index, short_error(exc))
-    job.comm.abort(f"rank {job.rank} left step {index}")
-    if job._default is not None:
-        job._default.abort(f"rank {job.rank} left step {index}")
-    if job._mesh is not None:
-        job._mesh.abort(f"rank {job.rank} left step {index}")
+    job.groups.abort(f"rank {job.rank} left step {index}")
     recover(job, cause, f"{type(exc).__name__}: {exc}", committed, valid)
 
 
@@ -116,16 +111,10 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
     assert job._link is not None
     job._recovering = True
     t_stop = time.monotonic()
-    if job._snapshots is not None:  # a snapshot copy must end before a transfer overwrites state
-        job._snapshots.wait_copied(job.rendezvous_timeout)
-    if job._checkpoints is not None:  # nor tensors DCP is still staging
-        job._checkpoints.wait_staged(job.rendezvous_timeout)
-    if job._buddies is not None:  # only verified copies are reported and kept
-        job._buddies.stop(job.rendezvous_timeout)
+    job.replicas.stop(job.rendezvous_timeout)
     for dp in job._dps:
         dp.reset()
-    if job._mesh is not None:  # what the abandoned forward/backward left in FSDP2
-        job._mesh.reset(job._modules)
+    job.groups.reset(job._modules)  # what the abandoned forward/backward left in FSDP2
     for opt in job._optimizers:
         opt.zero_grad(set_to_none=True)
     deadline = time.monotonic() + 10 * job.rendezvous_timeout
@@ -144,7 +133,7 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
         gen = job._report_gen
         if resend:
             snap = newest_own_snapshot(job)
-            ckpts = list_checkpoints(job._checkpoint_dir) if job._checkpoint_dir is not None else []
+            ckpts = job.replicas.checkpoint_steps()
             job._link.send(
                 dataclasses.replace(
                     report,
@@ -153,9 +142,9 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
                     snapshot_step=snap,
                     checkpoint_step=ckpts[-1] if ckpts else None,
                     checkpoint_steps=ckpts,
-                    mesh=list(job._mesh.shape) if job._mesh is not None else None,
-                    copies=[list(c) for c in job._buddies.held()] if job._buddies else [],
-                    own_snapshots=own_states(job),
+                    mesh=list(job.groups.mesh.shape) if job.groups.mesh is not None else None,
+                    copies=job.replicas.copies(),
+                    own_snapshots=job.replicas.own_states(),
                 )
             )
         resend = False
@@ -188,11 +177,7 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
         job._recovering = False
         job._first_commit_after_recovery = True
         job._link.send(Recovered(generation=gen, time=time.time(), timings=timings))
-        job.comm.release_graveyard()
-        if job._default is not None:
-            job._default.release()
-        if job._mesh is not None:
-            job._mesh.release()
+        job.groups.release()
         return
 
 
@@ -206,42 +191,40 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
     job._injector.maybe_fire("recovery", target)
     t0 = time.monotonic()
     store = make_store(msg.rendezvous, job.rank, job.world_size, gen, job._store_state, job.env)
-    wait_s = job.comm.rebuild(
-        gen, store, job.rank, job.world_size, time.monotonic() + job.rendezvous_timeout, job._cancel
-    )
-    if job._default is not None:
-        job._default.configure(gen, store, time.monotonic() + job.rendezvous_timeout, job._cancel)
-    if job._mesh is not None:
-        job._mesh.configure(gen, store, time.monotonic() + job.rendezvous_timeout, job._cancel)
+    wait_s = job.groups.rebuild(gen, store, job.rank, job.world_size, job.rendezvous_timeout, job._cancel)
     job.generation = gen
     t1 = time.monotonic()
     info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
     route = stream_route(job, msg.rendezvous, gen)
     info["transport"] = "gloo" if route is None else "stream"
     copier = None
-    if job._buddies is not None and route is not None:  # kept copies go back beside the rest
+    if job.replicas.buddies is not None and route is not None:  # kept copies go back beside the rest
         copier = send_copies(
-            job._buddies, job.comm, plan, job.rank, gen, target, route, job.rendezvous_timeout
+            job.replicas.buddies, job.comm, plan, job.rank, gen, target, route, job.rendezvous_timeout
         )
     if plan.get("from_snapshot"):
         info.update(restore_own_snapshot(job, target))
         info["role"] = info["transport"] = "snapshot"
-    elif job.rank in plan.get("own_snapshot", ()) and job._buddies and target in job._buddies.undo_steps():
-        buddies = job._buddies
+    elif (
+        job.rank in plan.get("own_snapshot", ())
+        and job.replicas.buddies
+        and target in job.replicas.buddies.undo_steps()
+    ):
+        buddies = job.replicas.buddies
         info.update(restore_from(job._objects, target, lambda own: (buddies.undo(target), {}), "undo copy"))
         info["role"] = info["transport"] = "undo"
         log.info("rolled back to this rank's own state as step %d began (its undo copy)", target)
-    elif job.rank in plan.get("own_snapshot", ()) and job._own_snapshots is not None:
-        stats = restore_snapshot(job._objects, job._own_snapshots, target)
+    elif job.rank in plan.get("own_snapshot", ()) and job.replicas.own_snapshots is not None:
+        stats = restore_snapshot(job._objects, job.replicas.own_snapshots, target)
         info.update(stats)
         info["role"] = info["transport"] = "own_snapshot"
         log.info("restored this rank's own snapshot of step %d", target)
     elif plan.get("from_checkpoint"):
-        if job._checkpoint_dir is None:
+        if job.replicas.checkpoint_dir is None:
             raise StateTransferError("the plan restores a checkpoint, but this rank has no --checkpoint-dir")
-        info.update(restore_checkpoint(job._objects, job._checkpoint_dir, target))
+        info.update(restore_checkpoint(job._objects, job.replicas.checkpoint_dir, target))
         info["role"] = info["transport"] = "checkpoint"
-        log.info("restored the checkpoint of step %d from %s", target, job._checkpoint_dir)
+        log.info("restored the checkpoint of step %d from %s", target, job.replicas.checkpoint_dir)
     elif to_send:
         rng = resume_rng(job, target)
         state = collect_state(job._objects, target, rng)
@@ -254,17 +237,17 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
         tc = time.monotonic()
         own = landing_zone(job._objects, target, capture_rng())
         info["state_collect_s"] = time.monotonic() - tc
-        if job._arena is not None:
-            job._arena.reset()  # a transfer that failed before may have taken some of it
+        if job.replicas.arena is not None:
+            job.replicas.arena.reset()  # a transfer that failed before may have taken some of it
         if route is not None and job.rank in plan.get("from_copy", ()):
             route = dataclasses.replace(route, channel=copy_channel(gen, job.rank))
         state, stats = receive_state(
-            job.comm, sources[job.rank], job.rendezvous_timeout, own, route, job._arena
+            job.comm, sources[job.rank], job.rendezvous_timeout, own, route, job.replicas.arena
         )
         del own
-        if job._arena is not None:
-            job._arena.release_unused()
-            job._arena = None  # what was carved out lives on in the received tensors
+        if job.replicas.arena is not None:
+            job.replicas.arena.release_unused()
+            job.replicas.arena = None  # what was carved out lives on in the received tensors
         tr = time.monotonic()
         step, rng = restore_state(job._objects, state)
         if step != target:
@@ -284,9 +267,7 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
         copier.join(job.rendezvous_timeout)
         if copier.error is not None:
             raise copier.error
-    if job._buddies is not None:
-        job._buddies.forget_after(target)
-        job._buddies.resume(gen, stream_route(job, msg.rendezvous, gen))
+    job.replicas.after_round(target, gen, stream_route(job, msg.rendezvous, gen))
     job.committed_step = target
     job._step_rng = None
     if job._interrupted is not None and job._interrupted[0] == target - 1 and job._events is not None:
@@ -305,15 +286,6 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
         target,
     )
     return info
-
-
-def own_states(job: Job) -> list[int]:
-    """Steps this rank can restore its own state of: its per-rank shared-memory snapshots and,
-    with buddy copies, the undo copies in its memory (plan kind ``own_snapshot`` for both)."""
-    steps = set(list_snapshots(job._own_snapshots)) if job._own_snapshots else set()
-    if job._buddies is not None:
-        steps.update(job._buddies.undo_steps())
-    return sorted(s for s in steps if s > job._own_states_after)
 
 
 def newest_own_snapshot(job: Job) -> int | None:

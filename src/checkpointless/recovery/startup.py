@@ -14,7 +14,6 @@ import functools
 import os
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,14 +26,7 @@ from checkpointless.recovery.callbacks import announce_fault, on_abort, status
 from checkpointless.recovery.commit_log import CommitLog
 from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
 from checkpointless.recovery.process import warm_up
-from checkpointless.recovery.sharded import buddies_wanted
 from checkpointless.recovery.torchrun import join_torchrun_group, torchrun_warning
-from checkpointless.state.arena import Arena
-from checkpointless.state.buddy import BuddyCopies
-from checkpointless.state.buddy_ring import buddy_of, owners_of
-from checkpointless.state.durable import CheckpointWriter, parse_every, preload
-from checkpointless.state.shm_dir import buddy_copy_dir, rank_snapshot_dir, snapshot_dir
-from checkpointless.state.shm_snapshot import SnapshotWriter
 
 if TYPE_CHECKING:
     from checkpointless.recovery.job import Job
@@ -86,22 +78,7 @@ def connect(job: Job) -> None:
     )  # rotated: bounded whatever the job's length
     if job.comm.backend == "nccl":
         torch.cuda.set_device(job.rank % torch.cuda.device_count())
-    every = job._snapshot_every = msg.snapshot_every
-    job._buddy_mode = msg.buddy_copies
-    job._buddy_every = msg.buddy_every
-    if every and job.rank == 0:
-        # One copy per host is enough (replicas are identical after each commit), and the
-        # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
-        # rather than a rotation keeps "one writer at a time" true, which pruning relies on.
-        job._snapshots = SnapshotWriter(snapshot_dir(job.env.job_id), every)
-    if msg.checkpoint_dir:
-        job._checkpoint_dir = Path(msg.checkpoint_dir)
-        ckpt_every = job._checkpoint_every = parse_every(msg.checkpoint_every)
-        if not ckpt_every.off:
-            preload()  # every rank may have to load one after a loss of every replica
-        if job.rank == 0 and not ckpt_every.off:
-            # one writer, as for snapshots: replicas are identical after each commit
-            job._checkpoints = CheckpointWriter(job._checkpoint_dir, ckpt_every)
+    job.replicas.configure(msg, job.rank, job.env.job_id)
     job.divergence_every = msg.divergence_check
     specs = parse_faults(list(msg.faults), job.world_size)
     job._injector = Injector(specs, job.rank, set(msg.fired), functools.partial(announce_fault, job))
@@ -121,18 +98,7 @@ def _wait_for_rank(job: Job) -> Assign:
 
             spare_cache.hint(job.env.job_id, msg.step, list(msg.ranks), msg.world_size)
             continue
-        _prepare(job, msg.state_bytes)
-
-
-def _prepare(job: Job, state_bytes: int) -> None:
-    """As a spare: page in room for a replica's state now, not during a recovery."""
-    want = int(state_bytes * 1.01) + (1 << 20)  # alignment padding, a little growth
-    if job._arena is not None and job._arena.size >= want:
-        return
-    t0 = time.monotonic()
-    job._arena = None  # the old one goes first: never hold two
-    job._arena = Arena(want)
-    log.info("paged in %.1f MB for a replica's state in %.2f s", want / 1e6, time.monotonic() - t0)
+        job.replicas.prepare(msg.state_bytes)
 
 
 def standalone(job: Job) -> None:
@@ -161,36 +127,11 @@ def join_torchrun(job: Job) -> None:
 
 
 def sharded_copies(job: Job) -> None:
-    """On a mesh with S > 1 each rank holds a different shard: snapshots become per-rank (every
-    rank its own file in the job's shm directory), buddy copies start (docs/architecture.md)."""
+    """On a mesh with S > 1 each rank holds a different shard: its own snapshots, checkpoints
+    and buddy copies (``ReplicaKeeper.shard``)."""
     assert job.groups.mesh is not None
-    if job._checkpoint_dir is not None:
-        # every rank its own DCP checkpoint of its own shard, in a directory of its own
-        job._checkpoint_dir = job._checkpoint_dir / f"rank{job.rank}"
-        off = job._checkpoint_every.off
-        job._checkpoints = (
-            None if off else CheckpointWriter(job._checkpoint_dir, job._checkpoint_every, aligned=True)
-        )
-    if job.env is None:
-        job._snapshots = None
-        return
-    buddies = buddies_wanted(job._buddy_mode, job.groups.mesh.shape)
-    # With buddy copies each rank also keeps its own two newest step states in process memory
-    # (its undo copies, state/buddy_owner.py), what a survivor rolls back from when the lost rank
-    # kept its copy; the shared-memory snapshots stay at their cadence, for a replacement on
-    # the same host whose keeper was lost too.
-    every = job._snapshot_every
-    job._snapshots = None
-    if every:
-        job._own_snapshots = rank_snapshot_dir(job.env.job_id, job.rank)
-        job._snapshots = SnapshotWriter(job._own_snapshots, every)
-    if buddies:
-        per_host = job.placement[1] if job.placement[1] > 0 else job.world_size
-        job._buddies = BuddyCopies(
-            job.rank,
-            buddy_of(job.rank, job.world_size, per_host),
-            owners_of(job.rank, job.world_size, per_host),
-            job.rendezvous_timeout,
-            shm_dir=buddy_copy_dir(job.env.job_id),
-            every=job._buddy_every,
-        )
+    per_host = job.placement[1] if job.placement[1] > 0 else job.world_size
+    job_id = job.env.job_id if job.env is not None else None
+    job.replicas.shard(
+        job.rank, job.world_size, per_host, job.groups.mesh.shape, job.rendezvous_timeout, job_id
+    )
