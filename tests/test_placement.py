@@ -21,7 +21,6 @@ from checkpointless.coordinator.rules.placement import (
     squeezed_to_retire,
     without_spare,
 )
-from checkpointless.coordinator.spares import refill_spares
 from checkpointless.errors import ConfigError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Abort, Assign, Recover, Recovered, SpareReady, Stopped
@@ -189,7 +188,7 @@ def test_coordinator_places_nodes_and_moves_a_lost_host_to_the_spare_host() -> N
     c.generation = 0
     for m in c.procs.values():
         m.joined = True
-    refill_spares(c, 101.0)
+    c.spares.refill(101.0)
     spares = [x for x in c.drain() if isinstance(x, Spawn)]
     assert [(s.role, s.host) for s in spares] == [("spare", 2), ("spare", 2)]
     for s in spares:
@@ -303,7 +302,7 @@ def _running_with_spares(c: Coordinator, spawns: list[Spawn]) -> list[tuple[int,
     c.round, c.generation = None, 0
     for m in c.procs.values():
         m.joined = True
-    refill_spares(c, 101.0)
+    c.spares.refill(101.0)
     return _spares(c, list(c.drain()), 101.0)
 
 
@@ -380,7 +379,7 @@ def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(case: str) -> 
     assert not [x for x in c.drain() if isinstance(x, Spawn | Kill)]
     idle = sorted((m.worker_id, m.host) for m in c.procs.values() if m.role == "spare" and m.rank is None)
     assert idle == moving, "the pool is the joined host's two spares, and nothing else"
-    assert c._early_spare_deaths == 0 and c.stopping is None, "a stopped spare is no failed start"
+    assert c.ledger.early_spare_deaths == 0 and c.stopping is None, "a stopped spare is no failed start"
 
 
 def test_a_spare_hosts_own_ready_spares_do_not_stand_in_for_squeezed_ones() -> None:

@@ -13,7 +13,6 @@ import pytest
 
 from checkpointless.coordinator import Coordinator, Send, Spawn
 from checkpointless.coordinator.rules.prefetch import slot_ranks
-from checkpointless.coordinator.spares import refill_spares
 from checkpointless.data import BatchLoader, ShmBatchCache, TokenDataset, spare_cache
 from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.errors import ConfigError
@@ -44,7 +43,7 @@ def _job() -> tuple[Coordinator, list[int]]:
         c.on_connected(s.worker_id, 100.0)
     c.round = None
     c.generation = 0
-    refill_spares(c, 101.0)
+    c.spares.refill(101.0)
     spares = [x.worker_id for x in c.drain() if isinstance(x, Spawn)]
     for wid in spares:
         c.on_started(wid, "10.0.0.2:1")

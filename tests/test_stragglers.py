@@ -19,7 +19,6 @@ from checkpointless.coordinator.rules.stragglers import (
     host_ratios,
     judge,
 )
-from checkpointless.coordinator.spares import refill_spares
 from checkpointless.errors import ConfigError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Assign, Heartbeat, SpareReady
@@ -139,7 +138,7 @@ def _job(ready: int = 2, **flags: Any) -> Coordinator:
     c.generation = 0
     for m in c.procs.values():
         m.joined = True
-    refill_spares(c, 101.0)
+    c.spares.refill(101.0)
     for i, s in enumerate([x for x in c.drain() if isinstance(x, Spawn)]):
         assert s.host == 2
         c.on_started(s.worker_id, f"10.0.0.2:{30000 + s.worker_id}")

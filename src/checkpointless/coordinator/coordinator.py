@@ -6,8 +6,15 @@ decisions and the fault budget. It touches no socket, process or clock: the shel
 observed — a worker's message, a process exit, a process-table verdict, the passing of time — and
 carries out the commands it queues (:mod:`checkpointless.coordinator.state`): start or kill a
 process, send a message, write an event, log a line, stop the job. The rules themselves are pure
-functions in ``coordinator/rules/decisions.py`` and ``launcher/policy.py``; this class applies them to its
-state.
+functions in ``coordinator/rules/``.
+
+This class is a façade over components, each owning its own state and given its collaborators
+explicitly: :class:`Members` (hosts, processes, ranks), :class:`Outbox` (the commands out),
+:class:`FaultLedger` (faults, budgets, recoveries), :class:`SparePool`, :class:`TableDelivery`
+(the peer table), :class:`Rounds` (the generation and its recovery round), :class:`Losses`
+(exits, lost hosts, hangs), :class:`StragglerMoves` and :class:`MessageRouter` (the workers'
+messages). It routes the shell's events to them and
+decides when the job ends.
 
 A round, in brief: a fault aborts the current generation (``Abort`` to every member), dead or hung
 ranks are replaced by ready spares (``Assign``), every member reports its state (``Stopped``), the
@@ -18,31 +25,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from checkpointless.coordinator.conditions import Conditions
-from checkpointless.coordinator.faults import check_hangs, flush_pending, host_lost, process_exited
-from checkpointless.coordinator.messages import apply_heartbeat, handle
-from checkpointless.coordinator.rounds import advance_round
-from checkpointless.coordinator.rules.budget import FaultRecord
+from checkpointless.coordinator.faults import Losses
+from checkpointless.coordinator.ledger import FaultLedger
+from checkpointless.coordinator.members import Members
+from checkpointless.coordinator.messages import MessageRouter, apply_heartbeat
+from checkpointless.coordinator.outbox import Outbox
+from checkpointless.coordinator.rounds import Rounds
 from checkpointless.coordinator.rules.placement import assign_hosts, placement
 from checkpointless.coordinator.rules.stragglers import StragglerRule, StragglerWatch
-from checkpointless.coordinator.spares import refill_spares, spare_host_for
-from checkpointless.coordinator.state import (
-    Command,
-    Emit,
-    HostState,
-    Kill,
-    Log,
-    Member,
-    Round,
-    Send,
-    Spawn,
-    Stop,
-)
-from checkpointless.coordinator.watch import check_stragglers, hint_spares
+from checkpointless.coordinator.spares import SparePool
+from checkpointless.coordinator.state import Command, HostState, Member, Round
+from checkpointless.coordinator.tables import TableDelivery
+from checkpointless.coordinator.watch import StragglerMoves
 from checkpointless.errors import NotRecoverableError
 from checkpointless.launcher.model import LaunchConfig
-from checkpointless.peer_table import TableKeeper
-from checkpointless.protocol import Assign, Message, PeerTable, Shutdown
+from checkpointless.protocol import Message, Shutdown
 
 if TYPE_CHECKING:
     from checkpointless.agent.beats import WorkerBeat
@@ -66,62 +63,97 @@ class Coordinator:
         self.job_id = job_id
         self.rendezvous = rendezvous
         self.checkpoint_dir = checkpoint_dir  # where durable checkpoints go ("" when they are off)
-        self.procs: dict[int, Member] = {}  # live processes, by worker id
-        self.ranks: dict[int, Member] = {}  # rank -> the process holding it
-        self.next_worker_id = 0
-        self.generation = -1
-        self.round: Round | None = None
-        self.fired: set[str] = set()
-        self.refill_after_round = False  # a host joined while a round ran
-        # spares started on a joined host in place of squeezed ones, not yet standing in for them
-        self.moving_spares: set[int] = set()
-        self.pending: Round | None = None  # a formed round whose first step is not done everywhere
-        self.first_commits: dict[int, float] = {}
-        self.first_batches: dict[int, float] = {}
-        self.state_bytes = 0  # a replica's state, as rank 0 last reported it
+        self.started = False
         self.stopping: str | None = None
         self.exit_code = 0
-        self.recoveries: list[dict[str, Any]] = []
-        self.startup_faults = 0  # faults absorbed before the first generation formed
-        self.fault_history: list[FaultRecord] = []
-        self.start_failures: dict[int, int] = {}  # rank -> its processes in a row that died before joining
-        self._early_spare_deaths = 0
-        self._fired_at: float | None = None  # wall time the last injected fault fired
-        self._last_target: int | None = None
-        self._same_target = 0
-        self._last_reached = -1  # the latest step a fault has come from
-        self.hosts: dict[int, HostState] = {}  # agent id -> its host (one machine: host 0 only)
-        self.table = TableKeeper()  # the root-less peer table as the members hold it
-        self._table_msgs: tuple[int, list[PeerTable]] = (0, [])
-        self.table_sends = 0  # whole tables sent to one member (start-up without a host copy, requests)
-        self.host_tables = 0  # whole tables sent to a host's agent for its members
-        self.started = False
-        self._out: list[Command] = []
+        self.outbox = Outbox()
+        self.members = Members(self.outbox)
+        self.ledger = FaultLedger(cfg, self.outbox)
+        self.spares = SparePool(cfg, self.members, self.outbox)
+        self.tables = TableDelivery(self.members.hosts, self.outbox)
+        self.rounds = Rounds(
+            cfg,
+            job_id,
+            rendezvous,
+            checkpoint_dir,
+            self.members,
+            self.outbox,
+            self.ledger,
+            self.spares,
+            self.tables,
+        )
+        self.losses = Losses(
+            cfg, self.members, self.outbox, self.ledger, self.spares, self.tables, self.rounds
+        )
+        self.router = MessageRouter(self.members, self.outbox, self.ledger, self.tables, self.rounds)
         rule = StragglerRule(cfg.straggler_ratio, cfg.straggler_window) if cfg.straggler_ratio else None
         self.stragglers = StragglerWatch(rule) if rule is not None else None
-        self._hinted: dict[int, int] = {}  # spare worker id -> the step of its last Prefetch
+        self.moves = (
+            StragglerMoves(cfg, self.stragglers, self.members, self.outbox, self.losses)
+            if self.stragglers is not None
+            else None
+        )
         self._judged_at = float("-inf")  # when hangs were last judged (and spares hinted)
-        self.conditions = Conditions()  # lasting states, logged when they begin and end
         # worker id -> (deadline, the exit's arguments): exits waiting for their connection's end
         self._held_exits: dict[int, tuple[float, tuple[Any, ...]]] = {}
 
+    # -- the components' state, as the shell and the tests read it ---------------------------
+    @property
+    def procs(self) -> dict[int, Member]:
+        return self.members.procs
+
+    @property
+    def ranks(self) -> dict[int, Member]:
+        return self.members.ranks
+
+    @property
+    def hosts(self) -> dict[int, HostState]:
+        return self.members.hosts
+
+    @property
+    def next_worker_id(self) -> int:
+        return self.members.next_worker_id
+
+    @next_worker_id.setter
+    def next_worker_id(self, value: int) -> None:
+        self.members.next_worker_id = value
+
+    @property
+    def generation(self) -> int:
+        return self.rounds.generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self.rounds.generation = value
+
+    @property
+    def round(self) -> Round | None:
+        return self.rounds.round
+
+    @round.setter
+    def round(self, value: Round | None) -> None:
+        self.rounds.round = value
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        return self.ledger.recoveries
+
     # -- the shell's interface ----------------------------------------------------------------
     def drain(self) -> list[Command]:
-        out, self._out = self._out, []
-        return out
+        return self.outbox.drain()
 
     def add_host(self, host: int, address: str, remote: bool, now: float, order: int = -1) -> None:
         """An agent joined. Before the start it is counted for placement; after it, it is a spare
         host (a healed host too: it never gets its old ranks back, they have moved on)."""
         self.hosts[host] = HostState(host, address, remote, now, order)
-        self._emit("host_joined", host=host, address=address, spare=self.started)
+        self.outbox.emit("host_joined", host=host, address=address, spare=self.started)
         if self.started and self.stopping is None:
             if self.round is None:
-                refill_spares(self, now)
+                self.spares.refill(now)
             else:
                 # not while the round places spares of its own; once it has formed (the pool may
                 # have had no host to refill onto until this one came)
-                self.refill_after_round = True
+                self.rounds.refill_after_round = True
 
     def on_agent_seen(self, host: int, now: float) -> None:
         h = self.hosts.get(host)
@@ -135,7 +167,7 @@ class Coordinator:
     def on_host_lost(self, host: int, why: str, now: float, wall: float) -> None:
         """An agent went away (its connection closed, or its lease ran out): every process of
         its host counts as dead, and nothing from that host is accepted again."""
-        self._guarded(host_lost, self, host, why, now, wall)
+        self._guarded(self.losses.host_lost, host, why, now, wall)
 
     def start(self, now: float) -> None:
         """Launch: the initial round, and one process per rank (spares come once it has formed)."""
@@ -146,7 +178,7 @@ class Coordinator:
         by_node = {node: host for host, node in nodes.items()}
         for host, node in nodes.items():
             self.hosts[host].node_rank = node
-        self._emit(
+        self.outbox.emit(
             "placement",
             nodes={str(n): self.hosts[h].address for n, h in sorted(by_node.items())},
             spare_hosts=[self.hosts[h].address for h in _spares],
@@ -154,8 +186,7 @@ class Coordinator:
         self.started = True
         self.round = Round(target=0, initial=True, started=now)
         for rank in range(self.cfg.nproc):
-            m = self._spawn("worker", now, host=by_node[placement(rank, self.cfg.per_node).node_rank])
-            assert m is not None
+            m = self.members.spawn("worker", now, by_node[placement(rank, self.cfg.per_node).node_rank])
             m.rank = rank
             self.ranks[rank] = m
 
@@ -172,12 +203,12 @@ class Coordinator:
         m.connected = True
         m.last_message = now
         if m.role == "worker" and m.rank is not None:
-            self._assign(m, m.rank, 0, now, initial=True)
+            self.rounds.assign(m, m.rank, 0, now, initial=True)
         return True
 
     def awaits_late_hello(self, worker_id: int) -> bool:
         """Whether ``worker_id`` is a spare that was still starting at a coordinator failover,
-        kept by the rebuild (rebuild.py): its hello comes after the takeover, as a reconnect."""
+        kept by the rebuild (rules/rebuild.py): its hello comes after the takeover, as a reconnect."""
         m = self.procs.get(worker_id)
         return (
             m is not None
@@ -205,10 +236,10 @@ class Coordinator:
             m.connected = False
         held = self._held_exits.pop(worker_id, None)
         if held is not None:
-            self._guarded(process_exited, self, *held[1])
+            self._guarded(self.losses.process_exited, *held[1])
 
     def on_message(self, worker_id: int, msg: Message, now: float, wall: float) -> None:
-        self._guarded(handle, self, worker_id, msg, now, wall)
+        self._guarded(self.router.handle, worker_id, msg, now, wall)
 
     def on_exit(
         self, worker_id: int, code: int, own_failure: bool, detail: str, tail: str, now: float, wall: float
@@ -220,15 +251,15 @@ class Coordinator:
             # grace ran out). A killed process (a signal) had no last words: no wait for it.
             self._held_exits[worker_id] = (now + EXIT_GRACE_S, args)
             return
-        self._guarded(process_exited, self, *args)
+        self._guarded(self.losses.process_exited, *args)
 
     def on_verdict(self, worker_id: int, why: str, now: float) -> None:
         """The agent's process-table reading says this process must go (stopped, wedged)."""
         m = self.procs.get(worker_id)
         if m is not None and m.killed_for is None and not m.exited:
             who = f"rank {m.rank}" if m.rank is not None else f"{m.role} {m.worker_id}"
-            self._log("warning", f"{who} {why}; killing it")
-            self._kill(m, why)
+            self.outbox.log("warning", f"{who} {why}; killing it")
+            self.outbox.kill(m, why)
 
     def tick(self, now: float, wall: float) -> None:
         """Time passed: judge hangs, move the round on, notice the end of the job."""
@@ -249,7 +280,7 @@ class Coordinator:
         return self.started and self.round is None and not self._held_exits
 
     def live_connected(self) -> list[int]:
-        return [m.worker_id for m in self.procs.values() if m.connected and not m.exited]
+        return self.members.live_connected()
 
     # -- plumbing -----------------------------------------------------------------------------
     def _guarded(self, fn: Any, *args: Any) -> None:
@@ -260,97 +291,29 @@ class Coordinator:
         except NotRecoverableError as e:
             self._stop(str(e), 1)
 
-    def _log(self, level: str, text: str) -> None:
-        self._out.append(Log(level, text))
-
-    def _emit(self, event: str, **fields: Any) -> None:
-        self._out.append(Emit(event, fields))
-
-    def _send(self, m: Member, msg: Message) -> None:
-        if m.connected and not m.exited:
-            self._out.append(Send(m.worker_id, msg))
-
-    def _spawn(self, role: str, now: float, host: int | None = None, strict: bool = False) -> Member | None:
-        """Start a process; a spare goes to a spare host, else (unless ``strict``) as a single
-        spare onto a host that holds ranks; None when no live host may take one."""
-        if host is None:
-            host = spare_host_for(self, strict)
-            if host is None:
-                return None
-        wid = self.next_worker_id
-        self.next_worker_id += 1
-        m = Member(worker_id=wid, role=role, spawned=now, host=host)
-        self.procs[wid] = m
-        self._out.append(Spawn(wid, role, host))
-        return m
-
-    def _condition(self, name: str, on: bool, detail: str = "") -> None:
-        """Log and emit a lasting state once when it begins and once when it ends."""
-        ch = self.conditions.update(name, on, detail)
-        if ch is None:
-            return
-        self._emit("condition", name=name, active=ch.active, detail=ch.detail)
-        if ch.active:
-            self._log("warning", ch.detail)
-        else:
-            self._log("info", f"resolved: {ch.detail}")
-
-    def _kill(self, m: Member, why: str) -> None:
-        if not m.exited:
-            m.killed_for = why
-            self._out.append(Kill(m.worker_id, why, m.host))
-
-    def _assign(self, m: Member, rank: int, generation: int, now: float, initial: bool) -> None:
-        m.rank = rank
-        self.moving_spares.discard(m.worker_id)
-        m.assigned_at = now
-        where = placement(rank, self.cfg.per_node)
-        self._send(
-            m,
-            Assign(
-                rank=rank,
-                world_size=self.cfg.nproc,
-                generation=generation,
-                faults=list(self.cfg.faults),
-                fired=sorted(self.fired),
-                snapshot_every=self.cfg.snapshot_every,
-                checkpoint_every=str(self.cfg.checkpoint_every),
-                checkpoint_dir=self.checkpoint_dir,
-                local_rank=where.local_rank,
-                local_world_size=where.local_world_size,
-                node_rank=where.node_rank,
-                divergence_check=self.cfg.divergence_check,
-                buddy_copies=self.cfg.buddy_copies,
-                buddy_every=self.cfg.buddy_every,
-                initial=initial,
-            ),
-        )
-
-    # -- faults -------------------------------------------------------------------------------
-
     def _tick(self, now: float, wall: float) -> None:
         for wid, (deadline, args) in list(self._held_exits.items()):
             if now >= deadline:  # its connection outlived it (a forked child holds the socket)
                 del self._held_exits[wid]
-                process_exited(self, *args)
+                self.losses.process_exited(*args)
         for h in list(self.hosts.values()):
             if h.remote and not h.lost and now - h.last_seen > self.cfg.lease:
-                host_lost(
-                    self, h.host, f"no word from its agent for {self.cfg.lease:.1f} s (lease)", now, wall
-                )
+                why = f"no word from its agent for {self.cfg.lease:.1f} s (lease)"
+                self.losses.host_lost(h.host, why, now, wall)
         # Judging hangs and hinting spares walk every rank; the shell ticks up to 50 times a second,
         # and at 80k ranks one walk costs ~50-130 ms. Hang limits are seconds long, and a hint
         # covers the next steps, so doing either a quarter second late costs nothing.
         walk = now - self._judged_at >= JUDGE_EVERY_S
         if walk:
             self._judged_at = now
-            check_hangs(self, now, wall)
+            self.losses.check_hangs(now, wall)
         if self.stopping is None:
-            check_stragglers(self, now, wall)  # samples every step: not rate-limited (off by default)
-            if walk:
-                hint_spares(self)
+            if self.moves is not None:  # samples every step: not rate-limited (off by default)
+                self.moves.check(now, wall, self.round is not None or self.rounds.pending is not None)
+            if walk and self.round is None:
+                self.spares.hint()
         if self.stopping is None:
-            advance_round(self, now)
+            self.rounds.advance(now)
         if self.stopping is None:
             self._check_done()
 
@@ -362,7 +325,7 @@ class Coordinator:
             # took over as the last steps ran (its election and rebuild took longer than they
             # did). Training is complete everywhere and no process is left to recover; waiting
             # for reports that cannot come would fail a finished job at --recovery-timeout.
-            self._log(
+            self.outbox.log(
                 "warning",
                 f"every rank finished its last step while recovery round {self.round.target} was "
                 "open; the round is dropped and the job ends",
@@ -371,35 +334,39 @@ class Coordinator:
         failed = sorted(r for r, m in self.ranks.items() if m.exit_code != 0)
         if failed:
             # training finished everywhere, but the script failed after its loop (saving?)
-            self._log(
+            self.outbox.log(
                 "error",
                 f"training finished, but rank(s) {failed} failed after the loop; see their output",
             )
-        flush_pending(self, "the job ended before every rank committed a step after it")
-        faults = len(self.fault_history)
-        self._emit(
+        self.rounds.flush_pending("the job ended before every rank committed a step after it")
+        faults, recoveries, startup = (
+            len(self.ledger.history),
+            len(self.recoveries),
+            self.ledger.startup_faults,
+        )
+        self.outbox.emit(
             "job_end",
             status="failed" if failed else "ok",
-            recoveries=len(self.recoveries),
+            recoveries=recoveries,
             faults=faults,
-            startup_faults=self.startup_faults,
+            startup_faults=startup,
         )
-        during = f" ({self.startup_faults} during start-up)" if self.startup_faults else ""
-        self._log("info", f"job finished: {len(self.recoveries)} recoveries from {faults} faults{during}")
+        during = f" ({startup} during start-up)" if startup else ""
+        self.outbox.log("info", f"job finished: {recoveries} recoveries from {faults} faults{during}")
         self._end("done", 1 if failed else 0)
 
     def _stop(self, why: str, code: int) -> None:
         if self.stopping is not None and self.exit_code:
             return
-        flush_pending(self, "the job stopped")
-        self._log("error", why)
-        self._emit(
+        self.rounds.flush_pending("the job stopped")
+        self.outbox.log("error", why)
+        self.outbox.emit(
             "job_end",
             status="failed",
             error=why,
             code=code,
             recoveries=len(self.recoveries),
-            faults=len(self.fault_history),
+            faults=len(self.ledger.history),
         )
         self._end(why, code)
 
@@ -407,5 +374,5 @@ class Coordinator:
         self.stopping = why
         self.exit_code = code
         for m in self.procs.values():
-            self._send(m, Shutdown(code=0 if code == 0 else 1, reason=why))
-        self._out.append(Stop(code, why))
+            self.outbox.send(m, Shutdown(code=0 if code == 0 else 1, reason=why))
+        self.outbox.stop(code, why)

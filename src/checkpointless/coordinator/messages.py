@@ -1,20 +1,16 @@
-"""What the workers say: each message from a worker's control connection applied to the
-coordinator, and a heartbeat applied to its member (sent directly, or published for its agent).
-
-Kept apart from the coordinator's interface to the shell: this is the dispatch on the message's
-type, while the round's own messages (``Stopped``, ``Recovered``, ``Committed``) are handled in
-``rounds.py`` and the peer table's delivery in ``tables.py``. Functions of the
-:class:`Coordinator` they act on (``apply_heartbeat`` only of the member).
+"""What the workers say: each message from a worker's control connection routed to the component
+that owns what it is about, and a heartbeat applied to its member (sent directly, or published for
+its agent and reported in the agent's aggregate).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from checkpointless.coordinator.rounds import on_committed, on_recovered, on_stopped
-from checkpointless.coordinator.spares import retire_squeezed
+from checkpointless.coordinator.ledger import FaultLedger
+from checkpointless.coordinator.members import Members
+from checkpointless.coordinator.outbox import Outbox
+from checkpointless.coordinator.rounds import Rounds
 from checkpointless.coordinator.state import Member
-from checkpointless.coordinator.tables import send_table
+from checkpointless.coordinator.tables import TableDelivery
 from checkpointless.errors import NotRecoverableError
 from checkpointless.protocol import (
     Committed,
@@ -25,55 +21,60 @@ from checkpointless.protocol import (
     Heartbeat,
     Message,
     PeerTableRequest,
-    Prepare,
     Recovered,
     SpareReady,
     Stopped,
 )
 
-if TYPE_CHECKING:
-    from checkpointless.coordinator.coordinator import Coordinator
+__all__ = ["MessageRouter", "apply_heartbeat"]
 
 
-__all__ = ["apply_heartbeat", "handle"]
+class MessageRouter:
+    def __init__(
+        self, members: Members, outbox: Outbox, ledger: FaultLedger, tables: TableDelivery, rounds: Rounds
+    ) -> None:
+        self.members = members
+        self.outbox = outbox
+        self.ledger = ledger
+        self.tables = tables
+        self.rounds = rounds
 
-
-def handle(c: Coordinator, worker_id: int, msg: Message, now: float, wall: float) -> None:
-    """One message from ``worker_id`` (the coordinator runs it guarded: a ``Fatal`` ends the job)."""
-    m = c.procs.get(worker_id)
-    if m is None:
-        return
-    m.last_message = now
-    if isinstance(msg, Heartbeat):
-        apply_heartbeat(m, now, msg.step, msg.progress_age, msg.in_collective, msg.step_time, msg.busy_time)
-    elif isinstance(msg, PeerTableRequest):
-        # the host's copy failed this member (none, not yet there, or not matching): worth
-        # seeing, since every member of a host asking costs what the copy was meant to save
-        c._emit("peer_table_request", worker=m.worker_id, rank=m.rank, host=m.host, have=msg.have)
-        send_table(c, m)
-    elif isinstance(msg, SpareReady):
-        m.ready = True
-        c._early_spare_deaths = 0
-        c._emit("spare_ready", worker=m.worker_id)
-        if c.state_bytes:
-            c._send(m, Prepare(c.state_bytes))
-        if c.round is None and m.worker_id in c.moving_spares:
-            retire_squeezed(c)
-    elif isinstance(msg, Fired):
-        c.fired.add(msg.id)
-        c._fired_at = msg.time
-        c._emit("fault_injected", rank=m.rank, id=msg.id, kind=msg.kind, fired_at=msg.time)
-    elif isinstance(msg, Stopped):
-        on_stopped(c, m, msg, now, wall)
-    elif isinstance(msg, Recovered):
-        on_recovered(c, m, msg, now)
-    elif isinstance(msg, Committed):
-        on_committed(c, m, msg, now)
-    elif isinstance(msg, Done):
-        m.done = True
-        c._send(m, DoneSeen())  # on many hosts it waits for this before it leaves
-    elif isinstance(msg, Fatal):
-        raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
+    def handle(self, worker_id: int, msg: Message, now: float, wall: float) -> None:
+        """One message from ``worker_id``, to the component it is about (run guarded: a
+        ``Fatal`` ends the job)."""
+        m = self.members.procs.get(worker_id)
+        if m is None:
+            return
+        m.last_message = now
+        out = self.outbox
+        if isinstance(msg, Heartbeat):
+            apply_heartbeat(
+                m, now, msg.step, msg.progress_age, msg.in_collective, msg.step_time, msg.busy_time
+            )
+        elif isinstance(msg, PeerTableRequest):
+            # the host's copy failed this member (none, not yet there, or not matching): worth
+            # seeing, since every member of a host asking costs what the copy was meant to save
+            out.emit("peer_table_request", worker=m.worker_id, rank=m.rank, host=m.host, have=msg.have)
+            self.tables.send_table(m)
+        elif isinstance(msg, SpareReady):
+            m.ready = True
+            self.ledger.spare_ready()
+            out.emit("spare_ready", worker=m.worker_id)
+            self.rounds.on_spare_ready(m)
+        elif isinstance(msg, Fired):
+            self.ledger.fault_fired(msg.id, msg.time)
+            out.emit("fault_injected", rank=m.rank, id=msg.id, kind=msg.kind, fired_at=msg.time)
+        elif isinstance(msg, Stopped):
+            self.rounds.on_stopped(m, msg, now, wall)
+        elif isinstance(msg, Recovered):
+            self.rounds.on_recovered(m, msg, now)
+        elif isinstance(msg, Committed):
+            self.rounds.on_committed(m, msg, now)
+        elif isinstance(msg, Done):
+            m.done = True
+            out.send(m, DoneSeen())  # on many hosts it waits for this before it leaves
+        elif isinstance(msg, Fatal):
+            raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
 
 
 def apply_heartbeat(

@@ -71,7 +71,7 @@ def resume(
     # the coordinator's own command path: it records why, and the shell routes it to the host
     for wid in rebuilt.kill:
         coord.procs[wid].connected = False
-        coord._kill(coord.procs[wid], "not vouched for after the coordinator failover")
+        coord.outbox.kill(coord.procs[wid], "not vouched for after the coordinator failover")
     if not rebuilt.formed:
         coord.fail(
             "the coordinator was lost before generation 0 formed: no rank has state to keep; "
@@ -84,14 +84,14 @@ def resume(
         # the ranks wait at their exit until their Done is seen. Nothing to abort or replay.
         for rank in done:
             if not coord.ranks[rank].exited:
-                coord._send(coord.ranks[rank], DoneSeen())
+                coord.outbox.send(coord.ranks[rank], DoneSeen())
         if rebuilt.missing:
             coord.fail(
                 f"rank(s) {rebuilt.missing} were lost with the coordinator after training finished "
                 f"(rank(s) {done} had left the loop): their work after the loop did not run"
             )
             return
-        coord._log("info", f"training finished while the coordinator was lost (rank(s) {done} done)")
+        coord.outbox.log("info", f"training finished while the coordinator was lost (rank(s) {done} done)")
         return
     record = {
         "time": wall,
@@ -102,10 +102,10 @@ def resume(
         "step": max((w.step for w in said.values()), default=-1),
         "detected": detected,
     }
-    coord._emit("fault", **{k: v for k, v in record.items() if k != "detected"})
+    coord.outbox.emit("fault", **{k: v for k, v in record.items() if k != "detected"})
     r = Round(target=rebuilt.generation, initial=False, started=detected, abort_sent=now)
     r.faults.append(record)
     r.replace = set(rebuilt.missing)
     coord.round = r
     for m in coord.ranks.values():
-        coord._send(m, Abort(generation=r.target, reason=why))
+        coord.outbox.send(m, Abort(generation=r.target, reason=why))
