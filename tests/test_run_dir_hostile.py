@@ -255,3 +255,17 @@ def test_a_large_event_log_is_streamed_in_bounded_memory(tmp_path: Path) -> None
         base = _peak_kib(command, [str(small), *extra])
         peak = _peak_kib(command, [str(big), *extra])
         assert peak - base < 20 * 1024, (command, base, peak)  # KiB: 20 MB against a 200 MB file
+
+
+def test_the_timeline_of_a_thousand_ranks_and_a_rankless_fault_is_drawn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Values a reader accepts draw too: lanes are capped (MAX_LANES), a fault of no rank is no marker."""
+    pytest.importorskip("matplotlib")
+    d = write_run(tmp_path / "run")
+    text = (d / "events.jsonl").read_text().replace('"nproc":2', '"nproc":1000')
+    extra = _line({"time": T0 + 1.5, "event": "fault", "kind": "host_lost", "generation": 0})
+    (d / "events.jsonl").write_text(text + extra)
+    png = tmp_path / "t.png"
+    assert report_main([str(d), "--png", str(png)]) == 0, capsys.readouterr().err
+    assert png.stat().st_size < 2_000_000

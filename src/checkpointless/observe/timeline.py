@@ -10,7 +10,9 @@ from typing import Any
 from checkpointless.errors import ConfigError
 from checkpointless.observe.ledger import BUCKET_LABELS, Ledger, goodput_curve
 
-__all__ = ["COLORS", "write_timeline"]
+__all__ = ["COLORS", "MAX_LANES", "write_timeline"]
+
+MAX_LANES = 64  # ranks (and recoveries) drawn: more would not be readable, or fit an image
 
 # one colour per badput bucket; steps alternate two greys so that step boundaries show
 COLORS: dict[str, str] = {
@@ -47,6 +49,8 @@ def _lanes(
     prev: dict[int, float] = {}
     for c in commits:
         r, t = int(c.get("rank", 0)), float(c["time"])
+        if r >= nproc:
+            continue  # past the lanes drawn
         start = prev.get(r, t)
         for s in ledger.segments:
             if start < s.end <= t:
@@ -73,6 +77,9 @@ def _lanes(
             )
     for e in events:
         t = float(e["time"]) - t0
+        rank = e.get("rank")
+        if not isinstance(rank, int) or rank >= nproc:
+            continue  # a fault of no one rank (a host's), or a lane not drawn
         if e.get("event") == "fault" and e.get("kind") != "comm":
             ax.plot(t, int(e["rank"]), marker="X", color="black", markersize=11, zorder=5)
             ax.annotate(
@@ -106,7 +113,7 @@ def _lanes(
 
 def _breakdown(bx: Any, ledger: Ledger) -> None:
     """Each recovery's phases end to end, in milliseconds: far too short to read on the job's scale."""
-    rows = list(enumerate(ledger.faults))
+    rows = list(enumerate(ledger.faults))[-MAX_LANES:]  # the last ones: a plot has a readable height
     for i, f in rows:
         left = 0.0
         for bucket in _PHASE_ORDER:
@@ -123,7 +130,7 @@ def _breakdown(bx: Any, ledger: Ledger) -> None:
             fontsize=8,
         )
     bx.set_yticks([i for i, _ in rows], [f"#{i + 1} {f.causes}" for i, f in rows], fontsize=8)
-    bx.set_ylim(len(rows) - 0.4, -0.6)
+    bx.set_ylim(rows[-1][0] + 0.6, rows[0][0] - 0.6)
     bx.tick_params(axis="y", length=0)
     longest = max((1e3 * f.total_s for f in ledger.faults), default=1.0)
     bx.set_xlim(0, 1.18 * max(longest, 1e-3))  # room for the total after the longest bar
@@ -148,8 +155,9 @@ def write_timeline(
         raise ConfigError(
             "the timeline needs matplotlib: pip install 'checkpointless[report]' (or pass --no-plot)"
         ) from None
-    nproc = max(ledger.nproc, 1 + max((int(c.get("rank", 0)) for c in commits), default=0))
-    nrec = len(ledger.faults)
+    ranks = max(ledger.nproc, 1 + max((int(c.get("rank", 0)) for c in commits), default=0))
+    nproc = min(ranks, MAX_LANES)
+    nrec = min(len(ledger.faults), MAX_LANES)
     heights = [nproc + 1.5, 2.2] + ([0.9 + 0.45 * nrec] if nrec else [])
     fig = plt.figure(figsize=(13, 1.2 + 0.55 * sum(heights)), layout="constrained")
     grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
@@ -157,9 +165,10 @@ def write_timeline(
     gx = fig.add_subplot(grid[1], sharex=ax)
     _lanes(ax, ledger, events, commits, nproc)
     ax.tick_params(axis="x", labelbottom=False)
+    shown = f" (ranks 0-{nproc - 1} of {ranks} drawn)" if ranks > nproc else ""
     ax.set_title(
-        f"{ledger.steps_committed} steps, {nrec} recoveries, goodput {100 * ledger.goodput:.1f}% "
-        f"of {ledger.wall_s:.1f} s (job {ledger.status})"
+        f"{ledger.steps_committed} steps, {len(ledger.faults)} recoveries, goodput {100 * ledger.goodput:.1f}% "
+        f"of {ledger.wall_s:.1f} s (job {ledger.status}){shown}"
     )
     used = [b for b in COLORS if ledger.totals.get(b, 0.0) > 0]
     handles: list[Any] = [Patch(color=_STEP_SHADES[0], label="committed step (shades alternate)")]
