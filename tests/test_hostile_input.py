@@ -19,8 +19,10 @@ from checkpointless.errors import ConfigError
 from checkpointless.launcher.control import (
     AUTH_DEADLINE_S,
     MAX_UNAUTHENTICATED,
+    OPENING_SIZE,
     ControlClient,
     ControlServer,
+    opening,
 )
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
 from checkpointless.rendezvous import KeyServer
@@ -34,6 +36,12 @@ pytestmark = pytest.mark.timeout(60)
 SECRET = b"hostile-input-test-secret"
 C2S = derive_key(SECRET, "control/c2s")
 S2C = derive_key(SECRET, "control/s2c")
+
+
+def _greeted(sock: socket.socket) -> dict[str, Any]:
+    """A raw client's side of the handshake: its opening (launcher/control.py), then the greeting."""
+    sock.sendall(opening()[0])
+    return recv_frame(sock, S2C, time.monotonic() + 5)[0]
 
 
 def _rss_bytes() -> int:
@@ -82,7 +90,7 @@ def test_an_oversized_prefix_closes_the_control_connection_without_allocating(
 ) -> None:
     before = _rss_bytes()
     with socket.create_connection(control.address, timeout=5) as sock:
-        recv_frame(sock, S2C, time.monotonic() + 5)  # the greeting
+        _greeted(sock)  # the greeting
         sock.sendall(struct.pack(">IQ", 10, announced) + b"\0" * 32)
         assert _closed_within(sock, 3)
     assert _rss_bytes() - before < 64 << 20  # nowhere near the announced size
@@ -193,8 +201,8 @@ def test_a_recorded_hello_replayed_on_a_new_connection_is_refused(control: Contr
     recorded = bytes(rec.up)
     assert len(recorded) > PREFIX_SIZE
     with socket.create_connection(control.address, timeout=5) as replayer:
-        recv_frame(replayer, S2C, time.monotonic() + 5)  # a fresh nonce, unlike the recording's
-        replayer.sendall(recorded)
+        _greeted(replayer)  # a fresh nonce, unlike the recording's
+        replayer.sendall(recorded[OPENING_SIZE:])  # the recorded hello
         assert _closed_within(replayer, 3)
     assert control.inbox.empty(), "the replayed hello reached the decision loop"
     assert control.rejected >= 1
@@ -209,12 +217,12 @@ def _worker_at(address: tuple[str, int]) -> ControlClient:
 
 def test_a_frame_reflected_back_or_sealed_with_the_raw_secret_is_refused(control: ControlServer) -> None:
     with socket.create_connection(control.address, timeout=5) as sock:
-        greeting, _ = recv_frame(sock, S2C, time.monotonic() + 5)
+        greeting = _greeted(sock)
         # the launcher's own greeting, sent back: sealed with the other direction's key
         send_frame(sock, S2C, {**greeting, "_q": 1, "_n": greeting["nonce"], "_c": "x"})
         assert _closed_within(sock, 3)
     with socket.create_connection(control.address, timeout=5) as sock:
-        greeting, _ = recv_frame(sock, S2C, time.monotonic() + 5)
+        greeting = _greeted(sock)
         send_frame(sock, SECRET, {"type": "hello", "_q": 1, "_n": greeting["nonce"], "_c": "x"})
         assert _closed_within(sock, 3)
     assert control.inbox.empty()
@@ -222,7 +230,7 @@ def test_a_frame_reflected_back_or_sealed_with_the_raw_secret_is_refused(control
 
 def test_a_repeated_sequence_number_closes_the_connection(control: ControlServer) -> None:
     with socket.create_connection(control.address, timeout=5) as sock:
-        nonce = recv_frame(sock, S2C, time.monotonic() + 5)[0]["nonce"]
+        nonce = _greeted(sock)["nonce"]
         send_frame(sock, C2S, {"type": "hello", "_q": 1, "_n": nonce, "_c": "me"})
         _, msg = _next(control)
         assert msg == {"type": "hello"}

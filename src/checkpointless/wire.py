@@ -12,6 +12,11 @@ Keys: nothing is sealed with the job secret itself. :func:`derive_key` turns it 
 channel and direction (``control/c2s``, ``keyserver/s2c``, ...), so a frame recorded on one
 channel or in one direction fails the seal anywhere else (no reflection, no cross-channel replay).
 
+Confidential values: frames are authenticated, not encrypted. The few values that must stay
+secret from whoever can read the network (today the job's shared-memory key in an agent's welcome)
+travel as :func:`seal_value` tokens instead: ChaCha20-Poly1305 under a key derived from the job
+secret (HKDF-SHA256) per label, so a relay in the middle of a connection reads nothing of them.
+
 Sizes: the length prefix is checked against the receiver's caps *before* a byte of the body is
 read or allocated, and the body is assembled from what actually arrives (never pre-allocated from
 the announced size), so an unauthenticated peer cannot make us reserve memory by lying about it.
@@ -21,26 +26,37 @@ block on one slow client.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import json
+import os
 import socket
 import struct
 import time
 from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from checkpointless.errors import CheckpointlessError
 
 __all__ = [
     "MAX_HEADER",
     "PREFIX_SIZE",
+    "FrameAuthError",
     "FrameDecoder",
     "FrameError",
     "FrameTooLarge",
     "derive_key",
     "encode_frame",
+    "open_value",
     "parse_header",
     "recv_frame",
+    "seal_value",
     "send_frame",
 ]
 
@@ -51,6 +67,9 @@ MAX_HEADER = 1 << 20  # a header is a small JSON object; anything larger is an a
 _DEFAULT_MAX_PAYLOAD = 64 << 20  # callers moving more (state manifests) say so explicitly
 _RECV_CHUNK = 1 << 18  # bounds what one recv may allocate on top of what has arrived
 _KDF_CONTEXT = b"checkpointless/wire/v2/"
+_AEAD_CONTEXT = b"checkpointless/aead/v1/"
+_AEAD_NONCE = 12
+_MAX_TOKEN = 4096  # a sealed value is a key or an address, never more
 
 
 class FrameError(CheckpointlessError):
@@ -59,6 +78,11 @@ class FrameError(CheckpointlessError):
 
 class FrameTooLarge(FrameError):
     """A length prefix announced more than the receiver accepts; nothing of it was read."""
+
+
+class FrameAuthError(FrameError):
+    """A whole frame arrived and its seal is wrong: the peer does not hold this job's secret
+    (or the bytes were changed on the way)."""
 
 
 def derive_key(secret: bytes, label: str) -> bytes:
@@ -70,6 +94,39 @@ def derive_key(secret: bytes, label: str) -> bytes:
     if not secret:
         raise ValueError("derive_key needs a non-empty secret")
     return hmac.new(secret, _KDF_CONTEXT + label.encode(), hashlib.sha256).digest()
+
+
+def _aead(secret: bytes, label: str) -> ChaCha20Poly1305:
+    if not secret:
+        raise ValueError("seal_value needs a non-empty secret")
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_AEAD_CONTEXT + label.encode())
+    return ChaCha20Poly1305(hkdf.derive(secret))
+
+
+def seal_value(secret: bytes, label: str, value: bytes) -> str:
+    """``value`` encrypted and authenticated for a frame's header: a random 96-bit nonce plus
+    ChaCha20-Poly1305 under the key HKDF derives from the job secret for ``label`` (which is also
+    the associated data), as unpadded URL-safe base64. Only a holder of the secret reads it."""
+    nonce = os.urandom(_AEAD_NONCE)
+    sealed = nonce + _aead(secret, label).encrypt(nonce, value, label.encode())
+    return base64.urlsafe_b64encode(sealed).rstrip(b"=").decode("ascii")
+
+
+def open_value(secret: bytes, label: str, token: str) -> bytes:
+    """The value :func:`seal_value` sealed under ``label``; :class:`FrameAuthError` if the token
+    is malformed, was sealed under another secret or label, or was changed."""
+    if not isinstance(token, str) or len(token) > _MAX_TOKEN:
+        raise FrameAuthError(f"sealed {label} is not a token of at most {_MAX_TOKEN} characters")
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+    except (ValueError, binascii.Error) as e:
+        raise FrameAuthError(f"sealed {label} is not base64: {e}") from None
+    if len(raw) < _AEAD_NONCE + 16:
+        raise FrameAuthError(f"sealed {label} is too short ({len(raw)} bytes)")
+    try:
+        return _aead(secret, label).decrypt(raw[:_AEAD_NONCE], raw[_AEAD_NONCE:], label.encode())
+    except InvalidTag:
+        raise FrameAuthError(f"sealed {label} failed authentication (wrong job secret?)") from None
 
 
 def _seal(
@@ -190,7 +247,7 @@ class FrameDecoder:
         body, self._body = self._body, bytearray()
         hdr, payload = memoryview(body)[: self._hlen], body[self._hlen :]
         if not hmac.compare_digest(self._mac, _seal(self._key, hdr, payload)):
-            raise FrameError("frame failed authentication (wrong job secret?)")
+            raise FrameAuthError("frame failed authentication (wrong job secret?)")
         header = parse_header(hdr)
         hdr.release()
         return header, payload
@@ -230,7 +287,7 @@ def recv_frame(
     body = _recv_exact(sock, hlen + plen, deadline) if hlen + plen else bytearray()
     hdr, payload = memoryview(body)[:hlen], body[hlen:]
     if not hmac.compare_digest(bytes(head[_PREFIX.size :]), _seal(key, hdr, payload)):
-        raise FrameError("frame failed authentication (wrong job secret?)")
+        raise FrameAuthError("frame failed authentication (wrong job secret?)")
     header = parse_header(hdr)
     hdr.release()
     return header, payload

@@ -6,14 +6,24 @@ it names the lost coordinator (a recreated pod, a healed node, a fenced host's r
 can end while a host is out of touch. So the agent reads the run directory as well as asking the
 addresses it knows: the coordinator record each coordinator writes (launcher/runfiles.py), the
 secret the ending job removes, and the event log's ``job_end``.
+
+What ends a join at once, with one error (exit 2): a wrong secret (every address's greeting
+failed its seal: asking again cannot fix the secret, and an agent that kept asking made 17k
+connections in 6 s) and a refusal for good (another agent serves this host). Everything else
+is retried, each round after an exponential, jittered pause, with the run directory's record
+first and the addresses the agent was given after it: a replayed greeting or a dead record costs
+one try, never the join.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
+import random
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,21 +32,40 @@ from typing import Any
 from checkpointless.agent.failover import LOST
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
-from checkpointless.launcher.control import ControlClient
+from checkpointless.launcher.control import ControlClient, WrongSecret
 from checkpointless.launcher.runfiles import recorded_coordinator
-from checkpointless.protocol import AgentHello, AgentWelcome, ProtocolError, decode, encode
+from checkpointless.protocol import AgentHello, AgentRefused, AgentWelcome, ProtocolError, decode, encode
+from checkpointless.protocol.agent_link import SHM_KEY_LABEL
+from checkpointless.wire import FrameError, open_value
 
-__all__ = ["Refused", "connect", "job_outcome", "join", "read_secret"]
+__all__ = ["Refused", "RefusedForGood", "backoff", "connect", "job_outcome", "join", "read_secret"]
 
 log = get_logger()
 
 _JOIN_SLICE_S = 5.0  # one try at one address; then the others, the record read anew
 _TAIL_BYTES = 1 << 16  # job_end is the event log's last line or close to it
+_BACKOFF_S = (0.02, 2.0)  # the pause after the first failed round, and the most it grows to
+MAX_SECRET_BYTES = 4096  # a job secret is 64 hex digits; a larger file is not one
+_EMPTY_GRACE_S = 2.0  # the launcher creates the secret file, then writes it: a moment empty
 
 
 class Refused(ConnectionError):
     """The coordinator took the connection and did not welcome this agent: asking it again
     cannot help."""
+
+
+class RefusedForGood(Refused):
+    """The coordinator said why it will never take this agent (``AgentRefused``): no other
+    address can help either."""
+
+
+def backoff(failed_rounds: int) -> float:
+    """The pause before the next round of tries: doubling from 20 ms up to 2 s, each drawn from
+    the upper half of its range (jitter: agents that lost their coordinator together do not
+    come back in step)."""
+    base, cap = _BACKOFF_S
+    step = min(cap, base * 2 ** min(failed_rounds, 16))
+    return step * random.uniform(0.5, 1.0)
 
 
 def connect(
@@ -48,7 +77,7 @@ def connect(
         coordinator, secret, inbox.put, lambda why: inbox.put({"type": LOST, "why": why}), timeout=timeout
     )
     client.send(encode(hello))
-    deadline = time.monotonic() + max(timeout, 10.0)
+    deadline = time.monotonic() + timeout
     while True:
         try:
             raw = inbox.get(timeout=max(0.01, deadline - time.monotonic()))
@@ -57,32 +86,66 @@ def connect(
             raise ConnectionError("the coordinator did not welcome this agent in time") from None
         msg = decode(raw) if raw.get("type") != LOST else None
         if isinstance(msg, AgentWelcome):
-            return client, inbox, msg
+            try:
+                shm_key = open_value(secret, SHM_KEY_LABEL, msg.shm_key).decode("ascii")
+            except (FrameError, UnicodeDecodeError) as e:
+                client.close()
+                raise ProtocolError(f"the welcome's sealed shm_key does not open: {e}") from None
+            return client, inbox, dataclasses.replace(msg, shm_key=shm_key)
         client.close()
+        if isinstance(msg, AgentRefused):
+            raise RefusedForGood(msg.reason)
         # a coordinator refuses by hanging up (a duplicate, a job that is ending; an agent's
         # failover port that is no coordinator's), after it took the connection
         raise Refused(f"the coordinator refused this agent ({raw.get('reason') or raw.get('why')})")
 
 
 def read_secret(path: Path, deadline: float) -> bytes:
-    """The job's secret; a batch script may start agents before the coordinator has written it."""
+    """The job's secret; a batch script may start agents before the coordinator has written it.
+
+    Read as what it must be: a regular file (a symlink to one is fine: Kubernetes mounts
+    secrets so), opened without blocking, so a FIFO or a device is refused instead of hanging
+    the agent, and of at most :data:`MAX_SECRET_BYTES`. A missing file is waited for until
+    ``deadline``; an empty one for a moment (the launcher creates it, then writes it)."""
+    hint = "give the job's <run dir>/secret (on storage this host shares with the coordinator)"
+    empty_since: float | None = None
     while True:
-        try:
-            secret = path.read_bytes().strip()
-            if secret:
-                return secret
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise ConfigError(
-                f"--secret-file {str(path)!r}: {e.strerror}; give the job's secret file"
-            ) from None
-        if time.monotonic() > deadline:
-            raise ConfigError(
-                f"--secret-file {str(path)!r} did not appear; give the coordinator's <run dir>/secret "
-                "(on storage this host shares with the coordinator)"
-            )
+        now = time.monotonic()
+        raw = _read_small_file(path, "--secret-file", MAX_SECRET_BYTES, hint)
+        secret = raw.strip() if raw is not None else b""
+        if secret:
+            return secret
+        if raw is not None:
+            empty_since = now if empty_since is None else empty_since
+            if now - empty_since >= _EMPTY_GRACE_S or now > deadline:
+                raise ConfigError(f"--secret-file {str(path)!r} is empty; {hint}")
+        elif now > deadline:
+            raise ConfigError(f"--secret-file {str(path)!r} did not appear; {hint}")
         time.sleep(0.2)
+
+
+def _read_small_file(path: Path, what: str, limit: int, hint: str) -> bytes | None:
+    """A small regular file's bytes, None while it does not exist; ConfigError for anything
+    else (never blocks: O_NONBLOCK, and only a regular file is read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ConfigError(f"{what} {str(path)!r}: {e.strerror}; {hint}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a file"
+            raise ConfigError(f"{what} {str(path)!r} is {kind}, not a regular file; {hint}")
+        raw = os.read(fd, limit + 1)
+    except OSError as e:
+        raise ConfigError(f"{what} {str(path)!r}: {e.strerror}; {hint}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise ConfigError(f"{what} {str(path)!r} holds more than {limit} bytes: not a job secret; {hint}")
+    return raw
 
 
 def join(
@@ -92,6 +155,7 @@ def join(
     timeout: float,
     record: Path | None = None,
     ended: Callable[[], bool] | None = None,
+    secret_file: Path | None = None,
 ) -> tuple[ControlClient, queue.Queue[dict[str, Any]], AgentWelcome] | None:
     """Join the first coordinator that welcomes this agent within ``timeout``: the one the
     run directory's ``record`` names, then each of ``targets`` in turn; None if none does, or
@@ -100,30 +164,63 @@ def join(
     In slices of a few seconds each, round after round, and the record read again every round:
     an address that is dead (a lost coordinator, a stale record) must not use up the time, and
     an agent that starts between a coordinator's loss and its successor's record sees the
-    successor's address once it is written. One that refuses the agent is not asked again."""
+    successor's address once it is written. One that refuses the agent, or whose greeting fails
+    its seal, is not asked again; rounds are paced by :func:`backoff`, and one warning is logged
+    per address and kind of failure, not per try.
+
+    Raises:
+        ConfigError: every address left failed authentication (a wrong ``secret_file``), or a
+            coordinator refused this agent for good (another agent serves its host)."""
     deadline = time.monotonic() + timeout
     refused: set[str] = set()
+    forged: dict[str, str] = {}  # address -> why its greeting failed authentication
+    warned: set[tuple[str, str]] = set()
+    rounds = 0
     while True:
         if ended is not None and ended():
             return None
         recorded = recorded_coordinator(record) if record is not None else None
         order = [recorded] if recorded is not None else []
         order += [t for t in targets if t not in order]
-        order = [a for a in order if a not in refused]
+        order = [a for a in order if a not in refused and a not in forged]
         if not order:
+            _wrong_secret(forged, secret_file)
             return None
         for address in order:
             left = deadline - time.monotonic()
             if left <= 0:
+                _wrong_secret(forged, secret_file)
                 return None
             addr, _, port = address.rpartition(":")
             try:
                 return connect((addr, int(port)), secret, hello, min(_JOIN_SLICE_S, left))
+            except RefusedForGood as e:
+                raise ConfigError(f"the coordinator at {address} refused this agent: {e}") from None
             except Refused as e:
                 refused.add(address)
                 log.error("the coordinator at %s refused this agent: %s", address, e)
+            except WrongSecret as e:
+                forged[address] = str(e)
             except (ConnectionError, ProtocolError) as e:
-                log.warning("cannot join the coordinator at %s yet: %s", address, e)
+                if (address, type(e).__name__) not in warned:
+                    warned.add((address, type(e).__name__))
+                    log.warning("cannot join the coordinator at %s yet (retrying quietly): %s", address, e)
+        pause = min(backoff(rounds), deadline - time.monotonic())
+        rounds += 1
+        if pause > 0:
+            time.sleep(pause)
+
+
+def _wrong_secret(forged: dict[str, str], secret_file: Path | None) -> None:
+    """Raise the one error of an agent whose secret no coordinator it reached holds."""
+    if not forged:
+        return
+    address, why = next(iter(forged.items()))
+    named = f"--secret-file {str(secret_file)!r}" if secret_file is not None else "this agent's secret"
+    raise ConfigError(
+        f"wrong job secret: {why}, so {named} is not the secret of the job at {address}; give that "
+        "job's <run dir>/secret (the file its coordinator wrote), or the right --coordinator"
+    )
 
 
 def job_outcome(run_dir: Path) -> str | None:

@@ -224,7 +224,7 @@ def run_agent(
             # noticed a failover late, when the successor had already finished): the ending job
             # removes its secret, and its event log says how it ended.
             ended = None if run_dir is None else (lambda: not secret_file.exists())
-            joined = join(targets, secret, hello, connect_timeout, record, ended)
+            joined = join(targets, secret, hello, connect_timeout, record, ended, secret_file)
             if joined is None:
                 status = job_outcome(run_dir) if run_dir is not None else None
                 if status is not None:

@@ -26,6 +26,7 @@ from checkpointless.launcher.model import LaunchConfig, config_to_json
 from checkpointless.protocol import (
     AgentHeartbeat,
     AgentHello,
+    AgentRefused,
     AgentWelcome,
     ProcExited,
     ProcStarted,
@@ -35,8 +36,10 @@ from checkpointless.protocol import (
     Succession,
     encode,
 )
+from checkpointless.protocol.agent_link import SHM_KEY_LABEL
+from checkpointless.wire import seal_value
 
-__all__ = ["AgentHosts"]
+__all__ = ["AgentHosts", "claimed_host"]
 
 log = get_logger()
 
@@ -47,6 +50,21 @@ def _beat_agents(agents: dict[int, Connection], stop: threading.Event) -> None:
     while not stop.wait(0.5):
         for conn in list(agents.values()):
             conn.send(encode(AgentHeartbeat(time.time())))
+
+
+def claimed_host(live: list[tuple[int, str, str | None]], hello: AgentHello) -> int | None:
+    """The live host whose address ``hello`` claims, if another agent serves it: None when the
+    address is free or the hello comes from that host's own agent again.
+
+    ``live`` is each live host's id, address and failover address (None where it has none: the
+    coordinator's own host). An agent's failover address is its own listening socket, bound
+    once per agent process, so the same one is the same agent rejoining after its host was
+    fenced (its old host not yet declared lost); any other is a second agent on a host that
+    already has one, whose processes would share that host's ports and name."""
+    for host, address, failover in live:
+        if address == hello.host and not (failover and failover == hello.failover):
+            return host
+    return None
 
 
 class AgentHosts:
@@ -170,6 +188,20 @@ class AgentHosts:
             if conn in self._agent_of or conn.worker_id is not None or coord.stopping is not None:
                 conn.hang_up()
                 return
+            live = [
+                (h.host, h.address, self._failover.get(h.host)) for h in coord.hosts.values() if not h.lost
+            ]
+            taken = claimed_host(live, msg)
+            if taken is not None:
+                why = (
+                    f"host {msg.host} is served by agent {taken} already (live); this agent "
+                    f"(pid {msg.pid} on {msg.hostname or '?'}) is a second one for the same host: "
+                    "stop it, or give it this host's own address with --host"
+                )
+                log.warning("refused an agent from %s (%s): %s", msg.host, msg.hostname or "?", why)
+                conn.send(encode(AgentRefused(why)))
+                conn.hang_up()
+                return
             host = self._next_host
             self._next_host += 1
             self._agent_of[conn] = host
@@ -207,7 +239,7 @@ class AgentHosts:
             job_id=self.job_id,
             control=f"{self.server.address[0]}:{self.server.address[1]}",
             run_dir=str(self.run_dir.resolve()),
-            shm_key=self.shm_key,
+            shm_key=seal_value(self.server.secret, SHM_KEY_LABEL, self.shm_key.encode()),
             script=str(Path(c.script).resolve()),
             script_args=list(c.script_args),
             nproc=c.per_node,

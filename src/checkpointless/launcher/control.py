@@ -4,11 +4,16 @@ One TCP connection per worker process, on loopback (or the job's own interface).
 small JSON objects with a ``type``, sealed (:mod:`checkpointless.wire`) with keys derived from the
 per-job secret, one per direction (``control/c2s``, ``control/s2c``).
 
-Replay protection: on accept the launcher sends a fresh nonce; every worker frame carries it and
-a strictly increasing sequence number inside the sealed header, and the worker's first frame adds
-a nonce of the worker's own, which every launcher frame then carries with its own sequence. A
-frame recorded on another connection, or in the other direction, is therefore refused, and a
-refused frame closes the connection without any sealed answer.
+Replay protection, both ways: the worker speaks first, an opening of :data:`OPENING_SIZE` bytes
+(the protocol's magic and version, then a fresh random nonce of its own). Only then does the
+launcher answer, with a sealed greeting that carries that nonce and a fresh nonce of the
+launcher's. Every later worker frame carries the launcher's nonce and every launcher frame the
+worker's, each with a strictly increasing sequence number inside the sealed header. A frame
+recorded on another connection, or in the other direction, is therefore refused, the greeting
+included: a recorded greeting answers another challenge, so an endpoint without the secret that
+replays one is caught before the worker says anything (:class:`ReplayedGreeting`), and a greeting
+whose seal fails is a wrong secret (:class:`WrongSecret`). A refused frame closes the connection
+without any sealed answer.
 
 The launcher's side is one selector thread for every connection: non-blocking sockets, frames
 assembled incrementally, so an idle or slow peer costs a few hundred bytes, never a thread, and
@@ -36,16 +41,28 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointless.errors import ConfigError
-from checkpointless.wire import FrameDecoder, FrameError, derive_key, encode_frame, recv_frame, send_frame
+from checkpointless.wire import (
+    FrameAuthError,
+    FrameDecoder,
+    FrameError,
+    derive_key,
+    encode_frame,
+    recv_frame,
+    send_frame,
+)
 
 __all__ = [
     "AUTH_DEADLINE_S",
     "MAX_CONTROL_HEADER",
     "MAX_CONTROL_PAYLOAD",
     "MAX_UNAUTHENTICATED",
+    "OPENING_SIZE",
     "Connection",
     "ControlClient",
     "ControlServer",
+    "ReplayedGreeting",
+    "WrongSecret",
+    "opening",
 ]
 
 MAX_CONTROL_HEADER = 64 << 10  # the largest control message (a recovery plan) is a few KiB
@@ -56,7 +73,13 @@ _SEND_TIMEOUT_S = 5.0
 _READ_CHUNK = 64 << 10
 _C2S, _S2C = "control/c2s", "control/s2c"
 # protocol fields inside the sealed header; stripped before a message reaches its consumer
-_NONCE, _SEQ, _CLIENT_NONCE = "_n", "_q", "_c"
+_NONCE, _SEQ, _CLIENT_NONCE = "_n", "_q", "_c"  # _c: version 2's first frame; ignored now
+# The client's opening: the control protocol's magic and version (3: the client speaks first and
+# the greeting answers its nonce), then its nonce. Fixed-size raw bytes, so the server answers it
+# without parsing anything a peer chose.
+_OPEN_MAGIC = b"cl-ctl\x00\x03"
+_OPEN_NONCE = 16
+OPENING_SIZE = len(_OPEN_MAGIC) + _OPEN_NONCE
 _LISTENER, _WAKER = object(), object()
 
 # Every live ControlClient of this process. A forked child (a DataLoader worker) closes its copies
@@ -73,6 +96,23 @@ def _close_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_close_in_child)
+
+
+class WrongSecret(ConnectionError):
+    """The endpoint's greeting failed its seal: it does not hold the secret this process was
+    given (a wrong --secret-file, or another job's coordinator on a stale address)."""
+
+
+class ReplayedGreeting(ConnectionError):
+    """The endpoint's greeting was sealed with the job's secret but answers another connection's
+    nonce: a recording replayed by an endpoint that does not hold the secret (or a peer of an
+    older protocol version, whose greeting answers nothing)."""
+
+
+def opening() -> tuple[bytes, str]:
+    """A client's opening bytes and the nonce in them (hex, as the greeting must carry it)."""
+    nonce = secrets.token_bytes(_OPEN_NONCE)
+    return _OPEN_MAGIC + nonce, nonce.hex()
 
 
 def _send_bounded(sock: socket.socket, key: bytes, msg: dict[str, Any], timeout: float) -> None:
@@ -101,8 +141,9 @@ class Connection:
         self.worker_id: int | None = None
         self.closed = False
         self.authenticated = False
+        self.opening = bytearray()  # the worker's opening, until it is whole
         self.nonce = secrets.token_hex(16)  # ours; the worker's frames must carry it
-        self.peer_nonce = ""  # the worker's; our frames carry it
+        self.peer_nonce = ""  # the worker's (from its opening); our frames carry it
         self.last_in = 0
         self.accepted_at = time.monotonic()
         self._tx_key = derive_key(secret, _S2C)
@@ -138,17 +179,30 @@ class Connection:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
+    @property
+    def opened(self) -> bool:
+        """True once the worker's opening is whole (and the greeting answered it)."""
+        return len(self.opening) >= OPENING_SIZE
+
+    def take_opening(self, data: bytes) -> bool:
+        """Add bytes of the worker's opening; once it is whole, check its magic and answer with
+        the greeting that carries its nonce. False: not an opening of this protocol version."""
+        self.opening += data
+        if not self.opened:
+            return True
+        if bytes(self.opening[: len(_OPEN_MAGIC)]) != _OPEN_MAGIC:
+            return False
+        self.peer_nonce = bytes(self.opening[len(_OPEN_MAGIC) :]).hex()
+        self._send_sealed({"type": "_greeting", "nonce": self.nonce, _NONCE: self.peer_nonce})
+        return True
+
     def accept_frame(self, header: dict[str, Any]) -> dict[str, Any]:
         """Check a sealed frame's nonce and sequence; return the message without them."""
         seq = header.pop(_SEQ, None)
         if header.pop(_NONCE, None) != self.nonce or not isinstance(seq, int) or seq <= self.last_in:
             raise FrameError("control frame replayed, reordered or from another connection")
-        client_nonce = header.pop(_CLIENT_NONCE, None)
-        if not self.authenticated:
-            if not isinstance(client_nonce, str) or not client_nonce:
-                raise FrameError("first control frame lacks the worker's nonce")
-            self.peer_nonce = client_nonce
-            self.authenticated = True
+        header.pop(_CLIENT_NONCE, None)
+        self.authenticated = True
         self.last_in = seq
         return header
 
@@ -256,18 +310,14 @@ class ControlServer:
                 self._drop(oldest, "too many unauthenticated connections", report=False)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(sock, self.secret)
-            try:  # the greeting: our nonce, which the worker's frames must carry
-                conn._send_sealed({"type": "_greeting", "nonce": conn.nonce})
-            except OSError:
-                sock.close()
-                continue
+            conn = Connection(sock, self.secret)  # greeted once its opening is whole (_read)
             self._conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
     def _read(self, conn: Connection) -> None:
+        want = conn.decoder.want() if conn.opened else OPENING_SIZE - len(conn.opening)
         try:
-            data = conn.sock.recv(min(_READ_CHUNK, conn.decoder.want()))
+            data = conn.sock.recv(min(_READ_CHUNK, want))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
@@ -275,6 +325,16 @@ class ControlServer:
             return
         if not data:
             self._drop(conn, "peer closed the connection", report=True)
+            return
+        if not conn.opened:
+            try:
+                ok = conn.take_opening(data)
+            except OSError as e:
+                self._drop(conn, str(e), report=False)
+                return
+            if not ok:
+                self.rejected += 1
+                self._drop(conn, "not a control opening of this protocol version", report=False)
             return
         try:
             messages = [conn.accept_frame(h) for h, _ in conn.decoder.feed(data)]
@@ -332,22 +392,33 @@ class ControlClient:
                         f"cannot reach the launcher at {address[0]}:{address[1]}: {e}"
                     ) from e
                 time.sleep(0.05)
+        where = f"{address[0]}:{address[1]}"
+        opening_bytes, self._nonce = opening()
+        self._seq_out = 0
+        self._last_in = 0
         try:
-            greeting, _ = recv_frame(
+            self.sock.sendall(opening_bytes)
+            raw, _ = recv_frame(
                 self.sock, self._rx_key, deadline, MAX_CONTROL_PAYLOAD, max_header=MAX_CONTROL_HEADER
             )
+        except FrameAuthError as e:
+            self.sock.close()
+            raise WrongSecret(f"the greeting from {where} failed authentication: {e}") from e
         except (OSError, FrameError) as e:
             self.sock.close()
-            raise ConnectionError(
-                f"the launcher at {address[0]}:{address[1]} sent no valid greeting: {e}"
-            ) from e
+            raise ConnectionError(f"the launcher at {where} sent no valid greeting: {e}") from e
+        try:
+            greeting = self._accept(raw)  # it must answer our nonce: a recorded one does not
+        except FrameError:
+            self.sock.close()
+            raise ReplayedGreeting(
+                f"the greeting from {where} answers another connection's nonce (a replayed "
+                "greeting, or an older checkpointless): refused"
+            ) from None
         self._server_nonce = greeting.get("nonce")
-        self._nonce = secrets.token_hex(16)
-        self._seq_out = 0
-        self._last_in = greeting.get(_SEQ, 0)
         if greeting.get("type") != "_greeting" or not isinstance(self._server_nonce, str):
             self.sock.close()
-            raise ConnectionError(f"the launcher at {address[0]}:{address[1]} sent an unexpected greeting")
+            raise ConnectionError(f"the launcher at {where} sent an unexpected greeting")
         # Blocking reads on the reader thread; sends bounded by a kernel option, because a
         # settimeout would also make the reader's long wait time out mid-frame.
         self.sock.settimeout(None)
@@ -367,8 +438,6 @@ class ControlClient:
         with self._send_lock:
             self._seq_out += 1
             framed = {**msg, _NONCE: self._server_nonce, _SEQ: self._seq_out}
-            if self._seq_out == 1:
-                framed[_CLIENT_NONCE] = self._nonce
             send_frame(self.sock, self._tx_key, framed)
 
     def _accept(self, header: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ This package is where every name is imported from; its modules split the definit
 from checkpointless.protocol.agent_link import (
     AgentHeartbeat,
     AgentHello,
+    AgentRefused,
     AgentWelcome,
     KillCmd,
     ProcConnected,
@@ -66,6 +67,7 @@ __all__ = [
     "Abort",
     "AgentHeartbeat",
     "AgentHello",
+    "AgentRefused",
     "AgentWelcome",
     "Assign",
     "Committed",

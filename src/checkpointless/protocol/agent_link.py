@@ -17,9 +17,14 @@ from typing import Any, ClassVar
 
 from checkpointless.protocol.base import Message
 
+# wire.seal_value's label for AgentWelcome.shm_key: the one secret a welcome carries
+SHM_KEY_LABEL = "control/welcome/shm_key"
+
 __all__ = [
+    "SHM_KEY_LABEL",
     "AgentHeartbeat",
     "AgentHello",
+    "AgentRefused",
     "AgentWelcome",
     "KillCmd",
     "ProcConnected",
@@ -106,6 +111,7 @@ class AgentWelcome(Message):
     job_id: str
     control: str  # host:port the workers connect to
     run_dir: str
+    # the job's /dev/shm key, confidential: sealed (wire.seal_value, SHM_KEY_LABEL), never in clear
     shm_key: str
     script: str
     script_args: list[str] = field(default_factory=list)
@@ -119,6 +125,15 @@ class AgentWelcome(Message):
     fork_server: bool = True
     term: int = 0  # the coordinator's term (failover): an agent never goes back to a lower one
     config: dict[str, Any] = field(default_factory=dict)  # the job's settings, for a takeover
+
+
+@dataclass(frozen=True)
+class AgentRefused(Message):
+    """The coordinator will not take this agent, and asking again cannot help (another live
+    agent already serves the host it claims): the agent stops with ``reason``."""
+
+    TYPE: ClassVar[str] = "agent_refused"
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ __all__ = ["VERSION", "Message", "ProtocolError"]
 
 # 2: Recover carries a peer-table delta and a compact plan; PeerTable/PeerTableRequest;
 # AgentHeartbeat carries the host's workers' beats
-VERSION = 2
+# 3: the control channel's client speaks first (launcher/control.py's opening); AgentWelcome's
+# shm_key is a sealed token (wire.seal_value); AgentRefused
+VERSION = 3
 
 
 class ProtocolError(CheckpointlessError):

@@ -21,6 +21,7 @@ from typing import Any, Union
 from checkpointless.protocol.agent_link import (
     AgentHeartbeat,
     AgentHello,
+    AgentRefused,
     AgentWelcome,
     KillCmd,
     ProcConnected,
@@ -84,6 +85,7 @@ _TYPES: dict[str, type[Message]] = {
         ProcVerdict,
         AgentHeartbeat,
         AgentWelcome,
+        AgentRefused,
         SpawnCmd,
         KillCmd,
         ProcConnected,
