@@ -7,11 +7,10 @@ import pytest
 from checkpointless.coordinator.rules.decisions import (
     MemberReport,
     SpareAction,
-    WorkerHealth,
-    find_hung,
     plan_recovery,
     spare_policy,
 )
+from checkpointless.coordinator.rules.hangs import WorkerHealth, find_hung
 from checkpointless.errors import NotRecoverableError
 
 pytestmark = pytest.mark.timeout(10)

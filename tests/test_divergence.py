@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from checkpointless.coordinator.rules.budget import first_step_limit
-from checkpointless.coordinator.rules.decisions import MemberReport, WorkerHealth, find_hung, plan_recovery
+from checkpointless.coordinator.rules.decisions import MemberReport, plan_recovery
+from checkpointless.coordinator.rules.hangs import WorkerHealth, find_hung
 from checkpointless.recovery.divergence import due, judge, state_digest
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,7 +1,7 @@
 """Losses, as the coordinator meets them: a process that exited, a spare lost, a host lost, and
 hangs judged from the heartbeats. Each becomes a fault in the ledger and a round that handles it
 (:class:`~checkpointless.coordinator.rounds.Rounds`); the hang rules themselves are the pure
-functions of ``rules/decisions.py`` and ``rules/budget.py``.
+functions of ``rules/hangs.py`` and ``rules/budget.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rounds import Rounds
 from checkpointless.coordinator.rules.budget import first_step_limit, progress_limit
-from checkpointless.coordinator.rules.decisions import WorkerHealth, find_hung
+from checkpointless.coordinator.rules.hangs import WorkerHealth, find_hung
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import RETIRED, Member
 from checkpointless.coordinator.tables import TableDelivery

@@ -5,7 +5,8 @@ Nothing here imports anything above it: only the standard library and ``checkpoi
 (tests/test_architecture.py holds that). The coordinator's components in ``coordinator/`` apply
 these rules to their own state; the agent and the launcher use a few of them too (the election).
 
-* ``decisions``: the recovery plan from the members' reports, hang detection, the spare wait;
+* ``decisions``: the recovery plan from the members' reports, and the wait for spares;
+* ``hangs``: which ranks hold the job up, from their heartbeats and progress;
 * ``budget``: the fault budget, respawn loops, the no-progress limits;
 * ``placement``: which host a rank or a spare goes to, and which spares take which ranks;
 * ``stragglers``: hosts whose steps run persistently slower than the others';
