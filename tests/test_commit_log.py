@@ -110,3 +110,20 @@ def test_a_rank_taken_over_continues_its_log_s_counts(tmp_path: Path) -> None:
     assert run.dropped[0]["commits"] + len([c for c in run.commits if not c.get("kept")]) == 900
     gens = {c["generation"] for c in run.commits}
     assert gens == {0, 1, 2}  # every generation's boundary commits are kept
+
+
+def test_a_follower_sees_every_commit_once_across_rotations(tmp_path: Path) -> None:
+    """What the metrics endpoint needs of rank-0.jsonl: a LogTail polled while the real writer
+    rotates (every ~25 commits here) returns each commit once, in order."""
+    from checkpointless.observe.runfiles import LogTail
+
+    log = CommitLog(tmp_path / "rank-0.jsonl", rotate_bytes=2048, rank=0, worker=0)
+    tail = LogTail(tmp_path / "rank-0.jsonl")
+    seen: list[int] = []
+    for step in range(3000):
+        log.emit("commit", step=step, generation=0)
+        if step % 7 == 0:
+            seen += [json.loads(x)["step"] for x in tail.poll() if b'"event":"commit"' in x]
+    log.close()
+    seen += [json.loads(x)["step"] for x in tail.poll() if b'"event":"commit"' in x]
+    assert seen == list(range(3000))

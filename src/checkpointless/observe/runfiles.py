@@ -38,7 +38,7 @@ from typing import Any
 
 from checkpointless.errors import ConfigError
 
-__all__ = ["MAX_LINE", "RunFiles", "iter_jsonl", "load_run", "open_regular", "read_jsonl"]
+__all__ = ["MAX_LINE", "LogTail", "RunFiles", "iter_jsonl", "load_run", "open_regular", "read_jsonl"]
 
 MAX_LINE = 64 * 1024  # bytes: the longest record a writer produces is a few kB
 _MAX_RANK = 1 << 20  # more ranks than any job has; a larger nproc is a damaged record
@@ -360,3 +360,65 @@ def load_run(run_dir: str | os.PathLike[str]) -> RunFiles:
             _read_rank(f, int(m.group(1)), files)
     files.commits.sort(key=lambda e: float(e["time"]))
     return files
+
+
+class LogTail:
+    """Follows an append-only JSON-lines file that its writer rotates by renaming it to
+    ``<name>.1`` (``recovery/commit_log.py``): each :meth:`poll` gives the complete lines written
+    since the last one, across a rotation, each line once.
+
+    The file a poll left off in is known by its inode: when the path names another file, the
+    rest of the old one is read from ``<name>.1`` first, then the new one from its start. A poll
+    must come at least once per rotation (a rank's log rotates every ~360 commits); lines over
+    ``max_line`` are skipped, and a file is read through :func:`open_regular` (no symlink, no FIFO).
+    """
+
+    def __init__(self, path: Path, max_line: int = MAX_LINE, chunk: int = 1 << 20) -> None:
+        self.path = path
+        self.max_line = max_line
+        self.chunk = chunk  # bytes read per poll from the current file: a poll stays short
+        self._id: tuple[int, int] | None = None
+        self._offset = 0
+        self._partial = b""
+        self._skipping = False  # inside a line over max_line
+
+    def poll(self) -> list[bytes]:
+        """The complete lines appended since the last call (without their newline).
+
+        Raises:
+            ConfigError: the path is a symlink or not a regular file.
+        """
+        out: list[bytes] = []
+        now = _ino(self.path)
+        if self._id is not None and now != self._id:
+            old = Path(f"{self.path}.1")
+            if _ino(old) == self._id:
+                out += self._read(old, limit=None)  # the rest of the file it was reading
+            self._id, self._offset, self._partial, self._skipping = None, 0, b"", False
+        if now is not None:
+            self._id = now
+            out += self._read(self.path, limit=self.chunk)
+        return out
+
+    def _read(self, path: Path, limit: int | None) -> list[bytes]:
+        fd = open_regular(path)
+        if fd is None:
+            return []
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if (st.st_dev, st.st_ino) != self._id:
+                return []  # rotated again since the lstat: the next poll takes it from .1
+            f.seek(self._offset)
+            data = f.read() if limit is None else f.read(limit)
+        self._offset += len(data)
+        *lines, rest = (self._partial + data).split(b"\n")
+        out = []
+        for line in lines:
+            if self._skipping:
+                self._skipping = False  # the end of a line that was too long
+            elif line.strip() and len(line) <= self.max_line:
+                out.append(line)
+        if len(rest) > self.max_line:
+            rest, self._skipping = b"", True
+        self._partial = rest
+        return out
