@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import statebench as sb
+from _harness import statebench as sb
 
 from checkpointless.state.durable import CheckpointEvery, CheckpointWriter, list_checkpoints
 from checkpointless.state.snapshot import capture_rng, collect_state

@@ -14,7 +14,7 @@ commit logs, after a warm-up; the result is the ratio of the medians, and the me
 ratios of adjacent pairs.
 
     .venv/bin/python benchmarks/overhead.py            # 6 pairs of 200-step runs, 2 ranks (~5 min)
-    .venv/bin/python benchmarks/overhead.py --nproc 4 --pairs 4 --out benchmarks/results/overhead-4ranks.json
+    .venv/bin/python benchmarks/overhead.py --nproc 4 --pairs 4 --out /tmp/overhead-4ranks.json
     .venv/bin/python benchmarks/overhead.py --quick    # 1 pair of 60-step runs
     .venv/bin/python benchmarks/overhead.py --divergence-cost  # the divergence check's share alone
 
@@ -171,26 +171,6 @@ def launch(a: argparse.Namespace, design: str, run_dir: Path) -> bl.Finished:
     )
 
 
-def other_runs() -> list[str]:
-    """One line for each other saved configuration (e.g. overhead-4ranks.json), for the report."""
-    out = []
-    for f in sorted(bl.RESULTS.glob("overhead-*.json")):
-        if f.name.endswith("-quick.json"):
-            continue
-        try:
-            d = json.loads(f.read_text())
-            s, p = d["summary"], d["params"]
-            out.append(
-                f"- Also measured, `{d['command']}` ({d['machine']['date']}; {f.name}): {p['nproc']} ranks, "
-                f"{p['pairs']} pairs: median-step ratio {s['ratio_median_step']:.3f}, pair ratios "
-                f"{s['pair_ratios']['min']:.2f}-{s['pair_ratios']['max']:.2f}, CPU-per-step ratio "
-                f"{s['ratio_cpu_per_step']:.3f}."
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
-
-
 def write_markdown(result: dict[str, Any]) -> None:
     info, p = result["machine"], argparse.Namespace(**result["params"])
     md = [
@@ -221,10 +201,9 @@ def write_markdown(result: dict[str, Any]) -> None:
         "## Notes",
         "",
         *[f"- {n}" for n in result["notes"]],
-        *other_runs(),
         "",
     ]
-    (bl.RESULTS / "overhead.md").write_text("\n".join(md))
+    print("\n".join(md))  # the result file is the JSON; BENCHMARKS.md renders from it
 
 
 def main() -> int:
@@ -244,7 +223,9 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=400.0)
     ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
     ap.add_argument("--out", help="JSON output (default results/overhead.json; --quick: overhead-quick.json)")
-    ap.add_argument("--report-only", action="store_true", help="rewrite overhead.md from overhead.json")
+    ap.add_argument(
+        "--report-only", action="store_true", help="print the Markdown report of results/overhead.json"
+    )
     ap.add_argument("--divergence-check", type=int, help="pass --divergence-check N to the launcher")
     ap.add_argument(
         "--divergence-cost", action="store_true", help="measure only the divergence check's per-step share"

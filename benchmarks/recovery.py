@@ -13,9 +13,9 @@ commit logs and the launchers' own records: the downtime from the fault to the n
 completed on every rank and its parts (detection, abort, rebuild, state transfer, first batch,
 first step), the steps that had been completed and had to be computed again, the time until the
 job has again completed the step the fault hit, the job time added over (c) of the same design,
-and whether the final weights are bitwise those of (c) (the log readers are benchmarks/downtime.py's,
+and whether the final weights are bitwise those of (c) (the log readers are benchmarks/_harness/downtime.py's,
 shared with benchmarks/sharded_recovery.py). It prints tables, writes
-``benchmarks/results/recovery.json`` and ``recovery.md``, and the measured costs the goodput
+``benchmarks/results/recovery.json`` (and prints its Markdown report), and the measured costs the goodput
 simulator reads (``benchmarks/results/calibration.json``).
 
     .venv/bin/python benchmarks/recovery.py            # 3 repeats x 3 kinds x (a, K=10, K=50) + (c): 36 jobs
@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as bl
-from downtime import (
+from _harness.downtime import (
     KIND_LABEL,
     KINDS,
     PHASE_LABEL,
@@ -386,7 +386,7 @@ def write_markdown(
         "`benchmarks/results/calibration.json`.",
         "",
     ]
-    (bl.RESULTS / "recovery.md").write_text("\n".join(lines))
+    print("\n".join(lines))  # the result file is the JSON; BENCHMARKS.md renders from it
 
 
 def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[RunRecord]) -> list[str]:
@@ -466,7 +466,7 @@ def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[RunRecord
         notes.append(
             f"Normal step time in (c): checkpointless {steps['a']:.3f} s, torchrun DDP {min(other):.3f}-"
             f"{max(other):.3f} s. With {a.nproc} ranks on {os.cpu_count()} cores the ranks share cores; "
-            "benchmarks/results/overhead.md measures this steady-state difference on its own."
+            "benchmarks/overhead.py measures this steady-state difference on its own."
         )
     starts = {k: c["no_fault"]["launch_to_first_step_s"]["median"] for k, c in agg["configs"].items()}
     if starts.get("a") is not None and any(v is not None for k, v in starts.items() if k != "a"):
@@ -528,7 +528,7 @@ def report_only() -> int:
     write_markdown(a, agg, tables, saved["machine"], notes, saved["command"])
     bl.write_json(bl.RESULTS / "calibration.json", calibration(a, agg))
     print(tables)
-    print(f"\nrewrote {bl.RESULTS / 'recovery.md'} and calibration.json")
+    print(f"\nrewrote {bl.RESULTS / 'calibration.json'}")
     return 0
 
 
@@ -562,7 +562,7 @@ def main() -> int:
     ap.add_argument(
         "--report-only",
         action="store_true",
-        help="run nothing: rewrite recovery.md and calibration.json from results/recovery.json "
+        help="run nothing: print the report and rewrite calibration.json from results/recovery.json "
         "(and the current transfer.json)",
     )
     a = ap.parse_args()

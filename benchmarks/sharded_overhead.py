@@ -148,7 +148,10 @@ def one_run(a: argparse.Namespace, design: str, mesh: tuple[int, int], i: int, w
     digest = sl.combine_digests(run_dir, mesh[0] * mesh[1])
     error = bl.run_error(fin.timed_out, fin.rc, len(st), min(5, a.steps - start - 1), (fin.cpu_error, cps))
     if error:
-        error += f" (logs in {run_dir})"
+        tail = (
+            (run_dir / "stderr.log").read_text(errors="replace").strip().splitlines()[-1:] if fin.rc else []
+        )
+        error += f" (logs in {run_dir})" + "".join(f": {line[-300:]}" for line in tail)
     rec: dict[str, Any] = {
         "design": design,
         "mesh": f"{mesh[0]}x{mesh[1]}",

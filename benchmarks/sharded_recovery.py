@@ -14,7 +14,7 @@ runs, per repeat, side by side:
   (``--no-reference`` leaves it out).
 
 Measured from the per-rank commit logs and the launchers' records, with the readers of
-benchmarks/downtime.py (shared with benchmarks/recovery.py, whose tables it prints too): downtime from the kill to the next step completed on every rank and its
+benchmarks/_harness/downtime.py (shared with benchmarks/recovery.py, whose tables it prints too): downtime from the kill to the next step completed on every rank and its
 phases (detect, abort, rebuild, state, first batch, first step), steps computed twice, the time to
 be back at the fault's step, and whether every rank's final shards are bitwise (c)'s.
 
@@ -37,9 +37,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as bl
-import downtime as dt
 import recovery as rv
 import shardlib as sl
+from _harness import downtime as dt
 
 __all__ = ["main"]
 

@@ -32,7 +32,7 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import statebench as sb
+from _harness import statebench as sb
 
 from checkpointless.state.shm_dir import snapshot_path
 from checkpointless.state.shm_snapshot import SnapshotWriter

@@ -43,7 +43,7 @@ __all__ = [
     "timed_steps",
 ]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 # the launcher's recovery event fields both benchmarks report
 RECOVERY_KEYS = (

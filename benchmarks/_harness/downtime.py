@@ -18,16 +18,13 @@ import datetime
 import itertools
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "baseline"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as bl
+import _harness as bl  # the package itself, loaded before this module
 
 __all__ = [
     "KINDS",

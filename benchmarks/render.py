@@ -1,0 +1,468 @@
+"""BENCHMARKS.md's tables, rendered from the result files in ``benchmarks/results/``.
+
+Each benchmark has one block in BENCHMARKS.md: the line ``<!-- render:KEY -->``, then a line with
+its result file, command, date and machine, and its table, every figure read from the result
+file here. The prose around the blocks is written by hand and holds no
+table. ``tests/test_benchmarks_doc.py`` checks that the committed blocks are what this script
+renders, that no table stands outside a block, and that every result file is cited and every
+cited file exists.
+
+    .venv/bin/python benchmarks/render.py           # rewrite the blocks of BENCHMARKS.md in place
+    .venv/bin/python benchmarks/render.py --check   # exit 1 and list what is out of date
+
+A new benchmark: add its ``Block`` to ``BLOCKS`` (a table function over its result file) and a
+``<!-- render:KEY -->`` line where its section goes; then run this script.
+"""
+
+# ruff: noqa: RUF001, RUF002 - the tables use the en dash and the multiplication sign of BENCHMARKS.md
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+RESULTS = BENCH / "results"
+DOC = REPO / "BENCHMARKS.md"
+
+Rows = list[list[str]]
+Table = tuple[list[str], Rows]
+
+
+# -- reading and formatting --------------------------------------------------------------------
+def get(d: Any, path: str) -> Any:
+    """The value at a dotted key path; ``[i]`` indexes a list (``summary[0].size``)."""
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        d = d[int(part[1:-1])] if part.startswith("[") else d[part]
+    return d
+
+
+def num(x: Any, nd: int = 2, unit: str = "", scale: float = 1.0) -> str:
+    if x is None:
+        return "–"
+    return f"{float(x) * scale:,.{nd}f}{unit}"
+
+
+def spread(s: dict[str, Any], nd: int = 2, unit: str = " s", scale: float = 1.0) -> str:
+    """A median with its [min–max] over the repeats, from ``_harness.summary``'s dict."""
+    if s.get("median") is None:
+        return "–"
+    med = num(s["median"], nd, unit, scale)
+    if s.get("n", 1) <= 1 or s["min"] == s["max"]:
+        return med
+    return f"{med} [{num(s['min'], nd, '', scale)}–{num(s['max'], nd, '', scale)}]"
+
+
+def ci(c: dict[str, Any], nd: int = 3) -> str:
+    """A geometric mean of paired ratios with its 95% interval and number of rounds."""
+    if not c or c.get("geomean") is None:
+        return "–"
+    if c.get("lo") is None:
+        return f"{c['geomean']:.{nd}f} ({c['n']} rounds)"
+    return f"{c['geomean']:.{nd}f} ({c['lo']:.{nd}f}–{c['hi']:.{nd}f}), {c['n']} rounds"
+
+
+# -- the tables ----------------------------------------------------------------------------------
+def t_recovery(d: dict[str, Any]) -> Table:
+    cfg, ratios = d["summary"]["configs"], d["summary"]["ratios"]
+    rows = []
+    for kind, label in (("raise", "exception"), ("kill", "SIGKILL"), ("hang", "hang (SIGSTOP)")):
+        cells = [spread(cfg[c]["kinds"][kind]["downtime_s"]) for c in ("a", "b10", "b50")]
+        r = f"{num(ratios[f'{kind}/b10']['downtime'], 3)} / {num(ratios[f'{kind}/b50']['downtime'], 3)}"
+        rows.append([label, *cells, r])
+    head = [
+        "fault",
+        "(a) checkpointless downtime",
+        "(b) torchrun K=10",
+        "(b) torchrun K=50",
+        "ratio (a)/(b) K=10 / K=50",
+    ]
+    return head, rows
+
+
+def t_overhead(d: dict[str, Any]) -> Table:
+    s = d["summary"]
+    rows = [
+        [
+            d["machine"]["date"][:10],
+            str(d["params"]["nproc"]),
+            str(d["params"]["pairs"]),
+            num(s["ratio_median_step"], 3),
+            spread(s["pair_ratios"], 3, ""),
+            num(s["ratio_cpu_per_step"], 3),
+        ]
+    ]
+    return ["run", "ranks", "pairs", "median-step ratio", "pair ratios", "CPU-per-step ratio"], rows
+
+
+def _transfer(d: dict[str, Any]) -> Table:
+    sizes = d["summary"]
+    head = [
+        "receiver",
+        *(
+            f"{num(x['size'] / 1e9, 0)} GB" if x["size"] >= 1e9 else f"{num(x['size'] / 1e6, 0)} MB"
+            for x in sizes
+        ),
+    ]
+    rows = []
+    for key, label in (
+        ("replica", "a replica's own tensors"),
+        ("spare", "a promoted spare"),
+        ("fresh", "new memory"),
+        ("gloo", "over the gloo group"),
+    ):
+        rows.append([label, *(num(x[f"{key}_e2e_pct"]["median"], 0, "%") for x in sizes)])
+    return head, rows
+
+
+def t_cost_and_downtime(every_key: str) -> Callable[[dict[str, Any]], Table]:
+    def table(d: dict[str, Any]) -> Table:
+        c = d["cost"]
+        every = list(c["overhead_pct"])
+        rows = [
+            [
+                f"`{every_key}` " + " / ".join(every),
+                " / ".join(num(c["overhead_pct"][k], 1, "%") for k in every),
+            ]
+        ]
+        per = next(k for k in c if k.startswith("extra_wall_s_per_"))
+        cpu = per.replace("wall", "cpu")
+        rows.append(
+            ["cost per copy: wall / CPU", f"{num(c[per], 1, ' ms', 1000)} / {num(c[cpu], 1, ' ms', 1000)}"]
+        )
+        for name, r in d["downtime"].items():
+            parts = ", ".join(
+                f"{k[:-2]} {num(r[k], 3)}" for k in ("collect_s", "rebuild_s", "transfer_s", "first_step_s")
+            )
+            rows.append([f"downtime, {name}", f"{num(r['downtime_s'])} s ({parts})"])
+        return ["measure", "value"], rows
+
+    return table
+
+
+def t_rendezvous_scale(d: dict[str, Any]) -> Table:
+    rows = [
+        [num(r["ranks"], 0), num(r["central_unbatched_s"], 1, " s"), num(r["central_s"], 2, " s"),
+         num(r["rootless_s"], 2, " s"), num(r["speedup"], 1, "×")]
+        for r in d["model"]["rows"]
+        if r["ranks"] in (1024, 8192, 100_000)
+    ]  # fmt: skip
+    return ["ranks (model)", "TCPStore unbatched", "TCPStore batched", "root-less", "speed-up"], rows
+
+
+def t_rendezvous_pg(d: dict[str, Any]) -> Table:
+    rows = [
+        [r["store"], str(r["ranks"]), num(r["startup_median_ms"], 1, " ms"), num(r["rebuild_median_ms"], 1, " ms"),
+         num(r["rebuild_max_ms"], 1, " ms"), r["rank0_replaced_summary"]]
+        for r in d["rows"]
+        if r["ranks"] == 4
+    ]  # fmt: skip
+    return ["store", "ranks", "start-up", "rebuild (median)", "rebuild (max)", "rank 0 replaced"], rows
+
+
+def t_host_loss(d: dict[str, Any]) -> Table:
+    rows = []
+    for name, s in d["summary"].items():
+        ratio = s.get("ratio_checkpointless_over_this")
+        rows.append(
+            [
+                name,
+                num(s["downtime_s"]) + " s",
+                num(s["regain_s"]) + " s",
+                str(s["lost_steps"]),
+                num(ratio, 3),
+            ]
+        )
+    return ["design", "downtime", "regain", "lost steps", "ratio checkpointless / this"], rows
+
+
+def t_failover(d: dict[str, Any]) -> Table:
+    keys = ("elect_s", "rebuild_s", "to_coordinator_s", "downtime_s")
+    n = {name: sum(r["scenario"] == name for r in d["runs"]) for name in d["median"]}
+    rows = [
+        [f"{name} (median of {n[name]})", *(num(m[k], 0, " ms", 1000) for k in keys)]
+        for name, m in d["median"].items()
+    ]
+    return [
+        "scenario",
+        "election",
+        "rebuild",
+        "kill → new coordinator",
+        "kill → every rank's next step",
+    ], rows
+
+
+def t_control_plane(d: dict[str, Any]) -> Table:
+    m = d["model"]
+    rows = [[num(r["interval_s"], 2, " s"), num(r["direct_core_s_per_s"], 2), num(r["aggregated_core_s_per_s"], 2),
+             num(r["tick_core_s_per_s"], 2), num(r["max_ranks_one_core"], 0)] for r in m["per_interval"]]  # fmt: skip
+    rows.append(["fault round / start-up (coordinator CPU)", num(m["fault_round_coordinator_s"], 2, " s"),
+                 num(m["startup_coordinator_s"], 2, " s"), "", ""])  # fmt: skip
+    head = [f"{num(m['ranks'], 0)} ranks: heartbeat every", "cores, a frame per rank", "cores, per-host frames",
+            "ticks (50/s)", "ranks one core holds"]  # fmt: skip
+    return head, rows
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+
+
+def t_data(d: dict[str, Any]) -> Table:
+    rows = [
+        [f"{k}, fresh process (after imports)", num(_median(v["after_imports_ms"]), 2, " ms")]
+        for k, v in d["fresh_process"].items()
+    ]
+    for k, v in d.get("steady_batches_per_s", {}).items():
+        rows.append([f"steady state, {k}", num(v, 0, " batches/s")])
+    for k, v in d.get("memory", {}).items():
+        rows.append([f"memory, {k}: node PSS", num(v["node_pss_mb"], 0, " MB")])
+    return ["measure", "value"], rows
+
+
+def t_goodput(d: dict[str, Any]) -> Table:
+    h = d["headline"]
+    rows = [[num(h["gpus"], 0), num(h["checkpointless_goodput"], 2, "%", 100), num(h["checkpointless_rootless_goodput"], 2, "%", 100),
+             num(h["checkpoint_restart_goodput"], 2, "%", 100)]]  # fmt: skip
+    return [
+        "GPUs",
+        "checkpointless",
+        "checkpointless, root-less rebuild",
+        "checkpoint-restart (Young interval)",
+    ], rows
+
+
+def _paired(v: dict[str, Any] | None, ci_key: str, pairs_key: str, ratio_key: str) -> str:
+    """The paired interval where the run computed one (since session 14); before, the ratio of
+    the medians and the round ratios' spread."""
+    if v is None:
+        return "–"
+    if ci_key in v:
+        return ci(v[ci_key])
+    return f"{num(v[ratio_key], 3)}; rounds {spread(v[pairs_key], 3, '')}"
+
+
+def t_sharded_overhead(d: dict[str, Any]) -> Table:
+    rows = []
+    for mesh, s in d["summary"].items():
+        for design in d["designs"]:
+            p, v = s["designs"][design], s["vs_fsdp"].get(design)
+            rows.append([
+                mesh, design, str(p["runs"]), spread(p["median_step_s"], 1, " ms", 1000),
+                spread(p["cpu_per_step_s"], 1, " ms", 1000),
+                *(_paired(v, "pair_ci95", "pair_ratios", "ratio_median_step"),
+                  _paired(v, "cpu_pair_ci95", "cpu_pair_ratios", "ratio_cpu_per_step")),
+            ])  # fmt: skip
+    return [
+        "mesh",
+        "design",
+        "runs",
+        "median step",
+        "job CPU per step",
+        "paired step ratio (95% CI)",
+        "paired CPU ratio (95% CI)",
+    ], rows
+
+
+def t_sharded_recovery(d: dict[str, Any]) -> Table:
+    cfg, ratios = d["summary"]["configs"], d["summary"]["ratios"]
+    rows = []
+    for c in ("a", "b10", "b50"):
+        k = cfg[c]["kinds"]["kill"]
+        ratio = "" if c == "a" else num(ratios[f"kill/{c}"]["downtime"], 3)
+        rows.append([cfg[c]["label"], spread(k["downtime_s"]), ratio])
+    return ["design", "downtime (rank 1 SIGKILLed)", "ratio checkpointless / this"], rows
+
+
+def t_sharded_transfer(d: dict[str, Any]) -> Table:
+    s = d["summary"]
+    rows = [
+        ["state per shard", num(s["state_bytes"]["median"] / 1e6, 1, " MB")],
+        ["transfer_s (slowest receiver)", spread(s["transfer_s"], 3)],
+        ["aggregate", spread(s["aggregate_mbps"], 0, " MB/s")],
+        ["loopback, 2 streams", spread(s["loopback_n_mbps"], 0, " MB/s")],
+        ["share of loopback", spread(s["share_of_loopback"], 1, "%", 100)],
+        ["of it: the stream (recv_s)", spread(s["receiver_recv_s"], 1, " ms", 1000)],
+        ["of it: restore into FSDP2 + AdamW", spread(s["receiver_state_restore_s"], 1, " ms", 1000)],
+    ]
+    return ["measure", "value"], rows
+
+
+def t_supervision(d: dict[str, Any]) -> Table:
+    old, new = d["designs"]["old"]["median_ms_per_s"], d["designs"]["new"]["median_ms_per_s"]
+    rows = [
+        [k, num(old.get(k), 1), num(new[k], 1)] for k in new if old.get(k) or new[k]
+    ]  # rows of 0.0 left out
+    return ["process: threads", "before (`b840bd3`), ms/s", "after, ms/s"], rows
+
+
+def t_wait_cost(d: dict[str, Any]) -> Table:
+    rows = [
+        [k, num(v["cpu_ms_per_wait"], 2, " ms"), num(v["timeouts_per_wait"], 1)]
+        for k, v in d["summary"].items()
+    ]
+    return ["wait", "CPU per wait", "timeouts per wait"], rows
+
+
+def t_gpu_check(d: dict[str, Any]) -> Table:
+    checks = {k: v for k, v in d.items() if k != "machine" and isinstance(v, dict)}
+    passed = [k for k, v in checks.items() if v.get("ok", True)]
+    c, s = d["communicator_nccl"], d["staging_cuda"]
+    rows = [
+        [f"checks passed: {len(passed)} of {len(checks)}", ", ".join(f"`{k}`" for k in passed)],
+        ["NCCL communicator: form / rebuild", f"{num(c['form_s'], 1, ' ms', 1000)} / {num(c['rebuild_s'], 1, ' ms', 1000)}"],
+        [f"staging {num(s['state_mb'], 0, ' MB')} for a copy: training thread / old synchronous copy",
+         f"{num(s['staging_host_ms'], 2, ' ms')} / {num(s['old_sync_cpu_ms'], 0, ' ms')}"],
+    ]  # fmt: skip
+    return ["check", "result"], rows
+
+
+def t_metrics_scrape(d: dict[str, Any]) -> Table:
+    rows = [
+        [num(r["steps"], 0), num(r["scrapes"], 0), num(r["p50_ms"], 2, " ms"), num(r["p99_ms"], 2, " ms"),
+         num(r["server_cpu_per_scrape_ms"], 2, " ms"), num(r["records_held"], 0), num(r["before_ledger_per_scrape_ms"], 1, " ms")]
+        for r in d["rows"]
+    ]  # fmt: skip
+    head = [
+        "steps",
+        "scrapes",
+        "p50",
+        "p99",
+        "server CPU per scrape",
+        "records held",
+        "before the ledger, per scrape",
+    ]
+    return head, rows
+
+
+# -- the blocks ----------------------------------------------------------------------------------
+DEV = "the 2-vCPU development machine (shared)"
+H200 = "the lent GPU machine (one NVIDIA H200, 16 cores)"
+
+
+@dataclass(frozen=True)
+class Block:
+    key: str
+    file: str  # under benchmarks/results/
+    table: Callable[[dict[str, Any]], Table]
+    machine: str = DEV
+    command: str | None = None  # when the result file does not hold it
+    date: str | None = None  # likewise
+
+
+BLOCKS = [
+    Block("recovery", "recovery.json", t_recovery),
+    Block("overhead", "overhead.json", t_overhead),
+    Block("transfer", "transfer.json", _transfer),
+    Block("transfer_h200", "h200/transfer.json", _transfer, machine=H200,
+          command="CHECKPOINTLESS_BACKEND=gloo python benchmarks/transfer.py --sizes 10M,100M,1G,2G"),
+    Block("snapshot", "snapshot.json", t_cost_and_downtime("--snapshot-every"),
+          command="python benchmarks/snapshot.py --blocks 5"),
+    Block("checkpoint", "checkpoint.json", t_cost_and_downtime("--checkpoint-every"),
+          command="python benchmarks/checkpoint.py --blocks 4 --every 5"),
+    Block("rendezvous_scale", "rendezvous_scale.json", t_rendezvous_scale),
+    Block("rendezvous_pg", "rendezvous_pg.json", t_rendezvous_pg),
+    Block("host_loss", "host_loss.json", t_host_loss, command="sudo python benchmarks/host_loss.py"),
+    Block("failover", "failover.json", t_failover, command="python benchmarks/failover.py --repeats 2"),
+    Block("control_plane", "control_plane.json", t_control_plane),
+    Block("data_first_batch", "data_first_batch.json", t_data, date="2026-11-29"),
+    Block("data_job_loader", "data_job_loader.json", t_data, date="2026-12-01"),
+    Block("goodput", "goodput.json", t_goodput, date="2026-12-01"),
+    Block("sharded_overhead", "sharded_overhead.json", t_sharded_overhead),
+    Block("sharded_recovery", "sharded_recovery.json", t_sharded_recovery),
+    Block("sharded_transfer", "sharded_transfer.json", t_sharded_transfer),
+    Block("supervision_cpu", "supervision_cpu.json", t_supervision, date="2026-12-03"),
+    Block("wait_cost", "wait_cost.json", t_wait_cost),
+    Block("metrics_scrape", "metrics_scrape.json", t_metrics_scrape),
+    Block("gpu_check", "h200/gpu_check.json", t_gpu_check, machine=H200, command="python3 benchmarks/gpu_check.py --out DIR"),
+]  # fmt: skip
+# calibration.json is recovery.py's second output: the measured costs the goodput simulator reads
+SIDE_FILES = {"calibration.json": "recovery"}
+
+
+def markdown_table(headers: list[str], rows: Rows) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _date(block: Block, d: dict[str, Any]) -> str:
+    m = d.get("machine")
+    raw = block.date or (m.get("date") if isinstance(m, dict) else None) or d.get("date") or "–"
+    return str(raw).replace("T", " ")[:16] + (" UTC" if "T" in str(raw) else "")
+
+
+def render_block(block: Block) -> str:
+    d = json.loads((RESULTS / block.file).read_text())
+    command = re.sub(r"\s--out\s+\S+", "", block.command or d.get("command") or "–").strip()
+    m = d.get("machine")
+    git = f", git `{m['git']}`" if isinstance(m, dict) and m.get("git") else ""
+    head = (
+        f"Result file: [benchmarks/results/{block.file}](benchmarks/results/{block.file}) · "
+        f"command: `{command}` · date: {_date(block, d)}{git} · machine: {block.machine}"
+    )
+    return f"<!-- render:{block.key} -->\n{head}\n\n{markdown_table(*block.table(d))}"
+
+
+# A block: its marker, then (once rendered) the line naming its file, a blank line and the table,
+# which ends at the first line that is not a table row. A bare marker is a block to fill in.
+BLOCK_RE = re.compile(r"<!-- render:(\w+) -->(?:\n[^|\n][^\n]*\n\n\|[^\n]*(?:\n\|[^\n]*)*)?")
+
+
+def render(text: str) -> str:
+    by_key = {b.key: b for b in BLOCKS}
+    return BLOCK_RE.sub(lambda m: render_block(by_key[m.group(1)]), text)
+
+
+def problems(text: str, results: Path = RESULTS) -> list[str]:
+    """What is wrong with BENCHMARKS.md's ``text``: stale or missing blocks, tables outside the
+    blocks, result files nobody cites, cited files that do not exist."""
+    out = []
+    keys = BLOCK_RE.findall(text)
+    for b in BLOCKS:
+        if b.key not in keys:
+            out.append(f"no block for {b.key} ({b.file})")
+    if (fresh := render(text)) != text:
+        out.append("the rendered blocks differ from the result files: run benchmarks/render.py")
+    outside = BLOCK_RE.sub("", text)
+    out += [
+        f"a table outside the rendered blocks: {line[:60]}"
+        for line in outside.splitlines()
+        if line.startswith("|")
+    ]
+    cited = {b.file for b in BLOCKS} | set(SIDE_FILES)
+    cited |= {m for m in re.findall(r"benchmarks/results/([\w./-]+\.\w+)", fresh)}
+    files = {p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file()}
+    out += [f"benchmarks/results/{f} is cited nowhere" for f in sorted(files - cited)]
+    out += [f"benchmarks/results/{f} is cited but does not exist" for f in sorted(cited - files)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--check", action="store_true", help="change nothing; exit 1 if BENCHMARKS.md is out of date"
+    )
+    a = ap.parse_args(argv)
+    text = DOC.read_text()
+    if a.check:
+        found = problems(text)
+        for p in found:
+            print(p)
+        return 1 if found else 0
+    DOC.write_text(render(text))
+    left = [p for p in problems(DOC.read_text())]
+    for p in left:
+        print(p)
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
