@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,9 +26,11 @@ from typing import Any
 import pytest
 
 from checkpointless.observe.goodput import RECENT_COMMITS, GoodputMeter
+from checkpointless.observe.httpd import MetricsServer
 from checkpointless.observe.ledger import build_ledger
 from checkpointless.observe.metrics import JobMetrics
 from checkpointless.observe.runfiles import load_run, read_jsonl
+from checkpointless.recovery.commit_log import CommitLog
 from jobs import ROOT, TINY, alive, start_job
 
 PACED = ROOT / "tests" / "scripts" / "paced_steps.py"
@@ -44,8 +47,14 @@ def _proc_status(pid: int) -> tuple[int, int]:
 
 
 def _commits(run_dir: Path) -> int:
-    path = run_dir / "rank-0.jsonl"
-    return path.read_bytes().count(b'"event":"commit"') if path.exists() else 0
+    """Rank 0's commits so far: its log rotates, and each new file opens with the count before it."""
+    try:
+        data = (run_dir / "rank-0.jsonl").read_bytes()
+    except FileNotFoundError:
+        return 0
+    first = data.split(b"\n", 1)[0]
+    before = json.loads(first)["commits"] if b'"event":"commit_log"' in first else 0
+    return int(before) + data.count(b'"event":"commit"')
 
 
 def _wait(what: str, cond: Any, timeout: float, proc: subprocess.Popen[Any] | None = None) -> Any:
@@ -117,12 +126,16 @@ def _flood_result(proc: subprocess.Popen[bytes]) -> dict[str, float]:
 
 def _check_flood(res: dict[str, float], watch: _Watch, threads0: int, rss0: int) -> None:
     assert res["fast_ok"] >= 50, res  # the endpoint kept answering
-    assert res["slow_held_max_s"] < 4.0, res  # slow clients dropped by the ~2 s deadline
+    # slow clients were dropped again and again, not held: the 2 s deadline itself is timed in
+    # test_bounded_server_deadlines_caps_and_sizes (what a flooding client sees adds its time in
+    # the kernel's full accept queue, which the server never sees)
+    assert res["slow_dropped"] >= 150 and res["slow_held_max_s"] < FLOOD_S / 2, res
     watch.check_progress()
     threads = max(s[1] for s in watch.samples)
     rss = max(s[2] for s in watch.samples)
     assert threads <= threads0 + 2, f"threads grew from {threads0} to {threads} under the flood"
     assert rss - rss0 < 30_000, f"RSS grew from {rss0} kB to {rss} kB under the flood"
+    print(f"threads {threads0} -> max {threads}; RSS {rss0} -> max {rss} kB; {res}")
 
 
 @pytest.mark.timeout(180)
@@ -203,6 +216,42 @@ def test_coordinator_with_agents_keeps_committing_while_metrics_are_flooded(
     print(f"flood on coordinator: {res}; threads {threads0}")
 
 
+@pytest.mark.timeout(60)
+def test_bounded_server_deadlines_caps_and_sizes() -> None:
+    """The server alone, with real sockets: a slow client is closed at its 2 s deadline, one past
+    the connection cap at once, an oversized request with 431; one thread serves them all."""
+    server = MetricsServer(lambda: b"up 1\n", "text/plain", max_conns=8, timeout_s=2.0, max_request=8192)
+    port = server.start("127.0.0.1", 0)
+    threads = threading.active_count()
+    try:
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(8)]
+        t0 = time.monotonic()
+        for s in slow:
+            s.sendall(b"GET /metr")  # half a request line
+        _wait("the slow clients to be accepted", lambda: server.open_connections == 8, 5)
+        assert threading.active_count() == threads, "a thread per connection"
+        extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+        t1 = time.monotonic()
+        assert extra.recv(100) == b"" and time.monotonic() - t1 < 1.0, "over the cap: closed at once"
+        for s in slow:
+            assert s.recv(100) == b""  # closed by the server...
+        assert 1.5 < time.monotonic() - t0 < 3.5  # ...at its 2 s deadline
+        assert server.expired == 8 and server.refused == 1
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as big:
+            big.sendall(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 10_000)
+            assert big.recv(100).startswith(b"HTTP/1.1 431")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as ok:
+            ok.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while chunk := ok.recv(4096):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"up 1\n")
+        for s in [*slow, extra]:
+            s.close()
+    finally:
+        server.close()
+
+
 def _feed(meter: GoodputMeter, events: list[dict[str, Any]], commits: list[dict[str, Any]]) -> None:
     """Records in time order, as the metrics' follower applies them."""
     recs = sorted([(float(e["time"]), 0, e) for e in events] + [(float(c["time"]), 1, c) for c in commits])
@@ -251,6 +300,26 @@ def test_goodput_gauge_agrees_with_the_ledger_of_a_real_faulted_run(tmp_path: Pa
     jm.pump(run_dir / "rank-0.jsonl")
     assert jm.meter.goodput(0.0) == pytest.approx(meter.goodput(0.0), abs=1e-9)
     assert jm.steps._value.get() == len(rank0)
+
+
+@pytest.mark.timeout(60)
+def test_the_follower_reads_across_rotations_of_rank_0s_log(tmp_path: Path) -> None:
+    """rank-0.jsonl is rotated by its writer (recovery/commit_log.py); no commit may be lost,
+    even when it rotated twice between two passes (the step counter then takes the summary's)."""
+    log = CommitLog(tmp_path / "rank-0.jsonl", rotate_bytes=2048, rank=0)
+    jm = JobMetrics(tmp_path)
+    n = 0
+    for burst in (5, 30, 1, 60, 7, 200, 3):  # 200 lines: about ten rotations in one pass
+        for _ in range(burst):
+            log.emit("commit", step=n, generation=0)
+            n += 1
+        jm.pump(tmp_path / "rank-0.jsonl")
+    log.close()
+    for _ in range(3):
+        jm.pump(tmp_path / "rank-0.jsonl")
+    assert jm.steps._value.get() == n
+    assert jm.meter.commits <= n  # those of a file rotated away unseen are only counted
+    jm.close()
 
 
 def _synthetic(meter: GoodputMeter, jm: JobMetrics, n: int, t: float, step: int) -> tuple[float, int]:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import heapq
 import json
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -109,7 +110,9 @@ class JobMetrics:
         self._ready: set[int] = set()  # bounded by the job's workers
         self._receivers: dict[int, int] = {}  # generation -> receivers in its plan (the last few)
         self._stop = threading.Event()
-        self._offset = 0
+        self._file: BinaryIO | None = None  # rank-0.jsonl, open across passes (it rotates)
+        self._ino = 0
+        self._read_commits = 0  # commit lines read, to compare with a rotated log's summary
         self._partial = b""
         self._skipping = False  # inside an over-long line, dropped up to its newline
         self._last_commit: dict[str, Any] | None = None
@@ -178,15 +181,31 @@ class JobMetrics:
             except (KeyError, TypeError, ValueError):
                 continue  # a malformed record is not worth stopping the metrics for
 
+    def _read(self, path: Path) -> bytes:
+        """The next bytes of rank 0's log, across its rotations (recovery/commit_log.py): the open
+        file is read to its end, then a new file at ``path`` (another inode) is started at 0."""
+        if self._file is None:
+            try:
+                self._file = open(path, "rb")  # noqa: SIM115 - held across passes, closed in close()
+            except OSError:
+                return b""
+            self._ino = os.fstat(self._file.fileno()).st_ino
+        chunk = self._file.read(_READ_CHUNK)
+        if chunk:
+            return chunk
+        try:
+            rotated = os.stat(path).st_ino != self._ino
+        except OSError:
+            rotated = False  # between the rename and the new file: next pass
+        if rotated:
+            self._file.close()
+            self._file, self._partial, self._skipping = None, b"", False  # a torn last line: gone
+            return self._read(path)
+        return b""
+
     def poll_commits(self, path: Path, parse: Callable[[bytes], Any] = json.loads) -> list[dict[str, Any]]:
         """The commit records in the complete lines appended to ``path`` since the last call."""
-        try:
-            with open(path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(_READ_CHUNK)
-        except FileNotFoundError:
-            return []
-        self._offset += len(chunk)
+        chunk = self._read(path)
         *lines, rest = chunk.split(b"\n")  # a line being written waits for its newline
         if lines:
             lines[0] = self._partial + lines[0]
@@ -205,8 +224,18 @@ class JobMetrics:
                 rec = parse(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and rec.get("event") == "commit" and "time" in rec:
+            if not isinstance(rec, dict):
+                continue
+            if rec.get("event") == "commit" and "time" in rec:
                 out.append(rec)
+                self._read_commits += 1
+            elif rec.get("event") == "commit_log":
+                # a rotated log's summary of every commit before it: the step counter catches up
+                # with commits in a file this follower never saw (rotated twice in one pass)
+                missed = int(rec.get("commits") or 0) - self._read_commits
+                if missed > 0:
+                    self.steps.inc(missed)
+                    self._read_commits += missed
         return out
 
     # -- serving -----------------------------------------------------------------------------
@@ -237,3 +266,6 @@ class JobMetrics:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._file is not None and not self._tail.is_alive():
+            self._file.close()
+            self._file = None
