@@ -106,7 +106,7 @@ def _num(rec: dict[str, Any], key: str, need: bool = False, lo: float = 0.0) -> 
     v = rec.get(key)
     if v is None and not need:
         return
-    if type(v) not in (int, float) or not lo <= v:  # finite already: the parser refused the rest
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v:  # finite: the parser saw to it
         raise _Bad(f"field {key!r} must be a number >= {lo:g} (got {_show(v)})")
 
 
