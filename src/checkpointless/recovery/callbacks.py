@@ -38,17 +38,7 @@ def on_abort(job: Job, msg: Abort) -> None:
 
 
 def status(job: Job) -> Heartbeat:
-    since = job.comm.in_collective_since or waiting_since()
-    return Heartbeat(
-        step=job._step_index,
-        # no progress clock while recovering: the launcher times recoveries by their own rules
-        progress_age=None
-        if (job._recovering or not job._started or job._in_section is not None)
-        else time.monotonic() - job._progress_t,
-        in_collective=since is not None,
-        step_time=job._last_step_time,
-        busy_time=job._last_busy_time,
-    )
+    return job.clock.heartbeat(job.comm.in_collective_since or waiting_since())
 
 
 def announce_fault(job: Job, spec: FaultSpec) -> None:

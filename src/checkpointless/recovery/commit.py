@@ -30,16 +30,13 @@ log = get_logger()
 
 
 def enter_step(job: Job, index: int) -> None:
-    job._step_index = index
-    job._progress_t = time.monotonic()
-    job._waited_at_step = job.comm.waited_s
-    job._batch_s = None
+    job.clock.begin(index, job.comm.waited_s)
     job._updated = False
     job._record = {}
     job._step_rng = (index, capture_rng())
     job._streams.begin_step()
     set_log_step(index)
-    job.replicas.begin_step(index, job._objects, job._optimizers, job._step_rng[1], job._progress_t)
+    job.replicas.begin_step(index, job._objects, job._optimizers, job._step_rng[1], job.clock.progress_t)
     try:
         site(job, "step")
     except Exception as e:  # surfaced at the first hook inside the body (see guard.site)
@@ -49,10 +46,7 @@ def enter_step(job: Job, index: int) -> None:
 def commit(job: Job, index: int) -> None:
     job.committed_step = index + 1
     job._updated = False
-    now = time.monotonic()
-    job._last_step_time = now - job._progress_t
-    job._last_busy_time = max(0.0, job._last_step_time - (job.comm.waited_s - job._waited_at_step))
-    job._progress_t = now
+    job.clock.commit(job.comm.waited_s)
     job._retries.pop(index, None)
     job._record.update(job.replicas.published())
     if job._events is not None:
@@ -64,7 +58,7 @@ def commit(job: Job, index: int) -> None:
                 generation=job.generation,
                 step=index,
                 time=time.time(),
-                first_batch_s=job._batch_s,
+                first_batch_s=job.clock.batch_s,
                 # how much memory a spare should page in for this replica's state
                 state_bytes=state_bytes(job._objects) if job.rank == 0 else None,
             )

@@ -9,7 +9,6 @@ own commit and fault handling are in step.py and commit.py.
 from __future__ import annotations
 
 import atexit
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -34,14 +33,14 @@ log = get_logger()
 
 def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> Iterator[Step]:
     """The generator behind :meth:`Job.steps` (its docstring says what it yields)."""
-    if job._started:
+    if job.clock.started:
         raise ConfigError("job.steps() can run only once per process")
     if not 0 <= start <= total:
         raise ConfigError(f"job.steps(total={total}, start={start}): start must be in 0..total")
     if steps_per_epoch is not None and steps_per_epoch < 1:
         raise ConfigError(f"steps_per_epoch must be a positive number of steps (got {steps_per_epoch})")
     job._steps_per_epoch = steps_per_epoch
-    job._started = True
+    job.clock.started = True
     job.committed_step = start
     if job.under_torchrun:  # what the launcher's first round does: the first replica's state
         shards = job.groups.shards
@@ -109,23 +108,23 @@ def _run_sections(job: Job) -> bool:
         # every later step with other random numbers than the run without the fault.
         job._step_rng = (at, capture_rng())
         job._record = {}
-        job._in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
+        job.clock.in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
         try:
             sec.fn()
         except Exception as exc:
             if job._link is None:
                 raise
-            job._in_section = None
+            job.clock.in_section = None
             log.info("section %r after step %d interrupted: %s", sec.name, at - 1, short_error(exc))
             recover_from(job, at, exc)  # nothing was updated: every survivor stays valid
             continue
         finally:
-            job._in_section = None
+            job.clock.in_section = None
         job._loop.sections_done[sec.name] = at
         if job._events is not None:
             job._events.emit("section", name=sec.name, step=at, generation=job.generation, **job._record)
         job._record = {}
-        job._progress_t = time.monotonic()
+        job.clock.restart()
     return False
 
 

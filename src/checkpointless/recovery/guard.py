@@ -12,7 +12,6 @@ apart from its public API in ``job.py`` (as commit.py keeps a step's entry and c
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,12 +27,10 @@ def site(job: Job, name: str) -> None:
     if job._deferred is not None:
         e, job._deferred = job._deferred, None
         raise e
-    if name == "forward" and job._batch_s is None:
-        # the step's start to the model's first forward: fetching and assembling the batch
-        # (and moving it to the device), measured without asking the script to report it
-        job._batch_s = time.monotonic() - job._progress_t
-    if job._step_index is not None:
-        job._injector.maybe_fire(name, job._step_index)
+    if name == "forward":
+        job.clock.first_forward()  # the time to fetch and assemble the batch
+    if job.clock.step_index is not None:
+        job._injector.maybe_fire(name, job.clock.step_index)
 
 
 def on_collective(job: Job, kind: str) -> None:
@@ -58,7 +55,7 @@ def before_update(job: Job, opt: Any, args: Any, kwargs: Any) -> None:
     else:
         job.groups.check()  # never apply an update from a generation that was aborted
     job._dirty = True
-    if job._step_index is not None and job._injector.due("optimizer", job._step_index):
+    if job.clock.step_index is not None and job._injector.due("optimizer", job.clock.step_index):
         # rehearse a fault half-way through the update: some parameters already changed
         with torch.no_grad():
             first = opt.param_groups[0]["params"][0]

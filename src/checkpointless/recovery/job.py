@@ -38,6 +38,7 @@ from checkpointless.errors import CheckpointlessError, ConfigError
 from checkpointless.events import EventLog, setup_logging
 from checkpointless.faults.inject import Injector, parse_faults
 from checkpointless.recovery.amp import is_grad_scaler
+from checkpointless.recovery.clock import StepClock
 from checkpointless.recovery.default_group import DefaultGroup, configure_standalone, install_default_group
 from checkpointless.recovery.divergence import DEFAULT_EVERY
 from checkpointless.recovery.driver import run_steps
@@ -95,21 +96,14 @@ class Job:
         self._loop = LoopControl()
         self._dirty = False  # inside an optimizer update: state not valid if we fault now
         self._updated = False  # the current step's update has been applied
-        self._step_index: int | None = None
         self._step_rng: tuple[int, RngState] | None = None
-        self._progress_t = time.monotonic()
-        self._last_step_time: float | None = None
-        self._last_busy_time: float | None = None  # the step less its collective waits
-        self._waited_at_step = 0.0
-        self._started = False
-        self._recovering = False
         self._retries: dict[int, int] = {}
+        self.clock = StepClock()  # where the loop is and how long its steps take (heartbeats)
         self._report_gen = 0
         self._latest_abort = -1
         self._cancel = threading.Event()
         self._deferred: BaseException | None = None
         self._first_commit_after_recovery = False
-        self._batch_s: float | None = None  # this step's time until its batch was in the model
         self.replicas = ReplicaKeeper()  # snapshots, checkpoints, buddy copies, a spare's room
         self._record: dict[str, Any] = {}
         self._interrupted: tuple[int, dict[str, Any]] | None = None
@@ -121,7 +115,6 @@ class Job:
         self.is_replacement = False
         self.divergence_every = DEFAULT_EVERY  # steps between replica digest comparisons (0: off)
         self._sections: list[Section] = []
-        self._in_section: str | None = None
         self._steps_per_epoch: int | None = None
         self.under_torchrun = False  # started by plain torchrun: one job, without recovery
         self._torchrun_store: dist.Store | None = None  # its store, which the job's groups form from
@@ -158,7 +151,7 @@ class Job:
         """A ``DeviceMesh`` for torch's ``fully_shard(module, mesh=...)`` whose groups survive
         recoveries: ``(("replicate", "shard"), (R, S))`` for HSDP, ``(("shard",), (S,))`` for
         FSDP. Call it once, after ``init()`` and before ``track()`` (docs/adoption.md)."""
-        if self.groups.mesh is not None or self._started:
+        if self.groups.mesh is not None or self.clock.started:
             raise ConfigError("job.device_mesh() can be called once, before job.steps()")
         err = mesh_shape_error(names, shape, self.world_size)
         if err is not None:
@@ -203,7 +196,7 @@ class Job:
     def track(self, **objects: Any) -> None:
         """Register what makes a replica: modules, optimizers, schedulers, your own objects with
         ``state_dict``/``load_state_dict``. Registered state travels to a replacement."""
-        if self._started:
+        if self.clock.started:
             raise ConfigError("track() must be called before job.steps() starts")
         for name, obj in objects.items():
             known = self._tracked.get(id(obj))
@@ -276,15 +269,14 @@ class Job:
     def generator(self, name: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
         """Inside a step: a generator seeded from (seed, name, rank, step), for randomness that
         differs per rank yet is reproduced by a replay or a replacement (recovery/rng.py)."""
-        inside = self._step_index is not None and self._step_index == self.committed_step
-        step = self._step_index if inside else None
+        step = self.clock.step_index if self.clock.inside(self.committed_step) else None
         return self._streams.get(name, seed=seed, rank=self.rank, step=step, device=device)
 
     def section(self, name: str, fn: Callable[[], Any], every: int, at_start: bool = False) -> None:
         """Run ``fn()`` after every ``every``-th committed step (evaluation, anything with
         collectives outside a step); a fault inside it is recovered and ``fn`` runs again on every
         rank, a replacement included (recovery/sections.py). Register before job.steps()."""
-        if self._started:
+        if self.clock.started:
             raise ConfigError(f"job.section({name!r}, ...) must be called before job.steps() starts")
         if any(s.name == name for s in self._sections):
             raise ConfigError(f"a section named {name!r} is already registered; give each its own name")
@@ -293,7 +285,7 @@ class Job:
     def stop(self) -> None:
         """End the loop after the running step commits (or now, between steps). Call it on every
         rank at the same step, from replicated values (an all-reduced loss, the step index)."""
-        inside = self._step_index is not None and self._step_index == self.committed_step
+        inside = self.clock.inside(self.committed_step)
         self._loop.request_stop(self.committed_step + 1 if inside else self.committed_step)
 
     def record(self, **fields: Any) -> None:

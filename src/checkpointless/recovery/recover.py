@@ -109,7 +109,7 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
     """Report, wait for the launcher's plan, rebuild, exchange state. Loops through any
     number of faults that happen meanwhile (each makes a newer generation)."""
     assert job._link is not None
-    job._recovering = True
+    job.clock.recovering = True
     t_stop = time.monotonic()
     job.replicas.stop(job.rendezvous_timeout)
     for dp in job._dps:
@@ -126,7 +126,7 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
         valid=valid,
         cause=cause,
         error=error,
-        step=job._step_index,
+        step=job.clock.step_index,
     )
     resend = True
     while True:
@@ -173,8 +173,8 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
         timings["stopped_s"] = t_stop
         for scaler in job._scalers:  # every step starts again with scaled gradients
             reset_step_state(scaler)
-        job._progress_t = time.monotonic()  # the hang clock restarts with the new generation
-        job._recovering = False
+        job.clock.restart()  # the hang clock restarts with the new generation
+        job.clock.recovering = False
         job._first_commit_after_recovery = True
         job._link.send(Recovered(generation=gen, time=time.time(), timings=timings))
         job.groups.release()

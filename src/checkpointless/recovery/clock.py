@@ -1,0 +1,72 @@
+"""The step clock: where the loop is, and how long its steps take.
+
+It is what each heartbeat tells the launcher (``protocol.Heartbeat``): the step running, the
+age of the last progress (none while the loop has not started, while a recovery runs, or inside
+a section: those are timed by other rules), whether a collective is waiting, and the last step's
+time with and without its collective waits (the straggler rule's inputs). It also times the
+step's batch: from the step's start to the model's first forward. :class:`StepClock` owns these
+fields; the step loop moves it, the link's heartbeat thread reads it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from checkpointless.protocol import Heartbeat
+
+__all__ = ["StepClock"]
+
+
+class StepClock:
+    """The loop's position and timings, one per job."""
+
+    def __init__(self) -> None:
+        self.started = False  # job.steps() began
+        self.recovering = False  # between a fault and the new generation's formation
+        self.step_index: int | None = None  # the step begun last
+        self.in_section: str | None = None  # the section running between steps, if any
+        self.progress_t = time.monotonic()  # the last progress: a step begun or committed
+        self.batch_s: float | None = None  # this step's time until its batch was in the model
+        self.last_step_time: float | None = None
+        self.last_busy_time: float | None = None  # the step less its collective waits
+        self._waited_at_step = 0.0  # the communicator's wait total as the step began
+
+    def begin(self, index: int, waited_s: float) -> None:
+        """Step ``index`` begins; ``waited_s``: the communicator's collective waits so far."""
+        self.step_index = index
+        self.progress_t = time.monotonic()
+        self._waited_at_step = waited_s
+        self.batch_s = None
+
+    def commit(self, waited_s: float) -> None:
+        """The step committed: its time, and its time less the collective waits in it."""
+        now = time.monotonic()
+        self.last_step_time = now - self.progress_t
+        self.last_busy_time = max(0.0, self.last_step_time - (waited_s - self._waited_at_step))
+        self.progress_t = now
+
+    def restart(self) -> None:
+        """Progress now (a section ended, a new generation formed): the hang clock restarts."""
+        self.progress_t = time.monotonic()
+
+    def first_forward(self) -> None:
+        """The step's start to the model's first forward: fetching and assembling the batch (and
+        moving it to the device), measured without asking the script to report it."""
+        if self.batch_s is None:
+            self.batch_s = time.monotonic() - self.progress_t
+
+    def inside(self, committed_step: int) -> bool:
+        """Inside the step the loop is at (not between steps, nor in a section after it)."""
+        return self.step_index is not None and self.step_index == committed_step
+
+    def heartbeat(self, in_collective_since: float | None) -> Heartbeat:
+        return Heartbeat(
+            step=self.step_index,
+            # no progress clock while recovering: the launcher times recoveries by their own rules
+            progress_age=None
+            if (self.recovering or not self.started or self.in_section is not None)
+            else time.monotonic() - self.progress_t,
+            in_collective=in_collective_since is not None,
+            step_time=self.last_step_time,
+            busy_time=self.last_busy_time,
+        )
