@@ -173,7 +173,7 @@ def join(
             coordinator refused this agent for good (another agent serves its host)."""
     deadline = time.monotonic() + timeout
     refused: set[str] = set()
-    forged: dict[str, str] = {}  # address -> why its greeting failed authentication
+    forged: list[str] = []  # addresses whose greeting failed its seal
     warned: set[tuple[str, str]] = set()
     rounds = 0
     while True:
@@ -200,7 +200,8 @@ def join(
                 refused.add(address)
                 log.error("the coordinator at %s refused this agent: %s", address, e)
             except WrongSecret as e:
-                forged[address] = str(e)
+                forged.append(address)
+                log.debug("%s", e)
             except (ConnectionError, ProtocolError) as e:
                 if (address, type(e).__name__) not in warned:
                     warned.add((address, type(e).__name__))
@@ -211,15 +212,15 @@ def join(
             time.sleep(pause)
 
 
-def _wrong_secret(forged: dict[str, str], secret_file: Path | None) -> None:
+def _wrong_secret(forged: list[str], secret_file: Path | None) -> None:
     """Raise the one error of an agent whose secret no coordinator it reached holds."""
     if not forged:
         return
-    address, why = next(iter(forged.items()))
     named = f"--secret-file {str(secret_file)!r}" if secret_file is not None else "this agent's secret"
     raise ConfigError(
-        f"wrong job secret: {why}, so {named} is not the secret of the job at {address}; give that "
-        "job's <run dir>/secret (the file its coordinator wrote), or the right --coordinator"
+        f"wrong job secret: the greeting of the coordinator at {', '.join(forged)} failed "
+        f"authentication with {named}; give that job's <run dir>/secret (the file its "
+        "coordinator wrote), or the --coordinator of the job this secret belongs to"
     )
 
 

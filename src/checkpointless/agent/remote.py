@@ -230,6 +230,12 @@ def run_agent(
                 if status is not None:
                     log.info("the job ended (%s) while this host was out of touch: nothing to rejoin", status)
                     return 0 if status == "ok" else 1
+                log.error(
+                    "no coordinator welcomed this agent within --connect-timeout %.0f s (tried %s); "
+                    "check that it runs and that --coordinator names it",
+                    connect_timeout,
+                    ", ".join(targets),
+                )
                 return 1
             client, inbox, welcome = joined
             served = welcome.job_id
