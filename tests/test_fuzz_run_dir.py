@@ -198,9 +198,6 @@ def test_a_fifo_as_the_event_log_does_not_block_the_job_outcome(tmp_path: Path) 
     assert done and got is None
 
 
-@pytest.mark.xfail(
-    reason="join helper: the secret file is not yet checked to be a regular file", strict=False
-)
 def test_a_fifo_as_the_secret_file_is_a_clear_error_at_once(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "secret")
     done, got = _does_not_block(
@@ -209,14 +206,12 @@ def test_a_fifo_as_the_secret_file_is_a_clear_error_at_once(tmp_path: Path) -> N
     assert done and isinstance(got, ConfigError) and "regular file" in str(got)
 
 
-@pytest.mark.xfail(reason="join helper: an empty secret file is reported as 'did not appear'", strict=False)
 def test_an_empty_secret_file_is_called_empty(tmp_path: Path) -> None:
     (tmp_path / "secret").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"\bempty\b"):
         read_secret(tmp_path / "secret", time.monotonic())
 
 
-@pytest.mark.xfail(reason="join helper: the secret file's size is not yet bounded", strict=False)
 def test_an_oversized_secret_file_is_refused_without_reading_it(tmp_path: Path) -> None:
     with open(tmp_path / "secret", "wb") as f:
         f.truncate(64 << 20)  # sparse: no disk; a secret is 32 bytes
