@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from checkpointless.coordinator.faults import Losses
 from checkpointless.coordinator.ledger import FaultLedger
+from checkpointless.coordinator.losses import Losses
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.messages import MessageRouter, apply_heartbeat
 from checkpointless.coordinator.outbox import Outbox

@@ -5,7 +5,7 @@ The rule itself is ``rules/stragglers.py``'s :class:`StragglerWatch`.
 
 from __future__ import annotations
 
-from checkpointless.coordinator.faults import Losses
+from checkpointless.coordinator.losses import Losses
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.placement import pick_spares
