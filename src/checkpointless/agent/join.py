@@ -64,7 +64,7 @@ def backoff(failed_rounds: int) -> float:
     the upper half of its range (jitter: agents that lost their coordinator together do not
     come back in step)."""
     base, cap = _BACKOFF_S
-    step = min(cap, base * 2 ** min(failed_rounds, 16))
+    step = min(cap, base * 2.0 ** min(failed_rounds, 16))
     return step * random.uniform(0.5, 1.0)
 
 
