@@ -70,7 +70,7 @@ class Coordinator:
         self.members = Members(self.outbox)
         self.ledger = FaultLedger(cfg, self.outbox)
         self.spares = SparePool(cfg, self.members, self.outbox)
-        self.tables = TableDelivery(self.members.hosts, self.outbox)
+        self.tables = TableDelivery(self.members, self.outbox)
         self.rounds = Rounds(
             cfg,
             job_id,

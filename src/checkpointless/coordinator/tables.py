@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
-from checkpointless.coordinator.state import HostState, Member
+from checkpointless.coordinator.state import Member
 from checkpointless.peer_table import TableKeeper
 from checkpointless.protocol import PeerTable
 
@@ -32,8 +33,8 @@ class PlanTable:
 
 
 class TableDelivery:
-    def __init__(self, hosts: dict[int, HostState], outbox: Outbox) -> None:
-        self.hosts = hosts  # the members' host table (read, and each host's table version set)
+    def __init__(self, members: Members, outbox: Outbox) -> None:
+        self.members = members  # its hosts: read, and each host's table version set
         self.outbox = outbox
         self.keeper = TableKeeper()  # the root-less peer table as the members hold it
         self.msgs: tuple[int, list[PeerTable]] = (0, [])
@@ -70,7 +71,7 @@ class TableDelivery:
         reads it there when its plan arrives, and asks us itself (``PeerTableRequest``) only when
         that copy fails it. A member of a host we do not know as live gets its own copy."""
         t = self.keeper
-        h = self.hosts.get(m.host)
+        h = self.members.hosts.get(m.host)
         if h is None or h.lost or t.version == 0:
             self.send_table(m)
             return
