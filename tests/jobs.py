@@ -61,10 +61,12 @@ class JobResult:
         assert not wrong, f"final weights differ from the fault-free run's ({want[:16]}) on ranks {wrong}"
 
     def events(self, name: str = "events.jsonl") -> list[dict[str, Any]]:
-        path = self.run_dir / name
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out: list[dict[str, Any]] = []
+        # a rank's log is rotated (recovery/commit_log.py): its older file first
+        for path in (self.run_dir / f"{name}.1", self.run_dir / name):
+            if path.exists():
+                out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return out
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["event"] == kind]
@@ -78,8 +80,7 @@ class JobResult:
         """Every rank's ``commit`` events, a replayed step's each time it committed."""
         out: list[dict[str, Any]] = []
         for f in sorted(self.run_dir.glob("rank-*.jsonl")):
-            events = (json.loads(line) for line in f.read_text().splitlines())
-            out.extend(e for e in events if e["event"] == "commit")
+            out.extend(e for e in self.events(f.name) if e["event"] == "commit")
         return out
 
     def batches(self) -> dict[tuple[int, int], str]:
@@ -223,8 +224,9 @@ def all_committed(run_dir: Path, step: int, nproc: int) -> bool:
     begins the next step, when another rank may still be between its update and its commit
     record, and a kill there loses the record (not the state), which a batch check would miss."""
     for rank in range(nproc):
-        f = run_dir / f"rank-{rank}.jsonl"
-        events = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+        events = []
+        for f in (run_dir / f"rank-{rank}.jsonl.1", run_dir / f"rank-{rank}.jsonl"):  # rotated: both files
+            events += [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
         if not any(e.get("event") == "commit" and e.get("step") == step for e in events):
             return False
     return True

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from checkpointless.observe.runfiles import LogTail
 from jobs import TINY, JobResult, alive, run_job, start_job
 
 pytestmark = pytest.mark.soak
@@ -212,7 +213,7 @@ class _Watch:
 
     run_dir: Path
     events: _Tail = field(init=False)
-    ranks: dict[Path, _Tail] = field(default_factory=dict)
+    ranks: dict[Path, LogTail] = field(default_factory=dict)
     pid_of: dict[int, int] = field(default_factory=dict)  # worker id -> pid
     spares: set[int] = field(default_factory=set)  # worker ids started as spares
     holder: dict[int, int] = field(default_factory=dict)  # rank -> worker id
@@ -241,8 +242,8 @@ class _Watch:
             elif kind == "started":
                 self.started = True
         for f in self.run_dir.glob("rank-*.jsonl"):
-            tail = self.ranks.setdefault(f, _Tail(f))
-            for e in tail.read():
+            tail = self.ranks.setdefault(f, LogTail(f))  # follows the log across its rotations
+            for e in map(json.loads, tail.poll()):
                 if e["event"] == "commit":
                     self.max_step = max(self.max_step, e["step"])
 
