@@ -41,6 +41,7 @@ from prometheus_client import (
 from checkpointless.errors import ConfigError
 from checkpointless.observe.goodput import GoodputMeter
 from checkpointless.observe.httpd import MetricsServer
+from checkpointless.observe.runfiles import open_regular
 
 __all__ = ["PHASES", "JobMetrics"]
 
@@ -186,15 +187,21 @@ class JobMetrics:
         file is read to its end, then a new file at ``path`` (another inode) is started at 0."""
         if self._file is None:
             try:
-                self._file = open(path, "rb")  # noqa: SIM115 - held across passes, closed in close()
-            except OSError:
+                fd = open_regular(path)  # no symlink, no FIFO
+            except ConfigError:
                 return b""
-            self._ino = os.fstat(self._file.fileno()).st_ino
+            if fd is None:
+                return b""
+            # held open across passes: the inode cannot be reused while it is, so "another inode
+            # at the path" always means a rotation (a follower that reopens each pass can see a
+            # new file take the inode of one deleted two rotations ago, and skip it)
+            self._file = os.fdopen(fd, "rb")
+            self._ino = os.fstat(fd).st_ino
         chunk = self._file.read(_READ_CHUNK)
         if chunk:
             return chunk
         try:
-            rotated = os.stat(path).st_ino != self._ino
+            rotated = os.lstat(path).st_ino != self._ino
         except OSError:
             rotated = False  # between the rename and the new file: next pass
         if rotated:
