@@ -43,6 +43,7 @@ __all__ = ["Refused", "RefusedForGood", "backoff", "connect", "job_outcome", "jo
 log = get_logger()
 
 _JOIN_SLICE_S = 5.0  # one try at one address; then the others, the record read anew
+_WELCOME_WAIT_S = 10.0  # a coordinator that greeted us may be busy a while before it welcomes
 _TAIL_BYTES = 1 << 16  # job_end is the event log's last line or close to it
 _BACKOFF_S = (0.02, 2.0)  # the pause after the first failed round, and the most it grows to
 MAX_SECRET_BYTES = 4096  # a job secret is 64 hex digits; a larger file is not one
@@ -71,33 +72,46 @@ def backoff(failed_rounds: int) -> float:
 def connect(
     coordinator: tuple[str, int], secret: bytes, hello: AgentHello, timeout: float
 ) -> tuple[ControlClient, queue.Queue[dict[str, Any]], AgentWelcome]:
-    """Say hello to the coordinator at ``coordinator`` and wait for its welcome."""
+    """Say hello to the coordinator at ``coordinator`` and wait for its welcome, ``timeout`` in
+    all; reaching it and its greeting take at most :data:`_JOIN_SLICE_S` of that (a dead
+    address must not hold the agent up), the rest is for a busy coordinator's welcome.
+
+    Raises:
+        WrongSecret: its greeting failed the seal. ``ReplayedGreeting`` (a ConnectionError):
+            it answered another connection's nonce.
+        RefusedForGood: it said why it never takes this agent. Refused: it hung up.
+        ConnectionError, ProtocolError: anything else; worth another try."""
+    deadline = time.monotonic() + timeout
     inbox: queue.Queue[dict[str, Any]] = queue.Queue()
     client = ControlClient(
-        coordinator, secret, inbox.put, lambda why: inbox.put({"type": LOST, "why": why}), timeout=timeout
+        coordinator,
+        secret,
+        inbox.put,
+        lambda why: inbox.put({"type": LOST, "why": why}),
+        timeout=min(timeout, _JOIN_SLICE_S),
     )
-    client.send(encode(hello))
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            raw = inbox.get(timeout=max(0.01, deadline - time.monotonic()))
-        except queue.Empty:
-            client.close()
-            raise ConnectionError("the coordinator did not welcome this agent in time") from None
+    try:
+        client.send(encode(hello))
+        raw = inbox.get(timeout=max(0.01, deadline - time.monotonic()))
         msg = decode(raw) if raw.get("type") != LOST else None
         if isinstance(msg, AgentWelcome):
-            try:
-                shm_key = open_value(secret, SHM_KEY_LABEL, msg.shm_key).decode("ascii")
-            except (FrameError, UnicodeDecodeError) as e:
-                client.close()
-                raise ProtocolError(f"the welcome's sealed shm_key does not open: {e}") from None
+            shm_key = open_value(secret, SHM_KEY_LABEL, msg.shm_key).decode("ascii")
             return client, inbox, dataclasses.replace(msg, shm_key=shm_key)
+    except queue.Empty:
         client.close()
-        if isinstance(msg, AgentRefused):
-            raise RefusedForGood(msg.reason)
-        # a coordinator refuses by hanging up (a duplicate, a job that is ending; an agent's
-        # failover port that is no coordinator's), after it took the connection
-        raise Refused(f"the coordinator refused this agent ({raw.get('reason') or raw.get('why')})")
+        raise ConnectionError("the coordinator did not welcome this agent in time") from None
+    except (FrameError, UnicodeDecodeError) as e:
+        client.close()
+        raise ProtocolError(f"the welcome's sealed shm_key does not open: {e}") from None
+    except BaseException:  # a malformed message (ProtocolError), a send that failed (OSError)
+        client.close()
+        raise
+    client.close()
+    if isinstance(msg, AgentRefused):
+        raise RefusedForGood(msg.reason)
+    # a coordinator refuses by hanging up (a duplicate, a job that is ending; an agent's
+    # failover port that is no coordinator's), after it took the connection
+    raise Refused(f"the coordinator refused this agent ({raw.get('reason') or raw.get('why')})")
 
 
 def read_secret(path: Path, deadline: float) -> bytes:
@@ -193,7 +207,7 @@ def join(
                 return None
             addr, _, port = address.rpartition(":")
             try:
-                return connect((addr, int(port)), secret, hello, min(_JOIN_SLICE_S, left))
+                return connect((addr, int(port)), secret, hello, min(_WELCOME_WAIT_S, left))
             except RefusedForGood as e:
                 raise ConfigError(f"the coordinator at {address} refused this agent: {e}") from None
             except Refused as e:
