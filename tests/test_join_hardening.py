@@ -11,7 +11,9 @@ of another job, and an endpoint that replays a recorded greeting.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,12 +22,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from checkpointless.launcher.control import OPENING_SIZE, ControlServer, opening
+from checkpointless.launcher.control import AUTH_DEADLINE_S, OPENING_SIZE, ControlServer, opening
 from checkpointless.launcher.runfiles import COORDINATOR_FILE, record_coordinator, recorded_coordinator
-from checkpointless.wire import PREFIX_SIZE
+from checkpointless.protocol.agent_link import SHM_KEY_LABEL
+from checkpointless.wire import PREFIX_SIZE, FrameAuthError, open_value, seal_value
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -102,29 +106,31 @@ class _Endpoint:
                 s.close()
 
 
-def _proxy_to(target: tuple[str, int]) -> Callable[[socket.socket], None]:
+def _proxy_to(target: tuple[str, int], down: bytearray | None = None) -> Callable[[socket.socket], None]:
     """A ``serve`` that relays bytes both ways to ``target`` (so the endpoint counts connections
-    made to a real server)."""
+    made to a real server), keeping what the server sends in ``down``."""
 
-    def pipe(src: socket.socket, dst: socket.socket) -> None:
+    def pipe(src: socket.socket, dst: socket.socket, keep: bytearray | None = None) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
+                if keep is not None:
+                    keep += data
                 dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
 
     def serve(sock: socket.socket) -> None:
         upstream = socket.create_connection(target)
-        threading.Thread(target=pipe, args=(upstream, sock), daemon=True).start()
+        threading.Thread(target=pipe, args=(upstream, sock, down), daemon=True).start()
         pipe(sock, upstream)
 
     return serve
 
 
 @pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
+def coordinator(tmp_path: Path) -> Iterator[tuple[str, Path, Path, int]]:
     """A real `checkpointless coordinator` waiting for 2 hosts (so no job starts and no worker
-    runs): its address, run directory and log."""
+    runs): its address, run directory, log and pid."""
     run_dir = tmp_path / "run"
     log = tmp_path / "coordinator.log"
     script = tmp_path / "train.py"
@@ -135,7 +141,7 @@ def coordinator(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
         _wait_for(lambda: recorded_coordinator(run_dir / COORDINATOR_FILE) is not None, 30, "the coordinator")
         address = recorded_coordinator(run_dir / COORDINATOR_FILE)
         assert address is not None
-        yield address, run_dir, log
+        yield address, run_dir, log, proc.pid
     finally:
         _stop(proc)
 
@@ -180,9 +186,9 @@ def _recorded_greeting(address: str) -> bytes:
 
 
 def test_a_replayed_greeting_is_refused_and_the_agent_joins_its_coordinator(
-    coordinator: tuple[str, Path, Path], tmp_path: Path
+    coordinator: tuple[str, Path, Path, int], tmp_path: Path
 ) -> None:
-    address, run_dir, coord_log = coordinator
+    address, run_dir, coord_log, _ = coordinator
     greeting = _recorded_greeting(address)
     heard: list[bytes] = []
 
@@ -225,9 +231,9 @@ def test_a_replayed_greeting_is_refused_and_the_agent_joins_its_coordinator(
 
 
 def test_a_second_agent_for_a_live_host_is_refused_with_its_name(
-    coordinator: tuple[str, Path, Path], tmp_path: Path
+    coordinator: tuple[str, Path, Path, int], tmp_path: Path
 ) -> None:
-    address, run_dir, coord_log = coordinator
+    address, run_dir, coord_log, _ = coordinator
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     first = _agent(run_dir / "secret", address, first_log)
     second: subprocess.Popen[bytes] | None = None
@@ -244,6 +250,85 @@ def test_a_second_agent_for_a_live_host_is_refused_with_its_name(
         if second is not None:
             _stop(second)
         _stop(first)
+
+
+def _headers(stream: bytes) -> list[dict[str, Any]]:
+    """The headers of the sealed frames in ``stream`` (as a relay sees them, seals unchecked)."""
+    out = []
+    while len(stream) >= PREFIX_SIZE:
+        hlen, plen = int.from_bytes(stream[:4], "big"), int.from_bytes(stream[4:12], "big")
+        out.append(json.loads(stream[PREFIX_SIZE : PREFIX_SIZE + hlen]))
+        stream = stream[PREFIX_SIZE + hlen + plen :]
+    return out
+
+
+def test_a_relay_in_the_middle_of_a_join_reads_no_shm_key(
+    coordinator: tuple[str, Path, Path, int], tmp_path: Path
+) -> None:
+    """Issue 36: an endpoint relaying a real join both ways read the welcome in clear, shm_key
+    included. The relay still passes the join through (it only forwards sealed frames), but the
+    key it carries is encrypted: nothing of it is in the bytes the relay saw."""
+    address, run_dir, _, _ = coordinator
+    host, _, port = address.rpartition(":")
+    down = bytearray()
+    relay = _Endpoint(_proxy_to((host, int(port)), down))
+    agent_dir = tmp_path / "agent"
+    agent_dir.mkdir()
+    (agent_dir / "secret").write_bytes((run_dir / "secret").read_bytes())
+    record_coordinator(agent_dir, relay.address)  # the record names the relay
+    log = tmp_path / "agent.log"
+    agent = _agent(agent_dir / "secret", address, log, "--connect-timeout", "30")
+    try:
+        _wait_for(
+            lambda: "joined job" in log.read_text() or agent.poll() is not None, 30, "the agent to join"
+        )
+        assert "joined job" in log.read_text(), log.read_text()
+        assert relay.connections == 1
+        welcome = next(h for h in _headers(bytes(down)) if h.get("type") == "agent_welcome")
+        # what a holder of the secret reads in it: the job's key (32 hex digits) ...
+        shm_key = open_value((run_dir / "secret").read_bytes().strip(), SHM_KEY_LABEL, welcome["shm_key"])
+        assert re.fullmatch(rb"[0-9a-f]{32}", shm_key), shm_key
+        # ... and what the relay read: nothing of it
+        assert shm_key not in down and shm_key.decode() not in json.dumps(welcome), "the relay read the key"
+    finally:
+        _stop(agent)
+        relay.close()
+
+
+def test_sealed_values_open_only_with_the_same_secret_and_label() -> None:
+    token = seal_value(b"s" * 32, "control/welcome/shm_key", b"0123456789abcdef")
+    assert open_value(b"s" * 32, "control/welcome/shm_key", token) == b"0123456789abcdef"
+    assert seal_value(b"s" * 32, "control/welcome/shm_key", b"x") != seal_value(
+        b"s" * 32, "control/welcome/shm_key", b"x"
+    )  # a fresh nonce each time
+    for secret, label, tok in [
+        (b"t" * 32, "control/welcome/shm_key", token),  # another job's secret
+        (b"s" * 32, "other", token),  # another label
+        (b"s" * 32, "control/welcome/shm_key", token[:-2] + ("A" if token[-2] != "A" else "B") + token[-1]),
+        (b"s" * 32, "control/welcome/shm_key", "!!not base64!!"),
+        (b"s" * 32, "control/welcome/shm_key", ""),
+        (b"s" * 32, "control/welcome/shm_key", "A" * 5000),
+    ]:
+        with pytest.raises(FrameAuthError):
+            open_value(secret, label, tok)
+
+
+def test_the_control_server_greets_only_an_opening_of_this_version() -> None:
+    server = ControlServer(LOOP, 0, b"k" * 32)
+    server.start()
+    try:
+        # version 2's client sends nothing and waits for a greeting: none comes, it is closed
+        with socket.create_connection(server.address, timeout=5) as old:
+            old.settimeout(AUTH_DEADLINE_S + 3)
+            assert old.recv(1) == b""
+        # an opening with another magic (or version) is closed at once, with no greeting
+        with socket.create_connection(server.address, timeout=5) as other:
+            other.sendall(b"cl-ctl\x00\x02" + bytes(16))
+            other.settimeout(1.5)
+            assert other.recv(1) == b""
+        assert server.rejected >= 2
+    finally:
+        server.stop()
 
 
 def _fifo(path: Path) -> None:
