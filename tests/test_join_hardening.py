@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from checkpointless.agent.join import backoff
 from checkpointless.launcher.control import AUTH_DEADLINE_S, OPENING_SIZE, ControlServer, opening
 from checkpointless.launcher.runfiles import COORDINATOR_FILE, record_coordinator, recorded_coordinator
 from checkpointless.protocol.agent_link import SHM_KEY_LABEL
@@ -185,16 +186,11 @@ def _recorded_greeting(address: str) -> bytes:
         return buf
 
 
-def test_a_replayed_greeting_is_refused_and_the_agent_joins_its_coordinator(
-    coordinator: tuple[str, Path, Path, int], tmp_path: Path
-) -> None:
-    address, run_dir, coord_log, _ = coordinator
-    greeting = _recorded_greeting(address)
-    heard: list[bytes] = []
+def _replayer(greeting: bytes, heard: list[bytes]) -> Callable[[socket.socket], None]:
+    """An endpoint without the secret: it answers every opening with a recorded greeting and
+    keeps whatever the agent says next in ``heard``."""
 
     def replay(sock: socket.socket) -> None:
-        """An endpoint without the secret: it answers every opening with the recorded greeting
-        and keeps whatever the agent says next."""
         with contextlib.suppress(OSError):
             got = b""
             while len(got) < OPENING_SIZE:
@@ -204,7 +200,17 @@ def test_a_replayed_greeting_is_refused_and_the_agent_joins_its_coordinator(
             while data := sock.recv(65536):
                 heard.append(data)
 
-    fake = _Endpoint(replay)
+    return replay
+
+
+def test_a_replayed_greeting_is_refused_and_the_agent_joins_its_coordinator(
+    coordinator: tuple[str, Path, Path, int], tmp_path: Path
+) -> None:
+    address, run_dir, coord_log, _ = coordinator
+    greeting = _recorded_greeting(address)
+    heard: list[bytes] = []
+
+    fake = _Endpoint(_replayer(greeting, heard))
     # the agent's run directory records the fake (a stale record, a hostile one); --coordinator
     # names the real coordinator
     agent_dir = tmp_path / "agent"
@@ -228,6 +234,40 @@ def test_a_replayed_greeting_is_refused_and_the_agent_joins_its_coordinator(
     finally:
         _stop(agent)
         fake.close()
+
+
+def test_retries_back_off_and_an_agent_nobody_welcomes_says_so(
+    coordinator: tuple[str, Path, Path, int], tmp_path: Path
+) -> None:
+    """Only a replaying endpoint to ask: each round fails at once, and the rounds back off (20 ms
+    doubling to 2 s, jittered) instead of hot-looping until --connect-timeout."""
+    address, run_dir, _, _ = coordinator
+    heard: list[bytes] = []
+    fake = _Endpoint(_replayer(_recorded_greeting(address), heard))
+    agent_dir = tmp_path / "agent"
+    agent_dir.mkdir()
+    (agent_dir / "secret").write_bytes((run_dir / "secret").read_bytes())
+    log = tmp_path / "agent.log"
+    agent = _agent(agent_dir / "secret", fake.address, log, "--connect-timeout", "6")
+    try:
+        assert agent.wait(30) == 1, log.read_text()
+    finally:
+        _stop(agent)
+        fake.close()
+    # 6 s of backoff is about 11 rounds; a hot loop made thousands
+    assert 3 <= fake.connections <= 16, fake.connections
+    assert heard == []
+    text = log.read_text()
+    assert text.count("replayed greeting") == 1, text  # one warning per address, not per try
+    assert "no coordinator welcomed this agent within --connect-timeout 6 s" in text, text
+
+
+def test_backoff_doubles_with_jitter_and_is_bounded() -> None:
+    for rounds in range(40):
+        pauses = [backoff(rounds) for _ in range(50)]
+        top = min(2.0, 0.02 * 2**rounds)
+        assert all(top / 2 <= x <= top for x in pauses), (rounds, pauses)
+        assert len(set(pauses)) > 1  # jittered
 
 
 def test_a_second_agent_for_a_live_host_is_refused_with_its_name(
