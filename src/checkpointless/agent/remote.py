@@ -22,6 +22,7 @@ join again, as a new agent: the coordinator makes a rejoined host a spare host, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import shutil
@@ -332,7 +333,10 @@ def _serve(
             if isinstance(result, Joined):
                 old = result.welcome.control
                 agent.set_control(result.welcome.control)  # spares it starts reach the new one
-                session = _Session(result.client, result.inbox, result.welcome)
+                # the job's shm key is the same under every coordinator: keep the one this agent
+                # opened at its join rather than the new welcome's sealed token
+                welcome = dataclasses.replace(result.welcome, shm_key=w.shm_key)
+                session = _Session(result.client, result.inbox, welcome)
                 session.agent = agent  # its workers' beats go to the new coordinator
                 session.succession = succession
                 client = result.client
