@@ -127,3 +127,25 @@ def test_a_follower_sees_every_commit_once_across_rotations(tmp_path: Path) -> N
     log.close()
     seen += [json.loads(x)["step"] for x in tail.poll() if b'"event":"commit"' in x]
     assert seen == list(range(3000))
+
+
+def test_a_follower_that_misses_rotations_never_reads_a_reused_inode_from_an_old_offset(
+    tmp_path: Path,
+) -> None:
+    """Polled less than once per rotation, a follower misses the files in between, but each line it
+    returns is whole, once, and in order: the file it follows is held open, so a new log that
+    reuses a freed inode is never mistaken for it and read from the old file's offset."""
+    from checkpointless.observe.runfiles import LogTail
+
+    log = CommitLog(tmp_path / "rank-0.jsonl", rotate_bytes=2048, rank=0, worker=0)
+    tail = LogTail(tmp_path / "rank-0.jsonl")
+    seen: list[int] = []
+    for step in range(3000):
+        log.emit("commit", step=step, generation=0)
+        if step % 97 == 0:  # about four rotations between polls
+            seen += [json.loads(x)["step"] for x in tail.poll() if b'"event":"commit"' in x]
+    log.close()
+    seen += [json.loads(x)["step"] for x in tail.poll() if b'"event":"commit"' in x]
+    tail.close()
+    assert seen == sorted(set(seen))  # whole lines, each once, in order
+    assert seen[-1] == 2999  # and it always comes back to the current file

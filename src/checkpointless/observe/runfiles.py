@@ -34,7 +34,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from checkpointless.errors import ConfigError
 
@@ -367,50 +367,57 @@ class LogTail:
     ``<name>.1`` (``recovery/commit_log.py``): each :meth:`poll` gives the complete lines written
     since the last one, across a rotation, each line once.
 
-    The file a poll left off in is known by its inode: when the path names another file, the
-    rest of the old one is read from ``<name>.1`` first, then the new one from its start. A poll
-    must come at least once per rotation (a rank's log rotates every ~360 commits); lines over
-    ``max_line`` are skipped, and a file is read through :func:`open_regular` (no symlink, no FIFO).
+    The file being read is held open: the rename leaves the open descriptor on the same file, so
+    its rest is read to the end before the new file at the path is started at 0. Holding it open
+    also pins its inode: once the old ``.1`` is replaced and freed, a new log could reuse the
+    inode, and a follower that knew its file only by number would then read the new file from
+    the old offset, losing lines. A poll must come at least once per rotation (a rank's log
+    rotates every ~360 commits), or the file in between is missed; lines over ``max_line`` are
+    skipped, and a file is opened through :func:`open_regular` (no symlink, no FIFO).
     """
 
     def __init__(self, path: Path, max_line: int = MAX_LINE, chunk: int = 1 << 20) -> None:
         self.path = path
         self.max_line = max_line
         self.chunk = chunk  # bytes read per poll from the current file: a poll stays short
-        self._id: tuple[int, int] | None = None
-        self._offset = 0
+        self._file: BinaryIO | None = None
         self._partial = b""
         self._skipping = False  # inside a line over max_line
 
-    def poll(self) -> list[bytes]:
+    def poll(self, _reopen: bool = True) -> list[bytes]:
         """The complete lines appended since the last call (without their newline).
 
         Raises:
             ConfigError: the path is a symlink or not a regular file.
         """
-        out: list[bytes] = []
-        now = _ino(self.path)
-        if self._id is not None and now != self._id:
-            old = Path(f"{self.path}.1")
-            if _ino(old) == self._id:
-                out += self._read(old, limit=None)  # the rest of the file it was reading
-            self._id, self._offset, self._partial, self._skipping = None, 0, b"", False
-        if now is not None:
-            self._id = now
-            out += self._read(self.path, limit=self.chunk)
+        if self._file is None:
+            fd = open_regular(self.path)
+            if fd is None:
+                return []
+            self._file = os.fdopen(fd, "rb")
+        data = self._file.read(self.chunk)
+        out = self._lines(data)
+        if len(data) < self.chunk and _ino(self.path) != self._id():
+            # rotated (or removed): what was appended before the rename is read above or here,
+            # then the next poll opens the new file at the path from its start
+            out += self._lines(self._file.read())
+            self.close()
+            if _reopen:  # once: a writer rotating faster than we read cannot keep us here
+                out += self.poll(_reopen=False)
         return out
 
-    def _read(self, path: Path, limit: int | None) -> list[bytes]:
-        fd = open_regular(path)
-        if fd is None:
-            return []
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if (st.st_dev, st.st_ino) != self._id:
-                return []  # rotated again since the lstat: the next poll takes it from .1
-            f.seek(self._offset)
-            data = f.read() if limit is None else f.read(limit)
-        self._offset += len(data)
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._file, self._partial, self._skipping = None, b"", False
+
+    def _id(self) -> tuple[int, int] | None:
+        if self._file is None:
+            return None
+        st = os.fstat(self._file.fileno())
+        return (st.st_dev, st.st_ino)
+
+    def _lines(self, data: bytes) -> list[bytes]:
         *lines, rest = (self._partial + data).split(b"\n")
         out = []
         for line in lines:
