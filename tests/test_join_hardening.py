@@ -413,3 +413,20 @@ def test_a_secret_file_that_is_not_a_small_regular_file_is_a_clear_error(
     assert len(errors) == 1 and says in errors[0] and "<run dir>/secret" in errors[0], log.read_text()
     assert "did not appear" not in errors[0]
     assert time.monotonic() - t0 < 20
+
+
+def test_hosts_that_share_an_address_on_purpose_are_told_apart_by_their_node() -> None:
+    """Several Slurm nodes on one machine (one slurmd each, tests/test_slurm_jobs.py) share its
+    address and hostname: each agent's node name (SLURMD_NODENAME) keeps them apart; the same
+    node again is refused, the same agent rejoining is not, and a host whose node a successor
+    never learned is never claimed."""
+    from checkpointless.launcher.agents import claimed_host
+    from checkpointless.protocol import AgentHello
+
+    live: list[tuple[int, str, str | None, str | None]] = [(0, LOOP, f"{LOOP}:4000", "n1")]
+    assert claimed_host(live, AgentHello(host=LOOP, failover=f"{LOOP}:4001", node="n2")) is None
+    assert claimed_host(live, AgentHello(host=LOOP, failover=f"{LOOP}:4001", node="n1")) == 0
+    assert claimed_host(live, AgentHello(host=LOOP, failover=f"{LOOP}:4000", node="n1")) is None
+    assert claimed_host(live, AgentHello(host="10.9.9.9", failover="x:1", node="n1")) is None
+    unknown: list[tuple[int, str, str | None, str | None]] = [(0, LOOP, f"{LOOP}:4000", None)]
+    assert claimed_host(unknown, AgentHello(host=LOOP, failover=f"{LOOP}:4001", node="n1")) is None

@@ -64,6 +64,7 @@ from checkpointless.protocol import (
     decode,
     encode,
 )
+from checkpointless.protocol.agent_link import local_node
 
 __all__ = ["agent_env", "run_agent"]
 
@@ -206,6 +207,7 @@ def run_agent(
         host=host,
         pid=os.getpid(),
         hostname=socket.gethostname(),
+        node=local_node(),
         order=order,
         failover=f"{failover.address[0]}:{failover.address[1]}",
     )

@@ -52,17 +52,23 @@ def _beat_agents(agents: dict[int, Connection], stop: threading.Event) -> None:
             conn.send(encode(AgentHeartbeat(time.time())))
 
 
-def claimed_host(live: list[tuple[int, str, str | None]], hello: AgentHello) -> int | None:
-    """The live host whose address ``hello`` claims, if another agent serves it: None when the
-    address is free or the hello comes from that host's own agent again.
+def claimed_host(live: list[tuple[int, str, str | None, str | None]], hello: AgentHello) -> int | None:
+    """The live host whose address and node ``hello`` claims, if another agent serves it: None
+    when they are free or the hello comes from that host's own agent again.
 
-    ``live`` is each live host's id, address and failover address (None where it has none: the
-    coordinator's own host). An agent's failover address is its own listening socket, bound
-    once per agent process, so the same one is the same agent rejoining after its host was
-    fenced (its old host not yet declared lost); any other is a second agent on a host that
-    already has one, whose processes would share that host's ports and name."""
-    for host, address, failover in live:
-        if address == hello.host and not (failover and failover == hello.failover):
+    ``live`` is each live host's id, address, failover address (None where it has none: the
+    coordinator's own host) and node name (None where unknown: hosts a successor inherited). An
+    agent's failover address is its own listening socket, bound once per agent process, so the
+    same one is the same agent rejoining after its host was fenced (its old host not yet declared
+    lost); any other is a second agent on a host that already has one, whose processes would
+    share that host's ports and name. The node name keeps apart hosts that share an address on
+    purpose: several Slurm nodes on one machine (one slurmd each). A host whose node is unknown
+    is never claimed: refusing a real host would cost the job a spare, a missed duplicate only
+    a warning's worth."""
+    for host, address, failover, node in live:
+        if address != hello.host or node is None or node != hello.node:
+            continue
+        if not (failover and failover == hello.failover):
             return host
     return None
 
@@ -87,6 +93,7 @@ class AgentHosts:
     _agent_of: dict[Connection, int]
     _next_host: int
     _failover: dict[int, str]  # agent id -> the address it serves the control channel on
+    _node: dict[int, str]  # agent id -> its node name (AgentHello.node), for claimed_host
     _stepped_down: bool
     _announced: list[int]  # the membership last sent to everyone
 
@@ -189,7 +196,9 @@ class AgentHosts:
                 conn.hang_up()
                 return
             live = [
-                (h.host, h.address, self._failover.get(h.host)) for h in coord.hosts.values() if not h.lost
+                (h.host, h.address, self._failover.get(h.host), self._node.get(h.host))
+                for h in coord.hosts.values()
+                if not h.lost
             ]
             taken = claimed_host(live, msg)
             if taken is not None:
@@ -210,6 +219,7 @@ class AgentHosts:
             coord.add_host(host, msg.host, True, now, msg.order)
             if msg.failover:
                 self._failover[host] = msg.failover
+            self._node[host] = msg.node
             log.info("agent %d joined from %s (%s)", host, msg.host, msg.hostname or "?")
             self._announce()
             return

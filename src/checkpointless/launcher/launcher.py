@@ -45,6 +45,7 @@ from checkpointless.launcher.runfiles import (
     write_secret,
 )
 from checkpointless.observe.hooks import start_observers
+from checkpointless.protocol.agent_link import local_node
 from checkpointless.state.checkpoint_dir import remove_partial
 
 # config_from_json and config_to_json live in model.py now; still importable from here
@@ -98,6 +99,9 @@ class Launcher(DecisionLoop):
         # failover address, and whether it stepped down (its processes are left to the agents)
         self.term = term
         self._failover: dict[int, str] = {}
+        # each agent's node name, to refuse a second agent for a live host (agents.claimed_host);
+        # the hosts a successor inherits are unknown, and never claimed
+        self._node: dict[int, str] = {} if local_host is None else {local_host: local_node()}
         self._stepped_down = False
         self._announced: list[int] = []  # the membership last sent to everyone
         self.reaper: subprocess.Popen[bytes] | None = None

@@ -9,6 +9,8 @@ find a new coordinator. Import them from :mod:`checkpointless.protocol`.
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
 
 # Any and ClassVar stay runtime names: the codec resolves these annotations (typing.get_type_hints)
@@ -34,6 +36,7 @@ __all__ = [
     "SpawnCmd",
     "Succession",
     "Vote",
+    "local_node",
 ]
 
 
@@ -49,6 +52,13 @@ class AgentHello(Message):
     hostname: str = ""
     order: int = -1  # a placement hint (Slurm's node id): lower first; -1 keeps arrival order
     failover: str = ""  # host:port this agent serves the control channel on if it takes over
+    node: str = ""  # the machine's name for one-agent-per-host checks (local_node())
+
+
+def local_node() -> str:
+    """This machine's name as a host identity: Slurm's node name where there is one (several
+    slurmd on one machine share its address and hostname, one node each), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 @dataclass(frozen=True)
