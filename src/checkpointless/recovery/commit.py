@@ -16,7 +16,6 @@ from checkpointless.errors import NotRecoverableError
 from checkpointless.events import get_logger, set_log_step
 from checkpointless.protocol import Committed
 from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
-from checkpointless.recovery.guard import site
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
 from checkpointless.state.snapshot import capture_rng
@@ -31,36 +30,38 @@ log = get_logger()
 
 def enter_step(job: Job, index: int) -> None:
     job.clock.begin(index, job.comm.waited_s)
-    job._updated = False
+    job.guard.updated = False
     job._record = {}
     job._step_rng = (index, capture_rng())
     job._streams.begin_step()
     set_log_step(index)
-    job.replicas.begin_step(index, job._objects, job._optimizers, job._step_rng[1], job.clock.progress_t)
+    job.replicas.begin_step(
+        index, job.tracked.objects, job.tracked.optimizers, job._step_rng[1], job.clock.progress_t
+    )
     try:
-        site(job, "step")
-    except Exception as e:  # surfaced at the first hook inside the body (see guard.site)
-        job._deferred = e
+        job.guard.site("step")
+    except Exception as e:  # surfaced at the first hook inside the body (see UpdateGuard.site)
+        job.guard.deferred = e
 
 
 def commit(job: Job, index: int) -> None:
     job.committed_step = index + 1
-    job._updated = False
+    job.guard.updated = False
     job.clock.commit(job.comm.waited_s)
     job._retries.pop(index, None)
     job._record.update(job.replicas.published())
     if job._events is not None:
         job._events.emit("commit", step=index, generation=job.generation, **job._record)
-    if job._first_commit_after_recovery and job._link is not None:
-        job._first_commit_after_recovery = False
-        job._link.send(
+    if job.recovery.first_commit and job.recovery.connected:
+        job.recovery.first_commit = False
+        job.recovery.send(
             Committed(
                 generation=job.generation,
                 step=index,
                 time=time.time(),
                 first_batch_s=job.clock.batch_s,
                 # how much memory a spare should page in for this replica's state
-                state_bytes=state_bytes(job._objects) if job.rank == 0 else None,
+                state_bytes=state_bytes(job.tracked.objects) if job.rank == 0 else None,
             )
         )
 
@@ -71,17 +72,17 @@ def check_divergence(job: Job) -> None:
     step = job.committed_step
     if job.world_size < 2 or not due(step, job.divergence_every):
         return
-    if job._link is None and not job.under_torchrun:
+    if not job.recovery.connected and not job.under_torchrun:
         return
     shards = job.groups.shards
     if job.groups.mesh is not None and job.groups.mesh.replicate == 1:
         return  # plain FSDP: every shard exists once, there is no replica to compare it with
-    digest = state_digest(job._modules, job._optimizers)
+    digest = state_digest(job.tracked.modules, job.tracked.optimizers)
     mine = torch.tensor([digest], dtype=torch.int64, device=job.device)
     try:
         gathered = job.comm.wait(job.comm.allgather(mine), job.rendezvous_timeout)
     except Exception as e:  # a peer failed meanwhile: this step stands, recover as usual
-        if job._link is None:
+        if not job.recovery.connected:
             raise
         job.comm.abort(f"rank {job.rank} left the divergence check after step {step - 1}")
         recover(job, "comm", short_error(e), step, True)
@@ -94,7 +95,7 @@ def check_divergence(job: Job) -> None:
     log.error("%s%s", why, " (this rank is one of them)" if mine_bad else "")
     if job._events is not None:
         job._events.emit("divergence", step=step - 1, ranks=list(verdict.divergent))
-    if job._link is None:  # under plain torchrun: nothing can heal it
+    if not job.recovery.connected:  # under plain torchrun: nothing can heal it
         raise NotRecoverableError(why)
     if not mine_bad:
         # Only a divergent rank reports. Were the majority to report too, the launcher's abort

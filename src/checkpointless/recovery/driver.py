@@ -17,7 +17,7 @@ from checkpointless.events import get_logger
 from checkpointless.protocol import Done
 from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
-from checkpointless.recovery.recover import fatal, recover, recover_from
+from checkpointless.recovery.recover import recover, recover_from
 from checkpointless.recovery.sections import due_sections
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import start_from_first_replica
@@ -45,16 +45,15 @@ def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> 
     if job.under_torchrun:  # what the launcher's first round does: the first replica's state
         shards = job.groups.shards
         job.committed_step = start_from_first_replica(
-            job.comm, job._objects, start, job.rank, job.world_size, job.rendezvous_timeout, shards
+            job.comm, job.tracked.objects, start, job.rank, job.world_size, job.rendezvous_timeout, shards
         )
-    if job._link is not None and not job._objects:
-        fatal(
-            job,
+    if job.recovery.connected and not job.tracked.objects:
+        job.recovery.fatal(
             "job.track() registered nothing: a replacement rank would start from scratch and "
             "diverge; call job.track(model=..., optimizer=...) before job.steps()",
         )
-    if job._link is not None:
-        job._objects[LOOP_STATE_NAME] = job._loop  # an early end travels to a replacement
+    if job.recovery.connected:
+        job.tracked.objects[LOOP_STATE_NAME] = job._loop  # an early end travels to a replacement
         if job.is_replacement:
             recover(job, cause="join", error=None, committed=-1, valid=False)
         else:
@@ -68,8 +67,7 @@ def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> 
                 # Without `with step:` nothing commits, so the loop would yield the same step
                 # for ever, and a recovery could neither stop nor replay the body: say so
                 # instead of training on outside the job.
-                fatal(
-                    job,
+                job.recovery.fatal(
                     f"the body of `for step in job.steps(...)` ran outside `with step:` (step "
                     f"{step.index}); put the step's work inside it: "
                     "`for step in job.steps(N):` then `with step:` around forward, backward and "
@@ -80,19 +78,19 @@ def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> 
             log.warning("left job.steps() in a step that did not commit: not a clean end")
             return
         job._loop.request_stop(job.committed_step)
-        while job._link is not None and not _finish_barrier(job):
+        while job.recovery.connected and not _finish_barrier(job):
             pass
-    if job._link is not None:
+    if job.recovery.connected:
         # first: from here on this rank makes no step progress, and must not be judged by it
         # while the last checkpoint finishes or the script's own code runs after the loop
-        job._link.send(Done(step=job.committed_step))
-    for loader in job._loaders:
+        job.recovery.send(Done(step=job.committed_step))
+    for loader in job.tracked.loaders:
         loader.close()
     job.replicas.finish(job.rendezvous_timeout)
-    if job._link is not None:
+    if job.recovery.link is not None:
         install_fast_exit()
         # registered after it, so it runs before the exit: the coordinator must see we finished
-        atexit.register(job._link.await_release)
+        atexit.register(job.recovery.link.await_release)
     else:  # torchrun or standalone: the process exits normally, its groups closed first
         close_at_exit(job.groups.close, job.rendezvous_timeout)
 
@@ -112,7 +110,7 @@ def _run_sections(job: Job) -> bool:
         try:
             sec.fn()
         except Exception as exc:
-            if job._link is None:
+            if not job.recovery.connected:
                 raise
             job.clock.in_section = None
             log.info("section %r after step %d interrupted: %s", sec.name, at - 1, short_error(exc))
@@ -130,7 +128,7 @@ def _run_sections(job: Job) -> bool:
 
 def _finished(job: Job, total: int) -> bool:
     while job.committed_step >= job._loop.end(total):
-        if job._link is None or _finish_barrier(job):
+        if not job.recovery.connected or _finish_barrier(job):
             return True
         # The barrier was interrupted and a recovery ran. Unless it rolled the job back (then
         # steps remain), every rank is at the end again and meets in the barrier once more: a
@@ -144,7 +142,7 @@ def _finish_barrier(job: Job) -> bool:
     # the only source a late replacement could receive from.
     try:
         # the final barrier is an "allreduce" site of step N, N the job's length (faults/inject.py)
-        job._injector.maybe_fire("allreduce", job.committed_step)
+        job.guard.injector.maybe_fire("allreduce", job.committed_step)
         job.comm.barrier(timeout=job.rendezvous_timeout)
         return True
     except CommAborted as e:

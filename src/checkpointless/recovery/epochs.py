@@ -40,11 +40,12 @@ epoch (an evaluation that may ``break``, a file) can ask ``job.epoch_abandoned``
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.loop import LoopControl
 from checkpointless.state.snapshot import (
+    Stateful,
     capture_rng,
     collect_state,
     host_copy,
@@ -53,9 +54,6 @@ from checkpointless.state.snapshot import (
     restore_rng,
     restore_state,
 )
-
-if TYPE_CHECKING:
-    from checkpointless.recovery.job import Job
 
 __all__ = ["EpochDriver", "hold_state"]
 
@@ -149,16 +147,16 @@ class EpochDriver:
                 return
 
 
-def hold_state(job: Job) -> Callable[[], None]:
-    """Copy the job's tracked state and the generators to host memory; return what restores them
-    (the ``hold`` of the job's :class:`EpochDriver`: after a rollback to an earlier epoch). Rare,
-    so a plain copy."""
-    held = host_copy(collect_state(job._objects, job.committed_step, capture_rng()))
+def hold_state(objects: dict[str, Stateful], committed: Callable[[], int]) -> Callable[[], None]:
+    """Copy the job's tracked ``objects`` and the generators to host memory; return what restores
+    them (the ``hold`` of the job's :class:`EpochDriver`: after a rollback to an earlier epoch).
+    ``committed`` reads the job's committed step. Rare, so a plain copy."""
+    held = host_copy(collect_state(objects, committed(), capture_rng()))
 
     def put_back() -> None:
         # into the live tensors, as a received state lands: no second copy on the device
-        own = landing_zone(job._objects, job.committed_step, capture_rng())
-        _, rng = restore_state(job._objects, land(held, own))
+        own = landing_zone(objects, committed(), capture_rng())
+        _, rng = restore_state(objects, land(held, own))
         restore_rng(rng)
 
     return put_back

@@ -6,63 +6,88 @@ an exception deferred by the step's entry surfaces inside the script's own code,
 first forward, where the time to assemble the batch is taken. The *update guard* runs around
 every optimizer step: no update may change tensors a copy still reads, none may come from an
 aborted generation, and on a sharded mesh no rank updates while another is still in one of the
-step's collectives. Functions of the :class:`~checkpointless.recovery.job.Job` they act on, kept
-apart from its public API in ``job.py`` (as commit.py keeps a step's entry and commit).
+step's collectives. :class:`UpdateGuard` owns what the step's hooks know (the fault injector, an
+exception deferred to the first site, whether the update is under way or applied) and is given
+the step clock, the replica keeper and the groups it consults.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from checkpointless.recovery.job import Job
+from checkpointless.faults.inject import Injector
+from checkpointless.recovery.clock import StepClock
+from checkpointless.recovery.groups import Groups
+from checkpointless.recovery.replicas import ReplicaKeeper
 
-__all__ = ["after_update", "before_update", "on_collective", "site"]
-
-
-def site(job: Job, name: str) -> None:
-    """The script reached site ``name`` of the current step."""
-    if job._deferred is not None:
-        e, job._deferred = job._deferred, None
-        raise e
-    if name == "forward":
-        job.clock.first_forward()  # the time to fetch and assemble the batch
-    if job.clock.step_index is not None:
-        job._injector.maybe_fire(name, job.clock.step_index)
+__all__ = ["UpdateGuard"]
 
 
-def on_collective(job: Job, kind: str) -> None:
-    # an FSDP reduce-scatter runs inside backward; the replicate all-reduce is the job's
-    site(job, "backward" if kind == "reduce_scatter" else "allreduce")
+class UpdateGuard:
+    """The hooks of the step running. ``lockstep`` says whether a sharded update waits for
+    every rank (under the launcher, with more than one rank); ``timeout`` bounds each wait."""
 
+    def __init__(
+        self,
+        clock: StepClock,
+        replicas: ReplicaKeeper,
+        groups: Groups,
+        timeout: float,
+        lockstep: Callable[[], bool],
+    ) -> None:
+        self._clock = clock
+        self._replicas = replicas
+        self._groups = groups
+        self._timeout = timeout
+        self._lockstep = lockstep
+        self.injector = Injector([], 0, set(), lambda s: None)  # the rehearsed faults (--inject)
+        self.deferred: BaseException | None = None  # raised at the step's first site
+        self.dirty = False  # inside an optimizer update: state not valid if we fault now
+        self.updated = False  # the current step's update has been applied
 
-def before_update(job: Job, opt: Any, args: Any, kwargs: Any) -> None:
-    # The update must not change tensors still being read: a snapshot's copy, DCP's staging,
-    # the buddy copy's stream. Waited for before the barrier below, so that once past it
-    # nothing can refuse the update: a buddy copy abandoned by an abort raises CommAborted
-    # here, while every rank is still on this side of the barrier.
-    job.replicas.wait_read(job.rendezvous_timeout, job.groups.aborted)  # abandoned with the generation
-    if job.groups.shards > 1 and job._link is not None and job.world_size > 1:
-        # Sharded state: no rank may apply its update while another is still inside one of the
-        # step's collectives. Without this, a fault in one rank's update aborts a collective of
-        # another shard's group still in flight, while a third rank has already updated: the
-        # shards end at different steps, and the state of no single step exists anywhere (found
-        # by the HSDP raise-mid-optimizer test). Past this barrier every rank has its gradients
-        # and applies its update even if an abort arrives meanwhile (an update is never undone).
-        job.comm.barrier(job.rendezvous_timeout)  # CommAborted: the step dies before any update
-    else:
-        job.groups.check()  # never apply an update from a generation that was aborted
-    job._dirty = True
-    if job.clock.step_index is not None and job._injector.due("optimizer", job.clock.step_index):
-        # rehearse a fault half-way through the update: some parameters already changed
-        with torch.no_grad():
-            first = opt.param_groups[0]["params"][0]
-            first.add_(1.0)
-    site(job, "optimizer")
+    def site(self, name: str) -> None:
+        """The script reached site ``name`` of the current step."""
+        if self.deferred is not None:
+            e, self.deferred = self.deferred, None
+            raise e
+        if name == "forward":
+            self._clock.first_forward()  # the time to fetch and assemble the batch
+        if self._clock.step_index is not None:
+            self.injector.maybe_fire(name, self._clock.step_index)
 
+    def on_collective(self, kind: str) -> None:
+        # an FSDP reduce-scatter runs inside backward; the replicate all-reduce is the job's
+        self.site("backward" if kind == "reduce_scatter" else "allreduce")
 
-def after_update(job: Job, opt: Any, args: Any, kwargs: Any) -> None:
-    job._dirty = False
-    job._updated = True
+    def before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
+        # The update must not change tensors still being read: a snapshot's copy, DCP's staging,
+        # the buddy copy's stream. Waited for before the barrier below, so that once past it
+        # nothing can refuse the update: a buddy copy abandoned by an abort raises CommAborted
+        # here, while every rank is still on this side of the barrier.
+        self._replicas.wait_read(self._timeout, self._groups.aborted)  # abandoned with the generation
+        if self._groups.shards > 1 and self._lockstep():
+            # Sharded state: no rank may apply its update while another is still inside one of
+            # the step's collectives. Without this, a fault in one rank's update aborts a
+            # collective of another shard's group still in flight, while a third rank has
+            # already updated: the shards end at different steps, and the state of no single
+            # step exists anywhere (found by the HSDP raise-mid-optimizer test). Past this
+            # barrier every rank has its gradients and applies its update even if an abort
+            # arrives meanwhile (an update is never undone).
+            self._groups.comm.barrier(self._timeout)  # CommAborted: the step dies before any update
+        else:
+            self._groups.check()  # never apply an update from a generation that was aborted
+        self.dirty = True
+        index = self._clock.step_index
+        if index is not None and self.injector.due("optimizer", index):
+            # rehearse a fault half-way through the update: some parameters already changed
+            with torch.no_grad():
+                first = opt.param_groups[0]["params"][0]
+                first.add_(1.0)
+        self.site("optimizer")
+
+    def after_update(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.dirty = False
+        self.updated = True

@@ -21,8 +21,6 @@ applied its update). Models, optimizers and data objects stay in memory througho
 from __future__ import annotations
 
 import datetime
-import functools
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,16 +34,15 @@ from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.config import WorkerEnv
 from checkpointless.errors import CheckpointlessError, ConfigError
 from checkpointless.events import EventLog, setup_logging
-from checkpointless.faults.inject import Injector, parse_faults
-from checkpointless.recovery.amp import is_grad_scaler
+from checkpointless.faults.inject import parse_faults
+from checkpointless.recovery.client import RecoveryClient
 from checkpointless.recovery.clock import StepClock
 from checkpointless.recovery.default_group import DefaultGroup, configure_standalone, install_default_group
 from checkpointless.recovery.divergence import DEFAULT_EVERY
 from checkpointless.recovery.driver import run_steps
 from checkpointless.recovery.epochs import EpochDriver, hold_state
 from checkpointless.recovery.groups import Groups
-from checkpointless.recovery.guard import after_update, before_update, on_collective, site
-from checkpointless.recovery.link import LauncherLink
+from checkpointless.recovery.guard import UpdateGuard
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LoopControl
 from checkpointless.recovery.replicas import ReplicaKeeper
@@ -54,14 +51,14 @@ from checkpointless.recovery.sections import Section
 from checkpointless.recovery.sharded import (
     SHARD_STATE_NAME,
     ShardedRun,
-    local_stateful,
     mesh_shape_error,
 )
 from checkpointless.recovery.startup import connect, join_torchrun, sharded_copies, standalone
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import export_torchrun_env, started_by_torchrun
-from checkpointless.state.snapshot import RngState, Stateful, check_stateful
+from checkpointless.recovery.tracked import Tracked
+from checkpointless.state.snapshot import RngState
 
 __all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
 
@@ -84,33 +81,26 @@ class Job:
         self.max_step_retries = max_step_retries
         # the communicator, torch's default group and the mesh, driven together (groups.py)
         self.groups = Groups(Communicator(0, 1, datetime.timedelta(seconds=rendezvous_timeout)))
-        self.comm.before_allreduce = lambda: site(self, "allreduce")
-        self._objects: dict[str, Stateful] = {}
-        self._tracked: dict[int, str] = {}  # id(object) -> its name in track()
-        self._modules: list[nn.Module] = []
-        self._dps: list[DataParallel] = []
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._scalers: list[Any] = []  # GradScalers: per-step bookkeeping reset on a restart
-        self._loaders: list[StepLoader | StatefulStepLoader] = []
+        self.tracked = Tracked()  # what track() registered: the replica's state, by name and kind
         self._streams = StepStreams()
         self._loop = LoopControl()
-        self._dirty = False  # inside an optimizer update: state not valid if we fault now
-        self._updated = False  # the current step's update has been applied
         self._step_rng: tuple[int, RngState] | None = None
         self._retries: dict[int, int] = {}
         self.clock = StepClock()  # where the loop is and how long its steps take (heartbeats)
-        self._report_gen = 0
-        self._latest_abort = -1
-        self._cancel = threading.Event()
-        self._deferred: BaseException | None = None
-        self._first_commit_after_recovery = False
         self.replicas = ReplicaKeeper()  # snapshots, checkpoints, buddy copies, a spare's room
+        self.recovery = RecoveryClient(self.groups)  # the link to the coordinator, the abort state
+        # the step's hooks: fault sites and the update guard (guard.py)
+        self.guard = UpdateGuard(
+            self.clock,
+            self.replicas,
+            self.groups,
+            rendezvous_timeout,
+            lockstep=lambda: self.recovery.connected and self.world_size > 1,
+        )
+        self.comm.before_allreduce = lambda: self.guard.site("allreduce")
         self._record: dict[str, Any] = {}
         self._interrupted: tuple[int, dict[str, Any]] | None = None
-        self._link: LauncherLink | None = None
-        self._injector = Injector([], 0, set(), lambda s: None)
         self._events: EventLog | None = None
-        self._store_state: dict[str, Any] = {}
         self.last_recovery: dict[str, Any] = {}
         self.is_replacement = False
         self.divergence_every = DEFAULT_EVERY  # steps between replica digest comparisons (0: off)
@@ -126,7 +116,7 @@ class Job:
         # after the rank is known; recovery/default_group.py says why every job gets one
         timeout = datetime.timedelta(seconds=self.rendezvous_timeout)
         default = self.groups.default = install_default_group(
-            self.rank, self.world_size, timeout, functools.partial(on_collective, self)
+            self.rank, self.world_size, timeout, self.guard.on_collective
         )
         return default
 
@@ -144,7 +134,7 @@ class Job:
         if optimizer is not None:
             self.track(model=module, optimizer=optimizer)
         dp = DataParallel(module, self.comm, bucket_cap_mb=bucket_cap_mb)
-        self._dps.append(dp)
+        self.tracked.dps.append(dp)
         return dp
 
     def device_mesh(self, names: tuple[str, ...], shape: tuple[int, ...]) -> Any:
@@ -163,12 +153,12 @@ class Job:
             self.rank,
             self.world_size,
             timeout,
-            functools.partial(on_collective, self),
+            self.guard.on_collective,
             self.device.type,
         )
         if self.groups.default is not None:  # the mesh's world group is this one: the mesh drives it now
             self.groups.default.handed_to_mesh()
-        self._objects[SHARD_STATE_NAME] = mesh.identity()
+        self.tracked.objects[SHARD_STATE_NAME] = mesh.identity()
         if mesh.shards > 1:
             sharded_copies(self)
         if self._torchrun_store is not None:  # plain torchrun: formed once, from torchrun's store
@@ -179,7 +169,7 @@ class Job:
             world = mesh.mesh.world
             formed = (world,) if world.generation == 0 and world.aborted is None else ()
             mesh.configure(0, dist.PrefixStore("mesh/", self._torchrun_store), deadline, None, formed)
-        elif self._link is None:  # run plainly: a world of one, formed at once
+        elif not self.recovery.connected:  # run plainly: a world of one, formed at once
             mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
         return mesh.device_mesh
 
@@ -199,29 +189,16 @@ class Job:
         if self.clock.started:
             raise ConfigError("track() must be called before job.steps() starts")
         for name, obj in objects.items():
-            known = self._tracked.get(id(obj))
-            if known == name:
-                continue  # tracked already (data_parallel(..., optimizer=) tracks both)
-            if known is not None:
-                raise ConfigError(
-                    f"{name!r} is already tracked as {known!r} (data_parallel(..., optimizer=...) tracks "
-                    "the model as 'model' and the optimizer as 'optimizer'); track each object once"
-                )
-            self._tracked[id(obj)] = name
-            # a sharded module or optimizer travels as its local shards (recovery/sharded.py)
-            self._objects[name] = local_stateful(check_stateful(name, obj))
+            if not self.tracked.add(name, obj):
+                continue
             if isinstance(obj, nn.Module):
-                self._modules.append(obj)
-                obj.register_forward_pre_hook(lambda m, a: site(self, "forward"))
+                obj.register_forward_pre_hook(lambda m, a: self.guard.site("forward"))
                 first = next((p for p in obj.parameters() if p.requires_grad), None)
                 if first is not None:
-                    first.register_post_accumulate_grad_hook(lambda p: site(self, "backward"))
+                    first.register_post_accumulate_grad_hook(lambda p: self.guard.site("backward"))
             if isinstance(obj, torch.optim.Optimizer):
-                self._optimizers.append(obj)
-                obj.register_step_pre_hook(functools.partial(before_update, self))
-                obj.register_step_post_hook(functools.partial(after_update, self))
-            if is_grad_scaler(obj):
-                self._scalers.append(obj)
+                obj.register_step_pre_hook(self.guard.before_update)
+                obj.register_step_post_hook(self.guard.after_update)
 
     def loader(self, dataloader: Any) -> StepLoader | StatefulStepLoader:
         """Make a map-style ``DataLoader`` step-addressable: ``.batch(step.index)``; a torchdata
@@ -230,10 +207,10 @@ class Job:
             wrapped: StepLoader | StatefulStepLoader = StatefulStepLoader(
                 dataloader, next_step=lambda: self.committed_step
             )
-            self.track(**{f"_loader{len(self._loaders)}": wrapped})  # its position travels too
+            self.track(**{f"_loader{len(self.tracked.loaders)}": wrapped})  # its position travels too
         else:
             wrapped = StepLoader(dataloader, dp_rank=self.rank, dp_size=self.world_size)
-        self._loaders.append(wrapped)
+        self.tracked.loaders.append(wrapped)
         return wrapped
 
     def epochs(self, count: int, loader: Any, start: int = 0) -> Iterator[int]:
@@ -251,7 +228,13 @@ class Job:
             raise ConfigError(f"job.epochs({count}, start={start}): start must be in 0..{count}")
         self._step_loader = wrapped
         steps = self.steps(count * per, start * per, steps_per_epoch=per)
-        self._epochs = EpochDriver(steps, per, self._loop, start, hold=functools.partial(hold_state, self))
+        self._epochs = EpochDriver(
+            steps,
+            per,
+            self._loop,
+            start,
+            hold=lambda: hold_state(self.tracked.objects, lambda: self.committed_step),
+        )
         return self._epochs.epochs()
 
     @property
@@ -311,7 +294,7 @@ class Job:
 
     def inject(self, *specs: str) -> None:
         """Add faults to rehearse from code, same syntax as ``--inject`` (e.g. "kill:rank=1:step=20")."""
-        self._injector.specs.extend(parse_faults(list(specs), self.world_size))
+        self.guard.injector.specs.extend(parse_faults(list(specs), self.world_size))
 
     @property
     def job_id(self) -> str | None:

@@ -13,9 +13,9 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from checkpointless.errors import CommAborted, NotRecoverableError, StateTransferError
+from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.protocol import Abort, Fatal, Recover, Recovered, Stopped
+from checkpointless.protocol import Abort, Recover, Recovered, Stopped
 from checkpointless.recovery.amp import finish_cut_off_update, reset_step_state
 from checkpointless.recovery.process import looks_like_comm_error, short_error
 from checkpointless.recovery.rendezvous_client import make_store
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from checkpointless.recovery.job import Job
 
 __all__ = [
-    "fatal",
     "join_generation",
     "newest_own_snapshot",
     "plan_sources",
@@ -67,16 +66,16 @@ def recover_from(job: Job, index: int, exc: BaseException) -> None:
     # the rank's own error counts as its own even if an abort arrived at the same moment:
     # only a failed or aborted collective is a symptom of somebody else's fault
     cause = "comm" if isinstance(exc, CommAborted) or looks_like_comm_error(exc) else "exception"
-    if job._dirty:
+    if job.guard.dirty:
         committed, valid = index, False
-    elif job._updated:
+    elif job.guard.updated:
         committed, valid = index + 1, True
     else:
         committed, valid = index, True
-    if job._updated and not job._dirty:  # the update stands: so must its scaler update
-        for scaler in job._scalers:
+    if job.guard.updated and not job.guard.dirty:  # the update stands: so must its scaler update
+        for scaler in job.tracked.scalers:
             finish_cut_off_update(scaler)
-    job._dirty = False
+    job.guard.dirty = False
     job._interrupted = (index, dict(job._record))
     if cause == "exception":
         job._retries[index] = job._retries.get(index, 0) + 1
@@ -88,8 +87,7 @@ def recover_from(job: Job, index: int, exc: BaseException) -> None:
             "".join(traceback.format_exception(exc)).rstrip(),
         )
         if job._retries[index] > job.max_step_retries:
-            fatal(
-                job,
+            job.recovery.fatal(
                 f"step {index} raised {type(exc).__name__} {job._retries[index]} times in a row "
                 f"({exc}); this is not a transient fault",
             )
@@ -99,26 +97,16 @@ def recover_from(job: Job, index: int, exc: BaseException) -> None:
     recover(job, cause, f"{type(exc).__name__}: {exc}", committed, valid)
 
 
-def fatal(job: Job, why: str) -> None:
-    if job._link is not None:
-        job._link.send(Fatal(error=why))
-    raise NotRecoverableError(why)
-
-
 def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool) -> None:
     """Report, wait for the launcher's plan, rebuild, exchange state. Loops through any
     number of faults that happen meanwhile (each makes a newer generation)."""
-    assert job._link is not None
+    assert job.recovery.link is not None
     job.clock.recovering = True
     t_stop = time.monotonic()
     job.replicas.stop(job.rendezvous_timeout)
-    for dp in job._dps:
-        dp.reset()
-    job.groups.reset(job._modules)  # what the abandoned forward/backward left in FSDP2
-    for opt in job._optimizers:
-        opt.zero_grad(set_to_none=True)
+    job.tracked.drop_step(job.groups.reset)  # what the abandoned forward/backward left
     deadline = time.monotonic() + 10 * job.rendezvous_timeout
-    job._report_gen = max(job._report_gen, job._latest_abort, job.generation + 1)
+    job.recovery.report_gen = max(job.recovery.report_gen, job.recovery.latest_abort, job.generation + 1)
     # the step that was running names the fault for the launcher's fault budget
     report = Stopped(
         for_generation=0,
@@ -130,11 +118,11 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
     )
     resend = True
     while True:
-        gen = job._report_gen
+        gen = job.recovery.report_gen
         if resend:
             snap = newest_own_snapshot(job)
             ckpts = job.replicas.checkpoint_steps()
-            job._link.send(
+            job.recovery.link.send(
                 dataclasses.replace(
                     report,
                     for_generation=gen,
@@ -148,15 +136,15 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
                 )
             )
         resend = False
-        msg = job._link.wait_for((Recover, Abort), deadline)
+        msg = job.recovery.link.wait_for((Recover, Abort), deadline)
         if isinstance(msg, Abort):
-            if msg.generation > job._report_gen:  # a newer fault: report for it
-                job._report_gen = msg.generation
+            if msg.generation > job.recovery.report_gen:  # a newer fault: report for it
+                job.recovery.report_gen = msg.generation
                 resend = True
             continue
-        if msg.generation != gen or job._latest_abort > gen:
+        if msg.generation != gen or job.recovery.latest_abort > gen:
             continue  # a plan for a generation that was superseded while it travelled
-        job._cancel.clear()
+        job.recovery.cancel.clear()
         try:
             timings = join_generation(job, msg, committed, valid)
         except Exception as e:  # any failure here is a fault of this round, not of the job
@@ -167,16 +155,16 @@ def recover(job: Job, cause: str, error: str | None, committed: int, valid: bool
             if isinstance(e, StateTransferError) or job.rank in receivers:
                 valid = valid and job.rank not in receivers
             report = dataclasses.replace(report, valid=valid, cause="recovery", error=short_error(e))
-            job._report_gen = max(job._latest_abort, gen + 1)
+            job.recovery.report_gen = max(job.recovery.latest_abort, gen + 1)
             resend = True
             continue
         timings["stopped_s"] = t_stop
-        for scaler in job._scalers:  # every step starts again with scaled gradients
+        for scaler in job.tracked.scalers:  # every step starts again with scaled gradients
             reset_step_state(scaler)
         job.clock.restart()  # the hang clock restarts with the new generation
         job.clock.recovering = False
-        job._first_commit_after_recovery = True
-        job._link.send(Recovered(generation=gen, time=time.time(), timings=timings))
+        job.recovery.first_commit = True
+        job.recovery.link.send(Recovered(generation=gen, time=time.time(), timings=timings))
         job.groups.release()
         return
 
@@ -188,10 +176,12 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
     sources = plan_sources(plan)  # receiver -> its source (on a mesh, a holder of its shard)
     # receivers of this rank's own state; the buddy copies it keeps go out on a thread of their own
     to_send = sorted(r for r, s in sources.items() if s == job.rank and r not in plan.get("from_copy", ()))
-    job._injector.maybe_fire("recovery", target)
+    job.guard.injector.maybe_fire("recovery", target)
     t0 = time.monotonic()
-    store = make_store(msg.rendezvous, job.rank, job.world_size, gen, job._store_state, job.env)
-    wait_s = job.groups.rebuild(gen, store, job.rank, job.world_size, job.rendezvous_timeout, job._cancel)
+    store = make_store(msg.rendezvous, job.rank, job.world_size, gen, job.recovery.store_state, job.env)
+    wait_s = job.groups.rebuild(
+        gen, store, job.rank, job.world_size, job.rendezvous_timeout, job.recovery.cancel
+    )
     job.generation = gen
     t1 = time.monotonic()
     info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
@@ -211,23 +201,25 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
         and target in job.replicas.buddies.undo_steps()
     ):
         buddies = job.replicas.buddies
-        info.update(restore_from(job._objects, target, lambda own: (buddies.undo(target), {}), "undo copy"))
+        info.update(
+            restore_from(job.tracked.objects, target, lambda own: (buddies.undo(target), {}), "undo copy")
+        )
         info["role"] = info["transport"] = "undo"
         log.info("rolled back to this rank's own state as step %d began (its undo copy)", target)
     elif job.rank in plan.get("own_snapshot", ()) and job.replicas.own_snapshots is not None:
-        stats = restore_snapshot(job._objects, job.replicas.own_snapshots, target)
+        stats = restore_snapshot(job.tracked.objects, job.replicas.own_snapshots, target)
         info.update(stats)
         info["role"] = info["transport"] = "own_snapshot"
         log.info("restored this rank's own snapshot of step %d", target)
     elif plan.get("from_checkpoint"):
         if job.replicas.checkpoint_dir is None:
             raise StateTransferError("the plan restores a checkpoint, but this rank has no --checkpoint-dir")
-        info.update(restore_checkpoint(job._objects, job.replicas.checkpoint_dir, target))
+        info.update(restore_checkpoint(job.tracked.objects, job.replicas.checkpoint_dir, target))
         info["role"] = info["transport"] = "checkpoint"
         log.info("restored the checkpoint of step %d from %s", target, job.replicas.checkpoint_dir)
     elif to_send:
         rng = resume_rng(job, target)
-        state = collect_state(job._objects, target, rng)
+        state = collect_state(job.tracked.objects, target, rng)
         info.update(send_state(job.comm, state, to_send, job.rendezvous_timeout, route))
         info["role"] = "source"
         restore_rng(rng)
@@ -235,7 +227,7 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
         # our own tensors are the landing zone: a receiver's state is replaced anyway, and
         # receiving in place spares a copy and a page fault per 4 KiB of state
         tc = time.monotonic()
-        own = landing_zone(job._objects, target, capture_rng())
+        own = landing_zone(job.tracked.objects, target, capture_rng())
         info["state_collect_s"] = time.monotonic() - tc
         if job.replicas.arena is not None:
             job.replicas.arena.reset()  # a transfer that failed before may have taken some of it
@@ -249,7 +241,7 @@ def join_generation(job: Job, msg: Recover, committed: int, valid: bool) -> dict
             job.replicas.arena.release_unused()
             job.replicas.arena = None  # what was carved out lives on in the received tensors
         tr = time.monotonic()
-        step, rng = restore_state(job._objects, state)
+        step, rng = restore_state(job.tracked.objects, state)
         if step != target:
             raise StateTransferError(f"received state for step {step}, the plan says {target}")
         restore_rng(rng)
@@ -295,7 +287,7 @@ def newest_own_snapshot(job: Job) -> int | None:
 
 def restore_own_snapshot(job: Job, target: int) -> dict[str, Any]:
     assert job.env is not None
-    stats = restore_snapshot(job._objects, snapshot_dir(job.env.job_id), target)
+    stats = restore_snapshot(job.tracked.objects, snapshot_dir(job.env.job_id), target)
     log.info("restored the shared-memory snapshot of step %d (%.1f MB)", target, stats["bytes"] / 1e6)
     return stats
 
@@ -303,7 +295,7 @@ def restore_own_snapshot(job: Job, target: int) -> dict[str, Any]:
 def stream_route(job: Job, desc: dict[str, Any], gen: int) -> StreamRoute | None:
     """State goes over a direct stream through the key servers of a root-less rendezvous;
     with a central store (``--rendezvous tcp``) over the gloo group instead."""
-    server = job._store_state.get("server")
+    server = job.recovery.store_state.get("server")
     if desc.get("kind") != "rootless" or server is None or job.env is None:
         return None
     return StreamRoute(server, list(desc["peers"]), job.env.secret, f"state/gen{gen}")

@@ -10,7 +10,6 @@ picks one of :func:`connect`, :func:`join_torchrun` and :func:`standalone`, and
 from __future__ import annotations
 
 import datetime
-import functools
 import os
 import sys
 import time
@@ -19,12 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from checkpointless.comm.work import waiting_since
 from checkpointless.events import get_logger, setup_logging
 from checkpointless.faults.inject import Injector, parse_faults
 from checkpointless.protocol import Assign, Prefetch, Prepare, SpareReady
-from checkpointless.recovery.callbacks import announce_fault, on_abort, status
 from checkpointless.recovery.commit_log import CommitLog
-from checkpointless.recovery.link import LauncherLink, set_parent_death_signal
+from checkpointless.recovery.link import set_parent_death_signal
 from checkpointless.recovery.process import warm_up
 from checkpointless.recovery.torchrun import join_torchrun_group, torchrun_warning
 
@@ -56,18 +55,19 @@ def connect(job: Job) -> None:
             listen_fd=job.env.store_fd,
         )
         server.start()
-        job._store_state["server"] = server
-    job._link = LauncherLink(job.env, functools.partial(on_abort, job), functools.partial(status, job))
+        job.recovery.store_state["server"] = server
+    comm = job.comm
+    job.recovery.connect(job.env, lambda: job.clock.heartbeat(comm.in_collective_since or waiting_since()))
     if job.env.role == "spare":
         log.info("spare %d ready, waiting for a rank", job.env.worker_id)
-        job._link.send(SpareReady())
+        job.recovery.send(SpareReady())
     msg = _wait_for_rank(job)
     if "checkpointless.data.spare_cache" in sys.modules:  # we have a rank: stop prefetching
         sys.modules["checkpointless.data.spare_cache"].stop()
     job.rank = msg.rank
     job.world_size = msg.world_size
     job.placement = (msg.local_rank, msg.local_world_size, msg.node_rank)
-    job._report_gen = msg.generation
+    job.recovery.report_gen = msg.generation
     # A spare given a rank lost during start-up, before the job's first state sync, is no
     # replacement: no peer holds what the original would have restored (the script's own
     # checkpoint, with R = 1 the only copy of this shard), so it starts as the original would.
@@ -81,14 +81,14 @@ def connect(job: Job) -> None:
     job.replicas.configure(msg, job.rank, job.env.job_id)
     job.divergence_every = msg.divergence_check
     specs = parse_faults(list(msg.faults), job.world_size)
-    job._injector = Injector(specs, job.rank, set(msg.fired), functools.partial(announce_fault, job))
+    job.guard.injector = Injector(specs, job.rank, set(msg.fired), job.recovery.announce_fault)
 
 
 def _wait_for_rank(job: Job) -> Assign:
     """A spare's wait (a worker's is short): its rank, meanwhile paging in and prefetching."""
-    assert job.env is not None and job._link is not None
+    assert job.env is not None and job.recovery.link is not None
     while True:
-        msg = job._link.wait_for((Assign, Prepare, Prefetch), time.monotonic() + 10 * 365 * 86400.0)
+        msg = job.recovery.link.wait_for((Assign, Prepare, Prefetch), time.monotonic() + 10 * 365 * 86400.0)
         if isinstance(msg, Assign):
             return msg
         if isinstance(msg, Prefetch):  # fill this host's batch cache for the ranks we may take

@@ -53,7 +53,7 @@ class Step:
             self.committed = True
             check_divergence(self.job)
             return False
-        if not isinstance(exc, Exception) or self.job._link is None:
+        if not isinstance(exc, Exception) or not self.job.recovery.connected:
             return False  # KeyboardInterrupt/SystemExit, or no launcher to recover with
         recover_from(self.job, self.index, exc)
         return True
@@ -62,19 +62,19 @@ class Step:
 def _per_epoch(job: Job) -> int:
     if job._steps_per_epoch is not None:
         return job._steps_per_epoch
-    if len(job._loaders) == 1 and job._loaders[0].batches_per_epoch:
-        return job._loaders[0].batches_per_epoch
+    if len(job.tracked.loaders) == 1 and job.tracked.loaders[0].batches_per_epoch:
+        return job.tracked.loaders[0].batches_per_epoch
     raise ConfigError(
         f"step.epoch needs the epoch length: pass job.steps(total, steps_per_epoch=N) (this job "
-        f"has {len(job._loaders)} job.loader()s, so the length is not implied)"
+        f"has {len(job.tracked.loaders)} job.loader()s, so the length is not implied)"
     )
 
 
 def _batch(job: Job, index: int) -> Any:
-    loader = job._step_loader or (job._loaders[0] if len(job._loaders) == 1 else None)
+    loader = job._step_loader or (job.tracked.loaders[0] if len(job.tracked.loaders) == 1 else None)
     if loader is None:
         raise ConfigError(
-            f"step.batch needs one loader, and this job has {len(job._loaders)} job.loader()s; "
+            f"step.batch needs one loader, and this job has {len(job.tracked.loaders)} job.loader()s; "
             "call loader.batch(step.index) on the one you mean"
         )
     return loader.batch(index)

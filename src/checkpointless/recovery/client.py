@@ -1,0 +1,75 @@
+"""The recovery client: this rank's end of the recovery protocol, between rounds.
+
+It holds the link to the coordinator (``link.py``, absent under plain torchrun or run plainly),
+the newest abort heard and the generation this rank reports for next, the event that cancels a
+rendezvous in progress when a newer fault arrives, and the key server a root-less rendezvous
+serves from this process. :class:`RecoveryClient` owns these fields and the link's callbacks: an
+``Abort`` (on the link's reader thread, so that a main thread blocked in a collective wakes at
+once), a rehearsed fault that fired, and a fatal error. The round itself is in ``recover.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from checkpointless.config import WorkerEnv
+from checkpointless.errors import NotRecoverableError
+from checkpointless.events import get_logger
+from checkpointless.faults.inject import FaultSpec
+from checkpointless.protocol import Abort, Fatal, Fired, Heartbeat, Message
+from checkpointless.recovery.groups import Groups
+from checkpointless.recovery.link import LauncherLink
+
+__all__ = ["RecoveryClient"]
+
+log = get_logger()
+
+
+class RecoveryClient:
+    """The link to the coordinator and what this rank knows of the recovery rounds."""
+
+    def __init__(self, groups: Groups) -> None:
+        self._groups = groups  # aborted at once when the coordinator aborts a generation
+        self.link: LauncherLink | None = None
+        self.report_gen = 0  # the generation this rank's next report is for
+        self.latest_abort = -1  # the newest generation an Abort named
+        self.cancel = threading.Event()  # set by an abort: a rendezvous in progress gives up
+        self.first_commit = False  # the next commit is the first after a recovery: report it
+        self.store_state: dict[str, Any] = {}  # the rendezvous key server ("server") and its state
+
+    @property
+    def connected(self) -> bool:
+        """Under the launcher: there is a coordinator to recover with."""
+        return self.link is not None
+
+    def connect(self, env: WorkerEnv, status: Callable[[], Heartbeat]) -> LauncherLink:
+        """Connect to the coordinator; ``status`` is what each heartbeat says."""
+        self.link = LauncherLink(env, self.on_abort, status)
+        return self.link
+
+    def send(self, msg: Message) -> None:
+        """Tell the coordinator, if there is one."""
+        if self.link is not None:
+            self.link.send(msg)
+
+    def on_abort(self, msg: Abort) -> None:
+        gen = msg.generation
+        if gen > self.latest_abort:
+            self.latest_abort = gen
+            self.cancel.set()
+            n = self._groups.abort(msg.reason)
+            if n:
+                log.info("aborted %d pending collective(s) for generation %d", n, gen)
+
+    def announce_fault(self, spec: FaultSpec) -> None:
+        """A rehearsed fault fires here (the injector's callback)."""
+        log.warning("injecting fault %s", spec.to_text())
+        self.send(Fired(id=spec.id, kind=spec.kind, time=time.time()))
+
+    def fatal(self, why: str) -> NoReturn:
+        """End the job: no recovery can help (the coordinator hears why first)."""
+        self.send(Fatal(error=why))
+        raise NotRecoverableError(why)
