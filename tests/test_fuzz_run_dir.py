@@ -155,7 +155,6 @@ def test_the_job_outcome_reader_never_raises(scratch: Path, tail: bytes, deep: i
     assert got is None or isinstance(got, str)
 
 
-@pytest.mark.xfail(reason="join helper: job_outcome lets a RecursionError out of json.loads", strict=False)
 def test_the_job_outcome_of_a_deeply_nested_end_record_is_none(tmp_path: Path) -> None:
     deep = b"[" * 20_000 + b"]" * 20_000  # within the 64 KiB tail that it reads
     (tmp_path / "events.jsonl").write_bytes(b'{"event":"job_end","status":' + deep + b"}\n")
@@ -191,7 +190,6 @@ def test_a_fifo_as_the_coordinator_record_is_no_record(tmp_path: Path) -> None:
     assert done and got is None
 
 
-@pytest.mark.xfail(reason="join helper: job_outcome opens events.jsonl even when it is a FIFO", strict=False)
 def test_a_fifo_as_the_event_log_does_not_block_the_job_outcome(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "events.jsonl")
     done, got = _does_not_block(lambda: job_outcome(tmp_path), tmp_path / "events.jsonl")

@@ -244,15 +244,23 @@ def job_outcome(run_dir: Path) -> str | None:
     large, and its end is what is asked."""
     path = run_dir / "events.jsonl"
     try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - _TAIL_BYTES))
-            tail = f.read(_TAIL_BYTES)
+        # no symlink, and never block: a FIFO planted as the log would hold the agent's exit
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        try:
+            f.seek(max(0, st.st_size - _TAIL_BYTES))
+            tail = f.read(_TAIL_BYTES)
+        except OSError:
+            return None
     for line in reversed(tail.splitlines()):
         if b'"job_end"' not in line:
             continue
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):  # a hostile line is no outcome
             event = json.loads(line)
             if isinstance(event, dict) and event.get("event") == "job_end":
                 return str(event.get("status"))
