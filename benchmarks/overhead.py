@@ -160,15 +160,7 @@ def launch(a: argparse.Namespace, design: str, run_dir: Path) -> bl.Finished:
             "--global-batch", str(a.global_batch), "--ckpt-every", "0", "--find-unused", "0",
             "--broadcast-buffers", "0", "--log-dir", str(run_dir), "--digest-out", str(run_dir / "digest"),
         ]  # fmt: skip
-    (run_dir / "command").write_text(shlex.join(cmd) + "\n")
-    return bl.run_command(
-        cmd,
-        timeout=a.run_timeout,
-        env=bl.bench_env(a.threads),
-        stdout=run_dir / "stdout.log",
-        stderr=run_dir / "stderr.log",
-        sample_cpu=True,
-    )
+    return bl.run_job(cmd, run_dir, timeout=a.run_timeout, env=bl.bench_env(a.threads), sample_cpu=True)
 
 
 def write_markdown(result: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 Why: on a 2-core machine one round's ratio (a design's run against plain FSDP2's, next to each
 other) has an SD of 10-13%, so telling a 2% target takes a few hundred rounds, more than one
 run fits between other work. Each file's rounds are paired exactly as that run paired them (the
-same round number, both runs finished); the pooled interval is ``benchlib.ratio_ci``'s bootstrap
+same round number, both runs finished); the pooled interval is ``_harness.ratio_ci``'s bootstrap
 over all of them, at 95% (the benchmark's rule) and at 99% (rounds were added after earlier looks
 were undecided, which weakens a 95% interval's guarantee). Every run's final shards are also
 checked: a design whose digests differ from plain FSDP2's in any file is reported.

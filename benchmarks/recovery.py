@@ -84,10 +84,7 @@ def launch(a: argparse.Namespace, cfg: Config, kind: str, run_dir: Path) -> bl.F
             "--ckpt-every", str(cfg.ckpt_every), "--log-dir", str(run_dir),
             "--hang-timeout", str(a.hang_timeout), *inject_spec(a, kind), "--digest-out", digest,
         ]  # fmt: skip
-    (run_dir / "command").write_text(shlex.join(cmd) + "\n")
-    return bl.run_command(
-        cmd, timeout=a.run_timeout, env=env, stdout=run_dir / "stdout.log", stderr=run_dir / "stderr.log"
-    )
+    return bl.run_job(cmd, run_dir, timeout=a.run_timeout, env=env)
 
 
 # -- the benchmark -----------------------------------------------------------------------------

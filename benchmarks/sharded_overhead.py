@@ -16,8 +16,9 @@ Runs alternate (A B C, C B A, ...) so every design sees the same drift of the ma
 time is the time between consecutive steps completed on every rank (per-rank commit logs) after
 the warm-up and, on the checkpointless side, after the hot spare is ready; the figures are the
 ratio of the medians, the median of adjacent-run ratios, and the job's CPU seconds per step (every
-process it started), which a shared machine moves less than wall time. The step-time and CPU
-readers are those of benchmarks/overhead.py.
+process it started, counted in the run's own cgroup), which a shared machine moves less than
+wall time. The step-time and CPU readers are the harness's (benchmarks/_harness/logs.py), shared
+with benchmarks/overhead.py; a run whose CPU was not fully counted fails.
 
     .venv/bin/python benchmarks/sharded_overhead.py              # FSDP 1x2 and HSDP 2x2, 2 rounds of 50 steps (~3 min; 5 at load 15)
     .venv/bin/python benchmarks/sharded_overhead.py --rounds 4 --steps 120
@@ -65,15 +66,7 @@ def launch(a: argparse.Namespace, design: str, mesh: tuple[int, int], run_dir: P
         if design == "buddy_every":  # copies every N steps (--buddy-every)
             extra += ["--buddy-every", str(a.buddy_every)]
         cmd = sl.checkpointless_command(a, mesh, run_dir, spares=a.spares, launcher_args=extra)
-    sl.write_command(run_dir, cmd)
-    return bl.run_command(
-        cmd,
-        timeout=a.run_timeout,
-        env=bl.bench_env(a.threads),
-        stdout=run_dir / "stdout.log",
-        stderr=run_dir / "stderr.log",
-        sample_cpu=True,
-    )
+    return bl.run_job(cmd, run_dir, timeout=a.run_timeout, env=bl.bench_env(a.threads), sample_cpu=True)
 
 
 def buddy_fields(run_dir: Path, warmup: int) -> dict[str, float]:
@@ -243,9 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="add a column with buddy copies every N steps (--buddy-every N; default: no such column)",
     )
     sl.add_model_args(ap)
-    ap.add_argument("--run-timeout", type=float, default=300.0)
-    ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
-    ap.add_argument("--out", default=str(bl.RESULTS / "sharded_overhead.json"), help="JSON output")
+    bl.add_run_args(ap, run_timeout=300.0, out=str(bl.RESULTS / "sharded_overhead.json"))
     a = ap.parse_args(argv)
     try:
         meshes = [sl.parse_mesh(m) for m in a.meshes.split(";") if m.strip()]

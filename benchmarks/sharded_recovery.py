@@ -59,11 +59,7 @@ def launch(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> b
             a, a.mesh, run_dir, ckpt_every=cfg.ckpt_every, max_restarts=3,
             script_args=["--hang-timeout", str(a.hang_timeout), *inject],
         )  # fmt: skip
-    sl.write_command(run_dir, cmd)
-    return bl.run_command(
-        cmd, timeout=a.run_timeout, env=bl.bench_env(a.threads), stdout=run_dir / "stdout.log",
-        stderr=run_dir / "stderr.log",
-    )  # fmt: skip
+    return bl.run_job(cmd, run_dir, timeout=a.run_timeout, env=bl.bench_env(a.threads))
 
 
 def plan_sources(run_dir: Path) -> list[list[int]]:
@@ -141,9 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--hang-timeout", type=float, default=5.0, help="same value for both designs")
     ap.add_argument("--no-reference", action="store_true", help="skip the fault-free runs (c)")
     sl.add_model_args(ap)
-    ap.add_argument("--run-timeout", type=float, default=300.0, help="limit per job run, seconds")
-    ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
-    ap.add_argument("--out", default=str(bl.RESULTS / "sharded_recovery.json"), help="JSON output")
+    bl.add_run_args(ap, run_timeout=300.0, out=str(bl.RESULTS / "sharded_recovery.json"))
     a = ap.parse_args(argv)
     try:
         a.mesh = sl.parse_mesh(a.mesh)

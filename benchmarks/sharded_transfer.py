@@ -152,11 +152,7 @@ def one_run(a: argparse.Namespace, i: int, work: Path) -> dict[str, Any]:
     for rank in group:
         inject += ["--inject", f"kill:rank={rank}:step={a.fault_step}"]
     cmd = sl.checkpointless_command(a, a.mesh, run_dir, spares=s_, launcher_args=inject)
-    sl.write_command(run_dir, cmd)
-    fin = bl.run_command(
-        cmd, timeout=a.run_timeout, env=bl.bench_env(a.threads), stdout=run_dir / "stdout.log",
-        stderr=run_dir / "stderr.log",
-    )  # fmt: skip
+    fin = bl.run_job(cmd, run_dir, timeout=a.run_timeout, env=bl.bench_env(a.threads))
     rec: dict[str, Any] = {"run": i, "rc": fin.rc, "wall_s": round(fin.wall_s, 3)}
     if fin.timed_out or fin.rc != 0:
         rec["error"] = f"{'timed out' if fin.timed_out else f'exit code {fin.rc}'} (logs in {run_dir})"
@@ -196,9 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--loopback-repeats", type=int, default=3)
     sl.add_model_args(ap)
     ap.set_defaults(dim=512)  # ~13 M parameters: a shard's state is tens of MB at S = 2
-    ap.add_argument("--run-timeout", type=float, default=300.0)
-    ap.add_argument("--work-dir", help="keep the run directories here (default: temporary, removed)")
-    ap.add_argument("--out", default=str(bl.RESULTS / "sharded_transfer.json"), help="JSON output")
+    bl.add_run_args(ap, run_timeout=300.0, out=str(bl.RESULTS / "sharded_transfer.json"))
     a = ap.parse_args(argv)
     try:
         a.mesh = sl.parse_mesh(a.mesh)

@@ -28,6 +28,7 @@ from .procs import (
     kill_tree,
     run_bar,
     run_command,
+    run_job,
     say,
 )
 from .report import add_model_args, add_run_args, load_note, machine_info, save_result, write_json
@@ -66,6 +67,7 @@ __all__ = [
     "run_bar",
     "run_command",
     "run_error",
+    "run_job",
     "save_result",
     "say",
     "steady_start",

@@ -8,6 +8,7 @@ killed on a timeout, on an error and on Ctrl-C, so a benchmark never leaves proc
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -141,6 +142,23 @@ def run_command(
         samples,
         acct.method if acct is not None else "",
         acct.error if acct is not None else None,
+    )
+
+
+def run_job(
+    cmd: Sequence[str], run_dir: Path, *, timeout: float, env: dict[str, str], sample_cpu: bool = False
+) -> Finished:
+    """One job of a benchmark: its command line kept in ``run_dir/command``, its output in
+    ``run_dir/stdout.log`` and ``stderr.log``, and ``run_command``'s limits and CPU account."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "command").write_text(shlex.join(cmd) + "\n")
+    return run_command(
+        cmd,
+        timeout=timeout,
+        env=env,
+        stdout=run_dir / "stdout.log",
+        stderr=run_dir / "stderr.log",
+        sample_cpu=sample_cpu,
     )
 
 

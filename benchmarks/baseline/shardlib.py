@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import shlex
 import subprocess
 from pathlib import Path
 
@@ -31,7 +30,6 @@ __all__ = [
     "parse_mesh",
     "port_base",
     "torchrun_command",
-    "write_command",
 ]
 
 FSDP_BASELINE = bl.BENCH / "baseline" / "train_fsdp_ckpt.py"
@@ -134,8 +132,3 @@ def buddy_flag_known() -> bool:
         cwd=bl.REPO,
     )
     return "--buddy-copies" in out.stdout
-
-
-def write_command(run_dir: Path, cmd: list[str]) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "command").write_text(shlex.join(cmd) + "\n")
