@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from checkpointless.comm.process_group import BACKEND_NAME, ResilientProcessGroup, register_backend
+from checkpointless.comm.script_groups import made_by_mesh
 from checkpointless.errors import ConfigError
 
 __all__ = ["ResilientMesh", "make_device_mesh", "mesh_lines", "reset_fsdp"]
@@ -136,13 +137,16 @@ def make_device_mesh(
             "call make_device_mesh before (instead of) dist.init_process_group"
         )
     mine: list[ResilientProcessGroup] = []
-    for lines in mesh_lines(dims):
-        for members in lines:
-            # every rank creates every group, in the same order, as c10d requires
-            pg = dist.new_group(members, backend=BACKEND_NAME, timeout=timeout)
-            if rank in members:
-                assert isinstance(pg, ResilientProcessGroup)
-                mine.append(pg)
+    # the job's default group is handed these new_group calls as it is the script's
+    # (script_groups.py); made here, they are the mesh's, and configure() below drives them
+    with made_by_mesh():
+        for lines in mesh_lines(dims):
+            for members in lines:
+                # every rank creates every group, in the same order, as c10d requires
+                pg = dist.new_group(members, backend=BACKEND_NAME, timeout=timeout)
+                if rank in members:
+                    assert isinstance(pg, ResilientProcessGroup)
+                    mine.append(pg)
     mesh_t = torch.arange(world_size, dtype=torch.int).view(*dims)
     if len(dims) == 1:
         dm = DeviceMesh.from_group(mine[0], device_type, mesh_dim_names=names)

@@ -39,6 +39,7 @@ the backend's registration.
 
 from __future__ import annotations
 
+import datetime
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +52,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from checkpointless.comm.generations import GenerationGroup, on_cuda
 from checkpointless.comm.handle import default_backend
-from checkpointless.comm.work import AbortableWork, ChainWork
+from checkpointless.comm.work import AbortableWork, ChainWork, clamp_timeout
 
 __all__ = ["BACKEND_NAME", "ResilientProcessGroup", "register_backend"]
 
@@ -66,6 +67,13 @@ class ResilientProcessGroup(GenerationGroup):
     ``<prefix>/<key>/`` with fixed rank numbers: reductions keep their order and results stay
     bitwise reproducible from one generation to the next.
     """
+
+    # torch 2.13's new_group hands the call to the default group when it has a callable
+    # new_group: the job's default group gets one (comm/script_groups.py); None elsewhere, so that
+    # c10d makes every other group itself
+    new_group: Callable[..., ResilientProcessGroup | None] | None = None
+    # called by shutdown() (``dist.destroy_process_group(group)``) for a group the script made
+    on_shutdown: Callable[[ResilientProcessGroup], None] | None = None
 
     # -- identity: what FSDP2, DeviceMesh and c10d ask ----------------------------------------
     def rank(self) -> int:
@@ -98,6 +106,17 @@ class ResilientProcessGroup(GenerationGroup):
 
     def _set_group_desc(self, desc: str) -> None:
         self._desc = desc
+
+    def name_as(self, name: str, desc: str) -> None:
+        """The name and description torch gave the group (c10d's own path sets them itself)."""
+        self._name = name
+        self._desc = desc
+
+    def shutdown(self) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown(self)
+        else:
+            super().shutdown()
 
     def __repr__(self) -> str:
         return f"ResilientProcessGroup({self.key}, rank {self._group_rank}, gen {self.generation})"
@@ -138,6 +157,13 @@ class ResilientProcessGroup(GenerationGroup):
         t = torch.zeros(1)
         aopts = dist.AllreduceOptions()
         return self._issue(lambda pg: pg.allreduce([t], aopts), None)
+
+    def monitored_barrier(  # type: ignore[override]
+        self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """gloo's barrier that names the late rank (Lightning's ``prepare_data`` group calls it):
+        here our barrier, waited at most ``timeout`` (clamped), aborted like any collective."""
+        self.barrier().wait(clamp_timeout(timeout))
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -334,7 +360,7 @@ def register_backend() -> None:
                 device_backend=dev,
             )
         return ResilientProcessGroup(
-            opts.group_rank, opts.group_size, members, opts.timeout, device_backend=dev
+            opts.group_rank, opts.group_size, members, clamp_timeout(opts.timeout), device_backend=dev
         )
 
     devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]

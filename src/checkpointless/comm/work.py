@@ -11,7 +11,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,23 @@ import torch.distributed as dist
 from checkpointless.comm.handle import Handle
 from checkpointless.errors import CommAborted
 
-__all__ = ["AbortableWork", "ChainWork", "waiting_since"]
+__all__ = ["MAX_TIMEOUT", "AbortableWork", "ChainWork", "clamp_timeout", "waiting_since"]
+
+# The longest wait that every wait below accepts: poll() takes a C int of milliseconds (about
+# 24.8 days), and frameworks ask for more (Lightning's prepare_data group: 10000 days).
+MAX_TIMEOUT = datetime.timedelta(milliseconds=2**31 - 1)
+
+
+@overload
+def clamp_timeout(timeout: datetime.timedelta) -> datetime.timedelta: ...
+@overload
+def clamp_timeout(timeout: None) -> None: ...
+def clamp_timeout(timeout: datetime.timedelta | None) -> datetime.timedelta | None:
+    """``timeout`` cut to :data:`MAX_TIMEOUT` (None stays None; a negative one becomes zero)."""
+    if timeout is None:
+        return None
+    return max(datetime.timedelta(0), min(timeout, MAX_TIMEOUT))
+
 
 # When this process began waiting on one of these groups' collectives (None: not waiting). Read
 # by the worker's heartbeat so the launcher's hang triage sees a rank blocked in an FSDP
@@ -52,6 +68,7 @@ class AbortableWork(dist.Work):
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]
         global _waiting_since
+        timeout = clamp_timeout(timeout)
         secs = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
         _waiting_since = time.monotonic()
         try:

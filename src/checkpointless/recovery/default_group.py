@@ -16,6 +16,12 @@ generation's store, and :meth:`DefaultGroup.release` once the generation has for
 script later calls ``job.device_mesh(...)``, the mesh adopts this very group as its world group
 and configures it itself, so :meth:`DefaultGroup.handed_to_mesh` turns this driver off rather
 than forming the group twice.
+
+Groups that the script or a framework makes with ``dist.new_group`` or ``dist.new_subgroups``
+are handed to this group by torch, and :class:`~checkpointless.comm.script_groups.ScriptGroups`
+makes them resilient too: :meth:`DefaultGroup.configure` forms them after the world group in
+every generation (also once a mesh drives the world group), and an abort, check and release
+reach them with it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from checkpointless.comm.process_group import BACKEND_NAME, ResilientProcessGroup, register_backend
+from checkpointless.comm.script_groups import ScriptGroups
 from checkpointless.errors import CommAborted, ConfigError
 
 __all__ = ["DefaultGroup", "configure_standalone", "install_default_group"]
@@ -38,9 +45,11 @@ _STORE_PREFIX = "default/"  # apart from the data-parallel communicator's and th
 class DefaultGroup:
     """The job's handle on torch's default group, while the job (not a mesh) drives it."""
 
-    def __init__(self, pg: ResilientProcessGroup) -> None:
+    def __init__(self, pg: ResilientProcessGroup, made: ScriptGroups | None = None) -> None:
         self.pg = pg
         self.active = True  # False once a device mesh drives the same group
+        # the groups the script made with dist.new_group: driven here whoever drives the world
+        self.made = made
 
     def handed_to_mesh(self) -> None:
         self.active = False
@@ -48,23 +57,35 @@ class DefaultGroup:
     def configure(
         self, generation: int, store: dist.Store, deadline: float, cancelled: threading.Event | None
     ) -> None:
-        if not self.active:
-            return
-        gen_store = dist.PrefixStore(f"{_STORE_PREFIX}gen{generation}/", store)
-        self.pg.configure(generation, gen_store, deadline, cancelled)
+        if self.active:
+            gen_store = dist.PrefixStore(f"{_STORE_PREFIX}gen{generation}/", store)
+            self.pg.configure(generation, gen_store, deadline, cancelled)
+        if self.made is not None:
+            self.made.configure(generation, store, deadline, cancelled)
 
     def abort(self, reason: str) -> int:
-        return self.pg.abort(reason) if self.active else 0
+        n = self.pg.abort(reason) if self.active else 0
+        return n + (self.made.abort(reason) if self.made is not None else 0)
 
     def check(self) -> None:
         """Raise CommAborted if the group was aborted during this step: an update must not
         follow a step whose metric reduction was cut off by a fault."""
         if self.active and self.pg.aborted is not None:
             raise CommAborted(f"default group aborted: {self.pg.aborted}")
+        if self.made is not None:
+            self.made.check()
 
     def release(self) -> None:
         if self.active:
             self.pg.release_graveyard()
+        if self.made is not None:
+            self.made.release()
+
+    def close(self) -> None:
+        """Every group of this one closed now (a job without our launcher, at its exit)."""
+        self.pg.close()
+        if self.made is not None:
+            self.made.close()
 
 
 def install_default_group(
@@ -93,7 +114,9 @@ def install_default_group(
     if not isinstance(pg, ResilientProcessGroup):  # pragma: no cover - c10d changed its plugin path
         raise ConfigError(f"the default process group is {type(pg).__name__}, expected ours")
     pg.before_collective = on_collective
-    return DefaultGroup(pg)
+    made = ScriptGroups(rank, world_size, timeout, pg.device_backend, on_collective)
+    pg.new_group = made.create  # torch hands dist.new_group to the default group (script_groups.py)
+    return DefaultGroup(pg, made)
 
 
 def configure_standalone(group: DefaultGroup) -> None:

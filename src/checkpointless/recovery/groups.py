@@ -92,7 +92,7 @@ class Groups:
         """At a normal exit (torchrun, run plainly): every group closed before the process ends."""
         self.comm.close()
         if self.default is not None:
-            self.default.pg.close()
+            self.default.close()  # with the groups the script made
         if self.mesh is not None:
             for pg in self.mesh.mesh.groups:  # the world group may be the default group: twice is fine
                 pg.close()
