@@ -14,7 +14,7 @@ no process or socket: H hosts of P ranks plus spare hosts, through
    commands the round produced;
 4. the wire for one heartbeat: ``protocol.encode`` + ``wire.encode_frame`` (the worker's side,
    sealed with the c2s key) and ``FrameDecoder.feed`` + ``protocol.decode`` (the coordinator's);
-   and for one agent's ``AgentHeartbeat`` carrying its 8 workers' beats (``agent/beats.py``):
+   and for one agent's ``AgentHeartbeat`` carrying its 8 workers' beats (``protocol/beats.py``):
    the frame path, ``beats_of``, and ``Coordinator.on_beats`` per row;
 5. the largest control frame of each message type the coordinator sent (start-up and the fault
    round, ``PeerTable`` chunks included), sealed as the launcher seals it, against the worker's
@@ -44,9 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpointless.agent.beats import WorkerBeat, beats_message, beats_of
 from checkpointless.coordinator import Coordinator, HostTable, Send, Spawn
-from checkpointless.launcher.control import _CLIENT_NONCE, _NONCE, _SEQ, MAX_CONTROL_HEADER, Connection
+from checkpointless.launcher.control import Connection
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import (
     AgentHeartbeat,
@@ -59,6 +58,13 @@ from checkpointless.protocol import (
     Stopped,
     decode,
     encode,
+)
+from checkpointless.protocol.beats import WorkerBeat, beats_message, beats_of
+from checkpointless.protocol.control_channel import (
+    CLIENT_NONCE_FIELD,
+    MAX_CONTROL_HEADER,
+    NONCE_FIELD,
+    SEQ_FIELD,
 )
 from checkpointless.wire import FrameDecoder, FrameTooLarge, derive_key, encode_frame
 
@@ -126,7 +132,7 @@ class _Shell:
         self.c = c
         self.now = 100.0
         self.sent: dict[int, Message] = {}  # distinct messages sent (sized after the timings)
-        # whole peer tables sent: to a host's agent (agent/tables.py) and to single members
+        # whole peer tables sent: to a host's agent (protocol/tables.py) and to single members
         self.tables = {"hosts": 0, "members": 0}
 
     def flush(self) -> list[Any]:
@@ -264,7 +270,7 @@ def run_once(hosts: int, per_host: int = 8, spare_hosts: int = 2, heartbeat_roun
             continue
         counted[m.TYPE] = counted.get(m.TYPE, 0) + 1
         # as Connection.send seals it: the worker's nonce and a sequence number ride along
-        size = len(encode_frame(s2c, {**encode(m), _NONCE: "n" * 32, _SEQ: 10**9}))
+        size = len(encode_frame(s2c, {**encode(m), NONCE_FIELD: "n" * 32, SEQ_FIELD: 10**9}))
         largest[m.TYPE] = max(largest.get(m.TYPE, 0), size)
     return RunResult(
         hosts=hosts,
@@ -291,7 +297,7 @@ def run_once(hosts: int, per_host: int = 8, spare_hosts: int = 2, heartbeat_roun
         all_fit_control_cap=max(largest.values()) <= MAX_CONTROL_HEADER,
         table_chunks=sum(1 for m in sh.sent.values() if isinstance(m, PeerTable) and m.version == m_version),
         table_bytes=sum(
-            len(encode_frame(s2c, {**encode(m), _NONCE: "n" * 32, _SEQ: 10**9}))
+            len(encode_frame(s2c, {**encode(m), NONCE_FIELD: "n" * 32, SEQ_FIELD: 10**9}))
             for m in sh.sent.values()
             if isinstance(m, PeerTable) and m.version == 1
         ),
@@ -316,7 +322,7 @@ class WireCost:
     worker_encode_seal_us: float  # protocol.encode + the nonce/sequence fields + HMAC seal (c2s key)
     coordinator_verify_decode_us: float  # Connection: FrameDecoder.feed + accept_frame + protocol.decode
     inbox_us: float  # the reader thread's queue.put + the loop's queue.get (the launcher's inbox)
-    # one agent's AgentHeartbeat carrying its 8 workers' beats (agent/beats.py): verify, JSON and
+    # one agent's AgentHeartbeat carrying its 8 workers' beats (protocol/beats.py): verify, JSON and
     # protocol.decode once, beats_of for the rows
     aggregated_frame_bytes: int
     aggregated_verify_decode_us: float
@@ -334,10 +340,11 @@ def wire_cost(n: int = 20000) -> WireCost:
         def seal() -> list[bytes]:
             # as ControlClient.send frames it: the launcher's nonce, a sequence number, and on
             # the first frame the worker's own nonce
-            first = {_CLIENT_NONCE: "c" * 32}
+            first = {CLIENT_NONCE_FIELD: "c" * 32}
             return [
                 encode_frame(
-                    key, {**encode(beat), _NONCE: conn.nonce, _SEQ: i + 1, **(first if i == 0 else {})}
+                    key,
+                    {**encode(beat), NONCE_FIELD: conn.nonce, SEQ_FIELD: i + 1, **(first if i == 0 else {})},
                 )
                 for i in range(n)
             ]
@@ -366,9 +373,9 @@ def wire_cost(n: int = 20000) -> WireCost:
                 key,
                 {
                     **agent_beat,
-                    _NONCE: agent_conn.nonce,
-                    _SEQ: i + 1,
-                    **({_CLIENT_NONCE: "a" * 32} if i == 0 else {}),
+                    NONCE_FIELD: agent_conn.nonce,
+                    SEQ_FIELD: i + 1,
+                    **({CLIENT_NONCE_FIELD: "a" * 32} if i == 0 else {}),
                 },
             )
             for i in range(n // 8)

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from checkpointless.agent.beats import BEAT_ENV, BeatReader, WorkerBeat, make_beat_dir
-from checkpointless.agent.tables import TABLE_ENV, TableFiles
 from checkpointless.config import ENV
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger, open_private_append
@@ -35,6 +33,8 @@ from checkpointless.launcher.output import OutputTail, worker_log
 from checkpointless.launcher.policy import Limits, ProcWatch
 from checkpointless.launcher.proctable import read_sample
 from checkpointless.protocol import SUCCESSION_ENV, PeerTable, Succession, succession_to_env
+from checkpointless.protocol.beats import BEAT_ENV, BeatReader, WorkerBeat, make_beat_dir
+from checkpointless.protocol.tables import TABLE_ENV, TableFiles
 
 __all__ = ["Agent", "AgentConfig", "ProcExit", "ProcVerdict", "ProcessHandle"]
 
@@ -114,7 +114,7 @@ class Agent:
         self.forkserver: ForkServer | None = None
         self._sampled = 0.0
         self._reaped = 0.0
-        # the workers' heartbeat records (agent/beats.py) and this host's peer tables (agent/tables.py)
+        # the workers' heartbeat records (protocol/beats.py) and this host's peer tables (protocol/tables.py)
         self.beats = self._in_job_shm(
             env,
             lambda d: BeatReader(make_beat_dir(d / "beats")),

@@ -19,9 +19,10 @@ from typing import Any
 from checkpointless.agent.agent import Agent
 from checkpointless.coordinator.rules.election import Ballot, candidate_for, has_quorum
 from checkpointless.events import get_logger
-from checkpointless.launcher.control import Connection, ControlClient, ControlServer
+from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.launcher.takeover import Mandate
 from checkpointless.protocol import AgentWelcome, Hello, ProtocolError, Succession, Vote, decode, encode
+from checkpointless.protocol.control_client import ControlClient
 
 __all__ = ["LOST", "Early", "Joined", "elect", "refuse_all"]
 

@@ -32,10 +32,11 @@ from typing import Any
 from checkpointless.agent.failover import LOST
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
-from checkpointless.launcher.control import ControlClient, WrongSecret
 from checkpointless.launcher.runfiles import recorded_coordinator
 from checkpointless.protocol import AgentHello, AgentRefused, AgentWelcome, ProtocolError, decode, encode
 from checkpointless.protocol.agent_link import SHM_KEY_LABEL
+from checkpointless.protocol.control_channel import WrongSecret
+from checkpointless.protocol.control_client import ControlClient
 from checkpointless.wire import FrameError, open_value
 
 __all__ = ["Refused", "RefusedForGood", "backoff", "connect", "job_outcome", "join", "read_secret"]

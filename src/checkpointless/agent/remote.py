@@ -10,7 +10,7 @@ coordinator: one hop for every abort and plan, and an agent that dies does not c
 workers off from the decisions they are already part of.
 
 Fencing: both sides send ``AgentHeartbeat`` every half second (the agent's also carries the beats
-its workers published in shared memory since the last one, ``agent/beats.py``). An agent that loses the
+its workers published in shared memory since the last one, ``protocol/beats.py``). An agent that loses the
 coordinator (its connection closes, or a lease of silence) first takes part in the election of a
 successor (agent/failover.py, once the coordinator has sent a ``Succession``): it keeps its
 processes if a majority elects a new coordinator within a lease (it may be the one elected, and
@@ -35,14 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
-from checkpointless.agent.beats import beats_message
 from checkpointless.agent.failover import LOST, Early, Joined, elect, refuse_all
 from checkpointless.agent.join import job_outcome, join, read_secret
 from checkpointless.config import ENV
 from checkpointless.coordinator.rules.election import Ballot
 from checkpointless.errors import ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
-from checkpointless.launcher.control import ControlClient, ControlServer
+from checkpointless.launcher.control import ControlServer
 from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import job_shm_dir
 from checkpointless.launcher.runfiles import COORDINATOR_FILE
@@ -65,6 +64,8 @@ from checkpointless.protocol import (
     encode,
 )
 from checkpointless.protocol.agent_link import local_node
+from checkpointless.protocol.beats import beats_message
+from checkpointless.protocol.control_client import ControlClient
 
 __all__ = ["agent_env", "run_agent"]
 
@@ -157,7 +158,7 @@ class _Session:
                 elif isinstance(msg, ProcConnected):
                     agent.mark_connected(msg.worker_id)  # judged by heartbeats from now on
                 elif isinstance(msg, PeerTable):
-                    agent.on_table_chunk(msg)  # kept for this host's workers (agent/tables.py)
+                    agent.on_table_chunk(msg)  # kept for this host's workers (protocol/tables.py)
                 elif isinstance(msg, Shutdown):
                     return "shutdown"
                 elif isinstance(msg, Succession) and msg.term >= self.w.term:

@@ -42,7 +42,7 @@ from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Message, Shutdown
 
 if TYPE_CHECKING:
-    from checkpointless.agent.beats import WorkerBeat
+    from checkpointless.protocol.beats import WorkerBeat
 
 __all__ = ["JUDGE_EVERY_S", "Coordinator"]
 

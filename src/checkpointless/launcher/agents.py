@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from checkpointless.agent import Agent
-from checkpointless.agent.beats import beats_of
 from checkpointless.coordinator import Coordinator
 from checkpointless.coordinator.rules.election import HostSeen, keeps_majority, membership
 from checkpointless.events import EventLog, get_logger
@@ -37,6 +36,7 @@ from checkpointless.protocol import (
     encode,
 )
 from checkpointless.protocol.agent_link import SHM_KEY_LABEL
+from checkpointless.protocol.beats import beats_of
 from checkpointless.wire import seal_value
 
 __all__ = ["AgentHosts", "claimed_host"]

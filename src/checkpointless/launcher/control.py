@@ -1,118 +1,51 @@
-"""The control channel between the launcher and its workers.
+"""The control channel's server: the coordinator's end of every worker's and agent's connection.
 
-One TCP connection per worker process, on loopback (or the job's own interface). Messages are
-small JSON objects with a ``type``, sealed (:mod:`checkpointless.wire`) with keys derived from the
-per-job secret, one per direction (``control/c2s``, ``control/s2c``).
+The handshake and the framing both ends agree on are
+:mod:`checkpointless.protocol.control_channel`; the client's end, which runs in every training
+process, is :mod:`checkpointless.protocol.control_client`. This end runs only in the coordinator.
 
-Replay protection, both ways: the worker speaks first, an opening of :data:`OPENING_SIZE` bytes
-(the protocol's magic and version, then a fresh random nonce of its own). Only then does the
-launcher answer, with a sealed greeting that carries that nonce and a fresh nonce of the
-launcher's. Every later worker frame carries the launcher's nonce and every launcher frame the
-worker's, each with a strictly increasing sequence number inside the sealed header. A frame
-recorded on another connection, or in the other direction, is therefore refused, the greeting
-included: a recorded greeting answers another challenge, so an endpoint without the secret that
-replays one is caught before the worker says anything (:class:`ReplayedGreeting`), and a greeting
-whose seal fails is a wrong secret (:class:`WrongSecret`). A refused frame closes the connection
-without any sealed answer.
-
-The launcher's side is one selector thread for every connection: non-blocking sockets, frames
-assembled incrementally, so an idle or slow peer costs a few hundred bytes, never a thread, and
-never delays anyone else. A connection must authenticate (send one valid frame) within
+It is one selector thread for every connection: non-blocking sockets, frames assembled
+incrementally, so an idle or slow peer costs a few hundred bytes, never a thread, and never
+delays anyone else. A connection must authenticate (send one valid frame) within
 :data:`AUTH_DEADLINE_S`, and at most :data:`MAX_UNAUTHENTICATED` may be waiting to do so. Every
-authenticated message lands in :attr:`ControlServer.inbox`, read by the launcher's single decision
-loop. The worker's side runs a reader thread that hands messages to a callback, so an ``abort``
-reaches a worker whose main thread is stuck inside a collective.
+authenticated message lands in :attr:`ControlServer.inbox`, read by the coordinator's single
+decision loop.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import secrets
 import select
 import selectors
 import socket
-import struct
 import threading
 import time
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 from checkpointless.errors import ConfigError
-from checkpointless.wire import (
-    FrameAuthError,
-    FrameDecoder,
-    FrameError,
-    derive_key,
-    encode_frame,
-    recv_frame,
-    send_frame,
+from checkpointless.protocol.control_channel import (
+    C2S_LABEL,
+    CLIENT_NONCE_FIELD,
+    GREETING_TYPE,
+    MAX_CONTROL_HEADER,
+    MAX_CONTROL_PAYLOAD,
+    NONCE_FIELD,
+    OPEN_MAGIC,
+    OPENING_SIZE,
+    S2C_LABEL,
+    SEND_TIMEOUT_S,
+    SEQ_FIELD,
 )
+from checkpointless.wire import FrameDecoder, FrameError, derive_key, encode_frame
 
-__all__ = [
-    "AUTH_DEADLINE_S",
-    "MAX_CONTROL_HEADER",
-    "MAX_CONTROL_PAYLOAD",
-    "MAX_UNAUTHENTICATED",
-    "OPENING_SIZE",
-    "Connection",
-    "ControlClient",
-    "ControlServer",
-    "ReplayedGreeting",
-    "WrongSecret",
-    "opening",
-]
+__all__ = ["AUTH_DEADLINE_S", "MAX_UNAUTHENTICATED", "Connection", "ControlServer"]
 
-MAX_CONTROL_HEADER = 64 << 10  # the largest control message (a recovery plan) is a few KiB
-MAX_CONTROL_PAYLOAD = 1 << 20  # control messages carry no payload today; leave room, cap it
 AUTH_DEADLINE_S = 2.0  # a worker sends its hello right after connecting
 MAX_UNAUTHENTICATED = 256  # connections still owing their first valid frame
-_SEND_TIMEOUT_S = 5.0
 _READ_CHUNK = 64 << 10
-_C2S, _S2C = "control/c2s", "control/s2c"
-# protocol fields inside the sealed header; stripped before a message reaches its consumer
-_NONCE, _SEQ, _CLIENT_NONCE = "_n", "_q", "_c"  # _c: version 2's first frame; ignored now
-# The client's opening: the control protocol's magic and version (3: the client speaks first and
-# the greeting answers its nonce), then its nonce. Fixed-size raw bytes, so the server answers it
-# without parsing anything a peer chose.
-_OPEN_MAGIC = b"cl-ctl\x00\x03"
-_OPEN_NONCE = 16
-OPENING_SIZE = len(_OPEN_MAGIC) + _OPEN_NONCE
 _LISTENER, _WAKER = object(), object()
-
-# Every live ControlClient of this process. A forked child (a DataLoader worker) closes its copies
-# of their sockets: it must never write to them, and while it held one the launcher would not see
-# the connection end when the worker itself dies, which is how it knows it has read the worker's
-# last frames (coordinator.py, EXIT_GRACE_S). close(), not shutdown(): the parent's end stays up.
-_CLIENTS: weakref.WeakSet[ControlClient] = weakref.WeakSet()
-
-
-def _close_in_child() -> None:
-    for client in list(_CLIENTS):
-        with contextlib.suppress(OSError):
-            client.sock.close()
-
-
-os.register_at_fork(after_in_child=_close_in_child)
-
-
-class WrongSecret(ConnectionError):
-    """The endpoint's greeting failed its seal: it does not hold the secret this process was
-    given (a wrong --secret-file, or another job's coordinator on a stale address)."""
-
-
-class ReplayedGreeting(ConnectionError):
-    """The endpoint's greeting was sealed with the job's secret but answers another connection's
-    nonce: a recording replayed by an endpoint that does not hold the secret (or a peer of an
-    older protocol version, whose greeting answers nothing)."""
-
-
-def opening() -> tuple[bytes, str]:
-    """A client's opening bytes and the nonce in them (hex, as the greeting must carry it)."""
-    nonce = secrets.token_bytes(_OPEN_NONCE)
-    return _OPEN_MAGIC + nonce, nonce.hex()
 
 
 def _send_bounded(sock: socket.socket, key: bytes, msg: dict[str, Any], timeout: float) -> None:
@@ -146,24 +79,24 @@ class Connection:
         self.peer_nonce = ""  # the worker's (from its opening); our frames carry it
         self.last_in = 0
         self.accepted_at = time.monotonic()
-        self._tx_key = derive_key(secret, _S2C)
+        self._tx_key = derive_key(secret, S2C_LABEL)
         self._seq_out = 0
         self._send_lock = threading.Lock()
         self.decoder = FrameDecoder(
-            derive_key(secret, _C2S), max_header=MAX_CONTROL_HEADER, max_payload=MAX_CONTROL_PAYLOAD
+            derive_key(secret, C2S_LABEL), max_header=MAX_CONTROL_HEADER, max_payload=MAX_CONTROL_PAYLOAD
         )
 
     def _send_sealed(self, msg: dict[str, Any]) -> None:
         with self._send_lock:
             self._seq_out += 1
-            _send_bounded(self.sock, self._tx_key, {**msg, _SEQ: self._seq_out}, _SEND_TIMEOUT_S)
+            _send_bounded(self.sock, self._tx_key, {**msg, SEQ_FIELD: self._seq_out}, SEND_TIMEOUT_S)
 
     def send(self, msg: dict[str, Any]) -> bool:
         """Send; return False (and hang up) if the worker is gone or not reading."""
         if self.closed or not self.authenticated:
             return False
         try:
-            self._send_sealed({**msg, _NONCE: self.peer_nonce})
+            self._send_sealed({**msg, NONCE_FIELD: self.peer_nonce})
             return True
         except (OSError, FrameError):
             self.hang_up()
@@ -190,18 +123,18 @@ class Connection:
         self.opening += data
         if not self.opened:
             return True
-        if bytes(self.opening[: len(_OPEN_MAGIC)]) != _OPEN_MAGIC:
+        if bytes(self.opening[: len(OPEN_MAGIC)]) != OPEN_MAGIC:
             return False
-        self.peer_nonce = bytes(self.opening[len(_OPEN_MAGIC) :]).hex()
-        self._send_sealed({"type": "_greeting", "nonce": self.nonce, _NONCE: self.peer_nonce})
+        self.peer_nonce = bytes(self.opening[len(OPEN_MAGIC) :]).hex()
+        self._send_sealed({"type": GREETING_TYPE, "nonce": self.nonce, NONCE_FIELD: self.peer_nonce})
         return True
 
     def accept_frame(self, header: dict[str, Any]) -> dict[str, Any]:
         """Check a sealed frame's nonce and sequence; return the message without them."""
-        seq = header.pop(_SEQ, None)
-        if header.pop(_NONCE, None) != self.nonce or not isinstance(seq, int) or seq <= self.last_in:
+        seq = header.pop(SEQ_FIELD, None)
+        if header.pop(NONCE_FIELD, None) != self.nonce or not isinstance(seq, int) or seq <= self.last_in:
             raise FrameError("control frame replayed, reordered or from another connection")
-        header.pop(_CLIENT_NONCE, None)
+        header.pop(CLIENT_NONCE_FIELD, None)
         self.authenticated = True
         self.last_in = seq
         return header
@@ -365,104 +298,3 @@ class ControlServer:
         else:
             with contextlib.suppress(OSError):
                 self._sock.close()
-
-
-class ControlClient:
-    """A worker's end. ``on_message`` runs on the reader thread; ``on_lost`` when the launcher
-    goes away (then the worker must exit: nobody is left to coordinate it)."""
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        secret: bytes,
-        on_message: Callable[[dict[str, Any]], None],
-        on_lost: Callable[[str], None],
-        timeout: float = 10.0,
-    ) -> None:
-        self._tx_key = derive_key(secret, _C2S)
-        self._rx_key = derive_key(secret, _S2C)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise ConnectionError(
-                        f"cannot reach the launcher at {address[0]}:{address[1]}: {e}"
-                    ) from e
-                time.sleep(0.05)
-        where = f"{address[0]}:{address[1]}"
-        opening_bytes, self._nonce = opening()
-        self._seq_out = 0
-        self._last_in = 0
-        try:
-            self.sock.sendall(opening_bytes)
-            raw, _ = recv_frame(
-                self.sock, self._rx_key, deadline, MAX_CONTROL_PAYLOAD, max_header=MAX_CONTROL_HEADER
-            )
-        except FrameAuthError as e:
-            self.sock.close()
-            raise WrongSecret(f"the greeting from {where} failed authentication: {e}") from e
-        except (OSError, FrameError) as e:
-            self.sock.close()
-            raise ConnectionError(f"the launcher at {where} sent no valid greeting: {e}") from e
-        try:
-            greeting = self._accept(raw)  # it must answer our nonce: a recorded one does not
-        except FrameError:
-            self.sock.close()
-            raise ReplayedGreeting(
-                f"the greeting from {where} answers another connection's nonce (a replayed "
-                "greeting, or an older checkpointless): refused"
-            ) from None
-        self._server_nonce = greeting.get("nonce")
-        if greeting.get("type") != "_greeting" or not isinstance(self._server_nonce, str):
-            self.sock.close()
-            raise ConnectionError(f"the launcher at {where} sent an unexpected greeting")
-        # Blocking reads on the reader thread; sends bounded by a kernel option, because a
-        # settimeout would also make the reader's long wait time out mid-frame.
-        self.sock.settimeout(None)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.setsockopt(
-            socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(_SEND_TIMEOUT_S), 0)
-        )
-        self._on_message = on_message
-        self._on_lost = on_lost
-        self._send_lock = threading.Lock()
-        self._closing = False
-        self._reader = threading.Thread(target=self._read_loop, daemon=True, name="cl-control-client")
-        self._reader.start()
-        _CLIENTS.add(self)
-
-    def send(self, msg: dict[str, Any]) -> None:
-        with self._send_lock:
-            self._seq_out += 1
-            framed = {**msg, _NONCE: self._server_nonce, _SEQ: self._seq_out}
-            send_frame(self.sock, self._tx_key, framed)
-
-    def _accept(self, header: dict[str, Any]) -> dict[str, Any]:
-        seq = header.pop(_SEQ, None)
-        if header.pop(_NONCE, None) != self._nonce or not isinstance(seq, int) or seq <= self._last_in:
-            raise FrameError("control frame from the launcher replayed or from another connection")
-        self._last_in = seq
-        return header
-
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                header, _ = recv_frame(
-                    self.sock, self._rx_key, None, MAX_CONTROL_PAYLOAD, max_header=MAX_CONTROL_HEADER
-                )
-                msg = self._accept(header)
-            except (OSError, FrameError) as e:
-                if not self._closing:
-                    self._on_lost(str(e))
-                return
-            self._on_message(msg)
-
-    def close(self) -> None:
-        self._closing = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self.sock.close()

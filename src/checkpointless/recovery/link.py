@@ -28,11 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
-from checkpointless.agent.beats import BEAT_ENV, BeatWriter
-from checkpointless.agent.tables import TABLE_ENV
 from checkpointless.config import WorkerEnv
 from checkpointless.events import get_logger
-from checkpointless.launcher.control import ControlClient
 from checkpointless.protocol import (
     Abort,
     Assign,
@@ -52,6 +49,9 @@ from checkpointless.protocol import (
     decode,
     encode,
 )
+from checkpointless.protocol.beats import BEAT_ENV, BeatWriter
+from checkpointless.protocol.control_client import ControlClient
+from checkpointless.protocol.tables import TABLE_ENV
 from checkpointless.recovery.link_failover import Failover
 from checkpointless.recovery.link_table import PlanTables
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointless.events import get_logger
-from checkpointless.launcher.control import ControlClient
 from checkpointless.protocol import SUCCESSION_ENV, ProtocolError, Succession, succession_from_env
+from checkpointless.protocol.control_client import ControlClient
 
 __all__ = ["Failover", "bound_silence"]
 

@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from checkpointless.agent.tables import read_table, table_path
 from checkpointless.events import get_logger
 from checkpointless.peer_table import TableChunk, TableHolder
 from checkpointless.protocol import Message, PeerTable, PeerTableRequest, Recover, encode
+from checkpointless.protocol.tables import read_table, table_path
 
 __all__ = ["PlanTables"]
 

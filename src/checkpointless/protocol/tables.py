@@ -1,5 +1,9 @@
 """The peer table kept once per host, in the job's shared memory, for every worker of the host.
 
+The file's format, shared by both ends, so it lives below them: the host's agent writes it
+(:class:`TableFiles`, ``agent/agent.py``) and the worker reads it (:func:`read_table`,
+``recovery/link_table.py``).
+
 Why: a root-less rendezvous needs every member to hold every rank's key-server address, and a
 member that holds no table yet (every member at start-up, a spare that takes a rank) used to get
 all of it over its own control connection. At 10k hosts x 8 ranks that is 80,000 copies of a
@@ -24,10 +28,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from checkpointless.agent.beats import make_beat_dir
 from checkpointless.events import get_logger
 from checkpointless.peer_table import TableChunk, TableError, TableHolder, assemble, table_digest
-from checkpointless.protocol import PeerTable
+from checkpointless.protocol.beats import make_beat_dir
+from checkpointless.protocol.worker_link import PeerTable
 
 __all__ = ["TABLE_ENV", "TableFiles", "read_table", "table_path"]
 

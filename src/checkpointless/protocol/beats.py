@@ -1,4 +1,9 @@
-"""Worker heartbeats through shared memory, gathered by the host's agent.
+"""Worker heartbeats through shared memory, gathered by the host's agent: the record's format.
+
+Shared by both ends, so it lives below them: the worker writes the record (:class:`BeatWriter`,
+from ``recovery/link.py``) and its host's agent reads it (:class:`BeatReader`, ``agent/agent.py``);
+:func:`beats_message` and :func:`beats_of` are the rows as the agent forwards them to the
+coordinator.
 
 A worker that heartbeats the coordinator over its own connection every 0.25 s costs the
 coordinator one sealed frame to verify and decode per beat: at 10k hosts x 8 ranks that is ~4
@@ -26,7 +31,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpointless.protocol import AgentHeartbeat, Heartbeat, ProtocolError
+from checkpointless.protocol.agent_link import AgentHeartbeat
+from checkpointless.protocol.base import ProtocolError
+from checkpointless.protocol.worker_link import Heartbeat
 
 __all__ = [
     "BEAT_ENV",
