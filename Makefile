@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-hsdp test lint typecheck soak bench clean env harness
+.PHONY: demo demo-hsdp test unit lint typecheck soak bench clean env harness
 
 env: $(STAMP)
 
@@ -29,10 +29,14 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
-	$(BIN)/mypy --strict tests/harness
+	$(BIN)/mypy --strict tests/helpers
 
 test: lint typecheck
 	$(BIN)/python -m pytest -q -x --durations=15
+
+# the unit tests alone (tests/unit/, marked `unit` by tests/conftest.py): the quick loop while editing
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m unit
 
 # only the multi-host harness tests (network namespaces, real Slurm); they need root, and skip
 # without it unless CHECKPOINTLESS_REQUIRE_HARNESS=1 (set by .ci/run) makes that a failure

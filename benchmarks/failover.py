@@ -1,6 +1,6 @@
 """Coordinator failover: time to a new coordinator, and the job's downtime.
 
-Three hosts as network namespaces (tests/harness), as in tests/test_failover_netns.py: the
+Three hosts as network namespaces (tests/helpers/harness), as in tests/multihost/test_failover_netns.py: the
 coordinator on host 0 next to its agent, 2 hosts x 2 ranks + 1 spare host, the tiny GPT example.
 Each repetition starts a job, waits for step 5, then SIGKILLs the coordinator process
 (``process``) or every process of host 0 (``host``: the coordinator, node 0's agent and ranks
@@ -37,9 +37,9 @@ from typing import Any
 from checkpointless.data import make_synthetic_corpus, prepare_main
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-from harness.hosts import NetnsCluster  # noqa: E402 (the tests' harness, found through sys.path)
+from tests.helpers.harness.hosts import NetnsCluster  # noqa: E402 (the tests' harness, found through sys.path)
 
 __all__ = ["main", "run_once"]
 

@@ -1,6 +1,6 @@
 """Host loss across network namespaces: checkpointless versus multi-node torchrun with DCP checkpoints.
 
-Three "hosts" are network namespaces on a bridge (tests/harness/hosts.py): 2 hosts x 2 ranks train
+Three "hosts" are network namespaces on a bridge (tests/helpers/harness/hosts.py): 2 hosts x 2 ranks train
 examples/train_gpt.py's GPT and host 2 is the spare host. When a rank of host 1 commits step
 ``--kill-step``, every process in host 1's namespace is SIGKILLed at once (agent, workers, torchrun's
 agent: the host is gone). Measured, per design, from that kill:
@@ -48,14 +48,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the namespace harness lives with the tests
+sys.path.insert(0, str(REPO))  # the namespace harness lives with the tests (tests/helpers/harness)
 sys.path.insert(0, str(REPO / "benchmarks" / "baseline"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import _harness as bl  # noqa: E402
 
 from checkpointless.data import make_synthetic_corpus, prepare_main  # noqa: E402
-from harness.hosts import NetnsCluster, netns_unavailable_reason  # noqa: E402
+from tests.helpers.harness.hosts import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 CONTROL_PORT = 29400
 RDZV_PORT = 29500

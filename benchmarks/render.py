@@ -3,7 +3,7 @@
 Each benchmark has one block in BENCHMARKS.md: the line ``<!-- render:KEY -->``, then a line with
 its result file, command, date and machine, and its table, every figure read from the result
 file here. The prose around the blocks is written by hand and holds no
-table. ``tests/test_benchmarks_doc.py`` checks that the committed blocks are what this script
+table. ``tests/unit/benchmarks/test_benchmarks_doc.py`` checks that the committed blocks are what this script
 renders, that no table stands outside a block, and that every result file is cited and every
 cited file exists.
 

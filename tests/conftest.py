@@ -1,16 +1,28 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from harness.fixtures import netns_hosts, slurm_cluster
-from jobs import JobResult, run_job
+from tests.helpers.harness.fixtures import netns_hosts, slurm_cluster
+from tests.helpers.jobs import JobResult, run_job
 
 __all__ = ["corpus", "netns_hosts", "reference", "slurm_cluster"]  # fixtures pytest finds here
+
+# The folder a test sits in is its kind: `pytest -m unit` (or e2e, multihost) selects by it, and
+# a test moved between folders changes kind with no marker to edit.
+_KINDS = ("unit", "e2e", "multihost")
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            top = item.path.resolve().relative_to(_TESTS).parts[0]
+        except ValueError:  # a test outside tests/ (none today): no kind
+            continue
+        if top in _KINDS:
+            item.add_marker(top)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ control-frame cap at ~3,500 ranks. Instead:
   instead of meeting a wrong peer;
 * a plan's receiver list and (sharded) source pairs travel as ranges and runs for the same reason.
 
-Everything here is a pure function of its arguments (tested in ``tests/test_peer_table.py``);
+Everything here is a pure function of its arguments (tested in ``tests/unit/protocol/test_peer_table.py``);
 :class:`TableHolder` is the worker's state, driven by messages, and does no I/O itself.
 """
 

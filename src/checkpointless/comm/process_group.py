@@ -198,7 +198,7 @@ class ResilientProcessGroup(GenerationGroup):
         if self._dev_pg is not None and on_cuda(input):
             return self._issue(lambda pg: pg._reduce_scatter_base(output, input, opts), output, input)
         # gloo's reduce-scatter is an all-reduce of a copy of the input followed by a copy of this
-        # rank's part (checked bit for bit in tests/test_process_group_collectives.py), done in
+        # rank's part (checked bit for bit in tests/unit/comm/test_process_group_collectives.py), done in
         # the work's wait(), so its work has no future and ignores a bounded wait: a thread of
         # ours had to wait for it, and its completion then hopped to the training thread (the
         # single largest cost of our groups under FSDP2 on two cores). The same all-reduce issued

@@ -9,7 +9,7 @@ straight through ``torch.distributed`` and outside any step, where a collective 
 and replayed: a replacement walking the loop forward to its replica's step broadcasts once per
 batch it walks past while the survivors wait inside the step's all-reduce, and the job deadlocks
 until the process group's timeout. The attribute paths below are Lightning 2.6's
-(tests/test_lightning_unit.py pins the version).
+(tests/unit/integrations/test_lightning_unit.py pins the version).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from checkpointless.errors import ConfigError
 
 __all__ = ["TESTED_LIGHTNING", "BatchAction", "SchedulerLedger", "batch_action"]
 
-# The Lightning release the strategy is tested against (tests/test_lightning_unit.py pins it);
+# The Lightning release the strategy is tested against (tests/unit/integrations/test_lightning_unit.py pins it);
 # it uses only public hooks, but Lightning's loop order is what makes them mean what they mean.
 TESTED_LIGHTNING = "2.6.6"
 

@@ -6,7 +6,7 @@
   while the job just trains.
 
 The coordinator's own rules (the fault budget, the no-progress limits) are in
-``coordinator/rules/budget.py``. Each is unit-tested by feeding it a situation (tests/test_policy.py).
+``coordinator/rules/budget.py``. Each is unit-tested by feeding it a situation (tests/unit/coordinator/test_policy.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ version ``"v"`` (inside sealed frames, see :mod:`checkpointless.wire`). :func:`d
 received object back into its dataclass and checks every field's type on the way, so the decision
 code never sees a malformed message. The codec is separate from the message classes because it is
 the one part that handles untrusted input: it knows every message type (its registry) and nothing
-else, and the fuzzer in ``tests/test_protocol.py`` aims at it. The same codec carries a
+else, and the fuzzer in ``tests/unit/protocol/test_protocol.py`` aims at it. The same codec carries a
 ``Succession`` through a process's environment (:data:`SUCCESSION_ENV`), the one place a message
 travels outside a frame.
 """

@@ -10,7 +10,7 @@ whose digest differs from the majority's is reported as a fault that names it; t
 treats it as an invalid replica, so it receives the majority's state.
 
 The rules (which ranks are the odd ones out) are a pure function, unit-tested in
-tests/test_divergence.py; the job wires them into the step loop (recovery/commit.py).
+tests/unit/coordinator/test_divergence.py; the job wires them into the step loop (recovery/commit.py).
 """
 
 from __future__ import annotations

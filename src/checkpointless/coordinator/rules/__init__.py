@@ -2,7 +2,7 @@
 a decision out. No I/O, no clock, no coordinator state.
 
 Nothing here imports anything above it: only the standard library and ``checkpointless.errors``
-(tests/test_architecture.py holds that). The coordinator's components in ``coordinator/`` apply
+(tests/unit/project/test_architecture.py holds that). The coordinator's components in ``coordinator/`` apply
 these rules to their own state; the agent and the launcher use a few of them too (the election).
 
 * ``decisions``: the recovery plan from the members' reports, and the wait for spares;

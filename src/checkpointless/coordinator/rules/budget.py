@@ -7,7 +7,7 @@
 * :func:`progress_limit` scales the no-progress limit with the job's own measured step time, and
   :func:`first_step_limit` gives a process's first step its own allowance.
 
-Each is unit-tested by feeding it a situation (tests/test_policy.py).
+Each is unit-tested by feeding it a situation (tests/unit/coordinator/test_policy.py).
 """
 
 from __future__ import annotations

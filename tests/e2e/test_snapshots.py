@@ -1,0 +1,234 @@
+"""Shared-memory snapshots: exact round trips, corrupt bytes refused, a killed writer harmless, and
+a real job whose every rank dies at once finishing bitwise identical to the fault-free run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpointless.errors import StateTransferError
+from checkpointless.state.codec import layout
+from checkpointless.state.shm_dir import list_snapshots, snapshot_path
+from checkpointless.state.shm_snapshot import SnapshotWriter, restore_snapshot
+from checkpointless.state.snapshot import (
+    capture_rng,
+    collect_state,
+    host_copy,
+    land,
+    landing_zone,
+    restore_rng,
+    restore_state,
+)
+from checkpointless.state.snapshot_file import load_snapshot, write_snapshot
+from checkpointless.state.staging import guarded_pointers
+from tests.e2e.test_faults_e2e import check_recovered
+from tests.helpers.jobs import all_committed, kill_workers_when, run_job
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    # one tensor over codec's 1 MiB solo limit, so solo and packed messages are interleaved
+    net = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.LayerNorm(600), torch.nn.Linear(600, 8))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net(torch.randn(4, 600)).sum().backward()
+    opt.step()
+    return net, opt
+
+
+def _flat(net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [t.clone() for t in net.state_dict().values()]
+    out += [v.clone() for st in opt.state.values() for v in st.values()]
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_snapshot_restores_model_optimizer_and_rng_exactly(tmp_path: Path) -> None:
+    net, opt = _trained()
+    objects: dict[str, Any] = {"model": net, "optimizer": opt}
+    rng = capture_rng()
+    expected_draw = torch.rand(3)
+    want = _flat(net, opt)
+    writer = SnapshotWriter(tmp_path / "job" / "snapshots", every=2)
+    assert writer.due(4) and not writer.due(3) and not writer.due(0)
+    assert writer.start(4, collect_state(objects, 4, rng), guarded_pointers([opt]))
+    writer.wait_copied(10)
+    # the guarded tensors may change once the copy is done: the snapshot must not see it
+    net(torch.randn(4, 600)).sum().backward()
+    opt.step()
+    assert writer.wait_idle(10)
+    info = writer.take_published()
+    assert info is not None and info.step == 4 and info.to_json()["bound_bytes"] == 2 * info.nbytes
+    assert list_snapshots(writer.directory) == [4]
+    torch.rand(5)  # move the RNG on: the restore must put it back
+    stats = restore_snapshot(objects, writer.directory, 4)
+    assert stats["bytes"] > 4_000_000
+    assert all(torch.equal(a, b) for a, b in zip(want, _flat(net, opt), strict=True))
+    assert torch.equal(torch.rand(3), expected_draw)
+
+
+@pytest.mark.timeout(30)
+def test_a_host_copy_is_put_back_into_the_live_tensors() -> None:
+    # job.epochs() holds such a copy through an abandoned epoch's work (recovery/epochs.py): put
+    # back, the values must be exact and the model's and optimizer's tensors the same objects,
+    # or an optimizer on a device would hold two copies of its state while it loads
+    net, opt = _trained()
+    objects: dict[str, Any] = {"model": net, "optimizer": opt}
+    want = _flat(net, opt)
+    held = host_copy(collect_state(objects, 4, capture_rng()))
+    expected_draw = torch.rand(3)
+    live = [id(v) for st in opt.state.values() for v in st.values()]
+    net(torch.randn(4, 600)).sum().backward()
+    opt.step()  # the abandoned epoch's work moves everything on
+    _, rng = restore_state(objects, land(held, landing_zone(objects, 9, capture_rng())))
+    restore_rng(rng)
+    assert all(torch.equal(a, b) for a, b in zip(want, _flat(net, opt), strict=True))
+    assert [id(v) for st in opt.state.values() for v in st.values()] == live
+    assert torch.equal(torch.rand(3), expected_draw)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_corrupt_snapshot_is_refused_and_the_older_one_still_loads(tmp_path: Path, where: str) -> None:
+    net, opt = _trained()
+    objects: dict[str, Any] = {"model": net, "optimizer": opt}
+    d = tmp_path / "job" / "snapshots"
+    write_snapshot(d, 2, layout(collect_state(objects, 2, capture_rng())))
+    write_snapshot(d, 4, layout(collect_state(objects, 4, capture_rng())))
+    assert list_snapshots(d) == [2, 4]
+    path = snapshot_path(d, 4)
+    raw = bytearray(path.read_bytes())
+    pos = len(raw) - 100 if where == "data" else 30
+    raw[pos] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(StateTransferError, match=r"corrupt|checksum") as err:
+        load_snapshot(d, 4)
+    assert "refused and removed" in str(err.value)
+    assert list_snapshots(d) == [2], "a refused snapshot must be removed so the next plan uses the older"
+    state, _ = load_snapshot(d, 2)
+    assert state["step"] == 2
+
+
+_WRITER_LOOP = """
+import sys, torch
+from pathlib import Path
+from checkpointless.state.codec import layout
+from checkpointless.state.snapshot_file import write_snapshot
+state = {"step": 0, "big": torch.zeros(8 << 20, dtype=torch.uint8), "small": torch.zeros(7)}
+step = 2
+while True:
+    state["step"] = step
+    state["big"].fill_(step % 251)
+    state["small"].fill_(step)
+    write_snapshot(Path(sys.argv[1]), step, layout(state))
+    print(step, flush=True)
+    step += 2
+"""
+
+
+@pytest.mark.timeout(90)
+def test_writer_killed_mid_write_leaves_the_last_snapshot_usable(tmp_path: Path) -> None:
+    d = tmp_path / "job" / "snapshots"
+    mid_write = 0
+    for attempt in range(6):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER_LOOP, str(d)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert proc.stdout is not None
+            proc.stdout.readline()  # one snapshot is published
+            time.sleep(0.05 + 0.03 * attempt)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+        if any(n.startswith(".writing-") for n in os.listdir(d)):
+            mid_write += 1
+        steps = list_snapshots(d)
+        assert 1 <= len(steps) <= 2, steps  # memory bound: never more than two slots
+        state, _ = load_snapshot(d, steps[-1])
+        s = state["step"]
+        assert s == steps[-1] and bool((state["big"] == s % 251).all()) and bool((state["small"] == s).all())
+        if mid_write >= 2:
+            break
+    assert mid_write, "no kill landed while a snapshot was being written"
+    # the next writer removes what the killed one left and keeps at most two snapshots
+    write_snapshot(d, 10_000, layout({"step": 10_000, "x": torch.ones(3)}))
+    assert not [n for n in os.listdir(d) if n.startswith(".writing-")]
+    assert len(list_snapshots(d)) == 2
+
+
+def _snapshot_dir_of(run_dir: Path) -> Path | None:
+    """The job's snapshot directory, inside its private shared-memory directory (job_start says where)."""
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        if '"job_start"' in line and line.endswith("}"):
+            return Path(json.loads(line)["shm"]) / "snapshots"
+    return None
+
+
+def _kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Event, nproc: int) -> None:
+    """Once the snapshot of ``step`` is published and every rank has committed the step before it
+    (the others then wait in step ``step``'s all-reduce; see ``all_committed``), SIGKILL every
+    process holding a rank at once."""
+
+    def ready(job: str) -> bool:
+        where = _snapshot_dir_of(run_dir)
+        return (
+            where is not None
+            and snapshot_path(where, step).exists()
+            and all_committed(run_dir, step - 1, nproc)
+        )
+
+    kill_workers_when(run_dir, ready, stop)
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_killed_at_once_restores_from_the_snapshot(
+    tmp_path: Path, corpus: Path, reference: Any
+) -> None:
+    ref = reference(3)
+    run_dir = tmp_path / "run"
+    stop = threading.Event()
+    # rank 0 sleeps 5 s as step 6 begins (its snapshot of step 6 is written meanwhile); the
+    # others wait for it in the all-reduce; then every rank is SIGKILLed at the same moment
+    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 6, stop, 3), daemon=True)
+    killer.start()
+    try:
+        res = run_job(
+            run_dir,
+            corpus,
+            nproc=3,
+            spares=3,
+            faults=["slow:rank=0:step=6:seconds=5"],
+            extra=["--snapshot-every", "2"],
+            timeout=240,
+        )
+    finally:
+        stop.set()
+        killer.join(timeout=5)
+    check_recovered(res, ref)
+    assert {e["rank"] for e in res.of("spare_assigned")} == {0, 1, 2}, "every rank must have been replaced"
+    plans = [p for p in res.of("plan") if p.get("from_snapshot")]
+    assert plans and plans[0]["target_step"] == 6 and plans[0]["receivers"] == [0, 1, 2], res.of("plan")
+    assert res.of("recovery")[-1]["transport"] == "snapshot"
+    snaps = [e["snapshot"] for e in res.events("rank-0.jsonl") if "snapshot" in e]
+    assert snaps and all(s["bound_bytes"] == 2 * s["bytes"] for s in snaps)
+
+
+@pytest.mark.timeout(30)
+def test_codec_packs_small_tensors_that_follow_a_solo_one_into_the_pack() -> None:
+    # regression: small tensors laid out after a >= 1 MiB tensor were addressed into its message
+    from checkpointless.state.codec import unpack
+
+    tree = {"a": torch.arange(5.0), "big": torch.ones(300_000), "b": torch.arange(7.0)}
+    lay = layout(tree)
+    back = unpack(lay.manifest, lay.messages)
+    assert all(torch.equal(back[k], v) for k, v in tree.items())

@@ -1,0 +1,255 @@
+"""Helpers for tests that run real jobs under the launcher."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# re-exported: the tests that start jobs take the paths from here with the job helpers
+from .paths import EXAMPLE as EXAMPLE
+from .paths import ROOT as ROOT
+from .paths import SCRIPTS as SCRIPTS
+
+# small enough that a 3-4 rank job runs in seconds on two cores
+TINY = [
+    "--steps",
+    "10",
+    "--dim",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--global-batch",
+    "12",
+]
+
+
+@dataclass
+class JobResult:
+    rc: int
+    output: str
+    run_dir: Path
+    digests: dict[int, str]  # rank -> SHA-256 of that rank's final weights (ranks that wrote one)
+
+    @property
+    def digest(self) -> str | None:
+        """The final weights' digest when every rank wrote the same one, else None."""
+        values = set(self.digests.values())
+        return values.pop() if len(values) == 1 else None
+
+    def assert_same_weights(self, ref: JobResult, nproc: int) -> None:
+        """Every rank ended with the fault-free run's weights, and so all ranks agree."""
+        ref_values = set(ref.digests.values())
+        assert len(ref_values) == 1 and sorted(ref.digests) == list(range(nproc)), (
+            f"the fault-free run's ranks disagree or are missing: {ref.digests}"
+        )
+        want = ref_values.pop()
+        assert sorted(self.digests) == list(range(nproc)), (
+            f"ranks {sorted(set(range(nproc)) - set(self.digests))} wrote no final digest"
+        )
+        wrong = {r: d[:16] for r, d in self.digests.items() if d != want}
+        assert not wrong, f"final weights differ from the fault-free run's ({want[:16]}) on ranks {wrong}"
+
+    def events(self, name: str = "events.jsonl") -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        # a rank's log is rotated (recovery/commit_log.py): its older file first
+        for path in (self.run_dir / f"{name}.1", self.run_dir / name):
+            if path.exists():
+                out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return out
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["event"] == kind]
+
+    def startup_faults(self) -> list[dict[str, Any]]:
+        """Faults that start-up absorbed: a fault in step 0 can land before the coordinator has
+        heard every rank form generation 0, and is then part of forming it, not a recovery."""
+        return [f for e in self.of("started") for f in e.get("faults", [])]
+
+    def commits(self) -> list[dict[str, Any]]:
+        """Every rank's ``commit`` events, a replayed step's each time it committed."""
+        out: list[dict[str, Any]] = []
+        for f in sorted(self.run_dir.glob("rank-*.jsonl")):
+            out.extend(e for e in self.events(f.name) if e["event"] == "commit")
+        return out
+
+    def batches(self) -> dict[tuple[int, int], str]:
+        """(rank, step) -> batch digest of the committed step (last write wins: a replayed
+        step that committed twice must have committed the same batch)."""
+        out: dict[tuple[int, int], str] = {}
+        for e in self.commits():
+            key = (e["rank"], e["step"])
+            assert out.get(key, e["batch"]) == e["batch"], f"rank/step {key} committed two batches"
+            out[key] = e["batch"]
+        return out
+
+    def pids(self) -> list[int]:
+        p = self.run_dir / "pids"
+        return [int(x) for x in p.read_text().split()] if p.exists() else []
+
+
+@dataclass
+class RunningJob:
+    """A launcher started by :func:`start_job`; its output goes to ``log`` (read at the end)."""
+
+    proc: subprocess.Popen[bytes]
+    run_dir: Path
+    log: Path
+    started: float  # time.monotonic() at launch
+
+    def finish(self, timeout: float) -> JobResult:
+        """Wait for the launcher (at most ``timeout`` s from the launch); kill its group if late."""
+        try:
+            self.proc.wait(timeout=max(0.1, self.started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            raise AssertionError(f"job did not finish within {timeout} s:\n{self.output()[-6000:]}") from None
+        digests = read_digests(self.run_dir.parent, self.run_dir.name + ".digest-")
+        return JobResult(self.proc.returncode, self.output(), self.run_dir, digests)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def start_job(
+    run_dir: Path,
+    data: Path,
+    nproc: int = 3,
+    spares: int = 1,
+    faults: list[str] | None = None,
+    extra: list[str] | None = None,
+    script_args: list[str] | None = None,
+    script: Path = EXAMPLE,
+    hang_timeout: float = 8,
+    env: dict[str, str] | None = None,
+) -> RunningJob:
+    """Launch the example under the launcher without waiting for it."""
+    # one file per rank: "{rank}" is filled in by the example
+    digest_pattern = run_dir.parent / (run_dir.name + ".digest-{rank}")
+    for old in run_dir.parent.glob(run_dir.name + ".digest-*"):
+        old.unlink()  # a stale digest from an earlier run must not pass for this one's
+    cmd = [
+        sys.executable,
+        "-m",
+        "checkpointless",
+        "run",
+        "--nproc",
+        str(nproc),
+        "--spares",
+        str(spares),
+        "--run-dir",
+        str(run_dir),
+        "--hang-timeout",
+        str(hang_timeout),
+    ]
+    for f in faults or []:
+        cmd += ["--inject", f]
+    cmd += extra or []
+    cmd += [str(script), *(script_args if script_args is not None else TINY), "--data", str(data)]
+    cmd += ["--digest-out", str(digest_pattern)]
+    log = run_dir.parent / (run_dir.name + ".out")
+    # a file, not a pipe: a caller that is busy injecting faults must not stall the job's output
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
+        )
+    return RunningJob(proc, run_dir, log, time.monotonic())
+
+
+def run_job(
+    run_dir: Path,
+    data: Path,
+    nproc: int = 3,
+    spares: int = 1,
+    faults: list[str] | None = None,
+    extra: list[str] | None = None,
+    script_args: list[str] | None = None,
+    timeout: float = 150,
+    script: Path = EXAMPLE,
+    env: dict[str, str] | None = None,
+) -> JobResult:
+    """Run the example under the launcher to the end (``env``: added to this process's)."""
+    job = start_job(run_dir, data, nproc, spares, faults, extra, script_args, script, env=env)
+    return job.finish(timeout)
+
+
+def torchrun_env() -> dict[str, str]:
+    """This environment for a job under plain torchrun: nothing of a surrounding checkpointless
+    job may leak in, so it is torchrun alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINTLESS_", "TORCHELASTIC_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash prints every thread's Python stack
+    return env
+
+
+def read_digests(folder: Path, prefix: str) -> dict[int, str]:
+    """rank -> digest from the files ``<folder>/<prefix><rank>``."""
+    out: dict[int, str] = {}
+    for f in folder.glob(prefix + "*"):
+        suffix = f.name[len(prefix) :]
+        if suffix.isdigit():
+            out[int(suffix)] = f.read_text().strip()
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def all_committed(run_dir: Path, step: int, nproc: int) -> bool:
+    """Whether every rank's event file records its commit of ``step``. A test that kills every
+    rank once a snapshot or checkpoint appears waits for this too: the copy is written as rank 0
+    begins the next step, when another rank may still be between its update and its commit
+    record, and a kill there loses the record (not the state), which a batch check would miss."""
+    for rank in range(nproc):
+        events = []
+        for f in (run_dir / f"rank-{rank}.jsonl.1", run_dir / f"rank-{rank}.jsonl"):  # rotated: both files
+            events += [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+        if not any(e.get("event") == "commit" and e.get("step") == step for e in events):
+            return False
+    return True
+
+
+def kill_workers_when(run_dir: Path, ready: Callable[[str], bool], stop: threading.Event) -> None:
+    """Once ``ready(job_id)`` holds, SIGKILL every worker the launcher spawned, all at once (the
+    processes holding ranks, as long as none was replaced yet). Gives up after 120 s or ``stop``."""
+    events = run_dir / "events.jsonl"
+    deadline = time.monotonic() + 120
+    job = None
+    while not stop.is_set() and time.monotonic() < deadline:
+        if job is None and events.exists():
+            first = events.read_text().split("\n", 1)[0]
+            if first.endswith("}"):
+                job = json.loads(first)["job"]
+        if job is not None and ready(job):
+            for e in [json.loads(x) for x in events.read_text().splitlines() if x.strip()]:
+                if e["event"] == "spawn" and e["role"] == "worker":
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(e["pid"]), signal.SIGKILL)
+            return
+        time.sleep(0.01)
