@@ -1,73 +1,75 @@
 """The step loop behind ``job.steps()``: start (or join) the job's state, yield steps until every
 rank has committed the total, run the sections due between steps, and leave together.
 
-Functions of the :class:`~checkpointless.recovery.job.Job` they drive, kept apart from its public
-API in ``job.py`` (as recover.py keeps the recovery round and startup.py the joining). A step's
-own commit and fault handling are in step.py and commit.py.
+Functions of the :class:`~checkpointless.recovery.member.Member` they drive, below the public API
+in ``job.py`` (as recover.py keeps the recovery round and startup.py the joining). A step's own
+commit and fault handling are in step.py and commit.py.
 """
 
 from __future__ import annotations
 
 import atexit
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from checkpointless.errors import CommAborted, ConfigError
 from checkpointless.events import get_logger
 from checkpointless.protocol import Done
 from checkpointless.recovery.loop import LOOP_STATE_NAME
+from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
 from checkpointless.recovery.recover import recover, recover_from
 from checkpointless.recovery.sections import due_sections
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import start_from_first_replica
-from checkpointless.state.snapshot import capture_rng
-
-if TYPE_CHECKING:
-    from checkpointless.recovery.job import Job
 
 __all__ = ["run_steps"]
 
 log = get_logger()
 
 
-def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> Iterator[Step]:
+def run_steps(member: Member, total: int, start: int, steps_per_epoch: int | None) -> Iterator[Step]:
     """The generator behind :meth:`Job.steps` (its docstring says what it yields)."""
-    if job.clock.started:
+    if member.clock.started:
         raise ConfigError("job.steps() can run only once per process")
     if not 0 <= start <= total:
         raise ConfigError(f"job.steps(total={total}, start={start}): start must be in 0..total")
     if steps_per_epoch is not None and steps_per_epoch < 1:
         raise ConfigError(f"steps_per_epoch must be a positive number of steps (got {steps_per_epoch})")
-    job._steps_per_epoch = steps_per_epoch
-    job.clock.started = True
-    job.committed_step = start
-    if job.under_torchrun:  # what the launcher's first round does: the first replica's state
-        shards = job.groups.shards
-        job.committed_step = start_from_first_replica(
-            job.comm, job.tracked.objects, start, job.rank, job.world_size, job.rendezvous_timeout, shards
+    member.schedule.steps_per_epoch = steps_per_epoch
+    member.clock.started = True
+    member.committed_step = start
+    if member.under_torchrun:  # what the launcher's first round does: the first replica's state
+        shards = member.groups.shards
+        member.committed_step = start_from_first_replica(
+            member.comm,
+            member.tracked.objects,
+            start,
+            member.rank,
+            member.world_size,
+            member.rendezvous_timeout,
+            shards,
         )
-    if job.recovery.connected and not job.tracked.objects:
-        job.recovery.fatal(
+    if member.recovery.connected and not member.tracked.objects:
+        member.recovery.fatal(
             "job.track() registered nothing: a replacement rank would start from scratch and "
             "diverge; call job.track(model=..., optimizer=...) before job.steps()",
         )
-    if job.recovery.connected:
-        job.tracked.objects[LOOP_STATE_NAME] = job._loop  # an early end travels to a replacement
-        if job.is_replacement:
-            recover(job, cause="join", error=None, committed=-1, valid=False)
+    if member.recovery.connected:
+        member.tracked.objects[LOOP_STATE_NAME] = member.loop  # an early end travels to a replacement
+        if member.is_replacement:
+            recover(member, cause="join", error=None, committed=-1, valid=False)
         else:
-            recover(job, cause="start", error=None, committed=start, valid=True)
+            recover(member, cause="start", error=None, committed=start, valid=True)
     step: Step | None = None
     try:
-        while _run_sections(job) or not _finished(job, total):
-            step = Step(job, job.committed_step)
+        while _run_sections(member) or not _finished(member, total):
+            step = Step(member, member.committed_step)
             yield step
             if not step.entered:
                 # Without `with step:` nothing commits, so the loop would yield the same step
                 # for ever, and a recovery could neither stop nor replay the body: say so
                 # instead of training on outside the job.
-                job.recovery.fatal(
+                member.recovery.fatal(
                     f"the body of `for step in job.steps(...)` ran outside `with step:` (step "
                     f"{step.index}); put the step's work inside it: "
                     "`for step in job.steps(N):` then `with step:` around forward, backward and "
@@ -77,58 +79,56 @@ def run_steps(job: Job, total: int, start: int, steps_per_epoch: int | None) -> 
         if step is None or not step.committed:  # an error escaping the loop, not a clean end
             log.warning("left job.steps() in a step that did not commit: not a clean end")
             return
-        job._loop.request_stop(job.committed_step)
-        while job.recovery.connected and not _finish_barrier(job):
+        member.loop.request_stop(member.committed_step)
+        while member.recovery.connected and not _finish_barrier(member):
             pass
-    if job.recovery.connected:
+    if member.recovery.connected:
         # first: from here on this rank makes no step progress, and must not be judged by it
         # while the last checkpoint finishes or the script's own code runs after the loop
-        job.recovery.send(Done(step=job.committed_step))
-    for loader in job.tracked.loaders:
+        member.recovery.send(Done(step=member.committed_step))
+    for loader in member.tracked.loaders:
         loader.close()
-    job.replicas.finish(job.rendezvous_timeout)
-    if job.recovery.link is not None:
+    member.replicas.finish(member.rendezvous_timeout)
+    if member.recovery.link is not None:
         install_fast_exit()
         # registered after it, so it runs before the exit: the coordinator must see we finished
-        atexit.register(job.recovery.link.await_release)
+        atexit.register(member.recovery.link.await_release)
     else:  # torchrun or standalone: the process exits normally, its groups closed first
-        close_at_exit(job.groups.close, job.rendezvous_timeout)
+        close_at_exit(member.groups.close, member.rendezvous_timeout)
 
 
-def _run_sections(job: Job) -> bool:
+def _run_sections(member: Member) -> bool:
     """Run the sections due at this step boundary until each completes; always False (so it
     can sit in the loop's condition)."""
-    while due := due_sections(job._sections, job.committed_step, job._loop.sections_done):
-        sec, at = due[0], job.committed_step
+    while due := due_sections(member.schedule.sections, member.committed_step, member.loop.sections_done):
+        sec, at = due[0], member.committed_step
         # The generators as the section begins: a fault inside it redoes the section from them
         # (resume_rng, also what a replacement receives). The first attempt has drawn from them
         # already, and an evaluation that samples, or dropout left on, would otherwise leave
         # every later step with other random numbers than the run without the fault.
-        job._step_rng = (at, capture_rng())
-        job._record = {}
-        job.clock.in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
+        member.record.begin_section(at)
+        member.clock.in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
         try:
             sec.fn()
         except Exception as exc:
-            if not job.recovery.connected:
+            if not member.recovery.connected:
                 raise
-            job.clock.in_section = None
+            member.clock.in_section = None
             log.info("section %r after step %d interrupted: %s", sec.name, at - 1, short_error(exc))
-            recover_from(job, at, exc)  # nothing was updated: every survivor stays valid
+            recover_from(member, at, exc)  # nothing was updated: every survivor stays valid
             continue
         finally:
-            job.clock.in_section = None
-        job._loop.sections_done[sec.name] = at
-        if job._events is not None:
-            job._events.emit("section", name=sec.name, step=at, generation=job.generation, **job._record)
-        job._record = {}
-        job.clock.restart()
+            member.clock.in_section = None
+        member.loop.sections_done[sec.name] = at
+        member.record.emit("section", name=sec.name, step=at, generation=member.generation)
+        member.record.fields = {}
+        member.clock.restart()
     return False
 
 
-def _finished(job: Job, total: int) -> bool:
-    while job.committed_step >= job._loop.end(total):
-        if not job.recovery.connected or _finish_barrier(job):
+def _finished(member: Member, total: int) -> bool:
+    while member.committed_step >= member.loop.end(total):
+        if not member.recovery.connected or _finish_barrier(member):
             return True
         # The barrier was interrupted and a recovery ran. Unless it rolled the job back (then
         # steps remain), every rank is at the end again and meets in the barrier once more: a
@@ -137,16 +137,16 @@ def _finished(job: Job, total: int) -> bool:
     return False
 
 
-def _finish_barrier(job: Job) -> bool:
+def _finish_barrier(member: Member) -> bool:
     # Nobody leaves before everyone has the final state: a rank that left early could be
     # the only source a late replacement could receive from.
     try:
         # the final barrier is an "allreduce" site of step N, N the job's length (faults/inject.py)
-        job.guard.injector.maybe_fire("allreduce", job.committed_step)
-        job.comm.barrier(timeout=job.rendezvous_timeout)
+        member.guard.injector.maybe_fire("allreduce", member.committed_step)
+        member.comm.barrier(timeout=member.rendezvous_timeout)
         return True
     except CommAborted as e:
         log.info("final barrier interrupted: %s", short_error(e))
-        job.comm.abort(f"rank {job.rank} left the final barrier")
-        recover(job, "comm", short_error(e), job.committed_step, True)
+        member.comm.abort(f"rank {member.rank} left the final barrier")
+        recover(member, "comm", short_error(e), member.committed_step, True)
         return False

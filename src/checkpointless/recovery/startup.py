@@ -1,10 +1,10 @@
 """How a worker process joins its job, before ``job.steps()``: under the launcher (a worker or a
 hot spare waiting for a rank), under plain torchrun, or run plainly as a world of one.
 
-Functions of the :class:`~checkpointless.recovery.job.Job` they set up, kept apart from its
-public API in ``job.py`` (as recover.py keeps the recovery round, driver.py the step loop): ``init()``
-picks one of :func:`connect`, :func:`join_torchrun` and :func:`standalone`, and
-``job.device_mesh()`` calls :func:`sharded_copies` once a mesh shards the state.
+Functions of the :class:`~checkpointless.recovery.member.Member` they set up, below the public API
+in ``job.py`` (as recover.py keeps the recovery round, driver.py the step loop): ``init()`` picks
+one of :func:`connect`, :func:`join_torchrun` and :func:`standalone`, and ``job.device_mesh()``
+forms the mesh with :func:`form_mesh`.
 """
 
 from __future__ import annotations
@@ -13,82 +13,86 @@ import datetime
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from checkpointless.comm.work import waiting_since
+from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger, setup_logging
 from checkpointless.faults.inject import Injector, parse_faults
 from checkpointless.protocol import Assign, Prefetch, Prepare, SpareReady
 from checkpointless.recovery.commit_log import CommitLog
 from checkpointless.recovery.link import set_parent_death_signal
+from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import warm_up
+from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun, mesh_shape_error
 from checkpointless.recovery.torchrun import join_torchrun_group, torchrun_warning
 
-if TYPE_CHECKING:
-    from checkpointless.recovery.job import Job
-
-__all__ = ["connect", "join_torchrun", "sharded_copies", "standalone"]
+__all__ = ["connect", "form_mesh", "join_torchrun", "sharded_copies", "standalone"]
 
 log = get_logger()
 
 
-def connect(job: Job) -> None:
+def connect(member: Member) -> None:
     """Under the launcher: serve our rendezvous keys, connect, wait for a rank (a spare pages in
     and prefetches meanwhile), then set up what the launcher's assignment asks for."""
-    assert job.env is not None
+    assert member.env is not None
     set_parent_death_signal()
     # Pay lazy first-use costs before the launcher starts timing our heartbeats: a spare
     # must not pay them after a fault, and a heavy import can hold the GIL for seconds.
     warm_up()
-    if job.env.store_port:
+    if member.env.store_port:
         # serve our rendezvous keys from the start: peers may look us up the moment the
         # launcher names us in a peer table, and a refused connection means "dead"
         from checkpointless.rendezvous import KeyServer
 
         server = KeyServer(
-            host=job.env.host,
-            port=job.env.store_port,
-            secret=job.env.secret,
-            listen_fd=job.env.store_fd,
+            host=member.env.host,
+            port=member.env.store_port,
+            secret=member.env.secret,
+            listen_fd=member.env.store_fd,
         )
         server.start()
-        job.recovery.store_state["server"] = server
-    comm = job.comm
-    job.recovery.connect(job.env, lambda: job.clock.heartbeat(comm.in_collective_since or waiting_since()))
-    if job.env.role == "spare":
-        log.info("spare %d ready, waiting for a rank", job.env.worker_id)
-        job.recovery.send(SpareReady())
-    msg = _wait_for_rank(job)
+        member.recovery.store_state["server"] = server
+    comm = member.comm
+    member.recovery.connect(
+        member.env, lambda: member.clock.heartbeat(comm.in_collective_since or waiting_since())
+    )
+    if member.env.role == "spare":
+        log.info("spare %d ready, waiting for a rank", member.env.worker_id)
+        member.recovery.send(SpareReady())
+    msg = _wait_for_rank(member)
     if "checkpointless.data.spare_cache" in sys.modules:  # we have a rank: stop prefetching
         sys.modules["checkpointless.data.spare_cache"].stop()
-    job.rank = msg.rank
-    job.world_size = msg.world_size
-    job.placement = (msg.local_rank, msg.local_world_size, msg.node_rank)
-    job.recovery.report_gen = msg.generation
+    member.rank = msg.rank
+    member.world_size = msg.world_size
+    member.placement = (msg.local_rank, msg.local_world_size, msg.node_rank)
+    member.recovery.report_gen = msg.generation
     # A spare given a rank lost during start-up, before the job's first state sync, is no
     # replacement: no peer holds what the original would have restored (the script's own
     # checkpoint, with R = 1 the only copy of this shard), so it starts as the original would.
-    job.is_replacement = job.env.role == "spare" and not msg.initial
-    setup_logging(f"rank {job.rank}")
-    job._events = CommitLog(
-        job.env.run_dir / f"rank-{job.rank}.jsonl", rank=job.rank, worker=job.env.worker_id
+    member.is_replacement = member.env.role == "spare" and not msg.initial
+    setup_logging(f"rank {member.rank}")
+    member.record.events = CommitLog(
+        member.env.run_dir / f"rank-{member.rank}.jsonl", rank=member.rank, worker=member.env.worker_id
     )  # rotated: bounded whatever the job's length
-    if job.comm.backend == "nccl":
-        torch.cuda.set_device(job.rank % torch.cuda.device_count())
-    job.replicas.configure(msg, job.rank, job.env.job_id)
-    job.divergence_every = msg.divergence_check
-    specs = parse_faults(list(msg.faults), job.world_size)
-    job.guard.injector = Injector(specs, job.rank, set(msg.fired), job.recovery.announce_fault)
+    if member.comm.backend == "nccl":
+        torch.cuda.set_device(member.rank % torch.cuda.device_count())
+    member.replicas.configure(msg, member.rank, member.env.job_id)
+    member.divergence_every = msg.divergence_check
+    specs = parse_faults(list(msg.faults), member.world_size)
+    member.guard.injector = Injector(specs, member.rank, set(msg.fired), member.recovery.announce_fault)
 
 
-def _wait_for_rank(job: Job) -> Assign:
+def _wait_for_rank(member: Member) -> Assign:
     """A spare's wait (a worker's is short): its rank, meanwhile paging in and prefetching."""
-    assert job.env is not None and job.recovery.link is not None
+    assert member.env is not None and member.recovery.link is not None
     while True:
-        msg = job.recovery.link.wait_for((Assign, Prepare, Prefetch), time.monotonic() + 10 * 365 * 86400.0)
+        msg = member.recovery.link.wait_for(
+            (Assign, Prepare, Prefetch), time.monotonic() + 10 * 365 * 86400.0
+        )
         if isinstance(msg, Assign):
             return msg
         if isinstance(msg, Prefetch):  # fill this host's batch cache for the ranks we may take
@@ -96,42 +100,72 @@ def _wait_for_rank(job: Job) -> Assign:
             # a recipe, data/spare_cache.py, has imported it already)
             from checkpointless.data import spare_cache
 
-            spare_cache.hint(job.env.job_id, msg.step, list(msg.ranks), msg.world_size)
+            spare_cache.hint(member.env.job_id, msg.step, list(msg.ranks), msg.world_size)
             continue
-        job.replicas.prepare(msg.state_bytes)
+        member.replicas.prepare(msg.state_bytes)
 
 
-def standalone(job: Job) -> None:
+def standalone(member: Member) -> None:
     """Run plainly: a world of one, formed at once from a store in this process."""
     store = dist.HashStore()
-    job.comm.rebuild(0, store, 0, 1, time.monotonic() + 30)
-    job.generation = 0
+    member.comm.rebuild(0, store, 0, 1, time.monotonic() + 30)
+    member.generation = 0
 
 
-def join_torchrun(job: Job) -> None:
+def join_torchrun(member: Member) -> None:
     """Started by plain torchrun: the job's default group and communicator form once from
     torchrun's store, as one job without recovery (recovery/torchrun.py says why)."""
-    timeout = datetime.timedelta(seconds=job.rendezvous_timeout)
-    job.rank, job.world_size, store, own_default = join_torchrun_group(timeout)
-    setup_logging(f"rank {job.rank}")
-    if job.comm.backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", job.rank)) % torch.cuda.device_count())
-    deadline = time.monotonic() + job.rendezvous_timeout
-    job._torchrun_store = dist.PrefixStore("checkpointless/", store)
+    timeout = datetime.timedelta(seconds=member.rendezvous_timeout)
+    member.rank, member.world_size, store, own_default = join_torchrun_group(timeout)
+    setup_logging(f"rank {member.rank}")
+    if member.comm.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", member.rank)) % torch.cuda.device_count())
+    deadline = time.monotonic() + member.rendezvous_timeout
+    prefixed = member.torchrun_store = dist.PrefixStore("checkpointless/", store)
     if own_default:  # torch's default group is the job's, as under the launcher: a mesh adopts it
-        job._install_default_group().configure(0, job._torchrun_store, deadline, None)
-    job.comm.rebuild(0, job._torchrun_store, job.rank, job.world_size, deadline)
-    job.generation = 0
-    job.under_torchrun = True
-    log.warning("%s", torchrun_warning(job.rank, job.world_size))
+        member.install_default_group().configure(0, prefixed, deadline, None)
+    member.comm.rebuild(0, prefixed, member.rank, member.world_size, deadline)
+    member.generation = 0
+    member.under_torchrun = True
+    log.warning("%s", torchrun_warning(member.rank, member.world_size))
 
 
-def sharded_copies(job: Job) -> None:
+def sharded_copies(member: Member) -> None:
     """On a mesh with S > 1 each rank holds a different shard: its own snapshots, checkpoints
     and buddy copies (``ReplicaKeeper.shard``)."""
-    assert job.groups.mesh is not None
-    per_host = job.placement[1] if job.placement[1] > 0 else job.world_size
-    job_id = job.env.job_id if job.env is not None else None
-    job.replicas.shard(
-        job.rank, job.world_size, per_host, job.groups.mesh.shape, job.rendezvous_timeout, job_id
+    assert member.groups.mesh is not None
+    per_host = member.placement[1] if member.placement[1] > 0 else member.world_size
+    job_id = member.env.job_id if member.env is not None else None
+    member.replicas.shard(
+        member.rank, member.world_size, per_host, member.groups.mesh.shape, member.rendezvous_timeout, job_id
     )
+
+
+def form_mesh(member: Member, names: tuple[str, ...], shape: tuple[int, ...]) -> Any:
+    """``job.device_mesh()``: a mesh over resilient groups, formed at once when nothing else
+    will form it (plain torchrun, run plainly); its ``DeviceMesh``."""
+    if member.groups.mesh is not None or member.clock.started:
+        raise ConfigError("job.device_mesh() can be called once, before job.steps()")
+    err = mesh_shape_error(names, shape, member.world_size)
+    if err is not None:
+        raise err
+    timeout = datetime.timedelta(seconds=member.rendezvous_timeout)
+    mesh = member.groups.mesh = ShardedRun(
+        names, shape, member.rank, member.world_size, timeout, member.guard.on_collective, member.device.type
+    )
+    if member.groups.default is not None:  # the mesh's world group is this one: the mesh drives it now
+        member.groups.default.handed_to_mesh()
+    member.tracked.objects[SHARD_STATE_NAME] = mesh.identity()
+    if mesh.shards > 1:
+        sharded_copies(member)
+    if member.torchrun_store is not None:  # plain torchrun: formed once, from torchrun's store
+        deadline = time.monotonic() + member.rendezvous_timeout
+        # The mesh's world group is torch's default group, which init() formed already
+        # (join_torchrun); forming it again would park a second gloo group, its threads
+        # running, for the rest of the job (plain torchrun releases nothing until exit).
+        world = mesh.mesh.world
+        formed = (world,) if world.generation == 0 and world.aborted is None else ()
+        mesh.configure(0, dist.PrefixStore("mesh/", member.torchrun_store), deadline, None, formed)
+    elif not member.recovery.connected:  # run plainly: a world of one, formed at once
+        mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
+    return mesh.device_mesh
