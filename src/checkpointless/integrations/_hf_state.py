@@ -1,0 +1,140 @@
+"""What the Trainer integration adds to the replica, and where each optimizer step's data is.
+
+Kept free of transformers, so it is tested as plain code (tests/unit/integrations/test_hf_unit.py):
+
+- :class:`StepPlan`: which micro-batches (positions in the job's ``job.loader``) optimizer step
+  ``s`` trains on, with gradient accumulation and an epoch whose length is not a multiple of it.
+- :class:`LossLedger`: the training loss and floating-point operations summed since the last log
+  line, reduced inside the step that produced them, so a log line never depends on a collective
+  between steps and never counts a replayed step twice.
+- :class:`TrainerStateCarrier`: ``TrainerState`` (global step, epoch, log history, best metric),
+  ``TrainerControl`` and every callback with exportable state, as one tracked object.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from checkpointless.errors import ConfigError
+
+__all__ = ["LossLedger", "StepPlan", "TrainerStateCarrier"]
+
+# TrainerState fields that do not travel: this process's own place in the job, and Trainer's
+# file copy of the callbacks' state (the live callbacks travel instead)
+_LOCAL_FIELDS = frozenset({"is_local_process_zero", "is_world_process_zero", "stateful_callbacks"})
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Optimizer steps over an epoch of ``batches_per_epoch`` micro-batches, ``accumulation`` per
+    step (the epoch's last step takes what is left, as Trainer's loop does)."""
+
+    batches_per_epoch: int
+    accumulation: int
+
+    def __post_init__(self) -> None:
+        if self.batches_per_epoch <= 0 or self.accumulation <= 0:
+            raise ConfigError(
+                f"the training DataLoader has {self.batches_per_epoch} batches per epoch and "
+                f"gradient_accumulation_steps={self.accumulation}: both must be positive"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.batches_per_epoch // self.accumulation)
+
+    def epoch(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def micro_batches(self, step: int) -> range:
+        """Loader positions (``epoch * batches_per_epoch + i``) of step ``step``'s micro-batches."""
+        epoch, update = divmod(step, self.steps_per_epoch)
+        first = update * self.accumulation
+        last = min(first + self.accumulation, self.batches_per_epoch)
+        base = epoch * self.batches_per_epoch
+        return range(base + first, base + last)
+
+    def epoch_progress(self, step: int) -> float:
+        """``TrainerState.epoch`` after step ``step`` (Trainer's ``epoch + (step + 1) / steps_in_epoch``)."""
+        epoch, update = divmod(step, self.steps_per_epoch)
+        done = min((update + 1) * self.accumulation, self.batches_per_epoch)
+        return epoch + done / self.batches_per_epoch
+
+
+@dataclass
+class LossLedger:
+    """Loss and FLOPs of the committed steps, summed over the ranks, since the last log line."""
+
+    loss: float = 0.0  # sum over steps of the ranks' mean loss
+    flos: float = 0.0  # floating-point operations, all ranks together
+    total_loss: float = 0.0  # every logged loss so far (Trainer's final train_loss)
+    last_logged: int = 0  # the global step of the last log line
+
+    def add(self, loss: float, flos: float) -> None:
+        self.loss += loss
+        self.flos += flos
+
+    def drain(self, global_step: int) -> tuple[float, float]:
+        """(mean loss per step since the last log line, FLOPs) and start a new interval."""
+        steps = max(global_step - self.last_logged, 1)
+        loss, flos = self.loss / steps, self.flos
+        self.total_loss += self.loss
+        self.loss, self.flos, self.last_logged = 0.0, 0.0, global_step
+        return loss, flos
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss, self.flos = float(state["loss"]), float(state["flos"])
+        self.total_loss, self.last_logged = float(state["total_loss"]), int(state["last_logged"])
+
+
+class TrainerStateCarrier:
+    """``TrainerState``, ``TrainerControl`` and the exportable callbacks' attributes.
+
+    ``state`` and ``control`` are read through callables because Trainer makes a new
+    ``TrainerState`` at the start of each ``train()``; the carrier always means the current one.
+    A callback's state is what its ``ExportableState.state()`` names under ``"attributes"``,
+    the same thing Trainer writes to ``trainer_state.json`` for it."""
+
+    def __init__(
+        self,
+        state: Callable[[], Any],
+        control: Callable[[], Any],
+        callbacks: Callable[[], list[Any]],
+    ) -> None:
+        self._state = state
+        self._control = control
+        self._callbacks = callbacks
+
+    def _exportable(self) -> list[Any]:
+        return [self._control(), *(cb for cb in self._callbacks() if hasattr(cb, "state"))]
+
+    def state_dict(self) -> dict[str, Any]:
+        fields = {
+            f.name: getattr(self._state(), f.name)
+            for f in dataclasses.fields(self._state())
+            if f.name not in _LOCAL_FIELDS
+        }
+        attributes = [dict(obj.state().get("attributes", {})) for obj in self._exportable()]
+        # copies: the replica must not change when the live log history grows
+        return copy.deepcopy({"state": fields, "callbacks": attributes})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        target = self._state()
+        for name, value in copy.deepcopy(state["state"]).items():
+            setattr(target, name, value)
+        objects = self._exportable()
+        if len(objects) != len(state["callbacks"]):
+            raise ConfigError(
+                f"this rank has {len(objects)} callbacks with state and the replica has "
+                f"{len(state['callbacks'])}: give every rank the same callbacks"
+            )
+        for obj, attributes in zip(objects, state["callbacks"], strict=True):
+            for name, value in copy.deepcopy(attributes).items():
+                setattr(obj, name, value)

@@ -1,0 +1,353 @@
+"""Hugging Face ``transformers.Trainer`` under checkpointless: ``Trainer`` -> ``CheckpointlessTrainer``.
+
+The adoption is two lines (docs/adoption.md, "Hugging Face")::
+
+    from checkpointless.integrations.hf import CheckpointlessTrainer
+    trainer = CheckpointlessTrainer(model=model, args=args, train_dataset=ds)   # was Trainer(...)
+
+run under ``checkpointless run --nproc N --spares 1 script.py``. What the subclass changes:
+
+- ``__init__`` joins the job (``checkpointless.init()``; a hot spare waits there until it is
+  given a rank) and makes ``TrainingArguments`` set accelerate up again, so Trainer sees the job's
+  rank and world size and torch's default group, which ``init()`` made the job's resilient one.
+- The model is wrapped in the job's abortable ``DataParallel`` instead of DDP (a DDP reducer
+  does not survive an aborted backward; docs/architecture.md).
+- The training DataLoader samples with a ``DistributedSampler`` and is made step-addressable with
+  ``job.loader``: an optimizer step's micro-batches are a function of the step, a replay trains on
+  the very batches it had, and a replacement seeks to its step without reading what it skips.
+- Each optimizer step (its gradient-accumulation micro-batches, forward and backward, the
+  gradient clipping, the update and the scheduler step) is one checkpointless ``Step``. A fault
+  anywhere in it, this rank's exception or a collective aborted because another rank failed, is
+  recovered and the step runs again on the same micro-batches.
+- The model, optimizer, scheduler, ``TrainerState``, ``TrainerControl``, the callbacks' exportable
+  state and the loss since the last log line are the replica a replacement receives.
+- The loss of a step is reduced inside the step, and logged once the step has committed, so a log
+  line never waits on a collective between steps and a replayed step is counted once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from transformers import Trainer
+
+import checkpointless
+from checkpointless.errors import ConfigError
+from checkpointless.events import get_logger
+from checkpointless.integrations._hf_internals import (
+    evaluate_and_save,
+    hand_over_loss,
+    num_items_in_batch,
+    refresh_devices,
+    set_sync_gradients,
+    train_collator,
+    warn_if_untested,
+)
+from checkpointless.integrations._hf_state import LossLedger, StepPlan, TrainerStateCarrier
+from checkpointless.recovery.job import Job, Step
+
+__all__ = ["CheckpointlessTrainer"]
+
+log = get_logger()
+
+
+@dataclass
+class _Run:
+    """Where this rank's training loop stands in the job."""
+
+    steps: Any  # the job.steps() generator
+    plan: StepPlan
+    loader: Any  # job.loader() over the training DataLoader
+    pending: Step | None = None  # taken from the generator, not yet run
+    done: bool = False  # the generator ended
+    held: tuple[int, list[Any]] | None = None  # the step whose micro-batches are held, for a replay
+    begun: int = -1  # the last step on_step_begin ran for (a replay does not run it again)
+
+
+@dataclass
+class _StepOut:
+    """What a step computed, kept by the step's caller so a rank rolled forward still has it."""
+
+    loss: float | None = None  # the ranks' mean loss (summed over micro-batches)
+    flos: float = 0.0
+    grad_norm: float | None = None
+    learning_rate: float | None = None
+
+
+class CheckpointlessTrainer(Trainer):
+    """A ``transformers.Trainer`` whose training survives faults in process.
+
+    ``rendezvous_timeout`` and ``max_step_retries`` go to ``checkpointless.init()``;
+    ``record_batches`` adds a digest of each step's micro-batches to its commit event (tests)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        rendezvous_timeout: float = 60.0,
+        max_step_retries: int = 3,
+        record_batches: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        warn_if_untested()
+        # Join before Trainer builds its Accelerator: a spare waits here with its model built
+        self.job: Job = checkpointless.init(
+            rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries
+        )
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            refresh_devices(training_args)
+        super().__init__(*args, **kwargs)
+        self._record_batches = record_batches
+        self._dp: nn.Module | None = None
+        self._run: _Run | None = None
+        self._ledger = LossLedger()
+        self._eval_context: tuple[Any, list[str] | None, float | None] = (None, None, None)
+        self._refuse_unsupported()
+
+    def _refuse_unsupported(self) -> None:
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ConfigError(
+                "CheckpointlessTrainer does not support DeepSpeed or FSDP through TrainingArguments "
+                "yet; it trains data-parallel (leave `deepspeed` and `fsdp` unset)"
+            )
+        if self.args.auto_find_batch_size:
+            raise ConfigError("auto_find_batch_size is not supported by CheckpointlessTrainer")
+        if self.args.n_gpu > 1:
+            raise ConfigError(
+                "one process drives several GPUs (nn.DataParallel): run one rank per GPU with "
+                "`checkpointless run --nproc N` instead"
+            )
+
+    # -- data and model ------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader[Any]:
+        """A map-style DataLoader whose batches are a function of (epoch, position): a
+        ``DistributedSampler`` over the job's ranks, seeded with ``data_seed`` (or ``seed``)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if isinstance(self.train_dataset, IterableDataset) or not hasattr(self.train_dataset, "__len__"):
+            raise ConfigError(
+                "CheckpointlessTrainer needs a map-style train_dataset (__getitem__ + __len__): an "
+                "iterable dataset cannot be sought to a replacement's step"
+            )
+        dataset, collate = train_collator(self, self.train_dataset)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset, num_replicas=self.job.world_size, rank=self.job.rank, shuffle=True, seed=seed
+        )
+        workers = self.args.dataloader_num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.args.per_device_train_batch_size,
+            sampler=sampler,
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            drop_last=self.args.dataloader_drop_last,
+            persistent_workers=self.args.dataloader_persistent_workers if workers else False,
+            prefetch_factor=self.args.dataloader_prefetch_factor if workers else None,
+        )
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        if not training:
+            return super()._wrap_model(model, training, dataloader)  # type: ignore[no-any-return]
+        if self._dp is None:
+            self._dp = self.job.data_parallel(model)
+        return self._dp
+
+    # -- the loop: Trainer._run_epoch, one optimizer step per checkpointless step --------------
+    def _run_epoch(  # type: ignore[override]
+        self,
+        model: nn.Module,
+        epoch: int,
+        train_dataloader: DataLoader[Any],
+        steps_in_epoch: int,
+        num_update_steps_per_epoch: int,
+        trial: Any,
+        ignore_keys_for_eval: list[str] | None,
+        start_time: float,
+        resume_from_checkpoint: str | None,
+        epochs_trained: int,
+        steps_trained_in_current_epoch: int,
+    ) -> None:
+        run = self._run if self._run is not None else self._start(train_dataloader)
+        self._eval_context = (trial, ignore_keys_for_eval, start_time)
+        out: _StepOut | None = None
+        while True:
+            step = self._peek(run)
+            if step is None:  # every step of the job has committed
+                self.control.should_training_stop = True
+                break
+            at = run.plan.epoch(step.index)
+            if at < epoch:
+                raise ConfigError(
+                    f"the job went back to step {step.index} (epoch {at}) while Trainer is in epoch "
+                    f"{epoch}: every replica was lost and an older state was restored, which "
+                    "CheckpointlessTrainer cannot follow; rerun with resume_from_checkpoint"
+                )
+            if at > epoch:
+                break
+            run.pending = None
+            out = self._train_step(run, step, model)
+            if self.control.should_epoch_stop or self.control.should_training_stop:
+                break
+        if out is None:
+            return  # a replacement passing an epoch the state it received has finished
+        self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+        self._log_save_evaluate(model, trial, ignore_keys_for_eval, start_time, out)
+        if self.control.should_training_stop:
+            self._finish(run)
+
+    def _start(self, train_dataloader: DataLoader[Any]) -> _Run:
+        plan = StepPlan(len(train_dataloader), self.args.gradient_accumulation_steps)
+        loader = self.job.loader(train_dataloader)
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        carrier = TrainerStateCarrier(
+            state=lambda: self.state,
+            control=lambda: self.control,
+            callbacks=lambda: list(self.callback_handler.callbacks),
+        )
+        objects: dict[str, Any] = {
+            "model": self.model,
+            "optimizer": optimizer,
+            "trainer_state": carrier,
+            "loss_ledger": self._ledger,
+        }
+        if self.lr_scheduler is not None:
+            objects["scheduler"] = self.lr_scheduler
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:  # fp16 mixed precision: the loss scale and its growth tracker
+            objects["grad_scaler"] = scaler
+        self.job.track(**objects)
+        # a resumed checkpoint's steps (resume_from_checkpoint); a replacement ignores it
+        steps = self.job.steps(
+            self.state.max_steps, start=self.state.global_step, steps_per_epoch=plan.steps_per_epoch
+        )
+        run = self._run = _Run(steps, plan, loader)
+        first = self._peek(run)  # the job's first state sync; a replacement receives its replica here
+        if self.job.is_replacement and first is not None:
+            log.info("joined at step %d; Trainer's data seeks there", first.index)
+        return run
+
+    def _peek(self, run: _Run) -> Step | None:
+        if run.pending is None and not run.done:
+            try:
+                run.pending = next(run.steps)
+            except StopIteration:
+                run.done = True
+        return run.pending
+
+    def _train_step(self, run: _Run, step: Step, model: nn.Module) -> _StepOut:
+        """Run ``step`` until its update is in this rank's state, then do Trainer's bookkeeping."""
+        while True:
+            index = step.index
+            if run.begun != index:
+                self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+                run.begun = index
+            out = _StepOut()
+            with step:
+                self._optimizer_step(run, index, model, out)
+            if not step.committed:
+                # recovered: the job settled on this step again (replay it on the batches held)
+                # or on the next one (this rank's update was applied, or it received the state)
+                following = self._peek(run)
+                if following is not None and following.index == index:
+                    run.pending = None
+                    step = following
+                    continue
+                if following is not None and following.index < index:
+                    return out  # _run_epoch refuses a step behind Trainer's epoch
+            self._after_step(run, index, model, out)
+            return out
+
+    def _optimizer_step(self, run: _Run, index: int, model: nn.Module, out: _StepOut) -> None:
+        if run.held is None or run.held[0] != index:
+            run.held = (index, [run.loader.batch(i) for i in run.plan.micro_batches(index)])
+        batches = run.held[1]
+        if self._record_batches:
+            self.job.record(batch=_digest(batches))  # before anything in the step can fail
+        self.current_gradient_accumulation_steps = len(batches)
+        model.zero_grad(set_to_none=True)  # an interrupted attempt may have left gradients
+        items = num_items_in_batch(self, batches, self.args.device)
+        loss = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        flos = 0.0
+        for i, inputs in enumerate(batches):
+            last = i == len(batches) - 1
+            set_sync_gradients(self.accelerator, last)
+            sync: Any = contextlib.nullcontext() if last else model.no_sync()  # type: ignore[operator]
+            with sync:
+                loss = loss + self.training_step(model, inputs, items).double()
+            flos += float(self.floating_point_ops(inputs))
+        # reduced here, in the step: the log line must not depend on a collective between steps
+        sums = torch.stack([loss.detach(), torch.tensor(flos, dtype=torch.float64, device=loss.device)])
+        self.job.all_reduce(sums)
+        out.loss, out.flos = float(sums[0]) / self.job.world_size, float(sums[1])
+        if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
+            norm = self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+            out.grad_norm = float(norm) if norm is not None else None
+        assert self.optimizer is not None  # Trainer made it before the loop
+        self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+        self.optimizer.step()
+        self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+        if self.lr_scheduler is not None:
+            out.learning_rate = float(self.lr_scheduler.get_last_lr()[0])
+            plateau = isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+            if not self.accelerator.optimizer_step_was_skipped and not plateau:
+                self.lr_scheduler.step()
+
+    def _after_step(self, run: _Run, index: int, model: nn.Module, out: _StepOut) -> None:
+        committed = self.job.step  # updates in this rank's state
+        if self.state.global_step >= committed:
+            return  # the state was received from a rank that had done this step's bookkeeping
+        self.state.global_step = committed
+        self.state.epoch = run.plan.epoch_progress(index)
+        if out.loss is not None:
+            self._ledger.add(out.loss, out.flos)
+        self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+        self._log_save_evaluate(model, *self._eval_context, out)
+
+    def _log_save_evaluate(
+        self,
+        model: nn.Module,
+        trial: Any,
+        ignore_keys_for_eval: list[str] | None,
+        start_time: float | None,
+        out: _StepOut,
+    ) -> None:
+        if self.control.should_log and self.state.global_step > self._ledger.last_logged:
+            loss, flos = self._ledger.drain(self.state.global_step)
+            self.state.total_flos += flos
+            logs: dict[str, float] = {"loss": loss}
+            if out.grad_norm is not None:
+                logs["grad_norm"] = out.grad_norm
+            if out.learning_rate is not None:
+                logs["learning_rate"] = out.learning_rate
+            self.log(logs, start_time)
+        evaluate_and_save(self, model, trial, ignore_keys_for_eval)
+
+    def _finish(self, run: _Run) -> None:
+        """The end of training: every rank waits until all hold the final state (recovering a rank
+        that fails meanwhile), then Trainer's final metrics read the ledger."""
+        if not run.done:
+            self.job.stop()
+            while self._peek(run) is not None:
+                run.pending = None
+        self.state.total_flos += self._ledger.flos
+        self._ledger.flos = 0.0
+        hand_over_loss(self, self._ledger.total_loss + self._ledger.loss, self.args.device)
+
+
+def _digest(batches: list[Any]) -> str:
+    """A short digest of a step's micro-batches (their tensors, in order)."""
+    h = hashlib.sha256()
+    for batch in batches:
+        items = sorted(batch.items()) if isinstance(batch, dict) else enumerate(batch)
+        for _, value in items:
+            if isinstance(value, torch.Tensor):
+                h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
