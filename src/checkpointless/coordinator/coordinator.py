@@ -38,8 +38,8 @@ from checkpointless.coordinator.state import Command, HostState, Member, Round
 from checkpointless.coordinator.tables import TableDelivery
 from checkpointless.coordinator.watch import StragglerMoves
 from checkpointless.errors import NotRecoverableError
-from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Message, Shutdown
+from checkpointless.settings import JobSettings as LaunchConfig
 
 if TYPE_CHECKING:
     from checkpointless.protocol.beats import WorkerBeat

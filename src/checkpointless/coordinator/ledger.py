@@ -14,7 +14,7 @@ from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.budget import FaultRecord, budget_verdict, start_failure_verdict
 from checkpointless.coordinator.state import Round
 from checkpointless.errors import NotRecoverableError
-from checkpointless.launcher.model import LaunchConfig
+from checkpointless.settings import JobSettings as LaunchConfig
 
 __all__ = ["FaultLedger"]
 

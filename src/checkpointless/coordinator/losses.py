@@ -15,7 +15,7 @@ from checkpointless.coordinator.rules.hangs import WorkerHealth, find_hung
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import RETIRED, Member
 from checkpointless.coordinator.tables import TableDelivery
-from checkpointless.launcher.model import LaunchConfig
+from checkpointless.settings import JobSettings as LaunchConfig
 
 __all__ = ["Losses"]
 

@@ -20,9 +20,9 @@ from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import TableDelivery
 from checkpointless.errors import NotRecoverableError
-from checkpointless.launcher.model import LaunchConfig
 from checkpointless.peer_table import compact_plan
 from checkpointless.protocol import Abort, Assign, Committed, Prepare, Recover, Recovered, Stopped
+from checkpointless.settings import JobSettings as LaunchConfig
 
 __all__ = ["Rounds"]
 

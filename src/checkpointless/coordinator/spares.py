@@ -19,8 +19,8 @@ from checkpointless.coordinator.rules.placement import (
 )
 from checkpointless.coordinator.rules.prefetch import slot_ranks
 from checkpointless.coordinator.state import RETIRED, Member
-from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Prefetch
+from checkpointless.settings import JobSettings as LaunchConfig
 
 __all__ = ["SparePool"]
 

@@ -10,7 +10,7 @@ from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.placement import pick_spares
 from checkpointless.coordinator.rules.stragglers import RankTiming, StragglerWatch
-from checkpointless.launcher.model import LaunchConfig
+from checkpointless.settings import JobSettings as LaunchConfig
 
 __all__ = ["StragglerMoves"]
 

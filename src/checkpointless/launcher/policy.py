@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointless.launcher.proctable import ProcSample
+from checkpointless.settings import JobSettings
 
 __all__ = [
     "LOOP_BUSY_S",
@@ -27,11 +28,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Limits:
-    """The settings these rules read (from ``LaunchConfig``)."""
+    """The settings these rules read (from the job's :class:`~checkpointless.settings.JobSettings`)."""
 
     hang_timeout: float  # heartbeat silence, and CPU silence before a process has connected
     start_timeout: float  # how long a process may take to connect at all
     stop_grace: float = 0.5  # a job-control stop must last this long before it counts
+
+    @classmethod
+    def of(cls, job: JobSettings) -> Limits:
+        return cls(hang_timeout=job.hang_timeout, start_timeout=job.start_timeout)
 
 
 class ProcWatch:

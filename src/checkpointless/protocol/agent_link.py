@@ -13,11 +13,12 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-# Any and ClassVar stay runtime names: the codec resolves these annotations (typing.get_type_hints)
-# in this module's namespace.
-from typing import Any, ClassVar
+# ClassVar and JobSettings stay runtime names: the codec resolves these annotations
+# (typing.get_type_hints) in this module's namespace.
+from typing import ClassVar
 
 from checkpointless.protocol.base import Message
+from checkpointless.settings.job import JobSettings
 
 # wire.seal_value's label for AgentWelcome.shm_key: the one secret a welcome carries
 SHM_KEY_LABEL = "control/welcome/shm_key"
@@ -113,28 +114,21 @@ class AgentHeartbeat(Message):
 # -- coordinator -> agent -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AgentWelcome(Message):
-    """The coordinator accepted an agent: its id, its lease and how to start the job's processes."""
+    """The coordinator accepted an agent: its id, where the job lives, and the job's settings.
+
+    ``job`` is the job's :class:`~checkpointless.settings.JobSettings` as the coordinator holds
+    them (the fields that travel; its ``script`` made absolute): the agent starts its processes
+    from them, and a successor coordinator runs the job on with them after a takeover."""
 
     TYPE: ClassVar[str] = "agent_welcome"
     agent_id: int
-    lease: float
     job_id: str
     control: str  # host:port the workers connect to
     run_dir: str
     # the job's /dev/shm key, confidential: sealed (wire.seal_value, SHM_KEY_LABEL), never in clear
     shm_key: str
-    script: str
-    script_args: list[str] = field(default_factory=list)
-    nproc: int = 1  # processes this host runs at most at once (sets the thread count)
-    rendezvous: str = "rootless"
-    port_base: int = 29600
-    port_range: int = 1000
-    hang_timeout: float = 10.0
-    start_timeout: float = 180.0
-    quiet_workers: bool = False
-    fork_server: bool = True
+    job: JobSettings
     term: int = 0  # the coordinator's term (failover): an agent never goes back to a lower one
-    config: dict[str, Any] = field(default_factory=dict)  # the job's settings, for a takeover
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ __all__ = ["VERSION", "Message", "ProtocolError"]
 # AgentHeartbeat carries the host's workers' beats
 # 3: the control channel's client speaks first (launcher/control.py's opening); AgentWelcome's
 # shm_key is a sealed token (wire.seal_value); AgentRefused
-VERSION = 3
+# 4: AgentWelcome carries the job's settings as one typed object (settings.JobSettings) instead of
+# ten copied fields and a dict
+VERSION = 4
 
 
 class ProtocolError(CheckpointlessError):

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import types
 import typing
+from pathlib import Path, PurePath
 from typing import Any, Union
 
 from checkpointless.protocol.agent_link import (
@@ -53,6 +54,7 @@ from checkpointless.protocol.worker_link import (
     SpareReady,
     Stopped,
 )
+from checkpointless.settings.spec import WIRE
 
 __all__ = ["SUCCESSION_ENV", "decode", "encode", "succession_from_env", "succession_to_env"]
 
@@ -98,9 +100,42 @@ _TYPES: dict[str, type[Message]] = {
 def encode(msg: Message) -> dict[str, Any]:
     """The JSON object a message travels as."""
     out: dict[str, Any] = {"type": msg.TYPE, "v": VERSION}
+    nested = _nested(type(msg))
     for f in dataclasses.fields(msg):
-        out[f.name] = getattr(msg, f.name)
+        value = getattr(msg, f.name)
+        out[f.name] = _object(value) if f.name in nested else value
     return out
+
+
+def _object(value: Any) -> Any:
+    """A dataclass inside a message (the job's settings in a welcome) as a JSON object: the fields
+    that travel (metadata ``WIRE``, default yes), paths as text."""
+    if value is None:
+        return None
+    return {
+        f.name: str(v) if isinstance(v := getattr(value, f.name), PurePath) else v
+        for f in dataclasses.fields(value)
+        if f.metadata.get(WIRE, True)
+    }
+
+
+_NESTED: dict[type[Message], frozenset[str]] = {}
+
+
+def _nested(cls: type[Message]) -> frozenset[str]:
+    """The fields of ``cls`` that hold a dataclass (looked up once per class: encode is hot)."""
+    found = _NESTED.get(cls)
+    if found is None:
+        found = _NESTED[cls] = frozenset(
+            name
+            for name, hint in _hints(cls).items()
+            if any(_is_record(arm) for arm in (typing.get_args(hint) or (hint,)))
+        )
+    return found
+
+
+def _is_record(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
 
 def _check(name: str, value: Any, hint: Any) -> Any:
@@ -128,6 +163,12 @@ def _check(name: str, value: Any, hint: Any) -> Any:
     elif hint is str:
         if isinstance(value, str):
             return value
+    elif hint is Path:
+        if isinstance(value, str):
+            return Path(value)
+    elif _is_record(hint):
+        if isinstance(value, dict):
+            return _build(hint, value, name)
     elif origin is list:
         (item,) = typing.get_args(hint)
         if isinstance(value, list):
@@ -155,7 +196,7 @@ def _fast_list(value: list[Any], item: Any) -> list[Any] | None:
     return value if ok else None
 
 
-_HINTS: dict[type[Message], dict[str, Any]] = {}
+_HINTS: dict[type, dict[str, Any]] = {}
 
 
 def decode(obj: Any) -> Message:
@@ -169,15 +210,29 @@ def decode(obj: Any) -> Message:
     version = obj.get("v", VERSION)
     if version != VERSION:
         raise ProtocolError(f"{cls.TYPE}: protocol version {version!r}, this side speaks {VERSION}")
+    msg: Message = _build(cls, obj, cls.TYPE)
+    return msg
+
+
+def _hints(cls: type) -> dict[str, Any]:
     hints = _HINTS.get(cls)
     if hints is None:
         hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+def _build(cls: type[Any], obj: dict[str, Any], label: str) -> Any:
+    """An instance of dataclass ``cls`` from the fields in ``obj``, each checked; fields that do
+    not travel (metadata ``WIRE``) keep their defaults, and unknown keys are ignored."""
+    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        if not f.metadata.get(WIRE, True):
+            continue
         if f.name in obj:
-            kwargs[f.name] = _check(f"{cls.TYPE}.{f.name}", obj[f.name], hints[f.name])
+            kwargs[f.name] = _check(f"{label}.{f.name}", obj[f.name], hints[f.name])
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
+            raise ProtocolError(f"{label}: missing field {f.name!r}")
     return cls(**kwargs)
 
 
