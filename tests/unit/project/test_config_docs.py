@@ -1,7 +1,8 @@
-"""docs/configuration.md and the CLI agree (issue 35): every flag of `checkpointless run` is in the
-table once and every row is a flag that exists, with the default the parser really has; the
-agent's flags are all named in the docs. A flag added, renamed or re-defaulted without the docs
-fails here."""
+"""docs/configuration.md, the CLI and the settings classes agree (issue 35): every flag of
+`checkpointless run` is in the table once and every row is a flag that exists, with the default the
+parser really has; the table's flag and default columns are exactly what
+`python -m checkpointless.settings.docs` generates from JobSettings, and the agent's entry is
+AgentSettings' synopsis. A flag added, renamed or re-defaulted without the docs fails here."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import pytest
 
 from checkpointless.cli import build_parser
+from checkpointless.settings.docs import agent_synopsis, render, table_rows
 from tests.helpers.paths import ROOT
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,3 +95,15 @@ def test_every_agent_flag_is_named_in_the_docs() -> None:
     text = DOC.read_text(encoding="utf-8")
     entry = text.split("- `checkpointless agent", 1)[1].split("\n- ", 1)[0]
     assert [f for f in _options(_subparser("agent")) if f not in entry] == []
+
+
+def test_the_table_is_generated_from_the_settings() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    assert render(text) == text, "run `python -m checkpointless.settings.docs` and review the diff"
+    rows = _documented_rows("`checkpointless run`")
+    assert [(name, cells) for name, _, cells in table_rows()] == list(rows.items())
+
+
+def test_the_agent_entry_is_the_settings_synopsis() -> None:
+    entry = DOC.read_text(encoding="utf-8").split("- `checkpointless agent", 1)[1].split("\n- ", 1)[0]
+    assert agent_synopsis() in "`checkpointless agent" + entry.replace("\n  ", " ")
