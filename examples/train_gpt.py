@@ -202,8 +202,8 @@ def main() -> None:
             seq_len=args.seq_len,
             global_batch=args.global_batch,
             seed=args.seed,
-            dp_rank=job.dp_rank,  # the flat rank over (replicate, shard) on a mesh
-            dp_size=job.dp_size,
+            dp_rank=job.rank,  # the flat rank over (replicate, shard) on a mesh
+            dp_size=job.world_size,
             cache=cache,
         )
     # in place: the optimizer keeps its parameters; FSDP2 does its own gradient reduction

@@ -71,7 +71,7 @@ import checkpointless as cl
 
 def report():
     job = cl.init()
-    print(f"rank {job.rank} at exit: initialized={dist.is_initialized()} comm={job.comm.aborted}", flush=True)
+    print(f"rank {job.rank} at exit: initialized={dist.is_initialized()} comm={job.internals.comm.aborted}", flush=True)
 
 atexit.register(report)
 job = cl.init()

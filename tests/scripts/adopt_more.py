@@ -54,7 +54,7 @@ def main() -> None:
     raised = []
 
     def evaluate() -> None:
-        at = job.step
+        at = job.committed_step
         net.eval()
         seen, total = [], torch.zeros(1)
         with torch.no_grad():
@@ -97,7 +97,7 @@ def main() -> None:
                     net[0].weight.view(-1)[0] += 1e-3
 
     if args.save and job.rank == 0:
-        state = {"model": net.state_dict(), "optimizer": opt.state_dict(), "step": job.step}
+        state = {"model": net.state_dict(), "optimizer": opt.state_dict(), "step": job.committed_step}
         torch.save({**state, "rng": torch.get_rng_state()}, args.save)
     write_digest(args.digest_out, job.rank, net.state_dict())
 

@@ -43,7 +43,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     job = cl.init()
     ds = Points(48)
-    sampler = DistributedSampler(ds, num_replicas=job.dp_size, rank=job.dp_rank, shuffle=True, seed=3)
+    sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=3)
     dl = DataLoader(ds, batch_size=4, sampler=sampler, drop_last=True)
     if args.mesh:
         mesh = job.device_mesh(("replicate", "shard"), tuple(int(n) for n in args.mesh.split(",")))

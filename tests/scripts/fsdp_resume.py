@@ -68,7 +68,7 @@ def main() -> None:
 
     for step in job.steps(args.steps, start=start):
         with step:
-            x = torch.linspace(-1, 1, 32).reshape(4, 8) * (step.index + 1) + job.dp_rank
+            x = torch.linspace(-1, 1, 32).reshape(4, 8) * (step.index + 1) + job.rank
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()

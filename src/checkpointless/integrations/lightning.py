@@ -228,7 +228,7 @@ class CheckpointlessStrategy(DDPStrategy):
             # the replica's generators as its next step began: restored when this rank reaches
             # that step, because walking Lightning's loop there may draw from them
             self._catch_up_rng = capture_rng()
-            log.info("joined at step %d; Lightning's loop catches up from 0", self._job.step)
+            log.info("joined at step %d; Lightning's loop catches up from 0", self._job.committed_step)
 
     def _next_step(self) -> Step | None:
         try:
@@ -289,7 +289,7 @@ class CheckpointlessStrategy(DDPStrategy):
                 if callbacks is not None:
                     callbacks.rewind()
             replay = True
-            if self._done or batch_action(lightning_step, self._job.step) is BatchAction.SKIP:
+            if self._done or batch_action(lightning_step, self._job.committed_step) is BatchAction.SKIP:
                 self._skip(closure)
                 if callbacks is not None:
                     callbacks.passed(lightning_step)

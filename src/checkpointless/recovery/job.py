@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.config import WorkerEnv
 from checkpointless.errors import CheckpointlessError, ConfigError
@@ -42,7 +41,6 @@ from checkpointless.recovery.startup import connect, form_mesh, join_torchrun, s
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import export_torchrun_env, started_by_torchrun
-from checkpointless.recovery.tracked import Tracked
 
 __all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
 
@@ -237,31 +235,11 @@ class Job:
         comm = self._member.comm
         return comm.wait(comm.allreduce(tensor, op))  # type: ignore[no-any-return]
 
-    # -- deprecated: kept while code we cannot update yet still uses them -----------------------
+    # -- deprecated ----------------------------------------------------------------------------
     @property
     def step(self) -> int:
-        """Deprecated: ``committed_step``."""
+        """Deprecated synonym of ``committed_step`` (kept for scripts written against it)."""
         return self._member.committed_step
-
-    @property
-    def dp_rank(self) -> int:
-        """Deprecated: ``rank`` (the data-parallel coordinate is the flat rank)."""
-        return self._member.rank
-
-    @property
-    def dp_size(self) -> int:
-        """Deprecated: ``world_size``."""
-        return self._member.world_size
-
-    @property
-    def comm(self) -> Communicator:
-        """Deprecated internal: ``job.internals.comm``."""
-        return self._member.comm
-
-    @property
-    def tracked(self) -> Tracked:
-        """Deprecated internal: ``job.internals.tracked``."""
-        return self._member.tracked
 
 
 _JOB: Job | None = None

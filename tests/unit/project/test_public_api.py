@@ -42,3 +42,42 @@ def test_test_helpers_are_in_testing_not_the_top_level() -> None:
     with pytest.raises(AttributeError, match="parse_faults"):
         _ = checkpointless.parse_faults  # type: ignore[attr-defined]
     assert issubclass(testing.InjectedFault, RuntimeError)
+
+
+# Job's members a training script uses (docs/configuration.md's table). ``internals`` is for our own
+# integrations and tests; ``step`` is a deprecated synonym of ``committed_step``.
+JOB_API = {
+    "rank",
+    "world_size",
+    "committed_step",
+    "generation",
+    "is_replacement",
+    "job_id",
+    "device",
+    "data_parallel",
+    "device_mesh",
+    "track",
+    "loader",
+    "section",
+    "inject",
+    "steps",
+    "epochs",
+    "epoch_steps",
+    "epoch_abandoned",
+    "stop",
+    "generator",
+    "record",
+    "all_reduce",
+    "internals",
+    "step",
+}
+
+
+def test_job_surface_is_the_script_api_each_member_documented() -> None:
+    job_cls = checkpointless.Job
+    public = {n for n in vars(job_cls) if not n.startswith("_")}
+    assert public == JOB_API
+    undocumented = sorted(n for n in public if not (getattr(job_cls, n).__doc__ or "").strip())
+    assert undocumented == []
+    for synonym_or_internal in ("dp_rank", "dp_size", "comm", "env", "placement", "tracked", "groups"):
+        assert not hasattr(job_cls, synonym_or_internal)

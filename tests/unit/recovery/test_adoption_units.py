@@ -324,8 +324,9 @@ def test_data_parallel_with_optimizer_tracks_the_replica_once() -> None:
     net = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     job.data_parallel(net, optimizer=opt)
-    assert list(job.tracked.objects) == ["model", "optimizer"]
+    assert list(job.internals.tracked.objects) == ["model", "optimizer"]
     job.track(model=net, optimizer=opt)  # what scripts written before the shortcut also do
-    assert list(job.tracked.objects) == ["model", "optimizer"] and job.tracked.optimizers == [opt]
+    tracked = job.internals.tracked
+    assert list(tracked.objects) == ["model", "optimizer"] and tracked.optimizers == [opt]
     with pytest.raises(ConfigError, match="'net' is already tracked as 'model'"):
         job.track(net=net)
