@@ -90,7 +90,7 @@ def agent_env(w: AgentWelcome, host: str, secret_file: Path) -> dict[str, str]:
         }
     )
     # this host's cores are shared by its own processes only
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, w.nproc))))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, w.job.per_node))))
     return env
 
 
@@ -166,7 +166,7 @@ class _Session:
                     agent.succession = msg  # for the processes it starts from now on
             # a coordinator is serving: votes and reconnects here are peers that noticed its loss
             # first; they are kept a lease in case this agent stands next
-            refuse_all(failover, early, self.w.lease, serving=self.w.term)
+            refuse_all(failover, early, self.w.job.lease, serving=self.w.term)
             for seen in agent.poll(now):
                 if isinstance(seen, ProcExit):
                     rank = agent.finished.get(seen.worker_id, (-1, 0))[0]
@@ -178,9 +178,9 @@ class _Session:
             if self.broken.is_set():
                 self.why = "a heartbeat could not be sent"
                 return "lost"
-            if now - self.last_in > self.w.lease:
-                log.warning("no word from the coordinator for %.1f s (the lease)", self.w.lease)
-                self.why = f"silent for {self.w.lease:.1f} s (lease)"
+            if now - self.last_in > self.w.job.lease:
+                log.warning("no word from the coordinator for %.1f s (the lease)", self.w.job.lease)
+                self.why = f"silent for {self.w.job.lease:.1f} s (lease)"
                 return "lost"
 
 
@@ -246,7 +246,10 @@ def run_agent(
             run_dir = Path(welcome.run_dir)
             record = run_dir / COORDINATOR_FILE
             log.info(
-                "joined job %s as agent %d (lease %.1f s)", welcome.job_id, welcome.agent_id, welcome.lease
+                "joined job %s as agent %d (lease %.1f s)",
+                welcome.job_id,
+                welcome.agent_id,
+                welcome.job.lease,
             )
             outcome, code = _serve(client, inbox, welcome, host, secret, secret_file, stop, failover, targets)
             if outcome == "shutdown":
@@ -288,17 +291,17 @@ def _serve(
     os.environ[ENV.SHM_KEY] = w.shm_key  # job_shm_dir reads it
     cfg = AgentConfig(
         python=sys.executable,
-        script=w.script,
-        script_args=list(w.script_args),
+        script=w.job.script,
+        script_args=list(w.job.script_args),
         host=host,
         run_dir=Path(w.run_dir),
-        nproc=w.nproc,
-        rendezvous=w.rendezvous,
-        port_base=w.port_base,
-        port_range=w.port_range,
-        limits=Limits(hang_timeout=w.hang_timeout, start_timeout=w.start_timeout),
-        quiet_workers=w.quiet_workers,
-        fork_server=w.fork_server,
+        nproc=w.job.per_node,
+        rendezvous=w.job.rendezvous,
+        port_base=w.job.port_base,
+        port_range=w.job.port_range,
+        limits=Limits.of(w.job),
+        quiet_workers=w.job.quiet_workers,
+        fork_server=w.job.fork_server,
     )
     events = EventLog(
         Path(w.run_dir) / f"agent-{w.agent_id}.jsonl", job=w.job_id, agent=w.agent_id, host=host
@@ -380,16 +383,17 @@ def _take_over(
     """This agent won the election: run the coordinator here until the job ends."""
     import dataclasses
 
-    from checkpointless.launcher.launcher import config_from_json
+    from checkpointless.launcher.identity import JobIdentity
     from checkpointless.launcher.takeover import TakeoverLauncher
 
+    run_dir = Path(w.run_dir)
     cfg = dataclasses.replace(
-        config_from_json(w.config),
+        w.job,
         host=host,
-        run_dir=Path(w.run_dir),
+        run_dir=run_dir,
         python=sys.executable,
         local_agent=False,
     )
     agent.set_control(f"{failover.address[0]}:{failover.address[1]}")
-    shell = TakeoverLauncher(cfg, w.job_id, secret, secret_file, w.shm_key, failover, agent, mandate)
-    return shell.run()
+    job = JobIdentity(w.job_id, secret, secret_file, run_dir, w.shm_key)
+    return TakeoverLauncher(cfg, job, failover, agent, mandate).run()

@@ -1,32 +1,34 @@
-"""The launcher's side of the remote agents and of who succeeds the coordinator.
+"""The coordinator's remote agents, and who succeeds the coordinator.
 
-A mixin of :class:`~checkpointless.launcher.launcher.Launcher` (and so of the takeover shell):
-waiting for the job's hosts, an agent's hello and reports, the welcome it gets, the lease beats,
-the succession sent to agents and workers, stepping down without a majority, and releasing the
-agents at the end. The attributes it reads are the launcher's, declared below for the type
-checker; the control server stays in ``launcher.py``, the decision loop is in ``loop.py``.
+:class:`AgentHosts` owns one coordinator term's registry of remote agents: their connections,
+the ids it gives them, their failover addresses and node names, the lease beats it sends them,
+the welcome each gets, the membership last announced, stepping down without a majority, and
+releasing them at the end. The decision loop (``loop.py``) hands it every agent's message and
+sends through it whatever the coordinator decided for a remote host; the loop also announces the
+succession this registry computes, because the announcement goes to the workers too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
-import signal
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from checkpointless.agent import Agent
 from checkpointless.coordinator import Coordinator
 from checkpointless.coordinator.rules.election import HostSeen, keeps_majority, membership
 from checkpointless.events import EventLog, get_logger
 from checkpointless.launcher.control import Connection, ControlServer
-from checkpointless.launcher.model import LaunchConfig, config_to_json
+from checkpointless.launcher.identity import JobIdentity
+from checkpointless.launcher.model import LaunchConfig
+from checkpointless.launcher.outcome import Outcome
 from checkpointless.protocol import (
     AgentHeartbeat,
     AgentHello,
     AgentRefused,
     AgentWelcome,
+    Message,
     ProcExited,
     ProcStarted,
     ProcVerdict,
@@ -42,14 +44,7 @@ from checkpointless.wire import seal_value
 __all__ = ["AgentHosts", "claimed_host"]
 
 log = get_logger()
-
-
-def _beat_agents(agents: dict[int, Connection], stop: threading.Event) -> None:
-    """The coordinator's side of the lease, on a thread of its own: a decision loop busy for a
-    few seconds (starting a process, a slow disk) must not make every agent fence its host."""
-    while not stop.wait(0.5):
-        for conn in list(agents.values()):
-            conn.send(encode(AgentHeartbeat(time.time())))
+_BEAT_S = 0.5  # the coordinator's side of the lease
 
 
 def claimed_host(live: list[tuple[int, str, str | None, str | None]], hello: AgentHello) -> int | None:
@@ -74,70 +69,130 @@ def claimed_host(live: list[tuple[int, str, str | None, str | None]], hello: Age
 
 
 class AgentHosts:
-    """The agents and the succession of a :class:`Launcher` (which sets every attribute here)."""
+    """The remote agents of one coordinator term, and the succession they and the workers learn.
 
-    cfg: LaunchConfig
-    job_id: str
-    run_dir: Path
-    shm_key: str
-    events: EventLog
-    server: ControlServer
-    coordinator: Coordinator | None
-    agent: Agent | None
-    stopping: str | None
-    exit_code: int
-    term: int
-    _signal: int | None
-    _conns: dict[int, Connection]  # worker id -> its control connection
-    _agents: dict[int, Connection]  # agent (host) id -> a remote agent's connection
-    _agent_of: dict[Connection, int]
-    _next_host: int
-    _failover: dict[int, str]  # agent id -> the address it serves the control channel on
-    _node: dict[int, str]  # agent id -> its node name (AgentHello.node), for claimed_host
-    _stepped_down: bool
-    _announced: list[int]  # the membership last sent to everyone
+    The embedded agent (``launcher.py``'s host 0, or the agent a takeover runs in) is not one of
+    them: the decision loop drives it directly.
+    """
 
-    if TYPE_CHECKING:  # the decision loop's, in loop.py
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        job: JobIdentity,
+        server: ControlServer,
+        coordinator: Coordinator,
+        events: EventLog,
+        outcome: Outcome,
+        *,
+        term: int,
+        next_host: int,
+        nodes: dict[int, str],
+    ) -> None:
+        self.cfg = cfg
+        self.job = job
+        self.server = server
+        self.coordinator = coordinator
+        self.events = events
+        self.outcome = outcome
+        self.term = term  # this coordinator's term (docs/architecture.md, coordinator failover)
+        self._conns: dict[int, Connection] = {}  # agent (host) id -> a remote agent's connection
+        self._host_of: dict[Connection, int] = {}
+        self._next_host = next_host
+        self._failover: dict[int, str] = {}  # agent id -> the address it serves the control channel on
+        # each agent's node name, to refuse a second agent for a live host (claimed_host); the
+        # hosts a successor inherits are unknown, and never claimed
+        self._node = dict(nodes)
+        self._announced: list[int] = []  # the membership last sent to everyone
+        self._beat_stop = threading.Event()
+        self._beats: threading.Thread | None = None
 
-        def _execute(self) -> None: ...
+    # -- the lease ----------------------------------------------------------------------------
+    def start_beats(self) -> None:
+        self._beats = threading.Thread(target=self._beat, daemon=True, name="cl-agent-beat")
+        self._beats.start()
 
-        def _drain_inbox(self) -> None: ...
+    def stop_beats(self) -> None:
+        self._beat_stop.set()
 
-    def _gather_agents(self) -> bool:
-        """Wait for the job's hosts: --nnodes plus --spare-nodes agents (the embedded one counts)."""
-        coord = self.coordinator
-        assert coord is not None
-        deadline = time.monotonic() + self.cfg.agent_wait
-        log.info("waiting for %d agents on %s:%d", self.cfg.agents_needed, *self.server.address[:2])
-        while len([h for h in coord.hosts.values() if not h.lost]) < self.cfg.agents_needed:
-            if self._signal is not None or time.monotonic() > deadline:
-                why = (
-                    f"launcher received {signal.Signals(self._signal).name}"
-                    if self._signal is not None
-                    else f"only {len(coord.hosts)} of {self.cfg.agents_needed} agents joined within "
-                    f"{self.cfg.agent_wait:.0f} s; start `checkpointless agent --coordinator "
-                    f"{self.cfg.host}:{self.server.address[1]}` on each host"
-                )
-                coord.fail(why)
-                self._execute()
-                return False
-            self._drain_inbox()
-            self._execute()
+    def _beat(self) -> None:
+        """The coordinator's side of the lease, on a thread of its own: a decision loop busy for a
+        few seconds (starting a process, a slow disk) must not make every agent fence its host."""
+        while not self._beat_stop.wait(_BEAT_S):
+            for conn in list(self._conns.values()):
+                conn.send(encode(AgentHeartbeat(time.time())))
+
+    # -- the registry --------------------------------------------------------------------------
+    def is_agent(self, conn: Connection) -> bool:
+        return conn in self._host_of
+
+    def host_of(self, conn: Connection) -> int | None:
+        return self._host_of.get(conn)
+
+    def has(self, host: int) -> bool:
+        return host in self._conns
+
+    def ids(self) -> set[int]:
+        return set(self._conns)
+
+    def connections(self) -> list[Connection]:
+        return list(self._conns.values())
+
+    def send(self, host: int, msg: Message) -> bool:
+        """Send ``msg`` to ``host``'s agent; False if ``host`` has no remote agent here."""
+        conn = self._conns.get(host)
+        if conn is None:
+            return False
+        conn.send(encode(msg))
         return True
 
-    def _lost_majority(self, now: float) -> bool:
+    def adopt(self, host: int, conn: Connection) -> None:
+        """Take an agent whose id it already has (a takeover's voter) and welcome it."""
+        self._conns[host] = conn
+        self._host_of[conn] = host
+        conn.send(encode(self.welcome(host)))
+
+    def drop(self, conn: Connection) -> int | None:
+        """An agent's connection closed: forget it; its host id, or None if it was no agent's."""
+        host = self._host_of.pop(conn, None)
+        if host is not None:
+            self._conns.pop(host, None)
+        return host
+
+    def cut_off_fenced(self) -> bool:
+        """Hang up on the agents of hosts the coordinator fenced (each rejoins as a new agent);
+        True if there were any: the membership a majority is counted against has shrunk."""
+        changed = False
+        for host, conn in list(self._conns.items()):
+            if not self.coordinator.host_alive(host):
+                del self._conns[host]
+                conn.hang_up()
+                changed = True
+        return changed
+
+    def set_failover(self, addresses: dict[int, str]) -> None:
+        """The failover address of each host that may succeed this coordinator (a takeover's)."""
+        self._failover = dict(addresses)
+
+    # -- the succession ------------------------------------------------------------------------
+    def _watching(self) -> bool:
+        return bool(self._failover) and self.coordinator.started
+
+    def membership_changed(self, now: float) -> bool:
+        """A lost host aged out of the membership last announced (a new succession is due)."""
+        return self._watching() and self._members(now) != self._announced
+
+    def lost_majority(self, now: float) -> bool:
         """A coordinator cut off from most of its hosts steps down (without ending the job): the
         majority may be electing a successor, and two coordinators must never act at once. Its
         own hosts' agents then lose it and fence themselves unless they join the majority's."""
-        coord = self.coordinator
-        if coord is None or not self._failover or not coord.started:
+        if not self._watching():
             return False
-        if self._members(now) != self._announced:
-            self._announce()  # a lost host aged out of the membership
         if keeps_majority(self._seen(), now, self.cfg.lease):
             return False
         members = membership(self._seen(), now, self.cfg.lease)
-        heard = [h for h in coord.hosts.values() if not h.lost and now - h.last_seen <= self.cfg.lease]
+        heard = [
+            h for h in self.coordinator.hosts.values() if not h.lost and now - h.last_seen <= self.cfg.lease
+        ]
         why = (
             f"heard from only {len(heard)} of {len(members)} hosts within the lease "
             f"({self.cfg.lease:.1f} s): no majority, stepping down so that the majority's successor "
@@ -145,15 +200,12 @@ class AgentHosts:
         )
         log.error("%s", why)
         self.events.emit("coordinator_step_down", term=self.term, why=why)
-        self._stepped_down = True
-        self.stopping = "stepped down"
-        self.exit_code = 75
+        self.outcome.stepped_down = True
+        self.outcome.stop("stepped down", 75)
         return True
 
     def _seen(self) -> list[HostSeen]:
-        coord = self.coordinator
-        assert coord is not None
-        return [HostSeen(h.host, h.lost, h.remote, h.last_seen) for h in coord.hosts.values()]
+        return [HostSeen(h.host, h.lost, h.remote, h.last_seen) for h in self.coordinator.hosts.values()]
 
     def _members(self, now: float) -> list[int]:
         """The membership a majority is counted against (coordinator/rules/election.py); agents are
@@ -161,72 +213,35 @@ class AgentHosts:
         cannot count itself a majority either."""
         return membership(self._seen(), now, self.cfg.lease)
 
-    def _announce(self, only: Connection | None = None) -> None:
-        """Tell agents and workers who may take over (all of them, or just ``only``)."""
-        coord = self.coordinator
-        if coord is None:
-            return
-        live = sorted(h.host for h in coord.hosts.values() if not h.lost)
+    def succession(self, now: float, *, record: bool) -> Succession | None:
+        """Who may take over, as agents and workers are told (None: nobody can); ``record``: it
+        goes to everyone, so its membership is the one announced."""
+        live = sorted(h.host for h in self.coordinator.hosts.values() if not h.lost)
         successors = [h for h in live if self._failover.get(h)]
         if not successors:
-            return
-        members = self._members(time.monotonic())
-        if only is None:
+            return None
+        members = self._members(now)
+        if record:
             self._announced = members
-        succession = Succession(
+        return Succession(
             term=self.term,
             members=members,
             successors=successors,
             addresses=[self._failover[h] for h in successors],
             lease=self.cfg.lease,
         )
-        if self.agent is not None:
-            self.agent.succession = succession  # for the processes this host starts from now on
-        msg = encode(succession)
-        targets = [only] if only is not None else [*self._agents.values(), *self._conns.values()]
-        for conn in targets:
-            conn.send(msg)
 
-    def _from_agent(self, conn: Connection, msg: Any, now: float) -> None:
-        """A remote agent's hello or report (see agent/remote.py)."""
+    # -- an agent's messages -------------------------------------------------------------------
+    def on_message(self, conn: Connection, msg: Message, now: float) -> bool:
+        """A remote agent's hello or report (see agent/remote.py); True when an agent joined (a
+        new succession is due)."""
         coord = self.coordinator
-        assert coord is not None
         if isinstance(msg, AgentHello):
-            if conn in self._agent_of or conn.worker_id is not None or coord.stopping is not None:
-                conn.hang_up()
-                return
-            live = [
-                (h.host, h.address, self._failover.get(h.host), self._node.get(h.host))
-                for h in coord.hosts.values()
-                if not h.lost
-            ]
-            taken = claimed_host(live, msg)
-            if taken is not None:
-                why = (
-                    f"host {msg.host} is served by agent {taken} already (live); this agent "
-                    f"(pid {msg.pid} on {msg.hostname or '?'}) is a second one for the same host: "
-                    "stop it, or give it this host's own address with --host"
-                )
-                log.warning("refused an agent from %s (%s): %s", msg.host, msg.hostname or "?", why)
-                conn.send(encode(AgentRefused(why)))
-                conn.hang_up()
-                return
-            host = self._next_host
-            self._next_host += 1
-            self._agent_of[conn] = host
-            self._agents[host] = conn
-            conn.send(encode(self._welcome(host)))
-            coord.add_host(host, msg.host, True, now, msg.order)
-            if msg.failover:
-                self._failover[host] = msg.failover
-            self._node[host] = msg.node
-            log.info("agent %d joined from %s (%s)", host, msg.host, msg.hostname or "?")
-            self._announce()
-            return
-        host = self._agent_of[conn]
+            return self._hello(conn, msg, now)
+        host = self._host_of[conn]
         if not coord.host_alive(host):
             conn.hang_up()  # a fenced host: its reports are about ranks that moved on
-            return
+            return False
         coord.on_agent_seen(host, now)
         if isinstance(msg, ProcStarted):
             coord.on_started(msg.worker_id, msg.store_address)
@@ -240,41 +255,64 @@ class AgentHosts:
             except ProtocolError as e:
                 log.warning("closing agent %d's connection: %s", host, e)
                 conn.hang_up()
+        return False
 
-    def _welcome(self, host: int) -> AgentWelcome:
+    def _hello(self, conn: Connection, msg: AgentHello, now: float) -> bool:
+        coord = self.coordinator
+        if conn in self._host_of or conn.worker_id is not None or coord.stopping is not None:
+            conn.hang_up()
+            return False
+        live = [
+            (h.host, h.address, self._failover.get(h.host), self._node.get(h.host))
+            for h in coord.hosts.values()
+            if not h.lost
+        ]
+        taken = claimed_host(live, msg)
+        if taken is not None:
+            why = (
+                f"host {msg.host} is served by agent {taken} already (live); this agent "
+                f"(pid {msg.pid} on {msg.hostname or '?'}) is a second one for the same host: "
+                "stop it, or give it this host's own address with --host"
+            )
+            log.warning("refused an agent from %s (%s): %s", msg.host, msg.hostname or "?", why)
+            conn.send(encode(AgentRefused(why)))
+            conn.hang_up()
+            return False
+        host = self._next_host
+        self._next_host += 1
+        self._host_of[conn] = host
+        self._conns[host] = conn
+        conn.send(encode(self.welcome(host)))
+        coord.add_host(host, msg.host, True, now, msg.order)
+        if msg.failover:
+            self._failover[host] = msg.failover
+        self._node[host] = msg.node
+        log.info("agent %d joined from %s (%s)", host, msg.host, msg.hostname or "?")
+        return True
+
+    def welcome(self, host: int) -> AgentWelcome:
         c = self.cfg
         return AgentWelcome(
             agent_id=host,
-            lease=c.lease,
-            job_id=self.job_id,
+            job_id=self.job.job_id,
             control=f"{self.server.address[0]}:{self.server.address[1]}",
-            run_dir=str(self.run_dir.resolve()),
-            shm_key=seal_value(self.server.secret, SHM_KEY_LABEL, self.shm_key.encode()),
-            script=str(Path(c.script).resolve()),
-            script_args=list(c.script_args),
-            nproc=c.per_node,
-            rendezvous=c.rendezvous,
-            port_base=c.port_base,
-            port_range=c.port_range,
-            hang_timeout=c.hang_timeout,
-            start_timeout=c.start_timeout,
-            quiet_workers=c.quiet_workers,
-            fork_server=c.fork_server,
+            run_dir=str(self.job.run_dir.resolve()),
+            shm_key=seal_value(self.server.secret, SHM_KEY_LABEL, self.job.shm_key.encode()),
+            job=dataclasses.replace(c, script=str(Path(c.script).resolve())),
             term=self.term,
-            config=config_to_json(c),
         )
 
     # -- the end -------------------------------------------------------------------------------
-    def _release_agents(self, grace: float) -> None:
+    def release(self, grace: float) -> None:
         """Tell every remote agent the job is over and wait (bounded) until they hang up, so
         that their processes are gone before the job's shared memory is removed."""
-        for conn in self._agents.values():
-            conn.send(encode(Shutdown(code=self.exit_code, reason=self.stopping)))
+        for conn in self._conns.values():
+            conn.send(encode(Shutdown(code=self.outcome.code, reason=self.outcome.stopping)))
         deadline = time.monotonic() + grace
-        while self._agents and time.monotonic() < deadline:
+        while self._conns and time.monotonic() < deadline:
             try:
                 conn, raw = self.server.inbox.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if raw.get("type") == "_closed" and conn in self._agent_of:
-                self._agents.pop(self._agent_of.pop(conn), None)
+            if raw.get("type") == "_closed" and conn in self._host_of:
+                self._conns.pop(self._host_of.pop(conn), None)

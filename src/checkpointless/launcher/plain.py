@@ -12,45 +12,96 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
+from checkpointless.agent import Agent
 from checkpointless.config import ENV
-from checkpointless.events import get_logger, open_private_append
+from checkpointless.events import EventLog, get_logger, open_private_append
+from checkpointless.launcher.identity import JobIdentity
+from checkpointless.launcher.model import LaunchConfig
+from checkpointless.launcher.outcome import Outcome
 from checkpointless.launcher.reaper import cleanup_job
 
-__all__ = ["run_plain"]
+__all__ = ["PlainShell"]
 
 log = get_logger()
 _BOOT = Path(__file__).resolve().parent / "boot"
 
 
-def run_plain(launcher: object, max_restarts: int) -> int:
-    """Run ``launcher.cfg.script`` on ``nproc`` processes, restarting all of them on a fault."""
-    from checkpointless.launcher.launcher import Launcher
+class PlainShell:
+    """Runs ``cfg.script`` on ``cfg.nproc`` processes, restarting all of them on a fault.
 
-    assert isinstance(launcher, Launcher)
-    cfg = launcher.cfg
-    # The launcher keeps every rank's listening socket for the whole job and hands it to each
-    # attempt: no other job can take the port between restarts, and a rank whose key server is
-    # not up yet has its peers' connections queued rather than refused.
-    assert launcher.agent is not None
-    listeners = [launcher.agent.bind_store_port() for _ in range(cfg.nproc)]
-    ports = [sock.getsockname()[1] for sock in listeners]
-    peers = ",".join(f"{cfg.host}:{p}" for p in ports)
-    try:
-        return _attempts(launcher, listeners, ports, peers, max_restarts)
-    finally:
-        for sock in listeners:
-            sock.close()
+    The launcher's shell hands it what it set up (the job's identity, its event log, the
+    embedded agent for the ranks' listening sockets) and the :class:`Outcome` its signal handler
+    writes to.
+    """
 
+    def __init__(
+        self, cfg: LaunchConfig, job: JobIdentity, events: EventLog, agent: Agent, outcome: Outcome
+    ) -> None:
+        self.cfg = cfg
+        self.job = job
+        self.events = events
+        self.agent = agent
+        self.outcome = outcome
 
-def _attempts(launcher: Any, listeners: list[Any], ports: list[int], peers: str, max_restarts: int) -> int:
-    cfg, events = launcher.cfg, launcher.events
-    attempt = 0
-    while True:
+    def run(self, max_restarts: int) -> int:
+        """The job's exit code once it finished, failed past ``max_restarts`` or got a signal."""
+        # The launcher keeps every rank's listening socket for the whole job and hands it to each
+        # attempt: no other job can take the port between restarts, and a rank whose key server
+        # is not up yet has its peers' connections queued rather than refused.
+        listeners = [self.agent.bind_store_port() for _ in range(self.cfg.nproc)]
+        try:
+            return self._attempts(listeners, max_restarts)
+        finally:
+            for sock in listeners:
+                sock.close()
+
+    def _attempts(self, listeners: list[socket.socket], max_restarts: int) -> int:
+        cfg, events = self.cfg, self.events
+        attempt = 0
+        while True:
+            procs = self._start(listeners, attempt)
+            events.emit("plain_start", attempt=attempt, pids=[p.pid for p in procs])
+            failed: tuple[int, int] | None = None
+            while True:
+                signum = self.outcome.signal
+                if signum is not None:
+                    _kill_all(procs)
+                    events.emit("job_end", status="failed", error=f"signal {signum}", restarts=attempt)
+                    return 128 + int(signum)
+                # Every exit code is read before the loop may end: processes that all failed
+                # between two looks must not pass for a job that finished.
+                codes = [p.poll() for p in procs]
+                failed = next(((rank, c) for rank, c in enumerate(codes) if c not in (None, 0)), None)
+                if failed is not None or all(c == 0 for c in codes):
+                    break
+                time.sleep(0.05)
+            if failed is None:
+                events.emit("job_end", status="ok", restarts=attempt)
+                log.info("job finished after %d restart(s)", attempt)
+                return 0
+            rank, code = failed
+            what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            events.emit("fault", rank=rank, kind="exit", detail=what, attempt=attempt)
+            log.warning("FAULT rank %d: %s; restarting all %d processes (plain mode)", rank, what, cfg.nproc)
+            _kill_all(procs)
+            cleanup_job(self.job.run_dir, self.job.job_id, keep_secret=True)
+            attempt += 1
+            if attempt > max_restarts:
+                events.emit("job_end", status="failed", restarts=attempt - 1)
+                log.error("giving up after %d restart(s) (--max-restarts %d)", attempt - 1, max_restarts)
+                return 1
+            events.emit("restart", attempt=attempt)
+
+    def _start(self, listeners: list[socket.socket], attempt: int) -> list[subprocess.Popen[bytes]]:
+        """One attempt's processes, one per rank."""
+        cfg, job = self.cfg, self.job
+        ports = [sock.getsockname()[1] for sock in listeners]
+        peers = ",".join(f"{cfg.host}:{p}" for p in ports)
         procs: list[subprocess.Popen[bytes]] = []
         for rank in range(cfg.nproc):
             env = dict(os.environ)
@@ -68,8 +119,8 @@ def _attempts(launcher: Any, listeners: list[Any], ports: list[int], peers: str,
                     "CHECKPOINTLESS_PLAIN": "1",
                     "CHECKPOINTLESS_PEERS": peers,
                     "CHECKPOINTLESS_ATTEMPT": str(attempt),
-                    ENV.SECRET_FILE: str(launcher.secret_file),
-                    ENV.JOB_ID: launcher.job_id,
+                    ENV.SECRET_FILE: str(job.secret_file),
+                    ENV.JOB_ID: job.job_id,
                     ENV.STORE_PORT: str(ports[rank]),
                     ENV.STORE_FD: str(listeners[rank].fileno()),
                     ENV.HOST: cfg.host,
@@ -86,39 +137,10 @@ def _attempts(launcher: Any, listeners: list[Any], ports: list[int], peers: str,
                 pass_fds=(listeners[rank].fileno(),),
                 start_new_session=True,
             )
-            with open(open_private_append(launcher.run_dir / "pids"), "w") as f:
+            with open(open_private_append(job.run_dir / "pids"), "w") as f:
                 f.write(f"{p.pid}\n")
             procs.append(p)
-        events.emit("plain_start", attempt=attempt, pids=[p.pid for p in procs])
-        failed: tuple[int, int] | None = None
-        while True:
-            if launcher._signal is not None:
-                _kill_all(procs)
-                events.emit("job_end", status="failed", error=f"signal {launcher._signal}", restarts=attempt)
-                return 128 + int(launcher._signal)
-            # Every exit code is read before the loop may end: processes that all failed between
-            # two looks must not pass for a job that finished.
-            codes = [p.poll() for p in procs]
-            failed = next(((rank, c) for rank, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None or all(c == 0 for c in codes):
-                break
-            time.sleep(0.05)
-        if failed is None:
-            events.emit("job_end", status="ok", restarts=attempt)
-            log.info("job finished after %d restart(s)", attempt)
-            return 0
-        rank, code = failed
-        what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        events.emit("fault", rank=rank, kind="exit", detail=what, attempt=attempt)
-        log.warning("FAULT rank %d: %s; restarting all %d processes (plain mode)", rank, what, cfg.nproc)
-        _kill_all(procs)
-        cleanup_job(launcher.run_dir, launcher.job_id, keep_secret=True)
-        attempt += 1
-        if attempt > max_restarts:
-            events.emit("job_end", status="failed", restarts=attempt - 1)
-            log.error("giving up after %d restart(s) (--max-restarts %d)", attempt - 1, max_restarts)
-            return 1
-        events.emit("restart", attempt=attempt)
+        return procs
 
 
 def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:

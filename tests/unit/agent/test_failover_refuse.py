@@ -11,8 +11,9 @@ import time
 import pytest
 
 from checkpointless.agent.failover import Early, refuse_all
-from checkpointless.launcher.control import ControlClient, ControlServer
+from checkpointless.launcher.control import ControlServer
 from checkpointless.protocol import Hello, encode
+from checkpointless.protocol.control_client import ControlClient
 
 pytestmark = pytest.mark.timeout(30)
 SECRET = b"7c" * 32

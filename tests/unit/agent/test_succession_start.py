@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from checkpointless.agent.agent import Agent, AgentConfig
-from checkpointless.agent.beats import BEAT_ENV
 from checkpointless.config import ENV, WorkerEnv
 from checkpointless.coordinator.rules.rebuild import ProcReport, WorkerReport, rebuild
 from checkpointless.launcher.control import ControlServer
@@ -27,6 +26,7 @@ from checkpointless.protocol import (
     succession_from_env,
     succession_to_env,
 )
+from checkpointless.protocol.beats import BEAT_ENV
 from checkpointless.recovery.link import LauncherLink
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,15 +16,10 @@ from typing import Any
 import pytest
 
 from checkpointless.errors import ConfigError
-from checkpointless.launcher.control import (
-    AUTH_DEADLINE_S,
-    MAX_UNAUTHENTICATED,
-    OPENING_SIZE,
-    ControlClient,
-    ControlServer,
-    opening,
-)
+from checkpointless.launcher.control import AUTH_DEADLINE_S, MAX_UNAUTHENTICATED, ControlServer
 from checkpointless.launcher.runfiles import make_run_dir, remove_early, write_secret
+from checkpointless.protocol.control_channel import OPENING_SIZE, opening
+from checkpointless.protocol.control_client import ControlClient
 from checkpointless.rendezvous import KeyServer
 from checkpointless.rendezvous.client import PeerClient
 from checkpointless.rendezvous.keyproto import KEYSERVER_C2S, KEYSERVER_S2C
@@ -564,9 +559,8 @@ def test_the_tcp_store_listens_on_the_job_interface_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--rendezvous tcp on 127.0.0.2 must not be reachable on 127.0.0.1 (another interface)."""
-    monkeypatch.delenv("CHECKPOINTLESS_SHM_KEY", raising=False)  # the launcher sets it: restored after
-    from checkpointless.launcher.launcher import Launcher
     from checkpointless.launcher.model import LaunchConfig
+    from checkpointless.launcher.store import JobStore
 
     cfg = LaunchConfig(
         script=str(SCRIPTS / "slow_steps.py"),
@@ -575,16 +569,13 @@ def test_the_tcp_store_listens_on_the_job_interface_only(
         rendezvous="tcp",
         run_dir=tmp_path / "run",
     )
-    launcher = Launcher(cfg)
+    store = JobStore(cfg)
     try:
-        desc = launcher._make_rendezvous()
+        desc = store.description
         assert desc["host"] == "127.0.0.2"
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.2", desc["port"])) == 0
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", desc["port"])) != 0
     finally:
-        launcher._tcp_store_listener.close()
-        del launcher._tcp_store
-        launcher.events.close()
-        launcher.secret_file.unlink()
+        store.close()

@@ -15,9 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointless.agent.tables import TableFiles, read_table
 from checkpointless.coordinator import Coordinator, HostTable, Send, Spawn
-from checkpointless.launcher.control import MAX_CONTROL_HEADER
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.peer_table import (
     CHUNK_BYTES,
@@ -40,6 +38,8 @@ from checkpointless.protocol import (
     Stopped,
     encode,
 )
+from checkpointless.protocol.control_channel import MAX_CONTROL_HEADER
+from checkpointless.protocol.tables import TableFiles, read_table
 
 hosts = st.sampled_from(["10.0.0.1", "10.0.0.2", "node-7.cluster", "::1", "[fe80::1]", "h:007", ""])
 address = st.one_of(
@@ -352,10 +352,10 @@ def test_a_worker_link_that_missed_a_delta_asks_for_the_whole_table_before_it_se
     inbox only with the table the digest names; a later delta then applies in place."""
     import time
 
-    from checkpointless.agent.beats import BEAT_ENV
     from checkpointless.config import WorkerEnv
     from checkpointless.launcher.control import ControlServer
     from checkpointless.protocol import Heartbeat
+    from checkpointless.protocol.beats import BEAT_ENV
     from checkpointless.recovery.link import LauncherLink
 
     monkeypatch.delenv(BEAT_ENV, raising=False)

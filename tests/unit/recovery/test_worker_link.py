@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from checkpointless.agent.beats import BEAT_ENV
 from checkpointless.config import WorkerEnv
 from checkpointless.launcher.control import Connection, ControlServer
 from checkpointless.protocol import (
@@ -29,6 +28,7 @@ from checkpointless.protocol import (
     Recover,
     encode,
 )
+from checkpointless.protocol.beats import BEAT_ENV
 from checkpointless.recovery.link import LauncherLink
 
 # each would once have reached a dict lookup deep in the worker (a KeyError in the main thread,
@@ -103,7 +103,7 @@ def test_waiting_names_the_kinds_it_waited_for(tmp_path: Path, monkeypatch: pyte
 
 _FORKING_WORKER = """
 import os, sys, time
-from checkpointless.launcher.control import ControlClient
+from checkpointless.protocol.control_client import ControlClient
 client = ControlClient(("127.0.0.1", int(sys.argv[1])), bytes.fromhex(sys.argv[2]), lambda m: None, lambda w: None)
 client.send({"type": "hello", "worker_id": 0})
 child = os.fork()
