@@ -4,9 +4,9 @@ Kept free of transformers, so it is tested as plain code (tests/unit/integration
 
 - :class:`StepPlan`: which micro-batches (positions in the job's ``job.loader``) optimizer step
   ``s`` trains on, with gradient accumulation and an epoch whose length is not a multiple of it.
-- :class:`LossLedger`: the training loss and floating-point operations summed since the last log
-  line, reduced inside the step that produced them, so a log line never depends on a collective
-  between steps and never counts a replayed step twice.
+- :class:`LossLedger`: the training loss summed since the last log line, reduced inside the step
+  that produced it, so a log line never depends on a collective between steps and never counts a
+  replayed step twice.
 - :class:`TrainerStateCarrier`: ``TrainerState`` (global step, epoch, log history, best metric),
   ``TrainerControl`` and every callback with exportable state, as one tracked object.
 """
@@ -67,30 +67,28 @@ class StepPlan:
 
 @dataclass
 class LossLedger:
-    """Loss and FLOPs of the committed steps, summed over the ranks, since the last log line."""
+    """The loss of the committed steps (the ranks' mean) since the last log line."""
 
     loss: float = 0.0  # sum over steps of the ranks' mean loss
-    flos: float = 0.0  # floating-point operations, all ranks together
     total_loss: float = 0.0  # every logged loss so far (Trainer's final train_loss)
     last_logged: int = 0  # the global step of the last log line
 
-    def add(self, loss: float, flos: float) -> None:
+    def add(self, loss: float) -> None:
         self.loss += loss
-        self.flos += flos
 
-    def drain(self, global_step: int) -> tuple[float, float]:
-        """(mean loss per step since the last log line, FLOPs) and start a new interval."""
+    def drain(self, global_step: int) -> float:
+        """The mean loss per step since the last log line; starts a new interval."""
         steps = max(global_step - self.last_logged, 1)
-        loss, flos = self.loss / steps, self.flos
+        loss = self.loss / steps
         self.total_loss += self.loss
-        self.loss, self.flos, self.last_logged = 0.0, 0.0, global_step
-        return loss, flos
+        self.loss, self.last_logged = 0.0, global_step
+        return loss
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loss, self.flos = float(state["loss"]), float(state["flos"])
+        self.loss = float(state["loss"])
         self.total_loss, self.last_logged = float(state["total_loss"]), int(state["last_logged"])
 
 
@@ -99,8 +97,9 @@ class TrainerStateCarrier:
 
     ``state`` and ``control`` are read through callables because Trainer makes a new
     ``TrainerState`` at the start of each ``train()``; the carrier always means the current one.
-    A callback's state is what its ``ExportableState.state()`` names under ``"attributes"``,
-    the same thing Trainer writes to ``trainer_state.json`` for it."""
+    A callback's state is what its ``ExportableState.state()`` returns, the same thing Trainer
+    writes to ``trainer_state.json`` for it: its ``"attributes"``, and its ``"args"`` where they
+    are attributes of the object (``TrainerControl`` keeps its flags there)."""
 
     def __init__(
         self,
@@ -121,7 +120,7 @@ class TrainerStateCarrier:
             for f in dataclasses.fields(self._state())
             if f.name not in _LOCAL_FIELDS
         }
-        attributes = [dict(obj.state().get("attributes", {})) for obj in self._exportable()]
+        attributes = [_exported(obj) for obj in self._exportable()]
         # copies: the replica must not change when the live log history grows
         return copy.deepcopy({"state": fields, "callbacks": attributes})
 
@@ -138,3 +137,9 @@ class TrainerStateCarrier:
         for obj, attributes in zip(objects, state["callbacks"], strict=True):
             for name, value in copy.deepcopy(attributes).items():
                 setattr(obj, name, value)
+
+
+def _exported(obj: Any) -> dict[str, Any]:
+    state = obj.state()
+    args = {k: v for k, v in state.get("args", {}).items() if hasattr(obj, k)}
+    return {**args, **state.get("attributes", {})}

@@ -68,6 +68,7 @@ class _Run:
     done: bool = False  # the generator ended
     held: tuple[int, list[Any]] | None = None  # the step whose micro-batches are held, for a replay
     begun: int = -1  # the last step on_step_begin ran for (a replay does not run it again)
+    booked: int = -1  # the last step whose bookkeeping (on_step_end, log, save) ran on this rank
 
 
 @dataclass
@@ -301,15 +302,32 @@ class CheckpointlessTrainer(Trainer):
                 self.lr_scheduler.step()
 
     def _after_step(self, run: _Run, index: int, model: nn.Module, out: _StepOut) -> None:
+        """Trainer's bookkeeping of step ``index``, once on this rank, after its update is in the
+        state: counters, the loss, ``on_step_end``, then logging, evaluation and checkpoints."""
+        if run.booked >= index:
+            return
+        run.booked = index
         committed = self.job.step  # updates in this rank's state
-        if self.state.global_step >= committed:
-            return  # the state was received from a rank that had done this step's bookkeeping
-        self.state.global_step = committed
-        self.state.epoch = run.plan.epoch_progress(index)
-        if out.loss is not None:
-            self._ledger.add(out.loss, out.flos)
+        received = self.state.global_step >= committed  # from a rank that did this bookkeeping
+        if not received:
+            self.state.global_step = committed
+            self.state.epoch = run.plan.epoch_progress(index)
+            if out.loss is not None:
+                self._ledger.add(out.loss)
+                self.state.total_flos += out.flos
         self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+        if received:
+            self._show_received_log()
         self._log_save_evaluate(model, *self._eval_context, out)
+
+    def _show_received_log(self) -> None:
+        # This rank failed inside its update and received the state of a rank that went on and
+        # logged the step: the line is in log_history already; the callbacks here (rank 0's
+        # printer, a tracker) have not seen it
+        history = self.state.log_history
+        if self.control.should_log and history and history[-1].get("step") == self.state.global_step:
+            logs = {k: v for k, v in history[-1].items() if k != "step"}
+            self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     def _log_save_evaluate(
         self,
@@ -320,15 +338,19 @@ class CheckpointlessTrainer(Trainer):
         out: _StepOut,
     ) -> None:
         if self.control.should_log and self.state.global_step > self._ledger.last_logged:
-            loss, flos = self._ledger.drain(self.state.global_step)
-            self.state.total_flos += flos
-            logs: dict[str, float] = {"loss": loss}
+            logs: dict[str, float] = {"loss": self._ledger.drain(self.state.global_step)}
             if out.grad_norm is not None:
                 logs["grad_norm"] = out.grad_norm
             if out.learning_rate is not None:
                 logs["learning_rate"] = out.learning_rate
             self.log(logs, start_time)
         evaluate_and_save(self, model, trial, ignore_keys_for_eval)
+
+    def store_flos(self) -> None:
+        """Trainer gathers its per-rank FLOP count here (before a checkpoint, at the end), a
+        collective between steps that a fault would break; the count was summed over the ranks
+        inside each step instead (``state.total_flos``), so there is nothing left to gather."""
+        self.current_flos = 0
 
     def _finish(self, run: _Run) -> None:
         """The end of training: every rank waits until all hold the final state (recovering a rank
@@ -337,8 +359,6 @@ class CheckpointlessTrainer(Trainer):
             self.job.stop()
             while self._peek(run) is not None:
                 run.pending = None
-        self.state.total_flos += self._ledger.flos
-        self._ledger.flos = 0.0
         hand_over_loss(self, self._ledger.total_loss + self._ledger.loss, self.args.device)
 
 

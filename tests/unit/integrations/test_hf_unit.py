@@ -1,0 +1,120 @@
+"""The Trainer integration's pure parts, the versions it is tested with, and the adoption's size."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from typing import Any
+
+import pytest
+import tomllib
+
+from checkpointless.errors import ConfigError
+from checkpointless.integrations._hf_state import LossLedger, StepPlan, TrainerStateCarrier
+from tests.helpers.jobs import ROOT
+
+transformers = pytest.importorskip("transformers", reason="the `hf` extra is not installed")
+
+
+@pytest.mark.timeout(30)
+def test_the_installed_pair_is_the_tested_one_and_the_extra_pins_it() -> None:
+    """The integration reaches into Trainer's loop (integrations/_hf_internals.py); a new release
+    must fail here, not in a training job."""
+    from checkpointless.integrations._hf_internals import TESTED_ACCELERATE, TESTED_TRANSFORMERS
+
+    assert importlib.metadata.version("transformers") == TESTED_TRANSFORMERS
+    assert importlib.metadata.version("accelerate") == TESTED_ACCELERATE
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert sorted(extras["hf"]) == [
+        f"accelerate=={TESTED_ACCELERATE}",
+        f"transformers=={TESTED_TRANSFORMERS}",
+    ]
+    assert ",hf]" in (ROOT / "Makefile").read_text() or ",hf," in (ROOT / "Makefile").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_the_trainer_internals_the_integration_uses_are_there() -> None:
+    from accelerate.state import GradientState
+    from transformers import Trainer, TrainingArguments
+
+    from checkpointless.integrations._hf_internals import RUN_EPOCH_PARAMS, run_epoch_params
+
+    assert run_epoch_params(Trainer) == RUN_EPOCH_PARAMS
+    for name in (
+        "_wrap_model",
+        "_get_num_items_in_batch",
+        "_remove_unused_columns",
+        "_get_collator_with_removed_columns",
+        "_evaluate",
+        "_determine_best_metric",
+        "_save_checkpoint",
+        "_finalize_training",
+    ):
+        assert callable(getattr(Trainer, name, None)), f"Trainer.{name} is gone"
+    assert callable(getattr(GradientState, "_set_sync_gradients", None))
+    assert "_setup_devices" in vars(TrainingArguments), "TrainingArguments' device set-up moved"
+
+
+@pytest.mark.timeout(30)
+def test_step_plan_maps_optimizer_steps_to_micro_batches() -> None:
+    plan = StepPlan(batches_per_epoch=5, accumulation=2)  # 3 steps per epoch, the last one short
+    assert plan.steps_per_epoch == 3
+    assert [list(plan.micro_batches(s)) for s in range(4)] == [[0, 1], [2, 3], [4], [5, 6]]
+    assert [plan.epoch(s) for s in (0, 2, 3, 5, 6)] == [0, 0, 1, 1, 2]
+    assert [plan.epoch_progress(s) for s in (0, 1, 2, 3)] == [0.4, 0.8, 1.0, 1.4]
+    with pytest.raises(ConfigError, match="both must be positive"):
+        StepPlan(batches_per_epoch=0, accumulation=2)
+
+
+@pytest.mark.timeout(30)
+def test_loss_ledger_averages_over_the_logging_interval_and_travels() -> None:
+    ledger = LossLedger()
+    for loss in (1.0, 2.0, 3.0):
+        ledger.add(loss)
+    assert ledger.drain(global_step=3) == 2.0 and ledger.last_logged == 3
+    ledger.add(5.0)
+    received = LossLedger()
+    received.load_state_dict(ledger.state_dict())
+    assert received == ledger
+    assert received.drain(global_step=4) == 5.0 and received.total_loss == 11.0
+
+
+@pytest.mark.timeout(60)
+def test_trainer_state_control_and_exportable_callbacks_travel_but_not_the_rank() -> None:
+    from transformers import EarlyStoppingCallback, TrainerControl, TrainerState
+
+    def make() -> tuple[TrainerState, TrainerControl, list[Any]]:
+        early = EarlyStoppingCallback(early_stopping_patience=3)
+        return TrainerState(), TrainerControl(), [early, object()]
+
+    src_state, src_control, src_cbs = make()
+    src_state.global_step, src_state.epoch, src_state.is_world_process_zero = 7, 1.5, True
+    src_state.log_history.append({"loss": 2.5, "step": 7})
+    src_control.should_training_stop = True
+    src_cbs[0].early_stopping_patience_counter = 2
+    carrier = TrainerStateCarrier(lambda: src_state, lambda: src_control, lambda: src_cbs)
+    sent = carrier.state_dict()
+
+    dst_state, dst_control, dst_cbs = make()
+    dst_state.is_world_process_zero = False
+    TrainerStateCarrier(lambda: dst_state, lambda: dst_control, lambda: dst_cbs).load_state_dict(sent)
+    assert (dst_state.global_step, dst_state.epoch) == (7, 1.5)
+    assert dst_state.log_history == [{"loss": 2.5, "step": 7}]
+    assert dst_state.is_world_process_zero is False, "a rank's place in the job must not travel"
+    assert dst_control.should_training_stop is True
+    assert dst_cbs[0].early_stopping_patience_counter == 2
+    src_state.log_history.append({"loss": 1.0, "step": 8})
+    assert len(dst_state.log_history) == 1, "the received history must be a copy"
+
+    with pytest.raises(ConfigError, match="same callbacks"):
+        TrainerStateCarrier(lambda: dst_state, lambda: dst_control, lambda: []).load_state_dict(sent)
+
+
+@pytest.mark.timeout(30)
+def test_the_trainer_adoption_is_at_most_three_lines() -> None:
+    """Computed from the example: the lines marked `# checkpointless` are the whole change from
+    a plain Trainer script (the import and the class)."""
+    text = (ROOT / "examples" / "hf_trainer.py").read_text()
+    marked = [line for line in text.splitlines() if re.search(r"#\s*checkpointless\s*$", line)]
+    assert len(marked) == 2, marked
+    assert "import CheckpointlessTrainer" in marked[0] and "CheckpointlessTrainer(" in marked[1]
