@@ -33,6 +33,7 @@ CIRCLE_FREE = [
     "checkpointless.protocol",
     "checkpointless.recovery",
     "checkpointless.rendezvous",
+    "checkpointless.settings",
     "checkpointless.simulate",
     "checkpointless.state",
 ]
@@ -58,6 +59,8 @@ FORBIDDEN: dict[str, list[str]] = {
     "checkpointless.protocol": [*_ABOVE_LOWER_LAYERS, *_TOOLS, "checkpointless.comm", "checkpointless.state"],
     "checkpointless.wire": [*_ABOVE_LOWER_LAYERS, *_TOOLS],
     "checkpointless.config": [*_ABOVE_LOWER_LAYERS, *_TOOLS],
+    # the settings sit below the protocol, which carries them in the agents' welcome
+    "checkpointless.settings": [*_ABOVE_LOWER_LAYERS, *_TOOLS, "checkpointless.protocol"],
     "checkpointless.events": [*_ABOVE_LOWER_LAYERS, *_TOOLS],
     # the worker's building blocks: no supervisor, no recovery driver, no optional tool
     "checkpointless.comm": [*_ABOVE_LOWER_LAYERS, *_TOOLS],
@@ -75,6 +78,7 @@ PRIVATE_FREE = [
     "checkpointless.coordinator",
     "checkpointless.data",
     "checkpointless.protocol",
+    "checkpointless.settings",
     "checkpointless.simulate",
     "checkpointless.state",
 ]
