@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--output-dir", default="runs/hf_trainer")
     ap.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoints every N steps (0: none)")
+    ap.add_argument("--resume", help="a checkpoint-N folder to resume from (resume_from_checkpoint)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--record-batches", action="store_true", help="batch digests in the commit events")
     ap.add_argument("--data", help="unused (the test harness passes a corpus); data is synthetic")
@@ -115,7 +116,7 @@ def main() -> None:
         trainer = CheckpointlessTrainer(  # checkpointless
             model=model, args=training_args, train_dataset=data, record_batches=args.record_batches
         )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
 
     digest = state_digest(trainer)
     rank = training_args.process_index

@@ -91,6 +91,32 @@ def test_trainer_fault_is_survived_bitwise(tmp_path: Path, reference: JobResult,
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
 
 
+@pytest.mark.soak
+@pytest.mark.timeout(200)
+def test_resume_from_checkpoint_then_a_kill_matches_the_uninterrupted_run(
+    tmp_path: Path, reference: JobResult
+) -> None:
+    """resume_from_checkpoint (every copy lost: the job starts again from Trainer's files) still
+    works, and a replacement in the resumed job receives state instead of reading the files."""
+    start = reference.run_dir.parent / "out" / "checkpoint-4"
+    args = [*ARGS, "--output-dir", str(tmp_path / "out"), "--resume", str(start)]
+    job = start_job(
+        tmp_path / "run", tmp_path / "unused", 2, 1, ["kill:rank=1:step=6"], script_args=args,
+        script=SCRIPT, hang_timeout=6, env=OFFLINE,
+    )  # fmt: skip
+    res = job.finish(150)
+    assert res.rc == 0, res.output[-6000:]
+    assert res.of("spare_assigned") and "Trainer's data seeks there" in res.output
+    ref, got = checkpoint_files(reference), checkpoint_files(res)
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        for step in (8, 10):
+            key = f"checkpoint-{step}/{name}"
+            assert got[key] == ref[key], f"{key} differs from the uninterrupted run's"
+    assert {b: d for b, d in res.batches().items() if b[1] >= 4} == {
+        b: d for b, d in reference.batches().items() if b[1] >= 4
+    }
+
+
 @pytest.mark.timeout(120)
 def test_trainer_runs_plainly_as_a_job_of_one(tmp_path: Path) -> None:
     """Without the launcher, CheckpointlessTrainer is a one-process job that trains as Trainer."""

@@ -26,6 +26,7 @@ __all__ = [
     "TESTED_TRANSFORMERS",
     "evaluate_and_save",
     "hand_over_loss",
+    "load_rng_state",
     "num_items_in_batch",
     "refresh_devices",
     "set_sync_gradients",
@@ -125,3 +126,9 @@ def hand_over_loss(trainer: Any, total_loss: float, device: torch.device) -> Non
     ``train_loss`` is read from them."""
     trainer._tr_loss = torch.tensor(0.0, device=device)
     trainer._total_loss_scalar = total_loss
+
+
+def load_rng_state(trainer: Any, checkpoint: str) -> None:
+    """The random generators as ``checkpoint`` saved them (Trainer restores them in its own
+    ``_run_epoch``, which CheckpointlessTrainer replaces)."""
+    trainer._load_rng_state(checkpoint)

@@ -43,6 +43,7 @@ from checkpointless.events import get_logger
 from checkpointless.integrations._hf_internals import (
     evaluate_and_save,
     hand_over_loss,
+    load_rng_state,
     num_items_in_batch,
     refresh_devices,
     set_sync_gradients,
@@ -176,7 +177,7 @@ class CheckpointlessTrainer(Trainer):
         epochs_trained: int,
         steps_trained_in_current_epoch: int,
     ) -> None:
-        run = self._run if self._run is not None else self._start(train_dataloader)
+        run = self._run if self._run is not None else self._start(train_dataloader, resume_from_checkpoint)
         self._eval_context = (trial, ignore_keys_for_eval, start_time)
         out: _StepOut | None = None
         while True:
@@ -204,7 +205,7 @@ class CheckpointlessTrainer(Trainer):
         if self.control.should_training_stop:
             self._finish(run)
 
-    def _start(self, train_dataloader: DataLoader[Any]) -> _Run:
+    def _start(self, train_dataloader: DataLoader[Any], resume_from_checkpoint: str | None) -> _Run:
         plan = StepPlan(len(train_dataloader), self.args.gradient_accumulation_steps)
         loader = self.job.loader(train_dataloader)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
@@ -225,6 +226,9 @@ class CheckpointlessTrainer(Trainer):
         if scaler is not None:  # fp16 mixed precision: the loss scale and its growth tracker
             objects["grad_scaler"] = scaler
         self.job.track(**objects)
+        self._ledger.last_logged = self.state.global_step  # a resumed run logs from its step on
+        if resume_from_checkpoint is not None and not self.job.is_replacement:
+            load_rng_state(self, resume_from_checkpoint)  # before the job's first state sync
         # a resumed checkpoint's steps (resume_from_checkpoint); a replacement ignores it
         steps = self.job.steps(
             self.state.max_steps, start=self.state.global_step, steps_per_epoch=plan.steps_per_epoch
