@@ -266,7 +266,11 @@ class CheckpointlessTrainer(Trainer):
                     step = following
                     continue
                 if following is not None and following.index < index:
-                    return out  # _run_epoch refuses a step behind Trainer's epoch
+                    # every replica was lost and an older snapshot restored (TrainerState with
+                    # it): the steps from there are done again, bookkeeping included;
+                    # _run_epoch refuses a step behind Trainer's epoch
+                    run.booked = run.begun = following.index - 1
+                    return out
             self._after_step(run, index, model, out)
             return out
 
