@@ -14,17 +14,22 @@ from typing import Any
 from checkpointless.coordinator.ledger import FaultLedger
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
-from checkpointless.coordinator.rules.decisions import MemberReport, SpareAction, plan_recovery, spare_policy
+from checkpointless.coordinator.rules.decisions import (
+    MemberReport,
+    RecoveryPlan,
+    SpareAction,
+    plan_recovery,
+    spare_policy,
+)
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, placement, without_spare
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import TableDelivery
 from checkpointless.errors import NotRecoverableError
-from checkpointless.peer_table import compact_plan
-from checkpointless.protocol import Abort, Assign, Committed, Prepare, Recover, Recovered, Stopped
+from checkpointless.protocol import Abort, Assign, Committed, Prepare, Recover, Recovered, ResumePlan, Stopped
 from checkpointless.settings import JobSettings as LaunchConfig
 
-__all__ = ["Rounds"]
+__all__ = ["Rounds", "resume_plan"]
 
 
 class Rounds:
@@ -224,14 +229,15 @@ class Rounds:
         self.ledger.check_progress(plan.target_step, r.faults, r.initial)
         plan_json = plan.to_json()
         # one Recover for every member, and of a size that does not grow with the job: the plan's
-        # rank lists as ranges, the peer table as a delta (peer_table.py). A member that does not
-        # hold the version the delta applies to gets the full table first, in chunks.
+        # rank lists as ranges (the codec compacts them), the peer table as a delta (peer_table.py).
+        # A member that does not hold the version the delta applies to gets the full table first,
+        # in chunks.
         rootless = self.rendezvous["kind"] == "rootless"
         t = self.tables.for_plan(ranks, nproc) if rootless else self.tables.without_table(ranks)
         msg = Recover(
             generation=r.target,
             rendezvous=dict(self.rendezvous),
-            plan=compact_plan(plan_json),
+            plan=resume_plan(plan),
             table_version=t.version,
             table_base=t.base,
             table_digest=t.digest,
@@ -365,3 +371,17 @@ class Rounds:
             self.outbox.send(m, Prepare(self.state_bytes))
         if self.round is None and m.worker_id in self.spares.moving:
             self.spares.retire_squeezed()
+
+
+def resume_plan(plan: RecoveryPlan) -> ResumePlan:
+    """The rule's plan as every member receives it (``Recover.plan``)."""
+    return ResumePlan(
+        target_step=plan.target_step,
+        source=plan.source,
+        receivers=list(plan.receivers),
+        sources=[list(pair) for pair in plan.sources],
+        from_copy=list(plan.from_copy),
+        own_snapshot=list(plan.own_snapshot),
+        from_snapshot=plan.from_snapshot,
+        from_checkpoint=plan.from_checkpoint,
+    )

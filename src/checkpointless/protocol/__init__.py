@@ -12,6 +12,7 @@ This package is where every name is imported from; its modules split the definit
 
 * :mod:`~checkpointless.protocol.base`: :class:`Message`, :data:`VERSION`, :class:`ProtocolError`;
 * :mod:`~checkpointless.protocol.worker_link`: the messages between a worker and the coordinator;
+* :mod:`~checkpointless.protocol.plan`: :class:`ResumePlan`, the recovery plan a ``Recover`` carries;
 * :mod:`~checkpointless.protocol.agent_link`: the messages between an agent and the coordinator,
   and between agents (the election);
 * :mod:`~checkpointless.protocol.codec`: :func:`encode`, :func:`decode` (the field checks) and the
@@ -40,6 +41,7 @@ from checkpointless.protocol.codec import (
     succession_from_env,
     succession_to_env,
 )
+from checkpointless.protocol.plan import ResumePlan
 from checkpointless.protocol.worker_link import (
     Abort,
     Assign,
@@ -90,6 +92,7 @@ __all__ = [
     "ProtocolError",
     "Recover",
     "Recovered",
+    "ResumePlan",
     "Shutdown",
     "SpareReady",
     "SpawnCmd",

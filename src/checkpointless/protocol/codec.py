@@ -19,6 +19,7 @@ import typing
 from pathlib import Path, PurePath
 from typing import Any, Union
 
+from checkpointless.peer_table import compact_plan, expand_plan
 from checkpointless.protocol.agent_link import (
     AgentHeartbeat,
     AgentHello,
@@ -34,6 +35,7 @@ from checkpointless.protocol.agent_link import (
     Vote,
 )
 from checkpointless.protocol.base import VERSION, Message, ProtocolError
+from checkpointless.protocol.plan import PLAN_FIELDS_ALWAYS_SENT, ResumePlan
 from checkpointless.protocol.worker_link import (
     Abort,
     Assign,
@@ -112,11 +114,49 @@ def _object(value: Any) -> Any:
     that travel (metadata ``WIRE``, default yes), paths as text."""
     if value is None:
         return None
-    return {
+    out = {
         f.name: str(v) if isinstance(v := getattr(value, f.name), PurePath) else v
         for f in dataclasses.fields(value)
         if f.metadata.get(WIRE, True)
     }
+    return _plan_to_wire(out) if isinstance(value, ResumePlan) else out
+
+
+# -- a recovery plan: its rank lists travel compact (peer_table.compact_plan) ------------------------
+_MAX_PLAN_RANKS = 1 << 22  # far above any job; a compact list that expands to more is refused
+
+
+def _plan_to_wire(fields: dict[str, Any]) -> dict[str, Any]:
+    """A plan's fields as they travel: unset optional ones left out, long rank lists compacted."""
+    sent = {k: v for k, v in fields.items() if k in PLAN_FIELDS_ALWAYS_SENT or v}
+    return compact_plan(sent)
+
+
+def _plan_from_wire(value: dict[str, Any], name: str) -> ResumePlan:
+    """The plan in a received object: its compact lists expanded (within bounds), then every field
+    checked as any record's."""
+    ranges = _int_rows(value, "receiver_ranges", 2, name)  # [start, stop]
+    runs = _int_rows(value, "source_runs", 5, name)  # [receiver, count, source, step, repeats]
+    expanding = sum(max(0, r[1] - r[0]) for r in ranges) + sum(max(0, r[1] * r[4]) for r in runs)
+    if expanding > _MAX_PLAN_RANKS:
+        raise ProtocolError(f"field {name!r}: its compact lists expand to {expanding} entries")
+    try:
+        expanded = expand_plan(value)
+    except ValueError as e:  # peer_table.TableError: a range or run that is not one
+        raise ProtocolError(f"field {name!r}: {e}") from None
+    plan: ResumePlan = _build(ResumePlan, expanded, name)
+    if any(len(pair) != 2 for pair in plan.sources):
+        raise ProtocolError(f"field {name!r}: sources must be [receiver, source] pairs")
+    return plan
+
+
+def _int_rows(value: dict[str, Any], key: str, width: int, name: str) -> list[list[int]]:
+    rows = value.get(key, [])
+    if not isinstance(rows, list) or not all(
+        isinstance(r, list) and len(r) == width and all(type(x) is int for x in r) for r in rows
+    ):
+        raise ProtocolError(f"field {name!r}: {key} is not a list of {width}-int lists")
+    return rows
 
 
 _NESTED: dict[type[Message], frozenset[str]] = {}
@@ -168,7 +208,7 @@ def _check(name: str, value: Any, hint: Any) -> Any:
             return Path(value)
     elif _is_record(hint):
         if isinstance(value, dict):
-            return _build(hint, value, name)
+            return _plan_from_wire(value, name) if hint is ResumePlan else _build(hint, value, name)
     elif origin is list:
         (item,) = typing.get_args(hint)
         if isinstance(value, list):

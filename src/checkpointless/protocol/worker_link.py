@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from checkpointless.protocol.base import Message
+from checkpointless.protocol.plan import ResumePlan
 
 __all__ = [
     "Abort",
@@ -206,15 +207,16 @@ class Abort(Message):
 class Recover(Message):
     """The plan of a round: where to resume, who sends state to whom, how to meet.
 
-    The plan's per-rank lists travel compact (``peer_table.compact_plan``). A root-less
-    rendezvous's peer table is not in ``rendezvous``: the worker holds it (``PeerTable``) and this
-    carries the change since version ``table_base`` (ranks that moved, their new addresses), the
-    resulting ``table_version`` and its digest (``peer_table.py``); -1: no table."""
+    ``plan`` is a typed record (``protocol/plan.py``) whose per-rank lists travel compact (the
+    codec compacts and expands them). A root-less rendezvous's peer table is not in
+    ``rendezvous``: the worker holds it (``PeerTable``) and this carries the change since version
+    ``table_base`` (ranks that moved, their new addresses), the resulting ``table_version`` and its
+    digest (``peer_table.py``); -1: no table."""
 
     TYPE: ClassVar[str] = "recover"
     generation: int
     rendezvous: dict[str, Any]
-    plan: dict[str, Any]
+    plan: ResumePlan
     table_version: int = -1
     table_base: int = -1  # the version the delta applies to; -1: none (the full table was sent)
     table_digest: str = ""

@@ -71,7 +71,8 @@ class PlanTables:
             self._send(PeerTableRequest(have=self.table.version))
             return None
         self._held = None
-        return dataclasses.replace(msg, plan=resolved["plan"], rendezvous=resolved["rendezvous"])
+        # (the plan arrived typed and expanded: only the peer table is filled in here)
+        return dataclasses.replace(msg, rendezvous=resolved["rendezvous"])
 
     def _from_host(self, msg: Recover) -> bool:
         """Take the plan's table version from the copy this host's agent keeps (agent/tables.py),

@@ -39,7 +39,6 @@ from checkpointless.state.transfer import StreamRoute, receive_state, send_state
 __all__ = [
     "join_generation",
     "newest_own_snapshot",
-    "plan_sources",
     "recover",
     "recover_from",
     "restore_own_snapshot",
@@ -48,16 +47,6 @@ __all__ = [
 ]
 
 log = get_logger()
-
-
-def plan_sources(plan: dict[str, Any]) -> dict[int, int]:
-    """receiver -> source from a plan's JSON: per-receiver pairs when present (a sharded mesh),
-    else one source for every receiver; empty for snapshot and checkpoint plans."""
-    if plan.get("from_snapshot") or plan.get("from_checkpoint"):
-        return {}
-    if plan.get("sources") or plan.get("own_snapshot"):
-        return {int(r): int(s) for r, s in plan.get("sources", [])}
-    return {int(r): int(plan["source"]) for r in plan["receivers"]}
 
 
 def recover_from(member: Member, index: int, exc: BaseException) -> None:
@@ -150,8 +139,7 @@ def recover(member: Member, cause: str, error: str | None, committed: int, valid
         except Exception as e:  # any failure here is a fault of this round, not of the job
             log.warning("recovery to generation %d failed: %s", gen, short_error(e))
             # our own state is still what it was unless we were loading a peer's
-            # (.get: the plan may be one the link could not read, passed on as it came)
-            receivers = msg.plan.get("receivers", ())
+            receivers = msg.plan.receivers
             if isinstance(e, StateTransferError) or member.rank in receivers:
                 valid = valid and member.rank not in receivers
             report = dataclasses.replace(report, valid=valid, cause="recovery", error=short_error(e))
@@ -172,10 +160,10 @@ def recover(member: Member, cause: str, error: str | None, committed: int, valid
 def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -> dict[str, Any]:
     gen = msg.generation
     plan = msg.plan
-    target, receivers = int(plan["target_step"]), list(plan["receivers"])
-    sources = plan_sources(plan)  # receiver -> its source (on a mesh, a holder of its shard)
+    target, receivers = plan.target_step, plan.receivers
+    sources = plan.source_of()  # receiver -> its source (on a mesh, a holder of its shard)
     # receivers of this rank's own state; the buddy copies it keeps go out on a thread of their own
-    to_send = sorted(r for r, s in sources.items() if s == member.rank and r not in plan.get("from_copy", ()))
+    to_send = sorted(r for r, s in sources.items() if s == member.rank and r not in plan.from_copy)
     member.guard.injector.maybe_fire("recovery", target)
     t0 = time.monotonic()
     store = make_store(
@@ -201,11 +189,11 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
             route,
             member.rendezvous_timeout,
         )
-    if plan.get("from_snapshot"):
+    if plan.from_snapshot:
         info.update(restore_own_snapshot(member, target))
         info["role"] = info["transport"] = "snapshot"
     elif (
-        member.rank in plan.get("own_snapshot", ())
+        member.rank in plan.own_snapshot
         and member.replicas.buddies
         and target in member.replicas.buddies.undo_steps()
     ):
@@ -215,12 +203,12 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
         )
         info["role"] = info["transport"] = "undo"
         log.info("rolled back to this rank's own state as step %d began (its undo copy)", target)
-    elif member.rank in plan.get("own_snapshot", ()) and member.replicas.own_snapshots is not None:
+    elif member.rank in plan.own_snapshot and member.replicas.own_snapshots is not None:
         stats = restore_snapshot(member.tracked.objects, member.replicas.own_snapshots, target)
         info.update(stats)
         info["role"] = info["transport"] = "own_snapshot"
         log.info("restored this rank's own snapshot of step %d", target)
-    elif plan.get("from_checkpoint"):
+    elif plan.from_checkpoint:
         if member.replicas.checkpoint_dir is None:
             raise StateTransferError("the plan restores a checkpoint, but this rank has no --checkpoint-dir")
         info.update(restore_checkpoint(member.tracked.objects, member.replicas.checkpoint_dir, target))
@@ -240,7 +228,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
         info["state_collect_s"] = time.monotonic() - tc
         if member.replicas.arena is not None:
             member.replicas.arena.reset()  # a transfer that failed before may have taken some of it
-        if route is not None and member.rank in plan.get("from_copy", ()):
+        if route is not None and member.rank in plan.from_copy:
             route = dataclasses.replace(route, channel=copy_channel(gen, member.rank))
         state, stats = receive_state(
             member.comm, sources[member.rank], member.rendezvous_timeout, own, route, member.replicas.arena
@@ -260,7 +248,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
         # load into the model and optimizer)
         info["state_restore_s"] = time.monotonic() - tr
         info["role"] = "receiver"
-        if member.rank in plan.get("from_copy", ()):
+        if member.rank in plan.from_copy:
             info["transport"] = "buddy"
     else:
         restore_rng(resume_rng(member, target))

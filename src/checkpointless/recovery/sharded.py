@@ -33,6 +33,7 @@ from checkpointless.comm.communicator import Communicator
 from checkpointless.comm.mesh import ResilientMesh, make_device_mesh, reset_fsdp
 from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.errors import CommAborted, ConfigError, StateTransferError
+from checkpointless.protocol import ResumePlan
 from checkpointless.state.buddy import BuddyCopies, copy_channel
 from checkpointless.state.snapshot import Stateful
 from checkpointless.state.stream import StreamRoute
@@ -345,7 +346,7 @@ class CopySender:
 def send_copies(
     buddies: BuddyCopies,
     comm: Communicator,
-    plan: dict[str, Any],
+    plan: ResumePlan,
     rank: int,
     generation: int,
     target: int,
@@ -353,11 +354,11 @@ def send_copies(
     timeout: float,
 ) -> CopySender | None:
     """Start sending the copies this rank keeps to the receivers the plan names (None: none)."""
-    from_copy = {int(r) for r in plan.get("from_copy", [])}
+    from_copy = set(plan.from_copy)
     jobs = [
-        (int(r), buddies.copy(int(r), target), _replace_channel(route, copy_channel(generation, int(r))))
-        for r, src in plan.get("sources", [])
-        if int(src) == rank and int(r) in from_copy
+        (r, buddies.copy(r, target), _replace_channel(route, copy_channel(generation, r)))
+        for r, src in plan.sources
+        if src == rank and r in from_copy
     ]
     return CopySender(jobs, comm, timeout) if jobs else None
 

@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 
-from checkpointless.coordinator import Command, Coordinator, Emit, HostTable, Kill, Log, Send, Spawn, Stop
+from checkpointless.coordinator import Command, Emit, HostTable, Kill, Log, Send, Spawn, Stop
 from checkpointless.coordinator.coordinator import EXIT_GRACE_S
 from checkpointless.coordinator.downtime import transfer_parts
-from checkpointless.launcher.model import LaunchConfig
 from checkpointless.peer_table import TableChunk, assemble, table_digest
 from checkpointless.protocol import (
     Abort,
@@ -28,19 +27,16 @@ from checkpointless.protocol import (
     SpareReady,
     Stopped,
 )
-from tests.helpers.paths import SCRIPTS
+from tests.helpers.coordinator import new_coordinator
 
 pytestmark = pytest.mark.timeout(10)
-
-SCRIPT = str(SCRIPTS / "slow_steps.py")
 
 
 class Harness:
     """Feeds the coordinator and plays the shell: spawns get an address, time only moves when told."""
 
     def __init__(self, nproc: int = 3, spares: int = 1, **cfg: Any) -> None:
-        self.cfg = LaunchConfig(script=SCRIPT, nproc=nproc, spares=spares, **cfg)
-        self.c = Coordinator(self.cfg, "job", {"kind": "rootless", "timeout": 60})
+        self.c = new_coordinator(nproc, spares, **cfg)
         self.now = 100.0
         self.log: list[Command] = []
         self.c.start(self.now)
@@ -140,7 +136,7 @@ def test_a_killed_rank_is_replaced_by_the_ready_spare_and_receives_state() -> No
         out += h.msg(wid, Stopped(for_generation=1, committed_step=committed, valid=valid))
     out += h.advance(0.01)
     plan = next(iter(h.sent(out, Recover).values())).plan
-    assert plan["target_step"] == 7 and plan["source"] == 0 and plan["receivers"] == [1]
+    assert plan.target_step == 7 and plan.source == 0 and plan.receivers == [1]
     # the peer table travels as a delta to the survivors, whole (in chunks) to the spare's host,
     # whose agent keeps it for the spare (agent/tables.py); nothing whole to a member
     recovers = h.sent(out, Recover)
@@ -210,7 +206,7 @@ def _fault_from_snapshot(h: Harness, gen: int, step: int) -> None:
         h.msg(wid, Stopped(for_generation=gen, committed_step=-1, valid=False, snapshot_step=5, step=step))
     out = h.advance(0.01)
     plans = h.sent(out, Recover)
-    assert plans and all(p.plan["target_step"] == 5 for p in plans.values()), out
+    assert plans and all(p.plan.target_step == 5 for p in plans.values()), out
     for wid in range(3):
         h.msg(wid, Recovered(generation=gen))
 

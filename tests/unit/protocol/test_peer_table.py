@@ -34,6 +34,7 @@ from checkpointless.protocol import (
     PeerTableRequest,
     Recover,
     Recovered,
+    ResumePlan,
     SpareReady,
     Stopped,
     encode,
@@ -94,7 +95,7 @@ def test_a_delta_rebuilds_the_new_table_and_a_missed_one_is_detected(peers: list
         Recover(
             generation=2,
             rendezvous={"kind": "rootless", "timeout": 60},
-            plan={"target_step": 5, "source": 0, "receivers": [r for r, _ in changes]},
+            plan=ResumePlan(5, 0, receivers=[r for r, _ in changes]),
             table_version=2,
             table_base=1,
             table_digest=table_digest(new),
@@ -368,7 +369,7 @@ def test_a_worker_link_that_missed_a_delta_asks_for_the_whole_table_before_it_se
         conn, hello = server.inbox.get(timeout=10)
         assert hello["type"] == "hello"
         peers = host_major(3, 4, 29600)
-        plan = compact_plan({"target_step": 4, "source": 0, "receivers": list(range(1, 12))}, keep=2)
+        plan = ResumePlan(4, 0, receivers=list(range(1, 12)))
 
         def recover(gen: int, table: list[str], version: int, moved: list[int]) -> dict[str, Any]:
             return encode(
@@ -391,7 +392,7 @@ def test_a_worker_link_that_missed_a_delta_asks_for_the_whole_table_before_it_se
         for c in encode_chunks(peers, budget=120):
             conn.send(encode(PeerTable(5, table_digest(peers), len(peers), c.first, c.hosts, c.runs)))
         got = link.wait_for((Recover,), time.monotonic() + 10)
-        assert got.rendezvous["peers"] == peers and got.plan["receivers"] == list(range(1, 12))
+        assert got.rendezvous["peers"] == peers and got.plan.receivers == list(range(1, 12))
         moved = list(peers)
         moved[7] = "10.7.7.7:1"
         conn.send(recover(3, moved, 6, [7]))

@@ -18,6 +18,7 @@ from checkpointless.protocol import (
     Hello,
     ProtocolError,
     Recover,
+    ResumePlan,
     Stopped,
     decode,
     encode,
@@ -34,7 +35,20 @@ SAMPLES = [
     Committed(generation=1, step=8, first_batch_s=0.001, state_bytes=1 << 20),
     Assign(rank=1, world_size=4, generation=3, faults=["kill:rank=1:step=4"], fired=[], snapshot_every=50),
     Abort(generation=4, reason="killed"),
-    Recover(generation=4, rendezvous={"kind": "rootless", "peers": ["127.0.0.1:1"]}, plan={"target_step": 7}),
+    Recover(generation=4, rendezvous={"kind": "rootless", "peers": ["127.0.0.1:1"]}, plan=ResumePlan(7)),
+    Recover(
+        generation=5,
+        rendezvous={"kind": "tcp"},
+        plan=ResumePlan(
+            9,
+            0,
+            receivers=[1, 3],
+            sources=[[1, 3], [3, 1]],
+            from_copy=[3],
+            own_snapshot=[0],
+            from_checkpoint=True,
+        ),
+    ),
 ]
 
 
@@ -80,3 +94,32 @@ def test_decode_of_anything_is_a_message_or_a_protocol_error(kind: str, body: di
         decode(body)
     except ProtocolError:
         pass
+
+
+def test_a_recover_plan_travels_compact_typed_and_checked() -> None:
+    # every rank a receiver, each from its own shard's holder: a few bytes whatever the job's size
+    n = 80_000
+    plan = ResumePlan(0, 0, receivers=list(range(1, n)), sources=[[r, r % 4] for r in range(4, n)])
+    wire = json.loads(json.dumps(encode(Recover(generation=1, rendezvous={}, plan=plan))))
+    assert len(json.dumps(wire["plan"])) < 200 and "receivers" not in wire["plan"]
+    got = decode(wire)
+    assert isinstance(got, Recover) and got.plan == plan
+    assert got.plan.source_of()[n - 1] == (n - 1) % 4
+    # unset optional fields stay off the wire, as before the plan was typed
+    assert encode(Recover(generation=1, rendezvous={}, plan=ResumePlan(3)))["plan"] == {
+        "target_step": 3,
+        "source": -1,
+        "receivers": [],
+    }
+    bad: list[dict[str, object]] = [
+        {"target_step": "3"},
+        {"source": 0},
+        {"target_step": 1, "receiver_ranges": [[0, 1 << 40]]},
+        {"target_step": 1, "receiver_ranges": [[5, 2]]},
+        {"target_step": 1, "receiver_ranges": "0-9"},
+        {"target_step": 1, "source_runs": [[0, 1, 0, 0]]},
+        {"target_step": 1, "sources": [[1]]},
+    ]
+    for p in bad:
+        with pytest.raises(ProtocolError):
+            decode({"type": "recover", "generation": 1, "rendezvous": {}, "plan": p})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from checkpointless.errors import StateTransferError
-from checkpointless.recovery.recover import plan_sources
+from checkpointless.protocol import ResumePlan
 from checkpointless.recovery.replicas import ReplicaKeeper
 from checkpointless.recovery.sharded import ShardIdentity, mesh_shape_error
 
@@ -46,9 +46,9 @@ def test_mesh_shape_errors_name_the_bad_value(
 
 
 def test_plan_sources_per_receiver_and_single_source() -> None:
-    assert plan_sources({"source": 0, "receivers": [1, 3], "sources": [[1, 3], [3, 1]]}) == {1: 3, 3: 1}
-    assert plan_sources({"source": 2, "receivers": [0, 1]}) == {0: 2, 1: 2}
-    assert plan_sources({"source": -1, "receivers": [0, 1], "from_snapshot": True}) == {}
+    assert ResumePlan(0, 0, receivers=[1, 3], sources=[[1, 3], [3, 1]]).source_of() == {1: 3, 3: 1}
+    assert ResumePlan(0, 2, receivers=[0, 1]).source_of() == {0: 2, 1: 2}
+    assert ResumePlan(0, -1, receivers=[0, 1], from_snapshot=True).source_of() == {}
 
 
 def test_divergence_is_judged_among_the_replicas_of_each_shard() -> None:

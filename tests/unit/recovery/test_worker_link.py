@@ -26,6 +26,7 @@ from checkpointless.protocol import (
     Heartbeat,
     Prepare,
     Recover,
+    ResumePlan,
     encode,
 )
 from checkpointless.protocol.beats import BEAT_ENV
@@ -67,11 +68,11 @@ def test_malformed_control_messages_are_dropped_and_the_link_keeps_working(
             conn.send(encode(Abort(generation=3, reason="a fault")))
             conn.send(encode(Prepare(state_bytes=123)))
             conn.send(encode(Assign(rank=1, world_size=2, generation=3)))
-            conn.send(encode(Recover(generation=4, rendezvous={"kind": "tcp"}, plan={"target_step": 7})))
+            conn.send(encode(Recover(generation=4, rendezvous={"kind": "tcp"}, plan=ResumePlan(7))))
             assign = link.wait_for((Assign,), time.monotonic() + 10)  # drops the Prepare
             assert (assign.rank, assign.world_size, assign.generation) == (1, 2, 3)
             plan = link.wait_for((Recover, Abort), time.monotonic() + 10)
-            assert isinstance(plan, Recover) and plan.plan["target_step"] == 7
+            assert isinstance(plan, Recover) and plan.plan.target_step == 7
         assert aborts == [Abort(generation=3, reason="a fault")], "abort acts on the reader thread"
         assert link.inbox.empty(), "nothing malformed was queued for the main thread"
         dropped = [r.getMessage() for r in caplog.records if "dropped a control message" in r.getMessage()]

@@ -1,0 +1,43 @@
+"""The plan of a recovery round, as every member receives it in its ``Recover``.
+
+The coordinator's rule (``coordinator/rules/decisions.py``) decides where training resumes and
+who sends state to whom; :class:`ResumePlan` is that decision on the wire, a record nested in
+:class:`~checkpointless.protocol.worker_link.Recover`. Its per-rank lists travel compact once
+they are long (``peer_table.compact_plan``: ranges and runs, so a plan's size does not grow with
+the job); the codec (:mod:`~checkpointless.protocol.codec`) compacts and expands them, and checks
+every field on arrival, so the worker reads typed fields, never a dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["PLAN_FIELDS_ALWAYS_SENT", "ResumePlan"]
+
+# what every plan on the wire carries; the other fields travel only when set (as they always did)
+PLAN_FIELDS_ALWAYS_SENT = frozenset({"target_step", "source", "receivers"})
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Where every rank resumes, and where each receiver's state comes from."""
+
+    target_step: int  # every rank resumes by running this step
+    source: int = -1  # the rank that sends state; -1 when it comes from a snapshot or checkpoint
+    receivers: list[int] = field(default_factory=list)  # ranks that take another's state
+    # (receiver, source) pairs when receivers take state from different ranks (a sharded mesh:
+    # each from a holder of its own shard); empty: every receiver takes ``source``'s state
+    sources: list[list[int]] = field(default_factory=list)
+    from_copy: list[int] = field(default_factory=list)  # receivers sent the buddy copy kept for them
+    own_snapshot: list[int] = field(default_factory=list)  # receivers that load their own snapshot
+    from_snapshot: bool = False  # every rank loads the shared-memory snapshot of target_step
+    from_checkpoint: bool = False  # every rank loads the durable checkpoint of target_step
+
+    def source_of(self) -> dict[int, int]:
+        """receiver -> the rank it takes state from: per-receiver pairs when present (a sharded
+        mesh), else one source for every receiver; empty for snapshot and checkpoint plans."""
+        if self.from_snapshot or self.from_checkpoint:
+            return {}
+        if self.sources or self.own_snapshot:
+            return {r: s for r, s in self.sources}
+        return {r: self.source for r in self.receivers}
