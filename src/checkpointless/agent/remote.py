@@ -381,8 +381,6 @@ def _take_over(
     agent: Agent,
 ) -> int:
     """This agent won the election: run the coordinator here until the job ends."""
-    import dataclasses
-
     from checkpointless.launcher.identity import JobIdentity
     from checkpointless.launcher.takeover import TakeoverLauncher
 
