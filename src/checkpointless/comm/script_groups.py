@@ -106,15 +106,19 @@ def parse_catalog(text: str) -> set[GroupEntry]:
 def disagreement(
     mine: Sequence[GroupEntry], rank: int, catalogs: Mapping[int, set[GroupEntry]]
 ) -> str | None:
-    """Why the groups cannot form: each group of ``mine`` (this rank's live groups) that one of its
-    members has not made, per ``catalogs`` (member rank -> its live groups); None if all agree."""
+    """Why the groups cannot form, or None if all agree: each group with ``rank`` among its ranks,
+    made here (``mine``: this rank's live groups) or by a peer (``catalogs``: peer rank -> its
+    live groups), that one of its members whose list is known has not made."""
+    lists = {**catalogs, rank: set(mine)}
+    seen = {e for r, entries in lists.items() for e in entries if rank in e.ranks}
     problems = []
-    for e in mine:
-        missing = [r for r in e.ranks if r != rank and r in catalogs and e not in catalogs[r]]
+    for e in sorted(seen, key=lambda x: (_seq(x.name), x.ranks)):
+        missing = [r for r in e.ranks if r in lists and e not in lists[r]]
         if missing:
+            makers = [r for r in e.ranks if r in lists and e in lists[r]]
             problems.append(
-                f"{e.describe()} (made on rank {rank}) was not made by ranks {missing}"
-                + _what_they_made(e, missing, catalogs)
+                f"{e.describe()} was made by ranks {makers} but not by ranks {missing}"
+                + _what_they_made(e, missing, lists)
             )
     if not problems:
         return None
@@ -124,6 +128,10 @@ def disagreement(
         "requires it too), and make its groups before job.steps() so that a replacement rank makes "
         "them again"
     )
+
+
+def _seq(name: str) -> int:
+    return int(name) if name.isdigit() else -1
 
 
 def _what_they_made(e: GroupEntry, missing: list[int], catalogs: Mapping[int, set[GroupEntry]]) -> str:

@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Any
 
+from checkpointless.comm.script_groups import GroupsDisagree
 from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.events import get_logger
 from checkpointless.protocol import Abort, Recover, Recovered, Stopped
@@ -136,6 +137,8 @@ def recover(member: Member, cause: str, error: str | None, committed: int, valid
         member.recovery.cancel.clear()
         try:
             timings = join_generation(member, msg, committed, valid)
+        except GroupsDisagree as e:  # the ranks made different groups: no recovery can help
+            member.recovery.fatal(str(e))
         except Exception as e:  # any failure here is a fault of this round, not of the job
             log.warning("recovery to generation %d failed: %s", gen, short_error(e))
             # our own state is still what it was unless we were loading a peer's

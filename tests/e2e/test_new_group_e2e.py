@@ -1,0 +1,48 @@
+"""Groups that a script makes itself under ``checkpointless run``: ``dist.new_group([0, 1])``, a
+Lightning-style ``dist.new_group(backend="gloo", timeout=10000 days)`` and
+``dist.new_subgroups_by_enumeration``, each used inside the step, survive a SIGKILL and an
+exception that leave peers waiting in those groups' collectives; every rank ends bitwise equal
+(weights and every step's reduced metrics) to the fault-free run. A group that one rank never
+makes ends the job with an error naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.jobs import ROOT, alive, run_job
+
+NOWHERE = Path("/nonexistent")
+SCRIPT = ROOT / "tests" / "scripts" / "new_groups.py"
+MISSING = ROOT / "tests" / "scripts" / "missing_group.py"
+
+
+@pytest.mark.timeout(300)
+def test_script_groups_survive_kill_and_exception_bitwise(tmp_path: Path) -> None:
+    args = ["--steps", "40"]
+    ref = run_job(tmp_path / "ref", NOWHERE, 3, 0, script=SCRIPT, script_args=args)
+    assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
+    # after its forward: rank 1 dies at step 12 while ranks 0 and 2 wait in the subgroup's
+    # all-reduce and the gloo group's broadcast; rank 0 raises at step 25 while the others wait
+    # there; a spare takes rank 1's place and makes the same groups again
+    faults = ["kill:rank=1:step=12:site=forward", "raise:rank=0:step=25:site=forward"]
+    res = run_job(tmp_path / "run", NOWHERE, 3, 1, faults, script=SCRIPT, script_args=args, timeout=240)
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(ref, nproc=3)
+    assert len(res.of("fault_injected")) == 2 and len(res.of("recovery")) >= 2, res.output[-4000:]
+    # the peers were woken inside the script's groups (keyed g<seq>.r<ranks>), not only in the
+    # gradients' all-reduce
+    assert "CommAborted: group g1.r0.1 " in res.output or "group g2.r0.1.2 " in res.output, res.output[-6000:]
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.timeout(120)
+def test_a_group_one_rank_never_makes_is_named(tmp_path: Path) -> None:
+    res = run_job(tmp_path / "run", NOWHERE, 2, 0, script=MISSING, script_args=[], timeout=100)
+    assert res.rc != 0
+    # the group, its ranks and the rank that did not make it, well before the recovery timeout
+    assert "dist.new_group #2 over ranks [0, 1] was made by ranks [0] but not by ranks [1]" in res.output, (
+        res.output[-4000:]
+    )
+    assert "never reported" not in res.output, res.output[-4000:]
