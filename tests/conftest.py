@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.harness.fixtures import netns_hosts, slurm_cluster
-from tests.helpers.jobs import JobResult, run_job
+from tests.helpers.reference import ReferenceRuns
 
 __all__ = ["corpus", "netns_hosts", "reference", "slurm_cluster"]  # fixtures pytest finds here
 
@@ -35,20 +35,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d / "corpus.tokens"
 
 
-_REFERENCE: dict[int, JobResult] = {}
-
-
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path):
-    """The fault-free run per world size, computed once per session."""
-
-    def get(nproc: int) -> JobResult:
-        if nproc not in _REFERENCE:
-            res = run_job(tmp_path_factory.mktemp(f"ref{nproc}") / "run", corpus, nproc=nproc, spares=0)
-            assert res.rc == 0, res.output[-4000:]
-            # the reference itself: every rank wrote a digest, and all agree
-            assert sorted(res.digests) == list(range(nproc)) and res.digest, res.digests
-            _REFERENCE[nproc] = res
-        return _REFERENCE[nproc]
-
-    return get
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> ReferenceRuns:
+    """Fault-free runs, each run once per session: ``reference(nproc, script_args=..., ...)``
+    (tests/helpers/reference.py), on the session's corpus unless a call names other data."""
+    return ReferenceRuns(lambda: tmp_path_factory.mktemp("ref"), corpus)

@@ -15,24 +15,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.jobs import ROOT, JobResult, alive, run_job
+from tests.helpers.reference import ReferenceRuns
 
 SCRIPT = ROOT / "tests" / "scripts" / "adopt.py"
 NPROC = 2
+NOWHERE = Path("/nonexistent")  # the script makes its own data
 # 64 samples over 2 ranks in batches of 4: 8 steps per epoch, 20 steps = 2.5 epochs
 BASE = ["--steps", "20", "--samples", "64", "--batch", "4", "--workers", "2"]
-
-_REFS: dict[tuple[str, ...], JobResult] = {}
-
-
-def reference(tmp_path_factory: pytest.TempPathFactory, args: list[str]) -> JobResult:
-    key = tuple(args)
-    if key not in _REFS:
-        run = tmp_path_factory.mktemp("adopt-ref") / "run"
-        res = run_job(run, Path("/nonexistent"), nproc=NPROC, spares=0, script=SCRIPT, script_args=args)
-        assert res.rc == 0, res.output[-4000:]
-        assert sorted(res.digests) == list(range(NPROC)) and res.digest, res.digests
-        _REFS[key] = res
-    return _REFS[key]
 
 
 def check_bitwise(res: JobResult, ref: JobResult, faults: int) -> None:
@@ -80,9 +69,9 @@ def commits(res: JobResult, field: str) -> dict[tuple[int, int], object]:
 
 @pytest.mark.timeout(300)
 def test_dataloader_with_workers_survives_kills_mid_epoch_and_at_epoch_boundary(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tmp_path: Path, reference: ReferenceRuns
 ) -> None:
-    ref = reference(tmp_path_factory, BASE)
+    ref = reference(NPROC, data=NOWHERE, script=SCRIPT, script_args=BASE)
     # step 5 is inside epoch 0; step 8 is the first batch of epoch 1
     faults = ["kill:rank=1:step=5", "kill:rank=0:step=8"]
     res = run_job(tmp_path / "run", Path("/nonexistent"), NPROC, 2, faults, script=SCRIPT, script_args=BASE)
@@ -102,10 +91,10 @@ def test_dataloader_with_workers_survives_kills_mid_epoch_and_at_epoch_boundary(
     ids=["bfloat16", "float16-unscale-and-clip"],
 )
 def test_grad_scaler_exact_through_a_fault_inside_the_optimizer_step(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, amp: list[str]
+    tmp_path: Path, reference: ReferenceRuns, amp: list[str]
 ) -> None:
     args = [*BASE, "--workers", "0", *amp]
-    ref = reference(tmp_path_factory, args)
+    ref = reference(NPROC, data=NOWHERE, script=SCRIPT, script_args=args)
     faults = ["raise:rank=1:step=4:site=optimizer"]
     res = run_job(tmp_path / "run", Path("/nonexistent"), NPROC, 1, faults, script=SCRIPT, script_args=args)
     check_bitwise(res, ref, faults=1)
@@ -116,14 +105,14 @@ def test_grad_scaler_exact_through_a_fault_inside_the_optimizer_step(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("loader", [[], ["--stateful"]], ids=["DataLoader", "StatefulDataLoader"])
 def test_augmentation_and_dropout_on_the_global_generator_are_exact_through_a_replay(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, loader: list[str]
+    tmp_path: Path, reference: ReferenceRuns, loader: list[str]
 ) -> None:
     # Without workers the batch's augmentation draws from torch's global generator inside the
     # step, before dropout does. The survivors replay step 6 with the batch they hold (nothing is
     # read again), and the replacement reads it at a seek: the step's dropout must draw the same
     # numbers as without the fault everywhere, so the read may not move the step's stream.
     args = [*BASE, "--workers", "0", "--augment", *loader]
-    ref = reference(tmp_path_factory, args)
+    ref = reference(NPROC, data=NOWHERE, script=SCRIPT, script_args=args)
     faults = ["kill:rank=1:step=6"]
     res = run_job(tmp_path / "run", Path("/nonexistent"), NPROC, 1, faults, script=SCRIPT, script_args=args)
     check_bitwise(res, ref, faults=1)
@@ -131,10 +120,10 @@ def test_augmentation_and_dropout_on_the_global_generator_are_exact_through_a_re
 
 @pytest.mark.timeout(300)
 def test_per_rank_generator_streams_are_reproduced_by_a_replacement(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tmp_path: Path, reference: ReferenceRuns
 ) -> None:
     args = [*BASE, "--workers", "0", "--rank-dropout"]
-    ref = reference(tmp_path_factory, args)
+    ref = reference(NPROC, data=NOWHERE, script=SCRIPT, script_args=args)
     masks = commits(ref, "mask")
     assert all(masks[(0, s)] != masks[(1, s)] for s in range(20)), "ranks should draw different masks"
     faults = ["kill:rank=1:step=6"]
@@ -146,10 +135,10 @@ def test_per_rank_generator_streams_are_reproduced_by_a_replacement(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", [["--break-after", "6"], ["--stop-at", "6"]], ids=["break", "job.stop"])
 def test_leaving_the_loop_early_ends_the_job_cleanly(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, how: list[str]
+    tmp_path: Path, reference: ReferenceRuns, how: list[str]
 ) -> None:
     # ends after step 6 committed: the same weights as a run of 7 steps
-    ref = reference(tmp_path_factory, [*BASE, "--workers", "0", "--steps", "7"])
+    ref = reference(NPROC, data=NOWHERE, script=SCRIPT, script_args=[*BASE, "--workers", "0", "--steps", "7"])
     args = [*BASE, "--workers", "0", *how]
     res = run_job(tmp_path / "run", Path("/nonexistent"), NPROC, 1, script=SCRIPT, script_args=args)
     assert res.rc == 0, res.output[-6000:]

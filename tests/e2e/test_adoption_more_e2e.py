@@ -11,21 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.jobs import ROOT, JobResult, alive, run_job
+from tests.helpers.reference import ReferenceRuns
 
 SCRIPT = ROOT / "tests" / "scripts" / "adopt_more.py"
 NPROC = 3
 BASE = ["--steps", "12", "--eval-every", "5"]
 NOWHERE = Path("/nonexistent")
-_REF: list[JobResult] = []
-
-
-def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
-    if not _REF:
-        run = tmp_path_factory.mktemp("more-ref") / "run"
-        res = run_job(run, NOWHERE, nproc=NPROC, spares=0, script=SCRIPT, script_args=BASE)
-        assert res.rc == 0, res.output[-4000:]
-        _REF.append(res)
-    return _REF[0]
 
 
 def sections(res: JobResult) -> dict[tuple[int, int], list[list[str]]]:
@@ -47,10 +38,8 @@ def check(res: JobResult, ref: JobResult, first: int = 0) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_one_ranks_silent_drift_is_caught_named_and_healed(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    ref = reference(tmp_path_factory)
+def test_one_ranks_silent_drift_is_caught_named_and_healed(tmp_path: Path, reference: ReferenceRuns) -> None:
+    ref = reference(NPROC, data=NOWHERE, script=SCRIPT, script_args=BASE)
     # rank 1 nudges one weight after its update of step 4; the check after step 4 (5 commits) runs
     args = [*BASE, "--perturb-step", "4"]
     res = run_job(
@@ -93,9 +82,9 @@ def test_without_the_check_the_drift_goes_unnoticed(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fault", [["--kill-in-eval", "10"], ["--raise-in-eval", "5"]], ids=["kill", "raise"])
 def test_a_fault_during_evaluation_redoes_it_on_every_rank(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, fault: list[str]
+    tmp_path: Path, reference: ReferenceRuns, fault: list[str]
 ) -> None:
-    ref = reference(tmp_path_factory)
+    ref = reference(NPROC, data=NOWHERE, script=SCRIPT, script_args=BASE)
     res = run_job(tmp_path / "run", NOWHERE, NPROC, 1, script=SCRIPT, script_args=[*BASE, *fault])
     check(res, ref)
     assert res.of("recovery"), res.output[-4000:]
@@ -109,9 +98,9 @@ def test_a_fault_during_evaluation_redoes_it_on_every_rank(
 
 @pytest.mark.timeout(300)
 def test_resume_from_the_scripts_own_checkpoint_and_a_replacement_does_not_load_it(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tmp_path: Path, reference: ReferenceRuns
 ) -> None:
-    ref = reference(tmp_path_factory)
+    ref = reference(NPROC, data=NOWHERE, script=SCRIPT, script_args=BASE)
     ckpt = tmp_path / "ckpt.pt"
     first = run_job(
         tmp_path / "first",

@@ -14,29 +14,24 @@ import pytest
 
 from tests.e2e.test_sharded_e2e import check_shards
 from tests.helpers.jobs import TINY, JobResult, alive, run_job
+from tests.helpers.reference import ReferenceRuns
 
 FSDP = [*TINY, "--fsdp", "1,4"]
-_REF: dict[str, JobResult] = {}
 
 
 @pytest.fixture()
-def fsdp_reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> JobResult:
+def fsdp_reference(reference: ReferenceRuns) -> JobResult:
     """The fault-free FSDP 1x4 run (computed once per session), buddy copies on."""
-    if "fsdp" not in _REF:
-        res = run_job(
-            tmp_path_factory.mktemp("fsdp-ref") / "run", corpus, nproc=4, spares=0, script_args=FSDP
-        )
-        assert res.rc == 0, res.output[-4000:]
-        d = res.digests
-        assert sorted(d) == [0, 1, 2, 3] and len(set(d.values())) == 4, d  # four different shards
-        # the copies really travelled: commit events report what each rank's buddy keeps
-        commits = [e for r in range(4) for e in res.events(f"rank-{r}.jsonl") if e["event"] == "commit"]
-        buddy = [e["buddy"] for e in commits if "buddy" in e]
-        assert buddy and all(b["bytes"] > 0 and b["keeps"] > 0 for b in buddy), buddy[:3]
-        # one host: the copies lie in the owners' shared-memory files, the keepers hold no bytes
-        assert all(b["transport"] == "file" and b["keeps_bytes"] == 0 for b in buddy), buddy[:3]
-        _REF["fsdp"] = res
-    return _REF["fsdp"]
+    res = reference(4, script_args=FSDP, replicated=False)
+    d = res.digests
+    assert len(set(d.values())) == 4, d  # four different shards
+    # the copies really travelled: commit events report what each rank's buddy keeps
+    commits = [e for r in range(4) for e in res.events(f"rank-{r}.jsonl") if e["event"] == "commit"]
+    buddy = [e["buddy"] for e in commits if "buddy" in e]
+    assert buddy and all(b["bytes"] > 0 and b["keeps"] > 0 for b in buddy), buddy[:3]
+    # one host: the copies lie in the owners' shared-memory files, the keepers hold no bytes
+    assert all(b["transport"] == "file" and b["keeps_bytes"] == 0 for b in buddy), buddy[:3]
+    return res
 
 
 def _plans(res: JobResult) -> list[dict[str, object]]:

@@ -27,10 +27,12 @@ from typing import Any
 import pytest
 
 from checkpointless.agent.join import backoff
-from checkpointless.launcher.control import AUTH_DEADLINE_S, OPENING_SIZE, ControlServer, opening
+from checkpointless.launcher.control import AUTH_DEADLINE_S, ControlServer
 from checkpointless.launcher.runfiles import COORDINATOR_FILE, record_coordinator, recorded_coordinator
 from checkpointless.protocol.agent_link import SHM_KEY_LABEL
+from checkpointless.protocol.control_channel import OPENING_SIZE, opening
 from checkpointless.wire import PREFIX_SIZE, FrameAuthError, open_value, seal_value
+from tests.helpers.wait import deadline_in, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -63,15 +65,6 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
-
-
-def _wait_for(pred: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _error_lines(log: Path) -> list[str]:
@@ -139,7 +132,11 @@ def coordinator(tmp_path: Path) -> Iterator[tuple[str, Path, Path, int]]:
     argv = ["coordinator", "--nnodes", "2", "--nproc-per-node", "1", "--host", LOOP, "--control-port", "0"]
     proc = _start([*argv, "--run-dir", str(run_dir), "--agent-wait", "80", str(script)], log)
     try:
-        _wait_for(lambda: recorded_coordinator(run_dir / COORDINATOR_FILE) is not None, 30, "the coordinator")
+        wait_for(
+            lambda: recorded_coordinator(run_dir / COORDINATOR_FILE) is not None,
+            deadline_in(30),
+            "the coordinator",
+        )
         address = recorded_coordinator(run_dir / COORDINATOR_FILE)
         assert address is not None
         yield address, run_dir, log, proc.pid
@@ -221,8 +218,10 @@ def test_a_replayed_greeting_is_refused_and_the_agent_joins_its_coordinator(
     t0 = time.monotonic()
     agent = _agent(agent_dir / "secret", address, log, "--connect-timeout", "30")
     try:
-        _wait_for(
-            lambda: "joined job" in log.read_text() or agent.poll() is not None, 30, "the agent to join"
+        wait_for(
+            lambda: "joined job" in log.read_text() or agent.poll() is not None,
+            deadline_in(30),
+            "the agent to join",
         )
         took = time.monotonic() - t0
         assert "joined job" in log.read_text(), log.read_text()
@@ -230,7 +229,11 @@ def test_a_replayed_greeting_is_refused_and_the_agent_joins_its_coordinator(
         assert "replayed greeting" in log.read_text(), log.read_text()
         assert heard == [], "the agent spoke to an endpoint whose greeting it could not trust"
         assert took < 15, took  # the fake cost one refused try, not a 10 s wait
-        _wait_for(lambda: "agent 0 joined" in coord_log.read_text(), 10, "the coordinator to see the agent")
+        wait_for(
+            lambda: "agent 0 joined" in coord_log.read_text(),
+            deadline_in(10),
+            "the coordinator to see the agent",
+        )
     finally:
         _stop(agent)
         fake.close()
@@ -278,7 +281,7 @@ def test_a_second_agent_for_a_live_host_is_refused_with_its_name(
     first = _agent(run_dir / "secret", address, first_log)
     second: subprocess.Popen[bytes] | None = None
     try:
-        _wait_for(lambda: "joined job" in first_log.read_text(), 30, "the first agent to join")
+        wait_for(lambda: "joined job" in first_log.read_text(), deadline_in(30), "the first agent to join")
         second = _agent(run_dir / "secret", address, second_log)
         assert second.wait(30) == 2, second_log.read_text()
         errors = _error_lines(second_log)
@@ -319,8 +322,10 @@ def test_a_relay_in_the_middle_of_a_join_reads_no_shm_key(
     log = tmp_path / "agent.log"
     agent = _agent(agent_dir / "secret", address, log, "--connect-timeout", "30")
     try:
-        _wait_for(
-            lambda: "joined job" in log.read_text() or agent.poll() is not None, 30, "the agent to join"
+        wait_for(
+            lambda: "joined job" in log.read_text() or agent.poll() is not None,
+            deadline_in(30),
+            "the agent to join",
         )
         assert "joined job" in log.read_text(), log.read_text()
         assert relay.connections == 1

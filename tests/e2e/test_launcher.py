@@ -17,6 +17,7 @@ import pytest
 
 from tests.helpers.jobs import ROOT, alive
 from tests.helpers.paths import SCRIPTS
+from tests.helpers.wait import deadline_in, wait_for
 
 SCRIPTS = SCRIPTS
 
@@ -32,16 +33,14 @@ def job_pids(run_dir: Path) -> list[int]:
 
 
 def wait_for_event(run_dir: Path, name: str, timeout: float) -> dict[str, object]:
-    deadline = time.monotonic() + timeout
+    """The first ``name`` event of the job's log, once it is there."""
     path = run_dir / "events.jsonl"
-    while time.monotonic() < deadline:
-        if path.exists():
-            for line in path.read_text().splitlines():
-                e = json.loads(line)
-                if e["event"] == name:
-                    return e  # type: ignore[no-any-return]
-        time.sleep(0.1)
-    raise AssertionError(f"no {name!r} event within {timeout} s")
+
+    def first() -> dict[str, object] | None:
+        lines = path.read_text().splitlines() if path.exists() else []
+        return next((e for e in map(json.loads, lines) if e["event"] == name), None)
+
+    return wait_for(first, deadline_in(timeout), f"a {name!r} event", interval=0.1)
 
 
 def run_to_failure(run_dir: Path, script: str, timeout: float) -> tuple[str, dict[str, object]]:

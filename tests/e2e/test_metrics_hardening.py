@@ -32,6 +32,7 @@ from checkpointless.observe.metrics import JobMetrics
 from checkpointless.observe.runfiles import load_run, read_jsonl
 from checkpointless.recovery.commit_log import CommitLog
 from tests.helpers.jobs import ROOT, TINY, alive, start_job
+from tests.helpers.wait import deadline_in, wait_for
 
 PACED = ROOT / "tests" / "scripts" / "paced_steps.py"
 FLOOD = ROOT / "tests" / "helpers" / "metrics_flood.py"
@@ -55,18 +56,6 @@ def _commits(run_dir: Path) -> int:
     first = data.split(b"\n", 1)[0]
     before = json.loads(first)["commits"] if b'"event":"commit_log"' in first else 0
     return int(before) + data.count(b'"event":"commit"')
-
-
-def _wait(what: str, cond: Any, timeout: float, proc: subprocess.Popen[Any] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the job ended before {what}")
-        time.sleep(0.2)
-    raise AssertionError(f"no {what} within {timeout} s")
 
 
 def _port(run_dir: Path) -> int | None:
@@ -146,8 +135,10 @@ def test_run_keeps_committing_while_metrics_are_flooded(tmp_path: Path, corpus: 
     )
     pid = job.proc.pid
     try:
-        port = _wait("metrics_listening", lambda: _port(run_dir), 60, job.proc)
-        _wait("steps", lambda: _commits(run_dir) > 20, 90, job.proc)
+        port = wait_for(
+            lambda: _port(run_dir), deadline_in(60), "metrics_listening", interval=0.2, proc=job.proc
+        )
+        wait_for(lambda: _commits(run_dir) > 20, deadline_in(90), "steps", interval=0.2, proc=job.proc)
         threads0, rss0 = _proc_status(pid)
         with _Watch(pid, run_dir) as watch:
             res = _flood_result(_flood("127.0.0.1", port))
@@ -170,7 +161,9 @@ def test_run_keeps_committing_while_metrics_are_flooded(tmp_path: Path, corpus: 
     bad = [e for e in ev if e["event"] in ("fault", "coordinator_step_down", "host_lost", "recovery")]
     assert not bad, bad
     pids = [int(x) for x in (run_dir / "pids").read_text().split()] if (run_dir / "pids").exists() else []
-    _wait("the job's processes to exit", lambda: not any(alive(p) for p in pids), 30)
+    wait_for(
+        lambda: not any(alive(p) for p in pids), deadline_in(30), "the job's processes to exit", interval=0.2
+    )
     print(f"flood on run: {res}; threads {threads0}; commits {watch.samples[0][3]}->{watch.samples[-1][3]}")
 
 
@@ -196,8 +189,12 @@ def test_coordinator_with_agents_keeps_committing_while_metrics_are_flooded(
     )
     pid = job.coordinator.pid
     try:
-        _wait("metrics_listening", lambda: _port(run_dir), 60, job.coordinator)
-        _wait("steps", lambda: _commits(run_dir) > 20, 120, job.coordinator)
+        wait_for(
+            lambda: _port(run_dir), deadline_in(60), "metrics_listening", interval=0.2, proc=job.coordinator
+        )
+        wait_for(
+            lambda: _commits(run_dir) > 20, deadline_in(120), "steps", interval=0.2, proc=job.coordinator
+        )
         threads0, rss0 = _proc_status(pid)
         with _Watch(pid, run_dir) as watch:
             res = _flood_result(_flood(cluster.hosts[0].address, 9464, popen=cluster.hosts[0].popen))
@@ -228,7 +225,12 @@ def test_bounded_server_deadlines_caps_and_sizes() -> None:
         t0 = time.monotonic()
         for s in slow:
             s.sendall(b"GET /metr")  # half a request line
-        _wait("the slow clients to be accepted", lambda: server.open_connections == 8, 5)
+        wait_for(
+            lambda: server.open_connections == 8,
+            deadline_in(5),
+            "the slow clients to be accepted",
+            interval=0.2,
+        )
         assert threading.active_count() == threads, "a thread per connection"
         extra = socket.create_connection(("127.0.0.1", port), timeout=10)
         t1 = time.monotonic()

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from checkpointless.observe.report import main as report_main
 from checkpointless.observe.runfiles import read_jsonl
 from checkpointless.observe.status import main as status_main
 from tests.helpers.jobs import ROOT, TINY, alive
+from tests.helpers.wait import deadline_in, wait_for
 
 LONG = [*TINY[:1], "400", *TINY[2:]]  # the tiny model, but enough steps to scrape after a recovery
 
@@ -39,16 +39,9 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return read_jsonl(run_dir / "events.jsonl")  # every kind: load_run keeps only what status reads
 
 
-def _wait(what: str, cond: Callable[[], Any], proc: subprocess.Popen[str], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        if proc.poll() is not None:
-            raise AssertionError(f"job ended before {what}:\n{proc.stdout.read() if proc.stdout else ''}")
-        time.sleep(0.1)
-    raise AssertionError(f"no {what} within {timeout} s")
+def _output_if_ended(proc: subprocess.Popen[str]) -> str:
+    """The job's output once it has ended: read earlier, it would block until the job ends."""
+    return proc.stdout.read() if proc.poll() is not None and proc.stdout else ""
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
@@ -72,13 +65,22 @@ def test_metrics_status_and_report_of_a_faulted_job(
         run_dir, corpus, ["--metrics-port", "0", "--progress", "1", "--inject", "kill:rank=1:step=5"]
     )
     try:
-        port = _wait(
-            "metrics_listening",
+        port = wait_for(
             lambda: next((e["port"] for e in _events(run_dir) if e["event"] == "metrics_listening"), None),
-            proc,
-            60,
+            deadline_in(60),
+            "metrics_listening",
+            interval=0.1,
+            proc=proc,
+            details=lambda: _output_if_ended(proc),
         )
-        _wait("a recovery", lambda: any(e["event"] == "recovery" for e in _events(run_dir)), proc, 150)
+        wait_for(
+            lambda: any(e["event"] == "recovery" for e in _events(run_dir)),
+            deadline_in(150),
+            "a recovery",
+            interval=0.1,
+            proc=proc,
+            details=lambda: _output_if_ended(proc),
+        )
         time.sleep(1.0)  # a few more commits for the step-time histogram and the tailer
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
@@ -152,7 +154,14 @@ def test_status_after_the_launcher_was_sigkilled(
     run_dir = tmp_path / "run"
     proc = _start(run_dir, corpus, [])
     try:
-        _wait("generation 0", lambda: any(e["event"] == "started" for e in _events(run_dir)), proc, 120)
+        wait_for(
+            lambda: any(e["event"] == "started" for e in _events(run_dir)),
+            deadline_in(120),
+            "generation 0",
+            interval=0.1,
+            proc=proc,
+            details=lambda: _output_if_ended(proc),
+        )
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
         # the reaper takes the workers down once the launcher is gone

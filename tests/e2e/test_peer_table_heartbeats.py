@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from checkpointless.agent.beats import (
+from checkpointless.coordinator import Coordinator
+from checkpointless.launcher.model import LaunchConfig
+from checkpointless.protocol import AgentHeartbeat, Heartbeat, ProtocolError, decode, encode
+from checkpointless.protocol.beats import (
     BeatReader,
     BeatWriter,
     WorkerBeat,
@@ -21,17 +24,15 @@ from checkpointless.agent.beats import (
     beats_of,
     make_beat_dir,
 )
-from checkpointless.coordinator import Coordinator
-from checkpointless.launcher.model import LaunchConfig
-from checkpointless.protocol import AgentHeartbeat, Heartbeat, ProtocolError, decode, encode
 from tests.helpers.jobs import ROOT, start_job
+from tests.helpers.wait import deadline_in, wait_for
 
 SLOW = ROOT / "tests" / "scripts" / "slow_steps.py"
 
 WRITER = """
 import sys, time
 from pathlib import Path
-from checkpointless.agent.beats import BeatWriter
+from checkpointless.protocol.beats import BeatWriter
 from checkpointless.protocol import Heartbeat
 w = BeatWriter(Path(sys.argv[1]))
 step = 0
@@ -43,26 +44,16 @@ while True:
 """
 
 
-def _wait_for(fn, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout} s")
-
-
 def test_a_stopped_writer_stops_beating_and_resumes_after_sigcont(tmp_path: Path) -> None:
     reader = BeatReader(make_beat_dir(tmp_path / "job" / "beats"))
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(reader.path(7))], stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        first = _wait_for(lambda: reader.read([7], time.monotonic()), 10, "no beat")
+        first = wait_for(lambda: reader.read([7], time.monotonic()), deadline_in(10), "no beat")
         b = first[0]
         assert b.worker_id == 7 and b.step_time == 0.2 and b.progress_age == 0.01 and 0 <= b.age < 5
         time.sleep(0.1)
-        later = _wait_for(lambda: reader.read([7], time.monotonic()), 10, "no second beat")
+        later = wait_for(lambda: reader.read([7], time.monotonic()), deadline_in(10), "no second beat")
         assert later[0].step is not None and b.step is not None and later[0].step > b.step
         proc.send_signal(signal.SIGSTOP)
         time.sleep(0.2)
@@ -70,7 +61,9 @@ def test_a_stopped_writer_stops_beating_and_resumes_after_sigcont(tmp_path: Path
         time.sleep(0.3)
         assert reader.read([7], time.monotonic()) == [], "a stopped process must not look alive"
         proc.send_signal(signal.SIGCONT)
-        resumed = _wait_for(lambda: reader.read([7], time.monotonic()), 10, "no beat after SIGCONT")
+        resumed = wait_for(
+            lambda: reader.read([7], time.monotonic()), deadline_in(10), "no beat after SIGCONT"
+        )
         assert resumed[0].step is not None and resumed[0].step > later[0].step
     finally:
         proc.kill()
@@ -141,8 +134,10 @@ def test_a_job_lives_past_its_hang_timeout_on_aggregated_beats_and_leaves_no_shm
             lines = events.read_text().splitlines() if events.exists() else []
             return [json.loads(x) for x in lines if '"started"' in x or '"job_start"' in x]
 
-        evs = _wait_for(
-            lambda: [e for e in started() if e["event"] == "started"] and started(), 120, "no start"
+        evs = wait_for(
+            lambda: [e for e in started() if e["event"] == "started"] and started(),
+            deadline_in(120),
+            "no start",
         )
         shm = Path(str(next(e for e in evs if e["event"] == "job_start")["shm"]))
         records = sorted(p.name for p in (shm / "beats").iterdir())

@@ -20,25 +20,19 @@ import pytest
 
 from tests.helpers.jobs import EXAMPLE, ROOT, TINY, JobResult, alive, read_digests, run_job, torchrun_env
 from tests.helpers.paths import SCRIPTS
+from tests.helpers.reference import ReferenceRuns
 
 HSDP = [*TINY, "--fsdp", "2,2"]
-_REF: dict[str, JobResult] = {}
 
 
 @pytest.fixture()
-def hsdp_reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> JobResult:
+def hsdp_reference(reference: ReferenceRuns) -> JobResult:
     """The fault-free HSDP 2x2 run (computed once per session)."""
-    if "hsdp" not in _REF:
-        res = run_job(
-            tmp_path_factory.mktemp("hsdp-ref") / "run", corpus, nproc=4, spares=0, script_args=HSDP
-        )
-        assert res.rc == 0, res.output[-4000:]
-        d = res.digests
-        assert sorted(d) == [0, 1, 2, 3], d
-        # replicas of a shard agree, and the two shards differ: these really are shards
-        assert d[0] == d[2] and d[1] == d[3] and d[0] != d[1], d
-        _REF["hsdp"] = res
-    return _REF["hsdp"]
+    res = reference(4, script_args=HSDP, replicated=False)
+    d = res.digests
+    # replicas of a shard agree, and the two shards differ: these really are shards
+    assert d[0] == d[2] and d[1] == d[3] and d[0] != d[1], d
+    return res
 
 
 def check_shards(res: JobResult, ref: JobResult) -> None:

@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 
 from checkpointless.observe.runfiles import LogTail
-from tests.helpers.jobs import TINY, JobResult, alive, run_job, start_job
+from tests.helpers.jobs import TINY, JobResult, alive, start_job
+from tests.helpers.reference import ReferenceRuns
 
 pytestmark = pytest.mark.soak
 
@@ -333,24 +334,7 @@ class _Chaos:
             self.log.append(f"{t:7.2f}s {strike.text()} -> pids {pids} ({state})")
 
 
-_REFERENCE: dict[str, JobResult] = {}
 _FIRED: dict[str, int] = {}
-
-
-def _reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> JobResult:
-    if "ref" not in _REFERENCE:
-        res = run_job(
-            tmp_path_factory.mktemp("soakref") / "run",
-            corpus,
-            nproc=NPROC,
-            spares=0,
-            script_args=SOAK_ARGS,
-            timeout=300,
-        )
-        assert res.rc == 0, res.output[-4000:]
-        assert sorted(res.digests) == list(range(NPROC)) and res.digest, res.digests
-        _REFERENCE["ref"] = res
-    return _REFERENCE["ref"]
 
 
 def _leftovers(res: JobResult) -> list[str]:
@@ -464,9 +448,14 @@ def _check(res: JobResult, ref: JobResult, chaos: _Chaos) -> None:
 @pytest.mark.timeout(JOB_TIMEOUT + 120)
 @pytest.mark.parametrize("name,seed", SCENARIOS, ids=[f"{n}-seed{s}" for n, s in SCENARIOS])
 def test_chaos_soak(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path, name: str, seed: int
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    corpus: Path,
+    name: str,
+    seed: int,
+    reference: ReferenceRuns,
 ) -> None:
-    ref = _reference(tmp_path_factory, corpus)
+    ref = reference(NPROC, script_args=SOAK_ARGS, timeout=300)
     scenario = plan(name, seed)
     res, chaos = _soak(tmp_path, corpus, scenario)
     _check(res, ref, chaos)

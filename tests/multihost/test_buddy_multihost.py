@@ -21,33 +21,31 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.harness.netns_job import host_shm_dirs, start_netns_job, wait_for
-from tests.helpers.jobs import TINY, JobResult, alive, run_job
+from tests.helpers.harness.netns_job import host_shm_dirs, start_netns_job
+from tests.helpers.jobs import TINY, JobResult, alive
+from tests.helpers.reference import ReferenceRuns
+from tests.helpers.wait import wait_for
 
 ARGS = [*TINY[2:], "--steps", "40", "--fsdp", "1,4"]
 CONTROL_PORT = 29410
-_REF: dict[str, JobResult] = {}
 
 
-def _reference(tmp_path: Path, corpus: Path) -> JobResult:
-    if "ref" not in _REF:
-        (tmp_path / "ref").mkdir()
-        ref = run_job(tmp_path / "ref" / "run", corpus, nproc=4, spares=0, script_args=ARGS)
-        assert ref.rc == 0 and len(set(ref.digests.values())) == 4, ref.output[-4000:]
-        _REF["ref"] = ref
-    return _REF["ref"]
+def _fsdp_reference(reference: ReferenceRuns) -> JobResult:
+    ref = reference(4, script_args=ARGS, replicated=False)
+    assert len(set(ref.digests.values())) == 4, ref.digests  # four different shards
+    return ref
 
 
 @pytest.mark.netns
 @pytest.mark.soak  # `make soak`: the same fallback on one host is in tests/e2e/test_buddy_e2e.py
 @pytest.mark.timeout(300)
 def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documented_error(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     from checkpointless.state.buddy_ring import buddy_of
 
     assert buddy_of(0, 4, 2) == 2 and buddy_of(2, 4, 2) == 0  # the pair keeps each other's copies
-    ref = _reference(tmp_path, corpus)
+    ref = _fsdp_reference(reference)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200
@@ -94,9 +92,9 @@ def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documente
 @pytest.mark.netns
 @pytest.mark.timeout(300)
 def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
-    ref = _reference(tmp_path, corpus)
+    ref = _fsdp_reference(reference)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200

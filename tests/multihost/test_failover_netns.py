@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.harness.netns_job import start_netns_job, wait_for
+from tests.helpers.harness.netns_job import start_netns_job
 from tests.helpers.jobs import TINY
-from tests.multihost.test_multihost import ARGS, _reference, check_recovered
+from tests.helpers.reference import ReferenceRuns
+from tests.helpers.wait import wait_for
+from tests.multihost.test_multihost import ARGS, check_recovered
 
 # longer than tests/multihost/test_multihost.py's 3 s: on busy cores an agent starting its fork template
 # was sometimes silent for 3 s, and a host lost at start-up is not what these tests are about
@@ -30,9 +32,9 @@ LAST = int(ARGS[ARGS.index("--steps") + 1]) - 1  # the job's last step
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_killed_coordinator_is_replaced_and_the_job_finishes_bitwise(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200
@@ -67,12 +69,12 @@ def test_killed_coordinator_is_replaced_and_the_job_finishes_bitwise(
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_partition_isolating_the_coordinator_elects_a_successor_on_the_majority_side(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     """Host 0 (the coordinator and node 0's agent with ranks 0-1) is cut off: the coordinator
     steps down, host 0's agent fences its workers, the two other hosts elect a successor, ranks
     0-1 move to the spare host with state from ranks 2-3, and the job ends bitwise."""
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200
@@ -111,11 +113,11 @@ def test_partition_isolating_the_coordinator_elects_a_successor_on_the_majority_
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_coordinator_host_lost_whole_the_others_elect_and_recover_its_ranks(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     """Every process on host 0 dies at once (the coordinator, node 0's agent, ranks 0-1): the two
     other agents elect a successor, ranks 0-1 move to the spare host, bitwise."""
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200
@@ -147,14 +149,14 @@ def test_coordinator_host_lost_whole_the_others_elect_and_recover_its_ranks(
 @pytest.mark.netns
 @pytest.mark.timeout(300)
 def test_a_host_started_after_a_failover_joins_the_successor_and_takes_a_lost_hosts_ranks(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     """Host 0 is lost whole (the coordinator with it) and the spare host takes its ranks. A fourth
     host then starts an agent given, like every agent, the lost coordinator's address (a
     recreated pod, a healed node): it finds the successor through the run directory's record and
     joins as a spare host. The next host lost moves its ranks onto it, and the job ends bitwise."""
     args = [*TINY[2:], "--steps", "160"]  # room for a host to start and join after the failover
-    ref = _reference(tmp_path / "ref", corpus, args)
+    ref = reference(4, script_args=args)
     cluster = netns_hosts(4)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 260
@@ -209,7 +211,7 @@ def test_a_host_started_after_a_failover_joins_the_successor_and_takes_a_lost_ho
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_a_host_out_of_touch_while_the_job_ends_after_a_failover_exits_with_the_jobs_success(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     """The spare host's agent is stopped (SIGSTOP) while the coordinator is killed: the other
     two agents elect a successor, which finishes the job. Resumed, the agent finds its
@@ -217,7 +219,7 @@ def test_a_host_out_of_touch_while_the_job_ends_after_a_failover_exits_with_the_
     rejoin has ended (its secret removed, `job_end` in the event log), so it exits 0 at once,
     not 1 after its --connect-timeout. (Seen in CI without the stop: a spare host that noticed
     the failover late while a short job ended.)"""
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200
@@ -250,7 +252,7 @@ def test_a_host_out_of_touch_while_the_job_ends_after_a_failover_exits_with_the_
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_every_rank_finishing_while_no_coordinator_exists_ends_the_job_ok(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     """Every agent is stopped (SIGSTOP) and the coordinator killed a few steps before the end:
     the ranks run their last steps with no coordinator anywhere, and their Done goes nowhere.
@@ -258,7 +260,7 @@ def test_every_rank_finishing_while_no_coordinator_exists_ends_the_job_ok(
     its hello that it finished; the job then ends ok and bitwise. (Seen in CI: ranks finished
     during a slow election and left; the successor found no process and failed the job as "lost
     before generation 0 formed".)"""
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200
@@ -298,14 +300,14 @@ def test_every_rank_finishing_while_no_coordinator_exists_ends_the_job_ok(
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("before_end", [4, 2, 1, 0])
 def test_the_coordinator_killed_in_the_last_steps_never_fails_a_finished_job(
-    netns_hosts: Any, tmp_path: Path, corpus: Path, before_end: int
+    netns_hosts: Any, tmp_path: Path, corpus: Path, before_end: int, reference: ReferenceRuns
 ) -> None:
     """The coordinator is SIGKILLed as rank 0 commits one of the last steps (or the last): the
     ranks may still train, sit in the final barrier, run their own code after the loop, wait at
     their exit for their Done to be acknowledged, or have left before the coordinator ended the
     job (then their agents' votes say they finished). Whichever it is, the job ends ok and
     bitwise, with one coordinator_failover at most."""
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 200

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.harness.netns_job import read_records, start_netns_job, wait_for
+from tests.helpers.harness.netns_job import read_records, start_netns_job
+from tests.helpers.wait import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,22 +16,12 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.harness.netns_job import host_shm_dirs, start_netns_job, wait_for
-from tests.helpers.jobs import TINY, JobResult, alive, run_job
+from tests.helpers.harness.netns_job import host_shm_dirs, start_netns_job
+from tests.helpers.jobs import TINY, JobResult, alive
+from tests.helpers.reference import ReferenceRuns
+from tests.helpers.wait import wait_for
 
 ARGS = [*TINY[2:], "--steps", "40"]  # long enough to lose a host mid-run
-_REF: dict[str, JobResult] = {}
-
-
-def _reference(tmp: Path, corpus: Path, args: list[str] = ARGS) -> JobResult:
-    """The fault-free run on one machine: placement over hosts must not change a single bit."""
-    key = " ".join(args)
-    if key not in _REF:
-        tmp.mkdir(parents=True, exist_ok=True)
-        res = run_job(tmp / "run", corpus, nproc=4, spares=0, script_args=args)
-        assert res.rc == 0 and res.digest, res.output[-4000:]
-        _REF[key] = res
-    return _REF[key]
 
 
 def check_recovered(res: JobResult, ref: JobResult, lost_ranks: set[int]) -> None:
@@ -54,8 +44,10 @@ def check_recovered(res: JobResult, ref: JobResult, lost_ranks: set[int]) -> Non
 
 @pytest.mark.netns
 @pytest.mark.timeout(240)
-def test_host_loss_moves_its_ranks_to_the_spare_host(netns_hosts: Any, tmp_path: Path, corpus: Path) -> None:
-    ref = _reference(tmp_path / "ref", corpus)
+def test_host_loss_moves_its_ranks_to_the_spare_host(
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
+) -> None:
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 180
@@ -86,9 +78,9 @@ def test_host_loss_moves_its_ranks_to_the_spare_host(netns_hosts: Any, tmp_path:
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_partitioned_host_is_fenced_and_rejoins_as_a_spare(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 180
@@ -119,12 +111,12 @@ def test_partitioned_host_is_fenced_and_rejoins_as_a_spare(
 # the ~20 min aim)
 @pytest.mark.parametrize("direction", [pytest.param("in", marks=pytest.mark.soak), "out"])
 def test_a_one_way_partition_is_fenced_too(
-    netns_hosts: Any, tmp_path: Path, corpus: Path, direction: str
+    netns_hosts: Any, tmp_path: Path, corpus: Path, direction: str, reference: ReferenceRuns
 ) -> None:
     """Host 1 hears but cannot speak ("out"), or speaks but cannot hear ("in"): either way its
     workers must stop within a lease, its ranks move to the spare host, and the job ends bitwise.
     Its agent, told not to rejoin, leaves nothing of the job in its host's shared memory."""
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 180
@@ -151,12 +143,12 @@ def test_a_one_way_partition_is_fenced_too(
 @pytest.mark.netns
 @pytest.mark.timeout(300)
 def test_after_a_host_loss_a_process_fault_is_still_recovered(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     """Host 1 is lost and its ranks use up the spare host; the spares refilled beside the ranks
     then replace a SIGKILLed rank on host 0, and the job still ends bitwise."""
     args = [*TINY[2:], "--steps", "160"]  # room for a refill spare to start after the host loss
-    ref = _reference(tmp_path / "ref", corpus, args)
+    ref = reference(4, script_args=args)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 240

@@ -21,7 +21,9 @@ import pytest
 
 from tests.helpers.harness.slurm import SlurmCluster
 from tests.helpers.harness.slurm_procs import proc_comm
-from tests.helpers.jobs import EXAMPLE, ROOT, TINY, JobResult, alive, read_digests, run_job
+from tests.helpers.jobs import EXAMPLE, ROOT, TINY, JobResult, alive, read_digests
+from tests.helpers.reference import ReferenceRuns
+from tests.helpers.wait import wait_for
 from tests.multihost.test_multihost import check_recovered
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -43,17 +45,6 @@ srun --ntasks-per-node=1 --no-kill bash -c 'exec checkpointless agent --coordina
     --host $(hostname -i) --secret-file '$RUN'/secret'
 wait $COORD
 """
-_REF: dict[str, JobResult] = {}
-
-
-def _reference(tmp: Path, corpus: Path) -> JobResult:
-    """The fault-free run on one machine with the same 4 ranks and arguments."""
-    if "ref" not in _REF:
-        tmp.mkdir(parents=True, exist_ok=True)
-        res = run_job(tmp / "run", corpus, nproc=4, spares=0, script_args=ARGS)
-        assert res.rc == 0 and res.digest, res.output[-4000:]
-        _REF["ref"] = res
-    return _REF["ref"]
 
 
 def _submit(c: SlurmCluster, out: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> int:
@@ -81,13 +72,9 @@ def _committed(run_dir: Path, rank: int) -> int:
     return max((json.loads(x)["step"] for x in f.read_text().splitlines() if '"commit"' in x), default=-1)
 
 
-def _wait_for(cond: Any, deadline: float, what: str, c: SlurmCluster, job: int) -> None:
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out waiting for {what}; job {c.job(job)}:\n{c.job_output(job)[-4000:]}"
-            )
-        time.sleep(0.1)
+def _job_state(c: SlurmCluster, job: int) -> str:
+    """What Slurm says of the job, and the end of its output: why a wait for it failed."""
+    return f"job {c.job(job)}:\n{c.job_output(job)[-4000:]}"
 
 
 def _result(c: SlurmCluster, job: int, out: Path, timeout: float) -> JobResult:
@@ -143,9 +130,13 @@ def _check_clean(c: SlurmCluster, res: JobResult) -> None:
 
 @pytest.mark.slurm
 def test_sbatch_job_finishes_bitwise(
-    slurm_cluster: SlurmCluster, tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+    slurm_cluster: SlurmCluster,
+    tmp_path: Path,
+    corpus: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reference: ReferenceRuns,
 ) -> None:
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     out = tmp_path / "out"
     out.mkdir()
     job = _submit(slurm_cluster, out, corpus, monkeypatch)
@@ -159,17 +150,27 @@ def test_sbatch_job_finishes_bitwise(
 
 @pytest.mark.slurm
 def test_node_lost_mid_run_is_recovered_on_the_spare_node(
-    slurm_cluster: SlurmCluster, tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+    slurm_cluster: SlurmCluster,
+    tmp_path: Path,
+    corpus: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reference: ReferenceRuns,
 ) -> None:
     c = slurm_cluster
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     out = tmp_path / "out"
     out.mkdir()
     deadline = time.monotonic() + 180
     job = _submit(c, out, corpus, monkeypatch)
     run_dir = _run_dir(c, job)
     # $SLURM_NODEID orders the hosts: node n2 (id 1) holds ranks 2 and 3, n3 is the spare node
-    _wait_for(lambda: _committed(run_dir, 2) >= 5, deadline, "rank 2 (node n2) to commit step 5", c, job)
+    wait_for(
+        lambda: _committed(run_dir, 2) >= 5,
+        deadline,
+        "rank 2 (node n2) to commit step 5",
+        interval=0.1,
+        details=lambda: _job_state(c, job),
+    )
     # the node dies as a whole: its slurmd first (so nothing on it reacts), then, all at once,
     # the job step's slurmstepd, the agent and its workers
     c.kill_slurmd("n2")
@@ -180,7 +181,13 @@ def test_node_lost_mid_run_is_recovered_on_the_spare_node(
         os.kill(p, signal.SIGKILL)
     # what Slurm does: after SlurmdTimeout the node is DOWN ("down*", not responding) and, as the
     # job was submitted with --no-kill, it leaves the job's allocation while the job runs on
-    _wait_for(lambda: c.node_state("n2").startswith("down"), deadline, "Slurm to mark n2 DOWN", c, job)
+    wait_for(
+        lambda: c.node_state("n2").startswith("down"),
+        deadline,
+        "Slurm to mark n2 DOWN",
+        interval=0.1,
+        details=lambda: _job_state(c, job),
+    )
     running_when_down = c.job(job).state == "RUNNING"
     res = _result(c, job, out, timeout=max(1.0, deadline - time.monotonic()))
     if running_when_down:
@@ -217,7 +224,13 @@ def test_scancel_leaves_nothing_behind(
     deadline = time.monotonic() + 120
     job = _submit(c, out, corpus, monkeypatch)
     run_dir = _run_dir(c, job)
-    _wait_for(lambda: _committed(run_dir, 0) >= 2, deadline, "rank 0 to commit step 2", c, job)
+    wait_for(
+        lambda: _committed(run_dir, 0) >= 2,
+        deadline,
+        "rank 0 to commit step 2",
+        interval=0.1,
+        details=lambda: _job_state(c, job),
+    )
     shm = Path(_events(run_dir, "job_start")[0]["shm"])
     assert shm.exists() and (run_dir / "secret").exists()
     c.scancel(job)

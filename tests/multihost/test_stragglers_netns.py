@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.harness.netns_job import start_netns_job, wait_for
-from tests.multihost.test_multihost import ARGS, _reference, check_recovered
+from tests.helpers.harness.netns_job import start_netns_job
+from tests.helpers.reference import ReferenceRuns
+from tests.helpers.wait import wait_for
+from tests.multihost.test_multihost import ARGS, check_recovered
 
 _V1 = Path("/sys/fs/cgroup/cpu")
 _V2 = Path("/sys/fs/cgroup")
@@ -87,12 +89,12 @@ def cpu_throttle(pids: list[int], share: float) -> Iterator[None]:
 @pytest.mark.netns
 @pytest.mark.timeout(300)
 def test_a_throttled_host_is_reported_and_swapped_for_the_spare_host(
-    netns_hosts: Any, tmp_path: Path, corpus: Path
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     why = _cgroup_unavailable()
     if why:
         pytest.skip(why)
-    ref = _reference(tmp_path / "ref", corpus)
+    ref = reference(4, script_args=ARGS)
     cluster = netns_hosts(3)
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 240

@@ -15,8 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import FrameType
 
 __all__ = [
@@ -29,7 +28,6 @@ __all__ = [
     "missing_tools",
     "owner_alive",
     "required",
-    "wait_until",
 ]
 
 # set to 1 by .ci/run: a harness that cannot run is then a failure, not a skip
@@ -111,14 +109,3 @@ def free_tcp_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
-    """Poll ``pred()`` until true; HarnessError naming ``what`` when the deadline passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if pred():
-            return
-        if time.monotonic() >= deadline:
-            raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)

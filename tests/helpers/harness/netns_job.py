@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,17 +30,9 @@ from ..jobs import JobResult, read_digests
 from ..paths import EXAMPLE, ROOT
 from .hosts import Host, NetnsCluster
 
-__all__ = ["CONTROL_PORT", "NetnsJob", "host_shm_dirs", "read_records", "start_netns_job", "wait_for"]
+__all__ = ["CONTROL_PORT", "NetnsJob", "host_shm_dirs", "read_records", "start_netns_job"]
 
 CONTROL_PORT = 29400  # each cluster's namespaces are its own, so tests never contend for it
-
-
-def wait_for(cond: Callable[[], object], deadline: float, what: str) -> None:
-    """Poll ``cond()`` until truthy; AssertionError naming ``what`` once ``deadline`` (monotonic) passes."""
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

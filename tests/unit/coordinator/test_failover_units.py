@@ -35,7 +35,7 @@ from checkpointless.launcher.runfiles import (
     recorded_coordinator,
 )
 from checkpointless.protocol import Abort, Assign, DoneSeen, Stopped
-from tests.helpers.paths import SCRIPTS
+from tests.helpers.coordinator import new_coordinator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -197,8 +197,7 @@ def test_rebuild_goes_past_a_round_that_was_in_flight() -> None:
 # -- takeover: a fresh Coordinator set up from the rebuilt state -------------------------------
 def _takeover(missing_rank: int | None = None) -> tuple[Any, list[Any]]:
 
-    cfg = LaunchConfig(script=str(SCRIPTS / "slow_steps.py"), nproc=4, spares=1)
-    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    c = new_coordinator(4, 1)
     hosts = [
         TakeoverHost(0, "10.0.0.1", False),
         TakeoverHost(1, "10.0.0.2", True),
@@ -240,8 +239,7 @@ def test_takeover_kills_a_silent_rank_and_gives_its_rank_to_the_ready_spare() ->
 
 def test_takeover_before_the_first_generation_ends_the_job_with_the_reason() -> None:
 
-    cfg = LaunchConfig(script=str(SCRIPTS / "slow_steps.py"), nproc=1, spares=0)
-    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    c = new_coordinator(1, 0)
     procs = [ProcReport(0, 0, "worker", 9)]
     workers = [WorkerReport(0, 0, -1, -1)]
     resume(
@@ -253,8 +251,7 @@ def test_takeover_before_the_first_generation_ends_the_job_with_the_reason() -> 
 
 def _takeover_after_the_end(missing: int | None = None) -> tuple[Coordinator, list[Any]]:
     """Two ranks whose last steps ran while no coordinator existed: their hellos say done."""
-    cfg = LaunchConfig(script=str(SCRIPTS / "slow_steps.py"), nproc=2, spares=1)
-    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    c = new_coordinator(2, 1)
     procs = [ProcReport(w, 0, "worker", 100 + w) for w in range(2)] + [ProcReport(2, 0, "spare", 102)]
     workers = [WorkerReport(w, w, 0, 39, step=39, done=True) for w in range(2) if w != missing]
     workers.append(WorkerReport(2, None, -1, -1, ready=True))
@@ -301,8 +298,7 @@ def test_takeover_after_every_rank_left_ends_the_job_with_their_status(code: int
     # every rank finished and left (each one's Done acknowledged) just before the coordinator was
     # lost: no process is left, and their agents' votes say which ranks finished, with what exit
     # code; it failed as "lost before generation 0 formed" before the agents said so
-    cfg = LaunchConfig(script=str(SCRIPTS / "slow_steps.py"), nproc=3, spares=1)
-    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+    c = new_coordinator(3, 1)
     procs = [ProcReport(3, 0, "spare", 103)]
     workers = [WorkerReport(3, None, -1, -1, ready=True), WorkerReport(2, 2, 0, 39, done=True)]
     procs.append(ProcReport(2, 1, "worker", 102))

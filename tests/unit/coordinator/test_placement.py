@@ -20,13 +20,11 @@ from checkpointless.coordinator.rules.placement import (
     without_spare,
 )
 from checkpointless.errors import ConfigError
-from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Abort, Assign, Recover, Recovered, SpareReady, Stopped
 from checkpointless.recovery.torchrun import torchrun_env
-from tests.helpers.paths import SCRIPTS
+from tests.helpers.coordinator import host_coordinator
 
 pytestmark = pytest.mark.timeout(10)
-SCRIPT = str(SCRIPTS / "slow_steps.py")
 
 
 def test_ranks_are_placed_host_major() -> None:
@@ -149,27 +147,12 @@ def test_a_lost_node_is_replaced_from_one_spare_host() -> None:
     assert pick_spares(3, [(1, 2), (2, 3)]) == [1, 2]  # fewer than asked: all of them
 
 
-def _coordinator(spares: int = 2) -> tuple[Coordinator, list[Spawn]]:
-    cfg = LaunchConfig(
-        script=SCRIPT,
-        nproc=4,
-        spares=spares,
-        nnodes=2,
-        nproc_per_node=2,
-        spare_nodes=1,
-        local_agent=False,
-        lease=3,
-    )
-    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
-    for host, order in ((0, 1), (1, 0), (2, 2)):
-        c.add_host(host, f"10.0.0.{host}", True, 100.0, order)
-    c.start(100.0)
-    spawns = [x for x in c.drain() if isinstance(x, Spawn)]
-    return c, spawns
+# host 1 is node 0, host 0 is node 1, host 2 the spare host: placement follows --node-order
+NODE_ORDERS = (1, 0, 2)
 
 
 def test_coordinator_places_nodes_and_moves_a_lost_host_to_the_spare_host() -> None:
-    c, spawns = _coordinator()
+    c, spawns = host_coordinator(orders=NODE_ORDERS)
     # node 0 is host 1 (order 0), node 1 is host 0; ranks host-major
     assert [(s.worker_id, s.host) for s in spawns] == [(0, 1), (1, 1), (2, 0), (3, 0)]
     for s in spawns:
@@ -233,7 +216,7 @@ def test_coordinator_places_nodes_and_moves_a_lost_host_to_the_spare_host() -> N
 
 
 def test_no_spare_is_logged_once_not_per_tick() -> None:
-    c, spawns = _coordinator()
+    c, spawns = host_coordinator(orders=NODE_ORDERS)
     for s in spawns:
         c.on_started(s.worker_id, f"10.0.0.{s.host}:{30000 + s.worker_id}")
         c.on_connected(s.worker_id, 100.0)
@@ -271,7 +254,7 @@ def test_no_spare_is_logged_once_not_per_tick() -> None:
 
 
 def test_a_rejoined_host_is_a_spare_host() -> None:
-    c, _ = _coordinator()
+    c, _ = host_coordinator(orders=NODE_ORDERS)
     c.round = None
     c.on_host_lost(0, "connection closed", 101.0, 1e9)
     c.drain()
@@ -334,7 +317,7 @@ def test_a_host_that_joins_takes_the_spares_squeezed_beside_ranks(case: str) -> 
     stopped once one of them is ready, so the next lost host finds its spares warm. A squeezed
     spare stopped while still starting is no failed start ("starting"), and one being stopped is
     never given a rank ("fault": a rank on its host fails before it has exited)."""
-    c, spawns = _coordinator()
+    c, spawns = host_coordinator(orders=NODE_ORDERS)
     for wid, _ in _running_with_spares(c, spawns):
         _ready(c, wid, 101.0)
     for h in (1, 2):
@@ -386,7 +369,7 @@ def test_a_spare_hosts_own_ready_spares_do_not_stand_in_for_squeezed_ones() -> N
     joins starts two in their place; when the first is ready, one squeezed spare is stopped, not
     both (the spare host's two were in the pool already), so the pool never drops below four
     ready-or-starting spares."""
-    c, spawns = _coordinator(spares=4)
+    c, spawns = host_coordinator(spares=4, orders=NODE_ORDERS)
     pool = _running_with_spares(c, spawns)
     assert sorted(h for _, h in pool) == [0, 1, 2, 2], "two on the spare host, two squeezed"
     for wid, _ in pool:
@@ -419,7 +402,7 @@ def test_a_lost_hosts_last_rank_follows_its_first_when_the_spare_host_is_lost_to
     moves there, rank 3 waits for the second. Then the spare host is lost too, and a new host
     joins; its spares become ready one after the other. Both ranks must land there (seen in a
     local run: rank 3 was never given the second spare and the job failed at --spare-wait)."""
-    c, spawns = _coordinator()
+    c, spawns = host_coordinator(orders=NODE_ORDERS)
     pool = _running_with_spares(c, spawns)
     assert [h for _, h in pool] == [2, 2]
     _ready(c, pool[0][0], 101.0)  # the second is still starting

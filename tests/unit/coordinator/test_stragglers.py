@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointless.coordinator import Command, Coordinator, Emit, Kill, Log, Send, Spawn
+from checkpointless.coordinator import Command, Coordinator, Emit, Kill, Log, Send
 from checkpointless.coordinator.rules.stragglers import (
     StragglerRule,
     StragglerState,
@@ -21,6 +21,7 @@ from checkpointless.coordinator.rules.stragglers import (
 from checkpointless.errors import ConfigError
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import Assign, Heartbeat, SpareReady
+from tests.helpers.coordinator import formed_host_job
 from tests.helpers.paths import SCRIPTS
 
 SCRIPT = str(SCRIPTS / "slow_steps.py")
@@ -118,37 +119,6 @@ def test_a_slow_host_among_noise_is_the_only_one_reported(seed: int, slow: float
 # -- the coordinator applying the rule ---------------------------------------------------------
 
 
-def _job(ready: int = 2, **flags: Any) -> Coordinator:
-    """2 hosts x 2 ranks + a spare host with two spares (``ready`` of them ready), generation 0
-    formed. Host 0 holds ranks 0-1 (workers 0-1), host 1 ranks 2-3 (workers 2-3), host 2 the
-    spares."""
-    cfg = LaunchConfig(
-        script=SCRIPT, nproc=4, spares=2, nnodes=2, nproc_per_node=2, spare_nodes=1,
-        local_agent=False, lease=3, **flags,
-    )  # fmt: skip
-    cfg.validate()
-    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
-    for host in range(3):
-        c.add_host(host, f"10.0.0.{host}", True, 100.0, host)
-    c.start(100.0)
-    for s in [x for x in c.drain() if isinstance(x, Spawn)]:
-        c.on_started(s.worker_id, f"10.0.0.{s.host}:{30000 + s.worker_id}")
-        c.on_connected(s.worker_id, 100.0)
-    c.round = None  # generation 0 formed (rounds are tested in test_coordinator.py)
-    c.generation = 0
-    for m in c.procs.values():
-        m.joined = True
-    c.spares.refill(101.0)
-    for i, s in enumerate([x for x in c.drain() if isinstance(x, Spawn)]):
-        assert s.host == 2
-        c.on_started(s.worker_id, f"10.0.0.2:{30000 + s.worker_id}")
-        c.on_connected(s.worker_id, 101.0)
-        if i < ready:
-            c.on_message(s.worker_id, SpareReady(), 101.0, 1e9)
-    c.drain()
-    return c
-
-
 def _steps(c: Coordinator, first: int, last: int, slow: float) -> list[Command]:
     """Heartbeats of steps first..last: host 1's ranks are ``slow`` times as busy."""
     out: list[Command] = []
@@ -173,7 +143,7 @@ def _emitted(out: list[Command], name: str) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(10)
 def test_coordinator_reports_a_slow_host_once_with_its_ratio() -> None:
-    c = _job(straggler_ratio=1.5, straggler_window=3)
+    c, _ = formed_host_job(straggler_ratio=1.5, straggler_window=3)
     out = _steps(c, 1, 10, slow=3.0)
     got = _emitted(out, "straggler")
     assert len(got) == 1, got
@@ -187,13 +157,13 @@ def test_coordinator_reports_a_slow_host_once_with_its_ratio() -> None:
 
 @pytest.mark.timeout(10)
 def test_coordinator_never_reports_equal_hosts_or_without_the_flag() -> None:
-    assert not _emitted(_steps(_job(straggler_ratio=1.5), 1, 30, slow=1.2), "straggler")
-    assert not _emitted(_steps(_job(), 1, 30, slow=4.0), "straggler")  # off by default
+    assert not _emitted(_steps(formed_host_job(straggler_ratio=1.5)[0], 1, 30, slow=1.2), "straggler")
+    assert not _emitted(_steps(formed_host_job()[0], 1, 30, slow=4.0), "straggler")  # off by default
 
 
 @pytest.mark.timeout(10)
 def test_swap_moves_the_slow_hosts_ranks_to_the_spare_host() -> None:
-    c = _job(straggler_ratio=1.5, straggler_window=3, swap_stragglers=True)
+    c, _ = formed_host_job(straggler_ratio=1.5, straggler_window=3, swap_stragglers=True)
     out = _steps(c, 1, 3, slow=3.0)
     assert _emitted(out, "straggler_swap") == [{"host": 1, "address": "10.0.0.1", "ranks": [2, 3]}]
     killed = sorted(x.worker_id for x in out if isinstance(x, Kill))
@@ -210,7 +180,7 @@ def test_swap_moves_the_slow_hosts_ranks_to_the_spare_host() -> None:
 def test_a_swap_waits_for_the_spare_host_and_happens_once_it_is_ready() -> None:
     # reported while one of the spare host's two spares is still starting: nothing moves (the
     # rule reports a host once), and the move happens at the first step after the spare is ready
-    c = _job(ready=1, straggler_ratio=1.5, straggler_window=3, swap_stragglers=True)
+    c, _ = formed_host_job(ready=1, straggler_ratio=1.5, straggler_window=3, swap_stragglers=True)
     out = _steps(c, 1, 5, slow=3.0)
     assert len(_emitted(out, "straggler")) == 1 and not _emitted(out, "straggler_swap")
     waits = [x.text for x in out if isinstance(x, Log) and "not moving ranks [2, 3] yet" in x.text]
@@ -226,7 +196,7 @@ def test_a_swap_waits_for_the_spare_host_and_happens_once_it_is_ready() -> None:
 
 @pytest.mark.timeout(10)
 def test_a_due_move_is_dropped_when_the_host_recovers() -> None:
-    c = _job(ready=1, straggler_ratio=1.5, straggler_window=3, swap_stragglers=True)
+    c, _ = formed_host_job(ready=1, straggler_ratio=1.5, straggler_window=3, swap_stragglers=True)
     _steps(c, 1, 4, slow=3.0)
     assert c.stragglers is not None and set(c.stragglers.due_moves) == {1}
     out = _steps(c, 5, 8, slow=1.0)  # as fast as the others again: cleared

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from checkpointless.data import (
     write_token_file,
 )
 from checkpointless.errors import ConfigError, DataError
+from tests.helpers.wait import deadline_in, wait_for
 
 SEQ, GB, SEED = 16, 8, 1234
 
@@ -57,15 +57,6 @@ def job() -> Iterator[str]:
 def _reference(dataset: TokenDataset, step: int, rank: int = 0, dp: int = 1, seed: int = SEED) -> str:
     """Digest of the fault-free batch, computed without any cache."""
     return batch_digest(*BatchLoader(dataset, SEQ, GB, seed, rank, dp).batch(step))
-
-
-def _wait_for(cond: object, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(cond) and cond():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.timeout(30)
@@ -153,14 +144,26 @@ def test_prefetch_fills_ahead_and_size_stays_bounded(dataset: TokenDataset, job:
     loader.batch(0)
     assert cache.steps() == [0]  # the first batch after a start is served before any thread starts
     loader.batch(1)
-    assert _wait_for(lambda: cache.steps() == [0, 1, 2, 3, 4], 10), cache.steps()
+    wait_for(
+        lambda: cache.steps() == [0, 1, 2, 3, 4],
+        deadline_in(10),
+        "steps 0-4 cached",
+        interval=0.01,
+        details=cache.steps,
+    )
     for step in range(2, 5):
         loader.batch(step)
         assert loader.last_source == "cache"
     for step in range(5, 30):
         loader.batch(step)
         assert len(cache.steps()) <= 1 + 1 + 3  # behind + current + capacity
-    assert _wait_for(lambda: cache.steps() == [28, 29, 30, 31, 32], 10), cache.steps()
+    wait_for(
+        lambda: cache.steps() == [28, 29, 30, 31, 32],
+        deadline_in(10),
+        "steps 28-32 cached",
+        interval=0.01,
+        details=cache.steps,
+    )
     loader.close()
     assert loader.prefetch_error is None
     leftovers = [p.name for p in cache.dir.iterdir()]
@@ -324,7 +327,12 @@ def test_janitor_removes_cache_when_launcher_is_sigkilled(job: str) -> None:
         launcher.wait(10)
         assert launcher.stdout is not None
         launcher.stdout.close()
-    assert _wait_for(lambda: not job_cache_dir(job).exists(), 10)
+    wait_for(
+        lambda: not job_cache_dir(job).exists(),
+        deadline_in(10),
+        "the job's cache folder to go",
+        interval=0.01,
+    )
 
 
 @pytest.mark.timeout(30)

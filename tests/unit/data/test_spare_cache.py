@@ -11,16 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from checkpointless.coordinator import Coordinator, Send, Spawn
+from checkpointless.coordinator import Coordinator, Send
 from checkpointless.coordinator.rules.prefetch import slot_ranks
 from checkpointless.data import BatchLoader, ShmBatchCache, TokenDataset, spare_cache
 from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.errors import ConfigError
-from checkpointless.launcher.model import LaunchConfig
-from checkpointless.protocol import Heartbeat, Prefetch, SpareReady
-from tests.helpers.paths import SCRIPTS
-
-SCRIPT = str(SCRIPTS / "slow_steps.py")
+from checkpointless.protocol import Heartbeat, Prefetch
+from tests.helpers.coordinator import formed_host_job
 
 
 @pytest.mark.timeout(10)
@@ -29,29 +26,6 @@ def test_slot_ranks_are_one_local_rank_of_every_node() -> None:
     assert slot_ranks(1, 2, 3) == [1, 3, 5]
     assert slot_ranks(2, 2, 3) == []  # a third spare for 2-rank nodes takes no host-shaped slot
     assert slot_ranks(1, 8, 1000, limit=4) == [1, 9, 17, 25]
-
-
-def _job() -> tuple[Coordinator, list[int]]:
-    cfg = LaunchConfig(
-        script=SCRIPT, nproc=4, spares=2, nnodes=2, nproc_per_node=2, spare_nodes=1, local_agent=False
-    )
-    c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
-    for host in range(3):
-        c.add_host(host, f"10.0.0.{host}", True, 100.0, host)
-    c.start(100.0)
-    for s in [x for x in c.drain() if isinstance(x, Spawn)]:
-        c.on_started(s.worker_id, f"10.0.0.{s.host}:1")
-        c.on_connected(s.worker_id, 100.0)
-    c.round = None
-    c.generation = 0
-    c.spares.refill(101.0)
-    spares = [x.worker_id for x in c.drain() if isinstance(x, Spawn)]
-    for wid in spares:
-        c.on_started(wid, "10.0.0.2:1")
-        c.on_connected(wid, 101.0)
-        c.on_message(wid, SpareReady(), 101.0, 1e9)
-    c.drain()
-    return c, spares
 
 
 def _hints(c: Coordinator, step: int, now: float) -> dict[int, Any]:
@@ -67,7 +41,7 @@ def _hints(c: Coordinator, step: int, now: float) -> dict[int, Any]:
 
 @pytest.mark.timeout(10)
 def test_coordinator_hints_each_spare_its_slot_once_per_step() -> None:
-    c, spares = _job()
+    c, spares = formed_host_job()
     got = _hints(c, 7, 102.0)
     assert {w: (p.step, p.ranks, p.world_size) for w, p in got.items()} == {
         spares[0]: (7, [0, 2], 4),

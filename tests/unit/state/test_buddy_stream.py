@@ -21,6 +21,7 @@ from checkpointless.rendezvous import KeyServer
 from checkpointless.state.buddy import BuddyCopies
 from checkpointless.state.staging import staged_layout
 from checkpointless.state.stream import StreamRoute
+from tests.helpers.wait import deadline_in, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"b" * 32
@@ -66,13 +67,6 @@ def _state(step: int) -> dict[str, object]:
     }
 
 
-def _until(cond: object, what: str, limit: float = 20.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_keeper_holds_the_two_newest_verified_copies_bitwise(pair: tuple[BuddyCopies, BuddyCopies]) -> None:
     owner, keeper = pair
     for step in range(4):
@@ -80,7 +74,9 @@ def test_keeper_holds_the_two_newest_verified_copies_bitwise(pair: tuple[BuddyCo
         assert owner.start(step, state, guarded=set())
         owner.wait_sent(10.0)
         assert owner.last_send["step"] == step, owner.last_send
-        _until(lambda s=step: (0, s) in keeper.held(), f"copy of step {step}")
+        wait_for(
+            lambda s=step: (0, s) in keeper.held(), deadline_in(20.0), f"copy of step {step}", interval=0.01
+        )
     assert keeper.held() == [(0, 2), (0, 3)]
     for step in (2, 3):
         got = keeper.copy(0, step)
@@ -106,7 +102,9 @@ def test_a_stopped_keeper_lists_no_half_copy_and_the_owner_does_not_hang(
     for step in range(2):
         owner.start(step, _state(step), guarded=set())
         owner.wait_sent(10.0)
-        _until(lambda s=step: (0, s) in keeper.held(), f"copy of step {step}")
+        wait_for(
+            lambda s=step: (0, s) in keeper.held(), deadline_in(20.0), f"copy of step {step}", interval=0.01
+        )
     keeper.stop(5.0)  # a recovery began on the keeper's side
     assert keeper.held() == [(0, 0), (0, 1)]
     t0 = time.monotonic()
@@ -144,7 +142,7 @@ def test_a_keeper_that_leaves_fails_the_copy_at_once(pair: tuple[BuddyCopies, Bu
     owner, keeper = pair
     owner.start(0, _state(0), guarded=set())
     owner.wait_sent(10.0)
-    _until(lambda: (0, 0) in keeper.held(), "copy of step 0")
+    wait_for(lambda: (0, 0) in keeper.held(), deadline_in(20.0), "copy of step 0", interval=0.01)
     keeper.stop(5.0)
     owner.start(1, _state(1), guarded=set())
     t0 = time.monotonic()
@@ -160,14 +158,19 @@ def test_a_keeper_reconnects_and_copies_resume(pair: tuple[BuddyCopies, BuddyCop
     owner, keeper = pair
     owner.start(0, _state(0), guarded=set())
     owner.wait_sent(10.0)
-    _until(lambda: (0, 0) in keeper.held(), "copy of step 0")
+    wait_for(lambda: (0, 0) in keeper.held(), deadline_in(20.0), "copy of step 0", interval=0.01)
     stream = owner._stream
     assert stream is not None and stream._sock is not None
     stream._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks between two copies
     for step in (1, 2, 3):
         owner.start(step, _state(step), guarded=set())
         owner.wait_sent(10.0)
-    _until(lambda: (0, 3) in keeper.held(), "copy of step 3 over a new connection")
+    wait_for(
+        lambda: (0, 3) in keeper.held(),
+        deadline_in(20.0),
+        "copy of step 3 over a new connection",
+        interval=0.01,
+    )
     assert owner.failed <= 1, owner.failed  # at most the copy sent into the broken connection
     got = keeper.copy(0, 3)
     assert torch.equal(got["objects"]["w"], _state(3)["objects"]["w"])  # type: ignore[index]
@@ -190,7 +193,9 @@ def test_a_file_copy_damaged_after_it_was_listed_is_refused_not_served(
     for step in range(2):
         owner.start(step, _state(step), guarded=set())
         owner.wait_sent(10.0)
-    _until(lambda: keeper.held() == [(0, 0), (0, 1)], "copies of steps 0 and 1")
+    wait_for(
+        lambda: keeper.held() == [(0, 0), (0, 1)], deadline_in(20.0), "copies of steps 0 and 1", interval=0.01
+    )
     ref = keeper._held[0][1].slot
     assert ref is not None
     with open(shm / ref.name, "r+b") as f:
@@ -219,7 +224,7 @@ def test_the_owner_never_writes_a_file_its_keeper_lists(pair: tuple[BuddyCopies,
     for step in range(3, 7):
         owner.start(step, _state(step), guarded=set())
         owner.wait_sent(10.0)
-    _until(lambda: (0, 6) in keeper.held(), "copy of step 6")
+    wait_for(lambda: (0, 6) in keeper.held(), deadline_in(20.0), "copy of step 6", interval=0.01)
     keeper.stop(5.0)
     for step in range(7, 9):  # nobody keeps these: the owner writes new files or spares only
         owner.start(step, _state(step), guarded=set())
@@ -246,7 +251,7 @@ def test_a_full_shared_memory_sends_copies_over_the_socket_instead(tmp_path: Pat
             for step in range(3):
                 owner.start(step, _state(step), guarded=set())
                 owner.wait_sent(10.0)
-            _until(lambda: (0, 2) in keeper.held(), "copy of step 2")
+            wait_for(lambda: (0, 2) in keeper.held(), deadline_in(20.0), "copy of step 2", interval=0.01)
             assert owner.transport == "socket" and owner.failed == 0, (owner.transport, owner.failed)
             got = keeper.copy(0, 2)
             assert torch.equal(got["objects"]["w"], _state(2)["objects"]["w"])  # type: ignore[index]
