@@ -7,11 +7,13 @@ makes ends the job with an error naming it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, alive, run_job
+from tests.helpers.jobs import ROOT, alive, read_digests, run_job, torchrun_env
 
 NOWHERE = Path("/nonexistent")
 SCRIPT = ROOT / "tests" / "scripts" / "new_groups.py"
@@ -35,6 +37,21 @@ def test_script_groups_survive_kill_and_exception_bitwise(tmp_path: Path) -> Non
     # gradients' all-reduce
     assert "CommAborted: group g1.r0.1 " in res.output or "group g2.r0.1.2 " in res.output, res.output[-6000:]
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.timeout(200)
+def test_script_groups_under_plain_torchrun_match_the_job(tmp_path: Path) -> None:
+    # under plain torchrun the first generation forms in init(), so each group forms as it is
+    # made; the same script ends with the same weights and metrics as under checkpointless run
+    args = ["--steps", "15"]
+    ref = run_job(tmp_path / "ref", NOWHERE, 3, 0, script=SCRIPT, script_args=args)
+    assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "3", str(SCRIPT), *args]
+    cmd += ["--digest-out", str(tmp_path / "torchrun.digest-{rank}")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert read_digests(tmp_path, "torchrun.digest-") == {r: ref.digest for r in range(3)}
 
 
 @pytest.mark.timeout(120)
