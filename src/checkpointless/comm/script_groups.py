@@ -55,6 +55,7 @@ __all__ = [
     "group_key",
     "made_by_mesh",
     "parse_catalog",
+    "torch_delegates_new_group",
 ]
 
 _PREFIX = "groups/"  # apart from "default/", the communicator's "dp/" and the mesh's "gen<g>/"
@@ -137,6 +138,16 @@ def _seq(name: str) -> int:
 def _what_they_made(e: GroupEntry, missing: list[int], catalogs: Mapping[int, set[GroupEntry]]) -> str:
     same_name = sorted({str(list(x.ranks)) for r in missing for x in catalogs[r] if x.name == e.name})
     return f" (their #{e.name} is over ranks {', '.join(same_name)})" if same_name else ""
+
+
+def torch_delegates_new_group() -> bool:
+    """Whether this torch hands ``dist.new_group`` to a default group with a ``new_group`` of its
+    own (torch 2.13 does: ``_new_group_with_tag`` reads ``default_pg.new_group``). An older one
+    makes the group itself: then a script's group is never formed by the job."""
+    from torch.distributed import distributed_c10d
+
+    fn = getattr(distributed_c10d, "_new_group_with_tag", None)
+    return fn is not None and "new_group" in fn.__code__.co_names
 
 
 _mesh_depth = 0  # > 0 while job.device_mesh() makes its groups (made_by_mesh)

@@ -31,13 +31,17 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from checkpointless.comm.process_group import BACKEND_NAME, ResilientProcessGroup, register_backend
-from checkpointless.comm.script_groups import ScriptGroups
+from checkpointless.comm.script_groups import ScriptGroups, torch_delegates_new_group
 from checkpointless.errors import CommAborted, ConfigError
+from checkpointless.events import get_logger
 
 __all__ = ["DefaultGroup", "configure_standalone", "install_default_group"]
+
+log = get_logger()
 
 _STORE_PREFIX = "default/"  # apart from the data-parallel communicator's and the mesh's keys
 
@@ -114,6 +118,12 @@ def install_default_group(
     if not isinstance(pg, ResilientProcessGroup):  # pragma: no cover - c10d changed its plugin path
         raise ConfigError(f"the default process group is {type(pg).__name__}, expected ours")
     pg.before_collective = on_collective
+    if not torch_delegates_new_group():  # pragma: no cover - the package pins torch 2.13
+        log.warning(
+            "torch %s does not hand dist.new_group to the default group: groups the script makes "
+            "with it get no communicator under checkpointless (torch 2.13 does)",
+            torch.__version__,
+        )
     made = ScriptGroups(rank, world_size, timeout, pg.device_backend, on_collective)
     pg.new_group = made.create  # torch hands dist.new_group to the default group (script_groups.py)
     return DefaultGroup(pg, made)

@@ -27,6 +27,7 @@ from checkpointless.comm.script_groups import (
     disagreement,
     group_key,
     parse_catalog,
+    torch_delegates_new_group,
 )
 from checkpointless.errors import CommAborted
 
@@ -152,6 +153,11 @@ def test_a_group_one_rank_never_made_is_named_at_once() -> None:
     for reg in regs:
         reg.abort("done")
         reg.close()
+
+
+def test_the_pinned_torch_hands_new_group_to_the_default_group() -> None:
+    # everything here rests on it: a torch that makes the group itself bypasses the job
+    assert torch_delegates_new_group(), torch.__version__
 
 
 def test_new_group_under_init_run_plainly(tmp_path: Path) -> None:
