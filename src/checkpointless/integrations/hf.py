@@ -315,7 +315,7 @@ class CheckpointlessTrainer(Trainer):
         if run.booked >= index:
             return
         run.booked = index
-        committed = self.job.step  # updates in this rank's state
+        committed = self.job.committed_step  # updates in this rank's state
         received = self.state.global_step >= committed  # from a rank that did this bookkeeping
         if not received:
             self.state.global_step = committed

@@ -235,12 +235,6 @@ class Job:
         comm = self._member.comm
         return comm.wait(comm.allreduce(tensor, op))  # type: ignore[no-any-return]
 
-    # -- deprecated ----------------------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        """Deprecated synonym of ``committed_step`` (kept for scripts written against it)."""
-        return self._member.committed_step
-
 
 _JOB: Job | None = None
 

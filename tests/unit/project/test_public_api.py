@@ -45,7 +45,7 @@ def test_test_helpers_are_in_testing_not_the_top_level() -> None:
 
 
 # Job's members a training script uses (docs/configuration.md's table). ``internals`` is for our own
-# integrations and tests; ``step`` is a deprecated synonym of ``committed_step``.
+# integrations and tests.
 JOB_API = {
     "rank",
     "world_size",
@@ -69,7 +69,6 @@ JOB_API = {
     "record",
     "all_reduce",
     "internals",
-    "step",
 }
 
 
@@ -79,5 +78,5 @@ def test_job_surface_is_the_script_api_each_member_documented() -> None:
     assert public == JOB_API
     undocumented = sorted(n for n in public if not (getattr(job_cls, n).__doc__ or "").strip())
     assert undocumented == []
-    for synonym_or_internal in ("dp_rank", "dp_size", "comm", "env", "placement", "tracked", "groups"):
-        assert not hasattr(job_cls, synonym_or_internal)
+    removed = ("step", "dp_rank", "dp_size", "comm", "env", "placement", "tracked", "groups")
+    assert [n for n in removed if hasattr(job_cls, n)] == []
