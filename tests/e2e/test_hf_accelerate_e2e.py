@@ -1,0 +1,67 @@
+"""The Accelerate example under `checkpointless run`, with real faults, bitwise on every rank.
+
+Each run is examples/hf_accelerate.py (a hand-written Accelerate loop: prepare, accumulate with
+gradient accumulation 2, backward, a scheduler, 2 epochs of 5 optimizer steps) on 2 ranks and 1
+spare. It must end with every rank's weights and optimizer state equal to a fault-free run's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.jobs import ROOT, JobResult, alive, start_job
+
+pytest.importorskip("accelerate", reason="the `hf` extra is not installed")
+
+SCRIPT = ROOT / "examples" / "hf_accelerate.py"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def run(run_dir: Path, faults: list[str], spares: int = 1, bf16: bool = False) -> JobResult:
+    args = ["--epochs", "2", "--accumulation", "2"] + (["--mixed-precision", "bf16"] if bf16 else [])
+    job = start_job(
+        run_dir, run_dir.parent / "unused", 2, spares, faults, script_args=args, script=SCRIPT,
+        hang_timeout=6, env=OFFLINE,
+    )  # fmt: skip
+    return job.finish(150)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+    res = run(tmp_path_factory.mktemp("acc-ref") / "run", [], spares=0)
+    assert res.rc == 0, res.output[-4000:]
+    assert sorted(res.digests) == [0, 1] and res.digest, res.digests
+    return res
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param("kill:rank=1:step=3", id="sigkill"),
+        pytest.param("raise:rank=0:step=6:site=forward", id="raise-forward"),
+        pytest.param("raise:rank=1:step=7:site=backward", id="raise-backward", marks=pytest.mark.soak),
+        pytest.param("raise:rank=1:step=4:site=optimizer", id="raise-mid-optimizer"),
+        pytest.param("hang:rank=1:step=5", id="sigstop-hang", marks=pytest.mark.soak),
+    ],
+)
+def test_accelerate_loop_fault_is_survived_bitwise(tmp_path: Path, reference: JobResult, fault: str) -> None:
+    res = run(tmp_path / "run", [fault])
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(reference, nproc=2)  # weights and optimizer state
+    assert len(res.of("fault_injected")) == 1 and res.of("recovery"), res.output[-4000:]
+    if fault.startswith(("kill", "hang")):
+        assert res.of("spare_assigned") and "the training DataLoader seeks there" in res.output
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(300)
+def test_bf16_mixed_precision_is_exact_through_a_kill(tmp_path: Path) -> None:
+    ref = run(tmp_path / "ref" / "run", [], spares=0, bf16=True)
+    assert ref.rc == 0 and ref.digest, ref.output[-4000:]
+    res = run(tmp_path / "kill" / "run", ["kill:rank=1:step=6"], bf16=True)
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(ref, nproc=2)
