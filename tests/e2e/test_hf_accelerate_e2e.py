@@ -60,6 +60,8 @@ def test_accelerate_loop_fault_is_survived_bitwise(tmp_path: Path, reference: Jo
 @pytest.mark.soak
 @pytest.mark.timeout(300)
 def test_bf16_mixed_precision_is_exact_through_a_kill(tmp_path: Path) -> None:
+    for sub in ("ref", "kill"):
+        (tmp_path / sub).mkdir()
     ref = run(tmp_path / "ref" / "run", [], spares=0, bf16=True)
     assert ref.rc == 0 and ref.digest, ref.output[-4000:]
     res = run(tmp_path / "kill" / "run", ["kill:rank=1:step=6"], bf16=True)
