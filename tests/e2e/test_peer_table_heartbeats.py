@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from checkpointless.coordinator import Coordinator
-from checkpointless.launcher.model import LaunchConfig
 from checkpointless.protocol import AgentHeartbeat, Heartbeat, ProtocolError, decode, encode
 from checkpointless.protocol.beats import (
     BeatReader,
@@ -24,6 +23,7 @@ from checkpointless.protocol.beats import (
     beats_of,
     make_beat_dir,
 )
+from tests.helpers.coordinator import new_coordinator
 from tests.helpers.jobs import ROOT, start_job
 from tests.helpers.wait import deadline_in, wait_for
 
@@ -94,7 +94,7 @@ def test_rows_survive_the_wire_and_bad_columns_are_a_protocol_error() -> None:
 
 
 def _coordinator() -> Coordinator:
-    c = Coordinator(LaunchConfig(script=str(SLOW), nproc=2, spares=0), "job", {"kind": "rootless"})
+    c = new_coordinator(2, 0)
     c.start(10.0)
     c.drain()
     for wid in range(2):

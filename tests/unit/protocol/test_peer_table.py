@@ -15,8 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointless.coordinator import Coordinator, HostTable, Send, Spawn
-from checkpointless.launcher.model import LaunchConfig
+from checkpointless.coordinator import HostTable, Send, Spawn
 from checkpointless.peer_table import (
     CHUNK_BYTES,
     TableChunk,
@@ -41,6 +40,7 @@ from checkpointless.protocol import (
 )
 from checkpointless.protocol.control_channel import MAX_CONTROL_HEADER
 from checkpointless.protocol.tables import TableFiles, read_table
+from tests.helpers.coordinator import new_coordinator
 
 hosts = st.sampled_from(["10.0.0.1", "10.0.0.2", "node-7.cluster", "::1", "[fe80::1]", "h:007", ""])
 address = st.one_of(
@@ -162,8 +162,7 @@ def test_chunks_of_80k_host_major_ranks_fit_the_cap() -> None:
 # -- the coordinator's side ----------------------------------------------------------------------
 class Job:
     def __init__(self, nproc: int, spares: int = 2) -> None:
-        cfg = LaunchConfig(script=__file__, nproc=nproc, spares=spares)
-        self.c = Coordinator(cfg, "job", {"kind": "rootless", "timeout": 60})
+        self.c = new_coordinator(nproc, spares)
         self.now = 10.0
         self.workers: dict[int, TableHolder] = {}
         self.copies: dict[int, tuple[int, str, list[str]]] = {}  # host -> its agent's table
