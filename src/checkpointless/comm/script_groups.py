@@ -54,6 +54,7 @@ __all__ = [
     "disagreement",
     "group_key",
     "made_by_mesh",
+    "made_by_torch",
     "parse_catalog",
     "torch_delegates_new_group",
 ]
@@ -162,6 +163,29 @@ def made_by_mesh() -> Iterator[None]:
         yield
     finally:
         _mesh_depth -= 1
+
+
+@contextlib.contextmanager
+def made_by_torch() -> Iterator[None]:
+    """Groups made inside this are torch's own c10d groups, not the job's.
+
+    For a group no recovery ever drives: DCP's one-rank CPU group (state/durable.py) must carry a
+    real gloo backend for ``async_save``'s check, is made by one rank alone (so it would fail the
+    ranks' group-list check) and runs no collective. torch delegates ``new_group`` only while the
+    default group has a callable ``new_group``, so the hook is hidden for the call. Made on the
+    thread that checkpoints, between steps; a script's ``new_group`` on another thread at that
+    instant would be torch's too, which no script does while its own rank saves.
+    """
+    world = dist.group.WORLD if dist.is_initialized() else None
+    hook = getattr(world, "new_group", None) if isinstance(world, ResilientProcessGroup) else None
+    if world is None or hook is None:
+        yield
+        return
+    world.new_group = None
+    try:
+        yield
+    finally:
+        world.new_group = hook
 
 
 @dataclass

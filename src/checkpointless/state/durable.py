@@ -126,7 +126,12 @@ def _local_cpu_group() -> Any:
     if not dist.is_initialized():
         return None  # no default group: async_save makes no such check
     if _LOCAL_GROUP is None:
-        _LOCAL_GROUP = dist.new_group(ranks=[dist.get_rank()], backend="gloo", use_local_synchronization=True)
+        from checkpointless.comm.script_groups import made_by_torch
+
+        with made_by_torch():  # a real gloo group, not one of the job's (comm/script_groups.py)
+            _LOCAL_GROUP = dist.new_group(
+                ranks=[dist.get_rank()], backend="gloo", use_local_synchronization=True
+            )
     return _LOCAL_GROUP
 
 
