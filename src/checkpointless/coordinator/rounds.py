@@ -248,7 +248,7 @@ class Rounds:
             self.outbox.send(m, msg)
         r.phase = "rebuild"
         r.plan_sent = now
-        # whole tables this round sent to hosts' agents and to single members (agent/tables.py)
+        # whole tables this round sent to hosts' agents and to single members (protocol/tables.py)
         tables = {"hosts": t.host_tables, "members": t.member_tables}
         self.outbox.emit("plan", generation=r.target, peer_tables=tables, **plan_json)
 

@@ -128,7 +128,7 @@ class Send(Command):
 
 @dataclass(frozen=True)
 class HostTable(Command):
-    """Give a host's agent the whole peer table, which it keeps for its workers (agent/tables.py)."""
+    """Give a host's agent the whole peer table, which it keeps for its workers (protocol/tables.py)."""
 
     host: int
     chunks: tuple[PeerTable, ...]  # in rank order

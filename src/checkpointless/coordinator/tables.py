@@ -3,7 +3,7 @@ table to one member, or a host's copy for all the members of that host.
 
 The table itself (versions, deltas, who holds what) is ``peer_table.TableKeeper``'s; this is its
 delivery, the one place that weighs one message per member against one per host
-(``agent/tables.py`` holds the host's copy).
+(``protocol/tables.py`` holds the host's copy).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class TableDelivery:
 
     def give_table(self, m: Member) -> None:
         """Bring a member that needs the whole table up to the current version: through its host's
-        copy (agent/tables.py), sent to the agent once per version for all its workers; the member
+        copy (protocol/tables.py), sent to the agent once per version for all its workers; the member
         reads it there when its plan arrives, and asks us itself (``PeerTableRequest``) only when
         that copy fails it. A member of a host we do not know as live gets its own copy."""
         t = self.keeper

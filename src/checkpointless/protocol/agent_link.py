@@ -95,7 +95,7 @@ class ProcVerdict(Message):
 class AgentHeartbeat(Message):
     """Both ways, every half second: each side fences the other after a lease of silence.
 
-    From an agent it also carries its workers' beats (``agent/beats.py``), one column per field,
+    From an agent it also carries its workers' beats (``protocol/beats.py``), one column per field,
     one row per worker that published since the last one: ``ages`` is how long ago (seconds)
     the worker wrote it; -1 in ``steps``, ``progress_ages``, ``step_times``, ``busy_times``
     stands for None."""

@@ -8,7 +8,7 @@ collective wakes up) and queues everything else for the main thread.
 It also keeps the peer table (``link_table.PlanTables``): ``peer_table`` chunks never reach the
 inbox, and a ``recover`` reaches it with its peer table and plan filled in.
 
-Heartbeats go to the record the host's agent reads (``agent/beats.py``) when the agent gave us
+Heartbeats go to the record the host's agent reads (``protocol/beats.py``) when the agent gave us
 one, else over the control connection.
 
 Coordinator failover (docs/architecture.md): once the coordinator has sent a ``succession``, a
@@ -97,7 +97,7 @@ class LauncherLink:
         self._on_abort = on_abort
         self._status = status
         self._stop = threading.Event()
-        tables = os.environ.get(TABLE_ENV)  # the host's peer tables (agent/tables.py)
+        tables = os.environ.get(TABLE_ENV)  # the host's peer tables (protocol/tables.py)
         self.tables = PlanTables(self.send, self._dispatch, Path(tables) if tables else None)
         self._beats: BeatWriter | None = None
         self._beat_lock = threading.Lock()

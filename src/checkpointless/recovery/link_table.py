@@ -3,7 +3,7 @@
 The link's reader thread keeps the peer table (``peer_table.TableHolder``): ``peer_table`` chunks
 never reach the inbox, and a ``recover`` reaches it with its peer table and plan filled in; one
 whose delta does not apply to the table held here is kept back while the full table is asked
-for, unless this host's agent already holds a good copy of that version (``agent/tables.py``).
+for, unless this host's agent already holds a good copy of that version (``protocol/tables.py``).
 Kept apart from the connection itself (``link.py``): :class:`PlanTables` owns the table's
 bookkeeping, run on the reader thread as each frame arrives; the link gives it the two things it
 needs from the connection (a way to ask the coordinator, and a way to hand on a plan that waited).
@@ -32,7 +32,7 @@ class PlanTables:
 
     ``send`` asks the coordinator for the full table; ``release`` hands on a plan that waited
     for its table once the table is whole; ``host_tables`` is the folder of this host's copies
-    (``agent/tables.py``), or None when the agent keeps none."""
+    (``protocol/tables.py``), or None when the agent keeps none."""
 
     def __init__(
         self,
@@ -75,7 +75,7 @@ class PlanTables:
         return dataclasses.replace(msg, rendezvous=resolved["rendezvous"])
 
     def _from_host(self, msg: Recover) -> bool:
-        """Take the plan's table version from the copy this host's agent keeps (agent/tables.py),
+        """Take the plan's table version from the copy this host's agent keeps (protocol/tables.py),
         checked against the plan's digest. The agent gets it on a connection of its own, sent
         just before our plan: a copy not there yet is waited for briefly (on this reader thread,
         which has nothing else to do while it has no plan to hand on) when the coordinator must
