@@ -35,6 +35,7 @@ from checkpointless.launcher.proctable import read_sample
 from checkpointless.protocol import SUCCESSION_ENV, PeerTable, Succession, succession_to_env
 from checkpointless.protocol.beats import BEAT_ENV, BeatReader, WorkerBeat, make_beat_dir
 from checkpointless.protocol.tables import TABLE_ENV, TableFiles
+from checkpointless.settings import JobSettings
 
 __all__ = ["Agent", "AgentConfig", "ProcExit", "ProcVerdict", "ProcessHandle"]
 
@@ -65,6 +66,25 @@ class AgentConfig:
     limits: Limits
     quiet_workers: bool = False
     fork_server: bool = True
+
+    @classmethod
+    def from_job(cls, job: JobSettings, *, python: str, host: str, run_dir: Path, nproc: int) -> AgentConfig:
+        """The job's settings, with what differs per host: the interpreter, the address, the run
+        directory as this host sees it, and how many ranks the thread count is sized for."""
+        return cls(
+            python=python,
+            script=job.script,
+            script_args=list(job.script_args),
+            host=host,
+            run_dir=run_dir,
+            nproc=nproc,
+            rendezvous=job.rendezvous,
+            port_base=job.port_base,
+            port_range=job.port_range,
+            limits=Limits.of(job),
+            quiet_workers=job.quiet_workers,
+            fork_server=job.fork_server,
+        )
 
 
 @dataclass(frozen=True)

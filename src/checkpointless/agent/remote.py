@@ -42,7 +42,6 @@ from checkpointless.coordinator.rules.election import Ballot
 from checkpointless.errors import ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import ControlServer
-from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import job_shm_dir
 from checkpointless.launcher.runfiles import COORDINATOR_FILE
 from checkpointless.launcher.takeover import Mandate
@@ -289,19 +288,8 @@ def _serve(
     session = _Session(client, inbox, w)  # heartbeats first: setting up (port probes) takes time
     env = agent_env(w, host, secret_file)
     os.environ[ENV.SHM_KEY] = w.shm_key  # job_shm_dir reads it
-    cfg = AgentConfig(
-        python=sys.executable,
-        script=w.job.script,
-        script_args=list(w.job.script_args),
-        host=host,
-        run_dir=Path(w.run_dir),
-        nproc=w.job.per_node,
-        rendezvous=w.job.rendezvous,
-        port_base=w.job.port_base,
-        port_range=w.job.port_range,
-        limits=Limits.of(w.job),
-        quiet_workers=w.job.quiet_workers,
-        fork_server=w.job.fork_server,
+    cfg = AgentConfig.from_job(
+        w.job, python=sys.executable, host=host, run_dir=Path(w.run_dir), nproc=w.job.per_node
     )
     events = EventLog(
         Path(w.run_dir) / f"agent-{w.agent_id}.jsonl", job=w.job_id, agent=w.agent_id, host=host

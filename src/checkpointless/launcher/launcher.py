@@ -29,7 +29,6 @@ from checkpointless.launcher.control import ControlServer
 from checkpointless.launcher.identity import JobIdentity
 from checkpointless.launcher.model import LaunchConfig, config_from_json, config_to_json
 from checkpointless.launcher.plain import PlainShell
-from checkpointless.launcher.policy import Limits
 from checkpointless.launcher.reaper import job_shm_dir
 from checkpointless.launcher.runfiles import (
     COORDINATOR_FILE,
@@ -155,20 +154,7 @@ class Launcher:
 
     def _agent_config(self) -> AgentConfig:
         c = self.cfg
-        return AgentConfig(
-            python=c.python,
-            script=c.script,
-            script_args=list(c.script_args),
-            host=c.host,
-            run_dir=self.job.run_dir,
-            nproc=c.nproc,
-            rendezvous=c.rendezvous,
-            port_base=c.port_base,
-            port_range=c.port_range,
-            limits=Limits(hang_timeout=c.hang_timeout, start_timeout=c.start_timeout),
-            quiet_workers=c.quiet_workers,
-            fork_server=c.fork_server,
-        )
+        return AgentConfig.from_job(c, python=c.python, host=c.host, run_dir=self.job.run_dir, nproc=c.nproc)
 
     def _job_env(self) -> dict[str, str]:
         """What every process of the job has in its environment (the fork template too)."""
