@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from tracked_tensor import TrackedTensor
 
 import checkpointless as cl
 
@@ -41,7 +42,7 @@ def main() -> None:
     model = job.data_parallel(net)
     job.track(model=net, optimizer=opt)
     losses = torch.zeros(args.steps, dtype=torch.float64)
-    job.track(losses=_Losses(losses))  # a replacement must know the steps before it joined
+    job.track(losses=TrackedTensor("losses", losses))  # a replacement must know the steps before it joined
     for step in job.steps(args.steps):
         with step:
             xb, yb = loader.batch(step.index)
@@ -60,19 +61,6 @@ def main() -> None:
         h.update(losses.numpy().tobytes())
         with open(args.digest_out.replace("{rank}", str(dist.get_rank())), "w") as f:
             f.write(h.hexdigest() + "\n")
-
-
-class _Losses:
-    """The reduced loss of every committed step, as tracked state."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"losses": self.t}
-
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.t.copy_(sd["losses"])
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from tracked_tensor import TrackedTensor
 
 import checkpointless as cl
 
@@ -51,7 +52,7 @@ def main() -> None:
     model = job.data_parallel(net)
     job.track(model=net, optimizer=opt)
     metrics = torch.zeros(args.steps, 2, dtype=torch.float64)
-    job.track(metrics=_Metrics(metrics))  # a replacement must know the steps before it joined
+    job.track(metrics=TrackedTensor("metrics", metrics))  # a replacement must know the steps before it joined
     for step in job.steps(args.steps):
         with step:
             xb, yb = loader.batch(step.index)
@@ -80,19 +81,6 @@ def main() -> None:
         h.update(metrics.numpy().tobytes())
         with open(args.digest_out.replace("{rank}", str(rank)), "w") as f:
             f.write(h.hexdigest() + "\n")
-
-
-class _Metrics:
-    """The reduced metrics of every committed step, as tracked state."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"metrics": self.t}
-
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.t.copy_(sd["metrics"])
 
 
 if __name__ == "__main__":
