@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +33,7 @@ from checkpointless.state.snapshot import capture_rng, collect_state, restore_rn
 from checkpointless.state.staging import guarded_pointers
 from tests.e2e.test_faults_e2e import check_recovered
 from tests.helpers.jobs import EXAMPLE, all_committed, kill_workers_when, run_job
+from tests.helpers.writer_kill import kill_writer_repeatedly
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
@@ -170,9 +168,11 @@ def test_keeps_the_newest_two_and_refuses_an_unreadable_one(tmp_path: Path) -> N
 _SAVER_LOOP = """
 import sys, torch
 from pathlib import Path
-from checkpointless.state.durable import save_checkpoint
+from checkpointless.state.durable import list_checkpoints, save_checkpoint
 big = torch.zeros(16 << 20, dtype=torch.uint8)
-step = 2
+# on from the newest checkpoint an earlier attempt left: saving a step that exists fails at its
+# rename, and the .tmp that leaves would pass for a kill that landed mid-save
+step = max(list_checkpoints(Path(sys.argv[1])), default=0) + 2
 while True:
     big.fill_(step % 251)
     save_checkpoint(Path(sys.argv[1]), step, {"step": step, "big": big, "small": torch.full((7,), step)})
@@ -184,28 +184,23 @@ while True:
 @pytest.mark.timeout(120)
 def test_writer_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_path: Path) -> None:
     d = tmp_path / "ck"
-    mid_save = 0
-    for attempt in range(8):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _SAVER_LOOP, str(d)], stdout=subprocess.PIPE, text=True
-        )
-        try:
-            assert proc.stdout is not None
-            proc.stdout.readline()  # one checkpoint is published
-            time.sleep(0.02 + 0.04 * attempt)
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
-        if any(n.endswith(".tmp") or ".old-" in n for n in os.listdir(d)):
-            mid_save += 1
+
+    def check() -> None:
         steps = list_checkpoints(d)
         assert 1 <= len(steps) <= 2, os.listdir(d)
         for s in steps:  # every directory that looks complete is complete
             state, _ = load_checkpoint(d, s)
             assert state["step"] == s and bool((state["big"] == s % 251).all())
             assert torch.equal(state["small"], torch.full((7,), s))
-        if mid_save >= 2:
-            break
+
+    mid_save = kill_writer_repeatedly(
+        _SAVER_LOOP,
+        d,
+        attempts=8,
+        pause=lambda attempt: 0.02 + 0.04 * attempt,
+        mid_write=lambda names: any(n.endswith(".tmp") or ".old-" in n for n in names),
+        check=check,
+    )
     assert mid_save, "no kill landed while a checkpoint was being written"
     save_checkpoint(d, 10_000, {"step": 10_000})
     assert not [n for n in os.listdir(d) if not n.startswith("step-") or "." in n], os.listdir(d)

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +29,7 @@ from checkpointless.state.snapshot_file import load_snapshot, write_snapshot
 from checkpointless.state.staging import guarded_pointers
 from tests.e2e.test_faults_e2e import check_recovered
 from tests.helpers.jobs import all_committed, kill_workers_when, run_job
+from tests.helpers.writer_kill import kill_writer_repeatedly
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -138,27 +135,22 @@ while True:
 @pytest.mark.timeout(90)
 def test_writer_killed_mid_write_leaves_the_last_snapshot_usable(tmp_path: Path) -> None:
     d = tmp_path / "job" / "snapshots"
-    mid_write = 0
-    for attempt in range(6):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _WRITER_LOOP, str(d)], stdout=subprocess.PIPE, text=True
-        )
-        try:
-            assert proc.stdout is not None
-            proc.stdout.readline()  # one snapshot is published
-            time.sleep(0.05 + 0.03 * attempt)
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
-        if any(n.startswith(".writing-") for n in os.listdir(d)):
-            mid_write += 1
+
+    def check() -> None:
         steps = list_snapshots(d)
         assert 1 <= len(steps) <= 2, steps  # memory bound: never more than two slots
         state, _ = load_snapshot(d, steps[-1])
         s = state["step"]
         assert s == steps[-1] and bool((state["big"] == s % 251).all()) and bool((state["small"] == s).all())
-        if mid_write >= 2:
-            break
+
+    mid_write = kill_writer_repeatedly(
+        _WRITER_LOOP,
+        d,
+        attempts=6,
+        pause=lambda attempt: 0.05 + 0.03 * attempt,
+        mid_write=lambda names: any(n.startswith(".writing-") for n in names),
+        check=check,
+    )
     assert mid_write, "no kill landed while a snapshot was being written"
     # the next writer removes what the killed one left and keeps at most two snapshots
     write_snapshot(d, 10_000, layout({"step": 10_000, "x": torch.ones(3)}))
