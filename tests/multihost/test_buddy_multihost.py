@@ -15,16 +15,14 @@ on.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.harness.netns_job import host_shm_dirs, start_netns_job
+from tests.helpers.harness.netns_job import host_shm_dirs, launch_on_hosts
 from tests.helpers.jobs import TINY, JobResult, alive
 from tests.helpers.reference import ReferenceRuns
-from tests.helpers.wait import wait_for
 
 ARGS = [*TINY[2:], "--steps", "40", "--fsdp", "1,4"]
 CONTROL_PORT = 29410
@@ -46,17 +44,14 @@ def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documente
 
     assert buddy_of(0, 4, 2) == 2 and buddy_of(2, 4, 2) == 0  # the pair keeps each other's copies
     ref = _fsdp_reference(reference)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 200
     # Rank 2 dies in its update of step 5 (after every collective of the step), rank 0 as it
     # begins step 6: nothing between the two deaths can stop rank 0, so both are lost in one
     # generation, each with the only copies of the other's shard (tests/e2e/test_buddy_e2e.py).
     kills = ("kill:rank=2:step=5:site=optimizer", "kill:rank=0:step=6")
     with host_shm_dirs(3) as shm:
-        job = start_netns_job(
-            cluster,
-            run_dir,
+        job, deadline = launch_on_hosts(
+            netns_hosts,
+            tmp_path,
             corpus,
             ARGS,
             control_port=CONTROL_PORT,
@@ -95,13 +90,12 @@ def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
     netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     ref = _fsdp_reference(reference)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 200
     with host_shm_dirs(3) as shm:
-        job = start_netns_job(cluster, run_dir, corpus, ARGS, control_port=CONTROL_PORT, shm_dirs=shm)
-        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
-        assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
+        job, deadline = launch_on_hosts(
+            netns_hosts, tmp_path, corpus, ARGS, control_port=CONTROL_PORT, shm_dirs=shm
+        )
+        job.wait_training(deadline)
+        assert job.cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
         res = job.finish(deadline)
         # the surviving hosts' agents removed the job's shared memory (host 1's died with it)
         assert not [p for i in (0, 2) for p in shm[i].iterdir()], "shared memory was left behind"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.harness.netns_job import start_netns_job
+from tests.helpers.harness.netns_job import launch_on_hosts
 from tests.helpers.jobs import TINY
 from tests.helpers.reference import ReferenceRuns
 from tests.helpers.wait import wait_for
@@ -35,13 +35,9 @@ def test_killed_coordinator_is_replaced_and_the_job_finishes_bitwise(
     netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 200
-    job = start_netns_job(cluster, run_dir, corpus, ARGS, lease=LEASE)
-    try:
-        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
-        wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, ARGS, lease=LEASE)
+    with job.killed_on_failure():
+        job.wait_training(deadline, joined=3)
         step_at_kill = job.committed(0)
         job.coordinator.kill()  # SIGKILL: the coordinator process only; every agent and worker lives on
         killed = time.monotonic()
@@ -49,9 +45,6 @@ def test_killed_coordinator_is_replaced_and_the_job_finishes_bitwise(
         wait_for(lambda: job.events("coordinator_failover"), killed + 30, "a new coordinator")
         elected_in = time.monotonic() - killed
         wait_for(lambda: job.committed(0) > step_at_kill + 1, deadline, "a step committed after the failover")
-    except BaseException:
-        job.kill()
-        raise
     res = job.finish_agents(deadline)
     assert res.rc == 0, res.output
     check_recovered(res, ref, set())
@@ -75,14 +68,11 @@ def test_partition_isolating_the_coordinator_elects_a_successor_on_the_majority_
     steps down, host 0's agent fences its workers, the two other hosts elect a successor, ranks
     0-1 move to the spare host with state from ranks 2-3, and the job ends bitwise."""
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 200
-    job = start_netns_job(cluster, run_dir, corpus, ARGS, lease=LEASE)
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, ARGS, lease=LEASE)
+    cluster = job.cluster
     h0 = cluster.hosts[0]
-    try:
-        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
-        wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
+    with job.killed_on_failure():
+        job.wait_training(deadline, joined=3)
         h0.partition("both")
         cut = time.monotonic()
         wait_for(lambda: job.events("coordinator_failover"), cut + 40, "a successor on the majority side")
@@ -93,9 +83,6 @@ def test_partition_isolating_the_coordinator_elects_a_successor_on_the_majority_
         wait_for(lambda: len(h0.pids()) <= 2, cut + 30, "host 0's workers to be killed by their agent")
         fenced_in = time.monotonic() - cut
         h0.heal()
-    except BaseException:
-        job.kill()
-        raise
     res = job.finish_agents(deadline, lenient=[0])
     assert res.rc == 0, res.output
     check_recovered(res, ref, {0, 1})
@@ -118,20 +105,14 @@ def test_coordinator_host_lost_whole_the_others_elect_and_recover_its_ranks(
     """Every process on host 0 dies at once (the coordinator, node 0's agent, ranks 0-1): the two
     other agents elect a successor, ranks 0-1 move to the spare host, bitwise."""
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 200
-    job = start_netns_job(cluster, run_dir, corpus, ARGS, lease=LEASE)
-    try:
-        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
-        wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, ARGS, lease=LEASE)
+    cluster = job.cluster
+    with job.killed_on_failure():
+        job.wait_training(deadline, joined=3)
         assert cluster.hosts[0].kill_all(), "host 0 had no processes to kill"
         killed = time.monotonic()
         wait_for(lambda: job.events("coordinator_failover"), killed + 30, "a new coordinator")
         elected_in = time.monotonic() - killed
-    except BaseException:
-        job.kill()
-        raise
     res = job.finish_agents(deadline, lenient=[0])
     assert res.rc == 0, res.output
     check_recovered(res, ref, {0, 1})
@@ -157,15 +138,14 @@ def test_a_host_started_after_a_failover_joins_the_successor_and_takes_a_lost_ho
     joins as a spare host. The next host lost moves its ranks onto it, and the job ends bitwise."""
     args = [*TINY[2:], "--steps", "160"]  # room for a host to start and join after the failover
     ref = reference(4, script_args=args)
-    cluster = netns_hosts(4)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 260
-    job = start_netns_job(cluster, run_dir, corpus, args, lease=LEASE, idle=1)
+    job, deadline = launch_on_hosts(
+        netns_hosts, tmp_path, corpus, args, hosts=4, seconds=260, lease=LEASE, idle=1
+    )
+    cluster = job.cluster
     h3 = cluster.hosts[3].address
-    try:
-        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
-        wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
-        record = run_dir / "coordinator"
+    with job.killed_on_failure():
+        job.wait_training(deadline, joined=3)
+        record = job.run_dir / "coordinator"
         assert record.read_text().strip() == job.control  # the first coordinator's, as it started
         assert cluster.hosts[0].kill_all(), "host 0 had no processes to kill"
         wait_for(lambda: job.events("coordinator_failover"), deadline, "a new coordinator")
@@ -191,9 +171,6 @@ def test_a_host_started_after_a_failover_joins_the_successor_and_takes_a_lost_ho
         wait_for(
             lambda: len(job.events("recovery")) > before, deadline, "the second host loss to be recovered"
         )
-    except BaseException:
-        job.kill()
-        raise
     res = job.finish_agents(deadline, lenient=[0, victim])
     # host 1 holds ranks 2-3 throughout; host 2 (the spare host) took host 0's ranks 0-1
     victim_ranks = {2, 3} if victim == 1 else {0, 1}
@@ -220,14 +197,11 @@ def test_a_host_out_of_touch_while_the_job_ends_after_a_failover_exits_with_the_
     not 1 after its --connect-timeout. (Seen in CI without the stop: a spare host that noticed
     the failover late while a short job ended.)"""
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 200
-    job = start_netns_job(cluster, run_dir, corpus, ARGS, lease=LEASE)
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, ARGS, lease=LEASE)
+    run_dir = job.run_dir
     late = job.agents[2]  # the spare host's agent (node order 2)
     try:
-        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
-        wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
+        job.wait_training(deadline, joined=3)
         os.kill(late.pid, signal.SIGSTOP)
         job.coordinator.kill()
         wait_for(lambda: job.events("job_end"), deadline, "the successor to finish the job")
@@ -261,13 +235,10 @@ def test_every_rank_finishing_while_no_coordinator_exists_ends_the_job_ok(
     during a slow election and left; the successor found no process and failed the job as "lost
     before generation 0 formed".)"""
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 200
-    job = start_netns_job(cluster, run_dir, corpus, ARGS, lease=LEASE)
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, ARGS, lease=LEASE)
     stopped: list[int] = []
     try:
-        wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
+        job.wait_joined(deadline, 3)
         wait_for(lambda: job.committed(0) >= LAST - 4, deadline, f"rank 0 to commit step {LAST - 4}")
         for agent in job.agents:
             os.kill(agent.pid, signal.SIGSTOP)
@@ -308,19 +279,13 @@ def test_the_coordinator_killed_in_the_last_steps_never_fails_a_finished_job(
     job (then their agents' votes say they finished). Whichever it is, the job ends ok and
     bitwise, with one coordinator_failover at most."""
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 200
-    job = start_netns_job(cluster, run_dir, corpus, ARGS, lease=LEASE)
-    try:
-        wait_for(lambda: len(job.events("host_joined")) >= 3, deadline, "every agent to join")
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, ARGS, lease=LEASE)
+    with job.killed_on_failure():
+        job.wait_joined(deadline, 3)
         at = LAST - before_end
         wait_for(lambda: job.committed(0) >= at, deadline, f"rank 0 to commit step {at}")
         job.coordinator.kill()
         job.coordinator.wait(timeout=10)
-    except BaseException:
-        job.kill()
-        raise
     res = job.finish_agents(deadline)
     assert res.rc == 0, res.output
     res.assert_same_weights(ref, nproc=4)

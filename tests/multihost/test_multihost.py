@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.harness.netns_job import host_shm_dirs, start_netns_job
+from tests.helpers.harness.netns_job import host_shm_dirs, launch_on_hosts
 from tests.helpers.jobs import TINY, JobResult, alive
 from tests.helpers.reference import ReferenceRuns
 from tests.helpers.wait import wait_for
@@ -48,11 +48,9 @@ def test_host_loss_moves_its_ranks_to_the_spare_host(
     netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 180
-    job = start_netns_job(cluster, run_dir, corpus, ARGS)
-    wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, ARGS, seconds=180)
+    cluster = job.cluster
+    job.wait_training(deadline)
     assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
     res = job.finish(deadline)
     check_recovered(res, ref, {2, 3})
@@ -81,11 +79,9 @@ def test_partitioned_host_is_fenced_and_rejoins_as_a_spare(
     netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 180
-    job = start_netns_job(cluster, run_dir, corpus, ARGS)
-    wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, ARGS, seconds=180)
+    cluster = job.cluster
+    job.wait_training(deadline)
     h1 = cluster.hosts[1]
     h1.partition("both")
     wait_for(lambda: job.events("host_lost"), deadline, "the coordinator to declare host 1 lost")
@@ -117,13 +113,12 @@ def test_a_one_way_partition_is_fenced_too(
     workers must stop within a lease, its ranks move to the spare host, and the job ends bitwise.
     Its agent, told not to rejoin, leaves nothing of the job in its host's shared memory."""
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 180
     with host_shm_dirs(3) as shm:
-        job = start_netns_job(cluster, run_dir, corpus, ARGS, shm_dirs=shm, agent_flags=["--no-rejoin"])
-        wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
-        h1 = cluster.hosts[1]
+        job, deadline = launch_on_hosts(
+            netns_hosts, tmp_path, corpus, ARGS, seconds=180, shm_dirs=shm, agent_flags=["--no-rejoin"]
+        )
+        job.wait_training(deadline)
+        h1 = job.cluster.hosts[1]
         assert list(shm[1].iterdir()), "host 1 holds none of the job's shared memory to clean up"
         h1.partition(direction)  # type: ignore[arg-type]
         cut = time.monotonic()
@@ -149,11 +144,9 @@ def test_after_a_host_loss_a_process_fault_is_still_recovered(
     then replace a SIGKILLed rank on host 0, and the job still ends bitwise."""
     args = [*TINY[2:], "--steps", "160"]  # room for a refill spare to start after the host loss
     ref = reference(4, script_args=args)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 240
-    job = start_netns_job(cluster, run_dir, corpus, args)
-    wait_for(lambda: job.committed(2) >= 5, deadline, "rank 2 (host 1) to commit step 5")
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, args, seconds=240)
+    cluster = job.cluster
+    job.wait_training(deadline)
     assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
     wait_for(lambda: job.events("recovery"), deadline, "the host loss to be recovered")
     conds = [e for e in job.events("condition") if e["name"] == "no_spare_host"]

@@ -58,6 +58,29 @@ def _run_dir(c: SlurmCluster, job: int) -> Path:
     return c.jobs_dir / "runs" / str(job)
 
 
+def _start(
+    c: SlurmCluster, tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, Path, Path]:
+    """Submit the README's job: its id, the folder its digests go to, its run directory."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _submit(c, out, corpus, monkeypatch)
+    return job, out, _run_dir(c, job)
+
+
+def _wait_committed(c: SlurmCluster, job: int, rank: int, step: int, deadline: float, where: str) -> None:
+    """Wait for ``rank`` of ``job`` (on node ``where``) to commit ``step``; a failed wait names
+    what Slurm says of the job."""
+    run_dir = _run_dir(c, job)
+    wait_for(
+        lambda: _committed(run_dir, rank) >= step,
+        deadline,
+        f"rank {rank} ({where}) to commit step {step}",
+        interval=0.1,
+        details=lambda: _job_state(c, job),
+    )
+
+
 def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     f = run_dir / "events.jsonl"
     if not f.exists():
@@ -137,9 +160,7 @@ def test_sbatch_job_finishes_bitwise(
     reference: ReferenceRuns,
 ) -> None:
     ref = reference(4, script_args=ARGS)
-    out = tmp_path / "out"
-    out.mkdir()
-    job = _submit(slurm_cluster, out, corpus, monkeypatch)
+    job, out, _ = _start(slurm_cluster, tmp_path, corpus, monkeypatch)
     res = _result(slurm_cluster, job, out, timeout=150)
     res.assert_same_weights(ref, nproc=4)
     assert res.batches() == ref.batches(), "some rank trained on other samples than the fault-free run"
@@ -158,19 +179,10 @@ def test_node_lost_mid_run_is_recovered_on_the_spare_node(
 ) -> None:
     c = slurm_cluster
     ref = reference(4, script_args=ARGS)
-    out = tmp_path / "out"
-    out.mkdir()
     deadline = time.monotonic() + 180
-    job = _submit(c, out, corpus, monkeypatch)
-    run_dir = _run_dir(c, job)
+    job, out, run_dir = _start(c, tmp_path, corpus, monkeypatch)
     # $SLURM_NODEID orders the hosts: node n2 (id 1) holds ranks 2 and 3, n3 is the spare node
-    wait_for(
-        lambda: _committed(run_dir, 2) >= 5,
-        deadline,
-        "rank 2 (node n2) to commit step 5",
-        interval=0.1,
-        details=lambda: _job_state(c, job),
-    )
+    _wait_committed(c, job, 2, 5, deadline, "node n2")
     # the node dies as a whole: its slurmd first (so nothing on it reacts), then, all at once,
     # the job step's slurmstepd, the agent and its workers
     c.kill_slurmd("n2")
@@ -219,18 +231,9 @@ def test_scancel_leaves_nothing_behind(
     slurm_cluster: SlurmCluster, tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     c = slurm_cluster
-    out = tmp_path / "out"
-    out.mkdir()
     deadline = time.monotonic() + 120
-    job = _submit(c, out, corpus, monkeypatch)
-    run_dir = _run_dir(c, job)
-    wait_for(
-        lambda: _committed(run_dir, 0) >= 2,
-        deadline,
-        "rank 0 to commit step 2",
-        interval=0.1,
-        details=lambda: _job_state(c, job),
-    )
+    job, _, run_dir = _start(c, tmp_path, corpus, monkeypatch)
+    _wait_committed(c, job, 0, 2, deadline, "node n1")
     shm = Path(_events(run_dir, "job_start")[0]["shm"])
     assert shm.exists() and (run_dir / "secret").exists()
     c.scancel(job)

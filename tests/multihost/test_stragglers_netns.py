@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.harness.netns_job import start_netns_job
+from tests.helpers.harness.netns_job import launch_on_hosts
 from tests.helpers.reference import ReferenceRuns
 from tests.helpers.wait import wait_for
 from tests.multihost.test_multihost import ARGS, check_recovered
@@ -95,12 +95,10 @@ def test_a_throttled_host_is_reported_and_swapped_for_the_spare_host(
     if why:
         pytest.skip(why)
     ref = reference(4, script_args=ARGS)
-    cluster = netns_hosts(3)
-    run_dir = tmp_path / "job" / "run"
-    deadline = time.monotonic() + 240
     flags = ["--straggler-ratio", "1.5", "--straggler-window", "4", "--swap-stragglers"]
-    job = start_netns_job(cluster, run_dir, corpus, ARGS, launcher_flags=flags)
-    wait_for(lambda: job.committed(2) >= 3, deadline, "rank 2 (host 1) to commit step 3")
+    job, deadline = launch_on_hosts(netns_hosts, tmp_path, corpus, ARGS, seconds=240, launcher_flags=flags)
+    cluster = job.cluster
+    job.wait_training(deadline, step=3)
     assert not job.events("straggler"), "equal hosts must not be reported"
     agent1 = job.agents[1].pid
     workers = [p for p in cluster.hosts[1].pids() if p != agent1]

@@ -21,16 +21,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..jobs import JobResult, read_digests
 from ..paths import EXAMPLE, ROOT
+from ..wait import wait_for
 from .hosts import Host, NetnsCluster
 
-__all__ = ["CONTROL_PORT", "NetnsJob", "host_shm_dirs", "read_records", "start_netns_job"]
+__all__ = ["CONTROL_PORT", "NetnsJob", "host_shm_dirs", "launch_on_hosts", "read_records", "start_netns_job"]
 
 CONTROL_PORT = 29400  # each cluster's namespaces are its own, so tests never contend for it
 
@@ -64,6 +65,7 @@ class NetnsJob:
     agents: list[subprocess.Popen[bytes]]
     env: dict[str, str]  # every process's environment
     control: str  # the coordinator's control address, as the agents were given it
+    nproc_per_node: int = 2  # ranks per host: host i holds ranks i*n .. i*n + n-1
 
     def start_agent(
         self, agent_flags: Sequence[str] = (), shm_dir: Path | None = None
@@ -109,6 +111,35 @@ class NetnsJob:
         """Workers started on the (first) spare host the placement chose."""
         address = self.events("placement")[0]["spare_hosts"][0]
         return {e["worker"] for e in self.agent_events(address, "spawn")}
+
+    # -- waits of the test that drives it ----------------------------------------------------------
+
+    def wait_training(self, deadline: float, *, rank: int = 2, step: int = 5, joined: int = 0) -> None:
+        """Wait until ``rank`` has committed ``step`` (the default: rank 2, host 1's first, well into
+        the run, so a fault now is a mid-run fault) and, when ``joined`` is given, until that many
+        agents have joined (:meth:`wait_joined`)."""
+        where = f"host {rank // self.nproc_per_node}"
+        wait_for(
+            lambda: self.committed(rank) >= step, deadline, f"rank {rank} ({where}) to commit step {step}"
+        )
+        if joined:
+            self.wait_joined(deadline, joined)
+
+    def wait_joined(self, deadline: float, n: int) -> None:
+        """Wait until ``n`` agents have joined the coordinator: a test that then loses the
+        coordinator needs every voter of the election in the job."""
+        wait_for(lambda: len(self.events("host_joined")) >= n, deadline, f"{n} agents to join")
+
+    @contextlib.contextmanager
+    def killed_on_failure(self) -> Iterator[NetnsJob]:
+        """Around the part of a test that drives the job: when it fails (a wait timed out, an
+        assertion), kill the coordinator and agents at once, since :meth:`finish` would wait
+        the whole deadline out for a job that may never end."""
+        try:
+            yield self
+        except BaseException:
+            self.kill()
+            raise
 
     # -- the end ---------------------------------------------------------------------------------
 
@@ -224,7 +255,26 @@ def start_netns_job(
         if shm_dirs is not None:
             agent_env["CHECKPOINTLESS_SHM_DIR"] = str(shm_dirs[i])
         agents.append(_agent(h, i, control, run_dir, agent_env, agent_flags))
-    return NetnsJob(cluster, run_dir, coordinator, agents, base, control)
+    return NetnsJob(cluster, run_dir, coordinator, agents, base, control, nproc_per_node)
+
+
+def launch_on_hosts(
+    netns_hosts: Callable[[int], NetnsCluster],
+    tmp_path: Path,
+    corpus: Path,
+    script_args: Sequence[str],
+    *,
+    hosts: int = 3,
+    seconds: float = 200.0,
+    **start: Any,
+) -> tuple[NetnsJob, float]:
+    """The start every many-host test shares: ``hosts`` namespace hosts from the ``netns_hosts``
+    fixture, the job of :func:`start_netns_job` (given ``start``) with its run directory at
+    ``tmp_path/job/run``, and the monotonic deadline ``seconds`` from now that all the test's
+    waits and the job's end share. The job is started before the deadline is returned."""
+    cluster = netns_hosts(hosts)
+    deadline = time.monotonic() + seconds
+    return start_netns_job(cluster, tmp_path / "job" / "run", corpus, script_args, **start), deadline
 
 
 def _agent(
