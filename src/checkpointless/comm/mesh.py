@@ -53,16 +53,26 @@ def _product(shape: Sequence[int]) -> int:
 @dataclass
 class ResilientMesh:
     """The mesh and the groups under it. ``groups`` is in configure order: the world group,
-    then this rank's group along each mesh dimension."""
+    then this rank's group along each mesh dimension; empty for a mesh the script made itself
+    (:meth:`adopted`), whose groups the job's script groups drive."""
 
     device_mesh: DeviceMesh
     world: ResilientProcessGroup
     dim_groups: list[ResilientProcessGroup]
     generation: int = -1
+    owns_groups: bool = True
     groups: list[ResilientProcessGroup] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.groups = [self.world, *self.dim_groups]
+        self.groups = [self.world, *self.dim_groups] if self.owns_groups else []
+
+    @classmethod
+    def adopted(cls, device_mesh: DeviceMesh, world: ResilientProcessGroup) -> ResilientMesh:
+        """A mesh that ``init_device_mesh`` made (its groups came from ``dist.new_group`` on the
+        job's default group, comm/script_groups.py, which forms, aborts and releases them in
+        every generation): configuring, aborting or releasing it here touches no group, so
+        nothing is formed twice."""
+        return cls(device_mesh=device_mesh, world=world, dim_groups=[], owns_groups=False)
 
     def configure(
         self,

@@ -61,6 +61,10 @@ class ShardedRun:
 
     A 1-D mesh (``("shard",), (S,)``) is plain FSDP: one replica group, ``R = 1``. Ranks are
     laid out row-major, so rank r holds shard coordinate ``r % S`` in replica group ``r // S``.
+
+    ``mesh``: a mesh made already (:meth:`adopt`: the script's own ``init_device_mesh``, e.g.
+    dp x tp, described by its (R, S) as comm/mesh_coords.py computes it); otherwise one is made
+    over ``names`` and ``shape``.
     """
 
     def __init__(
@@ -72,17 +76,32 @@ class ShardedRun:
         timeout: datetime.timedelta,
         on_collective: Callable[[str], None] | None = None,
         device_type: str = "cpu",
+        mesh: ResilientMesh | None = None,
     ) -> None:
         dims = tuple(int(n) for n in shape)
         # c10d's bookkeeping needs a store object but sends nothing over it (comm/mesh.py); each
         # generation's communicators form from the store given to configure()
-        self.mesh: ResilientMesh = make_device_mesh(
-            names, dims, rank, world_size, dist.HashStore(), timeout, device_type
+        self.mesh: ResilientMesh = (
+            mesh
+            if mesh is not None
+            else make_device_mesh(names, dims, rank, world_size, dist.HashStore(), timeout, device_type)
         )
         self.replicate, self.shards = (1, dims[0]) if len(dims) == 1 else (dims[0], dims[1])
         self.rank = rank
         for pg in self.mesh.groups:
             pg.before_collective = on_collective
+
+    @classmethod
+    def adopt(
+        cls, device_mesh: Any, world: ResilientProcessGroup, plan_shape: tuple[int, int], rank: int
+    ) -> ShardedRun:
+        """The job's view of a mesh the script made itself: its (R, S) and this rank's coordinate;
+        the mesh's groups stay the script groups' to drive (ResilientMesh.adopted)."""
+        mesh = ResilientMesh.adopted(device_mesh, world)
+        world_size = plan_shape[0] * plan_shape[1]
+        # the timeout is only a new mesh's (its groups'); this one's groups have theirs
+        unused = datetime.timedelta(seconds=60)
+        return cls(("replicate", "shard"), plan_shape, rank, world_size, unused, mesh=mesh)
 
     @property
     def device_mesh(self) -> Any:

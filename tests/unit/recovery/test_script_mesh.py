@@ -1,0 +1,83 @@
+"""A mesh the script made itself, learned from its DTensors (recovery/script_mesh.py): which
+dimensions a tensor-parallel model's state is split along. One process on torch's fake process
+group of 4 ranks, so that a real dp x tp mesh and ``parallelize_module`` run without peers
+(``src_data_rank=None``: each rank cuts its own shard, no collective)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checkpointless.errors import ConfigError
+from checkpointless.recovery.script_mesh import script_mesh_of
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture()
+def mesh() -> Iterator[Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _mlp(mesh: Any) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    return parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
+
+
+def test_a_tp_model_is_split_over_tp_and_replicated_over_dp(mesh: Any) -> None:
+    found = script_mesh_of(_mlp(mesh).parameters())
+    assert found is not None and found.device_mesh is mesh
+    assert found.ranks == (0, 1, 2, 3)
+    assert found.layout.names == ("dp", "tp") and found.layout.replicate == {"dp"}
+    assert found.layout.plan_shape() == (2, 2)
+    assert found.layout.holders(1) == [3]
+
+
+def test_replicated_dtensors_alone_split_nothing(mesh: Any) -> None:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    bias = distribute_tensor(torch.zeros(3), mesh["tp"], [Replicate()], src_data_rank=None)
+    found = script_mesh_of([bias, torch.zeros(2)])
+    assert found is not None and found.layout.replicate == {"dp", "tp"}
+
+
+def test_plain_tensors_have_no_mesh() -> None:
+    assert script_mesh_of([torch.zeros(2), nn.Parameter(torch.ones(1))]) is None
+
+
+def test_a_flattened_mesh_counts_every_dimension_as_split(mesh: Any) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    flat = mesh["dp", "tp"]._flatten("dp_tp")
+    t = distribute_tensor(torch.zeros(8), flat, [Shard(0)], src_data_rank=None)
+    found = script_mesh_of([t])
+    assert found is not None and found.layout.replicate == frozenset()
+    assert found.layout.plan_shape() == (1, 4)  # each rank's state is its own: never a wrong source
+
+
+def test_dtensors_of_two_unrelated_meshes_are_refused(mesh: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    other = init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+    a = distribute_tensor(torch.zeros(4), mesh["tp"], [Shard(0)], src_data_rank=None)
+    b = distribute_tensor(torch.zeros(4), other, [Shard(0)], src_data_rank=None)
+    with pytest.raises(ConfigError, match="different device meshes"):
+        script_mesh_of([a, b])
