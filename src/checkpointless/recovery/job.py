@@ -37,6 +37,7 @@ from checkpointless.recovery.driver import run_steps
 from checkpointless.recovery.epochs import EpochDriver, hold_state
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.member import Member
+from checkpointless.recovery.script_mesh import adopt_script_mesh
 from checkpointless.recovery.startup import connect, form_mesh, join_torchrun, standalone
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.step import Step
@@ -175,6 +176,7 @@ class Job:
         rank's. A replacement ignores it: it receives state and step from a peer, so guard the
         loading code with ``if not job.is_replacement``. ``steps_per_epoch`` gives ``step.epoch``
         (default: the length of the one ``job.loader()``)."""
+        adopt_script_mesh(self._member)  # a mesh of the script's own (tensor parallel), if any
         return run_steps(self._member, total, start, steps_per_epoch)
 
     def epochs(self, count: int, loader: Any, start: int = 0) -> Iterator[int]:
