@@ -18,6 +18,7 @@ from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
+from checkpointless.state.snapshot import capture_rng
 
 __all__ = ["check_divergence", "commit", "enter_step", "judge_replicas"]
 
@@ -44,6 +45,9 @@ def commit(member: Member, index: int) -> None:
     member.clock.commit(member.comm.waited_s)
     member.record.retries.pop(index, None)
     member.record.fields.update(member.replicas.published())
+    # this rank's generators after its update: where a recovery that rolls the step forward
+    # resumes them (in a replacement too, recovery/rank_rng.py)
+    member.replicas.rank_rng.keep(index + 1, capture_rng())
     member.record.emit("commit", step=index, generation=member.generation)
     if member.recovery.first_commit and member.recovery.connected:
         member.recovery.first_commit = False

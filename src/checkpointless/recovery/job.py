@@ -220,11 +220,16 @@ class Job:
 
     # -- inside a step -------------------------------------------------------------------------
     def generator(self, name: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
-        """Inside a step: a generator seeded from (seed, name, rank, step), for randomness that
-        differs per rank yet is reproduced by a replay or a replacement (recovery/rng.py)."""
+        """Inside a step or a section: a generator seeded from (seed, name, rank, step), for
+        randomness that differs per rank yet is reproduced by a replay or a replacement
+        (recovery/rng.py). In a section, the step is the boundary's (the steps committed)."""
         m = self._member
-        step = m.clock.step_index if m.inside_step() else None
-        return m.record.streams.get(name, seed=seed, rank=m.rank, step=step, device=device)
+        section = None if m.inside_step() else m.clock.in_section
+        if m.inside_step():
+            step: int | None = m.clock.step_index
+        else:
+            step = m.committed_step if section is not None else None
+        return m.record.streams.get(name, seed=seed, rank=m.rank, step=step, device=device, section=section)
 
     def record(self, **fields: Any) -> None:
         """Attach fields (loss, a batch digest, ...) to this step's commit event."""

@@ -40,6 +40,7 @@ from checkpointless.state.transfer import StreamRoute, receive_state, send_state
 __all__ = [
     "join_generation",
     "newest_own_snapshot",
+    "receiver_rng",
     "recover",
     "recover_from",
     "restore_own_snapshot",
@@ -244,7 +245,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
         step, rng = restore_state(member.tracked.objects, state)
         if step != target:
             raise StateTransferError(f"received state for step {step}, the plan says {target}")
-        restore_rng(rng)
+        restore_rng(receiver_rng(member, target, rng, member.rank in plan.from_copy))
         info.update(stats)
         # transfer_s, split: state_collect_s (own tensors, the landing zone), recv_s (the stream,
         # hashed as it arrives), verify_s (digests compared, tree rebuilt), state_restore_s (the
@@ -296,5 +297,36 @@ def stream_route(member: Member, desc: dict[str, Any], gen: int) -> StreamRoute 
 
 
 def resume_rng(member: Member, target: int) -> RngState:
-    """The generators as they stood when step ``target`` first began here (``StepRecord.rng_for``)."""
-    return member.record.rng_for(target)
+    """This rank's generators as they stood when step ``target`` first began here
+    (``StepRecord.rng_for``), or as it kept them for ``target`` (the commit of step ``target - 1``,
+    recovery/rank_rng.py); failing both, as they are now (it rolled a step forward it updated)."""
+    at_start = member.record.rng_at_start
+    if at_start is not None and at_start[0] == target:
+        return at_start[1]
+    kept = member.replicas.rank_rng.load(target)
+    return kept if kept is not None else member.record.rng_for(target)
+
+
+def receiver_rng(member: Member, target: int, sent: RngState, from_copy: bool) -> RngState:
+    """The generators a rank that received its replica's state resumes with: its own, never the
+    sender's (they are per-rank state: a script may seed them per rank, and draw per rank).
+
+    A rank that has run steps in this process has them (``resume_rng``). A replacement takes
+    the record its predecessor kept for ``target`` (recovery/rank_rng.py). Without one (it runs
+    on another host) it keeps what was sent: a buddy copy's are its owner's own, a replica
+    peer's are the peer's, and then the run may differ from the run without the fault."""
+    keeper = member.replicas.rank_rng
+    if not member.is_replacement or keeper.began:
+        return resume_rng(member, target)
+    kept = keeper.load(target)
+    if kept is not None:
+        return kept
+    if not from_copy:
+        log.warning(
+            "no record of rank %d's own generators for step %d on this host: resuming the sender's "
+            "(a script that draws per-rank random numbers from the global generators may now "
+            "differ from the run without the fault; docs/adoption.md)",
+            member.rank,
+            target,
+        )
+    return sent

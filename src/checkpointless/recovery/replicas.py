@@ -2,8 +2,9 @@
 
 Rank 0's shared-memory snapshots and durable (DCP) checkpoints on an unsharded job; on a sharded
 mesh each rank's own snapshots and checkpoints, its buddy copies kept on another host and its
-undo copies kept in memory (``state/buddy.py``); and a spare's paged-in room for the state it
-will receive (``state/arena.py``). :class:`ReplicaKeeper` owns them: it is configured from the
+undo copies kept in memory (``state/buddy.py``); this rank's own generators, kept in shared memory
+for its replacement (``rank_rng.py``); and a spare's paged-in room for the state it will receive
+(``state/arena.py``). :class:`ReplicaKeeper` owns them: it is configured from the
 launcher's assignment, starts the copies as a step begins, holds an update until no copy still
 reads the tensors it changes, and says what it holds when the rank reports for a recovery.
 """
@@ -19,6 +20,7 @@ import torch
 
 from checkpointless.events import get_logger
 from checkpointless.protocol import Assign
+from checkpointless.recovery.rank_rng import RankRngKeeper, rank_rng_dir
 from checkpointless.recovery.sharded import buddies_wanted
 from checkpointless.state.arena import Arena
 from checkpointless.state.buddy import BuddyCopies
@@ -52,6 +54,7 @@ class ReplicaKeeper:
         self.buddy_every = 1  # --buddy-every: steps between copies
         self.buddies: BuddyCopies | None = None  # this rank's copies, kept on another host
         self.arena: Arena | None = None  # a spare's paged-in room for the state it will receive
+        self.rank_rng = RankRngKeeper()  # this rank's own generators, for its replacement
 
     # -- set-up --------------------------------------------------------------------------------
     def configure(self, msg: Assign, rank: int, job_id: str) -> None:
@@ -59,6 +62,7 @@ class ReplicaKeeper:
         every = self.snapshot_every = msg.snapshot_every
         self.buddy_mode = msg.buddy_copies
         self.buddy_every = msg.buddy_every
+        self.rank_rng.configure(rank_rng_dir(job_id), rank)
         if every and rank == 0:
             # One copy per host is enough (replicas are identical after each commit), and the
             # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
@@ -134,7 +138,9 @@ class ReplicaKeeper:
         rng: RngState,
         now: float,
     ) -> None:
-        """Start the copies due as step ``index`` begins, from the state as it begins."""
+        """Start the copies due as step ``index`` begins, from the state as it begins; keep this
+        rank's generators ``rng`` (as the step begins) for its replacement."""
+        self.rank_rng.keep(index, rng)
         snap = self.snapshots is not None and self.snapshots.due(index)
         copy = self.buddies is not None and self.buddies.due(index)
         if snap or copy:

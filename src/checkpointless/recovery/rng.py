@@ -1,11 +1,12 @@
 """Per-rank random streams that a replacement reproduces exactly.
 
-The job's global generators (Python, NumPy, torch) are the same on every rank: the initial round
-copies rank 0's to everyone, and a recovery hands them on with the rest of the state. Randomness
-that must differ between ranks (dropout on per-rank data, augmentation, synthetic samples) comes
-from :meth:`checkpointless.Job.generator` instead: a ``torch.Generator`` seeded from
-(seed, name, rank, step). Nothing about it has to be sent: whoever holds rank ``r`` at step ``s``
-(the original process, a replay, a replacement) derives the very same seed.
+The job's global generators (Python, NumPy, torch) are each rank's own: a rank keeps its own
+through the first round and through every recovery, and a replacement resumes the ones its
+predecessor kept (``rank_rng.py``), so a script may seed them per rank and draw per rank, as
+under DDP. :meth:`checkpointless.Job.generator` is another way to draw per rank: a
+``torch.Generator`` seeded from (seed, name, rank, step), in a step or a section. Nothing about
+it has to be kept or sent: whoever holds rank ``r`` at step ``s`` (the original process, a
+replay, a replacement) derives the very same seed.
 """
 
 from __future__ import annotations
@@ -41,23 +42,34 @@ class StepStreams:
         self._live.clear()
 
     def get(
-        self, name: str, *, seed: int, rank: int, step: int | None, device: torch.device | str
+        self,
+        name: str,
+        *,
+        seed: int,
+        rank: int,
+        step: int | None,
+        device: torch.device | str,
+        section: str | None = None,
     ) -> torch.Generator:
+        """``name``'s generator in step ``step``, or in section ``section`` at the boundary after
+        ``step`` steps (a stream of its own: the step that follows draws another)."""
         if step is None:
             raise ConfigError(
-                f"job.generator({name!r}) was called outside a step: its stream is keyed by the step "
-                "index, so call it inside `with step:`"
+                f"job.generator({name!r}) was called outside a step or a section: its stream is "
+                "keyed by the step index, so call it inside `with step:` or a job.section() function"
             )
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ConfigError(f"job.generator seed must be an int, got {seed!r}")
         dev = torch.device(device)
-        key = (name, int(seed), str(dev))
+        # a section's streams are named apart from the step's (the step's names keep their seeds)
+        full = name if section is None else f"{name}\x00section\x00{section}"
+        key = (full, int(seed), str(dev))
         gen = self._live.get(key)
         if gen is None:
             # one call per step and name gives a fresh generator; later calls in the same step
             # continue its stream rather than repeat it
             gen = torch.Generator(device=dev)
-            gen.manual_seed(stream_seed(seed, name, rank, step))
+            gen.manual_seed(stream_seed(seed, full, rank, step))
             self._live[key] = gen
         return gen
 

@@ -46,6 +46,7 @@ class StepRecord:
         the generators as they are now."""
         self.rng_at_start = (at, capture_rng())
         self.fields = {}
+        self.streams.begin_step()  # job.generator() in a section: each attempt from its start
 
     def emit(self, event: str, **fields: Any) -> None:
         """Write an event (with this step's recorded fields) to the commit log, if there is one."""
