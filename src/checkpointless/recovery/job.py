@@ -224,11 +224,11 @@ class Job:
         randomness that differs per rank yet is reproduced by a replay or a replacement
         (recovery/rng.py). In a section, the step is the boundary's (the steps committed)."""
         m = self._member
-        section = None if m.inside_step() else m.clock.in_section
-        if m.inside_step():
-            step: int | None = m.clock.step_index
+        section = m.clock.in_section  # set only while a section runs, between steps
+        if section is not None:
+            step: int | None = m.committed_step
         else:
-            step = m.committed_step if section is not None else None
+            step = m.clock.step_index if m.inside_step() else None
         return m.record.streams.get(name, seed=seed, rank=m.rank, step=step, device=device, section=section)
 
     def record(self, **fields: Any) -> None:

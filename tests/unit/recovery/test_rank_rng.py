@@ -1,0 +1,146 @@
+"""A rank's own global generators, kept for its replacement (recovery/rank_rng.py): the record
+restores every stream exactly, a torn or foreign record is never restored, the newest two steps
+are kept, a fresh replacement finds its predecessor's record, a rank that receives its replica's
+state keeps its own generators (recover.receiver_rng), and job.generator works in a section."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpointless.errors import ConfigError
+from checkpointless.recovery.job import Job
+from checkpointless.recovery.rank_rng import RankRngKeeper, decode_record, encode_record
+from checkpointless.recovery.recover import receiver_rng
+from checkpointless.state.snapshot import RngState, capture_rng, restore_rng
+
+
+def _draws() -> tuple[torch.Tensor, float, float, np.ndarray]:
+    """A few draws from every global generator (gauss: Python's and NumPy's cached second value)."""
+    return torch.rand(5), random.gauss(0, 1), random.random(), np.random.standard_normal(3)
+
+
+def _same(
+    a: tuple[torch.Tensor, float, float, np.ndarray], b: tuple[torch.Tensor, float, float, np.ndarray]
+) -> bool:
+    return torch.equal(a[0], b[0]) and a[1:3] == b[1:3] and np.array_equal(a[3], b[3])
+
+
+def _seed(n: int) -> None:
+    torch.manual_seed(n)
+    random.seed(n)
+    np.random.seed(n)
+
+
+@pytest.mark.timeout(60)
+def test_a_record_restores_every_global_stream_exactly() -> None:
+    _seed(1337)
+    _draws()  # mid-stream, with a cached gauss on both Python's and NumPy's side
+    random.gauss(0, 1)
+    np.random.standard_normal(1)
+    record = encode_record(7, capture_rng())
+    want = _draws()
+    _seed(99)
+    got = decode_record(record)
+    assert got.step == 7
+    restore_rng(got.rng)
+    assert _same(_draws(), want)
+
+
+@pytest.mark.timeout(60)
+def test_a_torn_or_foreign_record_is_refused() -> None:
+    record = encode_record(3, capture_rng())
+    for bad in (
+        record[:-1],
+        record[:40],
+        b"x" + record[1:],
+        record[:-17] + bytes([record[-17] ^ 1]) + record[-16:],
+    ):
+        with pytest.raises(ValueError):
+            decode_record(bad)
+
+
+@pytest.mark.timeout(60)
+def test_the_keeper_keeps_the_newest_two_steps_for_a_fresh_process(tmp_path: Path) -> None:
+    mine = RankRngKeeper()
+    mine.configure(tmp_path, 1)
+    assert not mine.began and mine.load(0) is None
+    states: dict[int, RngState] = {}
+    for step in (4, 5, 6):
+        _seed(step)
+        states[step] = capture_rng()
+        mine.keep(step, states[step])
+    assert mine.began
+    # what a replacement of rank 1 (another process: nothing in memory) reads
+    fresh = RankRngKeeper()
+    fresh.configure(tmp_path, 1)
+    assert not fresh.began
+    assert fresh.load(4) is None  # overwritten by step 6 (same parity)
+    for step in (5, 6):
+        kept = fresh.load(step)
+        assert kept is not None
+        restore_rng(kept)
+        a = _draws()
+        restore_rng(states[step])
+        assert _same(a, _draws())
+    other = RankRngKeeper()
+    other.configure(tmp_path, 0)
+    assert other.load(6) is None  # rank 0's replacement never takes rank 1's streams
+    # a kill mid-write leaves the older record whole (the write goes through a renamed file)
+    (tmp_path / "rank1.0").write_bytes(b"torn")
+    assert fresh.load(6) is None and mine.load(6) is not None  # the writer's memory still has it
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_resumes_its_own_generators_never_the_senders(tmp_path: Path) -> None:
+    sent = capture_rng()
+    _seed(5)
+    own = capture_rng()
+    job = Job(None)
+    m = job.internals
+    m.rank = 1
+    m.replicas.rank_rng.configure(tmp_path, 1)
+    # a rank that ran the step here: its generators as the step began
+    m.record.rng_at_start = (9, own)
+    assert receiver_rng(m, 9, sent, from_copy=False) is own
+    # a fresh replacement: its predecessor's record of the step, else (with a warning) the sender's
+    m.record.rng_at_start = None
+    m.is_replacement = True
+    assert receiver_rng(m, 9, sent, from_copy=False) is sent
+    writer = RankRngKeeper()
+    writer.configure(tmp_path, 1)
+    writer.keep(9, own)
+    got = receiver_rng(m, 9, sent, from_copy=False)
+    restore_rng(got)
+    a = _draws()
+    restore_rng(own)
+    assert _same(a, _draws())
+
+
+@pytest.mark.timeout(60)
+def test_job_generator_works_in_a_section_and_restarts_with_it() -> None:
+    job = Job(None)
+    m = job.internals
+    m.rank, m.committed_step = 1, 8
+    with pytest.raises(ConfigError, match="outside a step or a section"):
+        job.generator("eval")
+    m.clock.in_section = "eval"
+    m.record.begin_section(8)
+    first = torch.rand(3, generator=job.generator("eval", seed=3))
+    more = torch.rand(3, generator=job.generator("eval", seed=3))  # the stream continues
+    assert not torch.equal(first, more)
+    m.record.begin_section(8)  # the section redone after a fault: from the start of its stream
+    assert torch.equal(torch.rand(3, generator=job.generator("eval", seed=3)), first)
+    m.rank = 0
+    m.record.begin_section(8)
+    assert not torch.equal(torch.rand(3, generator=job.generator("eval", seed=3)), first)  # per rank
+    # the same name in the step that follows is a stream of its own
+    m.clock.in_section = None
+    m.clock.step_index = 8
+    m.record.begin(8)
+    m.rank = 1
+    assert not torch.equal(torch.rand(3, generator=job.generator("eval", seed=3)), first)
