@@ -9,13 +9,17 @@ of a replica see the same batch, as TP requires.
 
 --digest-out: each rank writes a hash of its own state (its parameters' local shards and its
 AdamW state's local shards) to the path with "{rank}" filled in, so that every rank's shards can
-be compared with the fault-free run's. The same script runs under plain torchrun (parity)."""
+be compared with the fault-free run's. The same script runs under plain torchrun (parity), and
+with --torch-only it trains the same way with torch alone (the ground truth)."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,16 +57,51 @@ def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+class TorchOnly:
+    """--torch-only: the same training with torch alone (no checkpointless): the ground truth the
+    adopted script must equal, bit for bit. Stands in for the few job calls the loop makes."""
+
+    def __init__(self) -> None:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.rank = dist.get_rank()
+        self.device = (
+            torch.device("cuda", self.rank % torch.cuda.device_count())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+
+    def track(self, **objects: object) -> None:
+        pass
+
+    def record(self, **fields: object) -> None:
+        pass
+
+    def steps(self, total: int) -> Iterator[Step]:
+        return (Step(i) for i in range(total))
+
+
+@dataclass
+class Step:
+    index: int
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--digest-out", required=True)
+    ap.add_argument("--torch-only", action="store_true", help="train with torch alone (under torchrun)")
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     args = ap.parse_args()
 
     torch.manual_seed(0)  # the same full model on every rank; each keeps its tp shard of it
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    job = cl.init()  # a hot spare waits here until it is given a rank
+    job: Any = TorchOnly() if args.torch_only else cl.init()  # a hot spare waits in init()
     mesh = init_device_mesh(job.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
     # src_data_rank=None: each rank cuts its shard from its own (identical) copy; the default
     # scatters from tp rank 0, a collective that under the launcher cannot run before
@@ -86,6 +125,8 @@ def main() -> None:
                 g.div_(mesh["dp"].size())
             opt.step()
     Path(args.digest_out.format(rank=job.rank)).write_text(state_digest(model, opt))
+    if args.torch_only:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

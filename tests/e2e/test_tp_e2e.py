@@ -1,0 +1,106 @@
+"""Tensor parallel on a 2-D mesh (dp 2 x tp 2) through real faults, bitwise on every rank's shards.
+
+tests/scripts/tp_mlp.py makes its mesh with torch's ``init_device_mesh`` and splits an MLP over
+"tp" with ``parallelize_module`` (Colwise, then Rowwise); its two replicas over "dp" average
+their gradients over the dp group. Under the launcher (4 ranks, 1 spare, gloo, CPU) a rank is
+killed or a step raises; every rank's final parameters and AdamW state must be bit for bit the
+fault-free run's, and a rank that received state must have taken it from the rank with its own
+tp coordinate in the other replica, never from another tp shard. The fault-free run itself must
+equal the same training under torch alone and the adopted script under plain torchrun.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.jobs import ROOT, JobResult, alive, read_digests, run_job, torchrun_env
+from tests.helpers.paths import SCRIPTS
+from tests.helpers.reference import ReferenceRuns
+
+TP_SCRIPT = SCRIPTS / "tp_mlp.py"
+ARGS = ["--steps", "8"]
+TP = 2  # rank r is (dp=r // TP, tp=r % TP)
+
+
+@pytest.fixture()
+def tp_reference(reference: ReferenceRuns) -> JobResult:
+    """The fault-free dp 2 x tp 2 run (once per session)."""
+    res = reference(4, script=TP_SCRIPT, script_args=ARGS, replicated=False)
+    d = res.digests
+    # the two replicas of each tp shard agree, and the two tp shards differ: really shards
+    assert sorted(d) == [0, 1, 2, 3] and d[0] == d[2] and d[1] == d[3] and d[0] != d[1], d
+    return res
+
+
+def state_sources(res: JobResult) -> list[dict[int, int]]:
+    """receiver -> source of every recovery plan after the first generation."""
+    return [{r: s for r, s in e.get("sources", [])} for e in res.of("plan") if e["generation"] > 0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "fault,receivers",
+    [
+        # the spare takes (dp=0, tp=1) and gets tp shard 1 from (dp=1, tp=1)
+        ("kill:rank=1:step=4", {1: 3}),
+        # inside the forward's TP all-reduce (RowwiseParallel): replayed in process, nobody receives
+        ("raise:rank=2:step=3:site=forward", {}),
+        # half-updated: (dp=0, tp=0)'s shard is invalid and comes back from (dp=1, tp=0)
+        ("raise:rank=0:step=5:site=optimizer", {0: 2}),
+    ],
+    ids=["sigkill", "raise-in-forward", "raise-mid-optimizer"],
+)
+def test_tp_fault_is_recovered_from_the_same_tp_coordinate_bitwise(
+    tmp_path: Path, corpus: Path, tp_reference: JobResult, fault: str, receivers: dict[int, int]
+) -> None:
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=4,
+        spares=1,
+        faults=[fault],
+        script=TP_SCRIPT,
+        script_args=ARGS,
+        timeout=100,
+    )
+    assert res.rc == 0, res.output[-6000:]
+    wrong = {
+        r: (res.digests.get(r, "none")[:12], d[:12])
+        for r, d in tp_reference.digests.items()
+        if res.digests.get(r) != d
+    }
+    assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
+    assert res.batches() == tp_reference.batches(), (
+        "some rank trained on other samples than the fault-free run"
+    )
+    assert res.of("recovery"), res.output[-4000:]
+    plans = state_sources(res)
+    assert plans and plans[0] == receivers, plans
+    for plan in plans:  # whatever the plan, a source holds the receiver's tp shard in another replica
+        for r, s in plan.items():
+            assert s % TP == r % TP and s // TP != r // TP, (r, s)
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+def torchrun(tmp_path: Path, name: str, extra: list[str]) -> dict[int, str]:
+    """tp_mlp.py on 4 ranks under plain torchrun, which must succeed: every rank's digest."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "4"]
+    cmd += [str(TP_SCRIPT), *ARGS, *extra, "--digest-out", str(tmp_path / f"{name}.digest-{{rank}}")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return read_digests(tmp_path, f"{name}.digest-")
+
+
+@pytest.mark.timeout(330)
+def test_tp_equals_torch_alone_and_the_adopted_script_under_plain_torchrun(
+    tmp_path: Path, tp_reference: JobResult
+) -> None:
+    # torch alone is the ground truth: the job's first state sync copied each tp shard from its
+    # holder in the first replica, never rank 0's shard onto every rank (same shapes: unseen)
+    assert torchrun(tmp_path, "torch", ["--torch-only"]) == tp_reference.digests
+    # under plain torchrun the adopted script starts each rank from its shard's holder too
+    assert torchrun(tmp_path, "adopted", []) == tp_reference.digests
