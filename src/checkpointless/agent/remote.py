@@ -36,6 +36,9 @@ from typing import Any
 
 from checkpointless.agent.agent import Agent, AgentConfig, ProcExit
 from checkpointless.agent.failover import LOST, Early, Joined, elect, refuse_all
+from checkpointless.agent.health import HealthConfig
+from checkpointless.agent.health_nvml import NvmlWatch, open_nvml
+from checkpointless.agent.health_watch import HealthWatch
 from checkpointless.agent.join import job_outcome, join, read_secret
 from checkpointless.config import ENV
 from checkpointless.coordinator.rules.election import Ballot
@@ -210,6 +213,7 @@ def run_agent(
         node=local_node(),
         order=order,
         failover=f"{failover.address[0]}:{failover.address[1]}",
+        health=True,  # agent/health_watch.py reports once it knows the job's checks
     )
     stop: list[int] = []
     old_term = signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
@@ -296,6 +300,11 @@ def _serve(
     )
     agent = Agent(cfg, env, events)
     session.agent = agent
+    # the host's health checks (agent/health.py): the first run now, its report before the
+    # coordinator may promote this host's spares, then every --health-interval
+    nvml = NvmlWatch(open_nvml()) if w.job.health_builtins == "all" else None
+    health = HealthWatch(HealthConfig.from_job(w.job, Path(w.run_dir), env), session.send, nvml)
+    health.start()
     outcome = "fenced"
     outcome, code = "fenced", 1
     ballot = Ballot(voted=w.term)
@@ -333,6 +342,7 @@ def _serve(
                 session = _Session(result.client, result.inbox, welcome)
                 session.agent = agent  # its workers' beats go to the new coordinator
                 session.succession = succession
+                health.set_sender(session.send)  # and its health, the newest result at once
                 client = result.client
                 continue
             if result is not None:
@@ -341,6 +351,7 @@ def _serve(
                 outcome = "fenced"
             break
     finally:
+        health.stop()
         session.done.set()
         mine = f"{failover.address[0]}:{failover.address[1]}"
         later = [a for a in (succession.addresses if succession is not None else []) if a != mine]

@@ -256,7 +256,12 @@ class Rounds:
         ms, out = self.members, self.outbox
         # a spare being stopped (retired: SparePool.retire_squeezed) is neither offered nor awaited
         spares = [m for m in ms.idle_spares() if m.killed_for is None]
-        pool = [(m.worker_id, m.host) for m in spares if m.ready and m.connected]
+        # and one on a host the health gate holds back (coordinator/health.py) takes no rank
+        pool = [
+            (m.worker_id, m.host)
+            for m in spares
+            if m.ready and m.connected and self.spares.promotable(m, now)
+        ]
         live = ms.live_hosts()
         holding = {m.host for m in ms.ranks.values() if m.host in live}
         old_host = {rank: ms.ranks[rank].host if rank in ms.ranks else -1 for rank in ranks}
@@ -264,7 +269,7 @@ class Rounds:
         unmatched = [rank for rank in ranks if rank not in match]
         # a starting spare counts as on its way only to a rank it could take: one beside other
         # ranks takes only its own host's rank (match_spares), so it never serves a lost host's
-        starting = [m.host for m in spares if not m.ready]
+        starting = [m.host for m in spares if not m.ready and not self.spares.quarantined(m.host)]
         bare = without_spare([(rank, old_host[rank]) for rank in unmatched], starting, holding, r.moving)
         if r.waiting_since is None:
             r.waiting_since = now

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from checkpointless.coordinator.health import HostQuarantine
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.placement import (
@@ -26,10 +27,13 @@ __all__ = ["SparePool"]
 
 
 class SparePool:
-    def __init__(self, cfg: LaunchConfig, members: Members, outbox: Outbox) -> None:
+    def __init__(
+        self, cfg: LaunchConfig, members: Members, outbox: Outbox, health: HostQuarantine | None = None
+    ) -> None:
         self.cfg = cfg
         self.members = members
         self.outbox = outbox
+        self.health = health  # the quarantine: which hosts may take a rank or a new spare
         # spares started on a joined host in place of squeezed ones, not yet standing in for them
         self.moving: set[int] = set()
         self.hinted: dict[int, int] = {}  # spare worker id -> the step of its last Prefetch
@@ -37,11 +41,22 @@ class SparePool:
     def spawn(self, now: float, host: int | None = None, strict: bool = False) -> Member | None:
         """Start a spare on ``host``; without one, on a spare host, else (unless ``strict``) as a
         single spare onto a host that holds ranks; None when no live host may take one."""
+        if host is not None and self.quarantined(host):
+            host = None  # a quarantined host takes no new spare: one elsewhere, if any may
         if host is None:
             host = self.host_for(strict)
             if host is None:
                 return None
         return self.members.spawn("spare", now, host)
+
+    # -- the health gate (coordinator/health.py) ----------------------------------------------
+    def quarantined(self, host: int) -> bool:
+        return self.health is not None and self.health.quarantined(host)
+
+    def promotable(self, m: Member, now: float) -> bool:
+        """Whether spare ``m`` may take a rank now: its host is not quarantined, and (a host with
+        an agent of its own) its newest health report passed and is fresh."""
+        return self.health is None or self.health.promotable(m.host, now)
 
     def host_for(self, strict: bool = False, views: list[HostView] | None = None) -> int | None:
         """The host a new spare starts on (``strict``: only a host without ranks), or None."""
@@ -57,7 +72,11 @@ class SparePool:
         ms = self.members
         ranks = Counter(m.host for m in ms.ranks.values())
         procs = Counter(m.host for m in ms.procs.values())
-        views = [HostView(h.host, ranks[h.host], procs[h.host]) for h in ms.hosts.values() if not h.lost]
+        views = [
+            HostView(h.host, ranks[h.host], procs[h.host])
+            for h in ms.hosts.values()
+            if not h.lost and not self.quarantined(h.host)
+        ]
         if self.cfg.nnodes > 1 or len(ms.hosts) > 1:
             self.outbox.condition(
                 "no_spare_host",

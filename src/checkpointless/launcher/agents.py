@@ -28,6 +28,7 @@ from checkpointless.protocol import (
     AgentHello,
     AgentRefused,
     AgentWelcome,
+    HealthReport,
     Message,
     ProcExited,
     ProcStarted,
@@ -249,6 +250,8 @@ class AgentHosts:
             coord.on_exit(msg.worker_id, msg.code, msg.own_failure, msg.detail, msg.tail, now, time.time())
         elif isinstance(msg, ProcVerdict):
             coord.on_verdict(msg.worker_id, f"(pid {msg.pid}) {msg.why}", now)
+        elif isinstance(msg, HealthReport):
+            coord.on_host_health(host, msg, now)
         elif isinstance(msg, AgentHeartbeat):
             try:
                 coord.on_beats(host, beats_of(msg), now)
@@ -284,6 +287,8 @@ class AgentHosts:
         self._conns[host] = conn
         conn.send(encode(self.welcome(host)))
         coord.add_host(host, msg.host, True, now, msg.order)
+        if msg.health:
+            coord.health.expect(host)  # its spares wait for its first health report
         if msg.failover:
             self._failover[host] = msg.failover
         self._node[host] = msg.node

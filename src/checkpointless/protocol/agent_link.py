@@ -29,6 +29,7 @@ __all__ = [
     "AgentHello",
     "AgentRefused",
     "AgentWelcome",
+    "HealthReport",
     "KillCmd",
     "ProcConnected",
     "ProcExited",
@@ -54,6 +55,7 @@ class AgentHello(Message):
     order: int = -1  # a placement hint (Slurm's node id): lower first; -1 keeps arrival order
     failover: str = ""  # host:port this agent serves the control channel on if it takes over
     node: str = ""  # the machine's name for one-agent-per-host checks (local_node())
+    health: bool = False  # it checks its host and reports (HealthReport) before it may be promoted
 
 
 def local_node() -> str:
@@ -109,6 +111,22 @@ class AgentHeartbeat(Message):
     in_collective: list[bool] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     busy_times: list[float] = field(default_factory=list)  # empty from an agent that has none
+
+
+@dataclass(frozen=True)
+class HealthReport(Message):
+    """The newest result of the agent's host health checks (agent/health.py): after it joins (or
+    rejoins a successor), then after every periodic run. One column per field, one row per check
+    (parallel lists: name, passed, detail, seconds it took). ``age`` is how long before sending
+    the checks finished, so the coordinator judges freshness on its own clock."""
+
+    TYPE: ClassVar[str] = "host_health"
+    ok: bool
+    age: float = 0.0
+    names: list[str] = field(default_factory=list)
+    passed: list[bool] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
 
 
 # -- coordinator -> agent -------------------------------------------------------------------------

@@ -21,7 +21,8 @@ __all__ = ["VERSION", "Message", "ProtocolError"]
 # shm_key is a sealed token (wire.seal_value); AgentRefused
 # 4: AgentWelcome carries the job's settings as one typed object (settings.JobSettings) instead of
 # ten copied fields and a dict
-VERSION = 4
+# 5: HealthReport (an agent's host health checks, for health-gated admission); AgentHello.health
+VERSION = 5
 
 
 class ProtocolError(CheckpointlessError):

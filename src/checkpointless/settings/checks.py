@@ -16,6 +16,7 @@ from checkpointless.errors import ConfigError
 __all__ = [
     "check_checkpoint_dir",
     "check_control_port",
+    "check_health_checks",
     "check_host",
     "check_port_base",
     "check_port_range",
@@ -24,6 +25,19 @@ __all__ = [
 ]
 
 _HOST_LOOKUP_S = 5.0
+
+
+def check_health_checks(checks: list[str]) -> None:
+    """Each --health-check is a shell command, or py:MODULE:FUNCTION (agent/health.py)."""
+    for c in checks:
+        if not c.strip():
+            raise ConfigError("--health-check is empty; give a shell command or py:MODULE:FUNCTION")
+        if c.startswith("py:"):
+            module, _, function = c[3:].partition(":")
+            if not module or not function.isidentifier():
+                raise ConfigError(
+                    f"--health-check {c!r} is not py:MODULE:FUNCTION; e.g. --health-check py:mychecks:gpu_ok"
+                )
 
 
 def check_script(script: str) -> None:

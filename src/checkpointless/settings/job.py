@@ -18,6 +18,7 @@ from checkpointless.faults.inject import parse_faults
 from checkpointless.settings.checks import (
     check_checkpoint_dir,
     check_control_port,
+    check_health_checks,
     check_host,
     check_port_base,
     check_port_range,
@@ -212,6 +213,54 @@ class JobSettings:
         False, help="move a reported straggler host's ranks to a spare host (needs --spare-nodes)"
     )
     agent_wait: float = flag(300.0, metavar="S", help="seconds to wait for every agent to join")
+    # host health (agent/health.py, coordinator/health.py): each agent checks its host, a failing
+    # host is quarantined (never promoted, never given a spare or a rank) until a check passes
+    health_check: list[str] = flag(  # noqa: RUF009 (flag() is dataclasses.field)
+        factory=list,
+        metavar="CMD",
+        help="an extra host health check every agent runs (repeatable): a shell command that "
+        "passes by exiting 0 (its output is the detail), or py:MODULE:FUNCTION, a function "
+        "that passes by returning True",
+        check=check_health_checks,
+    )
+    health_builtins: str = flag(
+        "all",
+        choices=("all", "basic", "off"),
+        help="the built-in host checks: basic (memory, room in /dev/shm and the run directory), "
+        "all (also a loopback gloo collective and, with CUDA, NVML and a short matmul, in a "
+        "child process)",
+    )
+    health_interval: float = flag(
+        60.0,
+        metavar="S",
+        help="seconds between an agent's health checks after the first (0: only when it joins); a "
+        "spare host is promoted only on a passing result younger than two intervals",
+        off=0.0,
+        finite=True,
+        limit=Range(0, "0 (only at join) or a number of seconds"),
+    )
+    health_timeout: float = flag(
+        30.0,
+        metavar="S",
+        help="seconds each health check may take before it fails",
+        finite=True,
+        limit=_SECONDS,
+    )
+    health_min_free_gib: float = flag(
+        1.0,
+        metavar="GIB",
+        help="the room /dev/shm and the run directory must each have for a host to pass",
+        finite=True,
+        limit=_NOT_NEGATIVE,
+    )
+    host_fault_limit: int = flag(
+        3,
+        metavar="K",
+        help="a host whose ranks fault at this many steps within --fault-window steps is "
+        "quarantined like a host that fails its checks (0: off; many hosts only)",
+        off=0,
+        limit=Range(0, "0 (off) or a number of faults"),
+    )
     faults: list[str] = flag(  # noqa: RUF009 (flag() is dataclasses.field)
         factory=list, name="--inject", metavar="FAULT", help="e.g. kill:rank=1:step=20 (repeatable)"
     )
