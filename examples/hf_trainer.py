@@ -9,67 +9,33 @@ Under checkpointless (the two lines marked "checkpointless" below are the whole 
 
     checkpointless run --nproc 2 --spares 1 --inject kill:rank=1:step=5 examples/hf_trainer.py
 
+With --eval-steps N Trainer evaluates on held-out data every N steps; the evaluation runs in a
+protected section, so a fault during it is recovered and the evaluation done again.
+
 At the end every rank prints/writes a SHA-256 of its final weights, optimizer state and log
-history (--digest-out, with {rank}), so a run with faults can be compared bit for bit with one
-without.
+history, evaluation metrics included (--digest-out, with {rank}), so a run with faults can be
+compared bit for bit with one without. The model, data and digest are examples/_hf_common.py's.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything below is built locally
 
-import torch
-from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _hf_common import Snippets, state_digest, tiny_gpt2, write_digest
 
 from checkpointless.integrations.hf import CheckpointlessTrainer  # checkpointless
 
 
-class Snippets(Dataset[dict[str, torch.Tensor]]):
-    """Sample i: ``seq_len`` tokens of a repeating pattern with noise, a function of (seed, i)."""
-
-    def __init__(self, size: int, seq_len: int, vocab: int, seed: int) -> None:
-        self.size, self.seq_len, self.vocab, self.seed = size, seq_len, vocab, seed
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        start = int(torch.randint(0, self.vocab, (), generator=g))
-        ids = (start + torch.arange(self.seq_len) * 3) % self.vocab
-        noise = torch.rand(self.seq_len, generator=g) < 0.1
-        ids = torch.where(noise, torch.randint(0, self.vocab, (self.seq_len,), generator=g), ids)
-        return {"input_ids": ids, "labels": ids.clone()}
-
-
-def state_digest(trainer: Trainer) -> str:
-    """SHA-256 of the weights, the optimizer's state and the log history (without timings)."""
-    h = hashlib.sha256()
-    for name, t in sorted(trainer.model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    assert trainer.optimizer is not None
-    for pid, state in sorted(trainer.optimizer.state_dict()["state"].items()):
-        for key, value in sorted(state.items()):
-            h.update(f"{pid}/{key}".encode())
-            if isinstance(value, torch.Tensor):
-                h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    logs = [
-        {k: v for k, v in entry.items() if "runtime" not in k and "per_second" not in k}
-        for entry in trainer.state.log_history
-    ]
-    h.update(json.dumps(logs, sort_keys=True).encode())
-    return h.hexdigest()
-
-
-def main() -> None:
+def main(callbacks: Sequence[TrainerCallback] = ()) -> Trainer:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trainer", choices=["checkpointless", "plain"], default="checkpointless")
     ap.add_argument("--steps", type=int, default=40)
@@ -81,6 +47,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--output-dir", default="runs/hf_trainer")
     ap.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoints every N steps (0: none)")
+    ap.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: never)")
     ap.add_argument("--resume", help="a checkpoint-N folder to resume from (resume_from_checkpoint)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--record-batches", action="store_true", help="batch digests in the commit events")
@@ -88,12 +55,7 @@ def main() -> None:
     ap.add_argument("--digest-out", help="write the final state's SHA-256 here; {rank} is filled in")
     args = ap.parse_args()
 
-    torch.manual_seed(args.seed)  # the same model on every rank; built before the trainer joins
-    vocab = 64
-    config = GPT2Config(
-        vocab_size=vocab, n_positions=args.seq_len, n_embd=args.dim, n_layer=args.layers, n_head=2
-    )
-    model = GPT2LMHeadModel(config)
+    model = tiny_gpt2(args.seq_len, args.dim, args.layers, seed=args.seed)  # before the trainer joins
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.steps,
@@ -104,29 +66,29 @@ def main() -> None:
         logging_steps=1,
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,
+        eval_strategy="steps" if args.eval_steps else "no",
+        eval_steps=args.eval_steps or None,
+        per_device_eval_batch_size=args.batch,
         report_to="none",
         use_cpu=True,
         seed=args.seed,
         disable_tqdm=True,
     )
-    data = Snippets(args.samples, args.seq_len, vocab, args.seed)
+    data = Snippets(args.samples, args.seq_len, args.seed)
+    held_out = Snippets(8 * args.batch, args.seq_len, args.seed + 1) if args.eval_steps else None
+    common = {"model": model, "args": training_args, "train_dataset": data, "eval_dataset": held_out}
     if args.trainer == "plain":
-        trainer: Trainer = Trainer(model=model, args=training_args, train_dataset=data)
+        trainer: Trainer = Trainer(**common, callbacks=list(callbacks))
     else:
         trainer = CheckpointlessTrainer(  # checkpointless
-            model=model, args=training_args, train_dataset=data, record_batches=args.record_batches
+            **common, callbacks=list(callbacks), record_batches=args.record_batches
         )
     trainer.train(resume_from_checkpoint=args.resume)
 
-    digest = state_digest(trainer)
-    rank = training_args.process_index
-    if rank == 0:
-        print(f"final state sha256 {digest}", flush=True)
-    if args.digest_out:
-        path = Path(args.digest_out.replace("{rank}", str(rank)))
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(digest + "\n")
-        os.replace(tmp, path)  # whole or not at all: a reader must never see half a digest
+    assert trainer.optimizer is not None
+    digest = state_digest(trainer.model, trainer.optimizer, trainer.state.log_history)
+    write_digest(args.digest_out, training_args.process_index, digest)
+    return trainer
 
 
 if __name__ == "__main__":

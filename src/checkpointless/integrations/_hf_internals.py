@@ -29,6 +29,7 @@ __all__ = [
     "load_rng_state",
     "num_items_in_batch",
     "refresh_devices",
+    "save_checkpoint",
     "set_sync_gradients",
     "train_collator",
     "warn_if_untested",
@@ -117,8 +118,13 @@ def evaluate_and_save(trainer: Any, model: nn.Module, trial: Any, ignore_keys_fo
         if trainer.args.save_strategy == "best":  # SaveStrategy is a str enum
             trainer.control.should_save = is_new_best
     if trainer.control.should_save:
-        trainer._save_checkpoint(model, trial)
-        trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
+        save_checkpoint(trainer, model, trial)
+
+
+def save_checkpoint(trainer: Any, model: nn.Module, trial: Any) -> None:
+    """Trainer's checkpoint of the current step, then its callbacks' ``on_save``."""
+    trainer._save_checkpoint(model, trial)
+    trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
 
 
 def hand_over_loss(trainer: Any, total_loss: float, device: torch.device) -> None:

@@ -9,6 +9,9 @@ Kept free of transformers, so it is tested as plain code (tests/unit/integration
   replayed step twice.
 - :class:`TrainerStateCarrier`: ``TrainerState`` (global step, epoch, log history, best metric),
   ``TrainerControl`` and every callback with exportable state, as one tracked object.
+- :class:`SectionUndo`: the state that evaluation and checkpointing change (the carrier's, the
+  ledger's, the scheduler's), as their protected section began, so that a section redone after a
+  fault starts from it again on every rank, a replacement included.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointless.errors import ConfigError
+from checkpointless.state.snapshot import Stateful
 
-__all__ = ["LossLedger", "StepPlan", "TrainerStateCarrier"]
+__all__ = ["LossLedger", "SectionUndo", "StepPlan", "TrainerStateCarrier"]
 
 # TrainerState fields that do not travel: this process's own place in the job, and Trainer's
 # file copy of the callbacks' state (the live callbacks travel instead)
@@ -143,3 +147,41 @@ def _exported(obj: Any) -> dict[str, Any]:
     state = obj.state()
     args = {k: v for k, v in state.get("args", {}).items() if hasattr(obj, k)}
     return {**args, **state.get("attributes", {})}
+
+
+class SectionUndo:
+    """The state of ``objects()`` as the protected section at a step boundary began.
+
+    An evaluation appends to the log history, may step a ``ReduceLROnPlateau`` scheduler and
+    counts an ``EarlyStoppingCallback``'s patience; a fault after some of that, before the section
+    completed, would count it twice when the section runs again. So :meth:`begin` keeps the state
+    on a section's first attempt and puts it back on a later one at the same boundary. The kept
+    state is tracked with the replica: a replacement that joins to redo the section restores it
+    too, whatever the rank it received from had done of the section when the fault came."""
+
+    def __init__(self, objects: Callable[[], dict[str, Stateful]]) -> None:
+        self._objects = objects
+        self.at: int | None = None  # the boundary (committed steps) whose section is under way
+        self.kept: dict[str, Any] = {}
+
+    def begin(self, at: int) -> bool:
+        """Enter the section at boundary ``at``; True when it is a redo (the state was put back)."""
+        objects = self._objects()
+        if self.at == at:
+            for name, obj in objects.items():
+                obj.load_state_dict(copy.deepcopy(self.kept[name]))
+            return True
+        self.at, self.kept = at, {name: copy.deepcopy(obj.state_dict()) for name, obj in objects.items()}
+        return False
+
+    def end(self) -> None:
+        """The section completed: nothing to put back any more."""
+        self.at, self.kept = None, {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"at": self.at, "kept": copy.deepcopy(self.kept)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        at = state["at"]
+        self.at = None if at is None else int(at)
+        self.kept = copy.deepcopy(state["kept"])

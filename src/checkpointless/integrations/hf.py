@@ -23,13 +23,18 @@ run under ``checkpointless run --nproc N --spares 1 script.py``. What the subcla
   state and the loss since the last log line are the replica a replacement receives.
 - The loss of a step is reduced inside the step, and logged once the step has committed, so a log
   line never waits on a collective between steps and a replayed step is counted once.
+- Evaluation, checkpoints and the end of an epoch run in a protected section (``job.section``) at
+  the step boundary: a fault inside one (a killed rank, an exception, an aborted gather) is
+  recovered and the section runs again on every rank, a replacement included, from the state it
+  began with (``SectionUndo``), so the evaluation's metrics and log lines are those of the
+  fault-free run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,16 +51,40 @@ from checkpointless.integrations._hf_internals import (
     load_rng_state,
     num_items_in_batch,
     refresh_devices,
+    save_checkpoint,
     set_sync_gradients,
     train_collator,
     warn_if_untested,
 )
-from checkpointless.integrations._hf_state import LossLedger, StepPlan, TrainerStateCarrier
+from checkpointless.integrations._hf_state import LossLedger, SectionUndo, StepPlan, TrainerStateCarrier
 from checkpointless.recovery.job import Job, Step
 
 __all__ = ["CheckpointlessTrainer"]
 
 log = get_logger()
+
+# the protected section at every step boundary: evaluation, checkpoints, the end of an epoch
+BOUNDARY_SECTION = "trainer_boundary"
+
+
+@dataclass
+class _StepOut:
+    """What a step computed, kept by the step's caller so a rank rolled forward still has it."""
+
+    loss: float | None = None  # the ranks' mean loss (summed over micro-batches)
+    flos: float = 0.0
+    grad_norm: float | None = None
+    learning_rate: float | None = None
+
+
+@dataclass
+class _EvalContext:
+    """What Trainer passes its evaluation and checkpoint code, as of the running epoch."""
+
+    model: nn.Module | None = None
+    trial: Any = None
+    ignore_keys: list[str] | None = None
+    start_time: float | None = None
 
 
 @dataclass
@@ -69,17 +98,10 @@ class _Run:
     done: bool = False  # the generator ended
     held: tuple[int, list[Any]] | None = None  # the step whose micro-batches are held, for a replay
     begun: int = -1  # the last step on_step_begin ran for (a replay does not run it again)
-    booked: int = -1  # the last step whose bookkeeping (on_step_end, log, save) ran on this rank
-
-
-@dataclass
-class _StepOut:
-    """What a step computed, kept by the step's caller so a rank rolled forward still has it."""
-
-    loss: float | None = None  # the ranks' mean loss (summed over micro-batches)
-    flos: float = 0.0
-    grad_norm: float | None = None
-    learning_rate: float | None = None
+    booked: int = -1  # the last step whose bookkeeping (on_step_end, log) ran on this rank
+    last_out: _StepOut = field(default_factory=_StepOut)  # the newest attempt's results
+    joining: bool = False  # a replacement receiving its state: the boundary's bookkeeping is done
+    resumed_at: int = -1  # resume_from_checkpoint's step: its boundary was handled before the save
 
 
 class CheckpointlessTrainer(Trainer):
@@ -109,7 +131,14 @@ class CheckpointlessTrainer(Trainer):
         self._dp: nn.Module | None = None
         self._run: _Run | None = None
         self._ledger = LossLedger()
-        self._eval_context: tuple[Any, list[str] | None, float | None] = (None, None, None)
+        # read through callables: Trainer makes a new TrainerState at each train()
+        self._carrier = TrainerStateCarrier(
+            state=lambda: self.state,
+            control=lambda: self.control,
+            callbacks=lambda: list(self.callback_handler.callbacks),
+        )
+        self._undo = SectionUndo(self._section_objects)
+        self._eval = _EvalContext()
         self._refuse_unsupported()
 
     def _refuse_unsupported(self) -> None:
@@ -177,10 +206,11 @@ class CheckpointlessTrainer(Trainer):
         epochs_trained: int,
         steps_trained_in_current_epoch: int,
     ) -> None:
+        self._eval = _EvalContext(model, trial, ignore_keys_for_eval, start_time)
         run = self._run if self._run is not None else self._start(train_dataloader, resume_from_checkpoint)
-        self._eval_context = (trial, ignore_keys_for_eval, start_time)
-        out: _StepOut | None = None
         while True:
+            # the job's next step, after the section at this boundary (evaluation, checkpoint, the
+            # epoch's end; _boundary); a stop a callback asked for ends the job there
             step = self._peek(run)
             if step is None:  # every step of the job has committed
                 self.control.should_training_stop = True
@@ -193,15 +223,9 @@ class CheckpointlessTrainer(Trainer):
                     "CheckpointlessTrainer cannot follow; rerun with resume_from_checkpoint"
                 )
             if at > epoch:
-                break
+                break  # on_epoch_end ran in the boundary's section
             run.pending = None
-            out = self._train_step(run, step, model)
-            if self.control.should_epoch_stop or self.control.should_training_stop:
-                break
-        if out is None:
-            return  # a replacement passing an epoch the state it received has finished
-        self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
-        self._log_save_evaluate(model, trial, ignore_keys_for_eval, start_time, out)
+            self._train_step(run, step, model)
         if self.control.should_training_stop:
             self._finish(run)
 
@@ -209,16 +233,12 @@ class CheckpointlessTrainer(Trainer):
         plan = StepPlan(len(train_dataloader), self.args.gradient_accumulation_steps)
         loader = self.job.loader(train_dataloader)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        carrier = TrainerStateCarrier(
-            state=lambda: self.state,
-            control=lambda: self.control,
-            callbacks=lambda: list(self.callback_handler.callbacks),
-        )
         objects: dict[str, Any] = {
             "model": self.model,
             "optimizer": optimizer,
-            "trainer_state": carrier,
+            "trainer_state": self._carrier,
             "loss_ledger": self._ledger,
+            "section_undo": self._undo,
         }
         if self.lr_scheduler is not None:
             objects["scheduler"] = self.lr_scheduler
@@ -226,18 +246,57 @@ class CheckpointlessTrainer(Trainer):
         if scaler is not None:  # fp16 mixed precision: the loss scale and its growth tracker
             objects["grad_scaler"] = scaler
         self.job.track(**objects)
+        self.job.section(BOUNDARY_SECTION, self._boundary, every=1)
         self._ledger.last_logged = self.state.global_step  # a resumed run logs from its step on
         if resume_from_checkpoint is not None and not self.job.is_replacement:
             load_rng_state(self, resume_from_checkpoint)  # before the job's first state sync
         # a resumed checkpoint's steps (resume_from_checkpoint); a replacement ignores it
-        steps = self.job.steps(
-            self.state.max_steps, start=self.state.global_step, steps_per_epoch=plan.steps_per_epoch
-        )
-        run = self._run = _Run(steps, plan, loader)
+        start = self.state.global_step
+        steps = self.job.steps(self.state.max_steps, start=start, steps_per_epoch=plan.steps_per_epoch)
+        run = self._run = _Run(steps, plan, loader, joining=self.job.is_replacement)
+        if not self.job.is_replacement:
+            run.resumed_at = start  # the checkpoint was saved after its boundary's work
         first = self._peek(run)  # the job's first state sync; a replacement receives its replica here
+        run.joining = False
         if self.job.is_replacement and first is not None:
             log.info("joined at step %d; Trainer's data seeks there", first.index)
         return run
+
+    def _section_objects(self) -> dict[str, Any]:
+        """What evaluation and checkpoints change besides files: put back when they run again."""
+        objects: dict[str, Any] = {"trainer_state": self._carrier, "loss_ledger": self._ledger}
+        if self.lr_scheduler is not None:  # ReduceLROnPlateau steps on the evaluation's metric
+            objects["scheduler"] = self.lr_scheduler
+        return objects
+
+    def _boundary(self) -> None:
+        """The protected section after each committed step (``job.section``): evaluation and the
+        checkpoint Trainer asks for at this step, and at the end of an epoch (or of training)
+        ``on_epoch_end`` with its own. A fault in here is recovered and this runs again on every
+        rank from the state it began with; a stop asked for by a callback ends the job here."""
+        run, at = self._run, self.job.committed_step
+        if run is None or at == run.resumed_at:
+            return
+        if run.joining:
+            run.booked = max(run.booked, at - 1)  # the bookkeeping came with the received state
+        elif run.booked < at - 1:
+            # this rank was rolled forward past a failed update: the step's bookkeeping first
+            self._after_step(run, at - 1, run.last_out, in_section=True)
+        ends_epoch = at % run.plan.steps_per_epoch == 0 or at >= self.state.max_steps
+        control = self.control
+        if not (control.should_evaluate or control.should_save or ends_epoch or control.should_training_stop):
+            return
+        ctx = self._eval
+        assert ctx.model is not None  # set by _run_epoch before the first step
+        if self._undo.begin(at):
+            log.info("the evaluation and checkpoint at global step %d run again", at)
+        evaluate_and_save(self, ctx.model, ctx.trial, ctx.ignore_keys)
+        if ends_epoch or self.control.should_training_stop:
+            self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+            self._log_save_evaluate(run.last_out)
+        if self.control.should_training_stop:
+            self.job.stop()  # replicated: the flags travel with TrainerState's carrier
+        self._undo.end()
 
     def _peek(self, run: _Run) -> Step | None:
         if run.pending is None and not run.done:
@@ -247,14 +306,14 @@ class CheckpointlessTrainer(Trainer):
                 run.done = True
         return run.pending
 
-    def _train_step(self, run: _Run, step: Step, model: nn.Module) -> _StepOut:
+    def _train_step(self, run: _Run, step: Step, model: nn.Module) -> None:
         """Run ``step`` until its update is in this rank's state, then do Trainer's bookkeeping."""
         while True:
             index = step.index
             if run.begun != index:
                 self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
                 run.begun = index
-            out = _StepOut()
+            out = run.last_out = _StepOut()
             with step:
                 self._optimizer_step(run, index, model, out)
             if not step.committed:
@@ -270,9 +329,9 @@ class CheckpointlessTrainer(Trainer):
                     # it): the steps from there are done again, bookkeeping included;
                     # _run_epoch refuses a step behind Trainer's epoch
                     run.booked = run.begun = following.index - 1
-                    return out
-            self._after_step(run, index, model, out)
-            return out
+                    return
+            self._after_step(run, index, out)
+            return
 
     def _optimizer_step(self, run: _Run, index: int, model: nn.Module, out: _StepOut) -> None:
         if run.held is None or run.held[0] != index:
@@ -309,9 +368,10 @@ class CheckpointlessTrainer(Trainer):
             if not self.accelerator.optimizer_step_was_skipped and not plateau:
                 self.lr_scheduler.step()
 
-    def _after_step(self, run: _Run, index: int, model: nn.Module, out: _StepOut) -> None:
+    def _after_step(self, run: _Run, index: int, out: _StepOut, in_section: bool = False) -> None:
         """Trainer's bookkeeping of step ``index``, once on this rank, after its update is in the
-        state: counters, the loss, ``on_step_end``, then logging, evaluation and checkpoints."""
+        state: counters, the loss, ``on_step_end``, then logging (evaluation and checkpoints
+        follow in the boundary's section, unless it completed on the rank this state came from)."""
         if run.booked >= index:
             return
         run.booked = index
@@ -326,33 +386,37 @@ class CheckpointlessTrainer(Trainer):
         self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
         if received:
             self._show_received_log()
-        self._log_save_evaluate(model, *self._eval_context, out)
+            if not in_section and self.control.should_save:
+                # the boundary's section (its evaluation included) completed on the rank this
+                # state came from, so it does not run here: this rank's own checkpoint files (rank
+                # 0 writes the model, each rank its RNG state) are written now
+                assert self._eval.model is not None
+                save_checkpoint(self, self._eval.model, self._eval.trial)
+        self._log(out)
 
     def _show_received_log(self) -> None:
         # This rank failed inside its update and received the state of a rank that went on and
-        # logged the step: the line is in log_history already; the callbacks here (rank 0's
-        # printer, a tracker) have not seen it
-        history = self.state.log_history
-        if self.control.should_log and history and history[-1].get("step") == self.state.global_step:
-            logs = {k: v for k, v in history[-1].items() if k != "step"}
-            self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+        # logged the step (and maybe its evaluation): the lines are in log_history already; the
+        # callbacks here (rank 0's printer, a tracker) have not seen them
+        for entry in self.state.log_history:
+            if entry.get("step") == self.state.global_step:
+                logs = {k: v for k, v in entry.items() if k != "step"}
+                self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
-    def _log_save_evaluate(
-        self,
-        model: nn.Module,
-        trial: Any,
-        ignore_keys_for_eval: list[str] | None,
-        start_time: float | None,
-        out: _StepOut,
-    ) -> None:
+    def _log(self, out: _StepOut) -> None:
         if self.control.should_log and self.state.global_step > self._ledger.last_logged:
             logs: dict[str, float] = {"loss": self._ledger.drain(self.state.global_step)}
             if out.grad_norm is not None:
                 logs["grad_norm"] = out.grad_norm
             if out.learning_rate is not None:
                 logs["learning_rate"] = out.learning_rate
-            self.log(logs, start_time)
-        evaluate_and_save(self, model, trial, ignore_keys_for_eval)
+            self.log(logs, self._eval.start_time)
+
+    def _log_save_evaluate(self, out: _StepOut) -> None:
+        self._log(out)
+        ctx = self._eval
+        assert ctx.model is not None
+        evaluate_and_save(self, ctx.model, ctx.trial, ctx.ignore_keys)
 
     def store_flos(self) -> None:
         """Trainer gathers its per-rank FLOP count here (before a checkpoint, at the end), a
