@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from checkpointless.errors import ConfigError, RendezvousError
+from checkpointless.rendezvous.keyproto import clamp_wait
 
 if TYPE_CHECKING:  # torch.distributed binds Store only at run time, where mypy cannot see it
     from torch._C._distributed_c10d import Store
@@ -102,7 +103,7 @@ def store_barrier(
         rank = getattr(store, "rank", None)
     if algorithm == "auto":
         algorithm = "counter" if rank is None else "dissemination"
-    deadline = time.monotonic() + timeout.total_seconds()
+    deadline = time.monotonic() + clamp_wait(timeout.total_seconds())
     if algorithm == "counter":
         try:
             _counter_barrier(store, key, world_size, deadline)

@@ -11,13 +11,16 @@ contract without importing the server that implements it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 __all__ = [
     "KEYSERVER_C2S",
     "KEYSERVER_S2C",
+    "MAX_WAIT_S",
     "MUTATING_OPS",
     "PROTOCOL_VERSION",
+    "clamp_wait",
     "join_values",
     "split_values",
 ]
@@ -27,6 +30,20 @@ KEYSERVER_C2S = "keyserver/c2s"  # key labels (wire.derive_key): requests, and s
 KEYSERVER_S2C = "keyserver/s2c"  # replies, and a stream's manifest and trailer
 # these need the connection's nonce ("stream" too: a replayed one must not get a connection)
 MUTATING_OPS = frozenset({"set", "add", "cas", "append", "del", "stream"})
+
+# The longest wait a key server or store takes on: 2**31 - 1 ms (24.8 days), the bound of an
+# epoll/poll timeout, and the same cut our process groups make (comm/work.py MAX_TIMEOUT). Torch
+# hands the store its process group's timeout, and Lightning's is 10000 days: passed on unclamped
+# it made ``select`` raise ``OverflowError: timeout is too large`` in the key server's loop.
+MAX_WAIT_S = (2**31 - 1) / 1000
+
+
+def clamp_wait(seconds: float) -> float:
+    """A wait's length in seconds cut to ``0..MAX_WAIT_S`` (infinity: the longest; NaN raises
+    ValueError: no deadline can be made of it)."""
+    if math.isnan(seconds):
+        raise ValueError("a wait's timeout is not a number")
+    return min(max(0.0, seconds), MAX_WAIT_S)
 
 
 def join_values(values: list[bytes]) -> tuple[list[int], bytes]:

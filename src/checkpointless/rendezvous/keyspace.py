@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from checkpointless.errors import RendezvousError
+from checkpointless.rendezvous.keyproto import MAX_WAIT_S
 
 __all__ = ["KeySpace", "Watch"]
 
@@ -187,4 +188,4 @@ class KeySpace:
                 left = deadline - time.monotonic()
                 if not missing or left <= 0:
                     return missing
-                self._changed.wait(left)
+                self._changed.wait(min(left, MAX_WAIT_S))  # a longer wait would overflow

@@ -48,7 +48,13 @@ from collections import OrderedDict
 from typing import Any
 
 from checkpointless.errors import ConfigError
-from checkpointless.rendezvous.keyproto import KEYSERVER_C2S, KEYSERVER_S2C, MUTATING_OPS, PROTOCOL_VERSION
+from checkpointless.rendezvous.keyproto import (
+    KEYSERVER_C2S,
+    KEYSERVER_S2C,
+    MUTATING_OPS,
+    PROTOCOL_VERSION,
+    clamp_wait,
+)
 from checkpointless.rendezvous.keyspace import KeySpace
 from checkpointless.rendezvous.ports import open_listener
 from checkpointless.rendezvous.server_requests import Pending, RequestHandler
@@ -252,7 +258,9 @@ class KeyServer:
         due += [c.partial_since + self.io_timeout for c in self._conns if c.partial_since is not None]
         if self._unsealed:
             due.append(next(iter(self._unsealed)).accepted + self.hello_timeout)
-        return max(0.0, min(due) - time.monotonic()) if due else None
+        # clamped: select cannot wait longer than MAX_WAIT_S (it raises), and waking early only
+        # means one more turn of the loop
+        return clamp_wait(min(due) - time.monotonic()) if due else None
 
     def _expire_unsealed(self) -> None:
         """Close connections that have not sent a sealed frame within hello_timeout."""

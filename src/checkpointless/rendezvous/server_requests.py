@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
-from checkpointless.rendezvous.keyproto import join_values, split_values
+from checkpointless.rendezvous.keyproto import clamp_wait, join_values, split_values
 from checkpointless.rendezvous.keyspace import KeySpace, Watch
 
 __all__ = ["Pending", "RequestHandler", "Requester"]
@@ -109,7 +109,9 @@ class RequestHandler(Generic[C]):
             timeout = h.get("timeout")
             if not isinstance(timeout, (int, float)):
                 raise ValueError(f"{op} needs a timeout")
-            self._park(Pending(conn, h, time.monotonic() + float(timeout)))
+            # the client's own timeout, cut to what a deadline can hold (a huge or infinite one
+            # would reach the loop's select and end the server thread)
+            self._park(Pending(conn, h, time.monotonic() + clamp_wait(float(timeout))))
         elif op == "set":
             values = split_values(h.get("lens"), payload, len(keys))
             if values is None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointless.errors import ConfigError, RendezvousError
 from checkpointless.rendezvous.client import PeerClient, Request
-from checkpointless.rendezvous.keyproto import join_values, split_values
+from checkpointless.rendezvous.keyproto import clamp_wait, join_values, split_values
 from checkpointless.rendezvous.peers import PeerTable, group_by_owner, key_owner
 from checkpointless.rendezvous.server import KeyServer
 
@@ -118,7 +118,8 @@ class RootlessStore(Store):
         return self._server is not None and owner == self.rank
 
     def _deadline(self, timeout: datetime.timedelta | None = None) -> float:
-        return time.monotonic() + (timeout or self.timeout).total_seconds()
+        # clamped: torch passes its group's timeout, which may be years (Lightning's: 10000 days)
+        return time.monotonic() + clamp_wait((timeout or self.timeout).total_seconds())
 
     def _timed_out(self, missing: list[str], op: str) -> RendezvousError:
         return RendezvousError(
