@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from checkpointless.coordinator.health import HostQuarantine
 from checkpointless.coordinator.ledger import FaultLedger
 from checkpointless.coordinator.losses import Losses
 from checkpointless.coordinator.members import Members
@@ -38,7 +39,7 @@ from checkpointless.coordinator.state import Command, HostState, Member, Round
 from checkpointless.coordinator.tables import TableDelivery
 from checkpointless.coordinator.watch import StragglerMoves
 from checkpointless.errors import NotRecoverableError
-from checkpointless.protocol import Message, Shutdown
+from checkpointless.protocol import HealthReport, Message, Shutdown
 from checkpointless.settings import JobSettings as LaunchConfig
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ class Coordinator:
         self.outbox = Outbox()
         self.members = Members(self.outbox)
         self.ledger = FaultLedger(cfg, self.outbox)
-        self.spares = SparePool(cfg, self.members, self.outbox)
+        self.health = HostQuarantine(cfg, self.members, self.outbox)  # health-gated admission
+        self.spares = SparePool(cfg, self.members, self.outbox, self.health)
         self.tables = TableDelivery(self.members, self.outbox)
         self.rounds = Rounds(
             cfg,
@@ -169,11 +171,25 @@ class Coordinator:
         its host counts as dead, and nothing from that host is accepted again."""
         self._guarded(self.losses.host_lost, host, why, now, wall)
 
+    def on_host_health(self, host: int, msg: HealthReport, now: float) -> None:
+        """An agent's health report (coordinator/health.py): a host that is re-admitted may take
+        spares again."""
+        if (
+            self.health.on_report(host, msg, now)
+            and self.started
+            and self.stopping is None
+            and self.round is None
+        ):
+            self.spares.refill(now)
+
     def start(self, now: float) -> None:
         """Launch: the initial round, and one process per rank (spares come once it has formed)."""
         if not self.hosts:  # one machine: the embedded agent is host 0
             self.hosts[0] = HostState(0, self.cfg.host, False, now)
-        agents = [(h.host, h.order) for h in self.hosts.values()]
+        # a host quarantined already (its first checks failed) is placed last, without its order
+        # hint: a spare host if enough others joined
+        agents = [(h.host, h.order) for h in self.hosts.values() if not self.health.quarantined(h.host)]
+        agents += [(h.host, -1) for h in self.hosts.values() if self.health.quarantined(h.host)]
         nodes, _spares = assign_hosts(agents, self.cfg.nnodes, self.cfg.spare_nodes)
         by_node = {node: host for host, node in nodes.items()}
         for host, node in nodes.items():
@@ -289,7 +305,9 @@ class Coordinator:
         try:
             fn(*args)
         except NotRecoverableError as e:
-            self._stop(str(e), 1)
+            # a job that fails while hosts sit in quarantine (the only spare host, say) says so
+            note = self.health.note()
+            self._stop(f"{e}; {note}" if note else str(e), 1)
 
     def _tick(self, now: float, wall: float) -> None:
         for wid, (deadline, args) in list(self._held_exits.items()):
@@ -313,6 +331,8 @@ class Coordinator:
             if walk and self.round is None:
                 self.spares.hint()
         if self.stopping is None:
+            # faults count against their hosts before the round hands any rank to a spare
+            self.health.note_faults(self.ledger.history, self.ranks)
             self.rounds.advance(now)
         if self.stopping is None:
             self._check_done()
