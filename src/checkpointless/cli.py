@@ -31,9 +31,11 @@ def _agent(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, local_agent: bool = True) -> int:
     from checkpointless.launcher.launcher import Launcher
+    from checkpointless.observe.hooks import start_observers
 
     cfg = JobSettings.from_flags(values_from(JobSettings, args), local_agent=local_agent)
-    return Launcher(cfg).run()  # which validates it before it creates anything
+    # the launcher imports no optional tool: the observers (metrics, progress) are given to it
+    return Launcher(cfg, start_observers).run()  # which validates cfg before it creates anything
 
 
 def build_parser() -> argparse.ArgumentParser:

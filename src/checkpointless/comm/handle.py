@@ -126,6 +126,11 @@ class Handle:
         return self._done.is_set()
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the collective failed (None while pending, and once it has succeeded)."""
+        return self._error
+
+    @property
     def work(self) -> Any:
         """The backend's work while the collective is pending (None once it has finished)."""
         return self._work

@@ -315,7 +315,7 @@ class ResilientProcessGroup(GenerationGroup):
 
         out = self._issue(issue, tensors, tensors)
         # ``dist.recv(src=None)`` asks the work who sent; gloo's work knows, after the wait
-        out._source = works[0]
+        out.set_source(works[0])
         return out
 
     def _chain(

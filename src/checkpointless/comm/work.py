@@ -86,10 +86,19 @@ class AbortableWork(dist.Work):
         return self._handle.done() and self._then is None
 
     def is_success(self) -> bool:
-        return self._handle.done() and self._handle._error is None
+        return self._handle.done() and self._handle.error is None
 
     def result(self) -> Any:
         return self._result
+
+    @property
+    def handle(self) -> Handle:
+        """The completion this work waits on."""
+        return self._handle
+
+    def set_source(self, work: Any) -> None:
+        """The backend's work of a receive from any source, which knows who sent (after the wait)."""
+        self._source = work
 
     def _source_rank(self) -> int:
         if self._source is None:
@@ -114,7 +123,7 @@ class ChainWork(AbortableWork):
     any of them is not lost)."""
 
     def __init__(self, works: list[AbortableWork], result: Any) -> None:
-        super().__init__(works[-1]._handle, result)
+        super().__init__(works[-1].handle, result)
         self._works = works
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:  # type: ignore[override]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from checkpointless.agent import Agent, AgentConfig
 from checkpointless.config import ENV
+from checkpointless.errors import ConfigError
 from checkpointless.events import EventLog, get_logger, setup_logging
 from checkpointless.launcher.control import ControlServer
 from checkpointless.launcher.identity import JobIdentity
@@ -37,9 +38,8 @@ from checkpointless.launcher.runfiles import (
     remove_early,
     write_secret,
 )
-from checkpointless.launcher.shell import CoordinatorShell
+from checkpointless.launcher.shell import CoordinatorShell, NoObservers, StartObservers
 from checkpointless.launcher.store import JobStore
-from checkpointless.observe.hooks import start_observers
 
 # config_from_json and config_to_json live in model.py now; still importable from here
 __all__ = ["LaunchConfig", "Launcher", "config_from_json", "config_to_json"]
@@ -48,11 +48,16 @@ log = get_logger()
 
 
 class Launcher:
-    """A new job: its run directory and secret, then its coordinator (or plain shell) until it ends."""
+    """A new job: its run directory and secret, then its coordinator (or plain shell) until it ends.
 
-    def __init__(self, cfg: LaunchConfig) -> None:
+    ``start_observers`` starts what watches the job for ``--metrics-port`` and ``--progress``; the
+    command line passes ``observe.hooks.start_observers`` (the launcher imports no optional tool).
+    Without it, a job that asks for either is refused."""
+
+    def __init__(self, cfg: LaunchConfig, start_observers: StartObservers | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
+        self._start_observers = start_observers
         job_id = secrets.token_hex(6)
         run_dir = cfg.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{job_id}"
         self._created_run_dir = make_run_dir(run_dir)
@@ -80,10 +85,18 @@ class Launcher:
         setup_logging("launcher")
         cfg, job, shell = self.cfg, self.job, self.shell
         try:
-            # metrics and progress only listen to the events (observe/hooks.py)
-            shell.observers = start_observers(
-                job.run_dir, shell.events, cfg.host, cfg.metrics_port, cfg.progress
-            )
+            # metrics and progress only listen to the events (observe/hooks.py, given by cli.py)
+            if self._start_observers is not None:
+                shell.observers = self._start_observers(
+                    job.run_dir, shell.events, cfg.host, cfg.metrics_port, cfg.progress
+                )
+            elif cfg.metrics_port is not None or cfg.progress is not None:
+                raise ConfigError(
+                    "--metrics-port and --progress need the observers, which this launcher was not "
+                    "given (Launcher(cfg, start_observers=observe.hooks.start_observers))"
+                )
+            else:
+                shell.observers = NoObservers()
             shell.server = ControlServer(cfg.host, cfg.control_port, job.secret)
             shell.server.start()
             record_coordinator(job.run_dir, shell.control_address)

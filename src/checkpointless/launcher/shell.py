@@ -16,7 +16,8 @@ import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from checkpointless.agent import Agent
 from checkpointless.coordinator import Coordinator
@@ -30,13 +31,32 @@ from checkpointless.launcher.outcome import Outcome
 from checkpointless.launcher.reaper import cleanup_job
 from checkpointless.launcher.runfiles import forget_coordinator, remove_early
 from checkpointless.launcher.store import JobStore
-from checkpointless.observe.hooks import Observers
 from checkpointless.protocol.agent_link import local_node
 from checkpointless.state.checkpoint_dir import remove_partial
 
-__all__ = ["CoordinatorShell"]
+__all__ = ["CoordinatorShell", "NoObservers", "Observers", "StartObservers"]
 
 _REAPER_WAIT_S = 5.0
+
+
+class Observers(Protocol):
+    """What runs beside the job only to watch it (``--metrics-port``, ``--progress``); closed at
+    the end. The optional tools make it (``observe/hooks.py``); the launcher imports none of them."""
+
+    def close(self) -> None: ...
+
+
+# (run dir, event log, host, --metrics-port, --progress) -> the observers started. The command
+# line passes observe.hooks.start_observers to the Launcher (dependency injection).
+StartObservers = Callable[[Path, EventLog, str, int | None, float | None], Observers]
+
+
+class NoObservers:
+    """Nothing beside the job: what a coordinator elected after a failover runs (no metrics, no
+    progress), and a launcher that was given no observers."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
 
 def stop_reaper(reaper: subprocess.Popen[bytes]) -> None:

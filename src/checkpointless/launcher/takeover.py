@@ -26,9 +26,8 @@ from checkpointless.launcher.identity import JobIdentity
 from checkpointless.launcher.loop import DecisionLoop
 from checkpointless.launcher.model import LaunchConfig
 from checkpointless.launcher.runfiles import record_coordinator
-from checkpointless.launcher.shell import CoordinatorShell
+from checkpointless.launcher.shell import CoordinatorShell, NoObservers
 from checkpointless.launcher.store import JobStore
-from checkpointless.observe.hooks import start_observers
 from checkpointless.protocol import Hello, ProcExited, ProtocolError, Vote, decode
 
 __all__ = ["Mandate", "TakeoverLauncher"]
@@ -83,7 +82,7 @@ class TakeoverLauncher:
     def run(self) -> int:
         setup_logging("coordinator")
         m, shell = self.mandate, self.shell
-        shell.observers = start_observers(shell.job.run_dir, shell.events, self.cfg.host, None, None)
+        shell.observers = NoObservers()  # no metrics or progress after a takeover
         shell.store = JobStore(self.cfg)
         with shell.signals_handled():
             try:

@@ -1,4 +1,8 @@
-"""What the launcher starts for ``--metrics-port`` and ``--progress``, and stops at the end."""
+"""What the launcher starts for ``--metrics-port`` and ``--progress``, and stops at the end.
+
+The launcher imports nothing of this optional layer: the command line (``cli.py``) hands it
+:func:`start_observers`, and the launcher knows only what it returns, something to close.
+"""
 
 from __future__ import annotations
 
@@ -31,9 +35,24 @@ def progress_line(run_dir: Path) -> str:
 
 @dataclass
 class Observers:
+    """What :func:`start_observers` started; :meth:`close` stops all of it."""
+
     metrics: object | None = None  # a JobMetrics, imported only when asked for
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+
+    def report_progress(self, run_dir: Path, every_s: float) -> None:
+        """Log :func:`progress_line` every ``every_s`` seconds, on a thread of its own, until closed."""
+
+        def loop() -> None:
+            while not self._stop.wait(every_s):
+                try:
+                    log.info("%s", progress_line(run_dir))
+                except (ConfigError, OSError, ValueError) as e:  # a job still starting
+                    log.info("progress: not available yet (%s)", e)
+
+        self._thread = threading.Thread(target=loop, name="cl-progress", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
@@ -63,14 +82,5 @@ def start_observers(
         log.info("metrics on http://%s:%d/metrics", host, port)
         events.emit("metrics_listening", host=host, port=port)
     if progress_s is not None:
-
-        def loop() -> None:
-            while not obs._stop.wait(progress_s):
-                try:
-                    log.info("%s", progress_line(run_dir))
-                except (ConfigError, OSError, ValueError) as e:  # a job still starting
-                    log.info("progress: not available yet (%s)", e)
-
-        obs._thread = threading.Thread(target=loop, name="cl-progress", daemon=True)
-        obs._thread.start()
+        obs.report_progress(run_dir, progress_s)
     return obs

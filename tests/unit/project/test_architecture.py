@@ -1,5 +1,6 @@
 """The shape of the source: which folder may import which, no import circles, and no module
-reading another object's private fields (issue 35).
+reading another object's private fields (issue 35; the whole source's private reads, with the
+allowlist of other libraries' internals, are tests/unit/project/test_private_reads.py).
 
 Static checks over the source's syntax trees (imports inside functions and under
 ``TYPE_CHECKING`` count too); nothing is imported or run. Each rule is a table: a folder is added
@@ -52,9 +53,16 @@ FORBIDDEN: dict[str, list[str]] = {
         "checkpointless.agent",
         "checkpointless.recovery",
     ],
+    # the supervisors run every job and import no optional tool: the command line (cli.py) hands
+    # the launcher its observers (metrics, progress) to start
+    "checkpointless.launcher": _TOOLS,
+    "checkpointless.agent": _TOOLS,
+    "checkpointless.coordinator": _TOOLS,
     # the training process never imports what supervises it: the heartbeat record, the peer-table
-    # file and the control channel's client are the protocol's (the shared layer below both)
-    "checkpointless.recovery": _SUPERVISOR,
+    # file and the control channel's client are the protocol's (the shared layer below both); nor
+    # an optional tool
+    "checkpointless.recovery": [*_SUPERVISOR, *_TOOLS],
+    "checkpointless.integrations": _TOOLS,
     # the shared lower layers (frames, messages, settings, events) know nothing above them
     "checkpointless.protocol": [*_ABOVE_LOWER_LAYERS, *_TOOLS, "checkpointless.comm", "checkpointless.state"],
     "checkpointless.wire": [*_ABOVE_LOWER_LAYERS, *_TOOLS],
