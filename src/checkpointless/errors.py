@@ -8,6 +8,7 @@ that the caller (a user, the launcher or the recovery loop) does differently in 
 from __future__ import annotations
 
 __all__ = [
+    "CONFIG_ERROR_EXIT",
     "CheckpointlessError",
     "CommAborted",
     "ConfigError",
@@ -24,7 +25,15 @@ class CheckpointlessError(Exception):
 
 
 class ConfigError(CheckpointlessError, ValueError):
-    """A setting, argument or environment value is wrong; the message names it and the fix."""
+    """A setting, argument or environment value is wrong; the message names it and the fix.
+
+    Deterministic: a replacement or a restart would raise it again. A worker whose script ends on
+    one exits with :data:`CONFIG_ERROR_EXIT`, and the launcher ends the job at once instead of
+    spending spares or restarts on it."""
+
+
+# The exit status of a process whose script ended on a ConfigError (sysexits.h's EX_CONFIG).
+CONFIG_ERROR_EXIT = 78
 
 
 class RendezvousError(CheckpointlessError):

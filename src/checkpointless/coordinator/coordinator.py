@@ -216,7 +216,7 @@ class Coordinator:
         m = self.procs.get(worker_id)
         if m is None or m.connected:
             return False
-        m.connected = True
+        m.connected = m.greeted = True
         m.last_message = now
         if m.role == "worker" and m.rank is not None:
             self.rounds.assign(m, m.rank, 0, now, initial=True)
@@ -394,5 +394,6 @@ class Coordinator:
         self.stopping = why
         self.exit_code = code
         for m in self.procs.values():
-            self.outbox.send(m, Shutdown(code=0 if code == 0 else 1, reason=why))
+            # each process logs the reason: its first line (a traceback is printed once, above)
+            self.outbox.send(m, Shutdown(code=0 if code == 0 else 1, reason=why.partition("\n")[0]))
         self.outbox.stop(code, why)

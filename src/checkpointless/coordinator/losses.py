@@ -11,10 +11,13 @@ from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rounds import Rounds
 from checkpointless.coordinator.rules.budget import first_step_limit, progress_limit
+from checkpointless.coordinator.rules.fatal import exit_verdict
+from checkpointless.coordinator.rules.fault_step import fault_step
 from checkpointless.coordinator.rules.hangs import WorkerHealth, find_hung
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import RETIRED, Member
 from checkpointless.coordinator.tables import TableDelivery
+from checkpointless.errors import NotRecoverableError
 from checkpointless.settings import JobSettings as LaunchConfig
 
 __all__ = ["Losses"]
@@ -50,6 +53,11 @@ class Losses:
         m.exit_code = code
         self.tables.forget(worker_id)
         m.connected = False
+        if not m.done:  # a finished rank's exit status is the script's own business (see below)
+            who = f"rank {m.rank}" if m.rank is not None else f"{m.role} {m.worker_id}"
+            why = exit_verdict(who, code, m.greeted, m.killed_for is not None, self.cfg.script)
+            if why is not None:  # a ConfigError, or a script that never adopted: no spare can help
+                raise NotRecoverableError(why)
         if m.rank is None or ms.ranks.get(m.rank) is not m:
             if m.role == "spare":
                 self.spare_lost(m, code, own_failure, detail, tail, now)
@@ -66,7 +74,9 @@ class Losses:
             kind = "exit"
         if not m.joined and own_failure:
             self.ledger.start_failed(m.rank, detail, tail)
-        self.rounds.record_fault(m.rank, kind, detail, True, now, wall)
+        # it could not say where it was: its injected fault's step, or its last heartbeat's
+        step = fault_step(None, m.announced_step, m.step)
+        self.rounds.record_fault(m.rank, kind, detail, True, now, wall, step=step)
 
     def spare_lost(self, m: Member, code: int, own_failure: bool, detail: str, tail: str, now: float) -> None:
         self.outbox.emit("spare_lost", worker=m.worker_id, code=code)

@@ -9,6 +9,7 @@ from checkpointless.coordinator.ledger import FaultLedger
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rounds import Rounds
+from checkpointless.coordinator.rules.fatal import config_error_verdict
 from checkpointless.coordinator.state import Member
 from checkpointless.coordinator.tables import TableDelivery
 from checkpointless.errors import NotRecoverableError
@@ -62,9 +63,12 @@ class MessageRouter:
             out.emit("spare_ready", worker=m.worker_id)
             self.rounds.on_spare_ready(m)
         elif isinstance(msg, Fired):
+            if msg.step >= 0:
+                m.announced_step = msg.step  # its fault event's step, should it die of it
             self.ledger.fault_fired(msg.id, msg.time)
             out.emit("fault_injected", rank=m.rank, id=msg.id, kind=msg.kind, fired_at=msg.time)
         elif isinstance(msg, Stopped):
+            m.announced_step = None  # it lived to report its own step: an announcement is spent
             self.rounds.on_stopped(m, msg, now, wall)
         elif isinstance(msg, Recovered):
             self.rounds.on_recovered(m, msg, now)
@@ -74,7 +78,13 @@ class MessageRouter:
             m.done = True
             out.send(m, DoneSeen())  # on many hosts it waits for this before it leaves
         elif isinstance(msg, Fatal):
+            if msg.kind == "config":  # a ConfigError ended its script: a replacement would raise it too
+                raise NotRecoverableError(config_error_verdict(_who(m), msg.error))
             raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
+
+
+def _who(m: Member) -> str:
+    return f"rank {m.rank}" if m.rank is not None else f"spare {m.worker_id}"
 
 
 def apply_heartbeat(

@@ -57,6 +57,7 @@ class Member:
     store_address: str = ""  # host:port of its rendezvous key server ("" without one)
     rank: int | None = None
     connected: bool = False
+    greeted: bool = False  # it said hello once (called init()): its exit 0 is not an unadopted script's
     ready: bool = False  # a spare that finished warming up
     done: bool = False  # passed the final barrier
     joined: bool = False  # has formed a generation at least once
@@ -67,6 +68,8 @@ class Member:
     progress_known: bool = False
     in_collective: bool = False
     step: int | None = None
+    announced_step: int | None = None  # the step its injected fault fires at (its Fired): exact,
+    # where the heartbeat's step lags the fault by up to a beat
     step_time: float | None = None  # the last committed step's duration, as the worker measured it
     busy_time: float | None = (
         None  # that step less its waits in collectives (coordinator/rules/stragglers.py)

@@ -48,7 +48,7 @@ def resume(
             worker_id=p.worker_id, role=p.role, spawned=now, host=p.host, store_address=p.store_address
         )
         w = said.get(p.worker_id)
-        m.connected = w is not None
+        m.connected = m.greeted = w is not None
         m.ready = w is not None and w.ready
         m.joined = w is not None and w.generation >= 0
         m.done = w is not None and w.done  # its Done went to the lost coordinator, or nowhere

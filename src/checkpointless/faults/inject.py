@@ -181,7 +181,7 @@ class Injector:
     """Fires the faults meant for this rank at the matching (site, step), once each."""
 
     def __init__(
-        self, specs: list[FaultSpec], rank: int, fired: set[str], announce: Callable[[FaultSpec], None]
+        self, specs: list[FaultSpec], rank: int, fired: set[str], announce: Callable[[FaultSpec, int], None]
     ) -> None:
         self.specs = list(specs)
         self.rank = rank
@@ -203,7 +203,7 @@ class Injector:
 
     def fire(self, spec: FaultSpec, step: int) -> None:
         self.fired.add(spec.id)
-        self._announce(spec)  # the launcher must know before we die, so no replacement repeats it
+        self._announce(spec, step)  # the launcher must know before we die, so no replacement repeats it
         if spec.kind == "raise":
             raise InjectedFault(f"injected fault {spec.to_text()} at step {step}")
         if spec.kind == "exit":

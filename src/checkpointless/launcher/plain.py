@@ -19,6 +19,7 @@ from pathlib import Path
 
 from checkpointless.agent import Agent
 from checkpointless.config import ENV
+from checkpointless.coordinator.rules.fatal import exit_verdict
 from checkpointless.events import EventLog, get_logger, open_private_append
 from checkpointless.launcher.identity import JobIdentity
 from checkpointless.launcher.model import LaunchConfig
@@ -87,6 +88,13 @@ class PlainShell:
             rank, code = failed
             what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             events.emit("fault", rank=rank, kind="exit", detail=what, attempt=attempt)
+            # a ConfigError (its own exit status, run_script.py): a restart would raise it again
+            fatal = exit_verdict(f"rank {rank}", code, True, False, cfg.script)
+            if fatal is not None:
+                _kill_all(procs)
+                events.emit("job_end", status="failed", error=fatal, restarts=attempt)
+                log.error("%s", fatal)
+                return 1
             log.warning("FAULT rank %d: %s; restarting all %d processes (plain mode)", rank, what, cfg.nproc)
             _kill_all(procs)
             cleanup_job(self.job.run_dir, self.job.job_id, keep_secret=True)

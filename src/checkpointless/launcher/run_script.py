@@ -21,7 +21,40 @@ import os
 import sys
 from typing import NoReturn
 
+from checkpointless.errors import CONFIG_ERROR_EXIT, ConfigError
+
 __all__ = ["run_script"]
+
+# what the coordinator is sent of a traceback: its end, where the error is, when it is long
+_TRACEBACK_CHARS = 16_000
+
+
+def _script_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback from the script's own frames on (this runner's and runpy's left out:
+    they are the same in every job and say nothing about the error)."""
+    import runpy
+    import traceback
+
+    runner = {__file__, runpy.__file__, "<frozen runpy>"}
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in runner:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
+
+
+def _report_config_error(text: str) -> bool:
+    """Tell this worker's coordinator (if it has one) that the script ended on a ConfigError."""
+    # only if the worker's recovery layer is loaded: a script that never called init() has no
+    # coordinator link, and importing it here would cost an unadopted script torch's import
+    process = sys.modules.get("checkpointless.recovery.process")
+    if process is None:
+        return False
+    if len(text) > _TRACEBACK_CHARS:
+        text = "...\n" + text[-_TRACEBACK_CHARS:]
+    try:
+        return bool(process.report_config_error(text))
+    except Exception:  # the link is gone: print it here instead
+        return False
 
 
 def run_script(argv: list[str]) -> NoReturn:
@@ -43,6 +76,14 @@ def run_script(argv: list[str]) -> NoReturn:
         else:
             print(e.code, file=sys.stderr)
             code = 1
+    except ConfigError as e:
+        # Deterministic: a replacement or a restart would raise it again, so the launcher ends
+        # the job at once on this exit status. A connected worker's coordinator prints the
+        # traceback, once for the job however many ranks raise it; otherwise it is printed here.
+        code = CONFIG_ERROR_EXIT
+        text = _script_traceback(e)
+        if not _report_config_error(text):
+            print(text, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -22,7 +22,9 @@ __all__ = ["VERSION", "Message", "ProtocolError"]
 # 4: AgentWelcome carries the job's settings as one typed object (settings.JobSettings) instead of
 # ten copied fields and a dict
 # 5: HealthReport (an agent's host health checks, for health-gated admission); AgentHello.health
-VERSION = 5
+# 6: Fired carries the step it fires at (the fault event's step); Fatal a kind ("config": a
+# ConfigError ended the script, and the job ends without a spare)
+VERSION = 6
 
 
 class ProtocolError(CheckpointlessError):

@@ -93,6 +93,7 @@ class Fired(Message):
     id: str
     kind: str
     time: float
+    step: int = -1  # the step it fires at: its fault event's step (-1: not said)
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,12 @@ class Done(Message):
 
 @dataclass(frozen=True)
 class Fatal(Message):
+    """The job must end: no recovery can help. ``kind`` "config": the script ended on a
+    ConfigError, which a replacement would raise again (``error`` is its traceback)."""
+
     TYPE: ClassVar[str] = "fatal"
     error: str = ""
+    kind: str = "fatal"  # fatal | config
 
 
 # -- coordinator -> worker ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from checkpointless.faults.inject import FaultSpec
 from checkpointless.protocol import Abort, Fatal, Fired, Heartbeat, Message
 from checkpointless.recovery.groups import Groups
 from checkpointless.recovery.link import LauncherLink
+from checkpointless.recovery.process import on_last_words
 
 __all__ = ["RecoveryClient"]
 
@@ -48,6 +49,7 @@ class RecoveryClient:
     def connect(self, env: WorkerEnv, status: Callable[[], Heartbeat]) -> LauncherLink:
         """Connect to the coordinator; ``status`` is what each heartbeat says."""
         self.link = LauncherLink(env, self.on_abort, status)
+        on_last_words(self.send)  # a ConfigError that ends the script is told through it
         return self.link
 
     def send(self, msg: Message) -> None:
@@ -64,10 +66,10 @@ class RecoveryClient:
             if n:
                 log.info("aborted %d pending collective(s) for generation %d", n, gen)
 
-    def announce_fault(self, spec: FaultSpec) -> None:
-        """A rehearsed fault fires here (the injector's callback)."""
+    def announce_fault(self, spec: FaultSpec, step: int) -> None:
+        """A rehearsed fault fires here, at ``step`` (the injector's callback)."""
         log.warning("injecting fault %s", spec.to_text())
-        self.send(Fired(id=spec.id, kind=spec.kind, time=time.time()))
+        self.send(Fired(id=spec.id, kind=spec.kind, time=time.time(), step=step))
 
     def fatal(self, why: str) -> NoReturn:
         """End the job: no recovery can help (the coordinator hears why first)."""

@@ -43,7 +43,7 @@ class UpdateGuard:
         self._groups = groups
         self._timeout = timeout
         self._lockstep = lockstep
-        self.injector = Injector([], 0, set(), lambda s: None)  # the rehearsed faults (--inject)
+        self.injector = Injector([], 0, set(), lambda spec, step: None)  # the rehearsed faults (--inject)
         self.deferred: BaseException | None = None  # raised at the step's first site
         self.dirty = False  # inside an optimizer update: state not valid if we fault now
         self.updated = False  # the current step's update has been applied

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checkpointless.events import get_logger
+from checkpointless.protocol import Fatal, Message
 from checkpointless.state.codec import tensor_paths
 from checkpointless.state.snapshot import collect_state
 
@@ -24,6 +25,8 @@ __all__ = [
     "install_fast_exit",
     "looks_like_comm_error",
     "note_exit_code",
+    "on_last_words",
+    "report_config_error",
     "short_error",
     "state_bytes",
     "warm_up",
@@ -45,6 +48,25 @@ def note_exit_code(code: int) -> None:
     global _exit_code
     if code and not _exit_code:
         _exit_code = code
+
+
+_last_words: Callable[[Message], None] | None = None  # the coordinator's link, once connected
+
+
+def on_last_words(send: Callable[[Message], None]) -> None:
+    """This worker is connected: ``send`` tells its coordinator why the process ends."""
+    global _last_words
+    _last_words = send
+
+
+def report_config_error(text: str) -> bool:
+    """The script ended on a ConfigError (``text``: its traceback): tell the coordinator, which
+    ends the job at once and prints it; False when there is none to tell (the caller prints it).
+    Called by the script's runner (launcher/run_script.py)."""
+    if _last_words is None:
+        return False
+    _last_words(Fatal(error=text, kind="config"))
+    return True
 
 
 def install_fast_exit() -> None:

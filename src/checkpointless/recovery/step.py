@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from checkpointless.errors import ConfigError
 from checkpointless.recovery.commit import check_divergence, commit, enter_step
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.recover import recover_from
@@ -55,5 +56,7 @@ class Step:
             return False
         if not isinstance(exc, Exception) or not self._member.recovery.connected:
             return False  # KeyboardInterrupt/SystemExit, or no launcher to recover with
+        if isinstance(exc, ConfigError):
+            return False  # a replay would raise it again: it ends the script (run_script.py)
         recover_from(self._member, self.index, exc)
         return True
