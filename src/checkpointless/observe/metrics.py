@@ -101,6 +101,27 @@ class JobMetrics:
             "Training state sent to receivers in recoveries",
             registry=r,
         )
+        # host health (coordinator/health.py): how many hosts are quarantined, and each one's
+        # latest verdict and quarantine as labelled gauges (bounded by the job's hosts)
+        self.hosts_quarantined = Gauge(
+            "checkpointless_hosts_quarantined",
+            "Hosts in quarantine: never promoted, given no spare",
+            registry=r,
+        )
+        self.host_health = Gauge(
+            "checkpointless_host_health_ok",
+            "1 while a host's newest health checks passed, 0 while they failed",
+            ["host", "address"],
+            registry=r,
+        )
+        self.host_quarantine = Gauge(
+            "checkpointless_host_quarantined",
+            "1 for each host in quarantine, with why (health: its checks failed; faults: its ranks kept faulting)",
+            ["host", "address", "reason"],
+            registry=r,
+        )
+        self._quarantined: dict[str, tuple[str, str]] = {}  # host -> (address, reason)
+        self._checked: dict[str, str] = {}  # host -> address, of hosts that reported health
         self.meter = GoodputMeter()
         goodput = Gauge(
             "checkpointless_goodput_ratio", "Productive share of the wall time so far (0-1)", registry=r
@@ -141,6 +162,8 @@ class JobMetrics:
                 del self._receivers[min(self._receivers)]
         elif kind == "started":
             self.generation.set(int(e["generation"]))
+        elif kind in ("host_health", "host_quarantined", "host_readmitted", "host_lost"):
+            self._apply_host(kind, e)
         elif kind == "recovery":
             gen = int(e["generation"])
             self.generation.set(gen)
@@ -151,6 +174,22 @@ class JobMetrics:
                     self.phase.labels(phase=p).observe(float(e[f"{p}_s"]))
             self.state_bytes.inc(float(e.get("state_bytes") or 0.0) * self._receivers.get(gen, 1))
         self.spares_ready.set(len(self._ready))
+
+    def _apply_host(self, kind: str, e: dict[str, Any]) -> None:
+        host, address = str(e.get("host")), str(e.get("address", "?"))
+        if kind == "host_health":
+            self._checked[host] = address
+            self.host_health.labels(host=host, address=address).set(1 if e.get("ok") else 0)
+            return
+        was = self._quarantined.pop(host, None)
+        if was is not None:
+            self.host_quarantine.remove(host, *was)
+        if kind == "host_quarantined":
+            self._quarantined[host] = (address, str(e.get("reason", "?")))
+            self.host_quarantine.labels(host, *self._quarantined[host]).set(1)
+        elif kind == "host_lost" and host in self._checked:
+            self.host_health.remove(host, self._checked.pop(host))
+        self.hosts_quarantined.set(len(self._quarantined))
 
     def _apply_commit(self, c: dict[str, Any]) -> None:
         self.steps.inc()

@@ -21,11 +21,13 @@ from checkpointless.observe.ledger import build_ledger
 from checkpointless.observe.runfiles import load_run
 
 __all__ = [
+    "HostHealthStatus",
     "JobStatus",
     "RankStatus",
     "SpareStatus",
     "build_parser",
     "build_status",
+    "host_health",
     "launcher_alive",
     "main",
     "pid_alive",
@@ -72,6 +74,17 @@ class SpareStatus:
 
 
 @dataclass(frozen=True)
+class HostHealthStatus:
+    """A host's health as its agent last reported it (agent/health.py), and its quarantine."""
+
+    host: int  # the agent's id
+    address: str
+    ok: bool | None  # the newest reported verdict (None: it has sent none)
+    quarantine: str  # "" (admitted), health, or faults
+    detail: str  # the failing checks' output, or why it is quarantined
+
+
+@dataclass(frozen=True)
 class JobStatus:
     run_dir: str
     job: str
@@ -88,6 +101,7 @@ class JobStatus:
     ranks: list[RankStatus] = field(default_factory=list)
     spares: list[SpareStatus] = field(default_factory=list)
     last_fault: str | None = None
+    hosts: list[HostHealthStatus] = field(default_factory=list)  # hosts that reported health
 
 
 def build_status(
@@ -206,7 +220,33 @@ def build_status(
         ranks=ranks,
         spares=sorted(spares, key=lambda s: s.worker),
         last_fault=f"{lf.get('kind')} on rank {lf.get('rank')} at step {lf.get('step')}" if lf else None,
+        hosts=host_health(events),
     )
+
+
+def host_health(events: Sequence[Mapping[str, Any]]) -> list[HostHealthStatus]:
+    """Each live host's health and quarantine, from the coordinator's ``host_health``,
+    ``host_quarantined`` and ``host_readmitted`` events (coordinator/health.py)."""
+    hosts: dict[int, HostHealthStatus] = {}
+    for e in events:
+        kind = e.get("event")
+        if kind not in ("host_health", "host_quarantined", "host_readmitted", "host_lost"):
+            continue
+        host = int(e.get("host", -1))
+        if kind == "host_lost":
+            hosts.pop(host, None)
+            continue
+        old = hosts.get(host) or HostHealthStatus(host, str(e.get("address", "?")), None, "", "")
+        if kind == "host_health":
+            ok = bool(e.get("ok"))
+            hosts[host] = replace(
+                old, ok=ok, detail=old.detail if old.quarantine else str(e.get("detail", ""))
+            )
+        elif kind == "host_quarantined":
+            hosts[host] = replace(old, quarantine=str(e.get("reason", "?")), detail=str(e.get("detail", "")))
+        else:
+            hosts[host] = replace(old, quarantine="", detail="")
+    return [hosts[h] for h in sorted(hosts)]
 
 
 def _fmt(x: float | None, scale: float = 1.0, unit: str = "") -> str:
@@ -233,6 +273,15 @@ def render_status(st: JobStatus) -> str:
         )
     pool = ", ".join(f"worker {s.worker} (pid {s.pid}) {s.state}" for s in st.spares) or "none"
     lines += ["", f"spares: {pool}"]
+    if st.hosts:
+        quarantined = [h for h in st.hosts if h.quarantine]
+        lines += [
+            "",
+            f"host health: {len(st.hosts) - len(quarantined)} admitted, {len(quarantined)} quarantined",
+        ]
+        for h in st.hosts:
+            state = f"QUARANTINED ({h.quarantine})" if h.quarantine else "passing" if h.ok else "failing"
+            lines.append(f"  {h.address} (agent {h.host}) {state}" + (f": {h.detail}" if h.detail else ""))
     return "\n".join(lines) + "\n"
 
 
