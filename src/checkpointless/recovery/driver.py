@@ -107,7 +107,7 @@ def _run_sections(member: Member) -> bool:
         # already, and an evaluation that samples, or dropout left on, would otherwise leave
         # every later step with other random numbers than the run without the fault.
         member.record.begin_section(at)
-        member.replicas.rank_rng.keep(at, member.record.rng_for(at))  # for a replacement (rank_rng.py)
+        member.replicas.rank_rng.keep(at, member.record.rng_for(at), sec.name)  # for a replacement
         member.clock.in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
         try:
             sec.fn()

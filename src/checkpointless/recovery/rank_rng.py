@@ -8,21 +8,26 @@ very streams of the rank it replaces, as they stood when the step it re-runs fir
 
 Where they are kept, and why there: each rank writes its generators into the job's private
 shared-memory directory (``<job shm>/rng/rank<k>.<slot>``), outside its process, at every point
-a recovery may resume from: as a step begins, as a section begins, and as a step commits (the
-state after the update, for a recovery that rolls the step forward). The write is synchronous
-(about 12 KB, tens of microseconds: the figures are in the module's benchmark,
-``benchmarks/rank_rng.py``), so the record of a point exists before the rank can take part in
-any collective after it. No peer can therefore pass that point with an older record in the
-keeper, which an asynchronous send to another process could not promise without a wait per
-step: a rank killed just after it began step ``s`` has step ``s``'s record kept, whatever the
-timing. It is the same directory as the snapshots and same-host buddy copies: the launcher's
-and the reaper's clean-up remove it, even after a SIGKILL. Each record carries its step and a
-digest; two slots (by the step's parity) keep the newest two steps, since the step a recovery
-settles on may be the one before the newest record (a rank that committed a step its peers
-did not reach). The limit: a replacement on another host (a lost host, or spares on a spare
-host) finds no record, and then resumes the generators sent with the replica's state, and says
-so in a warning (not silently); on a sharded mesh a buddy copy carries its owner's own
-generators, so a replacement restored from one resumes the right streams anyway.
+a recovery may resume from: as a step commits (the state after the update, also where a
+recovery that rolls the step forward resumes), as a section begins, and as a step begins (a
+compare only, unless something drew since the last record). The write is synchronous (one
+``pwritev`` of ~12.7 KB; the cost is measured by ``benchmarks/rank_rng.py``), so the record of
+a point exists before the rank can take part in any collective after it, and no peer can pass
+that point while the keeper still holds an older record. An asynchronous send to another
+process could not promise that without a wait per step: a rank killed just after it began step
+``s`` would often leave step ``s - 1``'s record with its keeper. The directory is the one the
+snapshots and the same-host buddy copies use: the launcher's and the reaper's clean-up remove
+it, even after a SIGKILL. Each record carries its step, the section it began (if any), its
+length and a digest (a write cut short by a SIGKILL is refused, never restored); two slots (by
+the step's parity) keep the newest two steps, since a recovery may settle on the step before
+the newest record (a rank that committed a step its peers did not reach).
+
+The limits. A replacement on another host (a lost host, or spares on a spare host) finds no
+record: it resumes the generators sent with the replica's state, with a warning (on a sharded
+mesh a buddy copy carries its owner's own, so that case is exact). A rank lost inside a section
+its peers completed (rank 0's evaluation, which has no collective) left the record of the
+section's start, and its replacement does not run the section again: what it drew there is
+lost, and a warning says so.
 """
 
 from __future__ import annotations
@@ -41,18 +46,29 @@ from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.state.shm_dir import private_dir
 from checkpointless.state.snapshot import RngState
 
-__all__ = ["RankRngKeeper", "RngRecord", "decode_record", "encode_record", "rank_rng_dir"]
+__all__ = [
+    "RankRngKeeper",
+    "RngRecord",
+    "decode_record",
+    "encode_parts",
+    "encode_record",
+    "rank_rng_dir",
+    "same_rng",
+]
 
-_MAGIC = b"CLRNG001"
-_DIGEST = 16  # XXH3-128 of everything before it: a torn or foreign file is never restored
+_MAGIC = b"CLRNG002"
+_LEAD = struct.Struct("<8sII")  # magic, the record's whole length, the JSON header's length
+_DIGEST = 16  # XXH3-128 of everything before it: a torn or foreign record is never restored
 
 
 @dataclass(frozen=True)
 class RngRecord:
-    """A rank's generators as they stood when step ``step`` (or the section before it) began."""
+    """A rank's generators as they stood at step ``step``'s boundary: as the step began (or
+    committed, the step before), or as section ``section`` began before it."""
 
     step: int
     rng: RngState
+    section: str | None = None
 
 
 def rank_rng_dir(job_id: str) -> Path:
@@ -62,42 +78,60 @@ def rank_rng_dir(job_id: str) -> Path:
     return path
 
 
-def _blob(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().cpu().contiguous().numpy().tobytes())
+def _blob(t: torch.Tensor) -> memoryview:
+    return t.detach().cpu().contiguous().numpy().data.cast("B")
 
 
-def encode_record(step: int, rng: RngState) -> bytes:
-    """``rng`` (``capture_rng()``'s layout) and ``step`` as bytes: a JSON header of the scalars and
-    blob lengths, the blobs (Python's state words, NumPy's keys, torch's CPU and CUDA states),
-    and a digest of it all."""
+def encode_parts(record: RngRecord) -> list[bytes | memoryview]:
+    """``record`` as the pieces of one write: a lead (magic, lengths), a JSON header of the
+    scalars and blob sizes, the blobs (Python's state words, NumPy's keys, torch's CPU and CUDA
+    states) and the digest of all that."""
+    rng = record.rng
     version, words, py_gauss = rng["python"]
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = rng["numpy"]
-    words_t = words if isinstance(words, torch.Tensor) else torch.tensor(list(words), dtype=torch.int64)
+    words_t = words if isinstance(words, torch.Tensor) else torch.tensor(list(words))
     blobs = [
         _blob(words_t.to(torch.int64)),
-        np.asarray(np_keys, dtype=np.uint32).tobytes(),
+        np.ascontiguousarray(np_keys, dtype=np.uint32).data.cast("B"),
         _blob(rng["torch"]),
         *(_blob(t) for t in rng.get("cuda", [])),
     ]
     header = {
-        "step": step,
+        "step": record.step,
+        "section": record.section,
         "python": [int(version), py_gauss],
         "numpy": [str(np_kind), int(np_pos), int(np_has_gauss), float(np_gauss)],
         "cuda": "cuda" in rng,
-        "sizes": [len(b) for b in blobs],
+        "sizes": [b.nbytes for b in blobs],
     }
     head = json.dumps(header).encode()
-    body = b"".join([_MAGIC, struct.pack("<I", len(head)), head, *blobs])
-    return body + xxhash.xxh3_128_digest(body)
+    total = _LEAD.size + len(head) + sum(b.nbytes for b in blobs) + _DIGEST
+    parts: list[bytes | memoryview] = [_LEAD.pack(_MAGIC, total, len(head)), head, *blobs]
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return [*parts, h.digest()]
+
+
+def encode_record(record: RngRecord) -> bytes:
+    """``record`` as one byte string (:func:`encode_parts`, joined)."""
+    return b"".join(encode_parts(record))
 
 
 def decode_record(data: bytes) -> RngRecord:
-    """The record :func:`encode_record` wrote. Raises ValueError if ``data`` is not one, whole."""
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if not data.startswith(_MAGIC) or xxhash.xxh3_128_digest(body) != digest:
+    """The record at the start of ``data`` (a slot may hold a longer older one's tail after it).
+
+    Raises:
+        ValueError: ``data`` does not start with a whole record."""
+    if len(data) < _LEAD.size + _DIGEST:
         raise ValueError("not a whole generator record")
-    (n,) = struct.unpack_from("<I", body, len(_MAGIC))
-    at = len(_MAGIC) + 4
+    magic, total, n = _LEAD.unpack_from(data)
+    if magic != _MAGIC or total > len(data) or total < _LEAD.size + n + _DIGEST:
+        raise ValueError("not a whole generator record")
+    body, digest = data[: total - _DIGEST], data[total - _DIGEST : total]
+    if xxhash.xxh3_128_digest(body) != digest:
+        raise ValueError("a generator record that fails its digest")
+    at = _LEAD.size
     header = json.loads(body[at : at + n])
     at += n
     blobs: list[bytes] = []
@@ -116,7 +150,21 @@ def decode_record(data: bytes) -> RngRecord:
     }
     if header["cuda"]:
         rng["cuda"] = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs[3:]]
-    return RngRecord(int(header["step"]), rng)
+    return RngRecord(int(header["step"]), rng, header["section"])
+
+
+def same_rng(a: RngState, b: RngState) -> bool:
+    """Whether two captured states are the same (torch's and Python's first: they change most)."""
+    if not torch.equal(a["torch"], b["torch"]):
+        return False
+    pa, pb = a["python"], b["python"]
+    if pa[0] != pb[0] or pa[2] != pb[2] or not torch.equal(torch.as_tensor(pa[1]), torch.as_tensor(pb[1])):
+        return False
+    na, nb = a["numpy"], b["numpy"]
+    if list(na[2:]) != list(nb[2:]) or na[0] != nb[0] or not np.array_equal(na[1], nb[1]):
+        return False
+    ca, cb = a.get("cuda", []), b.get("cuda", [])
+    return len(ca) == len(cb) and all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
 
 
 class RankRngKeeper:
@@ -127,9 +175,13 @@ class RankRngKeeper:
         self.directory: Path | None = None  # None: not under the launcher, memory only
         self.rank = -1
         self._slots: dict[int, RngRecord] = {}  # step % 2 -> the newest record of that parity
+        self._files: dict[int, int] = {}  # step % 2 -> its open file (one write per record)
 
     def configure(self, directory: Path | None, rank: int) -> None:
         """Keep this rank's records in ``directory`` (a spare learns its rank at assignment)."""
+        for fd in self._files.values():
+            os.close(fd)
+        self._files = {}
         self.directory = directory
         self.rank = rank
 
@@ -138,32 +190,36 @@ class RankRngKeeper:
         """Whether this process has recorded a point of its own (it has begun a step here)."""
         return bool(self._slots)
 
-    def keep(self, step: int, rng: RngState) -> None:
-        """Record the generators ``rng`` as they stand when step ``step`` begins (or a section
-        before it, or the commit of step ``step - 1``): the newest record of a step wins."""
-        record = RngRecord(step, rng)
+    def keep(self, step: int, rng: RngState, section: str | None = None) -> None:
+        """Record the generators ``rng`` as they stand at step ``step``'s boundary (the commit of
+        step ``step - 1``, the start of ``section`` or of the step): a step's newest record wins."""
+        kept = self._slots.get(step % 2)
+        if kept is not None and kept.step == step and kept.section == section and same_rng(kept.rng, rng):
+            return  # nothing drew since the commit kept it: the usual step entry costs a compare
+        record = RngRecord(step, rng, section)
         self._slots[step % 2] = record
         if self.directory is None:
             return
-        path = self._path(step)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(encode_record(step, rng))
-        os.replace(tmp, path)  # whole or not at all: a kill mid-write leaves the older record
+        fd = self._files.get(step % 2)
+        if fd is None:
+            fd = self._files[step % 2] = os.open(self._path(step), os.O_RDWR | os.O_CREAT, 0o600)
+        # one write, in place: a record is self-delimiting (an older, longer one's tail is
+        # ignored) and checked by its digest (a write cut short by a SIGKILL is refused)
+        os.pwritev(fd, encode_parts(record), 0)
 
-    def load(self, step: int) -> RngState | None:
-        """This rank's generators as step ``step`` began, if a record of that step is kept (in
-        this process, else in shared memory by whoever held the rank before); else None."""
+    def load(self, step: int) -> RngRecord | None:
+        """This rank's record of step ``step``, if one is kept (in this process, else in shared
+        memory by whoever held the rank before); else None."""
         mine = self._slots.get(step % 2)
         if mine is not None and mine.step == step:
-            return mine.rng
+            return mine
         if self.directory is None:
             return None
         try:
             record = decode_record(self._path(step).read_bytes())
         except (FileNotFoundError, ValueError):
             return None
-        return record.rng if record.step == step else None
+        return record if record.step == step else None
 
     def _path(self, step: int) -> Path:
         assert self.directory is not None

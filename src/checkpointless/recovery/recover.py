@@ -304,7 +304,7 @@ def resume_rng(member: Member, target: int) -> RngState:
     if at_start is not None and at_start[0] == target:
         return at_start[1]
     kept = member.replicas.rank_rng.load(target)
-    return kept if kept is not None else member.record.rng_for(target)
+    return kept.rng if kept is not None else member.record.rng_for(target)
 
 
 def receiver_rng(member: Member, target: int, sent: RngState, from_copy: bool) -> RngState:
@@ -320,7 +320,16 @@ def receiver_rng(member: Member, target: int, sent: RngState, from_copy: bool) -
         return resume_rng(member, target)
     kept = keeper.load(target)
     if kept is not None:
-        return kept
+        if kept.section is not None and member.loop.sections_done.get(kept.section) == target:
+            log.warning(
+                "rank %d was lost inside section %r after step %d, which its peers completed: "
+                "its replacement does not run it again, so what it drew there is lost (the run "
+                "may differ from the run without the fault)",
+                member.rank,
+                kept.section,
+                target - 1,
+            )
+        return kept.rng
     if not from_copy:
         log.warning(
             "no record of rank %d's own generators for step %d on this host: resuming the sender's "

@@ -14,7 +14,7 @@ import torch
 
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.job import Job
-from checkpointless.recovery.rank_rng import RankRngKeeper, decode_record, encode_record
+from checkpointless.recovery.rank_rng import RankRngKeeper, RngRecord, decode_record, encode_record
 from checkpointless.recovery.recover import receiver_rng
 from checkpointless.state.snapshot import RngState, capture_rng, restore_rng
 
@@ -42,18 +42,18 @@ def test_a_record_restores_every_global_stream_exactly() -> None:
     _draws()  # mid-stream, with a cached gauss on both Python's and NumPy's side
     random.gauss(0, 1)
     np.random.standard_normal(1)
-    record = encode_record(7, capture_rng())
+    record = encode_record(RngRecord(7, capture_rng(), "eval"))
     want = _draws()
     _seed(99)
     got = decode_record(record)
-    assert got.step == 7
+    assert got.step == 7 and got.section == "eval"
     restore_rng(got.rng)
     assert _same(_draws(), want)
 
 
 @pytest.mark.timeout(60)
 def test_a_torn_or_foreign_record_is_refused() -> None:
-    record = encode_record(3, capture_rng())
+    record = encode_record(RngRecord(3, capture_rng()))
     for bad in (
         record[:-1],
         record[:40],
@@ -82,16 +82,19 @@ def test_the_keeper_keeps_the_newest_two_steps_for_a_fresh_process(tmp_path: Pat
     assert fresh.load(4) is None  # overwritten by step 6 (same parity)
     for step in (5, 6):
         kept = fresh.load(step)
-        assert kept is not None
-        restore_rng(kept)
+        assert kept is not None and kept.section is None
+        restore_rng(kept.rng)
         a = _draws()
         restore_rng(states[step])
         assert _same(a, _draws())
     other = RankRngKeeper()
     other.configure(tmp_path, 0)
     assert other.load(6) is None  # rank 0's replacement never takes rank 1's streams
-    # a kill mid-write leaves the older record whole (the write goes through a renamed file)
-    (tmp_path / "rank1.0").write_bytes(b"torn")
+    # a record over a longer older one: its tail is ignored; a write cut short is refused
+    path = tmp_path / "rank1.0"
+    path.write_bytes(path.read_bytes() + b"an older record's tail")
+    assert fresh.load(6) is not None
+    path.write_bytes(path.read_bytes()[:5000])
     assert fresh.load(6) is None and mine.load(6) is not None  # the writer's memory still has it
 
 
