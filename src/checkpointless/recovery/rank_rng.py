@@ -79,7 +79,8 @@ def rank_rng_dir(job_id: str) -> Path:
 
 
 def _blob(t: torch.Tensor) -> memoryview:
-    return t.detach().cpu().contiguous().numpy().data.cast("B")
+    arr: np.ndarray = t.detach().cpu().contiguous().numpy()
+    return arr.data.cast("B")
 
 
 def encode_parts(record: RngRecord) -> list[bytes | memoryview]:
