@@ -9,14 +9,18 @@ Under checkpointless (the lines marked "checkpointless" below are the whole adop
 
     checkpointless run --nproc 2 --spares 1 --inject kill:rank=1:step=5 examples/hf_accelerate.py
 
-At the end every rank prints/writes a SHA-256 of its final weights and optimizer state
-(--digest-out, with {rank}), so a run with faults can be compared bit for bit with one without.
+After each epoch the loop evaluates on held-out data (a DataLoader prepared by accelerate, its
+losses gathered over the ranks); under checkpointless that evaluation is a protected section, so
+a fault during it is recovered and the evaluation done again.
+
+At the end every rank prints/writes a SHA-256 of its final weights, optimizer state and evaluation
+losses (--digest-out, with {rank}), so a run with faults can be compared bit for bit with one
+without. The model, data and digest are examples/_hf_common.py's.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -26,25 +30,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything below is built locall
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
-from transformers import GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_trainer import Snippets
+from _hf_common import Snippets, state_digest, tiny_gpt2, write_digest
 
 from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator  # checkpointless
-
-
-def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    for pid, state in sorted(optimizer.state_dict()["state"].items()):
-        for key, value in sorted(state.items()):
-            h.update(f"{pid}/{key}".encode())
-            if isinstance(value, torch.Tensor):
-                h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> None:
@@ -61,15 +51,12 @@ def main() -> None:
     ap.add_argument("--digest-out", help="write the final state's SHA-256 here; {rank} is filled in")
     args = ap.parse_args()
 
-    torch.manual_seed(args.seed)  # the same model on every rank
-    vocab = 64
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=vocab, n_positions=args.seq_len, n_embd=32, n_layer=2, n_head=2)
-    )
+    model = tiny_gpt2(args.seq_len, seed=args.seed)  # the same model on every rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
-    data = Snippets(args.samples, args.seq_len, vocab, args.seed)
+    data = Snippets(args.samples, args.seq_len, args.seed)
     loader = DataLoader(data, batch_size=args.batch, shuffle=True, drop_last=True)
+    held_out = DataLoader(Snippets(8 * args.batch, args.seq_len, args.seed + 1), batch_size=args.batch)
     kwargs = {
         "gradient_accumulation_steps": args.accumulation,
         "cpu": True,
@@ -79,7 +66,22 @@ def main() -> None:
         accelerator = Accelerator(**kwargs)
     else:
         accelerator = CheckpointlessAccelerator(**kwargs)  # checkpointless
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    model, optimizer, loader, held_out, scheduler = accelerator.prepare(
+        model, optimizer, loader, held_out, scheduler
+    )
+
+    def evaluate() -> float:
+        model.eval()
+        losses = []
+        with torch.no_grad():
+            for batch in held_out:
+                losses.append(accelerator.gather_for_metrics(model(**batch).loss.reshape(1)))
+        model.train()
+        return float(torch.cat(losses).mean())
+
+    if isinstance(accelerator, CheckpointlessAccelerator):
+        evaluate = accelerator.protect(evaluate)  # checkpointless: runs as a protected section
+    eval_losses = []
     for epoch in range(args.epochs):
         for batch in loader:
             with accelerator.accumulate(model):
@@ -88,21 +90,15 @@ def main() -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+        eval_losses.append({"epoch": epoch, "eval_loss": evaluate()})
         if accelerator.is_main_process:
-            print(f"epoch {epoch} loss {loss.item():.4f}", flush=True)
+            print(f"epoch {epoch} eval loss {eval_losses[-1]['eval_loss']:.4f}", flush=True)
     accelerator.end_training()  # checkpointless: every rank waits here for the job's end
 
     inner = accelerator.unwrap_model(model)
     inner = getattr(inner, "module", inner)  # the job's DataParallel
-    digest = state_digest(inner, optimizer.optimizer)
-    rank = accelerator.process_index
-    if rank == 0:
-        print(f"final state sha256 {digest}", flush=True)
-    if args.digest_out:
-        path = Path(args.digest_out.replace("{rank}", str(rank)))
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(digest + "\n")
-        os.replace(tmp, path)  # whole or not at all: a reader must never see half a digest
+    digest = state_digest(inner, optimizer.optimizer, eval_losses)
+    write_digest(args.digest_out, accelerator.process_index, digest)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 """The Accelerate example under `checkpointless run`, with real faults, bitwise on every rank.
 
 Each run is examples/hf_accelerate.py (a hand-written Accelerate loop: prepare, accumulate with
-gradient accumulation 2, backward, a scheduler, 2 epochs of 5 optimizer steps) on 2 ranks and 1
-spare. It must end with every rank's weights and optimizer state equal to a fault-free run's.
+gradient accumulation 2, backward, a scheduler, 2 epochs of 5 optimizer steps, an evaluation on a
+prepared DataLoader after each epoch, protected) on 2 ranks and 1 spare. It must end with every
+rank's weights, optimizer state and evaluation losses equal to a fault-free run's.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +20,20 @@ from tests.helpers.jobs import ROOT, JobResult, alive, start_job
 pytest.importorskip("accelerate", reason="the `hf` extra is not installed")
 
 SCRIPT = ROOT / "examples" / "hf_accelerate.py"
+EVAL_FAULTS = ROOT / "tests" / "scripts" / "hf_accelerate_eval_faults.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-def run(run_dir: Path, faults: list[str], spares: int = 1, bf16: bool = False) -> JobResult:
+def run(
+    run_dir: Path, faults: list[str], spares: int = 1, bf16: bool = False, eval_fault: str | None = None
+) -> JobResult:
     args = ["--epochs", "2", "--accumulation", "2"] + (["--mixed-precision", "bf16"] if bf16 else [])
+    env = {**OFFLINE, "HF_EVAL_MARK": str(run_dir.parent / "fired")}
+    if eval_fault:
+        env["HF_EVAL_FAULT"] = eval_fault
     job = start_job(
-        run_dir, run_dir.parent / "unused", 2, spares, faults, script_args=args, script=SCRIPT,
-        hang_timeout=6, env=OFFLINE,
+        run_dir, run_dir.parent / "unused", 2, spares, faults, script_args=args,
+        script=EVAL_FAULTS if eval_fault else SCRIPT, hang_timeout=6, env=env,
     )  # fmt: skip
     return job.finish(150)
 
@@ -40,9 +50,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
 @pytest.mark.parametrize(
     "fault",
     [
-        pytest.param("kill:rank=1:step=3", id="sigkill"),
+        # in epoch 1: the replacement's loop passes epoch 0 and gets its evaluation from the state
+        pytest.param("kill:rank=1:step=7", id="sigkill"),
         pytest.param("raise:rank=0:step=6:site=forward", id="raise-forward"),
         pytest.param("raise:rank=1:step=7:site=backward", id="raise-backward", marks=pytest.mark.soak),
+        # the epoch's last step: rank 1 is rolled forward into the evaluation rank 0 has begun
         pytest.param("raise:rank=1:step=4:site=optimizer", id="raise-mid-optimizer"),
         pytest.param("hang:rank=1:step=5", id="sigstop-hang", marks=pytest.mark.soak),
     ],
@@ -50,8 +62,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
 def test_accelerate_loop_fault_is_survived_bitwise(tmp_path: Path, reference: JobResult, fault: str) -> None:
     res = run(tmp_path / "run", [fault])
     assert res.rc == 0, res.output[-6000:]
-    res.assert_same_weights(reference, nproc=2)  # weights and optimizer state
+    res.assert_same_weights(reference, nproc=2)  # weights, optimizer state and evaluation losses
     assert len(res.of("fault_injected")) == 1 and res.of("recovery"), res.output[-4000:]
+    assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
     if fault.startswith(("kill", "hang")):
         assert res.of("spare_assigned") and "the training DataLoader seeks there" in res.output
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
@@ -67,3 +80,54 @@ def test_bf16_mixed_precision_is_exact_through_a_kill(tmp_path: Path) -> None:
     res = run(tmp_path / "kill" / "run", ["kill:rank=1:step=6"], bf16=True)
     assert res.rc == 0, res.output[-6000:]
     res.assert_same_weights(ref, nproc=2)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param("kill:1:5", id="sigkill-in-eval"),
+        # the last evaluation, after which the loop ends: end_training() ends the job there
+        pytest.param("raise:0:10", id="raise-in-final-eval"),
+    ],
+)
+def test_a_fault_during_a_protected_evaluation_is_recovered_and_it_runs_again(
+    tmp_path: Path, reference: JobResult, fault: str
+) -> None:
+    res = run(tmp_path / "run", [], eval_fault=fault)
+    assert res.rc == 0, res.output[-6000:]
+    assert (tmp_path / "fired").exists() and f"fault in evaluation: {fault.split(':')[0]}" in res.output
+    assert res.of("recovery"), res.output[-4000:]
+    res.assert_same_weights(reference, nproc=2)  # weights, optimizer state and evaluation losses
+    assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
+    if fault.startswith("kill"):
+        assert [e["rank"] for e in res.of("spare_assigned")] == [1]
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+REFUSE = """
+import sys
+from checkpointless.errors import ConfigError
+from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator
+acc = CheckpointlessAccelerator(cpu=True)
+for call in (lambda: acc.save_state("out"), lambda: acc.load_state("out")):
+    try:
+        call()
+    except ConfigError as e:
+        print("refused:", e)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_save_state_and_load_state_are_refused_naming_the_alternative(tmp_path: Path) -> None:
+    env = {**os.environ, **OFFLINE}
+    proc = subprocess.run(
+        [sys.executable, "-c", REFUSE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
+    assert len(lines) == 2, proc.stdout
+    assert "save_state() is not supported" in lines[0] and "--checkpoint-dir" in lines[0]
+    assert "save_model" in lines[0]
+    assert "load_state() is not supported" in lines[1] and "--checkpoint-dir" in lines[1]
+    assert not (tmp_path / "out").exists()

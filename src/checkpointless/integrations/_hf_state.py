@@ -12,6 +12,8 @@ Kept free of transformers, so it is tested as plain code (tests/unit/integration
 - :class:`SectionUndo`: the state that evaluation and checkpointing change (the carrier's, the
   ledger's, the scheduler's), as their protected section began, so that a section redone after a
   fault starts from it again on every rank, a replacement included.
+- :class:`ProtectedResults`: what an Accelerate loop's protected functions (its evaluation)
+  returned at each step boundary, so that a replacement passing finished epochs gets them too.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from checkpointless.errors import ConfigError
 from checkpointless.state.snapshot import Stateful
 
-__all__ = ["LossLedger", "SectionUndo", "StepPlan", "TrainerStateCarrier"]
+__all__ = ["LossLedger", "ProtectedResults", "SectionUndo", "StepPlan", "TrainerStateCarrier"]
 
 # TrainerState fields that do not travel: this process's own place in the job, and Trainer's
 # file copy of the callbacks' state (the live callbacks travel instead)
@@ -185,3 +187,28 @@ class SectionUndo:
         at = state["at"]
         self.at = None if at is None else int(at)
         self.kept = copy.deepcopy(state["kept"])
+
+
+class ProtectedResults:
+    """What each protected function of an Accelerate loop returned, by the step boundary it ran at.
+
+    Tracked with the replica: a replacement whose loop passes epochs its state already holds gets
+    the results its peers computed there, and one that joins to redo a function finds the result
+    of the other boundaries."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, dict[int, Any]] = {}
+
+    def get(self, name: str, at: int) -> tuple[bool, Any]:
+        """(whether ``name`` ran at boundary ``at``, its result)."""
+        done = self.results.get(name, {})
+        return (at in done, done.get(at))
+
+    def put(self, name: str, at: int, result: Any) -> None:
+        self.results.setdefault(name, {})[at] = result
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"results": copy.deepcopy(self.results)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.results = {str(n): {int(a): r for a, r in d.items()} for n, d in state["results"].items()}

@@ -12,6 +12,14 @@ The loop stays as it is (docs/adoption.md, "Hugging Face")::
                 optimizer.step(); scheduler.step(); optimizer.zero_grad()
     accelerator.end_training()          # every rank waits for the job's end here
 
+- Evaluation between steps (its DataLoader prepared by ``prepare`` as accelerate does, its gathers
+  on the job's group) is made a protected section with ``evaluate = accelerator.protect(evaluate)``:
+  the loop calls ``evaluate()`` where it did, at the end of each epoch (or every ``every`` steps); a
+  fault during it is recovered and it runs again on every rank, a replacement included. A
+  replacement whose loop passes epochs its state already holds gets what it returned there.
+- ``save_state``/``load_state`` are refused: the state survives faults in memory, and the launcher
+  keeps the durable copies (``--checkpoint-dir``, ``--checkpoint-every``).
+
 - The first prepared DataLoader samples with a ``DistributedSampler`` through ``job.loader``: its
   iterator yields the micro-batches of one optimizer step after another, a function of the step,
   so a replacement seeks to its step and a replay gets the very batches it had.
@@ -27,9 +35,9 @@ The loop stays as it is (docs/adoption.md, "Hugging Face")::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from accelerate import Accelerator  # type: ignore[import-untyped]
 from accelerate.utils import send_to_device  # type: ignore[import-untyped]
@@ -40,12 +48,14 @@ import checkpointless
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.integrations._hf_internals import warn_if_untested
-from checkpointless.integrations._hf_state import StepPlan
+from checkpointless.integrations._hf_state import ProtectedResults, StepPlan
 from checkpointless.recovery.job import Job, Step
 
 __all__ = ["CheckpointlessAccelerator"]
 
 log = get_logger()
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,15 +70,22 @@ class _Attempt:
 
 
 class _StepDataLoader:
-    """The training DataLoader, step-addressable: iterate it once per epoch, as the original."""
+    """The training DataLoader, step-addressable: iterate it once per epoch, as the original.
+    ``batches(loader, epoch)`` is the accelerator's generator of one epoch's micro-batches."""
 
-    def __init__(self, accelerator: CheckpointlessAccelerator, dl: DataLoader[Any], seed: int) -> None:
+    def __init__(
+        self,
+        dl: DataLoader[Any],
+        job: Job,
+        accumulation: int,
+        seed: int,
+        batches: Callable[[_StepDataLoader, int], Iterator[Any]],
+    ) -> None:
         if isinstance(dl.dataset, IterableDataset) or dl.batch_size is None:
             raise ConfigError(
                 "CheckpointlessAccelerator needs a map-style dataset and a batch_size for the training "
                 "DataLoader: its batches must be a function of (epoch, position)"
             )
-        job = accelerator.job
         shuffle = isinstance(dl.sampler, RandomSampler)
         sampler: DistributedSampler[Any] = DistributedSampler(
             dl.dataset, num_replicas=job.world_size, rank=job.rank, shuffle=shuffle, seed=seed
@@ -82,9 +99,12 @@ class _StepDataLoader:
             pin_memory=dl.pin_memory,
             drop_last=dl.drop_last,
         )
-        self.plan = StepPlan(len(self.twin), accelerator.gradient_accumulation_steps)
-        self._accelerator = accelerator
+        self.plan = StepPlan(len(self.twin), accumulation)
+        self._batches = batches
         self.epochs_started = 0
+        # the step boundary the loop is at: the committed steps, or, in an epoch a replacement
+        # passes because its state holds it already, that epoch's end
+        self.loop_at = 0
 
     def __len__(self) -> int:
         return len(self.twin)
@@ -92,7 +112,7 @@ class _StepDataLoader:
     def __iter__(self) -> Iterator[Any]:
         epoch = self.epochs_started
         self.epochs_started += 1
-        return self._accelerator._epoch_batches(self, epoch)
+        return self._batches(self, epoch)
 
 
 class CheckpointlessAccelerator(Accelerator):
@@ -123,6 +143,8 @@ class CheckpointlessAccelerator(Accelerator):
         self._done = False
         self._attempt: _Attempt | None = None
         self._held: tuple[int, list[Any]] | None = None
+        self._results = ProtectedResults()
+        self._protected: dict[str, int] = {}  # protected function -> its period in steps
 
     # -- preparation ---------------------------------------------------------------------------
     def prepare_model(
@@ -151,14 +173,83 @@ class CheckpointlessAccelerator(Accelerator):
     ) -> Any:
         if self._train is not None:  # evaluation data: accelerate's own (not protected)
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        self._train = _StepDataLoader(self, data_loader, self._data_seed)
+        self._train = _StepDataLoader(
+            data_loader, self.job, self.gradient_accumulation_steps, self._data_seed, self._epoch_batches
+        )
         return self._train
+
+    # -- protected evaluation ------------------------------------------------------------------
+    def protect(self, fn: Callable[[], T], every: int | None = None) -> Callable[[], T | None]:
+        """``fn`` (no arguments: an evaluation over a prepared DataLoader, say) as a protected
+        section at the end of every epoch, or after every ``every`` optimizer steps. Call the
+        returned function in the loop at such a boundary: ``fn`` runs there on every rank, and a
+        fault inside it is recovered and ``fn`` run again. It returns ``fn``'s result; a
+        replacement passing an epoch its state holds already gets the result of that epoch's run
+        (None if there was none). Prepare the training DataLoader first, and call this before
+        the loop."""
+        if self._train is None:
+            raise ConfigError("accelerator.protect() needs the training DataLoader: prepare it first")
+        if self._steps is not None:
+            raise ConfigError("accelerator.protect() must be called before the training loop starts")
+        period = every if every is not None else self._train.plan.steps_per_epoch
+        name = f"accelerate:{getattr(fn, '__name__', 'fn')}:{len(self._protected)}"
+        self._protected[name] = period
+
+        def run() -> None:
+            self._results.put(name, self.job.committed_step, fn())
+
+        self.job.section(name, run, every=period)
+        return lambda: self._call_protected(name)
+
+    def _call_protected(self, name: str) -> Any:
+        loader = self._train
+        assert loader is not None  # protect() required it
+        if self._attempt is not None:
+            raise ConfigError(
+                "a protected function was called inside an optimizer step (between its micro-batches); "
+                "call it between steps, after the step's last `accelerator.accumulate` block"
+            )
+        at = loader.loop_at
+        done, result = self._results.get(name, at)
+        if done or at < self.job.committed_step:
+            return result  # ran here already, or a replacement passing an epoch its peers ran
+        if self._pending is None:
+            self._peek()  # the job's sections at this boundary run now, this one among them
+        done, result = self._results.get(name, at)
+        if not done:
+            raise ConfigError(
+                f"a protected function was called after {at} optimizer steps, which its schedule "
+                f"(every {self._protected[name]} steps) does not include; call it where it runs "
+                "(the end of each epoch by default), or give protect() its `every`"
+            )
+        return result
+
+    # -- accelerate's own checkpoints ----------------------------------------------------------
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
+    ) -> str:
+        raise ConfigError(
+            "accelerator.save_state() is not supported by CheckpointlessAccelerator: every rank's "
+            "state survives faults in memory, and durable copies are the launcher's: run with "
+            "`checkpointless run --checkpoint-dir DIR --checkpoint-every N` (restored when every "
+            "replica is lost). To export the weights, use accelerator.save_model(model, DIR)"
+        )
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        raise ConfigError(
+            "accelerator.load_state() is not supported by CheckpointlessAccelerator: a replacement "
+            "receives its state from a peer, and the launcher restores its own durable checkpoints "
+            "(`checkpointless run --checkpoint-dir DIR --checkpoint-every N`). To start from saved "
+            "weights, load them into the model before accelerator.prepare()"
+        )
 
     # -- the loop ------------------------------------------------------------------------------
     def _start(self, loader: _StepDataLoader) -> None:
         objects = dict(self._objects)
         if self.scaler is not None:  # fp16: the loss scale and its growth tracker
             objects["grad_scaler"] = self.scaler
+        if self._protected:
+            objects["protected_results"] = self._results
         self.job.track(**objects)
         self._loader = self.job.loader(loader.twin)
         self._steps = self.job.steps(2**62, steps_per_epoch=loader.plan.steps_per_epoch)  # see end_training
@@ -180,7 +271,9 @@ class CheckpointlessAccelerator(Accelerator):
         while True:
             step = self._peek()
             if step is None or loader.plan.epoch(step.index) > epoch:
-                return  # the epoch is over (or the job); a replacement passes finished epochs here
+                # the epoch is over (or the job); a replacement passes finished epochs here
+                loader.loop_at = min(self.job.committed_step, (epoch + 1) * loader.plan.steps_per_epoch)
+                return
             if loader.plan.epoch(step.index) < epoch:
                 raise ConfigError(
                     f"the job went back to step {step.index} while the loop is in epoch {epoch}: every "
@@ -202,6 +295,7 @@ class CheckpointlessAccelerator(Accelerator):
                     if attempt.failed:
                         break
                 self._attempt = None
+                loader.loop_at = self.job.committed_step
                 if not attempt.failed:
                     if not step.committed:
                         raise ConfigError(
@@ -248,6 +342,13 @@ class CheckpointlessAccelerator(Accelerator):
         then finish the trackers. The job's process group is left to the job."""
         if self._steps is not None and not self._done:
             self.job.stop()
+            pending = self._pending
+            if pending is not None and not pending.entered:
+                # a protected function ran this boundary's sections, which took the next step
+                # from job.steps(); the loop ended before it: the job ends at the boundary, and
+                # job.steps() is told the step was not skipped by mistake (job.stop() came first)
+                pending.entered = True
+                self._pending = None
             while self._peek() is not None:
                 self._pending = None
         for tracker in self.trackers:

@@ -122,9 +122,10 @@ def test_the_trainer_adoption_is_at_most_three_lines() -> None:
 
 @pytest.mark.timeout(30)
 def test_the_accelerate_adoption_is_at_most_five_lines() -> None:
-    """The import, the class and end_training(): the loop itself does not change."""
+    """The import, the class, the protected evaluation and end_training(): the loop itself does
+    not change."""
     text = (ROOT / "examples" / "hf_accelerate.py").read_text()
     marked = [line for line in text.splitlines() if re.search(r"#\s*checkpointless\b", line)]
-    assert len(marked) == 3, marked
+    assert len(marked) == 4, marked
     assert "import CheckpointlessAccelerator" in marked[0] and "CheckpointlessAccelerator(" in marked[1]
-    assert "end_training()" in marked[2]
+    assert "accelerator.protect(evaluate)" in marked[2] and "end_training()" in marked[3]
