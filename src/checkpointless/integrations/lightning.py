@@ -40,13 +40,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
 import checkpointless
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.integrations._lightning_callbacks import CallbackReplica
+from checkpointless.integrations._lightning_devices import devices_warning
 from checkpointless.integrations._lightning_internals import ProgressMark, keep_sigterm_local
 from checkpointless.integrations._lightning_state import (
     TESTED_LIGHTNING,
@@ -120,6 +121,16 @@ class CheckpointlessStrategy(DDPStrategy):
 
     strategy_name = "checkpointless"
 
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's hook for a strategy's names: ``Trainer(strategy="checkpointless")``
+        (registered as this module is imported; Lightning 2.x loads no strategies from other
+        packages by itself)."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="data parallel that survives faults in process"
+            )
+
     def __init__(self, *, rendezvous_timeout: float = 60.0, max_step_retries: int = 3, **kwargs: Any) -> None:
         installed = importlib.metadata.version("lightning")
         if installed != TESTED_LIGHTNING:
@@ -143,6 +154,7 @@ class CheckpointlessStrategy(DDPStrategy):
         self._ledger = SchedulerLedger()
         self._sigterm: Any = None
         self._callbacks: CallbackReplica | None = None
+        self._devices_checked = False  # Trainer(devices=...) compared with the job's ranks
 
     # -- ranks, devices, data ------------------------------------------------------------------
     @property
@@ -160,6 +172,20 @@ class CheckpointlessStrategy(DDPStrategy):
         # the rank Lightning's @rank_zero_only helpers compare with (as DDPStrategy sets it)
         for fn in (utils_rank_zero.rank_zero_only, getattr(rank_zero, "rank_zero_only")):  # noqa: B009
             setattr(fn, "rank", self._job.rank)  # noqa: B010
+        self._warn_devices()
+
+    def _warn_devices(self) -> None:
+        """Once: ``Trainer(devices=N)`` asks for more processes than the job has (Lightning
+        hands the strategy its devices before it asks for the ranks, and never starts processes
+        for a strategy whose processes are made outside)."""
+        if self._devices_checked:
+            return
+        self._devices_checked = True
+        job = self._job
+        launched = job.job_id is not None or job.world_size > 1
+        why = devices_warning(len(self.parallel_devices or []), job.world_size, launched)
+        if why is not None:
+            warnings.warn(why, stacklevel=3)
 
     def setup_distributed(self) -> None:
         # checkpointless.init() has made the job's communicator and torch's default group (a
@@ -398,3 +424,6 @@ class CheckpointlessStrategy(DDPStrategy):
         if isinstance(self.model, nn.Module) and self.model is not self.lightning_module:
             self.model = self.lightning_module  # unwrap our DataParallel, as DDP's teardown does
         super().teardown()
+
+
+CheckpointlessStrategy.register_strategies(StrategyRegistry)
