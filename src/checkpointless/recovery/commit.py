@@ -45,9 +45,10 @@ def commit(member: Member, index: int) -> None:
     member.clock.commit(member.comm.waited_s)
     member.record.retries.pop(index, None)
     member.record.fields.update(member.replicas.published())
-    # this rank's generators after its update: where a recovery that rolls the step forward
-    # resumes them (in a replacement too, recovery/rank_rng.py)
-    member.replicas.rank_rng.keep(index + 1, capture_rng())
+    if member.env is not None:  # under the launcher (no recovery under torchrun or run plainly)
+        # this rank's generators after its update: where a recovery that rolls the step forward
+        # resumes them (in a replacement too, recovery/rank_rng.py)
+        member.replicas.rank_rng.keep(index + 1, capture_rng())
     member.record.emit("commit", step=index, generation=member.generation)
     if member.recovery.first_commit and member.recovery.connected:
         member.recovery.first_commit = False
