@@ -172,8 +172,8 @@ class Coordinator:
         self._guarded(self.losses.host_lost, host, why, now, wall)
 
     def on_host_health(self, host: int, msg: HealthReport, now: float) -> None:
-        """An agent's health report (coordinator/health.py): a host that is re-admitted may take
-        spares again."""
+        """An agent's health report (coordinator/health.py): a host quarantined or re-admitted
+        moves the spare pool (spares of a quarantined host do not count towards --spares)."""
         if (
             self.health.on_report(host, msg, now)
             and self.started

@@ -49,7 +49,8 @@ class HostQuarantine:
 
     # -- reports -------------------------------------------------------------------------------
     def on_report(self, host: int, msg: HealthReport, now: float) -> bool:
-        """An agent's report; True when it re-admitted its host (room for spares there again)."""
+        """An agent's report; True when it quarantined or re-admitted its host (the spare pool
+        then belongs elsewhere, or may come back)."""
         h = self.members.hosts.get(host)
         if h is None or h.lost:
             return False
@@ -69,7 +70,7 @@ class HostQuarantine:
             ]
             self.outbox.emit("host_health", host=host, address=h.address, ok=ok, detail=detail, checks=checks)
         self._announce(host, change)
-        return change is not None and change.kind == "readmitted"
+        return change is not None
 
     def note_faults(self, history: Sequence[FaultRecord], ranks: Mapping[int, Member]) -> None:
         """Count the ledger's new faults against the hosts their ranks ran on. Called before any

@@ -93,7 +93,9 @@ class SparePool:
         # as spares are placed: a lost host's worth of spares, each placed over a fresh walk,
         # was a third of a fault round's coordinator time at 80k ranks.
         views = self.host_views()  # also when none is spawned: a host may have joined or been lost
-        idle = len(self.members.idle_spares())
+        # a quarantined host's spares cannot take a rank: others make up the pool meanwhile (they
+        # are kept, warm, for when it is re-admitted)
+        idle = sum(1 for m in self.members.idle_spares() if not self.quarantined(m.host))
         while idle < self.cfg.spares:
             host = self.host_for(views=views)
             if host is None:
@@ -117,7 +119,7 @@ class SparePool:
         if len(ms.hosts) < 2:
             return
         rank_hosts = ms.rank_hosts()
-        live = [m for m in self._idle() if m.killed_for is None]
+        live = [m for m in self._idle() if m.killed_for is None and not self.quarantined(m.host)]
         squeezed = [(m.worker_id, m.host) for m in live if m.host in rank_hosts]
         # only spares started to move the pool stand in for squeezed ones: a spare host's own ready
         # spares (or one that refilled a lost spare there) were counted in the pool already

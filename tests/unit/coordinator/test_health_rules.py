@@ -225,3 +225,17 @@ def test_one_machine_is_never_quarantined_for_faults() -> None:
     c.on_exit(0, -9, False, "SIGKILL", "", 1.0, 1e9)
     c.tick(1.0, 1e9)
     assert not c.health.quarantined(0)
+
+
+def test_spares_of_a_host_quarantined_later_are_made_up_beside_the_ranks() -> None:
+    c, spares = formed_host_job(ready=2)
+    c.health.expect(2)
+    c.on_host_health(2, _report(True), 101.5)
+    c.drain()
+    c.on_host_health(2, _report(False, "exit 1"), 102.0)
+    out = c.drain()
+    # the spare host's two spares stay (warm, for its re-admission), but no longer count: single
+    # spares start beside the ranks, one per rank host, none on the quarantined host
+    new = [x for x in out if type(x).__name__ == "Spawn"]
+    assert sorted(getattr(x, "host", None) for x in new) == [0, 1], new
+    assert all(w in c.procs for w in spares)
