@@ -95,9 +95,7 @@ def main() -> None:
             print(f"epoch {epoch} eval loss {eval_losses[-1]['eval_loss']:.4f}", flush=True)
     accelerator.end_training()  # checkpointless: every rank waits here for the job's end
 
-    inner = accelerator.unwrap_model(model)
-    inner = getattr(inner, "module", inner)  # the job's DataParallel
-    digest = state_digest(inner, optimizer.optimizer, eval_losses)
+    digest = state_digest(accelerator.unwrap_model(model), optimizer.optimizer, eval_losses)
     write_digest(args.digest_out, accelerator.process_index, digest)
 
 

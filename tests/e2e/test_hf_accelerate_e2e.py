@@ -8,9 +8,6 @@ rank's weights, optimizer state and evaluation losses equal to a fault-free run'
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -103,31 +100,3 @@ def test_a_fault_during_a_protected_evaluation_is_recovered_and_it_runs_again(
     if fault.startswith("kill"):
         assert [e["rank"] for e in res.of("spare_assigned")] == [1]
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
-
-
-REFUSE = """
-import sys
-from checkpointless.errors import ConfigError
-from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator
-acc = CheckpointlessAccelerator(cpu=True)
-for call in (lambda: acc.save_state("out"), lambda: acc.load_state("out")):
-    try:
-        call()
-    except ConfigError as e:
-        print("refused:", e)
-"""
-
-
-@pytest.mark.timeout(120)
-def test_save_state_and_load_state_are_refused_naming_the_alternative(tmp_path: Path) -> None:
-    env = {**os.environ, **OFFLINE}
-    proc = subprocess.run(
-        [sys.executable, "-c", REFUSE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
-    assert len(lines) == 2, proc.stdout
-    assert "save_state() is not supported" in lines[0] and "--checkpoint-dir" in lines[0]
-    assert "save_model" in lines[0]
-    assert "load_state() is not supported" in lines[1] and "--checkpoint-dir" in lines[1]
-    assert not (tmp_path / "out").exists()

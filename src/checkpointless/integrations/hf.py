@@ -56,6 +56,7 @@ from checkpointless.integrations._hf_internals import (
     train_collator,
     warn_if_untested,
 )
+from checkpointless.integrations._hf_settings import refuse_unsupported
 from checkpointless.integrations._hf_state import LossLedger, SectionUndo, StepPlan, TrainerStateCarrier
 from checkpointless.recovery.job import Job, Step
 
@@ -119,11 +120,13 @@ class CheckpointlessTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         warn_if_untested()
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            refuse_unsupported(training_args)  # before joining: every rank stops at once
         # Join before Trainer builds its Accelerator: a spare waits here with its model built
         self.job: Job = checkpointless.init(
             rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries
         )
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             refresh_devices(training_args)
         super().__init__(*args, **kwargs)
@@ -142,13 +145,13 @@ class CheckpointlessTrainer(Trainer):
         self._refuse_unsupported()
 
     def _refuse_unsupported(self) -> None:
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        refuse_unsupported(self.args)  # default arguments Trainer made, or changed since
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # set through accelerate's config
             raise ConfigError(
-                "CheckpointlessTrainer does not support DeepSpeed or FSDP through TrainingArguments "
-                "yet; it trains data-parallel (leave `deepspeed` and `fsdp` unset)"
+                "accelerate's configuration enables DeepSpeed or FSDP, which CheckpointlessTrainer "
+                "does not support yet: it trains data-parallel; unset them (ACCELERATE_USE_FSDP, "
+                "ACCELERATE_USE_DEEPSPEED, `accelerate config`)"
             )
-        if self.args.auto_find_batch_size:
-            raise ConfigError("auto_find_batch_size is not supported by CheckpointlessTrainer")
         if self.args.n_gpu > 1:
             raise ConfigError(
                 "one process drives several GPUs (nn.DataParallel): run one rank per GPU with "

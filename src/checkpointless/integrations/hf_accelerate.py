@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 import checkpointless
+from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.integrations._hf_internals import warn_if_untested
@@ -156,6 +157,14 @@ class CheckpointlessAccelerator(Accelerator):
             return prepared
         self._objects[f"model{sum(k.startswith('model') for k in self._objects)}"] = prepared
         return self.job.data_parallel(prepared)
+
+    def unwrap_model(
+        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> Any:
+        """Accelerate's unwrapping, the job's ``DataParallel`` included (``save_model`` and
+        ``get_state_dict`` then see the model's own parameter names)."""
+        inner = model.module if isinstance(model, DataParallel) else model
+        return super().unwrap_model(inner, keep_fp32_wrapper, keep_torch_compile)
 
     def prepare_optimizer(self, optimizer: Any, device_placement: bool | None = None) -> Any:
         self._objects[f"optimizer{sum(k.startswith('optimizer') for k in self._objects)}"] = optimizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -129,3 +130,68 @@ def test_the_accelerate_adoption_is_at_most_five_lines() -> None:
     assert len(marked) == 4, marked
     assert "import CheckpointlessAccelerator" in marked[0] and "CheckpointlessAccelerator(" in marked[1]
     assert "accelerator.protect(evaluate)" in marked[2] and "end_training()" in marked[3]
+
+
+@pytest.mark.timeout(60)
+def test_accelerate_save_and_load_state_are_refused_naming_the_alternative(tmp_path: Path) -> None:
+    """Refused before anything is written, naming the launcher's durable checkpoints, and
+    save_model for exporting the weights."""
+    from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator
+
+    acc = object.__new__(CheckpointlessAccelerator)  # the refusals need no job
+    with pytest.raises(ConfigError, match=r"save_state\(\) is not supported") as saved:
+        acc.save_state(str(tmp_path / "out"))
+    assert "--checkpoint-dir" in str(saved.value) and "save_model" in str(saved.value)
+    with pytest.raises(ConfigError, match=r"load_state\(\) is not supported") as loaded:
+        acc.load_state(str(tmp_path / "out"))
+    assert "--checkpoint-dir" in str(loaded.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
+def test_accelerate_unwraps_the_jobs_data_parallel() -> None:
+    """save_model and get_state_dict unwrap through unwrap_model: the job's DataParallel must go
+    too, or the exported names would carry its `module.` prefix."""
+    from torch import nn
+
+    from checkpointless.comm.data_parallel import DataParallel
+    from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator
+
+    inner = nn.Linear(2, 2)
+    wrapped = DataParallel.__new__(DataParallel)  # no job: only the wrapping matters here
+    nn.Module.__init__(wrapped)
+    wrapped.module = inner
+    acc = object.__new__(CheckpointlessAccelerator)
+    assert acc.unwrap_model(wrapped) is inner
+    assert acc.unwrap_model(inner) is inner
+
+
+@pytest.mark.timeout(60)
+def test_fsdp_and_deepspeed_through_training_arguments_are_refused_before_joining(tmp_path: Path) -> None:
+    """Named with their values and what to do instead; raised before checkpointless.init(), so
+    constructing the trainer here forms no job."""
+    from torch import nn
+    from transformers import TrainingArguments
+
+    from checkpointless.integrations.hf import CheckpointlessTrainer
+
+    def arguments(**kw: Any) -> Any:
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+
+    with pytest.raises(ConfigError) as fsdp:
+        CheckpointlessTrainer(model=nn.Linear(2, 2), args=arguments(fsdp="full_shard"))
+    assert "TrainingArguments(fsdp=True" in str(fsdp.value)
+    assert "Leave fsdp unset" in str(fsdp.value) and "job.device_mesh" in str(fsdp.value)
+    with pytest.raises(ConfigError, match=r"fsdp_config \{'version': 2\}"):
+        CheckpointlessTrainer(
+            model=nn.Linear(2, 2), args=arguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+        )
+    # TrainingArguments itself refuses deepspeed without the package, so set it afterwards
+    args = arguments()
+    args.deepspeed = {"zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError) as ds:
+        CheckpointlessTrainer(model=nn.Linear(2, 2), args=args)
+    assert "TrainingArguments(deepspeed={'zero_optimization': {'stage': 2}})" in str(ds.value)
+    assert "Leave deepspeed unset" in str(ds.value)
+    with pytest.raises(ConfigError, match="auto_find_batch_size=True"):
+        CheckpointlessTrainer(model=nn.Linear(2, 2), args=arguments(auto_find_batch_size=True))
