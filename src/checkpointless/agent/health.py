@@ -187,7 +187,7 @@ def run_command(cmd: str, timeout: float, env: dict[str, str] | None = None) -> 
     """A ``--health-check`` shell command: it passes by exiting 0, its output is the detail. It
     runs in a session of its own, so that a command that overruns is killed with its children."""
     start = time.monotonic()
-    name = f"command:{cmd}"
+    name = f"command:{cmd if len(cmd) <= 200 else cmd[:197] + '...'}"  # a report stays small
     try:
         p = subprocess.Popen(
             cmd,
