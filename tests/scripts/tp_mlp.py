@@ -2,8 +2,8 @@
 
 The mesh comes from ``init_device_mesh`` called directly after ``checkpointless.init()`` (its
 groups are the job's resilient groups); a small MLP is split over "tp" with
-``parallelize_module`` (``ColwiseParallel`` then ``RowwiseParallel``), and its two replicas over
-"dp" stay equal because the script averages every gradient over the dp group, as DDP would. Each
+``parallelize_module`` (``ColwiseParallel`` then ``RowwiseParallel``, after a replicated layer so
+that forward and backward each have a TP all-reduce), and its two replicas over "dp" stay equal because the script averages every gradient over the dp group, as DDP would. Each
 dp replica trains on its own batches, a pure function of (step, dp coordinate); the two tp ranks
 of a replica see the same batch, as TP requires.
 
@@ -100,14 +100,16 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.manual_seed(0)  # the same full model on every rank; each keeps its tp shard of it
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    # a replicated layer first, so that the TP block's input needs a gradient: then backward
+    # has a TP collective too (ColwiseParallel all-reduces its input's gradient over "tp")
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     job: Any = TorchOnly() if args.torch_only else cl.init()  # a hot spare waits in init()
     mesh = init_device_mesh(job.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
     # src_data_rank=None: each rank cuts its shard from its own (identical) copy; the default
     # scatters from tp rank 0, a collective that under the launcher cannot run before
     # job.steps() forms the job's first generation (and the job's first state sync copies
     # each shard's holder in the first replica to the others anyway)
-    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    plan = {"2": ColwiseParallel(), "4": RowwiseParallel()}
     parallelize_module(model.to(job.device), mesh["tp"], plan, src_data_rank=None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # after parallelize_module: DTensor params
     job.track(model=model, optimizer=opt)
