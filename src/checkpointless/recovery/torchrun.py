@@ -30,7 +30,6 @@ from checkpointless.state.snapshot import (
     capture_rng,
     collect_state,
     landing_zone,
-    restore_rng,
     restore_state,
 )
 from checkpointless.state.transfer import receive_state, send_state
@@ -138,10 +137,10 @@ def start_from_first_replica(
     shards: int = 1,
 ) -> int:
     """What the launcher's first round does, done over the job's own group: every rank takes the
-    tracked state, RNG state and start step of the rank that holds its shard in the first replica
-    group, rank ``rank % shards`` (with one shard that is rank 0, as DDP broadcasts rank 0's
-    weights at construction; a sharded mesh with one replica group has nothing to send). Returns
-    the start step."""
+    tracked state and start step of the rank that holds its shard in the first replica group,
+    rank ``rank % shards`` (with one shard that is rank 0, as DDP broadcasts rank 0's weights at
+    construction; a sharded mesh with one replica group has nothing to send), and keeps its own
+    generators (per-rank state, as under DDP: recovery/rank_rng.py). Returns the start step."""
     if world_size <= shards:
         return start
     rng = capture_rng()
@@ -152,6 +151,5 @@ def start_from_first_replica(
         return start
     own = landing_zone(objects, start, rng)
     state, _ = receive_state(comm, source, timeout, own)
-    step, rng0 = restore_state(objects, state)
-    restore_rng(rng0)
+    step, _ = restore_state(objects, state)
     return step
