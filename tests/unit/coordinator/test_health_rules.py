@@ -239,3 +239,23 @@ def test_spares_of_a_host_quarantined_later_are_made_up_beside_the_ranks() -> No
     new = [x for x in out if type(x).__name__ == "Spawn"]
     assert sorted(getattr(x, "host", None) for x in new) == [0, 1], new
     assert all(w in c.procs for w in spares)
+
+
+def test_a_host_that_failed_before_the_start_is_placed_as_a_spare_host() -> None:
+    from checkpointless.coordinator.state import Spawn
+    from checkpointless.settings import JobSettings
+    from tests.helpers.coordinator import RENDEZVOUS, SCRIPT
+
+    cfg = JobSettings(
+        script=SCRIPT, nproc=4, spares=2, nnodes=2, nproc_per_node=2, spare_nodes=1, local_agent=False
+    )  # fmt: skip
+    c = Coordinator(cfg, "job", dict(RENDEZVOUS))
+    for host in range(3):
+        c.add_host(host, f"10.0.0.{host}", True, 100.0, host)  # host 0 would be node 0
+        c.health.expect(host)
+    c.on_host_health(0, _report(False, "exit 1"), 100.5)
+    c.start(101.0)
+    out = c.drain()
+    placed = _events(out, "placement")[0]
+    assert placed["spare_hosts"] == ["10.0.0.0"], placed
+    assert {x.host for x in out if isinstance(x, Spawn)} == {1, 2}
