@@ -81,3 +81,23 @@ def test_dtensors_of_two_unrelated_meshes_are_refused(mesh: Any) -> None:
     b = distribute_tensor(torch.zeros(4), other, [Shard(0)], src_data_rank=None)
     with pytest.raises(ConfigError, match="different device meshes"):
         script_mesh_of([a, b])
+
+
+def test_the_adopted_run_names_the_tp_coordinate_and_leaves_the_script_groups_alone(mesh: Any) -> None:
+    import datetime
+
+    from checkpointless.comm.process_group import ResilientProcessGroup
+    from checkpointless.errors import StateTransferError
+    from checkpointless.recovery.sharded import ShardedRun
+
+    world = ResilientProcessGroup(1, 4, [0, 1, 2, 3], datetime.timedelta(seconds=5))
+    run = ShardedRun.adopt(mesh, world, (2, 2), rank=3)
+    assert run.device_mesh is mesh and run.shape == (2, 2) and run.coordinate == (1, 1)
+    # the script groups form, abort and release the mesh's groups: the run drives none of them
+    assert run.mesh.groups == [] and run.abort("test") == 0 and run.aborted() is None
+    run.configure(0, dist.HashStore(), deadline=0.0, cancelled=None)  # past its deadline: no-op
+    assert world.generation == -1
+    ident = run.identity()
+    assert ident.state_dict() == {"replicate": 2, "shards": 2, "shard": 1}
+    with pytest.raises(StateTransferError, match="shard 0"):
+        ident.load_state_dict({"replicate": 2, "shards": 2, "shard": 0})  # another tp coordinate
