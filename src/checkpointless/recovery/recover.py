@@ -43,6 +43,7 @@ __all__ = [
     "receiver_rng",
     "recover",
     "recover_from",
+    "restore_kept_rng",
     "restore_own_snapshot",
     "resume_rng",
     "stream_route",
@@ -196,6 +197,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
     if plan.from_snapshot:
         info.update(restore_own_snapshot(member, target))
         info["role"] = info["transport"] = "snapshot"
+        restore_kept_rng(member, target)
     elif (
         member.rank in plan.own_snapshot
         and member.replicas.buddies
@@ -217,6 +219,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
             raise StateTransferError("the plan restores a checkpoint, but this rank has no --checkpoint-dir")
         info.update(restore_checkpoint(member.tracked.objects, member.replicas.checkpoint_dir, target))
         info["role"] = info["transport"] = "checkpoint"
+        restore_kept_rng(member, target)
         log.info("restored the checkpoint of step %d from %s", target, member.replicas.checkpoint_dir)
     elif to_send:
         rng = resume_rng(member, target)
@@ -305,6 +308,15 @@ def resume_rng(member: Member, target: int) -> RngState:
         return at_start[1]
     kept = member.replicas.rank_rng.load(target)
     return kept.rng if kept is not None else member.record.rng_for(target)
+
+
+def restore_kept_rng(member: Member, target: int) -> None:
+    """After a restore of rank 0's snapshot or checkpoint (every replica lost): this rank's own
+    generators where it (or its predecessor) kept a record of ``target``; otherwise the
+    snapshot's stand (a record of that step is rarely still kept: two steps are)."""
+    kept = member.replicas.rank_rng.load(target)
+    if kept is not None:
+        restore_rng(kept.rng)
 
 
 def receiver_rng(member: Member, target: int, sent: RngState, from_copy: bool) -> RngState:
