@@ -28,6 +28,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything below is built locally
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _hf_common import Snippets, state_digest, tiny_gpt2, write_digest
@@ -48,7 +49,11 @@ def main(callbacks: Sequence[TrainerCallback] = ()) -> Trainer:
     ap.add_argument("--output-dir", default="runs/hf_trainer")
     ap.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoints every N steps (0: none)")
     ap.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: never)")
-    ap.add_argument("--resume", help="a checkpoint-N folder to resume from (resume_from_checkpoint)")
+    ap.add_argument(
+        "--resume",
+        help="resume_from_checkpoint: a checkpoint-N folder, or 'last' for the newest in --output-dir "
+        "if there is one (what a script restarted by torchrun --max-restarts passes)",
+    )
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--record-batches", action="store_true", help="batch digests in the commit events")
     ap.add_argument("--data", help="unused (the test harness passes a corpus); data is synthetic")
@@ -83,7 +88,10 @@ def main(callbacks: Sequence[TrainerCallback] = ()) -> Trainer:
         trainer = CheckpointlessTrainer(  # checkpointless
             **common, callbacks=list(callbacks), record_batches=args.record_batches
         )
-    trainer.train(resume_from_checkpoint=args.resume)
+    resume = args.resume
+    if resume == "last":
+        resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    trainer.train(resume_from_checkpoint=resume)
 
     assert trainer.optimizer is not None
     digest = state_digest(trainer.model, trainer.optimizer, trainer.state.log_history)
