@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +50,11 @@ def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     with torch.no_grad():
         for name, p in model.named_parameters():
             h.update(name.encode())
-            h.update(local(p).contiguous().numpy().tobytes())
+            h.update(local(p).detach().cpu().contiguous().numpy().tobytes())
         for i, s in sorted(opt.state_dict()["state"].items()):
             for k, v in sorted(s.items()):
                 h.update(f"{i}.{k}".encode())
-                h.update(local(v).contiguous().numpy().tobytes())
+                h.update(local(v).cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -62,13 +63,15 @@ class TorchOnly:
     adopted script must equal, bit for bit. Stands in for the few job calls the loop makes."""
 
     def __init__(self) -> None:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cpu")
+        if cuda:  # one rank per GPU, as the job does (LOCAL_RANK is torchrun's)
+            self.device = torch.device(
+                "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            )
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("nccl" if cuda else "gloo")
         self.rank = dist.get_rank()
-        self.device = (
-            torch.device("cuda", self.rank % torch.cuda.device_count())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
 
     def track(self, **objects: object) -> None:
         pass
