@@ -42,21 +42,11 @@ def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(120)
-def test_a_config_error_in_a_step_ends_the_job_at_once_with_one_traceback(tmp_path: Path) -> None:
-    rc, out, events, _ = _run(
-        tmp_path,
-        [
-            "--nproc",
-            "2",
-            "--spares",
-            "1",
-            str(SCRIPTS / "tiny_steps.py"),
-            "--config-error-at",
-            "2",
-            "--rank",
-            "1",
-        ],
-    )
+@pytest.mark.parametrize("where", ["step", "section"])
+def test_a_config_error_ends_the_job_at_once_with_one_traceback(tmp_path: Path, where: str) -> None:
+    script = [str(SCRIPTS / "tiny_steps.py"), "--config-error-at", "2", "--rank", "1"]
+    script += ["--in-section"] if where == "section" else []
+    rc, out, events, _ = _run(tmp_path, ["--nproc", "2", "--spares", "1", *script])
     assert rc != 0, out[-3000:]
     assert out.count(f"ConfigError: {ERROR}") == 1, f"the traceback is printed once:\n{out[-3000:]}"
     assert out.count("Traceback (most recent call last)") == 1, out[-3000:]

@@ -112,8 +112,8 @@ def _run_sections(member: Member) -> bool:
         try:
             sec.fn()
         except Exception as exc:
-            if not member.recovery.connected:
-                raise
+            if not member.recovery.connected or isinstance(exc, ConfigError):
+                raise  # no launcher, or an error a replay would raise again (run_script.py)
             member.clock.in_section = None
             log.info("section %r after step %d interrupted: %s", sec.name, at - 1, short_error(exc))
             recover_from(member, at, exc)  # nothing was updated: every survivor stays valid
