@@ -5,6 +5,7 @@ state keeps its own generators (recover.receiver_rng), and job.generator works i
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from checkpointless.errors import ConfigError
+from checkpointless.events import get_logger
 from checkpointless.recovery.job import Job
 from checkpointless.recovery.rank_rng import RankRngKeeper, RngRecord, decode_record, encode_record
 from checkpointless.recovery.recover import receiver_rng
@@ -122,6 +124,39 @@ def test_a_receiver_resumes_its_own_generators_never_the_senders(tmp_path: Path)
     a = _draws()
     restore_rng(own)
     assert _same(a, _draws())
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.timeout(60)
+def test_a_replacement_lost_inside_a_section_its_peers_completed_says_so(tmp_path: Path) -> None:
+    """Rank 0 killed inside its evaluation (no collective: rank 1 finished the section): the
+    received loop state says it is done, so the replacement will not draw its batches again."""
+    _seed(3)
+    at_eval = capture_rng()
+    writer = RankRngKeeper()
+    writer.configure(tmp_path, 0)
+    writer.keep(16, at_eval, "eval")
+    m = Job(None).internals
+    m.is_replacement = True
+    m.replicas.rank_rng.configure(tmp_path, 0)
+    lines = _Lines()
+    get_logger().addHandler(lines)
+    try:
+        assert receiver_rng(m, 16, capture_rng(), from_copy=False)["torch"].equal(at_eval["torch"])
+        assert not lines.lines  # the section is not done: the replacement runs it with the others
+        m.loop.sections_done["eval"] = 16
+        receiver_rng(m, 16, capture_rng(), from_copy=False)
+        assert any("inside section 'eval'" in line for line in lines.lines), lines.lines
+    finally:
+        get_logger().removeHandler(lines)
 
 
 @pytest.mark.timeout(60)
