@@ -6,7 +6,9 @@ their gradients over the dp group. Under the launcher (4 ranks, 1 spare, gloo, C
 killed or a step raises; every rank's final parameters and AdamW state must be bit for bit the
 fault-free run's, and a rank that received state must have taken it from the rank with its own
 tp coordinate in the other replica, never from another tp shard. The fault-free run itself must
-equal the same training under torch alone and the adopted script under plain torchrun.
+equal the same training under torch alone and the adopted script under plain torchrun. With
+--fsdp (FSDP2 over dp after the TP split) no two ranks share a state, and a killed rank's comes
+back from its buddy copy.
 """
 
 from __future__ import annotations
@@ -85,6 +87,31 @@ def test_tp_fault_is_recovered_from_the_same_tp_coordinate_bitwise(
         for r, s in plan.items():
             assert s % TP == r % TP and s // TP != r // TP, (r, s)
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.timeout(150)
+def test_fsdp_by_tp_lost_rank_comes_back_from_its_buddy_copy_bitwise(
+    tmp_path: Path, corpus: Path, reference: ReferenceRuns
+) -> None:
+    # fully_shard over dp after the TP split: every DTensor is sharded along both dimensions, so
+    # no two ranks hold the same state (R = 1) and the killed rank's comes from its buddy copy
+    args = [*ARGS, "--fsdp"]
+    ref = reference(4, script=TP_SCRIPT, script_args=args, replicated=False)
+    assert sorted(ref.digests) == [0, 1, 2, 3] and len(set(ref.digests.values())) == 4, ref.digests
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=4,
+        spares=1,
+        faults=["kill:rank=1:step=4"],
+        script=TP_SCRIPT,
+        script_args=args,
+        timeout=100,
+    )
+    assert res.rc == 0, res.output[-6000:]
+    assert res.digests == ref.digests, "final shards differ from the fault-free run's"
+    plans = [e for e in res.of("plan") if e["generation"] > 0]
+    assert plans and plans[0]["from_copy"] == [1], plans
 
 
 @pytest.mark.timeout(200)

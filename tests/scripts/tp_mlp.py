@@ -5,7 +5,9 @@ groups are the job's resilient groups); a small MLP is split over "tp" with
 ``parallelize_module`` (``ColwiseParallel`` then ``RowwiseParallel``, after a replicated layer so
 that forward and backward each have a TP all-reduce), and its two replicas over "dp" stay equal because the script averages every gradient over the dp group, as DDP would. Each
 dp replica trains on its own batches, a pure function of (step, dp coordinate); the two tp ranks
-of a replica see the same batch, as TP requires.
+of a replica see the same batch, as TP requires. With --fsdp the model is ``fully_shard``-ed over
+"dp" after the TP split instead (FSDP2 x TP, torchtitan's order): every rank then holds a state
+of its own, with no replica, and a lost rank's comes back from its buddy copy.
 
 --digest-out: each rank writes a hash of its own state (its parameters' local shards and its
 AdamW state's local shards) to the path with "{rank}" filled in, so that every rank's shards can
@@ -27,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -99,6 +102,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--digest-out", required=True)
     ap.add_argument("--torch-only", action="store_true", help="train with torch alone (under torchrun)")
+    ap.add_argument(
+        "--fsdp", action="store_true", help="fully_shard over dp (FSDP2 x TP) instead of replicas"
+    )
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     args = ap.parse_args()
 
@@ -114,6 +120,8 @@ def main() -> None:
     # each shard's holder in the first replica to the others anyway)
     plan = {"2": ColwiseParallel(), "4": RowwiseParallel()}
     parallelize_module(model.to(job.device), mesh["tp"], plan, src_data_rank=None)
+    if args.fsdp:  # TP first, then FSDP2 over dp, as torchtitan composes them
+        fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # after parallelize_module: DTensor params
     job.track(model=model, optimizer=opt)
     dp_group, dp = mesh["dp"].get_group(), mesh.get_local_rank("dp")
@@ -124,7 +132,7 @@ def main() -> None:
             loss = F.mse_loss(model(x.to(job.device)), y.to(job.device))
             opt.zero_grad()
             loss.backward()
-            for p in model.parameters():  # the replicas' average gradient, as DDP over "dp"
+            for p in [] if args.fsdp else model.parameters():  # the replicas' average, as DDP
                 g = local(p.grad)
                 dist.all_reduce(g, group=dp_group)
                 g.div_(mesh["dp"].size())
