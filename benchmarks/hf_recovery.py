@@ -3,22 +3,22 @@ own restart path, side by side on the same workload.
 
 Both designs run examples/hf_trainer.py (a GPT-2 built from a config, data made in memory,
 gradient accumulation 2, ``save_steps`` every K steps) on 2 ranks with the same model, data and
-seed, and lose rank 1 to a SIGKILL as optimizer step F begins:
+seed, and this script SIGKILLs rank 1 once rank 0 has ended F optimizer steps:
 
-* checkpointless: ``checkpointless run --nproc 2 --spares 1 --inject kill:rank=1:step=F``, the
-  script's ``CheckpointlessTrainer``;
+* checkpointless: ``checkpointless run --nproc 2 --spares 1`` and the script's
+  ``CheckpointlessTrainer``; the kill waits, if need be, until the hot spare is ready (its start
+  takes seconds on this machine, and a real job's fault comes long after it);
 * Trainer's path: ``torchrun --nproc-per-node 2 --max-restarts 3`` with the plain ``Trainer``
-  (DDP over gloo) and ``resume_from_checkpoint`` set to the newest ``checkpoint-N`` on each start;
-  this script SIGKILLs the worker with RANK=1 once rank 0 has finished F steps.
+  (DDP over gloo) and ``resume_from_checkpoint`` set to the newest ``checkpoint-N`` on each start.
 
-Rank 0 prints the wall-clock time each optimizer step ends (a Trainer callback added by this
-script's worker mode; the example itself is unchanged). Downtime is from the kill to the first
-step that ends after it; "back at F" is from the kill until step F + 1 (the one the fault hit) has
-ended again, which for Trainer's path includes computing again the steps since its checkpoint.
-Rounds are interleaved; the ratio is the geometric mean of the rounds' paired ratios with a
-bootstrap interval.
+The script's worker mode adds a Trainer callback (the example itself is unchanged): every rank
+writes its pid as training begins, and rank 0 prints the wall-clock time each optimizer step
+ends. Downtime is from the kill to the first step that ends after it; "back at the killed step"
+is from the kill until the step that was running has ended again, which for Trainer's path
+includes computing again the steps since its checkpoint. Rounds are interleaved; the ratio is
+the geometric mean of the rounds' paired ratios with a bootstrap interval.
 
-    .venv/bin/python benchmarks/hf_recovery.py                # 3 rounds, about 3 minutes on 2 cores
+    .venv/bin/python benchmarks/hf_recovery.py                # 3 rounds, about 4 minutes on 2 cores
     .venv/bin/python benchmarks/hf_recovery.py --rounds 1     # a smoke run
 """
 
@@ -28,10 +28,12 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ import _harness as bl
 EXAMPLE = bl.REPO / "examples" / "hf_trainer.py"
 DESIGNS = ("checkpointless", "torchrun")
 STEP_LINE = re.compile(r"^steptime (\d+) ([\d.]+)$", re.M)
+SPARE_READY = re.compile(r"\[spare \d+\] spare \d+ ready")
 
 
 # -- worker mode: the example with a step clock ----------------------------------------------------
@@ -52,6 +55,10 @@ def worker(argv: list[str]) -> None:
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            with open(os.environ["HF_BENCH_PIDFILE"], "a") as f:  # where the killer finds rank 1
+                f.write(f"{args.process_index} {os.getpid()}\n")
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.is_world_process_zero:
                 print(f"steptime {state.global_step} {time.time():.4f}", flush=True)
@@ -72,16 +79,16 @@ def step_ends(text: str) -> list[tuple[int, float]]:
     return [(int(s), float(t)) for s, t in STEP_LINE.findall(text)]
 
 
-def measure(steps: list[tuple[int, float]], killed_at: float, fault_step: int) -> dict[str, Any]:
-    """Downtime, time back at the fault's step and steps computed again, from rank 0's step ends."""
-    before = [s for s, t in steps if t <= killed_at]
+def measure(steps: list[tuple[int, float]], killed_at: float) -> dict[str, Any]:
+    """Downtime, time back at the killed step and steps computed again, from rank 0's step ends."""
+    done = max((s for s, t in steps if t <= killed_at), default=0)  # step done + 1 was running
     after = [(s, t) for s, t in steps if t > killed_at]
     if not after:
         return {"error": "no step ended after the kill"}
-    done = max(before, default=0)
     first, t_first = after[0]
-    back = next((t for s, t in after if s >= fault_step + 1), None)
+    back = next((t for s, t in after if s >= done + 1), None)
     return {
+        "killed_in_step": done + 1,
         "downtime_s": t_first - killed_at,
         "back_at_fault_step_s": None if back is None else back - killed_at,
         "first_step_after": first,
@@ -89,31 +96,56 @@ def measure(steps: list[tuple[int, float]], killed_at: float, fault_step: int) -
     }
 
 
-def run_checkpointless(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    run_dir = work / "cl"
-    cmd = [
-        bl.PYTHON, "-m", "checkpointless", "run", "--nproc", "2", "--spares", "1",
-        "--run-dir", str(run_dir), "--inject", f"kill:rank=1:step={a.fault_step}",
-        "--port-base", str(40000 + os.getpid() % 100 * 200), "--port-range", "200",
-        str(Path(__file__).resolve()), "--worker", *example_args(a, work / "cl-out"),
-    ]  # fmt: skip
-    fin = bl.run_job(cmd, work / "cl-job", timeout=a.run_timeout, env=env())
-    text = (work / "cl-job" / "stdout.log").read_text(errors="replace")
-    if fin.rc != 0:
-        return {"error": f"rc {fin.rc}", "wall_s": fin.wall_s}
-    events = bl.read_jsonl(run_dir / "events.jsonl")
-    fired = next((e["fired_at"] for e in events if e["event"] == "fault_injected"), None)
-    if fired is None:
-        return {"error": "the fault did not fire", "wall_s": fin.wall_s}
-    # the fault fires as optimizer step F begins (global step F + 1): steps up to F had ended
-    return {**measure(step_ends(text), float(fired), a.fault_step), "wall_s": fin.wall_s}
-
-
-def rank1_worker(pidfile: Path) -> int | None:
-    """The pid of torchrun's worker with RANK=1 (each worker writes its rank and pid on start)."""
+def rank1_pid(pidfile: Path) -> int | None:
+    """The first process that trained as rank 1 (each worker writes its rank and pid as it
+    begins training; a replacement or a restarted worker writes a later line)."""
     lines = pidfile.read_text().split("\n") if pidfile.exists() else []
     pids = [int(p) for r, _, p in (line.partition(" ") for line in lines) if r == "1" and p]
-    return pids[-1] if pids else None
+    return pids[0] if pids else None
+
+
+def run_killed(
+    a: argparse.Namespace, work: Path, cmd: list[str], ready: Callable[[str], bool]
+) -> dict[str, Any]:
+    """Run ``cmd``; SIGKILL rank 1 once rank 0 has ended F steps and ``ready(the job's output)``."""
+    job = work / "job"
+    job.mkdir(parents=True, exist_ok=True)
+    killed: list[float] = []
+    stop = threading.Event()
+
+    def output() -> str:
+        logs = (job / "stdout.log", job / "stderr.log")
+        return "".join(p.read_text(errors="replace") for p in logs if p.exists())
+
+    def kill_when_due() -> None:
+        while not stop.is_set() and not killed:
+            text = output()
+            if any(s >= a.fault_step for s, _ in step_ends(text)) and ready(text):
+                pid = rank1_pid(work / "pids")
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(time.time())
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=kill_when_due, daemon=True)
+    watcher.start()
+    try:
+        fin = bl.run_job(cmd, job, timeout=a.run_timeout, env=env(work / "pids"))
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+    if fin.rc != 0 or not killed:
+        return {"error": f"rc {fin.rc}, killed {bool(killed)}", "wall_s": fin.wall_s}
+    return {**measure(step_ends(output()), killed[0]), "wall_s": fin.wall_s}
+
+
+def run_checkpointless(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cmd = [
+        bl.PYTHON, "-m", "checkpointless", "run", "--nproc", "2", "--spares", "1",
+        "--run-dir", str(work / "run"), "--port-base", str(40000 + os.getpid() % 100 * 200),
+        "--port-range", "200", str(Path(__file__).resolve()), "--worker", *example_args(a, work / "out"),
+    ]  # fmt: skip
+    return run_killed(a, work, cmd, ready=lambda text: SPARE_READY.search(text) is not None)
 
 
 def run_torchrun(a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -121,44 +153,15 @@ def run_torchrun(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         bl.TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "3",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{bl.free_port()}",
         str(Path(__file__).resolve()), "--worker", "--trainer", "plain", "--resume", "last",
-        *example_args(a, work / "tr-out"),
+        *example_args(a, work / "out"),
     ]  # fmt: skip
-    log = work / "tr-job" / "stdout.log"
-    killed: list[float] = []
-    stop = threading.Event()
-
-    def kill_at_fault_step() -> None:
-        # as rank 0 reports F steps ended, rank 1 is in step F + 1: kill it there
-        while not stop.is_set() and not killed:
-            text = log.read_text(errors="replace") if log.exists() else ""
-            if any(s >= a.fault_step for s, _ in step_ends(text)):
-                pid = rank1_worker(work / "tr-pids")
-                if pid is not None:
-                    os.kill(pid, 9)
-                    killed.append(time.time())
-            time.sleep(0.01)
-
-    (work / "tr-job").mkdir(parents=True, exist_ok=True)
-    watcher = threading.Thread(target=kill_at_fault_step, daemon=True)
-    watcher.start()
-    try:
-        fin = bl.run_job(cmd, work / "tr-job", timeout=a.run_timeout, env=env(pidfile=work / "tr-pids"))
-    finally:
-        stop.set()
-        watcher.join(timeout=5)
-    if fin.rc != 0 or not killed:
-        return {"error": f"rc {fin.rc}, killed {bool(killed)}", "wall_s": fin.wall_s}
-    return {
-        **measure(step_ends(log.read_text(errors="replace")), killed[0], a.fault_step),
-        "wall_s": fin.wall_s,
-    }
+    return run_killed(a, work, cmd, ready=lambda text: True)
 
 
-def env(pidfile: Path | None = None) -> dict[str, str]:
+def env(pidfile: Path) -> dict[str, str]:
     e = bl.bench_env(threads=1)
     e.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-    if pidfile is not None:
-        e["HF_BENCH_PIDFILE"] = str(pidfile)
+    e["HF_BENCH_PIDFILE"] = str(pidfile)
     return e
 
 
@@ -166,9 +169,9 @@ def env(pidfile: Path | None = None) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--fault-step", type=int, default=15)
-    ap.add_argument("--save-steps", type=int, default=10, help="Trainer's checkpoint interval K")
+    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--fault-step", type=int, default=100)
+    ap.add_argument("--save-steps", type=int, default=40, help="Trainer's checkpoint interval K")
     ap.add_argument("--batch", type=int, default=4, help="per rank and micro-batch")
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
@@ -247,10 +250,6 @@ def print_report(s: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        pidfile = os.environ.get("HF_BENCH_PIDFILE")
-        if pidfile:  # torchrun's workers: where the killer finds rank 1
-            with open(pidfile, "a") as f:
-                f.write(f"{os.environ.get('RANK')} {os.getpid()}\n")
         worker(sys.argv[2:])
     else:
         main()

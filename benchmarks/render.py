@@ -342,6 +342,27 @@ def t_metrics_scrape(d: dict[str, Any]) -> Table:
     return head, rows
 
 
+def t_hf_recovery(d: dict[str, Any]) -> Table:
+    s, k = d["summary"], d["params"]["save_steps"]
+    rows = []
+    for key, label in (
+        ("checkpointless", "(a) `checkpointless run`, CheckpointlessTrainer"),
+        ("torchrun", f"(b) torchrun + `resume_from_checkpoint`, `save_steps={k}`"),
+    ):
+        x = s["designs"][key]
+        rows.append(
+            [
+                label,
+                spread(x["downtime_s"]),
+                spread(x["back_at_fault_step_s"]),
+                spread(x["lost_steps"], 0, ""),
+            ]
+        )
+    r = s["ratios"]
+    rows.append(["ratio (a)/(b)", ci(r["downtime"]), ci(r["back_at_fault_step"]), "–"])
+    return ["design", "downtime (kill → next step)", "back at the killed step", "steps computed again"], rows
+
+
 # -- the blocks ----------------------------------------------------------------------------------
 DEV = "the 2-vCPU development machine (shared)"
 H200 = "the lent GPU machine (one NVIDIA H200, 16 cores)"
@@ -381,6 +402,7 @@ BLOCKS = [
     Block("supervision_cpu", "supervision_cpu.json", t_supervision, date="2026-12-03"),
     Block("wait_cost", "wait_cost.json", t_wait_cost),
     Block("metrics_scrape", "metrics_scrape.json", t_metrics_scrape),
+    Block("hf_recovery", "hf_recovery.json", t_hf_recovery),
     Block("gpu_check", "h200/gpu_check.json", t_gpu_check, machine=H200, command="python3 benchmarks/gpu_check.py --out DIR"),
 ]  # fmt: skip
 # calibration.json is recovery.py's second output: the measured costs the goodput simulator reads
