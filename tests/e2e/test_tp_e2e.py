@@ -114,6 +114,29 @@ def test_fsdp_by_tp_lost_rank_comes_back_from_its_buddy_copy_bitwise(
     assert plans and plans[0]["from_copy"] == [1], plans
 
 
+@pytest.mark.timeout(120)
+def test_hsdp_by_tp_on_a_3d_mesh_recovers_from_the_same_shard_and_tp_coordinates(
+    tmp_path: Path, corpus: Path, tp_reference: JobResult
+) -> None:
+    # (dp 2, shard 1, tp 2) with FSDP2's HSDP over (dp, shard): the state is named by its
+    # (shard, tp) coordinates and replicated over dp. With a shard group of one, HSDP's
+    # averaged gradients are the script's own dp average, so the result is the 2-D run's, bit for
+    # bit (one fault-free run serves both)
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=4,
+        spares=1,
+        faults=["kill:rank=1:step=4"],
+        script=TP_SCRIPT,
+        script_args=[*ARGS, "--hsdp"],
+        timeout=100,
+    )
+    assert res.rc == 0, res.output[-6000:]
+    assert res.digests == tp_reference.digests, "final shards differ from the fault-free run's"
+    assert state_sources(res)[0] == {1: 3}, state_sources(res)
+
+
 @pytest.mark.timeout(200)
 def test_tp_equals_the_same_training_with_torch_alone(
     tmp_path: Path, corpus: Path, tp_reference: JobResult

@@ -3,11 +3,13 @@
 The mesh comes from ``init_device_mesh`` called directly after ``checkpointless.init()`` (its
 groups are the job's resilient groups); a small MLP is split over "tp" with
 ``parallelize_module`` (``ColwiseParallel`` then ``RowwiseParallel``, after a replicated layer so
-that forward and backward each have a TP all-reduce), and its two replicas over "dp" stay equal because the script averages every gradient over the dp group, as DDP would. Each
-dp replica trains on its own batches, a pure function of (step, dp coordinate); the two tp ranks
+that forward and backward each have a TP all-reduce), and its two replicas over "dp" stay equal
+because the script averages every gradient over the dp group, as DDP would. Each dp replica trains on its own batches, a pure function of (step, dp coordinate); the two tp ranks
 of a replica see the same batch, as TP requires. With --fsdp the model is ``fully_shard``-ed over
 "dp" after the TP split instead (FSDP2 x TP, torchtitan's order): every rank then holds a state
-of its own, with no replica, and a lost rank's comes back from its buddy copy.
+of its own, with no replica, and a lost rank's comes back from its buddy copy. With --hsdp the
+mesh has three dimensions (dp 2, shard 1, tp 2) and FSDP2's HSDP over (dp, shard) keeps the
+replicas: the state is named by its (shard, tp) coordinates.
 
 --digest-out: each rank writes a hash of its own state (its parameters' local shards and its
 AdamW state's local shards) to the path with "{rank}" filled in, so that every rank's shards can
@@ -102,8 +104,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--digest-out", required=True)
     ap.add_argument("--torch-only", action="store_true", help="train with torch alone (under torchrun)")
+    ap.add_argument("--fsdp", action="store_true", help="fully_shard over dp (FSDP2 x TP), no replicas")
     ap.add_argument(
-        "--fsdp", action="store_true", help="fully_shard over dp (FSDP2 x TP) instead of replicas"
+        "--hsdp", action="store_true", help="3-D mesh (dp 2, shard 1, tp 2), HSDP over dp x shard"
     )
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     args = ap.parse_args()
@@ -113,15 +116,18 @@ def main() -> None:
     # has a TP collective too (ColwiseParallel all-reduces its input's gradient over "tp")
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     job: Any = TorchOnly() if args.torch_only else cl.init()  # a hot spare waits in init()
-    mesh = init_device_mesh(job.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    if args.hsdp:  # replicate x shard x tp, torchtitan's 3-D layout (a shard group of one here)
+        mesh = init_device_mesh(job.device.type, (2, 1, 2), mesh_dim_names=("dp", "shard", "tp"))
+    else:
+        mesh = init_device_mesh(job.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
     # src_data_rank=None: each rank cuts its shard from its own (identical) copy; the default
     # scatters from tp rank 0, a collective that under the launcher cannot run before
     # job.steps() forms the job's first generation (and the job's first state sync copies
     # each shard's holder in the first replica to the others anyway)
     plan = {"2": ColwiseParallel(), "4": RowwiseParallel()}
     parallelize_module(model.to(job.device), mesh["tp"], plan, src_data_rank=None)
-    if args.fsdp:  # TP first, then FSDP2 over dp, as torchtitan composes them
-        fully_shard(model, mesh=mesh["dp"])
+    if args.fsdp or args.hsdp:  # TP first, then FSDP2 over the data-parallel dims (torchtitan)
+        fully_shard(model, mesh=mesh["dp", "shard"] if args.hsdp else mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # after parallelize_module: DTensor params
     job.track(model=model, optimizer=opt)
     dp_group, dp = mesh["dp"].get_group(), mesh.get_local_rank("dp")
@@ -132,7 +138,7 @@ def main() -> None:
             loss = F.mse_loss(model(x.to(job.device)), y.to(job.device))
             opt.zero_grad()
             loss.backward()
-            for p in [] if args.fsdp else model.parameters():  # the replicas' average, as DDP
+            for p in [] if args.fsdp or args.hsdp else model.parameters():  # the replicas' average
                 g = local(p.grad)
                 dist.all_reduce(g, group=dp_group)
                 g.div_(mesh["dp"].size())
