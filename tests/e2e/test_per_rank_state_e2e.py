@@ -40,14 +40,19 @@ def _per_rank_batches(ref: JobResult) -> None:
 
 @pytest.mark.timeout(300)
 def test_kills_resume_the_killed_ranks_own_generators(tmp_path: Path, reference: ReferenceRuns) -> None:
-    """Rank 1 killed mid-run, then rank 0 just after its evaluation drew from its generator (the
-    section at step 16's boundary): each replacement resumes the killed rank's own streams."""
-    ref, res = _run(tmp_path, reference, ["kill:rank=1:step=9", "kill:rank=0:step=16"])
+    """Rank 1 killed half-way through its update of step 9 (rank 0 has updated: the step rolls
+    forward, and rank 1's replacement resumes the streams as they stood at the update), then
+    rank 0 as step 16 begins, just after its evaluation drew from its generator (the section
+    at step 16's boundary): each replacement resumes the killed rank's own streams."""
+    ref, res = _run(tmp_path, reference, ["kill:rank=1:step=9:site=optimizer", "kill:rank=0:step=16"])
     _per_rank_batches(ref)
     receivers = [p for e in res.of("recovery") for p in [e.get("transfer_parts") or {}] if p.get("role")]
     assert {p["rank"] for p in receivers if p["role"] == "receiver"} == {0, 1}, receivers
     res.assert_same_weights(ref, nproc=2)
-    assert res.batches() == ref.batches()  # every rank's every committed batch, replays included
+    # every rank's every committed batch, replays included (rank 1's step 9 has no commit
+    # event: it was lost inside the update, and the step was rolled forward)
+    got, want = res.batches(), ref.batches()
+    assert {k: want[k] for k in got} == got and set(want) - set(got) <= {(1, 9)}
 
 
 @pytest.mark.timeout(300)

@@ -18,7 +18,6 @@ from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
-from checkpointless.state.snapshot import capture_rng
 
 __all__ = ["check_divergence", "commit", "enter_step", "judge_replicas"]
 
@@ -45,10 +44,7 @@ def commit(member: Member, index: int) -> None:
     member.clock.commit(member.comm.waited_s)
     member.record.retries.pop(index, None)
     member.record.fields.update(member.replicas.published())
-    if member.env is not None:  # under the launcher (no recovery under torchrun or run plainly)
-        # this rank's generators after its update: where a recovery that rolls the step forward
-        # resumes them (in a replacement too, recovery/rank_rng.py)
-        member.replicas.rank_rng.keep(index + 1, capture_rng())
+    member.replicas.rank_rng.at_commit(index)  # where the next step starts (recovery/rank_rng.py)
     member.record.emit("commit", step=index, generation=member.generation)
     if member.recovery.first_commit and member.recovery.connected:
         member.recovery.first_commit = False

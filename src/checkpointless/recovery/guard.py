@@ -63,6 +63,7 @@ class UpdateGuard:
         self.site("backward" if kind == "reduce_scatter" else "allreduce")
 
     def before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._replicas.rank_rng.at_update(self._clock.step_index)  # the step's draws are done
         # The update must not change tensors still being read: a snapshot's copy, DCP's staging,
         # the buddy copy's stream. Waited for before the barrier below, so that once past it
         # nothing can refuse the update: a buddy copy abandoned by an abort raises CommAborted

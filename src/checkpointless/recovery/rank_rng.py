@@ -8,9 +8,11 @@ very streams of the rank it replaces, as they stood when the step it re-runs fir
 
 Where they are kept, and why there: each rank writes its generators into the job's private
 shared-memory directory (``<job shm>/rng/rank<k>.<slot>``), outside its process, at every point
-a recovery may resume from: as a step commits (the state after the update, also where a
-recovery that rolls the step forward resumes), as a section begins, and as a step begins (a
-compare only, unless something drew since the last record). The write is synchronous (one
+a recovery may resume from: as a step's update begins (its draws are done: where the next step
+starts, and where a recovery that rolls the step forward resumes, even if the rank was lost
+inside its update), as it commits (a check of torch's generators only, unless no update ran),
+as a section begins, and as a step begins (a compare of the state captured there anyway,
+written only if something drew since the last record). The write is synchronous (one
 ``pwritev`` of ~12.7 KB; the cost is measured by ``benchmarks/rank_rng.py``), so the record of
 a point exists before the rank can take part in any collective after it, and no peer can pass
 that point while the keeper still holds an older record. An asynchronous send to another
@@ -27,7 +29,8 @@ record: it resumes the generators sent with the replica's state, with a warning 
 mesh a buddy copy carries its owner's own, so that case is exact). A rank lost inside a section
 its peers completed (rank 0's evaluation, which has no collective) left the record of the
 section's start, and its replacement does not run the section again: what it drew there is
-lost, and a warning says so.
+lost, and a warning says so. A draw from Python's or NumPy's generator after the update, by a
+rank lost before the next step began, is not seen by the commit's check (torch's only).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import xxhash
 
 from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.state.shm_dir import private_dir
-from checkpointless.state.snapshot import RngState
+from checkpointless.state.snapshot import RngState, capture_rng
 
 __all__ = [
     "RankRngKeeper",
@@ -168,6 +171,17 @@ def same_rng(a: RngState, b: RngState) -> bool:
     return len(ca) == len(cb) and all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
 
 
+def _torch_unchanged(rng: RngState) -> bool:
+    """Whether torch's CPU and CUDA generators still stand where ``rng`` has them (a few µs)."""
+    if not torch.equal(rng["torch"], torch.get_rng_state()):
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        now = torch.cuda.get_rng_state_all()
+        had = rng.get("cuda", [])
+        return len(now) == len(had) and all(torch.equal(a, b) for a, b in zip(now, had, strict=True))
+    return "cuda" not in rng
+
+
 class RankRngKeeper:
     """This rank's generator records: the newest two steps in memory and, under the launcher,
     in the job's shared memory, where a replacement of this rank reads them."""
@@ -207,6 +221,24 @@ class RankRngKeeper:
         # one write, in place: a record is self-delimiting (an older, longer one's tail is
         # ignored) and checked by its digest (a write cut short by a SIGKILL is refused)
         os.pwritev(fd, encode_parts(record), 0)
+
+    def at_update(self, index: int | None) -> None:
+        """Step ``index``'s update begins (the optimizer's pre-hook): its draws are done, and the
+        generators as they stand are where step ``index + 1`` starts. Kept now, not at the
+        commit: a rank lost inside its update leaves a peer that has updated, the recovery
+        rolls the step forward, and its replacement resumes from this record."""
+        if index is not None and self.directory is not None:
+            self.keep(index + 1, capture_rng())
+
+    def at_commit(self, index: int) -> None:
+        """Step ``index`` committed: if its update kept a record, a check of torch's generators
+        (what a draw after the update most likely used) is enough; otherwise (no update ran: a
+        skipped GradScaler step) the generators are kept now."""
+        if self.directory is None:
+            return
+        kept = self._slots.get((index + 1) % 2)
+        if kept is None or kept.step != index + 1 or not _torch_unchanged(kept.rng):
+            self.keep(index + 1, capture_rng())
 
     def load(self, step: int) -> RngRecord | None:
         """This rank's record of step ``step``, if one is kept (in this process, else in shared

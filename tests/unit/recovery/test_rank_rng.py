@@ -182,3 +182,25 @@ def test_job_generator_works_in_a_section_and_restarts_with_it() -> None:
     m.record.begin(8)
     m.rank = 1
     assert not torch.equal(torch.rand(3, generator=job.generator("eval", seed=3)), first)
+
+
+@pytest.mark.timeout(60)
+def test_the_update_keeps_the_next_steps_start_and_the_commit_checks_it(tmp_path: Path) -> None:
+    keeper = RankRngKeeper()
+    keeper.at_update(3)  # not under the launcher: nothing kept (no recovery to resume from)
+    assert not keeper.began
+    keeper.configure(tmp_path, 0)
+    _seed(8)
+    keeper.at_update(3)  # the step's draws are done: this is where step 4 starts
+    at_update = capture_rng()
+    fresh = RankRngKeeper()
+    fresh.configure(tmp_path, 0)
+    kept = fresh.load(4)
+    assert kept is not None and kept.rng["torch"].equal(at_update["torch"])
+    keeper.at_commit(3)  # nothing drew since: the record stands
+    torch.rand(2)  # a draw after the update (logging, say): the commit keeps the new stand
+    keeper.at_commit(3)
+    kept = fresh.load(4)
+    assert kept is not None and kept.rng["torch"].equal(torch.get_rng_state())
+    keeper.at_commit(4)  # no update ran in step 4 (a skipped GradScaler step): kept at the commit
+    assert fresh.load(5) is not None
