@@ -20,14 +20,24 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from checkpointless.errors import ConfigError
 from checkpointless.state.snapshot import Stateful
 
-__all__ = ["LossLedger", "ProtectedResults", "SectionUndo", "StepPlan", "TrainerStateCarrier"]
+__all__ = [
+    "LossLedger",
+    "ProtectedResults",
+    "SectionUndo",
+    "StepPlan",
+    "TrainerStateCarrier",
+    "micro_batches_digest",
+]
 
 # TrainerState fields that do not travel: this process's own place in the job, and Trainer's
 # file copy of the callbacks' state (the live callbacks travel instead)
@@ -212,3 +222,15 @@ class ProtectedResults:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.results = {str(n): {int(a): r for a, r in d.items()} for n, d in state["results"].items()}
+
+
+def micro_batches_digest(batches: list[Any]) -> str:
+    """A short digest of an optimizer step's micro-batches (their tensors, in order), recorded in
+    its commit event so that tests can compare the data of every (rank, step) across runs."""
+    h = hashlib.sha256()
+    for batch in batches:
+        items = sorted(batch.items()) if isinstance(batch, dict) else enumerate(batch)
+        for _, value in items:
+            if isinstance(value, torch.Tensor):
+                h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

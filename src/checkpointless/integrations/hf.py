@@ -33,8 +33,6 @@ run under ``checkpointless run --nproc N --spares 1 script.py``. What the subcla
 from __future__ import annotations
 
 import contextlib
-import hashlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,8 +54,15 @@ from checkpointless.integrations._hf_internals import (
     train_collator,
     warn_if_untested,
 )
+from checkpointless.integrations._hf_run import EvalContext, StepOut, TrainerRun
 from checkpointless.integrations._hf_settings import refuse_unsupported
-from checkpointless.integrations._hf_state import LossLedger, SectionUndo, StepPlan, TrainerStateCarrier
+from checkpointless.integrations._hf_state import (
+    LossLedger,
+    SectionUndo,
+    StepPlan,
+    TrainerStateCarrier,
+    micro_batches_digest,
+)
 from checkpointless.recovery.job import Job, Step
 
 __all__ = ["CheckpointlessTrainer"]
@@ -66,43 +71,6 @@ log = get_logger()
 
 # the protected section at every step boundary: evaluation, checkpoints, the end of an epoch
 BOUNDARY_SECTION = "trainer_boundary"
-
-
-@dataclass
-class _StepOut:
-    """What a step computed, kept by the step's caller so a rank rolled forward still has it."""
-
-    loss: float | None = None  # the ranks' mean loss (summed over micro-batches)
-    flos: float = 0.0
-    grad_norm: float | None = None
-    learning_rate: float | None = None
-
-
-@dataclass
-class _EvalContext:
-    """What Trainer passes its evaluation and checkpoint code, as of the running epoch."""
-
-    model: nn.Module | None = None
-    trial: Any = None
-    ignore_keys: list[str] | None = None
-    start_time: float | None = None
-
-
-@dataclass
-class _Run:
-    """Where this rank's training loop stands in the job."""
-
-    steps: Any  # the job.steps() generator
-    plan: StepPlan
-    loader: Any  # job.loader() over the training DataLoader
-    pending: Step | None = None  # taken from the generator, not yet run
-    done: bool = False  # the generator ended
-    held: tuple[int, list[Any]] | None = None  # the step whose micro-batches are held, for a replay
-    begun: int = -1  # the last step on_step_begin ran for (a replay does not run it again)
-    booked: int = -1  # the last step whose bookkeeping (on_step_end, log) ran on this rank
-    last_out: _StepOut = field(default_factory=_StepOut)  # the newest attempt's results
-    joining: bool = False  # a replacement receiving its state: the boundary's bookkeeping is done
-    resumed_at: int = -1  # resume_from_checkpoint's step: its boundary was handled before the save
 
 
 class CheckpointlessTrainer(Trainer):
@@ -132,7 +100,7 @@ class CheckpointlessTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self._record_batches = record_batches
         self._dp: nn.Module | None = None
-        self._run: _Run | None = None
+        self._run: TrainerRun | None = None
         self._ledger = LossLedger()
         # read through callables: Trainer makes a new TrainerState at each train()
         self._carrier = TrainerStateCarrier(
@@ -141,7 +109,7 @@ class CheckpointlessTrainer(Trainer):
             callbacks=lambda: list(self.callback_handler.callbacks),
         )
         self._undo = SectionUndo(self._section_objects)
-        self._eval = _EvalContext()
+        self._eval = EvalContext()
         self._refuse_unsupported()
 
     def _refuse_unsupported(self) -> None:
@@ -209,7 +177,7 @@ class CheckpointlessTrainer(Trainer):
         epochs_trained: int,
         steps_trained_in_current_epoch: int,
     ) -> None:
-        self._eval = _EvalContext(model, trial, ignore_keys_for_eval, start_time)
+        self._eval = EvalContext(model, trial, ignore_keys_for_eval, start_time)
         run = self._run if self._run is not None else self._start(train_dataloader, resume_from_checkpoint)
         while True:
             # the job's next step, after the section at this boundary (evaluation, checkpoint, the
@@ -232,7 +200,7 @@ class CheckpointlessTrainer(Trainer):
         if self.control.should_training_stop:
             self._finish(run)
 
-    def _start(self, train_dataloader: DataLoader[Any], resume_from_checkpoint: str | None) -> _Run:
+    def _start(self, train_dataloader: DataLoader[Any], resume_from_checkpoint: str | None) -> TrainerRun:
         plan = StepPlan(len(train_dataloader), self.args.gradient_accumulation_steps)
         loader = self.job.loader(train_dataloader)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
@@ -256,7 +224,7 @@ class CheckpointlessTrainer(Trainer):
         # a resumed checkpoint's steps (resume_from_checkpoint); a replacement ignores it
         start = self.state.global_step
         steps = self.job.steps(self.state.max_steps, start=start, steps_per_epoch=plan.steps_per_epoch)
-        run = self._run = _Run(steps, plan, loader, joining=self.job.is_replacement)
+        run = self._run = TrainerRun(steps, plan, loader, joining=self.job.is_replacement)
         if not self.job.is_replacement:
             run.resumed_at = start  # the checkpoint was saved after its boundary's work
         first = self._peek(run)  # the job's first state sync; a replacement receives its replica here
@@ -301,7 +269,7 @@ class CheckpointlessTrainer(Trainer):
             self.job.stop()  # replicated: the flags travel with TrainerState's carrier
         self._undo.end()
 
-    def _peek(self, run: _Run) -> Step | None:
+    def _peek(self, run: TrainerRun) -> Step | None:
         if run.pending is None and not run.done:
             try:
                 run.pending = next(run.steps)
@@ -309,14 +277,14 @@ class CheckpointlessTrainer(Trainer):
                 run.done = True
         return run.pending
 
-    def _train_step(self, run: _Run, step: Step, model: nn.Module) -> None:
+    def _train_step(self, run: TrainerRun, step: Step, model: nn.Module) -> None:
         """Run ``step`` until its update is in this rank's state, then do Trainer's bookkeeping."""
         while True:
             index = step.index
             if run.begun != index:
                 self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
                 run.begun = index
-            out = run.last_out = _StepOut()
+            out = run.last_out = StepOut()
             with step:
                 self._optimizer_step(run, index, model, out)
             if not step.committed:
@@ -336,12 +304,12 @@ class CheckpointlessTrainer(Trainer):
             self._after_step(run, index, out)
             return
 
-    def _optimizer_step(self, run: _Run, index: int, model: nn.Module, out: _StepOut) -> None:
+    def _optimizer_step(self, run: TrainerRun, index: int, model: nn.Module, out: StepOut) -> None:
         if run.held is None or run.held[0] != index:
             run.held = (index, [run.loader.batch(i) for i in run.plan.micro_batches(index)])
         batches = run.held[1]
         if self._record_batches:
-            self.job.record(batch=_digest(batches))  # before anything in the step can fail
+            self.job.record(batch=micro_batches_digest(batches))  # before anything in the step can fail
         self.current_gradient_accumulation_steps = len(batches)
         model.zero_grad(set_to_none=True)  # an interrupted attempt may have left gradients
         items = num_items_in_batch(self, batches, self.args.device)
@@ -371,7 +339,7 @@ class CheckpointlessTrainer(Trainer):
             if not self.accelerator.optimizer_step_was_skipped and not plateau:
                 self.lr_scheduler.step()
 
-    def _after_step(self, run: _Run, index: int, out: _StepOut, in_section: bool = False) -> None:
+    def _after_step(self, run: TrainerRun, index: int, out: StepOut, in_section: bool = False) -> None:
         """Trainer's bookkeeping of step ``index``, once on this rank, after its update is in the
         state: counters, the loss, ``on_step_end``, then logging (evaluation and checkpoints
         follow in the boundary's section, unless it completed on the rank this state came from)."""
@@ -406,7 +374,7 @@ class CheckpointlessTrainer(Trainer):
                 logs = {k: v for k, v in entry.items() if k != "step"}
                 self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
-    def _log(self, out: _StepOut) -> None:
+    def _log(self, out: StepOut) -> None:
         if self.control.should_log and self.state.global_step > self._ledger.last_logged:
             logs: dict[str, float] = {"loss": self._ledger.drain(self.state.global_step)}
             if out.grad_norm is not None:
@@ -415,7 +383,7 @@ class CheckpointlessTrainer(Trainer):
                 logs["learning_rate"] = out.learning_rate
             self.log(logs, self._eval.start_time)
 
-    def _log_save_evaluate(self, out: _StepOut) -> None:
+    def _log_save_evaluate(self, out: StepOut) -> None:
         self._log(out)
         ctx = self._eval
         assert ctx.model is not None
@@ -427,7 +395,7 @@ class CheckpointlessTrainer(Trainer):
         inside each step instead (``state.total_flos``), so there is nothing left to gather."""
         self.current_flos = 0
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: TrainerRun) -> None:
         """The end of training: every rank waits until all hold the final state (recovering a rank
         that fails meanwhile), then Trainer's final metrics read the ledger."""
         if not run.done:
@@ -435,14 +403,3 @@ class CheckpointlessTrainer(Trainer):
             while self._peek(run) is not None:
                 run.pending = None
         hand_over_loss(self, self._ledger.total_loss + self._ledger.loss, self.args.device)
-
-
-def _digest(batches: list[Any]) -> str:
-    """A short digest of a step's micro-batches (their tensors, in order)."""
-    h = hashlib.sha256()
-    for batch in batches:
-        items = sorted(batch.items()) if isinstance(batch, dict) else enumerate(batch)
-        for _, value in items:
-            if isinstance(value, torch.Tensor):
-                h.update(value.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
