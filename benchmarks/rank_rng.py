@@ -1,13 +1,16 @@
 """What keeping each rank's own generators costs a step (recovery/rank_rng.py), measured alone.
 
-Per committed step a rank (1) captures its generators at the commit and keeps them (encoded,
-~12.7 KB, one write to its file in shared memory), and (2) as the next step
-begins, compares the state it captures anyway (``StepRecord.begin``) with the kept one, writing
-again only if something drew in between. This times that work in a loop, the way the step loop
-does it, and divides it by the overhead benchmark's median step (``benchmarks/overhead.py``:
-2 ranks, the example GPT, ~47.6 ms on the development machine; pass ``--step-ms``) for the share.
+Per step a rank (1) as its update begins captures its generators and keeps them (encoded,
+~12.7 KB, one write to its file in shared memory), (2) as the step commits checks torch's
+generators against that record, and (3) as the next step begins compares the state it captures
+anyway (``StepRecord.begin``) with the kept one, writing again only if something drew in
+between. This times that work in a loop, the way the step loop does it, and divides it by the
+overhead benchmark's median step (``benchmarks/overhead.py``: 2 ranks, the example GPT,
+~47.6 ms on the development machine; pass ``--step-ms``) for the share. The CPU time per step
+(the loop's thread CPU time less the same loop without the keeping) is the figure a loaded
+machine disturbs least.
 
-    .venv/bin/python benchmarks/rank_rng.py                  # 2000 steps, /dev/shm
+    .venv/bin/python benchmarks/rank_rng.py                  # 5 rounds of 2000 steps, /dev/shm
     .venv/bin/python benchmarks/rank_rng.py --draw-between   # something draws between steps: two writes
 """
 
@@ -29,7 +32,7 @@ from checkpointless.state.snapshot import capture_rng
 def one_round(steps: int, draw_between: bool, directory: Path) -> dict[str, float]:
     keeper = RankRngKeeper()
     keeper.configure(directory, 0)
-    commit_s = entry_s = 0.0
+    commit_s = entry_s = update_s = 0.0
     cpu0 = time.thread_time()
     for index in range(steps):
         rng = capture_rng()  # StepRecord.begin's capture: there before this work, not counted
@@ -38,7 +41,10 @@ def one_round(steps: int, draw_between: bool, directory: Path) -> dict[str, floa
         entry_s += time.perf_counter() - t0
         torch.rand(64)  # the step draws (dropout, batches)
         t0 = time.perf_counter()
-        keeper.keep(index + 1, capture_rng())  # commit.py
+        keeper.at_update(index)  # the optimizer's pre-hook (guard.py)
+        update_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        keeper.at_commit(index)  # commit.py
         commit_s += time.perf_counter() - t0
         if draw_between:
             torch.rand(1)  # e.g. rank 0's evaluation: the next entry writes again
@@ -46,6 +52,7 @@ def one_round(steps: int, draw_between: bool, directory: Path) -> dict[str, floa
     # the wall times above also count the time other processes held the core
     loop_cpu = time.thread_time() - cpu0
     return {
+        "update_us": update_s / steps * 1e6,
         "commit_us": commit_s / steps * 1e6,
         "entry_us": entry_s / steps * 1e6,
         "loop_cpu_us": loop_cpu / steps * 1e6,
@@ -77,11 +84,12 @@ def main() -> None:
         one_round(200, args.draw_between, Path(d))  # warm-up
         rounds = [one_round(args.steps, args.draw_between, Path(d)) for _ in range(args.rounds)]
         base = [baseline(args.steps) for _ in range(args.rounds)]
-    per_step = [r["commit_us"] + r["entry_us"] for r in rounds]
+    per_step = [r["update_us"] + r["commit_us"] + r["entry_us"] for r in rounds]
     result = {
         "benchmark": "rank_rng",
         "params": vars(args) | {"out": str(args.out) if args.out else None},
         "record_bytes": len(encode_record(RngRecord(0, capture_rng()))),
+        "update_us": [round(r["update_us"], 1) for r in rounds],
         "commit_us": [round(r["commit_us"], 1) for r in rounds],
         "entry_us": [round(r["entry_us"], 1) for r in rounds],
         "per_step_us_median": round(statistics.median(per_step), 1),
