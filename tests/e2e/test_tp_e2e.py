@@ -8,7 +8,8 @@ fault-free run's, and a rank that received state must have taken it from the ran
 tp coordinate in the other replica, never from another tp shard. The fault-free run itself must
 equal the same training under torch alone and the adopted script under plain torchrun. With
 --fsdp (FSDP2 over dp after the TP split) no two ranks share a state, and a killed rank's comes
-back from its buddy copy.
+back from its buddy copy. With --hsdp 2 the mesh has three dimensions (replicate 2 x FSDP 2 x
+TP 2, 8 ranks) and a rank's state is named by its (shard, tp) coordinates.
 """
 
 from __future__ import annotations
@@ -114,27 +115,64 @@ def test_fsdp_by_tp_lost_rank_comes_back_from_its_buddy_copy_bitwise(
     assert plans and plans[0]["from_copy"] == [1], plans
 
 
-@pytest.mark.timeout(120)
-def test_hsdp_by_tp_on_a_3d_mesh_recovers_from_the_same_shard_and_tp_coordinates(
-    tmp_path: Path, corpus: Path, tp_reference: JobResult
+HSDP_TP = [*ARGS, "--hsdp", "2"]  # (dp 2, shard 2, tp 2): rank r is (r // 4, r // 2 % 2, r % 2)
+
+
+@pytest.fixture()
+def hsdp_tp_reference(reference: ReferenceRuns) -> JobResult:
+    """The fault-free 3-D run: 8 ranks, 4 states (one per (shard, tp)), each held by both dp."""
+    res = reference(8, script=TP_SCRIPT, script_args=HSDP_TP, replicated=False)
+    d = res.digests
+    assert sorted(d) == list(range(8)) and all(d[r] == d[r + 4] for r in range(4)), d
+    assert len({d[r] for r in range(4)}) == 4, d
+    return res
+
+
+@pytest.mark.timeout(150)
+def test_replicate_by_fsdp_by_tp_on_a_3d_mesh_recovers_by_shard_and_tp_coordinates(
+    tmp_path: Path, corpus: Path, hsdp_tp_reference: JobResult
 ) -> None:
-    # (dp 2, shard 1, tp 2) with FSDP2's HSDP over (dp, shard): the state is named by its
-    # (shard, tp) coordinates and replicated over dp. With a shard group of one, HSDP's
-    # averaged gradients are the script's own dp average, so the result is the 2-D run's, bit for
-    # bit (one fault-free run serves both)
+    # replicate 2 x FSDP 2 x TP 2, FSDP2's HSDP over (dp, shard) after the TP split: the state
+    # is named by its (shard, tp) coordinates and replicated over dp. A kill of (1, 0, 1), then
+    # a raise in backward (inside FSDP2's reduce-scatter or TP's all-reduce, wherever the
+    # others are) on another rank, in one job
+    faults = ["kill:rank=5:step=4", "raise:rank=2:step=6:site=backward"]
     res = run_job(
         tmp_path / "run",
         corpus,
-        nproc=4,
+        nproc=8,
         spares=1,
-        faults=["kill:rank=1:step=4"],
+        faults=faults,
         script=TP_SCRIPT,
-        script_args=[*ARGS, "--hsdp"],
-        timeout=100,
+        script_args=HSDP_TP,
+        timeout=120,
     )
     assert res.rc == 0, res.output[-6000:]
-    assert res.digests == tp_reference.digests, "final shards differ from the fault-free run's"
-    assert state_sources(res)[0] == {1: 3}, state_sources(res)
+    assert res.digests == hsdp_tp_reference.digests, "final shards differ from the fault-free run's"
+    assert len(res.of("recovery")) == 2, res.output[-4000:]
+    plans = state_sources(res)
+    assert plans[0] == {5: 1}, plans  # (dp 1, shard 0, tp 1) from (dp 0, shard 0, tp 1)
+    for plan in plans:
+        assert all(s % 4 == r % 4 and s != r for r, s in plan.items()), plans
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(200)
+def test_replicate_by_fsdp_by_tp_equals_the_same_training_with_torch_alone(
+    tmp_path: Path, corpus: Path, hsdp_tp_reference: JobResult
+) -> None:
+    res = run_job(
+        tmp_path / "torch",
+        corpus,
+        nproc=8,
+        spares=0,
+        extra=["--plain"],
+        script=TP_SCRIPT,
+        script_args=[*HSDP_TP, "--torch-only"],
+        timeout=180,
+    )
+    assert res.rc == 0, res.output[-6000:]
+    assert res.digests == hsdp_tp_reference.digests
 
 
 @pytest.mark.timeout(200)

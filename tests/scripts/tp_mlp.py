@@ -7,8 +7,8 @@ that forward and backward each have a TP all-reduce), and its two replicas over 
 because the script averages every gradient over the dp group, as DDP would. Each dp replica trains on its own batches, a pure function of (step, dp coordinate); the two tp ranks
 of a replica see the same batch, as TP requires. With --fsdp the model is ``fully_shard``-ed over
 "dp" after the TP split instead (FSDP2 x TP, torchtitan's order): every rank then holds a state
-of its own, with no replica, and a lost rank's comes back from its buddy copy. With --hsdp the
-mesh has three dimensions (dp 2, shard 1, tp 2) and FSDP2's HSDP over (dp, shard) keeps the
+of its own, with no replica, and a lost rank's comes back from its buddy copy. With --hsdp S the
+mesh has three dimensions (dp 2, shard S, tp 2) and FSDP2's HSDP over (dp, shard) keeps the
 replicas: the state is named by its (shard, tp) coordinates.
 
 --digest-out: each rank writes a hash of its own state (its parameters' local shards and its
@@ -105,9 +105,7 @@ def main() -> None:
     ap.add_argument("--digest-out", required=True)
     ap.add_argument("--torch-only", action="store_true", help="train with torch alone (under torchrun)")
     ap.add_argument("--fsdp", action="store_true", help="fully_shard over dp (FSDP2 x TP), no replicas")
-    ap.add_argument(
-        "--hsdp", action="store_true", help="3-D mesh (dp 2, shard 1, tp 2), HSDP over dp x shard"
-    )
+    ap.add_argument("--hsdp", type=int, default=0, metavar="S", help="3-D mesh (dp 2, shard S, tp 2), HSDP")
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     args = ap.parse_args()
 
@@ -116,8 +114,8 @@ def main() -> None:
     # has a TP collective too (ColwiseParallel all-reduces its input's gradient over "tp")
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     job: Any = TorchOnly() if args.torch_only else cl.init()  # a hot spare waits in init()
-    if args.hsdp:  # replicate x shard x tp, torchtitan's 3-D layout (a shard group of one here)
-        mesh = init_device_mesh(job.device.type, (2, 1, 2), mesh_dim_names=("dp", "shard", "tp"))
+    if args.hsdp:  # replicate x shard x tp, torchtitan's 3-D layout
+        mesh = init_device_mesh(job.device.type, (2, args.hsdp, 2), mesh_dim_names=("dp", "shard", "tp"))
     else:
         mesh = init_device_mesh(job.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
     # src_data_rank=None: each rank cuts its shard from its own (identical) copy; the default
@@ -131,6 +129,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # after parallelize_module: DTensor params
     job.track(model=model, optimizer=opt)
     dp_group, dp = mesh["dp"].get_group(), mesh.get_local_rank("dp")
+    if args.hsdp:  # every (dp, shard) rank takes a batch of its own; the tp ranks share one
+        dp = dp * args.hsdp + mesh.get_local_rank("shard")
     for step in job.steps(args.steps):
         with step:
             x, y = batch(step.index, dp)
