@@ -55,6 +55,8 @@ def test_a_config_error_ends_the_job_at_once_with_one_traceback(tmp_path: Path, 
     assert not _of(events, "fault") and not _of(events, "recovery") and not _of(events, "spare_assigned")
     end = _of(events, "job_end")
     assert end and end[-1]["status"] == "failed" and ERROR in end[-1]["error"], end
+    # at once: no retries, no spare warming up (the time before is the job's start-up)
+    assert end[-1]["time"] - _of(events, "started")[0]["time"] < 5, events
 
 
 @pytest.mark.timeout(120)
@@ -75,6 +77,8 @@ def test_an_unadopted_script_that_exits_cleanly_is_told_to_run_with_plain(tmp_pa
     assert "without ever calling checkpointless.init()" in out and "--plain" in out, out[-3000:]
     assert "docs/adoption.md" in out and "hot spares" not in out, out[-3000:]
     assert not _of(events, "fault") and not _of(events, "spare_assigned"), "no spare trains the job again"
+    end, spawns = _of(events, "job_end"), _of(events, "spawn")
+    assert end and end[-1]["time"] - spawns[0]["time"] < 5, "at the first clean exit, not after 76 s"
 
 
 @pytest.mark.timeout(120)
