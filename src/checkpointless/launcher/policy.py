@@ -81,7 +81,11 @@ class ProcWatch:
                 f"(wedged while starting; --hang-timeout {limits.hang_timeout:g} s)"
             )
         if now - self.spawned > limits.start_timeout:
-            return f"did not connect within --start-timeout {limits.start_timeout:g} s"
+            # a script that never calls checkpointless.init() never connects (issue 38)
+            return (
+                f"did not connect within --start-timeout {limits.start_timeout:g} s (a script that "
+                "does not call checkpointless.init() never does: run it with --plain)"
+            )
         return None
 
 

@@ -84,6 +84,7 @@ def test_a_starting_process_that_burns_cpu_is_left_alone_until_the_start_timeout
     w.observe(sample("R", cpu=61.0), now=61.0)
     why = w.verdict(61.0, connected=False, limits=LIMITS)
     assert why is not None and "--start-timeout" in why
+    assert "checkpointless.init()" in why and "--plain" in why  # an unadopted script never connects
 
 
 def test_a_starting_process_without_cpu_progress_is_wedged() -> None:
