@@ -18,7 +18,7 @@ is from the kill until the step that was running has ended again, which for Trai
 includes computing again the steps since its checkpoint. Rounds are interleaved; the ratio is
 the geometric mean of the rounds' paired ratios with a bootstrap interval.
 
-    .venv/bin/python benchmarks/hf_recovery.py                # 3 rounds, about 4 minutes on 2 cores
+    .venv/bin/python benchmarks/hf_recovery.py                # 3 rounds, about 5 minutes on 2 cores
     .venv/bin/python benchmarks/hf_recovery.py --rounds 1     # a smoke run
 """
 
