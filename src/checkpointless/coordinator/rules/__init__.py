@@ -8,6 +8,8 @@ these rules to their own state; the agent and the launcher use a few of them too
 * ``decisions``: the recovery plan from the members' reports, and the wait for spares;
 * ``hangs``: which ranks hold the job up, from their heartbeats and progress;
 * ``budget``: the fault budget, respawn loops, the no-progress limits;
+* ``fatal``: endings no spare can change (a ConfigError, an unadopted script's clean exit);
+* ``fault_step``: the step a fault event names;
 * ``placement``: which host a rank or a spare goes to, and which spares take which ranks;
 * ``stragglers``: hosts whose steps run persistently slower than the others';
 * ``prefetch``: which ranks a spare on a spare host may take;
