@@ -24,11 +24,15 @@ from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_state
 from checkpointless.state.codec import layout, unpack
 from tests.e2e.test_snapshots import _kill_every_rank_after_snapshot
 from tests.helpers.jobs import ROOT, alive, run_job
+from tests.helpers.reference import ReferenceRuns
 
 torchdata = pytest.importorskip("torchdata.stateful_dataloader")
 StatefulDataLoader = torchdata.StatefulDataLoader
 SCRIPT = ROOT / "tests" / "scripts" / "adopt.py"
 NOWHERE = Path("/nonexistent")
+# the jobs of the two tests below: 8 steps an epoch (64 samples, 2 ranks, batches of 4), 20 steps,
+# 2 worker processes per rank; one fault-free run (plain DataLoader) serves both
+JOB = ["--steps", "20", "--samples", "64", "--batch", "4", "--workers", "2"]
 
 
 class Squares(Dataset[torch.Tensor]):
@@ -204,12 +208,10 @@ def test_a_stateful_iterable_dataset_resumes_from_its_own_state() -> None:
 
 @pytest.mark.timeout(400)
 def test_job_on_a_stateful_dataloader_with_workers_survives_kills_and_an_exception_bitwise(
-    tmp_path: Path,
+    tmp_path: Path, reference: ReferenceRuns
 ) -> None:
-    # 8 steps an epoch (64 samples, 2 ranks, batches of 4), 20 steps; 2 worker processes per rank
-    base = ["--steps", "20", "--samples", "64", "--batch", "4", "--workers", "2"]
-    ref = run_job(tmp_path / "ref", NOWHERE, 2, 0, script=SCRIPT, script_args=base)
-    assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
+    base = JOB
+    ref = reference(2, data=NOWHERE, script=SCRIPT, script_args=base)
     # a kill mid-epoch, an exception (the survivor's replay), a kill on an epoch's first step
     faults = ["kill:rank=1:step=5", "raise:rank=0:step=11", "kill:rank=0:step=16"]
     res = run_job(tmp_path / "run", NOWHERE, 2, 2, faults, script=SCRIPT, script_args=[*base, "--stateful"])
@@ -224,12 +226,13 @@ def test_job_on_a_stateful_dataloader_with_workers_survives_kills_and_an_excepti
 
 
 @pytest.mark.timeout(400)
-def test_every_rank_killed_resumes_a_stateful_dataloader_from_the_snapshot(tmp_path: Path) -> None:
+def test_every_rank_killed_resumes_a_stateful_dataloader_from_the_snapshot(
+    tmp_path: Path, reference: ReferenceRuns
+) -> None:
     """No replica survives: the loader's position must come back from the shared-memory snapshot
     with the model, not from a peer (the path the other tests take)."""
-    base = ["--steps", "14", "--samples", "64", "--batch", "4", "--workers", "2"]
-    ref = run_job(tmp_path / "ref", NOWHERE, 2, 0, script=SCRIPT, script_args=base)
-    assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
+    base = JOB  # 20 steps (14 before the fault-free run was shared: the steps cost nothing)
+    ref = reference(2, data=NOWHERE, script=SCRIPT, script_args=base)
     run_dir = tmp_path / "run"
     stop = threading.Event()
     # rank 0 sleeps as step 6 begins (the snapshot of step 6 is written meanwhile), then every

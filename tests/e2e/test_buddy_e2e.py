@@ -45,8 +45,11 @@ def _plans(res: JobResult) -> list[dict[str, object]]:
         # killed in its update: its copy of step 4 was acknowledged first, so rank 2 keeps it
         ("kill:rank=1:step=4:site=optimizer", {"copy"}),
         # killed as step 4 began, its copy of 4 in flight: the buddy's copy of 3 (everyone rolls
-        # back a step) or, if it was published in time, its own snapshot of 4
-        ("kill:rank=1:step=4", {"copy", "own_snapshot"}),
+        # back a step) or, if it was published in time, its own snapshot of 4. `make soak`: a
+        # kill as a step begins, served from the buddy's copy with the roll-back, is
+        # test_copies_every_third_step_roll_back_to_the_newest_copy; an own snapshot,
+        # test_fsdp_two_kills_whose_copies_are_on_each_other_fall_back_to_own_snapshots
+        pytest.param("kill:rank=1:step=4", {"copy", "own_snapshot"}, marks=pytest.mark.soak),
     ],
     ids=["in-update", "at-step-start"],
 )

@@ -185,7 +185,9 @@ def test_no_spare_in_time_stops_the_job_naming_the_settings(tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+# SIGINT under `make soak`: the launcher's shell installs one handler for both (shell.py), and
+# the exit status 128 + signal is checked for SIGTERM here
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.soak)])
 def test_launcher_signal_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
     run_dir = tmp_path / "run"
     proc = launch(run_dir, SCRIPTS / "slow_steps.py", "--nproc", "2", "--spares", "1")

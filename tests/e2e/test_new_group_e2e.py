@@ -14,17 +14,18 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.jobs import ROOT, alive, read_digests, run_job, torchrun_env
+from tests.helpers.reference import ReferenceRuns
 
 NOWHERE = Path("/nonexistent")
 SCRIPT = ROOT / "tests" / "scripts" / "new_groups.py"
 MISSING = ROOT / "tests" / "scripts" / "missing_group.py"
+ARGS = ["--steps", "40"]  # the job of the first two tests, whose fault-free run they share
 
 
 @pytest.mark.timeout(300)
-def test_script_groups_survive_kill_and_exception_bitwise(tmp_path: Path) -> None:
-    args = ["--steps", "40"]
-    ref = run_job(tmp_path / "ref", NOWHERE, 3, 0, script=SCRIPT, script_args=args)
-    assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
+def test_script_groups_survive_kill_and_exception_bitwise(tmp_path: Path, reference: ReferenceRuns) -> None:
+    args = ARGS
+    ref = reference(3, data=NOWHERE, script=SCRIPT, script_args=args)
     # after its forward: rank 1 dies at step 12 while ranks 0 and 2 wait in the subgroup's
     # all-reduce and the gloo group's broadcast; rank 0 raises at step 25 while the others wait
     # there; a spare takes rank 1's place and makes the same groups again
@@ -40,12 +41,12 @@ def test_script_groups_survive_kill_and_exception_bitwise(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(200)
-def test_script_groups_under_plain_torchrun_match_the_job(tmp_path: Path) -> None:
+def test_script_groups_under_plain_torchrun_match_the_job(tmp_path: Path, reference: ReferenceRuns) -> None:
     # under plain torchrun the first generation forms in init(), so each group forms as it is
     # made; the same script ends with the same weights and metrics as under checkpointless run
-    args = ["--steps", "15"]
-    ref = run_job(tmp_path / "ref", NOWHERE, 3, 0, script=SCRIPT, script_args=args)
-    assert ref.rc == 0 and ref.digest is not None, ref.output[-4000:]
+    # (the fault-free run of the test above: 40 steps, not the 15 this once ran its own with)
+    args = ARGS
+    ref = reference(3, data=NOWHERE, script=SCRIPT, script_args=args)
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", "3", str(SCRIPT), *args]
     cmd += ["--digest-out", str(tmp_path / "torchrun.digest-{rank}")]

@@ -142,6 +142,10 @@ def test_pooled_rounds_pair_within_each_run_and_skip_failed_ones(tmp_path: Path)
     assert json.loads((tmp_path / "p.json").read_text())["rounds"] == 3
 
 
+# `make soak`: benchmarks/wait_cost.py starts six fresh interpreters (two ranks for each way to
+# wait), 25-50 s on two cores; it measures the waits and checks no library behaviour (the
+# collective waits themselves are tests/unit/comm's)
+@pytest.mark.soak
 @pytest.mark.timeout(120)
 def test_wait_cost_measures_the_three_ways_to_wait(tmp_path: Path) -> None:
     out = tmp_path / "w.json"
