@@ -83,7 +83,8 @@ def test_bf16_mixed_precision_is_exact_through_a_kill(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "fault",
     [
-        pytest.param("kill:1:5", id="sigkill-in-eval"),
+        # the same mechanism as the Trainer's (a replacement joins the redone section): soak here
+        pytest.param("kill:1:5", id="sigkill-in-eval", marks=pytest.mark.soak),
         # the last evaluation, after which the loop ends: end_training() ends the job there
         pytest.param("raise:0:10", id="raise-in-final-eval"),
     ],

@@ -60,7 +60,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     [
         pytest.param("kill:1:4", id="sigkill-in-eval"),
         # at the last boundary, where the end of training (on_epoch_end) is part of the section
-        pytest.param("raise:0:8", id="raise-in-eval"),
+        pytest.param("raise:0:8", id="raise-in-eval", marks=pytest.mark.soak),
     ],
 )
 def test_a_fault_during_evaluation_is_recovered_and_the_evaluation_redone(
