@@ -46,10 +46,9 @@ class ScriptMesh:
 
 
 def _root(mesh: Any) -> Any:
-    # torch 2.13 keeps a sub-mesh's parent as _root_mesh (read by its own _get_root_mesh); a
-    # mesh that is nobody's sub-mesh is its own root
-    getter = getattr(mesh, "_get_root_mesh", None)
-    return getter() if getter is not None else mesh
+    # torch 2.13 has no public accessor for a sub-mesh's parent (mesh["tp"] -> the dp x tp
+    # mesh); a mesh that is nobody's sub-mesh is its own root
+    return mesh._get_root_mesh()
 
 
 def _names(mesh: Any) -> tuple[str, ...]:

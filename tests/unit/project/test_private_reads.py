@@ -119,7 +119,10 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_state_dict_pre_hooks": "torch nn.Module's hooks: a plain state dict has none but FSDP2's",
         "_save_to_state_dict": "torch nn.Module's method, compared with a subclass's override",
     },
-    "checkpointless.recovery.script_mesh": {"_get_default_group": "torch c10d's default group"},
+    "checkpointless.recovery.script_mesh": {
+        "_get_default_group": "torch c10d's default group",
+        "_get_root_mesh": "torch DeviceMesh's root of a sub-mesh (mesh['tp'] -> dp x tp); no public accessor",
+    },
     "checkpointless.recovery.torchrun": {"_get_default_store": "torch c10d's default group's store"},
 }
 
