@@ -9,7 +9,9 @@ state. :func:`adopt_script_mesh` runs as ``job.steps()`` begins: it reads the pl
 tracked modules' DTensors, calls a dimension *split* when some DTensor is sharded along it and
 *replicate* otherwise (the data-parallel dimensions, over which the script keeps its replicas
 equal), and makes the job's sharded run from that (comm/mesh_coords.py): rank (dp=i, tp=j) then
-takes its state from a rank (dp=i', tp=j) and from no other.
+takes its state from a rank (dp=i', tp=j) and from no other. It also makes each tracked
+optimizer settle ``Partial`` DTensor gradients before its step (:func:`settle_before_update`),
+so that an update never communicates.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from checkpointless.recovery.member import Member
 from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun
 from checkpointless.recovery.startup import sharded_copies
 
-__all__ = ["ScriptMesh", "adopt_script_mesh", "script_mesh_of"]
+__all__ = ["ScriptMesh", "adopt_script_mesh", "script_mesh_of", "settle_before_update", "settle_gradients"]
 
 log = get_logger()
 
@@ -98,6 +100,27 @@ def _tracked_tensors(modules: Iterable[nn.Module]) -> Iterable[torch.Tensor]:
         yield from m.buffers()
 
 
+def settle_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Give every DTensor gradient its parameter's placements now: a gradient left ``Partial``
+    (a norm's under ``SequenceParallel``: each tp rank summed its own part of the sequence) is
+    all-reduced here, which the optimizer's step would otherwise do inside the update. An update
+    must communicate nothing: once every rank is past the update guard's barrier it is applied
+    even if a fault aborts the groups meanwhile, and an all-reduce inside it would be cut off
+    half-way, leaving the ranks of both replicas half-updated with no state left to recover."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def settle_before_update(optimizer: torch.optim.Optimizer) -> None:
+    """Run :func:`settle_gradients` before every other step pre-hook (the update guard's barrier,
+    registered by ``job.track``): its all-reduce is part of the step, abortable like the rest."""
+    handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: settle_gradients(opt))
+    optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
+
+
 def adopt_script_mesh(member: Member) -> None:
     """As ``job.steps()`` begins: when the tracked modules hold DTensors on a mesh that the job
     did not make (``job.device_mesh()`` made none), make the job's sharded run from it, so that
@@ -120,6 +143,8 @@ def adopt_script_mesh(member: Member) -> None:
         )
     mesh = member.groups.mesh = ShardedRun.adopt(found.device_mesh, world, plan_shape, member.rank)
     member.tracked.objects[SHARD_STATE_NAME] = mesh.identity()
+    for opt in member.tracked.optimizers:
+        settle_before_update(opt)
     if mesh.shards > 1:
         sharded_copies(member)
     layout = found.layout

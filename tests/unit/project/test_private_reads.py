@@ -122,6 +122,7 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
     "checkpointless.recovery.script_mesh": {
         "_get_default_group": "torch c10d's default group",
         "_get_root_mesh": "torch DeviceMesh's root of a sub-mesh (mesh['tp'] -> dp x tp); no public accessor",
+        "_optimizer_step_pre_hooks": "torch Optimizer's pre-hooks: ours must run before the update guard's",
     },
     "checkpointless.recovery.torchrun": {"_get_default_store": "torch c10d's default group's store"},
 }

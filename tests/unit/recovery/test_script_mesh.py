@@ -101,3 +101,27 @@ def test_the_adopted_run_names_the_tp_coordinate_and_leaves_the_script_groups_al
     assert ident.state_dict() == {"replicate": 2, "shards": 2, "shard": 1}
     with pytest.raises(StateTransferError, match="shard 0"):
         ident.load_state_dict({"replicate": 2, "shards": 2, "shard": 0})  # another tp coordinate
+
+
+def test_partial_gradients_are_settled_before_every_other_step_hook(mesh: Any) -> None:
+    # a SequenceParallel norm's gradient is Partial: the job all-reduces it before the update
+    # guard's barrier, so that the update itself communicates nothing (script_mesh.py)
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from checkpointless.recovery.script_mesh import settle_before_update, settle_gradients
+
+    w = nn.Parameter(distribute_tensor(torch.ones(4), mesh["tp"], [Replicate()], src_data_rank=None))
+    v = nn.Parameter(distribute_tensor(torch.ones(4), mesh["tp"], [Shard(0)], src_data_rank=None))
+    w.grad = DTensor.from_local(torch.ones(4), mesh["tp"], [Partial()], run_check=False)
+    v.grad = DTensor.from_local(torch.ones(2), mesh["tp"], [Shard(0)], run_check=False)
+    kept = v.grad
+    opt = torch.optim.SGD([w, v], lr=0.1)
+    order: list[str] = []
+    opt.register_step_pre_hook(lambda o, a, k: order.append(f"guard sees {w.grad.placements}"))
+    settle_before_update(opt)
+    opt.step()
+    assert order == ["guard sees (Replicate(),)"]
+    assert v.grad is kept  # already laid out like its parameter: untouched
+    w.grad = DTensor.from_local(torch.ones(4), mesh["tp"], [Partial()], run_check=False)
+    settle_gradients(opt)
+    assert w.grad.placements == (Replicate(),)
