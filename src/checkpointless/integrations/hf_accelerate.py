@@ -14,8 +14,8 @@ The loop stays as it is (docs/adoption.md, "Hugging Face")::
 
 - Evaluation between steps (its DataLoader prepared by ``prepare`` as accelerate does, its gathers
   on the job's group) is made a protected section with ``evaluate = accelerator.protect(evaluate)``:
-  the loop calls ``evaluate()`` where it did, at the end of each epoch (or every ``every`` steps); a
-  fault during it is recovered and it runs again on every rank, a replacement included. A
+  the loop calls ``evaluate()`` where it did, after each epoch's inner loop; a fault during it is
+  recovered and it runs again on every rank, a replacement included. A
   replacement whose loop passes epochs its state already holds gets what it returned there.
 - ``save_state``/``load_state`` are refused: the state survives faults in memory, and the launcher
   keeps the durable copies (``--checkpoint-dir``, ``--checkpoint-every``).
@@ -188,19 +188,23 @@ class CheckpointlessAccelerator(Accelerator):
         return self._train
 
     # -- protected evaluation ------------------------------------------------------------------
-    def protect(self, fn: Callable[[], T], every: int | None = None) -> Callable[[], T | None]:
+    def protect(self, fn: Callable[[], T]) -> Callable[[], T | None]:
         """``fn`` (no arguments: an evaluation over a prepared DataLoader, say) as a protected
-        section at the end of every epoch, or after every ``every`` optimizer steps. Call the
-        returned function in the loop at such a boundary: ``fn`` runs there on every rank, and a
-        fault inside it is recovered and ``fn`` run again. It returns ``fn``'s result; a
-        replacement passing an epoch its state holds already gets the result of that epoch's run
-        (None if there was none). Prepare the training DataLoader first, and call this before
-        the loop."""
+        section at the end of every epoch. Call the returned function in the loop after the
+        epoch's inner loop: ``fn`` runs there on every rank, and a fault inside it is recovered
+        and ``fn`` run again. It returns ``fn``'s result; a replacement passing an epoch its state
+        holds already gets the result of that epoch's run (None if there was none). Prepare the
+        training DataLoader first, and call this before the loop.
+
+        Not inside an epoch: a loop's own count of steps there also counts the replays, so its
+        calls would not fall on the same boundaries as the run's without faults. For a function
+        every N steps, ``accelerator.job.section(name, fn, every=N)`` runs it at those boundaries
+        by itself, without a call from the loop."""
         if self._train is None:
             raise ConfigError("accelerator.protect() needs the training DataLoader: prepare it first")
         if self._steps is not None:
             raise ConfigError("accelerator.protect() must be called before the training loop starts")
-        period = every if every is not None else self._train.plan.steps_per_epoch
+        period = self._train.plan.steps_per_epoch
         name = f"accelerate:{getattr(fn, '__name__', 'fn')}:{len(self._protected)}"
         self._protected[name] = period
 
@@ -215,8 +219,8 @@ class CheckpointlessAccelerator(Accelerator):
         assert loader is not None  # protect() required it
         if self._attempt is not None:
             raise ConfigError(
-                "a protected function was called inside an optimizer step (between its micro-batches); "
-                "call it between steps, after the step's last `accelerator.accumulate` block"
+                "a protected function was called inside an epoch of the training DataLoader; call it "
+                "after the epoch's inner loop (`for batch in loader: ...`), where it runs"
             )
         at = loader.loop_at
         done, result = self._results.get(name, at)
@@ -227,9 +231,9 @@ class CheckpointlessAccelerator(Accelerator):
         done, result = self._results.get(name, at)
         if not done:
             raise ConfigError(
-                f"a protected function was called after {at} optimizer steps, which its schedule "
-                f"(every {self._protected[name]} steps) does not include; call it where it runs "
-                "(the end of each epoch by default), or give protect() its `every`"
+                f"a protected function was called after {at} optimizer steps, which is not the end "
+                f"of an epoch ({self._protected[name]} steps each); call it after the epoch's inner "
+                "loop, where it runs"
             )
         return result
 
