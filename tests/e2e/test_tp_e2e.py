@@ -9,7 +9,8 @@ tp coordinate in the other replica, never from another tp shard. The fault-free 
 equal the same training under torch alone and the adopted script under plain torchrun. With
 --fsdp (FSDP2 over dp after the TP split) no two ranks share a state, and a killed rank's comes
 back from its buddy copy. With --hsdp 2 the mesh has three dimensions (replicate 2 x FSDP 2 x
-TP 2, 8 ranks) and a rank's state is named by its (shard, tp) coordinates.
+TP 2, 8 ranks) and a rank's state is named by its (shard, tp) coordinates; with --seq the
+model has SequenceParallel norms and loss parallel.
 """
 
 from __future__ import annotations
@@ -175,6 +176,32 @@ def test_replicate_by_fsdp_by_tp_equals_the_same_training_with_torch_alone(
     )
     assert res.rc == 0, res.output[-6000:]
     assert res.digests == hsdp_tp_reference.digests
+
+
+@pytest.mark.timeout(200)
+def test_sequence_parallel_and_loss_parallel_recover_to_torch_alone_bitwise(
+    tmp_path: Path, corpus: Path
+) -> None:
+    # SequenceParallel norms leave Partial gradients that AdamW would all-reduce inside its
+    # step; the job settles them before the update guard, so a raise half-way through rank 0's
+    # update leaves the other ranks' updates whole (rank 0 takes its shard from rank 2). A kill
+    # first, in the same job. The fault-free reference is torch alone.
+    args = [*ARGS, "--seq"]
+    ref = run_job(
+        tmp_path / "torch", corpus, nproc=4, spares=0, extra=["--plain"], script=TP_SCRIPT,
+        script_args=[*args, "--torch-only"], timeout=150,
+    )  # fmt: skip
+    assert ref.rc == 0, ref.output[-6000:]
+    d = ref.digests
+    assert sorted(d) == [0, 1, 2, 3] and d[0] == d[2] and d[1] == d[3] and d[0] != d[1], d
+    faults = ["kill:rank=2:step=3", "raise:rank=0:step=5:site=optimizer"]
+    res = run_job(
+        tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script=TP_SCRIPT, script_args=args,
+        timeout=100,
+    )  # fmt: skip
+    assert res.rc == 0, res.output[-6000:]
+    assert res.digests == ref.digests, "final shards differ from torch alone's"
+    assert state_sources(res) == [{2: 0}, {0: 2}], state_sources(res)
 
 
 @pytest.mark.timeout(200)

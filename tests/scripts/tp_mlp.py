@@ -9,7 +9,8 @@ of a replica see the same batch, as TP requires. With --fsdp the model is ``full
 "dp" after the TP split instead (FSDP2 x TP, torchtitan's order): every rank then holds a state
 of its own, with no replica, and a lost rank's comes back from its buddy copy. With --hsdp S the
 mesh has three dimensions (dp 2, shard S, tp 2) and FSDP2's HSDP over (dp, shard) keeps the
-replicas: the state is named by its (shard, tp) coordinates.
+replicas: the state is named by its (shard, tp) coordinates. With --seq the model is a
+transformer layer's TP shape (SeqNet) with SequenceParallel norms and loss parallel.
 
 --digest-out: each rank writes a hash of its own state (its parameters' local shards and its
 AdamW state's local shards) to the path with "{rank}" filled in, so that every rank's shards can
@@ -19,6 +20,7 @@ with --torch-only it trains the same way with torch alone (the ground truth)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 from collections.abc import Iterator
@@ -32,8 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 import checkpointless as cl
 
@@ -43,6 +52,46 @@ def batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step * 1000 + dp)
     x = torch.randn(8, 16, generator=g)
     return x, x[:, :4].sin() + x[:, 4:8].cos()
+
+
+class SeqNet(nn.Module):
+    """--seq: a transformer layer's TP shape without attention: an embedding, a normed MLP with a
+    residual, a norm and an output head over a vocabulary of 32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.norm2 = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = h + self.down(F.relu(self.up(self.norm(h))))
+        return self.out(self.norm2(h))  # type: ignore[no-any-return]
+
+
+def seq_plan() -> dict[str, ParallelStyle]:
+    """Sequence parallel between the TP blocks (the norms see a tp shard of the sequence), and
+    the head's logits left sharded over the vocabulary for loss parallel, as torchtitan does."""
+    return {
+        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+        "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def seq_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """--seq: 4 sequences of 8 tokens for replica ``dp`` at ``step``; the target is each token's
+    predecessor."""
+    g = torch.Generator().manual_seed(step * 1000 + dp)
+    x = torch.randint(0, 32, (4, 8), generator=g)
+    return x, torch.roll(x, 1, 1)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -106,13 +155,18 @@ def main() -> None:
     ap.add_argument("--torch-only", action="store_true", help="train with torch alone (under torchrun)")
     ap.add_argument("--fsdp", action="store_true", help="fully_shard over dp (FSDP2 x TP), no replicas")
     ap.add_argument("--hsdp", type=int, default=0, metavar="S", help="3-D mesh (dp 2, shard S, tp 2), HSDP")
+    ap.add_argument("--seq", action="store_true", help="SeqNet: SequenceParallel norms and loss parallel")
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     args = ap.parse_args()
 
     torch.manual_seed(0)  # the same full model on every rank; each keeps its tp shard of it
     # a replicated layer first, so that the TP block's input needs a gradient: then backward
     # has a TP collective too (ColwiseParallel all-reduces its input's gradient over "tp")
-    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model: nn.Module = nn.Sequential(
+        nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    if args.seq:
+        model = SeqNet()
     job: Any = TorchOnly() if args.torch_only else cl.init()  # a hot spare waits in init()
     if args.hsdp:  # replicate x shard x tp, torchtitan's 3-D layout
         mesh = init_device_mesh(job.device.type, (2, args.hsdp, 2), mesh_dim_names=("dp", "shard", "tp"))
@@ -122,7 +176,7 @@ def main() -> None:
     # scatters from tp rank 0, a collective that under the launcher cannot run before
     # job.steps() forms the job's first generation (and the job's first state sync copies
     # each shard's holder in the first replica to the others anyway)
-    plan = {"2": ColwiseParallel(), "4": RowwiseParallel()}
+    plan = seq_plan() if args.seq else {"2": ColwiseParallel(), "4": RowwiseParallel()}
     parallelize_module(model.to(job.device), mesh["tp"], plan, src_data_rank=None)
     if args.fsdp or args.hsdp:  # TP first, then FSDP2 over the data-parallel dims (torchtitan)
         fully_shard(model, mesh=mesh["dp", "shard"] if args.hsdp else mesh["dp"])
@@ -133,11 +187,17 @@ def main() -> None:
         dp = dp * args.hsdp + mesh.get_local_rank("shard")
     for step in job.steps(args.steps):
         with step:
-            x, y = batch(step.index, dp)
+            x, y = (seq_batch if args.seq else batch)(step.index, dp)
             job.record(batch=hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16])
-            loss = F.mse_loss(model(x.to(job.device)), y.to(job.device))
-            opt.zero_grad()
-            loss.backward()
+            # loss parallel: the cross-entropy of logits sharded over the vocabulary
+            with loss_parallel() if args.seq else contextlib.nullcontext():
+                out = model(x.to(job.device))
+                if args.seq:
+                    loss = F.cross_entropy(out.flatten(0, 1), y.to(job.device).flatten())
+                else:
+                    loss = F.mse_loss(out, y.to(job.device))
+                opt.zero_grad()
+                loss.backward()
             for p in [] if args.fsdp or args.hsdp else model.parameters():  # the replicas' average
                 g = local(p.grad)
                 dist.all_reduce(g, group=dp_group)
