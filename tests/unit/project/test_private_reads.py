@@ -90,10 +90,6 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
     "checkpointless.integrations.hf": {
         "_wrap_model": "transformers.Trainer's own model wrapping, which our override falls back to",
     },
-    "checkpointless.integrations.hf_accelerate": {
-        # TODO HF helper: CheckpointlessAccelerator is ours; give it a public accessor
-        "_epoch_batches": "TODO HF helper: our CheckpointlessAccelerator's field, read from outside",
-    },
     "checkpointless.launcher.boot.sitecustomize": {
         "_rendezvous_handlers": "torch.distributed.rendezvous's handler table: our env:// handler",
     },
