@@ -169,7 +169,7 @@ def made_by_mesh() -> Iterator[None]:
 def made_by_torch() -> Iterator[None]:
     """Groups made inside this are torch's own c10d groups, not the job's.
 
-    For a group no recovery ever drives: DCP's one-rank CPU group (state/durable.py) must carry a
+    For a group no recovery ever drives: DCP's one-rank CPU group (state/checkpoint_writer.py) must carry a
     real gloo backend for ``async_save``'s check, is made by one rank alone (so it would fail the
     ranks' group-list check) and runs no collective. torch delegates ``new_group`` only while the
     default group has a callable ``new_group``, so the hook is hidden for the call. Made on the
