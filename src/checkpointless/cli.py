@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("simulate", help="goodput at scale: checkpointless vs checkpoint-restart", add_help=False)
     sub.add_parser("status", help="one screen about a job, from its run directory", add_help=False)
     sub.add_parser("report", help="goodput ledger, checkpoint-restart estimate and timeline", add_help=False)
+    sub.add_parser(
+        "audit", help="is a script bitwise the same through faults? runs it and compares", add_help=False
+    )
     return ap
 
 
@@ -74,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from checkpointless.observe.status import main as status_main
 
         return status_main(argv[1:])
+    if argv[:1] == ["audit"]:
+        from checkpointless.audit import main as audit_main
+
+        return audit_main(argv[1:])
     if argv[:1] == ["report"]:
         from checkpointless.observe.report import main as report_main
 

@@ -27,6 +27,10 @@ class ENV:
     STORE_FD = "CHECKPOINTLESS_STORE_FD"  # that port's socket, already bound by the launcher
     HOST = "CHECKPOINTLESS_HOST"  # address peers reach this process at
     SHM_KEY = "CHECKPOINTLESS_SHM_KEY"  # random part of the job's private /dev/shm name (never in argv)
+    # set by `checkpointless audit` only: where each process appends its per-step fingerprints,
+    # and the number of steps after which the loop ends (recovery/fingerprint.py)
+    AUDIT_DIR = "CHECKPOINTLESS_AUDIT_DIR"
+    AUDIT_STEPS = "CHECKPOINTLESS_AUDIT_STEPS"
 
 
 _SHM_KEY = re.compile(r"^[0-9a-f]{16,64}$")

@@ -14,6 +14,7 @@ import torch
 from checkpointless.errors import NotRecoverableError
 from checkpointless.events import get_logger, set_log_step
 from checkpointless.protocol import Committed
+from checkpointless.recovery import fingerprint
 from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import short_error, state_bytes
@@ -36,6 +37,8 @@ def enter_step(member: Member, index: int) -> None:
         member.guard.site("step")
     except Exception as e:  # surfaced at the first hook inside the body (see UpdateGuard.site)
         member.guard.deferred = e
+    if fingerprint.ACTIVE is not None:  # only under `checkpointless audit`
+        fingerprint.ACTIVE.begin_step()
 
 
 def commit(member: Member, index: int) -> None:
@@ -45,6 +48,9 @@ def commit(member: Member, index: int) -> None:
     member.record.retries.pop(index, None)
     member.record.fields.update(member.replicas.published())
     member.replicas.rank_rng.at_commit(index)  # where the next step starts (recovery/rank_rng.py)
+    if fingerprint.ACTIVE is not None:  # only under `checkpointless audit`
+        t = member.tracked
+        fingerprint.ACTIVE.at_commit(member.rank, index, t.modules, t.optimizers, member.loop)
     member.record.emit("commit", step=index, generation=member.generation)
     if member.recovery.first_commit and member.recovery.connected:
         member.recovery.first_commit = False

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from checkpointless.faults.inject import Injector
+from checkpointless.recovery import fingerprint
 from checkpointless.recovery.clock import StepClock
 from checkpointless.recovery.groups import Groups
 from checkpointless.recovery.replicas import ReplicaKeeper
@@ -80,6 +81,8 @@ class UpdateGuard:
             self._groups.comm.barrier(self._timeout)  # CommAborted: the step dies before any update
         else:
             self._groups.check()  # never apply an update from a generation that was aborted
+        if fingerprint.ACTIVE is not None:  # only under `checkpointless audit`
+            fingerprint.ACTIVE.add_grads(opt)
         self.dirty = True
         index = self._clock.step_index
         if index is not None and self.injector.due("optimizer", index):
