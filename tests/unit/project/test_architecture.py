@@ -43,7 +43,7 @@ CIRCLE_FREE = [
 # what supervises the training processes, and the training process's own recovery layer
 _SUPERVISOR = ["checkpointless.coordinator", "checkpointless.launcher", "checkpointless.agent"]
 _ABOVE_LOWER_LAYERS = [*_SUPERVISOR, "checkpointless.recovery", "checkpointless.integrations"]
-_TOOLS = ["checkpointless.observe", "checkpointless.simulate", "checkpointless.cli"]
+_TOOLS = ["checkpointless.observe", "checkpointless.simulate", "checkpointless.audit", "checkpointless.cli"]
 
 # package -> the packages it must not import (a package's own subpackages are named in full).
 FORBIDDEN: dict[str, list[str]] = {
@@ -79,6 +79,8 @@ FORBIDDEN: dict[str, list[str]] = {
     # the optional tools read run files and models; they never reach into a running job's code
     "checkpointless.observe": [*_ABOVE_LOWER_LAYERS, "checkpointless.comm", "checkpointless.state"],
     "checkpointless.simulate": [*_ABOVE_LOWER_LAYERS, "checkpointless.comm", "checkpointless.state"],
+    # the audit runs jobs through the command line and reads the fingerprint files they write
+    "checkpointless.audit": [*_ABOVE_LOWER_LAYERS, "checkpointless.comm", "checkpointless.state"],
 }
 
 
