@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["ProgressMark", "keep_sigterm_local"]
+__all__ = ["ProgressMark", "keep_sigterm_local", "set_logger_version"]
 
 
 class ProgressMark:
@@ -46,3 +46,10 @@ def keep_sigterm_local(trainer: Any) -> None:
             raise SIGTERMException()
 
     loop._broadcast_sigterm_tensor = local_sigterm_check
+
+
+def set_logger_version(logger: Any, version: int | str) -> None:
+    """Name the version a ``CSVLogger`` or ``TensorBoardLogger`` writes into, before it has made
+    its directory: they take a version only in their constructor, and otherwise pick the next
+    free one, which for a replacement of rank 0 is a new one (_lightning_loggers.py)."""
+    logger._version = version

@@ -49,6 +49,8 @@ from checkpointless.events import get_logger
 from checkpointless.integrations._lightning_callbacks import CallbackReplica
 from checkpointless.integrations._lightning_devices import devices_warning
 from checkpointless.integrations._lightning_internals import ProgressMark, keep_sigterm_local
+from checkpointless.integrations._lightning_loggers import LoggerVersions
+from checkpointless.integrations._lightning_samplers import own_shuffle_generators
 from checkpointless.integrations._lightning_state import (
     TESTED_LIGHTNING,
     BatchAction,
@@ -155,6 +157,7 @@ class CheckpointlessStrategy(DDPStrategy):
         self._sigterm: Any = None
         self._callbacks: CallbackReplica | None = None
         self._devices_checked = False  # Trainer(devices=...) compared with the job's ranks
+        self._logger_versions = LoggerVersions(self._job.job_id, self._job.rank, self._job.is_replacement)
 
     # -- ranks, devices, data ------------------------------------------------------------------
     @property
@@ -194,6 +197,8 @@ class CheckpointlessStrategy(DDPStrategy):
 
         reset_seed()
         self.set_world_ranks()
+        # before Lightning's setup hook opens rank 0's loggers (and makes their directories)
+        self._logger_versions.fix(self._module.trainer.loggers)
         # Lightning installs a SIGTERM handler that turns the signal into a quiet end of fit (a
         # worker would leave with exit code 0 as if done); the launcher's SIGTERM must end it
         self._sigterm = signal.getsignal(signal.SIGTERM)
@@ -236,6 +241,8 @@ class CheckpointlessStrategy(DDPStrategy):
             )
         self._guard_schedulers(trainer)
         keep_sigterm_local(trainer)
+        # before a replacement's generators become its predecessor's (_lightning_samplers.py)
+        own_shuffle_generators(trainer.train_dataloader)
         objects: dict[str, Any] = {"model": self._module, "lightning_schedulers": self._ledger}
         for i, opt in enumerate(self.optimizers):
             objects[f"optimizer{i}"] = opt
@@ -254,6 +261,7 @@ class CheckpointlessStrategy(DDPStrategy):
             # the replica's generators as its next step began: restored when this rank reaches
             # that step, because walking Lightning's loop there may draw from them
             self._catch_up_rng = capture_rng()
+            self._logger_versions.resume(self._job.committed_step)
             log.info("joined at step %d; Lightning's loop catches up from 0", self._job.committed_step)
 
     def _next_step(self) -> Step | None:
