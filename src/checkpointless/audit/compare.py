@@ -34,6 +34,7 @@ class Fingerprint:
     rank: int
     state: str
     grads: str | None = None
+    inputs: str | None = None
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Difference:
 
     step: int
     rank: int
-    what: str  # "grads", "state" or "missing"
+    what: str  # "inputs" (the batch), "grads", "state" or "missing"
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,14 @@ def parse_lines(lines: Iterable[str]) -> list[Fingerprint]:
         if not line.strip():
             continue
         d = json.loads(line)
-        grads = d.get("grads")
+        grads, inputs = d.get("grads"), d.get("inputs")
         out.append(
             Fingerprint(
-                int(d["step"]), int(d["rank"]), str(d["state"]), None if grads is None else str(grads)
+                int(d["step"]),
+                int(d["rank"]),
+                str(d["state"]),
+                None if grads is None else str(grads),
+                None if inputs is None else str(inputs),
             )
         )
     return out
@@ -110,6 +115,8 @@ def first_difference(ref: RunPrints, other: RunPrints) -> Difference | None:
         got = other.prints.get((rank, step))
         if not got:
             return Difference(step, rank, "missing")
+        if want.inputs is not None and any(g.inputs != want.inputs for g in got):
+            return Difference(step, rank, "inputs")
         if want.grads is not None and any(g.grads != want.grads for g in got):
             return Difference(step, rank, "grads")
         if any(g.state != want.state for g in got):
@@ -120,12 +127,18 @@ def first_difference(ref: RunPrints, other: RunPrints) -> Difference | None:
 def _cause_without_faults(d: Difference) -> str:
     if d.what == "missing":
         return "one of the fault-free runs did not commit this step (did it fail? see its output)"
+    start = "the first step already differs: " if d.step == 0 else ""
+    if d.what == "inputs":
+        return (
+            f"{start}the model was given a different batch: a data order or augmentation that is "
+            "not a function of the step (a shuffle seeded from the time or the process id, or not "
+            "seeded); see docs/adoption.md"
+        )
     if d.what == "state" and d.step > 0:
         return (
             "the same gradients gave a different update: a non-deterministic optimizer kernel "
             "(try torch.use_deterministic_algorithms(True)) or state changed outside the step"
         )
-    start = "the first step already differs: " if d.step == 0 else ""
     return (
         f"{start}the script is not deterministic without faults: randomness seeded from the time "
         "or the process id (or not seeded), a data order that is not a function of the step, or "
@@ -145,11 +158,18 @@ def _cause_with_fault(d: Difference, fault: str | None, fault_step: int | None) 
             f"differs before the fault (step {fault_step}): the script is not reliably "
             "deterministic even without faults (rerun the audit with more fault-free steps)"
         )
+    after = f"after the fault ({fault}) the job did not resume the fault-free run: "
+    if d.what == "inputs":
+        return (
+            after + "the model was given another batch, so the data order depends on something "
+            "other than the step (a loader or iterator position the job does not restore, or a "
+            "generator of the script's own); derive the batch from step.index; see docs/adoption.md"
+        )
     return (
-        f"after the fault ({fault}) the job did not resume the fault-free run: state the job "
-        "does not restore (an object not given to job.track()), per-rank randomness the job "
-        "cannot see (a generator of the script's own instead of job.generator), or a data order "
-        "that depends on something other than the step; see docs/adoption.md"
+        after + "state the job does not restore (an object not given to job.track()), "
+        "per-rank randomness the job cannot see (a generator of the script's own instead of "
+        "job.generator), or a data order that depends on something other than the step; "
+        "see docs/adoption.md"
     )
 
 

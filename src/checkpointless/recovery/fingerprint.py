@@ -2,7 +2,8 @@
 
 Only when the audit sets ``$CHECKPOINTLESS_AUDIT_DIR``: each process then appends one JSON line per
 committed step to its own file in that folder, with the step, the rank, a digest of the rank's
-parameters and optimizer state after the update, and a digest of the gradients the update read.
+parameters and optimizer state after the update, one of the gradients the update read, and one of
+the tensors the tracked modules' forwards were given (the batch).
 The audit compares these lines between runs. Without the variable :data:`ACTIVE` is ``None`` and
 the hooks in commit.py and guard.py cost one attribute test.
 
@@ -39,11 +40,29 @@ class FingerprintLog:
         self.directory = directory
         self._grads = xxhash.xxh3_64()
         self._seen_grads = False
+        self._inputs = xxhash.xxh3_64()
+        self._seen_inputs = False
 
     def begin_step(self) -> None:
-        # a retried step must not carry the gradients of its failed attempt
+        # a retried step must not carry the inputs or gradients of its failed attempt
         self._grads.reset()
         self._seen_grads = False
+        self._inputs.reset()
+        self._seen_inputs = False
+
+    def add_inputs(self, args: Any) -> None:
+        """Called before each forward of a tracked module: fold in its positional tensor inputs
+        (the batch, as the model sees it; keyword inputs are not seen by the hook)."""
+        stack = [args]
+        while stack:
+            a = stack.pop()
+            if isinstance(a, torch.Tensor):
+                _fold(self._inputs, a)
+                self._seen_inputs = True
+            elif isinstance(a, (list, tuple)):
+                stack.extend(reversed(a))
+            elif isinstance(a, dict):
+                stack.extend(a[k] for k in sorted(a, key=str, reverse=True))
 
     def add_grads(self, opt: Any) -> None:
         """Called before each optimizer update of the step: fold in the gradients it reads."""
@@ -53,12 +72,7 @@ class FingerprintLog:
                 if g is None:
                     self._grads.update(b"-;")
                     continue
-                local = getattr(g, "to_local", None)
-                c = (local() if callable(local) else g).detach()
-                c = c.cpu().contiguous().reshape(-1)
-                self._grads.update(f"{c.dtype}{c.numel()};".encode())
-                if c.numel():
-                    self._grads.update(memoryview(c.view(torch.uint8).numpy()))
+                _fold(self._grads, g)
         self._seen_grads = True
 
     def at_commit(
@@ -74,6 +88,7 @@ class FingerprintLog:
             "rank": rank,
             "state": f"{state_digest(modules, optimizers):016x}",
             "grads": f"{self._grads.intdigest():016x}" if self._seen_grads else None,
+            "inputs": f"{self._inputs.intdigest():016x}" if self._seen_inputs else None,
         }
         # one file per process (the pid taken now: a fork server's children share this object),
         # so a replacement never shares a file with the process it replaces; one write of a
@@ -88,6 +103,17 @@ class FingerprintLog:
         self.begin_step()
         if self.steps is not None and step + 1 >= self.steps:
             loop.request_stop(self.steps)
+
+
+def _fold(h: xxhash.xxh3_64, t: torch.Tensor) -> None:
+    """Fold a tensor's dtype, size and bytes into ``h`` (a DTensor: this rank's own part)."""
+    local = getattr(t, "to_local", None)
+    c = (local() if callable(local) else t).detach()
+    c = c.cpu().contiguous().reshape(-1)
+    h.update(f"{c.dtype}{c.numel()};".encode())
+    if c.numel():
+        # the raw bytes, read in place (numpy has no bfloat16, bytes view every dtype)
+        h.update(memoryview(c.view(torch.uint8).numpy()))
 
 
 def from_environ() -> FingerprintLog | None:

@@ -59,6 +59,12 @@ class UpdateGuard:
         if self._clock.step_index is not None:
             self.injector.maybe_fire(name, self._clock.step_index)
 
+    def on_forward(self, args: Any) -> None:
+        """A tracked module's forward is about to run on ``args``."""
+        if fingerprint.ACTIVE is not None:  # only under `checkpointless audit`
+            fingerprint.ACTIVE.add_inputs(args)
+        self.site("forward")
+
     def on_collective(self, kind: str) -> None:
         # an FSDP reduce-scatter runs inside backward; the replicate all-reduce is the job's
         self.site("backward" if kind == "reduce_scatter" else "allreduce")

@@ -133,7 +133,7 @@ class Job:
             if not m.tracked.add(name, obj):
                 continue
             if isinstance(obj, nn.Module):
-                obj.register_forward_pre_hook(lambda mod, a: guard.site("forward"))
+                obj.register_forward_pre_hook(lambda mod, a: guard.on_forward(a))
                 first = next((p for p in obj.parameters() if p.requires_grad), None)
                 if first is not None:
                     first.register_post_accumulate_grad_hook(lambda p: guard.site("backward"))

@@ -44,6 +44,21 @@ def test_the_first_difference_is_the_earliest_step_then_the_lowest_rank() -> Non
     assert first_difference(run("a"), run("b", state_0_2="y")) == Difference(2, 0, "state")
 
 
+def test_the_inputs_are_compared_before_the_gradients_and_name_the_data_order() -> None:
+    a, b = run("a"), run("b")
+    a.add(Fingerprint(4, 0, "s4", "g4", "batch"))
+    b.add(Fingerprint(4, 0, "s4", "other-grads", "other-batch"))
+    assert first_difference(a, b) == Difference(4, 0, "inputs")
+    (f,) = judge(a, b, []).findings
+    assert "batch" in f.cause and "not a function of the step" in f.cause
+    faulted = run("f", fault="kill:rank=0:step=3")
+    faulted.add(Fingerprint(4, 0, "s4", "g4", "other-batch"))
+    same = run("b2")
+    same.add(Fingerprint(4, 0, "s4", "g4", "batch"))
+    (g,) = judge(a, same, [faulted]).findings
+    assert g.difference == Difference(4, 0, "inputs") and "step.index" in g.cause
+
+
 def test_a_missing_step_and_a_recommitted_step_that_differs_count() -> None:
     short = run("b", steps=3)
     assert first_difference(run("a"), short) == Difference(3, 0, "missing")
@@ -86,11 +101,11 @@ def test_a_failed_run_and_a_fault_that_never_fired_are_findings() -> None:
 
 def test_parse_lines_reads_the_fingerprint_files_format() -> None:
     lines = [
-        '{"step": 3, "rank": 1, "state": "ab", "grads": null}',
+        '{"step": 3, "rank": 1, "state": "ab", "grads": null, "inputs": "x"}',
         "",
         '{"step": 0, "rank": 0, "state": "cd", "grads": "ef"}',
     ]
-    assert parse_lines(lines) == [Fingerprint(3, 1, "ab", None), Fingerprint(0, 0, "cd", "ef")]
+    assert parse_lines(lines) == [Fingerprint(3, 1, "ab", None, "x"), Fingerprint(0, 0, "cd", "ef")]
 
 
 def test_faults_are_drawn_from_the_seed_within_the_steps_and_ranks() -> None:
