@@ -76,3 +76,16 @@ def test_bad_input_exits_2_naming_the_value(tmp_path: Path, flag: str, value: st
     rc, out, _ = audit(tmp_path / "b", flag, value, str(SCRIPTS / "time_seeded.py"))
     assert rc == 2, out
     assert flag in out and value in out
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(300)
+def test_the_gpt_example_passes_through_a_kill(tmp_path: Path, corpus: Path) -> None:
+    tiny = ["--steps", "10", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16"]
+    script = [str(ROOT / "examples" / "train_gpt.py"), *tiny, "--global-batch", "12", "--data", str(corpus)]
+    rc, out, doc = audit(tmp_path / "g", "--steps", "6", "--fault-runs", "1", "--seed", "1", *script)
+    assert rc == 0, out
+    assert doc["ok"] is True
+    # the example's batches are seen: each line carries the inputs' digest
+    lines = (tmp_path / "g" / "fault-1" / "fingerprints").glob("*.jsonl")
+    assert all(json.loads(x)["inputs"] for f in lines for x in f.read_text().splitlines())
