@@ -10,6 +10,10 @@ must train every step on the fault-free run's batch and end with its weights.
 Rank 0 also writes a ``CSVLogger``: its replacement must log into the job's version directory
 (integrations/_lightning_loggers.py), and the file must hold each step once, as the fault-free
 run's does.
+
+Before the kill, rank 0 raises in the backward pass of step 9: every rank replays that batch,
+and rank 1, which logged the batch's ``on_epoch`` sum in the attempt, must count it once (its
+epoch's sum equals the fault-free run's).
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ def batches(res: JobResult) -> dict[tuple[int, int], str]:
     return out
 
 
+def epoch_sum(res: JobResult, rank: int) -> str:
+    found = re.findall(rf"epoch metric rank={rank} x_sum=(\S+)", res.output)
+    assert len(found) == 1, res.output[-4000:]
+    return found[0]
+
+
 def logged(res: JobResult) -> tuple[list[str], list[dict[str, str]]]:
     """The logger's version directories, and the rows of the loss per step."""
     root = res.run_dir.parent / "logs" / "lit"
@@ -61,11 +71,14 @@ def test_per_rank_shuffle_and_logger_survive_a_kill_of_rank0(tmp_path: Path, cor
     assert len(want) == 2 * 12, "every rank trains on one batch per step"
     assert want[(0, 0)] != want[(1, 0)], "each rank shuffles with its own seed"
 
-    res = run(tmp_path / "fault" / "run", corpus, ["kill:rank=0:step=10"])
+    res = run(
+        tmp_path / "fault" / "run", corpus, ["raise:rank=0:step=9:site=backward", "kill:rank=0:step=10"]
+    )
     assert res.rc == 0, res.output[-6000:]
     assert res.of("spare_assigned") and "Lightning's loop catches up" in res.output
     res.assert_same_weights(ref, nproc=2)
     assert batches(res) == want, "some rank trained on other samples than the fault-free run"
+    assert epoch_sum(res, 1) == epoch_sum(ref, 1), "a replayed batch counted twice in an on_epoch metric"
 
     versions, rows = logged(res)
     assert versions == ["version_0"], f"rank 0's replacement logged into a new version: {versions}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["ProgressMark", "keep_sigterm_local", "set_logger_version"]
+__all__ = ["EpochMetricsMark", "ProgressMark", "keep_sigterm_local", "set_logger_version"]
 
 
 class ProgressMark:
@@ -53,3 +53,34 @@ def set_logger_version(logger: Any, version: int | str) -> None:
     its directory: they take a version only in their constructor, and otherwise pick the next
     free one, which for a replacement of rank 0 is a new one (_lightning_loggers.py)."""
     logger._version = version
+
+
+class EpochMetricsMark:
+    """The training loop's ``on_epoch`` accumulators as a step began: ``self.log(...,
+    on_epoch=True)`` in ``training_step`` adds the batch's value to them, and a replayed step
+    logs it again, so they are put back before the replay (Lightning keeps them in its
+    ``_ResultCollection``, which no hook exposes). Metrics logged as torchmetrics objects keep
+    their own state, which the script updates; they are left as they are."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._results = trainer.fit_loop.epoch_loop._results
+        self._saved = {
+            key: {name: _clone(v) for name, v in metric.metric_state.items()}
+            for key, metric in self._results.items()
+            if metric.is_tensor and metric.meta.on_epoch
+        }
+
+    def restore(self) -> None:
+        for key, metric in self._results.items():
+            if not (metric.is_tensor and metric.meta.on_epoch):
+                continue
+            saved = self._saved.get(key)
+            if saved is None:
+                metric.reset()  # first logged by the attempt being replayed
+                continue
+            for name, v in saved.items():
+                setattr(metric, name, _clone(v))
+
+
+def _clone(v: Any) -> Any:
+    return v.clone() if hasattr(v, "clone") else copy.deepcopy(v)

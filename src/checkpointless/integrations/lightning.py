@@ -48,7 +48,11 @@ from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.integrations._lightning_callbacks import CallbackReplica
 from checkpointless.integrations._lightning_devices import devices_warning
-from checkpointless.integrations._lightning_internals import ProgressMark, keep_sigterm_local
+from checkpointless.integrations._lightning_internals import (
+    EpochMetricsMark,
+    ProgressMark,
+    keep_sigterm_local,
+)
 from checkpointless.integrations._lightning_loggers import LoggerVersions
 from checkpointless.integrations._lightning_samplers import own_shuffle_generators
 from checkpointless.integrations._lightning_state import (
@@ -316,14 +320,20 @@ class CheckpointlessStrategy(DDPStrategy):
         if callbacks is not None:
             callbacks.at(lightning_step)
         mark = ProgressMark(trainer)
+        epoch_metrics = EpochMetricsMark(trainer)
         replay = False
         while True:
             if replay:
                 mark.restore()  # Lightning counts the batch once, however often its closure ran
                 if callbacks is not None:
                     callbacks.rewind()
+            skip = self._done or batch_action(lightning_step, self._job.committed_step) is BatchAction.SKIP
+            if replay and not skip:
+                # the batch trains again and logs again: its on_epoch values count once (a rank
+                # rolled forward past it keeps what its attempt logged)
+                epoch_metrics.restore()
             replay = True
-            if self._done or batch_action(lightning_step, self._job.committed_step) is BatchAction.SKIP:
+            if skip:
                 self._skip(closure)
                 if callbacks is not None:
                     callbacks.passed(lightning_step)

@@ -87,6 +87,7 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
     "checkpointless.integrations._lightning_internals": {
         "_broadcast_sigterm_tensor": "Lightning's fit loop: its SIGTERM broadcast is a collective",
         "_version": "Lightning's CSV and TensorBoard loggers take a version only in their constructor",
+        "_results": "Lightning's training loop keeps the on_epoch accumulators only there",
     },
     "checkpointless.integrations.hf": {
         "_wrap_model": "transformers.Trainer's own model wrapping, which our override falls back to",
