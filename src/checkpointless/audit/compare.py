@@ -173,6 +173,10 @@ def _cause_with_fault(d: Difference, fault: str | None, fault_step: int | None) 
     )
 
 
+def _limit(rc: int) -> str:
+    return ", the time limit" if rc == 124 else ""
+
+
 def _fault_step(fault: str | None) -> int | None:
     for part in (fault or "").split(":"):
         key, _, val = part.partition("=")
@@ -198,7 +202,7 @@ def judge(free_a: RunPrints, free_b: RunPrints, faulted: Iterable[RunPrints]) ->
                     None,
                     None,
                     run.rc,
-                    f"the fault-free run failed (exit code {run.rc}) or recorded no step",
+                    f"the fault-free run failed (exit code {run.rc}{_limit(run.rc)}) or recorded no step",
                 )
             )
     if findings:

@@ -43,15 +43,15 @@ class AuditSettings:
 
     def check(self) -> None:
         if not self.script.is_file():
-            raise ConfigError(f"audit: the script {str(self.script)!r} is not a file")
+            raise ConfigError(f"the script {str(self.script)!r} is not a file")
         if self.nproc < 2:
-            raise ConfigError(f"audit: --nproc {self.nproc} must be at least 2 (a fault needs a survivor)")
+            raise ConfigError(f"--nproc {self.nproc} must be at least 2 (a fault needs a survivor)")
         if self.steps < 3:
-            raise ConfigError(f"audit: --steps {self.steps} must be at least 3 (faults fall in steps 2..K-1)")
+            raise ConfigError(f"--steps {self.steps} must be at least 3 (faults fall in steps 2..K-1)")
         if self.fault_runs < 0:
-            raise ConfigError(f"audit: --fault-runs {self.fault_runs} must be 0 or more")
+            raise ConfigError(f"--fault-runs {self.fault_runs} must be 0 or more")
         if self.timeout <= 0:
-            raise ConfigError(f"audit: --timeout {self.timeout} must be positive")
+            raise ConfigError(f"--timeout {self.timeout} must be positive")
 
 
 def choose_faults(count: int, steps: int, nproc: int, seed: int) -> list[str]:
@@ -85,11 +85,17 @@ def _launch(s: AuditSettings, where: Path, fault: str | None) -> int:
     env = {**os.environ, ENV.AUDIT_DIR: str(where / "fingerprints"), ENV.AUDIT_STEPS: str(s.steps)}
     where.mkdir(parents=True, exist_ok=True)
     with open(where / "output.txt", "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
-            return subprocess.run(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=s.timeout
-            ).returncode
+            return proc.wait(timeout=s.timeout)
         except subprocess.TimeoutExpired:
+            # SIGTERM first: the launcher then stops its workers and spares and cleans up
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             return 124
 
 
@@ -173,6 +179,8 @@ def format_report(report: Report, run_dir: Path) -> str:
         lines = [
             f"audit: OK: {len(report.runs)} runs agree on every rank at each of the {report.steps} steps"
         ]
+    elif not report.deterministic and any(f.difference is None for f in report.findings):
+        lines.insert(0, "audit: FAILED: a fault-free run failed (see its output.txt under the run dir)")
     elif not report.deterministic:
         lines.insert(
             0, "audit: FAILED: not deterministic without faults (the fault-free runs already differ)"
