@@ -141,8 +141,9 @@ def _cause_without_faults(d: Difference) -> str:
         )
     return (
         f"{start}the script is not deterministic without faults: randomness seeded from the time "
-        "or the process id (or not seeded), a data order that is not a function of the step, or "
-        "a non-deterministic kernel (torch.use_deterministic_algorithms(True) finds those); "
+        "or the process id (or not seeded), a data order that is not a function of the step, "
+        "a non-deterministic kernel (torch.use_deterministic_algorithms(True) finds those), or "
+        "a file an earlier run left that the script resumes from (give it a path with {run}); "
         "see docs/adoption.md"
     )
 

@@ -81,7 +81,9 @@ def _launch(s: AuditSettings, where: Path, fault: str | None) -> int:
     cmd += ["--spares", "1" if fault else "0"]
     if fault:
         cmd += ["--inject", fault]
-    cmd += [str(s.script), *s.script_args]
+    # "{run}" in an argument: this run's own folder, so that no run resumes from a file (a
+    # checkpoint, a snapshot) that an earlier run wrote
+    cmd += [str(s.script), *(a.replace("{run}", str(where)) for a in s.script_args)]
     env = {**os.environ, ENV.AUDIT_DIR: str(where / "fingerprints"), ENV.AUDIT_STEPS: str(s.steps)}
     where.mkdir(parents=True, exist_ok=True)
     with open(where / "output.txt", "wb") as out:
@@ -204,7 +206,11 @@ def parse_args(argv: list[str]) -> AuditSettings:
     ap.add_argument("--run-dir", type=Path, metavar="D", help="where the runs and audit.json go")
     ap.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per run (default 300)")
     ap.add_argument("script", type=Path, help="the training script (adopted)")
-    ap.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script unchanged")
+    ap.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        help="passed to the script, with {run} replaced by each run's own folder (for its output files)",
+    )
     a = ap.parse_args(argv)
     return AuditSettings(
         a.script, tuple(a.script_args), a.nproc, a.steps, a.fault_runs, a.seed, a.run_dir, a.timeout
