@@ -25,7 +25,7 @@ from checkpointless.audit.compare import Report, RunPrints, judge, parse_lines
 from checkpointless.config import ENV
 from checkpointless.errors import ConfigError
 
-__all__ = ["AuditSettings", "choose_faults", "main", "run_audit"]
+__all__ = ["AuditSettings", "choose_faults", "command", "main", "run_audit"]
 
 KINDS = ("kill", "raise")
 
@@ -65,8 +65,8 @@ def choose_faults(count: int, steps: int, nproc: int, seed: int) -> list[str]:
     return out
 
 
-def _launch(s: AuditSettings, where: Path, fault: str | None) -> int:
-    """One ``checkpointless run`` of the script into ``where``; its exit code."""
+def command(s: AuditSettings, where: Path, fault: str | None) -> list[str]:
+    """The ``checkpointless run`` command line of one run into ``where``."""
     cmd = [
         sys.executable,
         "-m",
@@ -84,6 +84,12 @@ def _launch(s: AuditSettings, where: Path, fault: str | None) -> int:
     # "{run}" in an argument: this run's own folder, so that no run resumes from a file (a
     # checkpoint, a snapshot) that an earlier run wrote
     cmd += [str(s.script), *(a.replace("{run}", str(where)) for a in s.script_args)]
+    return cmd
+
+
+def _launch(s: AuditSettings, where: Path, fault: str | None) -> int:
+    """One ``checkpointless run`` of the script into ``where``; its exit code."""
+    cmd = command(s, where, fault)
     env = {**os.environ, ENV.AUDIT_DIR: str(where / "fingerprints"), ENV.AUDIT_STEPS: str(s.steps)}
     where.mkdir(parents=True, exist_ok=True)
     with open(where / "output.txt", "wb") as out:

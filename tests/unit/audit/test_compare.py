@@ -14,7 +14,7 @@ from checkpointless.audit.compare import (
     judge,
     parse_lines,
 )
-from checkpointless.audit.run import AuditSettings, choose_faults
+from checkpointless.audit.run import AuditSettings, choose_faults, command
 from checkpointless.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -128,3 +128,15 @@ def test_bad_settings_name_the_bad_value(tmp_path: Path, field: str, value: int,
         AuditSettings(script, (), **{field: value}).check()  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="not a file"):
         AuditSettings(tmp_path / "missing.py", ()).check()
+
+
+def test_the_run_command_gives_each_run_its_folder_and_a_spare_only_with_a_fault(tmp_path: Path) -> None:
+    s = AuditSettings(tmp_path / "t.py", ("--out", "{run}/snap.pt", "--steps", "50"), nproc=3)
+    free = command(s, tmp_path / "fault-free-1", None)
+    assert free[free.index("--nproc") + 1] == "3" and free[free.index("--spares") + 1] == "0"
+    assert "--inject" not in free
+    assert free[-4:] == ["--out", f"{tmp_path}/fault-free-1/snap.pt", "--steps", "50"]
+    faulted = command(s, tmp_path / "fault-1", "kill:rank=1:step=3")
+    assert faulted[faulted.index("--inject") + 1] == "kill:rank=1:step=3"
+    assert faulted[faulted.index("--spares") + 1] == "1"
+    assert faulted[faulted.index("--run-dir") + 1] == str(tmp_path / "fault-1" / "run")
