@@ -76,9 +76,10 @@ class LoggerVersions:
             set_logger_version(lg, version)
             if isinstance(lg, CSVLogger):
                 metrics = Path(lg.log_dir) / "metrics.csv"
+                aside = metrics.with_name(_KEPT)
                 if metrics.is_file():
-                    aside = metrics.with_name(_KEPT)
                     os.replace(metrics, aside)
+                if aside.is_file():  # also one a replacement lost before it resumed left aside
                     self._kept.append((lg, aside))
 
     def resume(self, step: int) -> None:
