@@ -39,7 +39,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
@@ -48,6 +47,7 @@ from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.integrations._lightning_callbacks import CallbackReplica
 from checkpointless.integrations._lightning_devices import devices_warning
+from checkpointless.integrations._lightning_environment import CheckpointlessEnvironment
 from checkpointless.integrations._lightning_internals import (
     EpochMetricsMark,
     ProgressMark,
@@ -61,62 +61,12 @@ from checkpointless.integrations._lightning_state import (
     SchedulerLedger,
     batch_action,
 )
-from checkpointless.recovery.job import Job, Step
+from checkpointless.recovery.job import Step
 from checkpointless.state.snapshot import RngState, capture_rng, restore_rng
 
 __all__ = ["CheckpointlessEnvironment", "CheckpointlessStrategy"]
 
 log = get_logger()
-
-
-class CheckpointlessEnvironment(ClusterEnvironment):
-    """Ranks come from the checkpointless launcher, which also starts every process."""
-
-    def __init__(self, job: Job) -> None:
-        self._job = job
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        # unused: checkpointless.init() has already made torch's default group (a resilient one,
-        # recovery/default_group.py), so Lightning never connects to a main address
-        return "127.0.0.1"
-
-    @property
-    def main_port(self) -> int:
-        return 0
-
-    @staticmethod
-    def detect() -> bool:
-        return False  # chosen explicitly by CheckpointlessStrategy, never auto-detected
-
-    def world_size(self) -> int:
-        return self._job.world_size
-
-    def set_world_size(self, size: int) -> None:
-        pass  # the launcher decides (--nproc); Lightning's `devices` flag does not
-
-    def global_rank(self) -> int:
-        return self._job.rank
-
-    def set_global_rank(self, rank: int) -> None:
-        pass
-
-    def local_rank(self) -> int:
-        return self._job.rank  # every rank of a job runs on one host today
-
-    def node_rank(self) -> int:
-        return 0
-
-    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
-        if num_nodes != 1:
-            raise ConfigError(
-                f"Trainer(num_nodes={num_nodes}): a checkpointless job runs on one host; "
-                "leave num_nodes at 1 and set the number of ranks with `checkpointless run --nproc`"
-            )
 
 
 class CheckpointlessStrategy(DDPStrategy):
