@@ -65,10 +65,8 @@ def test_hf_trainer_example(tmp_path: Path) -> None:
     args = ["--steps", "10", "--accumulation", "2", "--output-dir", "{run}/out"]
     rc, out, doc = audit(tmp_path / "a", EXAMPLES / "hf_trainer.py", args, "--steps", "6", "--seed", "0")
     assert_passed(rc, out, doc, tmp_path / "a")
-    # Known gap (recovery/job.py): the inputs hook is a forward pre-hook without kwargs, and
-    # Hugging Face models are called as model(**batch), so the batch is never fingerprinted
-    # (gradients and state still are). When the hook sees kwargs, this flips: assert it seen.
-    assert not inputs_seen(tmp_path / "a")
+    # Hugging Face calls model(**batch): the forward pre-hook takes keyword arguments too
+    assert inputs_seen(tmp_path / "a")
 
 
 # 80 samples an epoch, 2 ranks, batches of 4, accumulation 2: 5 updates an epoch, 10 in all
@@ -79,10 +77,8 @@ ACCELERATE_ARGS = ["--epochs", "2", "--accumulation", "2"]
 def test_hf_accelerate_example_ended_at_an_epoch_end(tmp_path: Path) -> None:
     rc, out, doc = audit(tmp_path / "a", EXAMPLES / "hf_accelerate.py", ACCELERATE_ARGS, "--steps", "5")
     assert_passed(rc, out, doc, tmp_path / "a")
-    # Known gap (recovery/job.py): the inputs hook is a forward pre-hook without kwargs, and
-    # Hugging Face models are called as model(**batch), so the batch is never fingerprinted
-    # (gradients and state still are). When the hook sees kwargs, this flips: assert it seen.
-    assert not inputs_seen(tmp_path / "a")
+    # Hugging Face calls model(**batch): the forward pre-hook takes keyword arguments too
+    assert inputs_seen(tmp_path / "a")
 
 
 @pytest.mark.timeout(600)

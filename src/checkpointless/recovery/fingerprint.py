@@ -51,8 +51,8 @@ class FingerprintLog:
         self._seen_inputs = False
 
     def add_inputs(self, args: Any) -> None:
-        """Called before each forward of a tracked module: fold in its positional tensor inputs
-        (the batch, as the model sees it; keyword inputs are not seen by the hook)."""
+        """Called before each forward of a tracked module: fold in its tensor inputs, given as
+        ``(args, kwargs)`` (the batch, as the model sees it; keywords in sorted order)."""
         stack = [args]
         while stack:
             a = stack.pop()

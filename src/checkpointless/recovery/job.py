@@ -133,7 +133,8 @@ class Job:
             if not m.tracked.add(name, obj):
                 continue
             if isinstance(obj, nn.Module):
-                obj.register_forward_pre_hook(lambda mod, a: guard.on_forward(a))
+                # with the keyword arguments too: Hugging Face calls model(**batch)
+                obj.register_forward_pre_hook(lambda mod, a, kw: guard.on_forward((a, kw)), with_kwargs=True)
                 first = next((p for p in obj.parameters() if p.requires_grad), None)
                 if first is not None:
                     first.register_post_accumulate_grad_hook(lambda p: guard.site("backward"))
