@@ -5,41 +5,15 @@ inside the optimizer update, and every rank ends bitwise equal to the fault-free
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.corpus import write_words
 from tests.helpers.jobs import ROOT, alive, run_job
 
 NOWHERE = Path("/nonexistent")
 MAIN = ROOT / "examples" / "adopted" / "mingpt_adopted" / "main.py"
-
-
-def _corpus(path: Path) -> Path:
-    # ~2400 characters: with block_size 32, 2 ranks and batches of 16, 67 steps an epoch
-    r = random.Random(0)
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "seven",
-        "tired",
-        "cats",
-        "sleep",
-        "by",
-        "the",
-        "door",
-    ]
-    path.write_text(" ".join(r.choice(words) for _ in range(500)))
-    return path
 
 
 @pytest.mark.timeout(400)
@@ -49,7 +23,7 @@ def _corpus(path: Path) -> Path:
 def test_mingpt_adopted_survives_kill_exception_and_optimizer_fault_bitwise(tmp_path: Path, amp: str) -> None:
     """With ``amp`` on, the script's own autocast (float16, as upstream) and GradScaler: the fault
     inside the optimizer update lands after the scaler's unscale_, the case that used to diverge."""
-    text = _corpus(tmp_path / "input.txt")
+    text = write_words(tmp_path / "input.txt")
     mixed = [] if amp == "off" else ["trainer_config.use_amp=True", f"trainer_config.amp_dtype={amp}"]
 
     def args(name: str) -> list[str]:

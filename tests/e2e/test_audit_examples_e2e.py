@@ -8,13 +8,13 @@ fingerprints equal in all three runs. Soak only: each case is three short jobs.
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.corpus import write_words
 from tests.helpers.paths import ROOT
 
 EXAMPLES = ROOT / "examples"
@@ -105,35 +105,9 @@ def test_adopted_torchrun_tutorial(tmp_path: Path) -> None:
     assert inputs_seen(tmp_path / "a")
 
 
-def _text(path: Path) -> Path:
-    # ~2400 characters: with block_size 32, 2 ranks and batches of 16, 67 steps an epoch
-    r = random.Random(0)
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "seven",
-        "tired",
-        "cats",
-        "sleep",
-        "by",
-        "the",
-        "door",
-    ]
-    path.write_text(" ".join(r.choice(words) for _ in range(500)))
-    return path
-
-
 @pytest.mark.timeout(600)
 def test_adopted_mingpt(tmp_path: Path) -> None:
-    text = _text(tmp_path / "input.txt")
+    text = write_words(tmp_path / "input.txt")
     args = [f"data_config.path={text}", "trainer_config.snapshot_path={run}/snapshot.pt"]
     script = EXAMPLES / "adopted" / "mingpt_adopted" / "main.py"
     rc, out, doc = audit(tmp_path / "a", script, args, "--steps", "6")
