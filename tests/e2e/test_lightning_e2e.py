@@ -9,7 +9,6 @@ run trained on.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -77,23 +76,12 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-def batches(res: JobResult) -> dict[tuple[int, int], str]:
-    """(rank, step) -> digest of the batch trained on; a replay must train on the same batch."""
-    out: dict[tuple[int, int], str] = {}
-    # exactly 16 hex digits: lines printed by two ranks at once can be glued together
-    for rank, step, digest in re.findall(r"batch rank=(\d+) step=(\d+) ([0-9a-f]{16})", res.output):
-        key = (int(rank), int(step))
-        assert out.get(key, digest) == digest, f"rank/step {key} trained on two different batches"
-        out[key] = digest
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> JobResult:
     res = run(tmp_path_factory.mktemp("lightning-ref") / "run", corpus, [], spares=0)
     assert res.rc == 0, res.output[-4000:]
     assert sorted(res.digests) == [0, 1, 2] and res.digest, res.digests
-    assert len(batches(res)) == 3 * 8, "every rank trains on one batch per step"
+    assert len(res.trained_batches()) == 3 * 8, "every rank trains on one batch per step"
     return res
 
 
@@ -127,7 +115,9 @@ def test_lightning_fault_is_survived_bitwise(
     res = run(tmp_path / "run", corpus, [fault])
     assert res.rc == 0, res.output[-6000:]
     res.assert_same_weights(reference, nproc=3)
-    assert batches(res) == batches(reference), "some rank trained on other samples than the fault-free run"
+    assert res.trained_batches() == reference.trained_batches(), (
+        "some rank trained on other samples than the fault-free run"
+    )
     assert len(res.of("fault_injected")) == 1 and res.of("recovery"), res.output[-4000:]
     # a replacement walking Lightning's loop forward must not deadlock with the survivors (it did
     # in the loop's per-batch SIGTERM broadcast, until gloo's 60 s timeout broke it)

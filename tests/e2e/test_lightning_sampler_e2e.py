@@ -37,15 +37,6 @@ def run(run_dir: Path, corpus: Path, faults: list[str]) -> JobResult:
     return job.finish(120)
 
 
-def batches(res: JobResult) -> dict[tuple[int, int], str]:
-    out: dict[tuple[int, int], str] = {}
-    for rank, step, digest in re.findall(r"batch rank=(\d+) step=(\d+) ([0-9a-f]{16})", res.output):
-        key = (int(rank), int(step))
-        assert out.get(key, digest) == digest, f"rank/step {key} trained on two different batches"
-        out[key] = digest
-    return out
-
-
 def epoch_sum(res: JobResult, rank: int) -> str:
     found = re.findall(rf"epoch metric rank={rank} x_sum=(\S+)", res.output)
     assert len(found) == 1, res.output[-4000:]
@@ -67,7 +58,7 @@ def test_per_rank_shuffle_and_logger_survive_a_kill_of_rank0(tmp_path: Path, cor
     (tmp_path / "fault").mkdir()
     ref = run(tmp_path / "ref" / "run", corpus, [])
     assert ref.rc == 0, ref.output[-4000:]
-    want = batches(ref)
+    want = ref.trained_batches()
     assert len(want) == 2 * 12, "every rank trains on one batch per step"
     assert want[(0, 0)] != want[(1, 0)], "each rank shuffles with its own seed"
 
@@ -77,7 +68,7 @@ def test_per_rank_shuffle_and_logger_survive_a_kill_of_rank0(tmp_path: Path, cor
     assert res.rc == 0, res.output[-6000:]
     assert res.of("spare_assigned") and "Lightning's loop catches up" in res.output
     res.assert_same_weights(ref, nproc=2)
-    assert batches(res) == want, "some rank trained on other samples than the fault-free run"
+    assert res.trained_batches() == want, "some rank trained on other samples than the fault-free run"
     assert epoch_sum(res, 1) == epoch_sum(ref, 1), "a replayed batch counted twice in an on_epoch metric"
 
     versions, rows = logged(res)

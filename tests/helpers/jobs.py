@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +50,17 @@ class JobResult:
         """The final weights' digest when every rank wrote the same one, else None."""
         values = set(self.digests.values())
         return values.pop() if len(values) == 1 else None
+
+    def trained_batches(self) -> dict[tuple[int, int], str]:
+        """(rank, step) -> digest of the batch it trained on, from the script's
+        ``batch rank=R step=S DIGEST`` lines; a replay must train on the same batch."""
+        out: dict[tuple[int, int], str] = {}
+        # exactly 16 hex digits: lines printed by two ranks at once can be glued together
+        for rank, step, digest in re.findall(r"batch rank=(\d+) step=(\d+) ([0-9a-f]{16})", self.output):
+            key = (int(rank), int(step))
+            assert out.get(key, digest) == digest, f"rank/step {key} trained on two different batches"
+            out[key] = digest
+        return out
 
     def assert_same_weights(self, ref: JobResult, nproc: int) -> None:
         """Every rank ended with the fault-free run's weights, and so all ranks agree."""
