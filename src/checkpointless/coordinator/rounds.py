@@ -14,14 +14,9 @@ from typing import Any
 from checkpointless.coordinator.ledger import FaultLedger
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
-from checkpointless.coordinator.rules.decisions import (
-    MemberReport,
-    RecoveryPlan,
-    SpareAction,
-    plan_recovery,
-    spare_policy,
-)
+from checkpointless.coordinator.rules.decisions import MemberReport, RecoveryPlan, plan_recovery
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, placement, without_spare
+from checkpointless.coordinator.rules.width import NoSparePolicy, WidthAction, WidthSituation, width_decision
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import TableDelivery
@@ -274,8 +269,23 @@ class Rounds:
         if r.waiting_since is None:
             r.waiting_since = now
         coming = len(unmatched) - len(bare)
-        d = spare_policy(len(match), coming, len(ranks), now - r.waiting_since, self.cfg.spare_wait)
-        if d.action == SpareAction.FAIL:
+        d = width_decision(
+            WidthSituation(
+                width=self.cfg.nproc,
+                survivors=self.cfg.nproc - len(ranks),
+                needed=len(ranks),
+                ready=len(match),
+                starting=coming,
+                waited=now - r.waiting_since,
+                wait_limit=self.cfg.spare_wait,
+                policy=NoSparePolicy(self.cfg.when_no_spare),
+                min_replicas=self.cfg.min_replicas,
+                not_shrinkable=_not_shrinkable(r),
+            )
+        )
+        if d.action in (WidthAction.FAIL, WidthAction.SHRINK):
+            # SHRINK is refused at start-up until the workers can hold more than one slot
+            # (JobSettings.validate); a rule that chose it anyway must not hang the round
             raise NotRecoverableError(d.reason)
         out.condition(
             "spare_wait",
@@ -294,7 +304,7 @@ class Rounds:
                 self.spares.spawn(now, host=to)
             else:
                 self.spares.spawn(now, strict=True)
-        if d.action == SpareAction.WAIT and not match:
+        if d.action == WidthAction.WAIT and not match:
             return
         for rank in sorted(match):
             spare = ms.procs[match[rank]]
@@ -376,6 +386,15 @@ class Rounds:
             self.outbox.send(m, Prepare(self.state_bytes))
         if self.round is None and m.worker_id in self.spares.moving:
             self.spares.retire_squeezed()
+
+
+def _not_shrinkable(r: Round) -> str:
+    """Why this round's job cannot go on with fewer replicas ("" when it can): degraded mode
+    drops data-parallel replicas of a plain data-parallel job; a sharded mesh would have to drop
+    a whole replica group, which is not built."""
+    if any(rep.mesh is not None for rep in r.reports.values()):
+        return "a sharded device mesh (FSDP/HSDP) cannot yet drop a replica group"
+    return ""
 
 
 def resume_plan(plan: RecoveryPlan) -> ResumePlan:

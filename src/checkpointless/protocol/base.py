@@ -24,7 +24,9 @@ __all__ = ["VERSION", "Message", "ProtocolError"]
 # 5: HealthReport (an agent's host health checks, for health-gated admission); AgentHello.health
 # 6: Fired carries the step it fires at (the fault event's step); Fatal a kind ("config": a
 # ConfigError ended the script, and the job ends without a spare)
-VERSION = 6
+# 7: JobSettings (AgentWelcome) carries --when-no-spare and --min-replicas; ResumePlan carries
+# the slots each live rank holds in degraded mode (``holders``)
+VERSION = 7
 
 
 class ProtocolError(CheckpointlessError):

@@ -91,6 +91,22 @@ class JobSettings:
     spare_wait: float = flag(
         60.0, metavar="S", help="seconds to wait for a spare before failing", finite=True, limit=_SECONDS
     )
+    # degraded mode (coordinator/rules/width.py, docs/fault-model.md): what a round does when a
+    # lost rank has no ready spare, and the fewest replicas the job may go on with
+    when_no_spare: str = flag(
+        "fail",
+        choices=("shrink", "wait", "fail"),
+        help="when a lost rank has no ready spare: shrink (go on at once with fewer data-parallel "
+        "replicas, the same global batch; a spare that becomes ready takes the slot back), wait "
+        "(wait up to --spare-wait, then shrink) or fail (wait up to --spare-wait, then stop)",
+    )
+    min_replicas: int = flag(
+        1,
+        metavar="N",
+        help="the fewest data-parallel replicas a degraded job goes on with; below it the job "
+        "waits up to --spare-wait for spares, then stops with the reason",
+        limit=_AT_LEAST_1,
+    )
     recovery_timeout: float = flag(
         120.0, metavar="S", help="seconds a recovery round may take", finite=True, limit=_SECONDS
     )
@@ -357,6 +373,18 @@ class JobSettings:
             raise ConfigError("--plain runs on one machine; drop --nnodes/--spare-nodes or --plain")
         if self.plain and self.rendezvous != "rootless":
             raise ConfigError("--plain gives the script a root-less env:// rendezvous; drop --rendezvous tcp")
+        if self.min_replicas > self.nproc:
+            raise ConfigError(
+                f"--min-replicas {self.min_replicas} is more than the job's {self.nproc} ranks "
+                "(--nproc); it can be at most --nproc (which never goes on degraded)"
+            )
+        if self.when_no_spare != "fail":
+            # the coordinator's rule is in (coordinator/rules/width.py), the workers' half is not:
+            # a process cannot hold a second slot yet (docs/fault-model.md, "Degraded mode")
+            raise ConfigError(
+                f"--when-no-spare {self.when_no_spare}: degraded mode is not available yet (the "
+                "workers cannot train a lost rank's batch); use --when-no-spare fail"
+            )
         if self.swap_stragglers and not self.straggler_ratio:
             raise ConfigError("--swap-stragglers needs --straggler-ratio (e.g. --straggler-ratio 1.5)")
         if self.swap_stragglers and self.spare_nodes < 1:
