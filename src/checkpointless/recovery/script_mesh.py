@@ -16,6 +16,7 @@ so that an update never communicates.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.recovery.member import Member
+from checkpointless.recovery.pipeline import schedules_layout, with_pipeline_dim
 from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun
 from checkpointless.recovery.startup import sharded_copies
 
@@ -129,6 +131,14 @@ def adopt_script_mesh(member: Member) -> None:
     if member.groups.mesh is not None or member.clock.started:
         return
     found = script_mesh_of(_tracked_tensors(member.tracked.modules))
+    schedules = member.tracked.schedules  # pipeline parallel names its split dimension itself
+    if found is not None and schedules:
+        found = dataclasses.replace(
+            found, layout=with_pipeline_dim(found.layout, found.device_mesh, schedules)
+        )
+    elif schedules:  # stages of plain tensors: no mesh object is needed, only the (dp, pp) layout
+        layout = schedules_layout(schedules, member.rank, member.world_size)
+        found = ScriptMesh(None, tuple(range(member.world_size)), layout)
     if found is None:
         return
     err = mesh_order_error(found.ranks, member.world_size)

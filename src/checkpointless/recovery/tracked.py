@@ -19,6 +19,7 @@ from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.amp import is_grad_scaler
 from checkpointless.recovery.loader import StepLoader
+from checkpointless.recovery.pipeline import is_schedule, restart_schedule
 from checkpointless.recovery.sharded import local_stateful
 from checkpointless.recovery.stateful_loader import StatefulStepLoader
 from checkpointless.state.snapshot import Stateful, check_stateful
@@ -37,6 +38,7 @@ class Tracked:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.scalers: list[Any] = []  # GradScalers: per-step bookkeeping reset on a restart
         self.loaders: list[StepLoader | StatefulStepLoader] = []
+        self.schedules: list[Any] = []  # pipeline schedules: restarted after an abandoned step
 
     def add(self, name: str, obj: Any) -> bool:
         """Track ``obj`` as ``name``; False when it is tracked under that name already.
@@ -52,6 +54,9 @@ class Tracked:
                 "the model as 'model' and the optimizer as 'optimizer'); track each object once"
             )
         self._names[id(obj)] = name
+        if is_schedule(obj):  # no state of its own; names the pipeline (recovery/pipeline.py)
+            self.schedules.append(obj)
+            return True
         # a sharded module or optimizer travels as its local shards (recovery/sharded.py)
         self.objects[name] = local_stateful(check_stateful(name, obj))
         if isinstance(obj, nn.Module):
@@ -68,5 +73,7 @@ class Tracked:
         for dp in self.dps:
             dp.reset()
         reset_mesh(self.modules)
+        for schedule in self.schedules:
+            restart_schedule(schedule)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)

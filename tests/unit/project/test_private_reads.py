@@ -111,6 +111,16 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
     "checkpointless.recovery.loader": {
         "_iterator": "torch DataLoader's cached iterator: dropping it is the one way to stop persistent workers",
     },
+    "checkpointless.recovery.pipeline": {
+        # torch.distributed.pipelining's schedules: no public accessor or reset (torch 2.13)
+        "_stage": "a single-stage schedule's stage",
+        "_stages": "a multi-stage schedule's stages",
+        "_internal_losses": "the last stage's microbatch losses, left by an abandoned step",
+        "_stage_forward_initialized": "a schedule's prepared flag: re-prepared on every rank after a fault",
+        "_stage_backward_initialized": "a schedule's prepared flag: re-prepared on every rank after a fault",
+        "_stages_forward_initialized": "a schedule's prepared flag: re-prepared on every rank after a fault",
+        "_stages_backward_initialized": "a schedule's prepared flag: re-prepared on every rank after a fault",
+    },
     "checkpointless.recovery.process": {"_exit": "os._exit: a fenced worker ends at once"},
     "checkpointless.recovery.sharded": {
         "_state_dict_hooks": "torch nn.Module's hooks: a plain state dict has none",
