@@ -25,6 +25,9 @@ from checkpointless.errors import ConfigError
 __all__ = ["Calibration", "CommModel", "calibration_from_mapping", "load_calibration"]
 
 
+_OPTIONAL_FIELDS = ("shrink_s", "grow_s")
+
+
 class CommModel(str, Enum):
     """How the time to form (or re-form) the job's communicator grows with the rank count N."""
 
@@ -73,10 +76,16 @@ class Calibration:
     save_s: float = 2.0  # fixed blocking part of a save: barrier, metadata
     storage_write_gbps: float = 200.0  # aggregate write bandwidth of the checkpoint store
 
+    # --- degraded mode: measured times replace the modelled round when given --------------------
+    # None: each is one recovery round built from the costs above (models.shrink_phases and
+    # grow_phases), until the issue's benchmark measures them.
+    shrink_s: float | None = None  # from detection to the first step with fewer replicas
+    grow_s: float | None = None  # from a step boundary to the first step at full width again
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, CommModel):
+            if isinstance(value, CommModel) or (value is None and f.name in _OPTIONAL_FIELDS):
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise ConfigError(

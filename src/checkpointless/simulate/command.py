@@ -14,12 +14,15 @@ from pathlib import Path
 
 from checkpointless.errors import ConfigError
 from checkpointless.simulate.calibration import load_calibration
+from checkpointless.simulate.capacity import CapacityPolicy, NoSparePolicy
 from checkpointless.simulate.des import SimConfig
+from checkpointless.simulate.failures import BAD_REPAIR_FRACTION
 from checkpointless.simulate.models import IntervalRule
 from checkpointless.simulate.render import (
     breakdown_table,
     headline,
     render_markdown,
+    scale_table,
     sensitivity_table,
     sweep_table,
     to_json,
@@ -56,7 +59,8 @@ def _path(text: str) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="checkpointless simulate",
-        description="Simulate training goodput under faults: checkpoint-restart versus checkpointless.",
+        description="Simulate training goodput under faults: checkpoint-restart versus checkpointless, "
+        "and what a checkpointless job does when its spare hosts run out.",
     )
     p.add_argument(
         "--gpus",
@@ -86,9 +90,56 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration", type=_path, help="JSON file of measured costs (keys: see docs/goodput.md)"
     )
     p.add_argument("--interval", choices=[r.value for r in IntervalRule], default=IntervalRule.YOUNG.value)
+    g = p.add_argument_group("the chosen policy (the launcher's flags of the same names)")
+    g.add_argument(
+        "--no-spare-policy",
+        choices=[v.value for v in NoSparePolicy],
+        default=NoSparePolicy.SHRINK.value,
+        help="a host is lost and no spare host is ready: go on with fewer replicas and grow back "
+        "(shrink, the default), wait up to --spare-wait then fail (wait), or fail at once (fail)",
+    )
+    g.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="shrink: fewer data-parallel replicas at work than this fails the job (default %(default)s)",
+    )
+    g.add_argument(
+        "--spare-wait",
+        type=float,
+        default=60.0,
+        help="wait: seconds to wait for a host before the job fails (default %(default)s; inf: no limit)",
+    )
+    g.add_argument(
+        "--health-check",
+        choices=["on", "off"],
+        default="on",
+        help="on: a repaired host that fails its check is quarantined, never promoted (default on)",
+    )
+    m = p.add_argument_group("hosts and repairs")
+    m.add_argument(
+        "--replica-gpus",
+        type=int,
+        default=JobShape().dp_replica_gpus,
+        help="GPUs of one data-parallel replica, the unit a shrink drops (default %(default)s: TP 8 x PP 16)",
+    )
+    m.add_argument(
+        "--repair-hours",
+        type=float,
+        default=JobShape().replace_s / 3600,
+        help="hours until a lost host is back as a spare (default %(default)g)",
+    )
+    m.add_argument(
+        "--bad-repair-fraction",
+        type=float,
+        default=BAD_REPAIR_FRACTION,
+        help="share of repairs that come back faulty (default %(default)g, an assumption)",
+    )
     p.add_argument("--out", type=_path, help="write goodput.json, goodput.md and goodput.png here")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
-    p.add_argument("--no-sensitivity", action="store_true", help="skip the what-if table (faster)")
+    p.add_argument(
+        "--no-sensitivity", action="store_true", help="skip the what-if and repair-time tables (faster)"
+    )
     p.add_argument("--label", help=argparse.SUPPRESS)  # the command a report should name
     return p
 
@@ -130,6 +181,14 @@ def _check_args(args: argparse.Namespace) -> None:
     for n in [*(n for group in args.gpus for n in group), args.focus_gpus]:
         if n > MAX_GPUS:
             raise ConfigError(f"{n} GPUs is more than the {MAX_GPUS:,} this model is meant for; give fewer")
+    if args.min_replicas < 1:
+        raise ConfigError(f"--min-replicas {args.min_replicas} must be >= 1")
+    if math.isnan(args.spare_wait) or args.spare_wait < 0:
+        raise ConfigError(f"--spare-wait {args.spare_wait} must be >= 0 seconds (inf: no limit)")
+    if not (math.isfinite(args.repair_hours) and args.repair_hours > 0):
+        raise ConfigError(f"--repair-hours {args.repair_hours} must be a number of hours > 0; e.g. 1")
+    if not 0.0 <= args.bad_repair_fraction < 1.0:
+        raise ConfigError(f"--bad-repair-fraction {args.bad_repair_fraction} must lie in [0, 1); e.g. 0.05")
     cal = args.calibration
     if cal is not None:
         if cal.is_dir():
@@ -148,7 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
-        base = SimConfig(days=args.days, interval_rule=IntervalRule(args.interval))
+        capacity = CapacityPolicy(
+            NoSparePolicy(args.no_spare_policy),
+            spare_wait_s=args.spare_wait,
+            min_replicas=args.min_replicas,
+            health_check=args.health_check == "on",
+        )
+        base = SimConfig(days=args.days, interval_rule=IntervalRule(args.interval), capacity=capacity)
+        base = replace(
+            base,
+            shape=replace(base.shape, dp_replica_gpus=args.replica_gpus, replace_s=args.repair_hours * 3600),
+            failures=replace(base.failures, bad_repair_fraction=args.bad_repair_fraction),
+        )
         if args.calibration is not None:
             base = replace(base, cal=load_calibration(args.calibration))
         gpus = sorted({n for group in args.gpus for n in group})
@@ -167,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(breakdown_table(rep), "\n")
     if rep.sensitivity:
         print(sensitivity_table(rep), "\n")
+    if rep.scale:
+        print(scale_table(rep), "\n")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         machine = _machine()

@@ -19,6 +19,7 @@ from checkpointless.errors import ConfigError
 from checkpointless.simulate.topology import JobShape, switch_block
 
 __all__ = [
+    "BAD_REPAIR_FRACTION",
     "LLAMA3_CAUSES",
     "LLAMA3_RATE_PER_GPU_HOUR",
     "META_RSC_RATE_PER_GPU_HOUR",
@@ -87,12 +88,19 @@ LLAMA3_CAUSES: tuple[FailureCause, ...] = (
 )
 
 
+# **Assumption** (no published figure found): share of repairs after which the host comes back
+# still faulty. Such a host fails again as soon as it trains, unless a health check quarantines
+# it first. Varied 0 ... 20% in the sensitivity table.
+BAD_REPAIR_FRACTION = 0.05
+
+
 @dataclass(frozen=True)
 class FailureModel:
-    """The job's fault process: a per-GPU rate and a mix of causes."""
+    """The job's fault process: a per-GPU rate, a mix of causes, and how often repairs fail."""
 
     rate_per_gpu_hour: float = LLAMA3_RATE_PER_GPU_HOUR
     causes: tuple[FailureCause, ...] = LLAMA3_CAUSES
+    bad_repair_fraction: float = BAD_REPAIR_FRACTION
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.rate_per_gpu_hour) or self.rate_per_gpu_hour <= 0:
@@ -104,6 +112,10 @@ class FailureModel:
             raise ConfigError("causes must be a non-empty list with weights >= 0 and a positive sum")
         if any(c.recurring and c.blast is not Blast.JOB for c in self.causes):
             raise ConfigError("only JOB-wide causes can be 'recurring'; set recurring=False for the others")
+        if not 0.0 <= self.bad_repair_fraction < 1.0:
+            raise ConfigError(
+                f"bad_repair_fraction={self.bad_repair_fraction} must lie in [0, 1); e.g. {BAD_REPAIR_FRACTION}"
+            )
 
     @property
     def total_weight(self) -> float:
@@ -112,6 +124,14 @@ class FailureModel:
     def shares(self) -> list[float]:
         total = self.total_weight
         return [c.weight / total for c in self.causes]
+
+    def host_fault_cause(self) -> int:
+        """Index of the cause charged when a faulty host fails again: the one-GPU (else one-node) kind."""
+        for blast in (Blast.GPU, Blast.NODE):
+            for i, c in enumerate(self.causes):
+                if c.blast is blast:
+                    return i
+        return 0
 
     def job_mtbf_s(self, gpus: int) -> float:
         """Mean time between faults of a job on ``gpus`` GPUs, in seconds."""
@@ -125,20 +145,24 @@ class Fault:
     time_s: float
     cause: int  # index into FailureModel.causes
     nodes: tuple[int, ...]  # nodes whose GPUs (and state) are lost; empty for JOB faults
+    # Uniform draw for the repair of these nodes: it comes back faulty when below the model's
+    # ``bad_repair_fraction`` q (then ``repair_u / q`` is again uniform and decides the next repair).
+    repair_u: float = 1.0
 
 
 def sample_faults(model: FailureModel, shape: JobShape, horizon_s: float, seed: int) -> list[Fault]:
     """A seeded trace of faults in ``[0, horizon_s)``.
 
-    Times, causes and places come from three independent streams, and the k-th fault always uses
-    the k-th draw of each. So two traces with the same seed and different rates have the same
+    Times, causes, places and repair outcomes come from four independent streams, and the k-th
+    fault always uses the k-th draw of each. So two traces with the same seed and different rates have the same
     sequence of causes and places, with times scaled by the rate ratio: comparisons across
     rates (and across recovery policies, which share one trace) differ only by what is varied.
     """
     if not math.isfinite(horizon_s) or horizon_s <= 0:
         raise ConfigError(f"horizon_s={horizon_s} must be a finite number > 0")
-    times_rng, cause_rng, place_rng = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
+    # spawn(4): the first three children are those of spawn(3), so earlier traces are unchanged
+    times_rng, cause_rng, place_rng, repair_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4)
     )
     mean_gap = model.job_mtbf_s(shape.gpus)
     shares = np.asarray(model.shares())
@@ -158,4 +182,4 @@ def sample_faults(model: FailureModel, shape: JobShape, horizon_s: float, seed: 
             nodes = switch_block(shape, int(u * switches))
         else:
             nodes = (int(u * shape.nodes),)
-        faults.append(Fault(t, idx, nodes))
+        faults.append(Fault(t, idx, nodes, float(repair_rng.random())))

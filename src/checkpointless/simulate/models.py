@@ -1,20 +1,45 @@
-"""Pure cost models: checkpoint intervals, scaling laws, recovery plans and first-order goodput.
+"""Pure cost models: checkpoint intervals and first-order (closed-form) goodput.
 
 Nothing here holds state or draws random numbers, so each formula can be tested on its own and
 the event simulation (``des.py``) and the closed-form estimate below use the very same recovery
-plans: when they disagree, the difference is the timing effects only the simulation captures
-(faults during a recovery, spare pool exhaustion, interrupted saves).
+plans (``plans.py``, whose names this module re-exports): when they disagree, the difference is
+the timing effects only the simulation captures (faults during a recovery, spare pool
+exhaustion, interrupted saves, time spent degraded beyond one repair).
 """
 
 from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import NamedTuple
 
 from checkpointless.errors import ConfigError
-from checkpointless.simulate.calibration import Calibration, CommModel
-from checkpointless.simulate.failures import Blast, Detection, FailureCause, FailureModel
+from checkpointless.simulate.calibration import Calibration
+from checkpointless.simulate.capacity import (
+    CapacityPolicy,
+    NoSparePolicy,
+    dropped_replicas,
+    extra_faults_per_host_loss,
+    fill_count,
+    slowdown,
+)
+from checkpointless.simulate.failures import Blast, FailureCause, FailureModel
+from checkpointless.simulate.plans import (
+    BADPUT_BUCKETS,
+    Bucket,
+    Phase,
+    Policy,
+    comm_start_s,
+    detect_s,
+    grow_phases,
+    inprocess_phases,
+    load_cost_s,
+    recovery_plan,
+    restart_phases,
+    save_cost_s,
+    shrink_phases,
+    step_wall_s,
+    transfer_cost_s,
+)
 from checkpointless.simulate.topology import JobShape, switch_fallback_fraction
 
 __all__ = [
@@ -31,51 +56,23 @@ __all__ = [
     "expected_loss_per_fault",
     "expected_spare_wait_s",
     "fallback_probability",
+    "grow_phases",
     "inprocess_phases",
     "load_cost_s",
     "policy_interval",
     "recovery_plan",
     "restart_phases",
     "save_cost_s",
+    "shrink_phases",
     "step_wall_s",
     "transfer_cost_s",
     "young_interval",
 ]
 
 
-class Policy(str, Enum):
-    CHECKPOINT_RESTART = "checkpoint-restart"
-    CHECKPOINTLESS = "checkpointless"
-
-
 class IntervalRule(str, Enum):
     YOUNG = "young"
     DALY = "daly"
-
-
-class Bucket(str, Enum):
-    """Where wall time goes; the badput ones follow Google's ml-goodput-measurement categories."""
-
-    PRODUCTIVE = "productive"
-    INITIALISATION = "initialisation"  # communicator start-up or rebuild
-    PROGRAM_STARTUP = "program_startup"  # process start, imports, model build, first-step warm-up
-    DATA_LOADING = "data_loading"  # data pipeline restart after a disruption
-    CHECKPOINT_SAVE = "checkpoint_save"  # blocking part of saves
-    CHECKPOINT_RESTORE = "checkpoint_restore"  # file load, or state received from a peer
-    WASTED_PROGRESS = "wasted_progress"  # steps computed and then lost to a rollback
-    INFRA_RECOVERY = "infra_recovery"  # detection, abort, requeue, waiting for a node, swap
-    OTHER = "other"  # steady per-step cost of being recoverable
-
-
-BADPUT_BUCKETS: tuple[Bucket, ...] = tuple(b for b in Bucket if b is not Bucket.PRODUCTIVE)
-
-
-class Phase(NamedTuple):
-    """One stretch of a recovery: which bucket it is charged to, what it is, how long."""
-
-    bucket: Bucket
-    label: str
-    seconds: float
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,6 +118,7 @@ def policy_interval(
     shape: JobShape,
     cal: Calibration,
     max_s: float,
+    capacity: CapacityPolicy | None = None,
 ) -> float:
     """Checkpoint interval of a policy: optimal against the faults that need the checkpoint.
 
@@ -130,7 +128,7 @@ def policy_interval(
     """
     mtbf = failures.job_mtbf_s(shape.gpus)
     if policy is Policy.CHECKPOINTLESS:
-        p_fb = fallback_probability(failures, shape)
+        p_fb = fallback_probability(failures, shape, capacity)
         mtbf = mtbf / p_fb if p_fb > 0 else math.inf
     save = save_cost_s(shape, cal)
     step = step_wall_s(policy, shape, cal)
@@ -140,133 +138,8 @@ def policy_interval(
 
 
 # ----------------------------------------------------------------------------------------------
-# Scaling models
-# ----------------------------------------------------------------------------------------------
-def comm_start_s(model: CommModel, fixed_s: float, gpus: int, cal: Calibration) -> float:
-    """Time to form the communicator over ``gpus`` ranks under a scaling model."""
-    if model is CommModel.STORE_LINEAR:
-        return fixed_s + cal.store_per_rank_s * gpus
-    if model is CommModel.ROOTLESS_LOG:
-        return fixed_s + cal.rootless_log_s * math.log2(max(gpus, 2))
-    return fixed_s
-
-
-def save_cost_s(shape: JobShape, cal: Calibration) -> float:
-    """Blocking time of one save: one copy of the state through the store's write bandwidth."""
-    return cal.save_s + shape.checkpoint_gb / cal.storage_write_gbps
-
-
-def load_cost_s(shape: JobShape, cal: Calibration) -> float:
-    """Time to read one copy of the state back from the checkpoint store."""
-    return cal.load_s + shape.checkpoint_gb / cal.storage_read_gbps
-
-
-def transfer_cost_s(shape: JobShape, cal: Calibration) -> float:
-    """Peer transfer to the replaced GPUs; each one pulls its own shard over its own link.
-
-    Replaced GPUs receive in parallel from distinct healthy twins, so the time is one GPU's state
-    over one GPU's bandwidth whatever the number of replaced GPUs.
-    """
-    return cal.transfer_s + shape.state_gb_per_gpu / cal.peer_gbps
-
-
-def detect_s(cause: FailureCause, cal: Calibration) -> float:
-    return cal.hang_timeout_s if cause.detection is Detection.HANG else cal.detect_s
-
-
-def step_wall_s(policy: Policy, shape: JobShape, cal: Calibration) -> float:
-    """Wall time of one step; checkpointless pays a small bookkeeping cost on every step."""
-    extra = cal.step_overhead_s if policy is Policy.CHECKPOINTLESS else 0.0
-    return shape.step_s + extra
-
-
-# ----------------------------------------------------------------------------------------------
-# Recovery plans
-# ----------------------------------------------------------------------------------------------
-def restart_phases(shape: JobShape, cal: Calibration, spare_wait_s: float) -> list[Phase]:
-    """A full job restart from the last checkpoint, after the fault has been detected.
-
-    Waiting for replacement nodes overlaps with requeueing the job, so the longer of the two
-    counts.
-    """
-    return [
-        Phase(Bucket.INFRA_RECOVERY, "requeue / wait for nodes", max(cal.requeue_s, spare_wait_s)),
-        Phase(Bucket.PROGRAM_STARTUP, "process start", cal.restart_s),
-        Phase(
-            Bucket.INITIALISATION,
-            "communicator init",
-            comm_start_s(cal.init_model, cal.init_s, shape.gpus, cal),
-        ),
-        Phase(Bucket.CHECKPOINT_RESTORE, "checkpoint load", load_cost_s(shape, cal)),
-        Phase(Bucket.DATA_LOADING, "data loader cold start", cal.restart_data_s),
-        Phase(Bucket.PROGRAM_STARTUP, "first step after restart", cal.restart_first_step_s),
-    ]
-
-
-def inprocess_phases(shape: JobShape, cal: Calibration, spare_wait_s: float, lost_state: bool) -> list[Phase]:
-    """Checkpointless recovery after detection and abort: swap, rebuild, receive, re-run.
-
-    ``lost_state`` is False for job-wide software faults: every rank still holds its state, so
-    nothing is swapped or transferred.
-    """
-    phases: list[Phase] = []
-    if lost_state:
-        phases.append(Phase(Bucket.INFRA_RECOVERY, "wait for a spare node", spare_wait_s))
-        phases.append(Phase(Bucket.INFRA_RECOVERY, "spare swap", cal.swap_s))
-    rebuild = comm_start_s(cal.rebuild_model, cal.rebuild_s, shape.gpus, cal)
-    phases.append(Phase(Bucket.INITIALISATION, "communicator rebuild", rebuild))
-    if lost_state:
-        phases.append(Phase(Bucket.CHECKPOINT_RESTORE, "peer state transfer", transfer_cost_s(shape, cal)))
-    phases.append(Phase(Bucket.DATA_LOADING, "data resume", cal.data_resume_s))
-    phases.append(Phase(Bucket.PROGRAM_STARTUP, "first step after recovery", cal.first_step_s))
-    return phases
-
-
-def recovery_plan(
-    policy: Policy,
-    cause: FailureCause,
-    shape: JobShape,
-    cal: Calibration,
-    *,
-    fallback: bool,
-    lost_state: bool,
-    spare_wait_s: float,
-) -> list[Phase]:
-    """Every phase from the fault to the first productive step (lost work is charged apart).
-
-    ``fallback`` (checkpointless only) means the state cannot come from a peer, or the in-process
-    retry will fail, so the job restarts from its own (less frequent) checkpoint.
-    """
-    detect = Phase(Bucket.INFRA_RECOVERY, "detect", detect_s(cause, cal))
-    if policy is Policy.CHECKPOINT_RESTART:
-        return [detect, *restart_phases(shape, cal, spare_wait_s)]
-    abort = Phase(Bucket.INFRA_RECOVERY, "abort", cal.abort_s)
-    if not fallback:
-        return [detect, abort, *inprocess_phases(shape, cal, spare_wait_s, lost_state)]
-    if cause.recurring:
-        # The in-process retry is tried first (the job cannot know the bug will recur): it costs a
-        # recovery plus one step that fails again, then a second detection.
-        retry = inprocess_phases(shape, cal, 0.0, lost_state=False)
-        failed = Phase(
-            Bucket.WASTED_PROGRESS, "re-run step that fails again", step_wall_s(policy, shape, cal)
-        )
-        again = Phase(Bucket.INFRA_RECOVERY, "detect again", detect_s(cause, cal))
-        return [detect, abort, *retry, failed, again, abort, *restart_phases(shape, cal, spare_wait_s)]
-    return [detect, abort, *restart_phases(shape, cal, spare_wait_s)]
-
-
-# ----------------------------------------------------------------------------------------------
 # Closed-form estimate
 # ----------------------------------------------------------------------------------------------
-def _cause_fallback_probability(cause: FailureCause, shape: JobShape) -> float:
-    if cause.blast is Blast.JOB:
-        return 1.0 if cause.recurring else 0.0
-    if cause.blast is Blast.SWITCH:
-        return switch_fallback_fraction(shape)
-    # One node holds one copy; only a job without a second copy loses the state.
-    return 1.0 if shape.replicas == 1 else 0.0
-
-
 def _nodes_needed(cause: FailureCause, shape: JobShape) -> int:
     if cause.blast is Blast.JOB:
         return 0
@@ -275,56 +148,133 @@ def _nodes_needed(cause: FailureCause, shape: JobShape) -> int:
     return 1
 
 
+def _no_spare(cause: FailureCause, shape: JobShape, capacity: CapacityPolicy | None) -> str:
+    """With a full pool, what a checkpointless job does about this cause's lost hosts:
+    "swap" (enough spares), "wait" (for a repair), "fail" (restart) or "shrink"."""
+    needed = _nodes_needed(cause, shape)
+    if needed <= shape.spares:
+        return "swap"
+    cap = capacity if capacity is not None else CapacityPolicy()
+    if cap.no_spare is NoSparePolicy.SHRINK:
+        holes = needed - fill_count(needed, shape.spares, shape.dp_group_nodes)
+        left = shape.dp_width - dropped_replicas(holes, shape.dp_group_nodes)
+        return "shrink" if left >= cap.min_replicas else "fail"
+    return "wait" if cap.wait_limit_s >= shape.replace_s else "fail"
+
+
+def _cause_fallback_probability(
+    cause: FailureCause, shape: JobShape, capacity: CapacityPolicy | None = None
+) -> float:
+    if cause.blast is Blast.JOB:
+        return 1.0 if cause.recurring else 0.0
+    if _no_spare(cause, shape, capacity) == "fail":
+        return 1.0
+    if cause.blast is Blast.SWITCH:
+        return switch_fallback_fraction(shape)
+    # One node holds one copy; only a job without a second copy loses the state.
+    return 1.0 if shape.replicas == 1 else 0.0
+
+
 def expected_spare_wait_s(cause: FailureCause, shape: JobShape) -> float:
     """First-order wait for nodes: none if the (full) pool covers the fault, else one repair time."""
     return shape.replace_s if _nodes_needed(cause, shape) > shape.spares else 0.0
 
 
-def fallback_probability(failures: FailureModel, shape: JobShape) -> float:
+def fallback_probability(
+    failures: FailureModel, shape: JobShape, capacity: CapacityPolicy | None = None
+) -> float:
     """Share of faults after which checkpointless needs its checkpoint (single faults only)."""
     return sum(
-        share * _cause_fallback_probability(c, shape)
+        share * _cause_fallback_probability(c, shape, capacity)
         for share, c in zip(failures.shares(), failures.causes, strict=True)
     )
 
 
+def _cause_loss(
+    policy: Policy,
+    cause: FailureCause,
+    shape: JobShape,
+    cal: Calibration,
+    interval_s: float,
+    capacity: CapacityPolicy | None,
+) -> float:
+    """Mean wall time one fault of ``cause`` costs, with a full spare pool when it comes."""
+    step = step_wall_s(policy, shape, cal)
+    lost_state = cause.blast is not Blast.JOB
+    cl = policy is Policy.CHECKPOINTLESS
+    p_fb = _cause_fallback_probability(cause, shape, capacity) if cl else 1.0
+    wait = expected_spare_wait_s(cause, shape)
+    mode = _no_spare(cause, shape, capacity) if cl else "wait"
+    cost = 0.0
+    if p_fb > 0:
+        cap = capacity if capacity is not None else CapacityPolicy()
+        waits_first = mode == "fail" and cap.no_spare is not NoSparePolicy.SHRINK
+        limit = min(wait, cap.wait_limit_s) if waits_first else 0.0
+        plan = recovery_plan(
+            policy, cause, shape, cal, fallback=True, lost_state=lost_state,
+            spare_wait_s=wait - limit, gave_up_after_s=limit,
+        )  # fmt: skip
+        cost += p_fb * (sum(p.seconds for p in plan) + interval_s / 2.0)
+    if p_fb < 1:
+        if mode == "shrink":
+            # a round to shrink, the missing capacity until the repair, a round to grow back
+            needed = _nodes_needed(cause, shape)
+            holes = needed - fill_count(needed, shape.spares, shape.dp_group_nodes)
+            plan = [*recovery_plan(policy, cause, shape, cal, fallback=False, lost_state=True,
+                                   spare_wait_s=0.0, shrink=True), *grow_phases(shape, cal)]  # fmt: skip
+            extra = shape.replace_s * (1.0 - 1.0 / slowdown(shape, holes))
+        else:
+            plan = recovery_plan(
+                policy, cause, shape, cal, fallback=False, lost_state=lost_state, spare_wait_s=wait
+            )
+            extra = 0.0
+        cost += (1.0 - p_fb) * (sum(p.seconds for p in plan) + extra + step / 2.0)
+    return cost
+
+
 def expected_loss_per_fault(
-    policy: Policy, failures: FailureModel, shape: JobShape, cal: Calibration, interval_s: float
+    policy: Policy,
+    failures: FailureModel,
+    shape: JobShape,
+    cal: Calibration,
+    interval_s: float,
+    capacity: CapacityPolicy | None = None,
 ) -> float:
     """Mean wall time a single fault costs: its recovery plan plus the work it throws away.
 
     The fault lands uniformly in time, so a rollback to the last checkpoint loses on average half
     an interval, and an in-process recovery half a step. The spare pool is assumed full when
-    the fault comes, so only a fault needing more nodes than the pool holds waits (one repair).
+    the fault comes, so only a fault needing more nodes than the pool holds waits (one repair),
+    or, under the no-spare policy, fails or shrinks. Without a health check each lost host also
+    brings ``q / (1 - q)`` faults of a badly repaired host back (charged as one-GPU faults).
     """
-    step = step_wall_s(policy, shape, cal)
-    total = 0.0
-    for share, cause in zip(failures.shares(), failures.causes, strict=True):
-        lost_state = cause.blast is not Blast.JOB
-        p_fb = 1.0 if policy is Policy.CHECKPOINT_RESTART else _cause_fallback_probability(cause, shape)
-        wait = expected_spare_wait_s(cause, shape)
-        cost = 0.0
-        if p_fb > 0:
-            plan = recovery_plan(
-                policy, cause, shape, cal, fallback=True, lost_state=lost_state, spare_wait_s=wait
-            )
-            cost += p_fb * (sum(p.seconds for p in plan) + interval_s / 2.0)
-        if p_fb < 1:
-            plan = recovery_plan(
-                policy, cause, shape, cal, fallback=False, lost_state=lost_state, spare_wait_s=wait
-            )
-            cost += (1.0 - p_fb) * (sum(p.seconds for p in plan) + step / 2.0)
-        total += share * cost
+    shares = failures.shares()
+    total = sum(
+        share * _cause_loss(policy, c, shape, cal, interval_s, capacity)
+        for share, c in zip(shares, failures.causes, strict=True)
+    )
+    if capacity is None or not capacity.health_check:
+        hosts_lost = sum(
+            share * _nodes_needed(c, shape) for share, c in zip(shares, failures.causes, strict=True)
+        )
+        host_cause = failures.causes[failures.host_fault_cause()]
+        again = extra_faults_per_host_loss(failures.bad_repair_fraction) * hosts_lost
+        total += again * _cause_loss(policy, host_cause, shape, cal, interval_s, capacity)
     return total
 
 
 def analytic_goodput(
-    policy: Policy, failures: FailureModel, shape: JobShape, cal: Calibration, interval_s: float
+    policy: Policy,
+    failures: FailureModel,
+    shape: JobShape,
+    cal: Calibration,
+    interval_s: float,
+    capacity: CapacityPolicy | None = None,
 ) -> float:
     """First-order goodput: 1 - save share - fault share, times the per-step efficiency."""
     save = save_cost_s(shape, cal)
     mtbf = failures.job_mtbf_s(shape.gpus)
-    loss = expected_loss_per_fault(policy, failures, shape, cal, interval_s)
+    loss = expected_loss_per_fault(policy, failures, shape, cal, interval_s, capacity)
     step = step_wall_s(policy, shape, cal)
     g = 1.0 - save / (interval_s + save) - loss / mtbf
     return max(0.0, g) * (shape.step_s / step)

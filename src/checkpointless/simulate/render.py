@@ -14,13 +14,25 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from checkpointless.simulate.capacity import CapacityPolicy, NoSparePolicy
 from checkpointless.simulate.models import BADPUT_BUCKETS, fallback_probability
-from checkpointless.simulate.report import CL, CL_ROOTLESS, CR, Report
+from checkpointless.simulate.report import (
+    CL,
+    CL_POLICY,
+    CL_POLICY_ROOTLESS,
+    CL_ROOTLESS,
+    CL_TODAY,
+    CR,
+    SCALE_GPUS,
+    Report,
+)
 
 __all__ = [
     "breakdown_table",
     "headline",
+    "policy_text",
     "render_markdown",
+    "scale_table",
     "sensitivity_table",
     "sweep_table",
     "to_json",
@@ -41,45 +53,64 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def policy_text(cap: CapacityPolicy) -> str:
+    """The chosen no-spare policy in words (the flags that select it)."""
+    if cap.no_spare is NoSparePolicy.SHRINK:
+        words = f"shrink to at least {cap.min_replicas} replica(s) and grow back"
+    elif cap.no_spare is NoSparePolicy.FAIL:
+        words = "fail at once"
+    else:
+        limit = "no limit" if math.isinf(cap.spare_wait_s) else f"up to {cap.spare_wait_s:g} s"
+        words = f"wait for a repaired host ({limit}), then fail"
+    return f"{words}; health check {'on (quarantine)' if cap.health_check else 'off'}"
+
+
 def sweep_table(rep: Report) -> str:
     header = [
         "GPUs",
         "job MTBF (h)",
         "faults / run",
-        "C-R ckpt every (min)",
         "C-R goodput %",
-        "CL goodput %",
-        "CL root-less %",
-        "CL - C-R (points)",
+        "CL, fails when spares run out %",
+        "CL, waits for a repair %",
+        "CL, waits, root-less %",
+        "CL, chosen policy %",
+        "CL, chosen policy, root-less %",
         "C-R closed form %",
-        "CL closed form %",
-        "CL fallbacks / run",
+        "chosen policy closed form %",
+        "chosen policy: fallbacks / run",
+        "shrinks / run",
     ]
     rows = []
     for n in rep.gpus:
-        cr, cl, rl = rep.at(CR, n), rep.at(CL, n), rep.at(CL_ROOTLESS, n)
+        cr, pol = rep.at(CR, n), rep.at(CL_POLICY, n)
         mtbf_h = rep.base.failures.job_mtbf_s(n) / 3600
         rows.append(
             [
                 f"{n:,}",
-                f"{mtbf_h:.1f}",
+                f"{mtbf_h:.2f}",
                 f"{cr.faults_mean:.1f}",
-                f"{cr.interval_s / 60:.0f}",
                 f"{_pct(cr.goodput_mean)} ± {_pct(cr.goodput_sd)}",
-                f"{_pct(cl.goodput_mean)} ± {_pct(cl.goodput_sd)}",
-                _pct(rl.goodput_mean),
-                f"{100 * (cl.goodput_mean - cr.goodput_mean):+.2f}",
+                _pct(rep.at(CL_TODAY, n).goodput_mean),
+                _pct(rep.at(CL, n).goodput_mean),
+                _pct(rep.at(CL_ROOTLESS, n).goodput_mean),
+                f"{_pct(pol.goodput_mean)} ± {_pct(pol.goodput_sd)}",
+                _pct(rep.at(CL_POLICY_ROOTLESS, n).goodput_mean),
                 _pct(cr.analytic),
-                _pct(cl.analytic),
-                f"{cl.fallbacks_mean:.1f}",
+                _pct(pol.analytic),
+                f"{pol.fallbacks_mean:.1f}",
+                f"{pol.shrinks_mean:.1f}",
             ]
         )
     return _table(header, rows)
 
 
-def breakdown_table(rep: Report) -> str:
-    n = rep.focus_gpus
-    summaries = [rep.at(CR, n), rep.at(CL, n), rep.at(CL_ROOTLESS, n)]
+_BREAKDOWN = (CR, CL_TODAY, CL, CL_POLICY, CL_POLICY_ROOTLESS)
+
+
+def breakdown_table(rep: Report, gpus: int | None = None) -> str:
+    n = rep.focus_gpus if gpus is None else gpus
+    summaries = [rep.at(v, n) for v in _BREAKDOWN]
     header = ["% of wall time", *(s.variant for s in summaries)]
     rows = [["productive (goodput)", *(_pct(s.goodput_mean) for s in summaries)]]
     rows += [[b.value, *(_pct(s.badput_share[b.value]) for s in summaries)] for b in BADPUT_BUCKETS]
@@ -87,29 +118,69 @@ def breakdown_table(rep: Report) -> str:
 
 
 def sensitivity_table(rep: Report) -> str:
-    header = ["case", "C-R goodput %", "CL goodput %", "CL - C-R (points)", "CL fallbacks / run"]
+    header = [
+        "case",
+        "C-R goodput %",
+        "CL, waits for a repair %",
+        "CL, chosen policy %",
+        "chosen - C-R (points)",
+        "chosen: fallbacks / run",
+        "chosen: shrinks / run",
+    ]
     rows = [
         [
             r.case,
             _pct(r.checkpoint_restart.goodput_mean),
             _pct(r.checkpointless.goodput_mean),
-            f"{100 * (r.checkpointless.goodput_mean - r.checkpoint_restart.goodput_mean):+.2f}",
-            f"{r.checkpointless.fallbacks_mean:.1f}",
+            _pct(r.policy.goodput_mean),
+            f"{100 * (r.policy.goodput_mean - r.checkpoint_restart.goodput_mean):+.2f}",
+            f"{r.policy.fallbacks_mean:.1f}",
+            f"{r.policy.shrinks_mean:.1f}",
         ]
         for r in rep.sensitivity
     ]
     return _table(header, rows)
 
 
+def scale_table(rep: Report) -> str:
+    header = [
+        "repairs",
+        "GPUs",
+        "C-R %",
+        "CL, fails when spares run out %",
+        "CL, chosen policy %",
+        "CL, chosen policy, root-less %",
+        "chosen: shrinks / run",
+        "fewest replicas at work",
+        "quarantined / run",
+    ]
+    rows = [
+        [
+            r.case,
+            f"{r.gpus:,}",
+            _pct(r.checkpoint_restart.goodput_mean),
+            _pct(r.today.goodput_mean),
+            f"{_pct(r.policy.goodput_mean)} ± {_pct(r.policy.goodput_sd)}",
+            _pct(r.policy_rootless.goodput_mean),
+            f"{r.policy.shrinks_mean:.1f}",
+            f"{r.policy.min_replicas_seen:g} of {r.gpus / rep.base.shape.dp_replica_gpus:g}",
+            f"{r.policy.quarantined_mean:.1f}",
+        ]
+        for r in rep.scale
+    ]
+    return _table(header, rows)
+
+
 def headline(rep: Report) -> str:
     n = rep.focus_gpus
-    cr, cl = rep.at(CR, n), rep.at(CL, n)
-    p_fb = fallback_probability(rep.base.failures, replace(rep.base.shape, gpus=n))
+    cr, cl, pol = rep.at(CR, n), rep.at(CL, n), rep.at(CL_POLICY, n)
+    p_fb = fallback_probability(rep.base.failures, replace(rep.base.shape, gpus=n), rep.base.capacity)
     return (
         f"At {n:,} GPUs over {rep.base.days:g} days ({len(rep.seeds)} seeds): checkpoint-restart "
         f"goodput {_pct(cr.goodput_mean)}% (checkpoint every {cr.interval_s / 60:.0f} min), "
-        f"checkpointless {_pct(cl.goodput_mean)}% (checkpoint every {cl.interval_s / 60:.0f} min; "
-        f"{100 * p_fb:.1f}% of single faults are expected to fall back to it)."
+        f"checkpointless waiting for repaired hosts {_pct(cl.goodput_mean)}%, with the chosen "
+        f"policy ({policy_text(rep.base.capacity)}) {_pct(pol.goodput_mean)}% (checkpoint every "
+        f"{pol.interval_s / 60:.0f} min; {100 * p_fb:.1f}% of single faults are expected to fall back to it)."
     )
 
 
@@ -129,7 +200,10 @@ def render_markdown(rep: Report, command: str, machine: str, runtime_s: float) -
         "## Goodput versus job size",
         "",
         "Mean ± standard deviation over seeds. CL = checkpointless with this repository's store-based",
-        "communicator rebuild (O(N)); 'root-less' uses an O(log N) rebuild instead.",
+        "communicator rebuild (O(N)); 'root-less' uses an O(log N) rebuild instead. When a host is",
+        "lost and no spare host is ready, 'fails when spares run out' waits 60 s (`--spare-wait`) and",
+        "restarts from its checkpoint, 'waits for a repair' waits as long as it takes (the model so",
+        f"far), and the chosen policy does this: {policy_text(rep.base.capacity)}.",
         "",
         sweep_table(rep),
         "",
@@ -137,6 +211,19 @@ def render_markdown(rep: Report, command: str, machine: str, runtime_s: float) -
         "",
         breakdown_table(rep),
     ]
+    for n in SCALE_GPUS:
+        if n != rep.focus_gpus and n in rep.gpus:
+            parts += ["", f"## Where the time goes at {n:,} GPUs", "", breakdown_table(rep, n)]
+    if rep.scale:
+        parts += [
+            "",
+            "## The target sizes under longer repairs",
+            "",
+            "A repaired host returns after the given time; the chosen policy runs with fewer",
+            "replicas meanwhile, the launcher of today fails once its spares are used up.",
+            "",
+            scale_table(rep),
+        ]
     if rep.sensitivity:
         parts += [
             "",
@@ -172,11 +259,23 @@ def to_json(rep: Report, command: str, machine: str, runtime_s: float) -> dict[s
             "checkpoint_restart_goodput": rep.at(CR, n).goodput_mean,
             "checkpointless_goodput": rep.at(CL, n).goodput_mean,
             "checkpointless_rootless_goodput": rep.at(CL_ROOTLESS, n).goodput_mean,
+            "policy_goodput": rep.at(CL_POLICY, n).goodput_mean,
+        },
+        "policy": policy_text(rep.base.capacity),
+        # goodput of every variant at the target sizes (issue 39: >= 98.5% at 16,384, >= 97% at 100,000)
+        "targets": {
+            str(g): {
+                v: rep.at(v, g).goodput_mean
+                for v in (CR, CL_TODAY, CL, CL_ROOTLESS, CL_POLICY, CL_POLICY_ROOTLESS)
+            }
+            for g in SCALE_GPUS
+            if g in rep.gpus
         },
         "config": _jsonable(rep.base),
         "seeds": list(rep.seeds),
         "sweep": _jsonable(rep.sweep),
         "sensitivity": _jsonable(rep.sensitivity),
+        "scale": _jsonable(rep.scale),
     }
 
 
@@ -188,7 +287,13 @@ def write_plot(rep: Report, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.4), gridspec_kw={"width_ratios": [3, 2]})
-    colours = {CR: "tab:red", CL: "tab:blue", CL_ROOTLESS: "tab:green"}
+    colours = {
+        CR: "tab:red",
+        CL_TODAY: "tab:orange",
+        CL: "tab:blue",
+        CL_POLICY: "tab:purple",
+        CL_POLICY_ROOTLESS: "tab:green",
+    }
     for k, (variant, colour) in enumerate(colours.items()):
         pts = [rep.at(variant, n) for n in rep.gpus]
         ax.errorbar(
@@ -218,7 +323,7 @@ def write_plot(rep: Report, path: Path) -> None:
     ax.legend(fontsize=8)
 
     n = rep.focus_gpus
-    summaries = [rep.at(CR, n), rep.at(CL, n), rep.at(CL_ROOTLESS, n)]
+    summaries = [rep.at(v, n) for v in _BREAKDOWN]
     left = [0.0] * len(summaries)
     cmap = plt.get_cmap("tab10")
     for i, b in enumerate(BADPUT_BUCKETS):

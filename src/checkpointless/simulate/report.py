@@ -10,14 +10,16 @@ Rendering a report (tables, markdown, JSON, the plot) is ``render.py``: it only 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tqdm import tqdm
 
 from checkpointless.simulate.calibration import CommModel
+from checkpointless.simulate.capacity import CapacityPolicy, NoSparePolicy
 from checkpointless.simulate.des import SimConfig, simulate_run
 from checkpointless.simulate.failures import META_RSC_RATE_PER_GPU_HOUR, sample_faults
 from checkpointless.simulate.models import (
@@ -30,24 +32,42 @@ from checkpointless.simulate.models import (
 
 __all__ = [
     "CL",
+    "CL_POLICY",
+    "CL_POLICY_ROOTLESS",
     "CL_ROOTLESS",
+    "CL_TODAY",
     "CR",
     "DEFAULT_GPUS",
+    "SCALE_CASES",
+    "SCALE_GPUS",
     "SENSITIVITY_CASES",
+    "TODAY",
     "Report",
+    "ScaleRow",
     "SensitivityRow",
     "Summary",
     "run_report",
+    "scale_study",
     "sensitivity",
     "summarise",
     "sweep",
 ]
 
-DEFAULT_GPUS: tuple[int, ...] = (16, 64, 256, 1024, 2304, 4096, 8192, 16384)
+DEFAULT_GPUS: tuple[int, ...] = (16, 64, 256, 1024, 2304, 4096, 8192, 16384, 32768, 100000)
+# the sizes of issue 39's targets, each under a few repair times (the scale table)
+SCALE_GPUS: tuple[int, ...] = (2304, 16384, 100000)
 
 CR = "checkpoint-restart"
+# the model so far: a lost host with no spare ready waits for a repaired one, however long
 CL = "checkpointless"
 CL_ROOTLESS = "checkpointless, root-less rebuild"
+# the launcher today: it waits --spare-wait (60 s) for a host, then the job fails
+CL_TODAY = "checkpointless, fails when the spares run out"
+# the policy chosen on the command line (default: shrink, grow back, health-checked admission)
+CL_POLICY = "checkpointless, chosen policy"
+CL_POLICY_ROOTLESS = "checkpointless, chosen policy, root-less rebuild"
+
+TODAY = CapacityPolicy(NoSparePolicy.WAIT, spare_wait_s=60.0)
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,11 @@ class Summary:
     fallbacks_mean: float
     spare_waits_mean: float
     badput_share: dict[str, float]  # bucket -> share of wall time, mean over seeds
+    shrinks_mean: float = 0.0
+    grows_mean: float = 0.0
+    quarantined_mean: float = 0.0
+    bad_hosts_promoted_mean: float = 0.0
+    min_replicas_seen: float = math.nan  # fewest replicas at work in any seed
 
 
 def summarise(variant: str, policy: Policy, cfg: SimConfig, seeds: Sequence[int]) -> Summary:
@@ -74,8 +99,9 @@ def summarise(variant: str, policy: Policy, cfg: SimConfig, seeds: Sequence[int]
         for seed in seeds
     ]
     goodputs = [r.goodput for r in runs]
+    cap = cfg.capacity if policy is Policy.CHECKPOINTLESS else None
     interval = policy_interval(
-        policy, cfg.interval_rule, cfg.failures, cfg.shape, cfg.cal, cfg.max_interval_s
+        policy, cfg.interval_rule, cfg.failures, cfg.shape, cfg.cal, cfg.max_interval_s, cap
     )
     return Summary(
         variant=variant,
@@ -83,7 +109,7 @@ def summarise(variant: str, policy: Policy, cfg: SimConfig, seeds: Sequence[int]
         gpus=cfg.shape.gpus,
         goodput_mean=statistics.fmean(goodputs),
         goodput_sd=statistics.stdev(goodputs) if len(goodputs) > 1 else 0.0,
-        analytic=analytic_goodput(policy, cfg.failures, cfg.shape, cfg.cal, interval),
+        analytic=analytic_goodput(policy, cfg.failures, cfg.shape, cfg.cal, interval, cap),
         interval_s=interval,
         faults_mean=statistics.fmean(r.faults for r in runs),
         fallbacks_mean=statistics.fmean(r.fallbacks for r in runs),
@@ -91,15 +117,25 @@ def summarise(variant: str, policy: Policy, cfg: SimConfig, seeds: Sequence[int]
         badput_share={
             b.value: statistics.fmean(r.seconds[b] / r.wall_s for r in runs) for b in BADPUT_BUCKETS
         },
+        shrinks_mean=statistics.fmean(r.shrinks for r in runs),
+        grows_mean=statistics.fmean(r.grows for r in runs),
+        quarantined_mean=statistics.fmean(r.quarantined for r in runs),
+        bad_hosts_promoted_mean=statistics.fmean(r.bad_hosts_promoted for r in runs),
+        min_replicas_seen=min(r.min_replicas_seen for r in runs),
     )
 
 
 def _variants(cfg: SimConfig) -> list[tuple[str, Policy, SimConfig]]:
+    """Every column; ``cfg.capacity`` is the chosen policy, the others are fixed references."""
     rootless = replace(cfg, cal=replace(cfg.cal, rebuild_model=CommModel.ROOTLESS_LOG))
+    so_far, today = replace(cfg, capacity=CapacityPolicy()), replace(cfg, capacity=TODAY)
     return [
         (CR, Policy.CHECKPOINT_RESTART, cfg),
-        (CL, Policy.CHECKPOINTLESS, cfg),
-        (CL_ROOTLESS, Policy.CHECKPOINTLESS, rootless),
+        (CL, Policy.CHECKPOINTLESS, so_far),
+        (CL_ROOTLESS, Policy.CHECKPOINTLESS, replace(rootless, capacity=CapacityPolicy())),
+        (CL_TODAY, Policy.CHECKPOINTLESS, today),
+        (CL_POLICY, Policy.CHECKPOINTLESS, cfg),
+        (CL_POLICY_ROOTLESS, Policy.CHECKPOINTLESS, rootless),
     ]
 
 
@@ -135,6 +171,10 @@ def _all_bugs_recur(c: SimConfig) -> SimConfig:
         replace(k, recurring=True) if k.name.startswith("software") else k for k in c.failures.causes
     )
     return replace(c, failures=replace(c.failures, causes=causes))
+
+
+def _bad_repairs(fraction: float) -> Callable[[SimConfig], SimConfig]:
+    return lambda c: replace(c, failures=replace(c.failures, bad_repair_fraction=fraction))
 
 
 def _save_x(factor: float) -> Callable[[SimConfig], SimConfig]:
@@ -183,6 +223,13 @@ SENSITIVITY_CASES: tuple[tuple[str, Callable[[SimConfig], SimConfig]], ...] = (
     ("every software bug recurs in-process", _all_bugs_recur),
     ("one copy of the state (replicas=1)", _shape(replicas=1)),
     ("Daly interval instead of Young", lambda c: replace(c, interval_rule=IntervalRule.DALY)),
+    ("repairs take 24 h", _shape(replace_s=24 * 3600.0)),
+    ("repairs take 72 h", _shape(replace_s=72 * 3600.0)),
+    ("no repair comes back faulty", _bad_repairs(0.0)),
+    ("20% of repairs come back faulty", _bad_repairs(0.2)),
+    ("a replica is one node (DDP, 8 GPUs)", _shape(dp_replica_gpus=8)),
+    ("a replica is 1,024 GPUs", _shape(dp_replica_gpus=1024)),
+    ("measured shrink and grow: 1.28 s (host_loss.json)", _cal(shrink_s=1.28, grow_s=1.28)),
 )
 
 
@@ -191,10 +238,11 @@ class SensitivityRow:
     case: str
     checkpoint_restart: Summary
     checkpointless: Summary
+    policy: Summary  # the chosen no-spare policy (CL_POLICY)
 
 
 def sensitivity(base: SimConfig, gpus: int, seeds: Sequence[int]) -> list[SensitivityRow]:
-    """Both policies at ``gpus`` under each case of :data:`SENSITIVITY_CASES`."""
+    """C-R, CL (the model so far) and the chosen policy at ``gpus`` under each case."""
     cfg0 = replace(base, shape=replace(base.shape, gpus=gpus))
     rows = []
     for name, change in tqdm(SENSITIVITY_CASES, desc="simulate: what-if cases", disable=None, leave=False):
@@ -203,9 +251,43 @@ def sensitivity(base: SimConfig, gpus: int, seeds: Sequence[int]) -> list[Sensit
             SensitivityRow(
                 name,
                 summarise(CR, Policy.CHECKPOINT_RESTART, cfg, seeds),
-                summarise(CL, Policy.CHECKPOINTLESS, cfg, seeds),
+                summarise(CL, Policy.CHECKPOINTLESS, replace(cfg, capacity=CapacityPolicy()), seeds),
+                summarise(CL_POLICY, Policy.CHECKPOINTLESS, cfg, seeds),
             )
         )
+    return rows
+
+
+# Repair times for the scale table: the default (an assumption), a day, three days.
+SCALE_CASES: tuple[tuple[str, Callable[[SimConfig], SimConfig]], ...] = (
+    ("repairs take 1 h (default)", lambda c: c),
+    ("repairs take 24 h", _shape(replace_s=24 * 3600.0)),
+    ("repairs take 72 h", _shape(replace_s=72 * 3600.0)),
+)
+
+
+@dataclass(frozen=True)
+class ScaleRow:
+    case: str
+    gpus: int
+    checkpoint_restart: Summary
+    today: Summary  # CL_TODAY
+    policy: Summary  # CL_POLICY
+    policy_rootless: Summary  # CL_POLICY_ROOTLESS
+
+
+def scale_study(base: SimConfig, gpus: Sequence[int], seeds: Sequence[int]) -> list[ScaleRow]:
+    """C-R, today's launcher and the chosen policy at the target sizes, per repair time."""
+    rows = []
+    for name, change in tqdm(SCALE_CASES, desc="simulate: scale cases", disable=None, leave=False):
+        for n in gpus:
+            cfg = change(replace(base, shape=replace(base.shape, gpus=n)))
+            v = {
+                label: summarise(label, p, c, seeds)
+                for label, p, c in _variants(cfg)
+                if label != CL and label != CL_ROOTLESS
+            }
+            rows.append(ScaleRow(name, n, v[CR], v[CL_TODAY], v[CL_POLICY], v[CL_POLICY_ROOTLESS]))
     return rows
 
 
@@ -217,6 +299,7 @@ class Report:
     seeds: tuple[int, ...]
     sweep: list[Summary]
     sensitivity: list[SensitivityRow]
+    scale: list[ScaleRow] = field(default_factory=list)
 
     def at(self, variant: str, gpus: int) -> Summary:
         return next(s for s in self.sweep if s.variant == variant and s.gpus == gpus)
@@ -234,4 +317,5 @@ def run_report(
         seeds=tuple(seeds),
         sweep=sweep(base, sizes, seeds),
         sensitivity=sensitivity(base, focus_gpus, seeds) if with_sensitivity else [],
+        scale=scale_study(base, SCALE_GPUS, seeds) if with_sensitivity else [],
     )

@@ -34,6 +34,10 @@ class JobShape:
     spare_nodes: int | None = None  # None: derived from spare_fraction
     spare_fraction: float = 0.02  # hot spare nodes as a share of the job's nodes (at least one)
     replace_s: float = 3600.0  # a failed node is repaired or replaced and back in the pool
+    # GPUs of one data-parallel replica: the unit that degraded mode drops when a host is lost and
+    # no spare is ready. Llama 3 405B trained on 16,384 GPUs as TP 8 x PP 16 x DP 128, so one
+    # replica is 8 x 16 = 128 GPUs (16 nodes).
+    dp_replica_gpus: int = 128
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.replicas < 1 or self.switch_nodes < 1:
@@ -53,6 +57,11 @@ class JobShape:
                 raise ConfigError(f"{name}={value} must be a finite number > 0")
         if not 0.0 <= self.spare_fraction <= 1.0:
             raise ConfigError(f"spare_fraction={self.spare_fraction} must lie in [0, 1]")
+        if self.dp_replica_gpus < self.gpus_per_node or self.dp_replica_gpus % self.gpus_per_node:
+            raise ConfigError(
+                f"dp_replica_gpus={self.dp_replica_gpus} must be a positive multiple of "
+                f"gpus_per_node={self.gpus_per_node} (a replica is whole nodes)"
+            )
         if self.spare_nodes is not None and self.spare_nodes < 0:
             raise ConfigError(f"spare_nodes={self.spare_nodes} must be >= 0 (or None to derive it)")
 
@@ -63,6 +72,16 @@ class JobShape:
     @property
     def nodes_per_replica(self) -> int:
         return self.nodes // self.replicas
+
+    @property
+    def dp_group_nodes(self) -> int:
+        """Nodes of one data-parallel replica."""
+        return self.dp_replica_gpus // self.gpus_per_node
+
+    @property
+    def dp_width(self) -> float:
+        """Data-parallel replicas at full width (fractional when the job is not whole replicas)."""
+        return self.nodes / self.dp_group_nodes
 
     @property
     def spares(self) -> int:

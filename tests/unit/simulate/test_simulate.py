@@ -77,7 +77,9 @@ def test_checkpoint_interval_whole_steps_and_cap() -> None:
 
 # --- expected loss per fault -------------------------------------------------------------------
 def _one_cause(blast: Blast, detection: Detection = Detection.FAST, recurring: bool = False) -> FailureModel:
-    return FailureModel(causes=(FailureCause("only", 1.0, blast, detection, recurring),))
+    # every repair comes back healthy: these tests are about one fault's own cost
+    cause = FailureCause("only", 1.0, blast, detection, recurring)
+    return FailureModel(causes=(cause,), bad_repair_fraction=0.0)
 
 
 @pytest.mark.timeout(5)

@@ -172,7 +172,8 @@ def test_goodput_falls_as_failure_rate_rises(policy: Policy) -> None:
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("gpus", [2304, 16384])
 def test_simulation_agrees_with_closed_form(gpus: int) -> None:
-    cfg = _cfg(gpus, days=20.0)
+    # 60 days: the closed form assumes the spare pool's first (healthy) hosts are long used up
+    cfg = _cfg(gpus, days=60.0)
     for policy in Policy:
         sim = statistics.fmean(_run(cfg, policy, s) for s in range(3))
         interval = policy_interval(
@@ -202,7 +203,7 @@ def test_unsorted_trace_and_bad_days_rejected() -> None:
 
 
 # --- command line -------------------------------------------------------------------------------
-@pytest.mark.timeout(25)
+@pytest.mark.timeout(60)
 def test_main_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(
         ["--gpus", "16,1024", "--focus-gpus", "2304", "--days", "3", "--seeds", "2", "--out", str(tmp_path)]

@@ -1,0 +1,213 @@
+"""Recovery plans: the phases a job goes through after a fault (or to grow back), and what each
+costs under the calibration and the job's shape.
+
+Pure functions; the event simulation (``des.py``) and the closed form (``models.py``) use the same
+plans, so their differences are the timing effects only the simulation has.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import NamedTuple
+
+from checkpointless.simulate.calibration import Calibration, CommModel
+from checkpointless.simulate.failures import Detection, FailureCause
+from checkpointless.simulate.topology import JobShape
+
+__all__ = [
+    "BADPUT_BUCKETS",
+    "Bucket",
+    "Phase",
+    "Policy",
+    "comm_start_s",
+    "detect_s",
+    "grow_phases",
+    "inprocess_phases",
+    "load_cost_s",
+    "recovery_plan",
+    "restart_phases",
+    "save_cost_s",
+    "shrink_phases",
+    "step_wall_s",
+    "transfer_cost_s",
+]
+
+
+class Policy(str, Enum):
+    CHECKPOINT_RESTART = "checkpoint-restart"
+    CHECKPOINTLESS = "checkpointless"
+
+
+class Bucket(str, Enum):
+    """Where wall time goes; the badput ones follow Google's ml-goodput-measurement categories."""
+
+    PRODUCTIVE = "productive"
+    INITIALISATION = "initialisation"  # communicator start-up or rebuild
+    PROGRAM_STARTUP = "program_startup"  # process start, imports, model build, first-step warm-up
+    DATA_LOADING = "data_loading"  # data pipeline restart after a disruption
+    CHECKPOINT_SAVE = "checkpoint_save"  # blocking part of saves
+    CHECKPOINT_RESTORE = "checkpoint_restore"  # file load, or state received from a peer
+    WASTED_PROGRESS = "wasted_progress"  # steps computed and then lost to a rollback
+    INFRA_RECOVERY = "infra_recovery"  # detection, abort, requeue, waiting for a node, swap
+    DEGRADED = "degraded"  # capacity missing while fewer replicas compute the whole batch
+    OTHER = "other"  # steady per-step cost of being recoverable
+
+
+BADPUT_BUCKETS: tuple[Bucket, ...] = tuple(b for b in Bucket if b is not Bucket.PRODUCTIVE)
+
+
+class Phase(NamedTuple):
+    """One stretch of a recovery: which bucket it is charged to, what it is, how long."""
+
+    bucket: Bucket
+    label: str
+    seconds: float
+
+
+# ----------------------------------------------------------------------------------------------
+# Scaling models
+# ----------------------------------------------------------------------------------------------
+def comm_start_s(model: CommModel, fixed_s: float, gpus: int, cal: Calibration) -> float:
+    """Time to form the communicator over ``gpus`` ranks under a scaling model."""
+    if model is CommModel.STORE_LINEAR:
+        return fixed_s + cal.store_per_rank_s * gpus
+    if model is CommModel.ROOTLESS_LOG:
+        return fixed_s + cal.rootless_log_s * math.log2(max(gpus, 2))
+    return fixed_s
+
+
+def save_cost_s(shape: JobShape, cal: Calibration) -> float:
+    """Blocking time of one save: one copy of the state through the store's write bandwidth."""
+    return cal.save_s + shape.checkpoint_gb / cal.storage_write_gbps
+
+
+def load_cost_s(shape: JobShape, cal: Calibration) -> float:
+    """Time to read one copy of the state back from the checkpoint store."""
+    return cal.load_s + shape.checkpoint_gb / cal.storage_read_gbps
+
+
+def transfer_cost_s(shape: JobShape, cal: Calibration) -> float:
+    """Peer transfer to the replaced GPUs; each one pulls its own shard over its own link.
+
+    Replaced GPUs receive in parallel from distinct healthy twins, so the time is one GPU's state
+    over one GPU's bandwidth whatever the number of replaced GPUs.
+    """
+    return cal.transfer_s + shape.state_gb_per_gpu / cal.peer_gbps
+
+
+def detect_s(cause: FailureCause, cal: Calibration) -> float:
+    return cal.hang_timeout_s if cause.detection is Detection.HANG else cal.detect_s
+
+
+def step_wall_s(policy: Policy, shape: JobShape, cal: Calibration) -> float:
+    """Wall time of one step; checkpointless pays a small bookkeeping cost on every step."""
+    extra = cal.step_overhead_s if policy is Policy.CHECKPOINTLESS else 0.0
+    return shape.step_s + extra
+
+
+# ----------------------------------------------------------------------------------------------
+# Recovery plans
+# ----------------------------------------------------------------------------------------------
+def restart_phases(shape: JobShape, cal: Calibration, spare_wait_s: float) -> list[Phase]:
+    """A full job restart from the last checkpoint, after the fault has been detected.
+
+    Waiting for replacement nodes overlaps with requeueing the job, so the longer of the two
+    counts.
+    """
+    return [
+        Phase(Bucket.INFRA_RECOVERY, "requeue / wait for nodes", max(cal.requeue_s, spare_wait_s)),
+        Phase(Bucket.PROGRAM_STARTUP, "process start", cal.restart_s),
+        Phase(
+            Bucket.INITIALISATION,
+            "communicator init",
+            comm_start_s(cal.init_model, cal.init_s, shape.gpus, cal),
+        ),
+        Phase(Bucket.CHECKPOINT_RESTORE, "checkpoint load", load_cost_s(shape, cal)),
+        Phase(Bucket.DATA_LOADING, "data loader cold start", cal.restart_data_s),
+        Phase(Bucket.PROGRAM_STARTUP, "first step after restart", cal.restart_first_step_s),
+    ]
+
+
+def inprocess_phases(shape: JobShape, cal: Calibration, spare_wait_s: float, lost_state: bool) -> list[Phase]:
+    """Checkpointless recovery after detection and abort: swap, rebuild, receive, re-run.
+
+    ``lost_state`` is False for job-wide software faults: every rank still holds its state, so
+    nothing is swapped or transferred.
+    """
+    phases: list[Phase] = []
+    if lost_state:
+        phases.append(Phase(Bucket.INFRA_RECOVERY, "wait for a spare node", spare_wait_s))
+        phases.append(Phase(Bucket.INFRA_RECOVERY, "spare swap", cal.swap_s))
+    rebuild = comm_start_s(cal.rebuild_model, cal.rebuild_s, shape.gpus, cal)
+    phases.append(Phase(Bucket.INITIALISATION, "communicator rebuild", rebuild))
+    if lost_state:
+        phases.append(Phase(Bucket.CHECKPOINT_RESTORE, "peer state transfer", transfer_cost_s(shape, cal)))
+    phases.append(Phase(Bucket.DATA_LOADING, "data resume", cal.data_resume_s))
+    phases.append(Phase(Bucket.PROGRAM_STARTUP, "first step after recovery", cal.first_step_s))
+    return phases
+
+
+def recovery_plan(
+    policy: Policy,
+    cause: FailureCause,
+    shape: JobShape,
+    cal: Calibration,
+    *,
+    fallback: bool,
+    lost_state: bool,
+    spare_wait_s: float,
+    gave_up_after_s: float = 0.0,
+    shrink: bool = False,
+) -> list[Phase]:
+    """Every phase from the fault to the first productive step (lost work is charged apart).
+
+    ``fallback`` (checkpointless only) means the state cannot come from a peer, or the in-process
+    retry will fail, or no host came within the no-spare policy's wait (``gave_up_after_s``), so
+    the job restarts from its own (less frequent) checkpoint. ``shrink``: no spare host took the
+    lost place, and the job goes on with fewer replicas.
+    """
+    detect = Phase(Bucket.INFRA_RECOVERY, "detect", detect_s(cause, cal))
+    if policy is Policy.CHECKPOINT_RESTART:
+        return [detect, *restart_phases(shape, cal, spare_wait_s)]
+    abort = Phase(Bucket.INFRA_RECOVERY, "abort", cal.abort_s)
+    if not fallback:
+        if shrink:
+            return [detect, *shrink_phases(shape, cal)]
+        return [detect, abort, *inprocess_phases(shape, cal, spare_wait_s, lost_state)]
+    if gave_up_after_s > 0:
+        gave_up = Phase(Bucket.INFRA_RECOVERY, "wait for a spare host, then fail", gave_up_after_s)
+        return [detect, abort, gave_up, *restart_phases(shape, cal, spare_wait_s)]
+    if cause.recurring:
+        # The in-process retry is tried first (the job cannot know the bug will recur): it costs a
+        # recovery plus one step that fails again, then a second detection.
+        retry = inprocess_phases(shape, cal, 0.0, lost_state=False)
+        failed = Phase(
+            Bucket.WASTED_PROGRESS, "re-run step that fails again", step_wall_s(policy, shape, cal)
+        )
+        again = Phase(Bucket.INFRA_RECOVERY, "detect again", detect_s(cause, cal))
+        return [detect, abort, *retry, failed, again, abort, *restart_phases(shape, cal, spare_wait_s)]
+    return [detect, abort, *restart_phases(shape, cal, spare_wait_s)]
+
+
+def shrink_phases(shape: JobShape, cal: Calibration) -> list[Phase]:
+    """After detection: go on with fewer replicas. One recovery round: abort, swap the spares that
+    are there (survivors of a dropped replica stand in for the others), rebuild, re-plan the
+    micro-batches, first step; or the measured ``shrink_s``."""
+    if cal.shrink_s is not None:
+        return [Phase(Bucket.INFRA_RECOVERY, "shrink (measured)", cal.shrink_s)]
+    abort = Phase(Bucket.INFRA_RECOVERY, "abort", cal.abort_s)
+    return [abort, *inprocess_phases(shape, cal, 0.0, lost_state=True)]
+
+
+def grow_phases(shape: JobShape, cal: Calibration) -> list[Phase]:
+    """Hosts join at a step boundary: one recovery round without a fault (nothing to detect or
+    abort): rebuild, state to the new hosts, data, first step; or the measured ``grow_s``."""
+    if cal.grow_s is not None:
+        return [Phase(Bucket.INITIALISATION, "grow (measured)", cal.grow_s)]
+    return [
+        Phase(Bucket.INITIALISATION, "communicator rebuild (grow)", comm_start_s(cal.rebuild_model, cal.rebuild_s, shape.gpus, cal)),
+        Phase(Bucket.CHECKPOINT_RESTORE, "state to the new hosts", transfer_cost_s(shape, cal)),
+        Phase(Bucket.DATA_LOADING, "data resume", cal.data_resume_s),
+        Phase(Bucket.PROGRAM_STARTUP, "first step at full width", cal.first_step_s),
+    ]  # fmt: skip
