@@ -243,9 +243,11 @@ class _Run:
             holes = self.holes + len(nodes)
             fill = fill_count(holes, self.fleet.available(self.t), shape.dp_group_nodes)
             if replicas_at_work(shape, holes - fill) >= cap.min_replicas:
+                before = replicas_at_work(shape, self.holes)
                 self._promote(self.fleet.take_ready(self.t, fill), nodes)
                 self._set_holes(holes - fill)
-                return _Placement(shrank=self.holes > 0)
+                # a lost host taken over by a spare or by a dropped replica's survivor is a swap
+                return _Placement(shrank=replicas_at_work(shape, self.holes) < before)
             # below --min-replicas the job fails at once; its restart waits for every missing host
             hosts, wait = self.fleet.take(self.t, holes)
             self._promote(hosts, nodes)
