@@ -42,7 +42,7 @@ from __future__ import annotations
 import datetime
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from checkpointless.comm.generations import GenerationGroup, on_cuda
-from checkpointless.comm.handle import default_backend
+from checkpointless.comm.handle import Handle, default_backend
 from checkpointless.comm.work import AbortableWork, ChainWork, clamp_timeout
 
 __all__ = ["BACKEND_NAME", "ResilientProcessGroup", "register_backend"]
@@ -74,6 +74,14 @@ class ResilientProcessGroup(GenerationGroup):
     new_group: Callable[..., ResilientProcessGroup | None] | None = None
     # called by shutdown() (``dist.destroy_process_group(group)``) for a group the script made
     on_shutdown: Callable[[ResilientProcessGroup], None] | None = None
+    # collectives issued on this group so far: whether the script has communicated through it
+    # (a fault before the job's first state sync, recovery/first_generation.py)
+    issued = 0
+    # for every group at once: while set, a collective on a group that has never formed
+    # completes at once without communicating, its outputs left as they are. Set in a
+    # replacement until job.steps(): its start-up's collectives have no partners (its peers are
+    # in the recovery round) and what they would bring is replaced by the state it receives.
+    local_until_formed: ClassVar[bool] = False
 
     # -- identity: what FSDP2, DeviceMesh and c10d ask ----------------------------------------
     def rank(self) -> int:
@@ -123,6 +131,9 @@ class ResilientProcessGroup(GenerationGroup):
 
     # -- collectives ----------------------------------------------------------------------------
     def _issue(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> AbortableWork:
+        if ResilientProcessGroup.local_until_formed and self.generation < 0:
+            return AbortableWork(Handle(None, result, _forget_nothing), result)  # done as issued
+        self.issued += 1
         return AbortableWork(self.handle(fn, result, on), result)
 
     def _before(self, kind: str) -> None:
@@ -221,6 +232,7 @@ class ResilientProcessGroup(GenerationGroup):
             with torch.no_grad():
                 output.copy_(flat.narrow(0, start, n).view(output.shape))
 
+        self.issued += 1
         h = self.handle(lambda pg: pg.allreduce([flat], aopts), output, flat)
         return AbortableWork(h, output, then=take_part)
 
@@ -328,6 +340,10 @@ class ResilientProcessGroup(GenerationGroup):
             for o, i in zip(outputs, inputs, strict=True)
         ]
         return ChainWork(works, outputs)
+
+
+def _forget_nothing(handle: Handle) -> None:
+    pass  # a collective completed locally was never pending anywhere
 
 
 def _call(method: str, output: torch.Tensor, input: torch.Tensor, opts: Any, pg: Any) -> Any:

@@ -40,6 +40,8 @@ class RecoveryClient:
         self.cancel = threading.Event()  # set by an abort: a rendezvous in progress gives up
         self.first_commit = False  # the next commit is the first after a recovery: report it
         self.store_state: dict[str, Any] = {}  # the rendezvous key server ("server") and its state
+        # run after an abort's groups were aborted (recovery/first_generation.py: during start-up)
+        self.after_abort: Callable[[Abort], None] | None = None
 
     @property
     def connected(self) -> bool:
@@ -65,6 +67,8 @@ class RecoveryClient:
             n = self._groups.abort(msg.reason)
             if n:
                 log.info("aborted %d pending collective(s) for generation %d", n, gen)
+            if self.after_abort is not None:
+                self.after_abort(msg)
 
     def announce_fault(self, spec: FaultSpec, step: int) -> None:
         """A rehearsed fault fires here, at ``step`` (the injector's callback)."""

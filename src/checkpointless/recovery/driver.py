@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from checkpointless.errors import CommAborted, ConfigError
 from checkpointless.events import get_logger
 from checkpointless.protocol import Done
+from checkpointless.recovery.first_generation import finish_opening
 from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
@@ -58,6 +59,8 @@ def run_steps(member: Member, total: int, start: int, steps_per_epoch: int | Non
         member.tracked.objects[LOOP_STATE_NAME] = member.loop  # an early end travels to a replacement
         if member.is_replacement:
             recover(member, cause="join", error=None, committed=-1, valid=False)
+        elif member.opening is not None:  # its groups formed in init(): the state sync is left
+            finish_opening(member, start)
         else:
             recover(member, cause="start", error=None, committed=start, valid=True)
     step: Step | None = None

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checkpointless.comm.data_parallel import DataParallel
+from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.config import WorkerEnv
 from checkpointless.errors import CheckpointlessError, ConfigError
 from checkpointless.events import setup_logging
@@ -35,6 +36,7 @@ from checkpointless.faults.inject import parse_faults
 from checkpointless.recovery.default_group import configure_standalone
 from checkpointless.recovery.driver import run_steps
 from checkpointless.recovery.epochs import EpochDriver, hold_state
+from checkpointless.recovery.first_generation import open_first_generation
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.script_mesh import adopt_script_mesh
@@ -178,6 +180,7 @@ class Job:
         loading code with ``if not job.is_replacement``. ``steps_per_epoch`` gives ``step.epoch``
         (default: the length of the one ``job.loader()``)."""
         adopt_script_mesh(self._member)  # a mesh of the script's own (tensor parallel), if any
+        ResilientProcessGroup.local_until_formed = False  # a replacement's start-up is over
         return run_steps(self._member, total, start, steps_per_epoch)
 
     def epochs(self, count: int, loader: Any, start: int = 0) -> Iterator[int]:
@@ -271,6 +274,12 @@ def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
         setup_logging(f"{env.role} {env.worker_id}")
         connect(member)
         member.install_default_group()
+        if member.is_replacement:
+            # its peers are in the recovery round: the start-up's collectives have no partners,
+            # and the state it receives at job.steps() replaces what they would bring
+            ResilientProcessGroup.local_until_formed = True
+        else:  # the groups have communicators from here on; the state sync is job.steps()'s
+            open_first_generation(member)
         export_torchrun_env(
             member.rank, member.world_size, placement=member.placement
         )  # RANK, WORLD_SIZE, LOCAL_RANK, ...

@@ -22,6 +22,7 @@ façade, so the imports run one way.
 from __future__ import annotations
 
 import datetime
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ from checkpointless.recovery.replicas import ReplicaKeeper
 from checkpointless.recovery.schedule import StepSchedule
 from checkpointless.recovery.step_record import StepRecord
 from checkpointless.recovery.tracked import Tracked
+
+if TYPE_CHECKING:  # first_generation.py drives the member: imported for the type only
+    from checkpointless.recovery.first_generation import Opening
 
 __all__ = ["Member"]
 
@@ -61,6 +65,8 @@ class Member:
         self.divergence_every = DEFAULT_EVERY  # steps between replica digest comparisons (0: off)
         self.under_torchrun = False  # started by plain torchrun: one job, without recovery
         self.torchrun_store: dist.Store | None = None  # its store, which the job's groups form from
+        # under the launcher, the generation formed in init() until job.steps() syncs its state
+        self.opening: Opening | None = None
         # the communicator, torch's default group and the mesh, driven together (groups.py)
         self.groups = Groups(Communicator(0, 1, datetime.timedelta(seconds=rendezvous_timeout)))
         self.tracked = Tracked()  # what track() registered: the replica's state, by name and kind

@@ -77,8 +77,12 @@ class ShardedRun:
         on_collective: Callable[[str], None] | None = None,
         device_type: str = "cpu",
         mesh: ResilientMesh | None = None,
+        world_formed_elsewhere: bool = False,
     ) -> None:
         dims = tuple(int(n) for n in shape)
+        # the mesh's world group is torch's default group, which the job forms in every
+        # generation already (recovery/default_group.py): the mesh forms only its own groups
+        self.world_formed_elsewhere = world_formed_elsewhere
         # c10d's bookkeeping needs a store object but sends nothing over it (comm/mesh.py); each
         # generation's communicators form from the store given to configure()
         self.mesh: ResilientMesh = (
@@ -141,6 +145,8 @@ class ShardedRun:
         cancelled: threading.Event | None,
         formed: Collection[ResilientProcessGroup] = (),
     ) -> None:
+        if self.world_formed_elsewhere:
+            formed = (*formed, self.mesh.world)
         # a prefix of our own: the data-parallel communicator forms from the same store
         self.mesh.configure(generation, dist.PrefixStore("mesh/", store), deadline, cancelled, formed)
 

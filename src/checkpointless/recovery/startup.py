@@ -3,8 +3,9 @@ hot spare waiting for a rank), under plain torchrun, or run plainly as a world o
 
 Functions of the :class:`~checkpointless.recovery.member.Member` they set up, below the public API
 in ``job.py`` (as recover.py keeps the recovery round, driver.py the step loop): ``init()`` picks
-one of :func:`connect`, :func:`join_torchrun` and :func:`standalone`, and ``job.device_mesh()``
-forms the mesh with :func:`form_mesh`.
+one of :func:`connect`, :func:`join_torchrun` and :func:`standalone` (under the launcher it then
+forms the first generation's groups, first_generation.py), and ``job.device_mesh()`` forms the
+mesh with :func:`form_mesh`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointless.comm.work import waiting_since
-from checkpointless.errors import ConfigError
+from checkpointless.errors import ConfigError, RendezvousError
 from checkpointless.events import get_logger, setup_logging
 from checkpointless.faults.inject import Injector, parse_faults
 from checkpointless.protocol import Assign, Prefetch, Prepare, SpareReady
@@ -151,10 +152,17 @@ def form_mesh(member: Member, names: tuple[str, ...], shape: tuple[int, ...]) ->
         raise err
     timeout = datetime.timedelta(seconds=member.rendezvous_timeout)
     mesh = member.groups.mesh = ShardedRun(
-        names, shape, member.rank, member.world_size, timeout, member.guard.on_collective, member.device.type
+        names,
+        shape,
+        member.rank,
+        member.world_size,
+        timeout,
+        member.guard.on_collective,
+        member.device.type,
+        # the mesh's world group is torch's default group, which the job forms in every
+        # generation, on every rank alike (a spare that makes its mesh later included)
+        world_formed_elsewhere=member.groups.default is not None,
     )
-    if member.groups.default is not None:  # the mesh's world group is this one: the mesh drives it now
-        member.groups.default.handed_to_mesh()
     member.tracked.objects[SHARD_STATE_NAME] = mesh.identity()
     if mesh.shards > 1:
         sharded_copies(member)
@@ -166,6 +174,15 @@ def form_mesh(member: Member, names: tuple[str, ...], shape: tuple[int, ...]) ->
         world = mesh.mesh.world
         formed = (world,) if world.generation == 0 and world.aborted is None else ()
         mesh.configure(0, dist.PrefixStore("mesh/", member.torchrun_store), deadline, None, formed)
+    elif member.opening is not None:  # under the launcher, in init()'s generation (first_generation.py)
+        op, cancel = member.opening, member.recovery.cancel
+        try:
+            mesh.configure(op.generation, op.store, time.monotonic() + member.rendezvous_timeout, cancel)
+        except RendezvousError:
+            if not cancel.is_set():
+                raise
+            # a fault while it formed: the job's start-up goes on in job.steps(), where the
+            # next generation forms the mesh with the rest
     elif not member.recovery.connected:  # run plainly: a world of one, formed at once
         mesh.configure(0, dist.HashStore(), time.monotonic() + 30, None)
     return mesh.device_mesh
