@@ -370,9 +370,17 @@ class Coordinator:
             recoveries=recoveries,
             faults=faults,
             startup_faults=startup,
+            inexact=self.ledger.inexact_account(),
         )
         during = f" ({startup} during start-up)" if startup else ""
         self.outbox.log("info", f"job finished: {recoveries} recoveries from {faults} faults{during}")
+        if self.ledger.inexact:
+            ranks = sorted({x.rank for x in self.ledger.inexact if x.rank is not None})
+            self.outbox.log(
+                "warning",
+                f"rank(s) {ranks} resumed without their own per-rank state {len(self.ledger.inexact)} "
+                "time(s): the result may differ from the run without the faults (job_end's 'inexact')",
+            )
         self._end("done", 1 if failed else 0)
 
     def _stop(self, why: str, code: int) -> None:
@@ -387,6 +395,7 @@ class Coordinator:
             code=code,
             recoveries=len(self.recoveries),
             faults=len(self.ledger.history),
+            inexact=self.ledger.inexact_account(),
         )
         self._end(why, code)
 

@@ -7,6 +7,7 @@ a verdict raises :class:`~checkpointless.errors.NotRecoverableError`, which ends
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from checkpointless.coordinator.downtime import recovery_fields
@@ -16,7 +17,18 @@ from checkpointless.coordinator.state import Round
 from checkpointless.errors import NotRecoverableError
 from checkpointless.settings import JobSettings as LaunchConfig
 
-__all__ = ["FaultLedger"]
+__all__ = ["FaultLedger", "InexactResume"]
+
+
+@dataclass(frozen=True)
+class InexactResume:
+    """A rank that resumed ``step`` without some of its own per-rank state (``what``): the job
+    went on, but may differ from the run without the fault (protocol ``Inexact``)."""
+
+    rank: int | None
+    step: int
+    what: str
+    detail: str
 
 
 class FaultLedger:
@@ -34,6 +46,18 @@ class FaultLedger:
         self.last_target: int | None = None
         self.same_target = 0
         self.last_reached = -1  # the latest step a fault has come from
+        self.inexact: list[InexactResume] = []  # resumes that may differ: in job_end's account
+
+    def resumed_inexact(self, rank: int | None, step: int, what: str, detail: str) -> None:
+        """A rank resumed without its own ``what``: an event now, and a line in the job's end."""
+        entry = InexactResume(rank, step, what, detail)
+        self.inexact.append(entry)
+        self.outbox.emit("inexact", **asdict(entry))
+        self.outbox.log("warning", f"rank {rank} resumed step {step} without its own {what}: {detail}")
+
+    def inexact_account(self) -> list[dict[str, Any]]:
+        """Every inexact resume so far, for ``job_end``."""
+        return [asdict(x) for x in self.inexact]
 
     def record(self, rank: int, kind: str, step: int | None, detail: str) -> None:
         """Count a fault against the budget; raises once the budget is spent."""

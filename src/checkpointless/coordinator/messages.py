@@ -20,6 +20,7 @@ from checkpointless.protocol import (
     Fatal,
     Fired,
     Heartbeat,
+    Inexact,
     Message,
     PeerTableRequest,
     Recovered,
@@ -77,6 +78,8 @@ class MessageRouter:
         elif isinstance(msg, Done):
             m.done = True
             out.send(m, DoneSeen())  # on many hosts it waits for this before it leaves
+        elif isinstance(msg, Inexact):  # the job goes on, but says it may no longer be exact
+            self.ledger.resumed_inexact(m.rank, msg.step, msg.what, msg.detail)
         elif isinstance(msg, Fatal):
             if msg.kind == "config":  # a ConfigError ended its script: a replacement would raise it too
                 raise NotRecoverableError(config_error_verdict(_who(m), msg.error))

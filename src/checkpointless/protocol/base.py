@@ -25,7 +25,8 @@ __all__ = ["VERSION", "Message", "ProtocolError"]
 # 6: Fired carries the step it fires at (the fault event's step); Fatal a kind ("config": a
 # ConfigError ended the script, and the job ends without a spare)
 # 7: JobSettings (AgentWelcome) carries --when-no-spare and --min-replicas; ResumePlan carries
-# the slots each live rank holds in degraded mode (``holders``)
+# the slots each live rank holds in degraded mode (``holders``); Inexact (a worker resumed with
+# per-rank state it could not find: the run may differ from the run without the fault)
 VERSION = 7
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "Fired",
     "Heartbeat",
     "Hello",
+    "Inexact",
     "PeerTable",
     "PeerTableRequest",
     "Prefetch",
@@ -144,6 +145,18 @@ class Committed(Message):
 class Done(Message):
     TYPE: ClassVar[str] = "done"
     step: int = 0
+
+
+@dataclass(frozen=True)
+class Inexact(Message):
+    """This rank resumed step ``step`` without some of its own per-rank state (``what``: e.g.
+    ``rng``, its global generators, which no record held): the job goes on, but may now differ
+    from the run without the fault. ``detail`` says what was used instead, and the fix."""
+
+    TYPE: ClassVar[str] = "inexact"
+    step: int
+    what: str
+    detail: str = ""
 
 
 @dataclass(frozen=True)

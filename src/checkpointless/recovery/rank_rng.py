@@ -37,9 +37,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +59,7 @@ __all__ = [
     "encode_parts",
     "encode_record",
     "rank_rng_dir",
+    "record_point",
     "same_rng",
 ]
 
@@ -122,11 +126,8 @@ def encode_record(record: RngRecord) -> bytes:
     return b"".join(encode_parts(record))
 
 
-def decode_record(data: bytes) -> RngRecord:
-    """The record at the start of ``data`` (a slot may hold a longer older one's tail after it).
-
-    Raises:
-        ValueError: ``data`` does not start with a whole record."""
+def _checked_body(data: bytes) -> tuple[bytes, int]:
+    """The record at the start of ``data`` (without its digest) and its header's length."""
     if len(data) < _LEAD.size + _DIGEST:
         raise ValueError("not a whole generator record")
     magic, total, n = _LEAD.unpack_from(data)
@@ -135,6 +136,32 @@ def decode_record(data: bytes) -> RngRecord:
     body, digest = data[: total - _DIGEST], data[total - _DIGEST : total]
     if xxhash.xxh3_128_digest(body) != digest:
         raise ValueError("a generator record that fails its digest")
+    return body, n
+
+
+def record_point(data: bytes) -> tuple[int, str | None]:
+    """The step and section of the record at the start of ``data``, checked against its digest
+    but not decoded (what a keeper of another rank's records needs, per step).
+
+    Raises:
+        ValueError: ``data`` does not start with a whole record."""
+    body, n = _checked_body(data)
+    try:
+        header = json.loads(body[_LEAD.size : _LEAD.size + n])
+        step, section = header["step"], header["section"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"a generator record with a malformed header: {e}") from e
+    if not isinstance(step, int) or not (section is None or isinstance(section, str)):
+        raise ValueError("a generator record with a malformed header")
+    return step, section
+
+
+def decode_record(data: bytes) -> RngRecord:
+    """The record at the start of ``data`` (a slot may hold a longer older one's tail after it).
+
+    Raises:
+        ValueError: ``data`` does not start with a whole record."""
+    body, n = _checked_body(data)
     at = _LEAD.size
     header = json.loads(body[at : at + n])
     at += n
@@ -182,6 +209,22 @@ def _torch_unchanged(rng: RngState) -> bool:
     return "cuda" not in rng
 
 
+def _unchanged(rng: RngState) -> bool:
+    """Whether every generator still stands where ``rng`` has them, without a capture: torch's
+    first (what a draw most likely used), then NumPy's position and keys, then Python's words."""
+    if not _torch_unchanged(rng):
+        return False
+    np_now: Any = np.random.get_state()
+    np_kept = rng["numpy"]
+    if int(np_now[2]) != int(np_kept[2]) or not np.array_equal(np_now[1], np_kept[1]):
+        return False
+    version, words, gauss = random.getstate()
+    py_kept = rng["python"]
+    if version != py_kept[0] or gauss != py_kept[2]:
+        return False
+    return bool(np.array_equal(np.fromiter(words, dtype=np.int64, count=len(words)), np.asarray(py_kept[1])))
+
+
 class RankRngKeeper:
     """This rank's generator records: the newest two steps in memory and, under the launcher,
     in the job's shared memory, where a replacement of this rank reads them."""
@@ -191,6 +234,10 @@ class RankRngKeeper:
         self.rank = -1
         self._slots: dict[int, RngRecord] = {}  # step % 2 -> the newest record of that parity
         self._files: dict[int, int] = {}  # step % 2 -> its open file (one write per record)
+        # every record written also goes to this rank's keeper on another host (step parity,
+        # the encoded record; recovery/rank_rng_peer.py): None keeps them on this host only
+        self.mirror: Callable[[int, bytes], None] | None = None
+        self._early: int | None = None  # the step whose first collective kept the next one's record
 
     def configure(self, directory: Path | None, rank: int) -> None:
         """Keep this rank's records in ``directory`` (a spare learns its rank at assignment)."""
@@ -220,15 +267,39 @@ class RankRngKeeper:
             fd = self._files[step % 2] = os.open(self._path(step), os.O_RDWR | os.O_CREAT, 0o600)
         # one write, in place: a record is self-delimiting (an older, longer one's tail is
         # ignored) and checked by its digest (a write cut short by a SIGKILL is refused)
-        os.pwritev(fd, encode_parts(record), 0)
+        parts = encode_parts(record)
+        os.pwritev(fd, parts, 0)
+        if self.mirror is not None:
+            self.mirror(step % 2, b"".join(parts))
+
+    def at_entry(self, index: int, rng: RngState) -> None:
+        """Step ``index`` begins with the generators ``rng`` (its first attempt or a replay)."""
+        self._early = None
+        self.keep(index, rng)
+
+    def at_collective(self, index: int | None) -> None:
+        """Step ``index`` issues its first collective (a gradient bucket's all-reduce, as its
+        backward runs): its forward has drawn (batches, dropout), and no peer can commit the
+        step before this rank has taken part. The generators as they stand are kept now as where
+        step ``index + 1`` starts, so the record is with this rank's keeper on another host
+        before any peer can settle a recovery on that step (rank_rng_peer.py); the update checks
+        it, and keeps a newer one if something drew in between."""
+        if index is None or self.directory is None or self._early == index:
+            return
+        self._early = index
+        self.keep(index + 1, capture_rng())
 
     def at_update(self, index: int | None) -> None:
         """Step ``index``'s update begins (the optimizer's pre-hook): its draws are done, and the
         generators as they stand are where step ``index + 1`` starts. Kept now, not at the
         commit: a rank lost inside its update leaves a peer that has updated, the recovery
         rolls the step forward, and its replacement resumes from this record."""
-        if index is not None and self.directory is not None:
-            self.keep(index + 1, capture_rng())
+        if index is None or self.directory is None:
+            return
+        kept = self._slots.get((index + 1) % 2)
+        if self._early == index and kept is not None and kept.step == index + 1 and _unchanged(kept.rng):
+            return  # kept as the step's first collective began, and nothing drew since
+        self.keep(index + 1, capture_rng())
 
     def at_commit(self, index: int) -> None:
         """Step ``index`` committed: if its update kept a record, a check of torch's generators

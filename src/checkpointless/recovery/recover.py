@@ -16,10 +16,11 @@ from typing import Any
 from checkpointless.comm.script_groups import GroupsDisagree
 from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.protocol import Abort, Recover, Recovered, Stopped
+from checkpointless.protocol import Abort, Inexact, Recover, Recovered, Stopped
 from checkpointless.recovery.amp import finish_cut_off_update, reset_step_state
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import looks_like_comm_error, short_error
+from checkpointless.recovery.rank_rng import RngRecord
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.sharded import send_copies
 from checkpointless.state.buddy import copy_channel
@@ -39,10 +40,12 @@ from checkpointless.state.transfer import StreamRoute, receive_state, send_state
 
 __all__ = [
     "join_generation",
+    "kept_record",
     "newest_own_snapshot",
     "receiver_rng",
     "recover",
     "recover_from",
+    "report_inexact",
     "restore_kept_rng",
     "restore_own_snapshot",
     "resume_rng",
@@ -197,7 +200,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
     if plan.from_snapshot:
         info.update(restore_own_snapshot(member, target))
         info["role"] = info["transport"] = "snapshot"
-        restore_kept_rng(member, target)
+        restore_kept_rng(member, target, route)
     elif (
         member.rank in plan.own_snapshot
         and member.replicas.buddies
@@ -219,7 +222,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
             raise StateTransferError("the plan restores a checkpoint, but this rank has no --checkpoint-dir")
         info.update(restore_checkpoint(member.tracked.objects, member.replicas.checkpoint_dir, target))
         info["role"] = info["transport"] = "checkpoint"
-        restore_kept_rng(member, target)
+        restore_kept_rng(member, target, route)
         log.info("restored the checkpoint of step %d from %s", target, member.replicas.checkpoint_dir)
     elif to_send:
         rng = resume_rng(member, target)
@@ -248,7 +251,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
         step, rng = restore_state(member.tracked.objects, state)
         if step != target:
             raise StateTransferError(f"received state for step {step}, the plan says {target}")
-        restore_rng(receiver_rng(member, target, rng, member.rank in plan.from_copy))
+        restore_rng(receiver_rng(member, target, rng, member.rank in plan.from_copy, route))
         info.update(stats)
         # transfer_s, split: state_collect_s (own tensors, the landing zone), recv_s (the stream,
         # hashed as it arrives), verify_s (digests compared, tree rebuilt), state_restore_s (the
@@ -310,44 +313,67 @@ def resume_rng(member: Member, target: int) -> RngState:
     return kept.rng if kept is not None else member.record.rng_for(target)
 
 
-def restore_kept_rng(member: Member, target: int) -> None:
+def kept_record(member: Member, target: int, route: StreamRoute | None) -> RngRecord | None:
+    """This rank's record of step ``target``: kept on this host (by this process, or by its
+    predecessor in shared memory), else, for a replacement, by its rank's keeper on another
+    host (recovery/rank_rng_peer.py: its predecessor's host may be lost)."""
+    kept = member.replicas.rank_rng.load(target)
+    if kept is not None or route is None or not member.is_replacement or member.replicas.rank_rng.began:
+        return kept
+    return member.replicas.rank_rng_peer.fetch(route, target, min(member.rendezvous_timeout, 10.0))
+
+
+def report_inexact(member: Member, step: int, what: str, detail: str) -> None:
+    """Resumed without some of this rank's own state: said in its log, and to the coordinator,
+    whose ``inexact`` event and ``job_end`` account carry it (never silent)."""
+    log.warning("%s", detail)
+    if member.recovery.link is not None:
+        member.recovery.send(Inexact(step=step, what=what, detail=detail))
+
+
+def restore_kept_rng(member: Member, target: int, route: StreamRoute | None = None) -> None:
     """After a restore of rank 0's snapshot or checkpoint (every replica lost): this rank's own
     generators where it (or its predecessor) kept a record of ``target``; otherwise the
     snapshot's stand (a record of that step is rarely still kept: two steps are)."""
-    kept = member.replicas.rank_rng.load(target)
+    kept = kept_record(member, target, route)
     if kept is not None:
         restore_rng(kept.rng)
 
 
-def receiver_rng(member: Member, target: int, sent: RngState, from_copy: bool) -> RngState:
+def receiver_rng(
+    member: Member, target: int, sent: RngState, from_copy: bool, route: StreamRoute | None = None
+) -> RngState:
     """The generators a rank that received its replica's state resumes with: its own, never the
     sender's (they are per-rank state: a script may seed them per rank, and draw per rank).
 
     A rank that has run steps in this process has them (``resume_rng``). A replacement takes
-    the record its predecessor kept for ``target`` (recovery/rank_rng.py). Without one (it runs
-    on another host) it keeps what was sent: a buddy copy's are its owner's own, a replica
-    peer's are the peer's, and then the run may differ from the run without the fault."""
+    the record its predecessor kept for ``target`` (recovery/rank_rng.py), on this host or with
+    its rank's keeper on another (``kept_record``). Without one it keeps what was sent: a buddy
+    copy's are its owner's own; a replica peer's are the peer's, and then the run may differ
+    from the run without the fault, which is reported (``report_inexact``)."""
     keeper = member.replicas.rank_rng
     if not member.is_replacement or keeper.began:
         return resume_rng(member, target)
-    kept = keeper.load(target)
+    kept = kept_record(member, target, route)
     if kept is not None:
         if kept.section is not None and member.loop.sections_done.get(kept.section) == target:
-            log.warning(
-                "rank %d was lost inside section %r after step %d, which its peers completed: "
-                "its replacement does not run it again, so what it drew there is lost (the run "
-                "may differ from the run without the fault)",
-                member.rank,
-                kept.section,
-                target - 1,
+            report_inexact(
+                member,
+                target,
+                "rng",
+                f"rank {member.rank} was lost inside section {kept.section!r} after step {target - 1}, "
+                "which its peers completed: its replacement does not run it again, so what it drew "
+                "there is lost (the run may differ from the run without the fault)",
             )
         return kept.rng
     if not from_copy:
-        log.warning(
-            "no record of rank %d's own generators for step %d on this host: resuming the sender's "
-            "(a script that draws per-rank random numbers from the global generators may now "
-            "differ from the run without the fault; docs/adoption.md)",
-            member.rank,
+        report_inexact(
+            member,
             target,
+            "rng",
+            f"no record of rank {member.rank}'s own generators for step {target} on this host or "
+            "with its keeper on another: resuming the sender's (a script that draws per-rank random "
+            "numbers from the global generators may now differ from the run without the fault; "
+            "docs/fault-model.md, docs/adoption.md)",
         )
     return sent

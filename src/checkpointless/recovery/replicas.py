@@ -21,6 +21,7 @@ import torch
 from checkpointless.events import get_logger
 from checkpointless.protocol import Assign
 from checkpointless.recovery.rank_rng import RankRngKeeper, rank_rng_dir
+from checkpointless.recovery.rank_rng_peer import PeerRecords
 from checkpointless.recovery.sharded import buddies_wanted
 from checkpointless.state.arena import Arena
 from checkpointless.state.buddy import BuddyCopies
@@ -55,6 +56,8 @@ class ReplicaKeeper:
         self.buddies: BuddyCopies | None = None  # this rank's copies, kept on another host
         self.arena: Arena | None = None  # a spare's paged-in room for the state it will receive
         self.rank_rng = RankRngKeeper()  # this rank's own generators, for its replacement
+        self.rank_rng_peer = PeerRecords()  # ... kept on another host too, and its owners' kept here
+        self.rank_rng.mirror = self.rank_rng_peer.send
 
     # -- set-up --------------------------------------------------------------------------------
     def configure(self, msg: Assign, rank: int, job_id: str) -> None:
@@ -63,6 +66,8 @@ class ReplicaKeeper:
         self.buddy_mode = msg.buddy_copies
         self.buddy_every = msg.buddy_every
         self.rank_rng.configure(rank_rng_dir(job_id), rank)
+        per_host = msg.local_world_size if msg.local_world_size > 0 else msg.world_size
+        self.rank_rng_peer.place(rank, buddy_of(rank, msg.world_size, per_host))
         if every and rank == 0:
             # One copy per host is enough (replicas are identical after each commit), and the
             # launcher runs every rank on one host, so its lowest rank, 0, writes. A fixed writer
@@ -140,7 +145,7 @@ class ReplicaKeeper:
     ) -> None:
         """Start the copies due as step ``index`` begins, from the state as it begins; keep this
         rank's generators ``rng`` (as the step begins) for its replacement."""
-        self.rank_rng.keep(index, rng)
+        self.rank_rng.at_entry(index, rng)
         snap = self.snapshots is not None and self.snapshots.due(index)
         copy = self.buddies is not None and self.buddies.due(index)
         if snap or copy:
@@ -231,7 +236,8 @@ class ReplicaKeeper:
 
     def after_round(self, target: int, generation: int, route: StreamRoute | None) -> None:
         """A generation formed at step ``target``: copies of later steps are void, and buddy
-        copies resume on the new generation's route."""
+        copies resume on the new generation's route, and so do this rank's generator records."""
+        self.rank_rng_peer.resume(generation, route)
         if self.buddies is not None:
             self.buddies.forget_after(target)
             self.buddies.resume(generation, route)
