@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.jobs import TINY, JobResult, alive, run_job
+from tests.helpers.jobs import TINY, JobResult, alive, fault_at, run_job
 from tests.helpers.paths import SCRIPTS
 
 
@@ -59,7 +59,31 @@ CASES: list[tuple[str, list[str]]] = [
 ]
 
 
-SOAK_CASES = {"raise-forward"}
+# `make soak` (SOAK_CASES): every case but the second fault during a recovery runs in `make test`
+# inside one of the MERGED jobs below, at its rank and site (some at another step), with the same
+# per-fault assertions (test_faults_in_one_job_are_each_survived_bitwise); one job per fault here
+# pays a launch and a reference comparison per case for the same code paths
+SOAK_CASES = {name for name, _ in CASES} - {"second-fault-during-recovery"}
+
+# Several faults in one job, each at its own step: every recovery is told apart by the rank and
+# step of the fault it recovered from, and each is asserted as its single-fault case asserts it.
+MERGED: list[tuple[str, list[tuple[str, str]]]] = [
+    (
+        "exceptions-and-deaths",
+        [
+            ("first-step", "kill:rank=0:step=0"),
+            ("raise-backward", "raise:rank=2:step=2:site=backward"),
+            ("sigkill", "kill:rank=1:step=4"),
+            ("raise-allreduce", "raise:rank=0:step=5:site=allreduce"),
+            ("os-exit", "exit:rank=2:step=6"),
+            ("raise-mid-optimizer", "raise:rank=1:step=8:site=optimizer"),
+            ("final-barrier", "kill:rank=1:step=10:site=allreduce"),
+        ],
+    ),
+    # a spinning rank is found by its missing step progress (--hang-timeout), a stopped one by its
+    # process state
+    ("hangs", [("busy-loop-hang", "spin:rank=2:step=3"), ("sigstop-hang", "hang:rank=1:step=7")]),
+]
 
 
 @pytest.mark.timeout(240)
@@ -93,6 +117,53 @@ def test_fault_is_survived_bitwise(
     if "optimizer" in name:
         plans = [p for p in res.of("plan") if p["generation"] > 0]
         assert 1 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("faults", [pytest.param([f for _, f in cases], id=job) for job, cases in MERGED])
+def test_faults_in_one_job_are_each_survived_bitwise(
+    tmp_path: Path, corpus: Path, reference: Any, faults: list[str]
+) -> None:
+    names = {f: n for _, cases in MERGED for n, f in cases}
+    ref = reference(3)
+    res = run_job(tmp_path / "run", corpus, nproc=3, spares=2, faults=faults, timeout=200)
+    check_recovered(res, ref)  # and below: a recovery from each fault (two may share one)
+    assert len(res.of("fault_injected")) == len(faults), res.of("fault_injected")
+    recs = res.of("recovery")
+    for spec in faults:
+        name, (rank, step) = names[spec], fault_at(spec)
+        assert res.fired(spec), (spec, res.of("fault_injected"))
+        rec = res.recovery_from(rank, step)
+        absorbed = name == "first-step" and any(
+            f["rank"] == rank and f.get("step") == step for f in res.startup_faults()
+        )
+        assert rec is not None or absorbed, f"{name}: no recovery from it:\n{res.output[-6000:]}"
+        if spec.startswith(("kill", "exit", "hang", "spin")):
+            spares = [e for e in res.of("spare_assigned") if e["rank"] == rank]
+            if rec is not None:
+                spares = [e for e in spares if e["generation"] == rec["generation"]]
+            assert spares, f"{name}: a dead or hung rank must be replaced by a spare"
+            if rec is None:
+                continue  # generation 0 had not formed everywhere yet: start-up replaced the rank
+            # the spare received the state over the direct stream, and its first batch was timed
+            assert rec["transport"] == "stream" and rec["state_bytes"] > 0, (name, rec)
+            assert 0 <= rec["first_batch_s"] < rec["downtime_s"], (name, rec)
+            if name != "first-step":  # before the first commit nobody knows the state's size yet
+                paged = f"[spare {spares[0]['worker']}] paged in"
+                assert paged in res.output, f"{name}: the spare should have paged in room for the state"
+        if name == "final-barrier":
+            # one recovery, one spare: the survivors met the spare in the barrier again (one that
+            # ran a step there instead sent a gradient all-reduce into it: gloo aborted the spare)
+            assert rec is not None and "EnforceNotMet" not in res.output, res.output[-6000:]
+            later = [r for r in recs if r["generation"] >= rec["generation"]]
+            spares_after = [e for e in res.of("spare_assigned") if e["generation"] >= rec["generation"]]
+            assert len(later) == 1 and len(spares_after) == 1, res.output[-6000:]
+        if "optimizer" in name:
+            assert rec is not None
+            plans = [p for p in res.of("plan") if p["generation"] == rec["generation"]]
+            assert plans and rank in plans[0]["receivers"], (
+                "a rank that faulted mid-update must receive state"
+            )
 
 
 @pytest.mark.timeout(240)

@@ -108,9 +108,31 @@ class JobResult:
             out[key] = e["batch"]
         return out
 
+    def recovery_from(self, rank: int, step: int) -> dict[str, Any] | None:
+        """The recovery from the fault of ``rank`` at ``step`` (its own fault, not a peer's comm
+        error it caused), for a job with several faults; None if no recovery names it."""
+        found = [
+            r
+            for r in self.of("recovery")
+            if any(f["rank"] == rank and f.get("step") == step and f["kind"] != "comm" for f in r["faults"])
+        ]
+        assert len(found) <= 1, f"two recoveries from the fault of rank {rank} at step {step}: {found}"
+        return found[0] if found else None
+
+    def fired(self, spec: str) -> bool:
+        """Whether the injected fault ``spec`` (as given to --inject) fired: its id is the spec
+        with the defaults filled in (``kill:rank=1:step=4`` fires as ``...:site=step``)."""
+        return any(e["id"] == spec or e["id"].startswith(spec + ":") for e in self.of("fault_injected"))
+
     def pids(self) -> list[int]:
         p = self.run_dir / "pids"
         return [int(x) for x in p.read_text().split()] if p.exists() else []
+
+
+def fault_at(spec: str) -> tuple[int, int]:
+    """(rank, step) of an --inject fault spec such as ``kill:rank=1:step=4``."""
+    fields = dict(part.split("=", 1) for part in spec.split(":")[1:] if "=" in part)
+    return int(fields["rank"]), int(fields["step"])
 
 
 @dataclass
