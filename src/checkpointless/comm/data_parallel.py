@@ -8,11 +8,18 @@ grouping than the survivors (wrong, or off in the last bit). This wrapper keeps 
 layout that is a pure function of the module's parameters, issues one asynchronous all-reduce per
 bucket as soon as its gradients are ready (overlapping backward), and keeps no state across
 iterations that an exception could corrupt: :meth:`reset` makes it new again.
+
+Degraded mode (docs/fault-model.md): a process may hold several data-parallel *slots*, and trains
+each slot's micro-batch as one pass of the same step. :meth:`hold` gives it the width-N group of
+every slot it holds (the process is that slot's rank in it); an earlier pass keeps its slot's
+gradient aside, and the last pass all-reduces every slot's gradient on its own group, all at
+once. Every group then sums exactly the per-slot gradients the full-width job would have summed,
+in the same algorithm and order, so the result is bitwise the same; it is divided by the width.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -62,6 +69,7 @@ class _Bucket:
             off += p.numel()
         self.ready = 0
         self.handle: Handle | None = None
+        self.held_handles: list[Handle] = []  # degraded mode: the other slots' all-reduces
 
 
 class DataParallel(nn.Module):
@@ -104,6 +112,11 @@ class DataParallel(nn.Module):
         self._callback_queued = False
         self._sync = True  # require_backward_grad_sync
         self._reduce = True  # what the last forward decided for its backward
+        # degraded mode (hold): the group of each slot this process holds, in pass order, the
+        # pass running now, and the gradients of the passes before it (per pass, per bucket)
+        self._slot_comms: list[Communicator] = []
+        self._pass = 0
+        self._kept: list[list[torch.Tensor]] = []
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -142,12 +155,47 @@ class DataParallel(nn.Module):
         for b in self._buckets:
             b.ready = 0
             b.handle = None
+            b.held_handles = []
         self._next_launch = 0
         self._callback_queued = False
 
+    # -- degraded mode: several slots per process ----------------------------------------------
+    def hold(self, comms: Sequence[Communicator]) -> None:
+        """Hold the slots whose groups are ``comms``, in pass order (at full width: none, or only
+        this process's own). Each is a group of the job's full width in which this process is
+        that slot's rank; the last is the one the last pass reduces on."""
+        self._slot_comms = list(comms) if len(comms) > 1 else []
+        self._pass = 0
+        self._kept = []
+
+    @property
+    def passes(self) -> int:
+        """Passes per step: one per slot this process holds."""
+        return max(1, len(self._slot_comms))
+
+    def begin_pass(self, index: int) -> None:
+        """The pass about to run (0 first): the passes before the last only keep their gradient;
+        the first starts the step afresh (a replayed step too)."""
+        if not 0 <= index < self.passes:
+            raise ValueError(f"pass {index} of a step with {self.passes} pass(es)")
+        if index == 0:
+            self._kept = []
+        self._pass = index
+
+    def _keeping(self) -> bool:
+        return bool(self._slot_comms) and self._pass < len(self._slot_comms) - 1
+
     # -- the backward pass ---------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._reduce or self._comm.world_size == 1:
+        if not self._reduce:
+            return
+        if self._keeping():
+            # an earlier slot's pass: its gradient is put aside once backward ends (_keep)
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._keep)
+            return
+        if self._comm.world_size == 1:
             return
         if not self._callback_queued:
             self._callback_queued = True
@@ -177,7 +225,35 @@ class DataParallel(nn.Module):
                 src.append(p.grad)
         if dst:
             torch._foreach_copy_(dst, src)
+        if self._slot_comms:
+            # every slot's gradient on its own group, issued together (each group waits for
+            # the full width, this process included once per slot it holds)
+            i = self._buckets.index(b)
+            b.held_handles = [
+                comm.allreduce(kept[i]) for comm, kept in zip(self._slot_comms[:-1], self._kept, strict=True)
+            ]
+            b.handle = self._slot_comms[-1].allreduce(b.buffer)
+            return
         b.handle = self._comm.allreduce(b.buffer)
+
+    def _keep(self) -> None:
+        """The end of an earlier slot's backward: its gradient, bucket by bucket, kept for the
+        last pass; the parameters' gradients cleared so the next slot's backward starts from
+        none, as that slot's process would have."""
+        try:
+            kept: list[torch.Tensor] = []
+            for b in self._buckets:
+                for p, v in zip(b.params, b.views, strict=True):
+                    if p.grad is None:
+                        v.zero_()
+                    else:
+                        v.copy_(p.grad)
+                kept.append(b.buffer.clone())
+                for p in b.params:
+                    p.grad = None
+            self._kept.append(kept)
+        finally:
+            self.reset()
 
     def _finish(self) -> None:
         # Parameters that received no gradient never fired their hook; launch what is left.
@@ -188,6 +264,8 @@ class DataParallel(nn.Module):
         try:
             for b in self._buckets:
                 assert b.handle is not None
+                for h in b.held_handles:  # every group ends with the same sum: wait, keep one
+                    self._comm.wait(h)
                 self._comm.wait(b.handle)
                 b.buffer.div_(world)
                 dst: list[torch.Tensor] = []
