@@ -186,6 +186,10 @@ class SectionUndo:
         self.at, self.kept = at, {name: copy.deepcopy(obj.state_dict()) for name, obj in objects.items()}
         return False
 
+    def pending(self, at: int) -> bool:
+        """A section at boundary ``at`` began and did not complete: it must run again."""
+        return self.at == at
+
     def end(self) -> None:
         """The section completed: nothing to put back any more."""
         self.at, self.kept = None, {}

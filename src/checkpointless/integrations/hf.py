@@ -37,12 +37,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import Trainer
 
 import checkpointless
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
+from checkpointless.integrations._hf_data import train_dataloader
 from checkpointless.integrations._hf_internals import (
     evaluate_and_save,
     hand_over_loss,
@@ -51,7 +52,6 @@ from checkpointless.integrations._hf_internals import (
     refresh_devices,
     save_checkpoint,
     set_sync_gradients,
-    train_collator,
     warn_if_untested,
 )
 from checkpointless.integrations._hf_run import EvalContext, StepOut, TrainerRun
@@ -130,30 +130,7 @@ class CheckpointlessTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader[Any]:
         """A map-style DataLoader whose batches are a function of (epoch, position): a
         ``DistributedSampler`` over the job's ranks, seeded with ``data_seed`` (or ``seed``)."""
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        if isinstance(self.train_dataset, IterableDataset) or not hasattr(self.train_dataset, "__len__"):
-            raise ConfigError(
-                "CheckpointlessTrainer needs a map-style train_dataset (__getitem__ + __len__): an "
-                "iterable dataset cannot be sought to a replacement's step"
-            )
-        dataset, collate = train_collator(self, self.train_dataset)
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset, num_replicas=self.job.world_size, rank=self.job.rank, shuffle=True, seed=seed
-        )
-        workers = self.args.dataloader_num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.args.per_device_train_batch_size,
-            sampler=sampler,
-            collate_fn=collate,
-            num_workers=workers,
-            pin_memory=self.args.dataloader_pin_memory,
-            drop_last=self.args.dataloader_drop_last,
-            persistent_workers=self.args.dataloader_persistent_workers if workers else False,
-            prefetch_factor=self.args.dataloader_prefetch_factor if workers else None,
-        )
+        return train_dataloader(self, self.job.rank, self.job.world_size)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if not training:
@@ -217,7 +194,10 @@ class CheckpointlessTrainer(Trainer):
         if scaler is not None:  # fp16 mixed precision: the loss scale and its growth tracker
             objects["grad_scaler"] = scaler
         self.job.track(**objects)
-        self.job.section(BOUNDARY_SECTION, self._boundary, every=1)
+        # asked at every boundary, run only where Trainer has work there (_boundary_due)
+        self.job.internals.schedule.add_section(
+            BOUNDARY_SECTION, self._boundary, 1, False, self._boundary_due
+        )
         self._ledger.last_logged = self.state.global_step  # a resumed run logs from its step on
         if resume_from_checkpoint is not None and not self.job.is_replacement:
             load_rng_state(self, resume_from_checkpoint)  # before the job's first state sync
@@ -240,11 +220,37 @@ class CheckpointlessTrainer(Trainer):
             objects["scheduler"] = self.lr_scheduler
         return objects
 
+    def _boundary_due(self) -> bool:
+        """Whether the boundary's section runs after this step: asked by the step loop once per
+        boundary on every rank, after ``on_step_end``; a no is kept with the loop state
+        (recovery/sections.py). Not where there is nothing to do, so most steps pay no generator
+        record and no event for it. The flags ``on_step_end`` set (evaluate, save, stop) and the
+        end of an epoch are the same on every rank; a rank that missed the step's bookkeeping
+        (rolled forward, or joining) runs the section to do it, alone if nothing else is due (no
+        collective then); a section begun here and interrupted runs again, whatever its first
+        attempt left of the flags."""
+        run, at = self._run, self.job.committed_step
+        if run is None or at == run.resumed_at:
+            return False
+        if run.joining or run.booked < at - 1 or self._undo.pending(at):
+            return True
+        return self._work_at(run, at)
+
+    def _work_at(self, run: TrainerRun, at: int) -> bool:
+        """Trainer has work at boundary ``at``: an evaluation, a checkpoint, an epoch's end or a stop."""
+        control = self.control
+        ends = self._ends_epoch(run, at)
+        return bool(control.should_evaluate or control.should_save or ends or control.should_training_stop)
+
+    def _ends_epoch(self, run: TrainerRun, at: int) -> bool:
+        return at % run.plan.steps_per_epoch == 0 or at >= self.state.max_steps
+
     def _boundary(self) -> None:
-        """The protected section after each committed step (``job.section``): evaluation and the
-        checkpoint Trainer asks for at this step, and at the end of an epoch (or of training)
-        ``on_epoch_end`` with its own. A fault in here is recovered and this runs again on every
-        rank from the state it began with; a stop asked for by a callback ends the job here."""
+        """The protected section after a committed step (``job.section``), where
+        ``_boundary_due``: evaluation and the checkpoint Trainer asks for at this step, and at the
+        end of an epoch (or of training) ``on_epoch_end`` with its own. A fault in here is
+        recovered and this runs again on every rank from the state it began with; a stop asked
+        for by a callback ends the job here."""
         run, at = self._run, self.job.committed_step
         if run is None or at == run.resumed_at:
             return
@@ -253,16 +259,15 @@ class CheckpointlessTrainer(Trainer):
         elif run.booked < at - 1:
             # this rank was rolled forward past a failed update: the step's bookkeeping first
             self._after_step(run, at - 1, run.last_out, in_section=True)
-        ends_epoch = at % run.plan.steps_per_epoch == 0 or at >= self.state.max_steps
-        control = self.control
-        if not (control.should_evaluate or control.should_save or ends_epoch or control.should_training_stop):
+        # an interrupted attempt may have cleared the flags it acted on: begin() puts them back
+        if not (self._undo.pending(at) or self._work_at(run, at)):
             return
         ctx = self._eval
         assert ctx.model is not None  # set by _run_epoch before the first step
         if self._undo.begin(at):
             log.info("the evaluation and checkpoint at global step %d run again", at)
         evaluate_and_save(self, ctx.model, ctx.trial, ctx.ignore_keys)
-        if ends_epoch or self.control.should_training_stop:
+        if self._ends_epoch(run, at) or self.control.should_training_stop:
             self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
             self._log_save_evaluate(run.last_out)
         if self.control.should_training_stop:

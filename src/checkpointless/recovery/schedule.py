@@ -29,11 +29,19 @@ class StepSchedule:
         self.steps_per_epoch: int | None = None  # job.steps(steps_per_epoch=...)
         self.step_loader: Loader | None = None  # job.epochs()' loader, read by step.batch
 
-    def add_section(self, name: str, fn: Callable[[], Any], every: int, at_start: bool) -> None:
-        """Register a section (``job.section()``); its name must be new."""
+    def add_section(
+        self,
+        name: str,
+        fn: Callable[[], Any],
+        every: int,
+        at_start: bool,
+        when: Callable[[], bool] | None = None,
+    ) -> None:
+        """Register a section (``job.section()``, or an integration's with ``when``, sections.py);
+        its name must be new."""
         if any(s.name == name for s in self.sections):
             raise ConfigError(f"a section named {name!r} is already registered; give each its own name")
-        self.sections.append(Section(name, fn, every, at_start))
+        self.sections.append(Section(name, fn, every, at_start, when))
 
     def per_epoch(self, loaders: Sequence[Loader]) -> int:
         """The epoch length: ``steps_per_epoch``, else that of the job's one loader."""

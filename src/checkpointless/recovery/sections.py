@@ -33,6 +33,11 @@ class Section:
     fn: Callable[[], Any]
     every: int
     at_start: bool = False  # also before step 0 (a baseline evaluation)
+    # asked once at each boundary the period allows: the section runs there only if this is
+    # true. For an integration whose work at a boundary is known only then (Trainer's evaluate
+    # and save flags), so that a boundary with nothing to do costs no generator record and no
+    # event. Ranks must answer alike wherever the body would use a collective
+    when: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -45,11 +50,20 @@ class Section:
 
 def due_sections(sections: list[Section], committed: int, done: dict[str, int]) -> list[Section]:
     """The sections to run at the boundary after ``committed`` steps, in registration order:
-    those whose period divides it and that have not completed at this boundary yet."""
+    those whose period divides it and that have not completed at this boundary yet.
+
+    A section whose ``when`` says no is entered in ``done`` as settled at this boundary, as if
+    it had completed: ``done`` travels with the loop state, so the answer stands for a replay of
+    the next step and for a replacement, which do not ask again (what the flags it read say by
+    then may be the next step's)."""
     out = []
     for s in sections:
         if committed == 0 and not s.at_start:
             continue
-        if committed % s.every == 0 and done.get(s.name) != committed:
-            out.append(s)
+        if committed % s.every != 0 or done.get(s.name) == committed:
+            continue
+        if s.when is not None and not s.when():
+            done[s.name] = committed
+            continue
+        out.append(s)
     return out
