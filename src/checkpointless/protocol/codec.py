@@ -151,6 +151,12 @@ def _plan_from_wire(value: dict[str, Any], name: str) -> ResumePlan:
     plan: ResumePlan = _build(ResumePlan, expanded, name)
     if any(len(pair) != 2 for pair in plan.sources):
         raise ProtocolError(f"field {name!r}: sources must be [receiver, source] pairs")
+    if any(len(pair) != 2 or pair[0] == pair[1] or min(pair) < 0 for pair in plan.holders):
+        raise ProtocolError(f"field {name!r}: holders must be [slot, holder] pairs of two ranks")
+    if len({pair[0] for pair in plan.holders}) != len(plan.holders):
+        raise ProtocolError(f"field {name!r}: a slot is held twice in holders")
+    if {pair[0] for pair in plan.holders} & {pair[1] for pair in plan.holders}:
+        raise ProtocolError(f"field {name!r}: a held slot's process cannot hold another slot")
     return plan
 
 

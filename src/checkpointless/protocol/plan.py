@@ -32,6 +32,18 @@ class ResumePlan:
     own_snapshot: list[int] = field(default_factory=list)  # receivers that load their own snapshot
     from_snapshot: bool = False  # every rank loads the shared-memory snapshot of target_step
     from_checkpoint: bool = False  # every rank loads the durable checkpoint of target_step
+    # degraded mode (docs/fault-model.md): [slot, holder] pairs for every data-parallel slot that
+    # a live process other than its own holds (it trains that slot's micro-batch as an extra pass
+    # of each step, and is that slot's rank in its groups); empty at full width
+    holders: list[list[int]] = field(default_factory=list)
+
+    def held_by(self) -> dict[int, int]:
+        """slot -> the rank whose process holds it, for every held-over slot (empty at full width)."""
+        return {slot: holder for slot, holder in self.holders}
+
+    def slots_of(self, rank: int) -> list[int]:
+        """The slots ``rank``'s process trains each step, in pass order: its own and those it holds."""
+        return sorted([rank, *(slot for slot, holder in self.holders if holder == rank)])
 
     def source_of(self) -> dict[int, int]:
         """receiver -> the rank it takes state from: per-receiver pairs when present (a sharded
