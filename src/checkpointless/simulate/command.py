@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -242,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         machine = _machine()
-        (args.out / "goodput.json").write_text(
-            json.dumps(to_json(rep, command, machine, runtime), indent=1) + "\n"
-        )
+        data = to_json(rep, command, machine, runtime)
+        data["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        (args.out / "goodput.json").write_text(json.dumps(data, indent=1) + "\n")
         (args.out / "goodput.md").write_text(render_markdown(rep, command, machine, runtime))
         if not args.no_plot:
             write_plot(rep, args.out / "goodput.png")

@@ -242,7 +242,7 @@ class _Run:
         if cap.no_spare is NoSparePolicy.SHRINK:
             holes = self.holes + len(nodes)
             fill = fill_count(holes, self.fleet.available(self.t), shape.dp_group_nodes)
-            if replicas_at_work(shape, holes - fill) >= cap.min_replicas:
+            if holes == fill or replicas_at_work(shape, holes - fill) >= cap.min_replicas:
                 before = replicas_at_work(shape, self.holes)
                 self._promote(self.fleet.take_ready(self.t, fill), nodes)
                 self._set_holes(holes - fill)

@@ -158,7 +158,7 @@ def _no_spare(cause: FailureCause, shape: JobShape, capacity: CapacityPolicy | N
     if cap.no_spare is NoSparePolicy.SHRINK:
         holes = needed - fill_count(needed, shape.spares, shape.dp_group_nodes)
         left = shape.dp_width - dropped_replicas(holes, shape.dp_group_nodes)
-        return "shrink" if left >= cap.min_replicas else "fail"
+        return "shrink" if holes == 0 or left >= cap.min_replicas else "fail"
     return "wait" if cap.wait_limit_s >= shape.replace_s else "fail"
 
 

@@ -75,8 +75,8 @@ class JobShape:
 
     @property
     def dp_group_nodes(self) -> int:
-        """Nodes of one data-parallel replica."""
-        return self.dp_replica_gpus // self.gpus_per_node
+        """Nodes of one data-parallel replica (a job smaller than one replica is one replica)."""
+        return min(self.dp_replica_gpus // self.gpus_per_node, self.nodes)
 
     @property
     def dp_width(self) -> float:

@@ -247,3 +247,18 @@ def test_policy_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     ]:
         assert main([*base, *bad]) == 2
         assert says in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+def test_a_job_smaller_than_a_replica_is_one_replica() -> None:
+    shape = JobShape(gpus=16)  # two nodes, less than one 128-GPU replica
+    assert (shape.dp_group_nodes, shape.dp_width) == (2, 1.0)
+    trace = [_gpu_fault(10_000.0, node=1)]
+    with_spare = [
+        simulate_run(_cfg(c, gpus=16, spares=1), Policy.CHECKPOINTLESS, trace) for c in (SHRINK, WAIT)
+    ]
+    assert with_spare[0].goodput == pytest.approx(with_spare[1].goodput)  # a spare swap either way
+    assert with_spare[0].fallbacks == 0
+    # no spare: one replica cannot shrink, so --min-replicas 1 fails the job to its checkpoint
+    alone = simulate_run(_cfg(SHRINK, gpus=16, spares=0), Policy.CHECKPOINTLESS, trace)
+    assert (alone.shrinks, alone.fallbacks) == (0, 1)
