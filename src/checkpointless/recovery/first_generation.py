@@ -36,11 +36,9 @@ to the top of their own scripts, so what happens to each depends on what it has 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -48,7 +46,7 @@ from checkpointless.comm.script_groups import GroupsDisagree
 from checkpointless.events import get_logger
 from checkpointless.protocol import Abort, Recover, Recovered, Stopped
 from checkpointless.recovery.member import Member
-from checkpointless.recovery.process import short_error
+from checkpointless.recovery.process import end_now, short_error
 from checkpointless.recovery.recover import stream_route
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.torchrun import start_from_first_replica
@@ -111,7 +109,7 @@ def _on_abort(member: Member) -> None:
         _start_over(member, why)
 
 
-def _start_over(member: Member, why: str) -> None:
+def _start_over(member: Member, why: str) -> NoReturn:
     log.warning(
         "a rank was lost while the job was starting, after this rank %s before job.steps(): the "
         "lost rank's replacement runs the script from the top and would issue those collectives "
@@ -121,9 +119,7 @@ def _start_over(member: Member, why: str) -> None:
         why,
         member.rank,
     )
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(START_OVER_EXIT)
+    end_now(START_OVER_EXIT)
 
 
 def _form(member: Member, error: str | None = None) -> None:

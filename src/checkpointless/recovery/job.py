@@ -39,7 +39,8 @@ from checkpointless.recovery.epochs import EpochDriver, hold_state
 from checkpointless.recovery.first_generation import open_first_generation
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.member import Member
-from checkpointless.recovery.script_mesh import adopt_script_mesh
+from checkpointless.recovery.script_mesh import adopt_script_mesh, settle_before_update
+from checkpointless.recovery.sharded import has_dtensors
 from checkpointless.recovery.startup import connect, form_mesh, join_torchrun, standalone
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.step import Step
@@ -141,6 +142,8 @@ class Job:
                 if first is not None:
                     first.register_post_accumulate_grad_hook(lambda p: guard.site("backward"))
             if isinstance(obj, torch.optim.Optimizer):
+                if has_dtensors(obj):  # any mesh: Partial gradients are settled inside the step
+                    settle_before_update(obj)
                 obj.register_step_pre_hook(guard.before_update)
                 obj.register_step_post_hook(guard.after_update)
 

@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from checkpointless.state.snapshot import collect_state
 
 __all__ = [
     "close_at_exit",
+    "end_now",
     "install_fast_exit",
     "looks_like_comm_error",
     "note_exit_code",
@@ -87,6 +88,14 @@ def install_fast_exit() -> None:
 
     sys.excepthook = hook
     atexit.register(exit_now)
+
+
+def end_now(code: int) -> NoReturn:
+    """End this process at once with ``code`` (from any thread): its output flushed, no
+    destructor run (they could wait on peers that are gone, see :func:`install_fast_exit`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def close_at_exit(close: Callable[[], None], timeout: float) -> None:

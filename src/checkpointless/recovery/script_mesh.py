@@ -9,9 +9,10 @@ state. :func:`adopt_script_mesh` runs as ``job.steps()`` begins: it reads the pl
 tracked modules' DTensors, calls a dimension *split* when some DTensor is sharded along it and
 *replicate* otherwise (the data-parallel dimensions, over which the script keeps its replicas
 equal), and makes the job's sharded run from that (comm/mesh_coords.py): rank (dp=i, tp=j) then
-takes its state from a rank (dp=i', tp=j) and from no other. It also makes each tracked
-optimizer settle ``Partial`` DTensor gradients before its step (:func:`settle_before_update`),
-so that an update never communicates.
+takes its state from a rank (dp=i', tp=j) and from no other. Every tracked optimizer over
+DTensors, on this mesh or on ``job.device_mesh()``'s, settles ``Partial`` gradients before its
+step (:func:`settle_before_update`, installed by ``job.track()``), so that an update never
+communicates.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def settle_gradients(optimizer: torch.optim.Optimizer) -> None:
 
 def settle_before_update(optimizer: torch.optim.Optimizer) -> None:
     """Run :func:`settle_gradients` before every other step pre-hook (the update guard's barrier,
-    registered by ``job.track``): its all-reduce is part of the step, abortable like the rest."""
+    registered by ``job.track``): its all-reduce is part of the step, abortable like the rest.
+    ``job.track()`` installs it on every optimizer over DTensors, whoever made their mesh."""
     handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: settle_gradients(opt))
     optimizer._optimizer_step_pre_hooks.move_to_end(handle.id, last=False)
 
@@ -153,8 +155,6 @@ def adopt_script_mesh(member: Member) -> None:
         )
     mesh = member.groups.mesh = ShardedRun.adopt(found.device_mesh, world, plan_shape, member.rank)
     member.tracked.objects[SHARD_STATE_NAME] = mesh.identity()
-    for opt in member.tracked.optimizers:
-        settle_before_update(opt)
     if mesh.shards > 1:
         sharded_copies(member)
     layout = found.layout
