@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, start_job
+from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
 
 pytest.importorskip("accelerate", reason="the `hf` extra is not installed")
 
@@ -43,6 +43,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     return res
 
 
+# `make test` runs sigkill, raise-forward and raise-mid-optimizer in one job (MERGED), each fault
+# asserted as its own case asserts it (test_accelerate_loop_faults_in_one_job_are_each_survived_
+# bitwise); every single-fault case runs under `make soak` only
+MERGED = [
+    "raise:rank=1:step=4:site=optimizer",  # raise-mid-optimizer
+    "raise:rank=0:step=6:site=forward",  # raise-forward
+    "kill:rank=1:step=7",  # sigkill
+]
+
+
+@pytest.mark.soak
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "fault",
@@ -50,10 +61,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
         # in epoch 1: the replacement's loop passes epoch 0 and gets its evaluation from the state
         pytest.param("kill:rank=1:step=7", id="sigkill"),
         pytest.param("raise:rank=0:step=6:site=forward", id="raise-forward"),
-        pytest.param("raise:rank=1:step=7:site=backward", id="raise-backward", marks=pytest.mark.soak),
+        pytest.param("raise:rank=1:step=7:site=backward", id="raise-backward"),
         # the epoch's last step: rank 1 is rolled forward into the evaluation rank 0 has begun
         pytest.param("raise:rank=1:step=4:site=optimizer", id="raise-mid-optimizer"),
-        pytest.param("hang:rank=1:step=5", id="sigstop-hang", marks=pytest.mark.soak),
+        pytest.param("hang:rank=1:step=5", id="sigstop-hang"),
     ],
 )
 def test_accelerate_loop_fault_is_survived_bitwise(tmp_path: Path, reference: JobResult, fault: str) -> None:
@@ -64,6 +75,29 @@ def test_accelerate_loop_fault_is_survived_bitwise(tmp_path: Path, reference: Jo
     assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
     if fault.startswith(("kill", "hang")):
         assert res.of("spare_assigned") and "the training DataLoader seeks there" in res.output
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.timeout(240)
+def test_accelerate_loop_faults_in_one_job_are_each_survived_bitwise(
+    tmp_path: Path, reference: JobResult
+) -> None:
+    res = run(tmp_path / "run", MERGED)
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(reference, nproc=2)  # weights, optimizer state and evaluation losses
+    assert len(res.of("fault_injected")) == len(MERGED), res.output[-4000:]
+    for fault in MERGED:
+        rank, step = fault_at(fault)
+        rec = res.recovery_from(rank, step)
+        assert res.fired(fault) and rec is not None, (fault, res.output[-4000:])
+        if fault.startswith(("kill", "hang")):
+            assert [
+                e
+                for e in res.of("spare_assigned")
+                if (e["rank"], e["generation"]) == (rank, rec["generation"])
+            ]
+            assert "the training DataLoader seeks there" in res.output
+    assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, start_job
+from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
 
 pytest.importorskip("transformers", reason="the `hf` extra is not installed")
 
@@ -71,6 +71,48 @@ CASES = [
 ]
 
 
+# `make test` runs sigkill, raise-forward (at step 7 here: rank 0's update of step 3 fails in the
+# same job) and raise-mid-optimizer in one job (MERGED), each fault asserted as its own case asserts
+# it (test_trainer_faults_in_one_job_are_each_survived_bitwise); every single-fault case runs under
+# `make soak` only
+MERGED = [
+    "raise:rank=0:step=3:site=optimizer",  # raise-mid-optimizer
+    "kill:rank=1:step=5",  # sigkill
+    "raise:rank=1:step=7:site=forward",  # raise-forward
+]
+
+
+@pytest.mark.timeout(240)
+def test_trainer_faults_in_one_job_are_each_survived_bitwise(tmp_path: Path, reference: JobResult) -> None:
+    res = run(tmp_path / "run", MERGED)
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(reference, nproc=2)  # weights, optimizer state and log history
+    assert res.batches() == reference.batches(), "some rank trained on other micro-batches"
+    assert len(res.of("fault_injected")) == len(MERGED), res.output[-4000:]
+    assert checkpoint_files(res) == checkpoint_files(reference), "Trainer's checkpoints differ"
+    # one log line per optimizer step, as without the faults: a replay is not logged twice
+    assert res.output.count("{'loss'") == reference.output.count("{'loss'") == 10
+    for fault in MERGED:
+        rank, step = fault_at(fault)
+        rec = res.recovery_from(rank, step)
+        assert res.fired(fault) and rec is not None, (fault, res.output[-4000:])
+        if fault.startswith(("kill", "hang")):
+            spares = [
+                e
+                for e in res.of("spare_assigned")
+                if (e["rank"], e["generation"]) == (rank, rec["generation"])
+            ]
+            assert spares, f"{fault}: a dead or hung rank must be replaced by a spare"
+            assert "Trainer's data seeks there" in res.output
+        if "optimizer" in fault:
+            plans = [p for p in res.of("plan") if p["generation"] == rec["generation"]]
+            assert plans and rank in plans[0]["receivers"], (
+                "a rank that faulted mid-update must receive state"
+            )
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.soak
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fault", CASES)
 def test_trainer_fault_is_survived_bitwise(tmp_path: Path, reference: JobResult, fault: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, start_job
+from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
 
 pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
 
@@ -105,10 +105,15 @@ CASES = [
 ]
 
 
+# `make test` runs the cases not marked soak above in one job (MERGED, at their own steps), each
+# fault asserted as its own case asserts it (test_lightning_faults_in_one_job_are_each_survived_
+# bitwise); every single-fault case runs under `make soak` only
+MERGED = [f for _, f, soak in CASES if not soak]
+
+
+@pytest.mark.soak
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(
-    "fault", [pytest.param(f, id=name, marks=[pytest.mark.soak] if soak else []) for name, f, soak in CASES]
-)
+@pytest.mark.parametrize("fault", [pytest.param(f, id=name) for name, f, _ in CASES])
 def test_lightning_fault_is_survived_bitwise(
     tmp_path: Path, corpus: Path, reference: JobResult, fault: str
 ) -> None:
@@ -130,4 +135,39 @@ def test_lightning_fault_is_survived_bitwise(
     if "optimizer" in fault:
         plans = [p for p in res.of("plan") if p["generation"] > 0]
         assert 0 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.timeout(240)
+def test_lightning_faults_in_one_job_are_each_survived_bitwise(
+    tmp_path: Path, corpus: Path, reference: JobResult
+) -> None:
+    res = run(tmp_path / "run", corpus, MERGED)
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(reference, nproc=3)
+    assert res.trained_batches() == reference.trained_batches(), (
+        "some rank trained on other samples than the fault-free run"
+    )
+    assert len(res.of("fault_injected")) == len(MERGED), res.output[-4000:]
+    # a replacement walking Lightning's loop forward must not deadlock with the survivors
+    timed_out = [f["detail"] for f in res.of("fault") if "Timed out" in f.get("detail", "")]
+    assert not timed_out, timed_out
+    assert_same_checkpoints(res, reference)
+    for fault in MERGED:
+        rank, step = fault_at(fault)
+        rec = res.recovery_from(rank, step)
+        assert res.fired(fault) and rec is not None, (fault, res.output[-4000:])
+        if fault.startswith(("kill", "hang")):
+            spares = [
+                e
+                for e in res.of("spare_assigned")
+                if (e["rank"], e["generation"]) == (rank, rec["generation"])
+            ]
+            assert spares, f"{fault}: a dead or hung rank must be replaced by a spare"
+            assert "Lightning's loop catches up" in res.output
+        if "optimizer" in fault:
+            plans = [p for p in res.of("plan") if p["generation"] == rec["generation"]]
+            assert plans and rank in plans[0]["receivers"], (
+                "a rank that faulted mid-update must receive state"
+            )
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
