@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, read_digests, run_job, torchrun_env
+from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, read_digests, run_job, torchrun_env
 from tests.helpers.paths import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 
@@ -45,6 +45,63 @@ def state_sources(res: JobResult) -> list[dict[int, int]]:
     return [{r: s for r, s in e.get("sources", [])} for e in res.of("plan") if e["generation"] > 0]
 
 
+# `make test` runs the faults of the three cases below in one job (MERGED; the backward raise at
+# step 3 there, the forward one at step 2), each recovery's plan checked as its own case checks it
+# (test_tp_faults_in_one_job_are_each_recovered_from_the_same_tp_coordinate_bitwise); the cases
+# one job each run under `make soak` only
+MERGED: list[tuple[str, dict[int, int]]] = [
+    ("raise:rank=2:step=2:site=forward", {}),
+    ("raise:rank=1:step=3:site=backward", {}),
+    ("kill:rank=1:step=4", {1: 3}),
+    ("raise:rank=0:step=5:site=optimizer", {0: 2}),
+]
+
+
+@pytest.mark.timeout(150)
+def test_tp_faults_in_one_job_are_each_recovered_from_the_same_tp_coordinate_bitwise(
+    tmp_path: Path, corpus: Path, tp_reference: JobResult
+) -> None:
+    faults = [f for f, _ in MERGED]
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=4,
+        spares=1,
+        faults=faults,
+        script=TP_SCRIPT,
+        script_args=ARGS,
+        timeout=120,
+    )
+    assert res.rc == 0, res.output[-6000:]
+    wrong = {
+        r: (res.digests.get(r, "none")[:12], d[:12])
+        for r, d in tp_reference.digests.items()
+        if res.digests.get(r) != d
+    }
+    assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
+    assert res.batches() == tp_reference.batches(), (
+        "some rank trained on other samples than the fault-free run"
+    )
+    assert len(res.of("recovery")) == len(faults), res.output[-4000:]
+    for fault, receivers in MERGED:
+        rank, step = fault_at(fault)
+        rec = res.recovery_from(rank, step)
+        assert res.fired(fault) and rec is not None, (fault, res.output[-4000:])
+        plans = [
+            {r: s for r, s in e.get("sources", [])}
+            for e in res.of("plan")
+            if e["generation"] == rec["generation"]
+        ]
+        assert plans and plans[0] == receivers, (fault, plans)
+    for plan in state_sources(
+        res
+    ):  # whatever the plan, a source holds the receiver's tp shard in another replica
+        for r, s in plan.items():
+            assert s % TP == r % TP and s // TP != r // TP, (r, s)
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.soak
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "faults,receivers",
