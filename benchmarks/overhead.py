@@ -184,7 +184,8 @@ def write_markdown(result: dict[str, Any]) -> None:
         "--broadcast-buffers 0` (same model, data, seed; gloo)",
         "- Step time: between consecutive steps completed on every rank, from the per-rank commit logs. "
         "Job CPU per step: CPU seconds of every process the job started (workers, spare, launcher, "
-        "reaper / torchrun agent), from /proc, over the same steps.",
+        "reaper / torchrun agent), counted in the run's own cgroup (benchmarks/_harness/cpu.py), over the "
+        "same steps.",
         "",
         result["table"],
         "",
@@ -275,6 +276,7 @@ def main() -> int:
                         "median_step_s": statistics.median(st) if st else None,
                         "mean_step_s": statistics.fmean(st) if st else None,
                         "cpu_per_step_s": cps,
+                        "cpu_method": fin.cpu_method,
                         "step_s": [round(x, 5) for x in st],
                     }
                     runs.append(rec)
@@ -363,6 +365,11 @@ def main() -> int:
         f"median of adjacent-pair ratios: {bl.fmt_spread(pr, 4)}",
         f"checkpointless / DDP, CPU time of the whole job per step (all its processes): {bl.fmt(ratio_cpu, 4)} "
         f"({f'{(ratio_cpu - 1) * 100:+.1f}' if ratio_cpu else '-'}%); adjacent pairs: {bl.fmt_spread(cpr, 4)}",
+        *(
+            f"{name}, paired: geometric mean {bl.fmt(c['geomean'], 4)}, 95% bootstrap interval "
+            f"{bl.fmt(c['lo'], 4)}-{bl.fmt(c['hi'], 4)} over {c['n']} pairs"
+            for name, c in (("step", bl.ratio_ci(pair_ratios)), ("CPU", bl.ratio_ci(cpu_pair_ratios)))
+        ),
     ]
     notes = []
     if overhead_pct is not None:
@@ -401,8 +408,11 @@ def main() -> int:
             "ratio_mean_step": ratio_mean,
             "overhead_pct": overhead_pct,
             "pair_ratios": pr,
+            # paired (one ratio per pair of adjacent runs), geometric mean and bootstrap interval
+            "pair_ci95": bl.ratio_ci(pair_ratios),
             "ratio_cpu_per_step": ratio_cpu,
             "cpu_pair_ratios": cpr,
+            "cpu_pair_ci95": bl.ratio_ci(cpu_pair_ratios),
         },
         "notes": notes,
         "table": tbl,

@@ -87,18 +87,27 @@ def t_recovery(d: dict[str, Any]) -> Table:
 
 
 def t_overhead(d: dict[str, Any]) -> Table:
-    s = d["summary"]
-    rows = [
-        [
-            d["machine"]["date"][:10],
-            str(d["params"]["nproc"]),
-            str(d["params"]["pairs"]),
-            num(s["ratio_median_step"], 3),
-            spread(s["pair_ratios"], 3, ""),
-            num(s["ratio_cpu_per_step"], 3),
-        ]
-    ]
-    return ["run", "ranks", "pairs", "median-step ratio", "pair ratios", "CPU-per-step ratio"], rows
+    s, nproc = d["summary"], str(d["params"]["nproc"])
+    rows = []
+    for design in ("ddp", "checkpointless"):
+        p = s["designs"][design]
+        paired = ("–", "–") if design == "ddp" else (
+            _paired(s, "pair_ci95", "pair_ratios", "ratio_median_step"),
+            _paired(s, "cpu_pair_ci95", "cpu_pair_ratios", "ratio_cpu_per_step"),
+        )  # fmt: skip
+        rows.append([
+            design, nproc, str(p["runs"]), spread(p["median_step_s"], 1, " ms", 1000),
+            spread(p["cpu_per_step_s"], 1, " ms", 1000), *paired,
+        ])  # fmt: skip
+    return [
+        "design",
+        "ranks",
+        "runs",
+        "median step",
+        "job CPU per step",
+        "paired step ratio (95% CI)",
+        "paired CPU ratio (95% CI)",
+    ], rows
 
 
 def _transfer(d: dict[str, Any]) -> Table:
@@ -361,6 +370,37 @@ def t_hf_recovery(d: dict[str, Any]) -> Table:
     r = s["ratios"]
     rows.append(["ratio (a)/(b)", ci(r["downtime"]), ci(r["back_at_fault_step"]), "–"])
     return ["design", "downtime (kill → next step)", "back at the killed step", "steps computed again"], rows
+
+
+def t_lightning_recovery(d: dict[str, Any]) -> Table:
+    s = d["summary"]
+    rows = []
+    for key, label in (
+        ("checkpointless", "(a) `checkpointless run`, CheckpointlessStrategy"),
+        ("torchrun", '(b) torchrun + `ckpt_path="last"`, checkpoint every 5 steps'),
+    ):
+        x = s["designs"][key]
+        rows.append([label, spread(x["downtime_s"]), spread(x["lost_steps"], 0, ""), str(len(x["failed"]))])
+    rows.append(["ratio (a)/(b)", ci(s["ratio_downtime"]), "–", "–"])
+    return ["design", "downtime (kill → next step)", "steps computed again", "runs failed outright"], rows
+
+
+def t_rank_rng(d: dict[str, Any]) -> Table:
+    wall = {k: _median(d[f"{k}_us"]) for k in ("entry", "update", "commit")}
+    rows = [
+        ["record kept per step", f"{num(d['record_bytes'] / 1000, 1)} KB"],
+        [
+            "wall time per step: entry / update / commit",
+            " / ".join(num(wall[k], 1, " µs") for k in ("entry", "update", "commit")),
+        ],
+        ["wall time per step, total (median of rounds)", num(d["per_step_us_median"], 1, " µs")],
+        ["CPU time per step (the loop less the loop without the keeping)", num(d["per_step_cpu_us_median"], 1, " µs")],
+        [
+            f"share of a {num(d['params']['step_ms'], 1, ' ms')} step (wall)",
+            num(d["share_of_step_median"], 3, "%", 100),
+        ],
+    ]  # fmt: skip
+    return ["measure", "value"], rows
 
 
 # -- the blocks ----------------------------------------------------------------------------------
