@@ -152,3 +152,29 @@ def test_gpipe_kill_of_the_first_stage_and_raise_in_the_last_stage_bitwise(
     )  # fmt: skip
     assert_same_stages(res, ref)
     assert state_sources(res) == [{0: 2}, {}], state_sources(res)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(250)
+def test_interleaved_schedule_two_stages_per_rank_recovers_bitwise(
+    tmp_path: Path, corpus: Path, reference: ReferenceRuns
+) -> None:
+    # ScheduleInterleaved1F1B, four stages, two per rank (pp 0: stages 0 and 2): the same four
+    # faults as the 1F1B job, against the same training with torch alone
+    args = ["--steps", "8", "--schedule", "interleaved"]
+    ref = reference(
+        4, script=PP_SCRIPT, script_args=[*args, "--torch-only"], extra=["--plain"], replicated=False
+    )
+    faults = [
+        "raise:rank=2:step=2:site=forward",
+        "raise:rank=1:step=3:site=backward",
+        "kill:rank=3:step=5:site=backward",
+        "raise:rank=0:step=6:site=optimizer",
+    ]
+    res = run_job(
+        tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script=PP_SCRIPT, script_args=args,
+        timeout=120,
+    )  # fmt: skip
+    assert_same_stages(res, ref)
+    assert len(res.of("recovery")) == len(faults), res.output[-4000:]
+    assert state_sources(res) == [{}, {}, {3: 1}, {0: 2}], state_sources(res)

@@ -5,7 +5,9 @@ groups are the job's resilient groups). A small MLP, built whole from one seed o
 cut in two stages: rank (dp=i, pp=j) keeps stage j's layers, wraps them in a
 ``torch.distributed.pipelining.PipelineStage`` on the "pp" group and runs them with
 ``ScheduleGPipe`` (or ``Schedule1F1B`` with --schedule 1f1b) over 4 microbatches: activations
-and their gradients travel between the stages by point-to-point sends and receives. The two
+and their gradients travel between the stages by point-to-point sends and receives. With
+--schedule interleaved a deeper MLP is cut in four stages, two per rank (pp 0 holds stages 0
+and 2, pp 1 stages 1 and 3), run by ``ScheduleInterleaved1F1B``. The two
 replicas over "dp" stay equal because the script averages every gradient over the dp group, as
 DDP would. Replica ``dp`` trains on its own batches, a pure function of (step, dp coordinate);
 both stages of a replica see the same batch (stage 0 its inputs, stage 1 its targets).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +33,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 import checkpointless as cl
 
@@ -49,6 +57,18 @@ def stage_module(pp: int) -> nn.Module:
     torch.manual_seed(0)
     layers = [nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)]
     return nn.Sequential(*(layers[:2] if pp == 0 else layers[2:]))
+
+
+def chunks(pp: int, pp_size: int) -> nn.ModuleList:
+    """--schedule interleaved: a deeper MLP (seed 0) in 2 x pp_size stages, of which rank ``pp``
+    holds stages ``pp`` and ``pp + pp_size`` (torch's loop placement)."""
+    torch.manual_seed(0)
+    dims = [16, 32, 32, 32, 4]
+    blocks: list[nn.Module] = [
+        nn.Sequential(nn.Linear(a, b), nn.Tanh()) if i < 3 else nn.Linear(a, b)
+        for i, (a, b) in enumerate(itertools.pairwise(dims))
+    ]
+    return nn.ModuleList([blocks[pp], blocks[pp + pp_size]])
 
 
 def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -104,7 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--digest-out", required=True)
-    ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="gpipe")
     ap.add_argument("--torch-only", action="store_true", help="train with torch alone (under torchrun)")
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     args = ap.parse_args()
@@ -112,12 +132,27 @@ def main() -> None:
     job: Any = TorchOnly() if args.torch_only else cl.init()  # a hot spare waits in init()
     mesh = init_device_mesh(job.device.type, (2, 2), mesh_dim_names=("dp", "pp"))
     dp, pp = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
-    model = stage_module(pp).to(job.device)
-    stage = PipelineStage(model, pp, 2, job.device, group=mesh["pp"].get_group())
-    kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
-    schedule = kind(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
+    pp_group = mesh["pp"].get_group()
+    schedule: Any
+    model: nn.Module
+    if args.schedule == "interleaved":  # two stages per rank: 0 and 2 on pp 0, 1 and 3 on pp 1
+        model = chunks(pp, 2).to(job.device)
+        stages = [PipelineStage(m, pp + 2 * i, 4, job.device, group=pp_group) for i, m in enumerate(model)]
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
+    else:
+        model = stage_module(pp).to(job.device)
+        stage = PipelineStage(model, pp, 2, job.device, group=pp_group)
+        kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
+        schedule = kind(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    job.track(model=model, optimizer=opt, schedule=schedule)  # the schedule names the pipeline
+    # the modules the stages run (their forward is what the stages call; a ModuleList's is not),
+    # and the schedule, which names the pipeline group
+    modules = (
+        {f"stage{i}": m for i, m in enumerate(model)}
+        if isinstance(model, nn.ModuleList)
+        else {"model": model}
+    )
+    job.track(**modules, optimizer=opt, schedule=schedule)
     dp_group = mesh["dp"].get_group()
     for step in job.steps(args.steps):
         with step:
