@@ -144,7 +144,7 @@ def sensitivity_table(rep: Report) -> str:
 
 def scale_table(rep: Report) -> str:
     header = [
-        "repairs",
+        "case",
         "GPUs",
         "C-R %",
         "CL, fails when spares run out %",
@@ -217,10 +217,12 @@ def render_markdown(rep: Report, command: str, machine: str, runtime_s: float) -
     if rep.scale:
         parts += [
             "",
-            "## The target sizes under longer repairs",
+            "## The target sizes under longer repairs, and what limits them",
             "",
             "A repaired host returns after the given time; the chosen policy runs with fewer",
-            "replicas meanwhile, the launcher of today fails once its spares are used up.",
+            "replicas meanwhile, the launcher of today fails once its spares are used up. The",
+            "what-if rows change one assumption to show what limits the largest jobs; they are",
+            "not defaults.",
             "",
             scale_table(rep),
         ]

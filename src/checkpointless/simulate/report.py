@@ -258,11 +258,19 @@ def sensitivity(base: SimConfig, gpus: int, seeds: Sequence[int]) -> list[Sensit
     return rows
 
 
-# Repair times for the scale table: the default (an assumption), a day, three days.
+def _no_bug_recurs(c: SimConfig) -> SimConfig:
+    causes = tuple(replace(k, recurring=False) for k in c.failures.causes)
+    return replace(c, failures=replace(c.failures, causes=causes))
+
+
+# The scale table: repair times (the default is an assumption, then a day, three days), and two
+# what-ifs that remove what limits the largest jobs (not defaults: they show the limits).
 SCALE_CASES: tuple[tuple[str, Callable[[SimConfig], SimConfig]], ...] = (
     ("repairs take 1 h (default)", lambda c: c),
     ("repairs take 24 h", _shape(replace_s=24 * 3600.0)),
     ("repairs take 72 h", _shape(replace_s=72 * 3600.0)),
+    ("what-if: restarts start root-less too", _cal(init_model=CommModel.ROOTLESS_LOG)),
+    ("what-if: no software bug recurs in-process", _no_bug_recurs),
 )
 
 
