@@ -234,8 +234,8 @@ class RankRngKeeper:
         self.rank = -1
         self._slots: dict[int, RngRecord] = {}  # step % 2 -> the newest record of that parity
         self._files: dict[int, int] = {}  # step % 2 -> its open file (one write per record)
-        # every record written also goes to this rank's keeper on another host (step parity,
-        # the encoded record; recovery/rank_rng_peer.py): None keeps them on this host only
+        # every record written also goes to this rank's keeper on another host (its step, the
+        # encoded record; recovery/rank_rng_peer.py): None keeps them on this host only
         self.mirror: Callable[[int, bytes], None] | None = None
         self._early: int | None = None  # the step whose first collective kept the next one's record
 
@@ -270,7 +270,7 @@ class RankRngKeeper:
         parts = encode_parts(record)
         os.pwritev(fd, parts, 0)
         if self.mirror is not None:
-            self.mirror(step % 2, b"".join(parts))
+            self.mirror(step, b"".join(parts))
 
     def at_entry(self, index: int, rng: RngState) -> None:
         """Step ``index`` begins with the generators ``rng`` (its first attempt or a replay)."""

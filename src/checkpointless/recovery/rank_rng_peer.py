@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from checkpointless.errors import StateTransferError
@@ -44,7 +45,7 @@ from checkpointless.rendezvous.peers import parse_address
 from checkpointless.rendezvous.server import KeyServer
 from checkpointless.state.stream import StreamRoute, open_stream
 from checkpointless.state.stream_io import read_frame, write_frame
-from checkpointless.wire import send_frame
+from checkpointless.wire import encode_frame
 
 __all__ = ["ASK_CHANNEL", "KEEP_CHANNEL", "PeerRecords", "fetch_records", "pick"]
 
@@ -55,6 +56,8 @@ log = get_logger()
 
 KEEP_CHANNEL = "rank-rng/keep"  # an owner's records, one sealed frame each
 ASK_CHANNEL = "rank-rng/ask"  # a replacement asks for what its rank's keeper holds
+_DIGEST = 16  # a record ends with its XXH3-128 digest (rank_rng.py)
+_MAX_RECORD = 1 << 20  # ~12.7 KB, more with many CUDA devices: anything larger is not a record
 _SEND_TIMEOUT_S = 1.0  # a frame the kernel cannot buffer within this: the keeper is gone
 _CONNECT_S = 30.0  # the keeper may be a replacement still receiving its state
 
@@ -63,13 +66,29 @@ def _host(address: str) -> str:
     return parse_address(address)[0]
 
 
+@dataclass(frozen=True)
+class _Held:
+    """One record as its owner sent it: checked against ``digest`` (sealed) when asked for."""
+
+    step: int
+    digest: bytes
+    data: bytes
+
+    def verified(self) -> bytes | None:
+        try:
+            step, _ = record_point(self.data)  # the body against the record's own digest
+        except ValueError:
+            return None
+        return self.data if step == self.step and self.data[-_DIGEST:] == self.digest else None
+
+
 class _Kept:
     """What a keeper holds: each owner's newest record per step parity, and which connection of
     the owner's is the current one (an older one still draining is a dead process's)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.records: dict[int, dict[int, bytes]] = {}  # owner -> parity -> encoded record
+        self.records: dict[int, dict[int, _Held]] = {}  # owner -> parity -> its newest record
         self.epochs: dict[int, int] = {}  # owner -> its newest connection
 
     def connected(self, owner: int) -> int:
@@ -77,15 +96,16 @@ class _Kept:
             epoch = self.epochs[owner] = self.epochs.get(owner, 0) + 1
             return epoch
 
-    def store(self, owner: int, epoch: int, data: bytes) -> None:
-        step, _ = record_point(data)  # checked against its digest: a torn frame is refused
+    def store(self, owner: int, epoch: int, held: _Held) -> None:
         with self.lock:
             if self.epochs.get(owner) == epoch:
-                self.records.setdefault(owner, {})[step % 2] = data
+                self.records.setdefault(owner, {})[held.step % 2] = held
 
     def of(self, owner: int) -> list[bytes]:
+        """``owner``'s records that pass their checks (a torn or forged one is never given)."""
         with self.lock:
-            return list(self.records.get(owner, {}).values())
+            held = list(self.records.get(owner, {}).values())
+        return [d for d in (h.verified() for h in held) if d is not None]
 
 
 class PeerRecords:
@@ -99,7 +119,7 @@ class PeerRecords:
         self._sock: socket.socket | None = None
         self._route: StreamRoute | None = None
         self._generation = -1
-        self._newest: dict[int, bytes] = {}  # parity -> this rank's newest encoded record
+        self._newest: dict[int, tuple[int, bytes]] = {}  # parity -> this rank's newest (step, record)
         self._sent: dict[int, bytes] = {}  # parity -> the record the connection carried last
         self._kept = _Kept()
         self._served: KeyServer | None = None
@@ -130,14 +150,14 @@ class PeerRecords:
             target=self._connect, args=(generation, keeper), name="cl-rank-rng-send", daemon=True
         ).start()
 
-    def send(self, parity: int, data: bytes) -> None:
-        """Send this rank's newest record of step parity ``parity`` to its keeper now (on the
-        caller's thread: the frame is in the kernel's hands when this returns), or as the
-        connection opens."""
+    def send(self, step: int, data: bytes) -> None:
+        """Send this rank's newest record, of step ``step``, to its keeper now (on the caller's
+        thread: the frame is in the kernel's hands when this returns), or as the connection
+        opens."""
         with self._lock:
-            self._newest[parity] = data
+            self._newest[step % 2] = (step, data)
             if self._sock is not None:
-                self._send_locked(parity, data)
+                self._send_locked(step, data)
 
     def close(self) -> None:
         with self._lock:
@@ -165,21 +185,25 @@ class PeerRecords:
             self._sock = sock
             self._sent = {}
             # the older step first: a keeper holds the newest record of each parity
-            for parity, data in sorted(self._newest.items(), key=lambda kv: record_point(kv[1])[0]):
+            for step, data in sorted(self._newest.values(), key=lambda sd: sd[0]):
                 if self._sock is not None:
-                    self._send_locked(parity, data)
+                    self._send_locked(step, data)
 
-    def _send_locked(self, parity: int, data: bytes) -> None:
+    def _send_locked(self, step: int, data: bytes) -> None:
         assert self._sock is not None and self._route is not None
-        if self._sent.get(parity) is data:
+        if self._sent.get(step % 2) is data:
             return
+        # a small sealed header (the step, the length and the record's own XXH3-128 digest, its
+        # last 16 bytes), then the record's bytes: one system call, and the keeper checks the
+        # bytes against the sealed digest only when somebody asks for them
+        head = {"step": step, "size": len(data), "digest": data[-_DIGEST:].hex()}
         try:
-            send_frame(self._sock, self._route.request_key, {"type": "record"}, data)
+            self._sock.sendall(encode_frame(self._route.request_key, head) + data)
         except OSError as e:
             log.info("the generator records' connection to rank %s broke: %s", self.keeper, e)
             self._drop()
             return
-        self._sent[parity] = data
+        self._sent[step % 2] = data
         self.sent_frames += 1
 
     def _drop(self) -> None:
@@ -241,8 +265,12 @@ class PeerRecords:
         forever = time.monotonic() + 10 * 365 * 86400.0
         try:
             while True:
-                frame = read_frame(sock, route.request_key, forever, lambda: None, "a generator record")
-                self._kept.store(owner, epoch, frame.get("payload", b""))
+                head = read_frame(sock, route.request_key, forever, lambda: None, "a generator record")
+                step, size, digest = head.get("step"), head.get("size"), head.get("digest")
+                if not isinstance(step, int) or not isinstance(size, int) or not 0 < size <= _MAX_RECORD:
+                    return  # not a record's header: the connection ends
+                data = _recv_raw(sock, size)
+                self._kept.store(owner, epoch, _Held(step, bytes.fromhex(str(digest)), data))
         except (StateTransferError, ValueError, OSError):
             pass  # the owner's process ended, or sent what is not a record: what was kept stays
         finally:
@@ -259,6 +287,23 @@ class PeerRecords:
             log.info("could not answer rank %d's question for its generators: %s", owner, e)
         finally:
             sock.close()
+
+
+def _recv_raw(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes (the socket's timeout is a poll: waited through, as the reader
+    waits for the next header)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            continue
+        if k == 0:
+            raise OSError("the owner's connection closed inside a record")
+        got += k
+    return bytes(buf)
 
 
 def fetch_records(route: StreamRoute, keeper: int, rank: int, timeout: float) -> list[RngRecord]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from checkpointless.recovery.rank_rng import RankRngKeeper, RngRecord, encode_record, record_point, same_rng
-from checkpointless.recovery.rank_rng_peer import PeerRecords, _split, pick
+from checkpointless.recovery.rank_rng_peer import PeerRecords, _Held, _split, pick
 from checkpointless.rendezvous.server import KeyServer
 from checkpointless.state.snapshot import capture_rng
 from checkpointless.state.stream import StreamRoute
@@ -130,6 +130,12 @@ def test_a_keeper_refuses_torn_records_and_answers_are_split_checked() -> None:
     assert _split(whole + other, [len(whole)]) == []  # sizes that do not add up: nothing
     assert _split(whole, "x") == []
     assert [r.step for r in _split(whole[:-1] + b"!" + other, [len(whole), len(other)])] == [6]
+    # what a keeper holds is checked as it is asked for: the body against the record's digest,
+    # that digest against the one the owner sealed, the step against the sealed step
+    assert _Held(5, whole[-16:], whole).verified() == whole
+    assert _Held(5, whole[-16:], whole[:-17] + b"!" + whole[-16:]).verified() is None
+    assert _Held(5, other[-16:], whole).verified() is None
+    assert _Held(4, whole[-16:], whole).verified() is None
 
 
 def test_the_next_steps_record_is_kept_at_the_first_collective_and_checked_at_the_update(
@@ -138,7 +144,7 @@ def test_the_next_steps_record_is_kept_at_the_first_collective_and_checked_at_th
     rng = RankRngKeeper()
     rng.configure(tmp_path, 0)
     sent: list[int] = []
-    rng.mirror = lambda parity, data: sent.append(record_point(data)[0])
+    rng.mirror = lambda step, data: sent.append(record_point(data)[0])
     rng.at_entry(3, capture_rng())
     torch.rand(4)  # the forward's draws
     rng.at_collective(3)
