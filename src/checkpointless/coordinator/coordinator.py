@@ -333,7 +333,7 @@ class Coordinator:
         if self.stopping is None:
             # faults count against their hosts before the round hands any rank to a spare
             self.health.note_faults(self.ledger.history, self.ranks)
-            self.rounds.advance(now)
+            self.rounds.advance(now, wall)
         if self.stopping is None:
             self._check_done()
 

@@ -9,14 +9,17 @@ generation has formed; the recovery is reported once every rank has committed a 
 
 from __future__ import annotations
 
+from dataclasses import replace as with_fields
 from typing import Any
 
+from checkpointless.coordinator.degraded import decide_width, grow_round, shrink_round
+from checkpointless.coordinator.holders import SlotHolders, unique
 from checkpointless.coordinator.ledger import FaultLedger
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.decisions import MemberReport, RecoveryPlan, plan_recovery
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, placement, without_spare
-from checkpointless.coordinator.rules.width import NoSparePolicy, WidthAction, WidthSituation, width_decision
+from checkpointless.coordinator.rules.width import WidthAction
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import TableDelivery
@@ -56,6 +59,7 @@ class Rounds:
         self.first_batches: dict[int, float] = {}
         self.state_bytes = 0  # a replica's state, as rank 0 last reported it
         self.refill_after_round = False  # a host joined while a round ran
+        self.holders = SlotHolders()  # degraded mode: the lost slots survivors hold (holders.py)
 
     # -- faults ---------------------------------------------------------------------------------
     def record_fault(
@@ -69,6 +73,7 @@ class Rounds:
         step: int | None = None,
     ) -> None:
         """Record a fault on ``rank`` and make sure a round is handling it."""
+        rank = self.holders.holder(rank)  # a held slot's process is its holder's
         ranks = self.members.ranks
         if step is None:  # as the rank last said in a heartbeat (it could not tell us itself)
             step = ranks[rank].step if rank in ranks else None
@@ -92,8 +97,9 @@ class Rounds:
         else:
             r.faults.append(record)
         if replace:
-            r.replace.add(rank)
-            r.reports.pop(rank, None)
+            for slot in [rank, *self.holders.lose(rank)]:  # a lost holder takes its slots with it
+                r.replace.add(slot)
+                r.reports.pop(slot, None)
 
     def begin(self, first_fault: dict[str, Any], now: float) -> Round:
         prev = self.round
@@ -109,9 +115,14 @@ class Rounds:
             r.moving = dict(prev.moving)  # a lost host's ranks still go where the first of them went
         self.round = r
         self.flush_pending("superseded by a new fault before every rank committed a step")
-        for rank, m in self.members.ranks.items():
+        gone = {
+            id(self.members.ranks[k])
+            for k in r.replace
+            if k not in self.holders.held and k in self.members.ranks
+        }
+        for m in unique(self.members.ranks.values()):
             # a rank past its loop is in the script's own code: nothing of ours to abort there
-            if rank not in r.replace and not m.done:
+            if id(m) not in gone and not m.done:
                 self.outbox.send(m, Abort(generation=target, reason=first_fault["detail"]))
         return r
 
@@ -183,9 +194,16 @@ class Rounds:
             own_snapshots=tuple(msg.own_snapshots),
         )
         r.report_times[rank] = now
+        for slot in self.holders.of(rank):  # their state is the holder's own
+            if slot not in r.replace:
+                r.reports[slot] = with_fields(r.reports[rank], rank=slot)
+                r.report_times[slot] = now
 
-    def advance(self, now: float) -> None:
+    def advance(self, now: float, wall: float | None = None) -> None:
         r = self.round
+        if r is None and self.holders.degraded and self.pending is None and wall is not None:
+            self.grow(now, wall)
+            return
         if r is None or r.phase != "collect":
             return
         ranks, nproc = self.members.ranks, self.cfg.nproc
@@ -232,20 +250,21 @@ class Rounds:
         msg = Recover(
             generation=r.target,
             rendezvous=dict(self.rendezvous),
-            plan=resume_plan(plan),
+            plan=resume_plan(plan, self.holders.pairs()),
             table_version=t.version,
             table_base=t.base,
             table_digest=t.digest,
             moved_ranks=t.moved_ranks,
             moved_to=t.moved_to,
         )
-        for m in ranks.values():  # after every host's copy: a remote agent gets it first
+        for m in unique(ranks.values()):  # after every host's copy: a remote agent gets it first
             self.outbox.send(m, msg)
         r.phase = "rebuild"
         r.plan_sent = now
         # whole tables this round sent to hosts' agents and to single members (protocol/tables.py)
         tables = {"hosts": t.host_tables, "members": t.member_tables}
-        self.outbox.emit("plan", generation=r.target, peer_tables=tables, **plan_json)
+        held = {"holders": self.holders.pairs()} if self.holders.degraded else {}
+        self.outbox.emit("plan", generation=r.target, peer_tables=tables, **plan_json, **held)
 
     def replace_ranks(self, r: Round, ranks: list[int], now: float) -> None:
         ms, out = self.members, self.outbox
@@ -261,6 +280,7 @@ class Rounds:
         holding = {m.host for m in ms.ranks.values() if m.host in live}
         old_host = {rank: ms.ranks[rank].host if rank in ms.ranks else -1 for rank in ranks}
         match = match_spares([(rank, old_host[rank]) for rank in ranks], pool, holding, r.moving)
+        grew = False
         unmatched = [rank for rank in ranks if rank not in match]
         # a starting spare counts as on its way only to a rank it could take: one beside other
         # ranks takes only its own host's rank (match_spares), so it never serves a lost host's
@@ -269,23 +289,8 @@ class Rounds:
         if r.waiting_since is None:
             r.waiting_since = now
         coming = len(unmatched) - len(bare)
-        d = width_decision(
-            WidthSituation(
-                width=self.cfg.nproc,
-                survivors=self.cfg.nproc - len(ranks),
-                needed=len(ranks),
-                ready=len(match),
-                starting=coming,
-                waited=now - r.waiting_since,
-                wait_limit=self.cfg.spare_wait,
-                policy=NoSparePolicy(self.cfg.when_no_spare),
-                min_replicas=self.cfg.min_replicas,
-                not_shrinkable=_not_shrinkable(r),
-            )
-        )
-        if d.action in (WidthAction.FAIL, WidthAction.SHRINK):
-            # SHRINK is refused at start-up until the workers can hold more than one slot
-            # (JobSettings.validate); a rule that chose it anyway must not hang the round
+        d = decide_width(self, r, ranks, len(match), coming, now)
+        if d.action == WidthAction.FAIL:
             raise NotRecoverableError(d.reason)
         out.condition(
             "spare_wait",
@@ -309,7 +314,10 @@ class Rounds:
         for rank in sorted(match):
             spare = ms.procs[match[rank]]
             old = ms.ranks.get(rank)
-            if old is not None:
+            if rank in self.holders.held:
+                self.holders.release(rank)  # growing back: its holder lives on, as itself
+                grew = True
+            elif old is not None:
                 out.kill(old, old.killed_for or "replaced")
             ms.ranks[rank] = spare
             # the lost host its peers are to follow it from: the last of its moves so far
@@ -321,6 +329,12 @@ class Rounds:
             out.log("info", f"spare {spare.worker_id} takes rank {rank}")
         if match:
             self.spares.refill(now)  # refill the pool in the background (once: it walks every rank)
+        if d.action == WidthAction.SHRINK:
+            self.shrink(r, sorted(r.replace))
+        elif grew and not self.holders.degraded:
+            nproc = self.cfg.nproc
+            self.outbox.emit("width", generation=r.target, width=nproc, slots=nproc, holders=[])
+            self.outbox.condition("degraded", False)
         if not r.replace:
             out.condition("spare_wait", False)
         r.waiting_since = None
@@ -330,6 +344,8 @@ class Rounds:
         if r is None or r.phase != "rebuild" or msg.generation != r.target or m.rank is None:
             return
         r.recovered[m.rank] = {**msg.timings, "time": now}
+        for slot in self.holders.of(m.rank):
+            r.recovered[slot] = r.recovered[m.rank]
         m.joined = True
         self.ledger.joined(m.rank)
         if len(r.recovered) < self.cfg.nproc:
@@ -372,13 +388,23 @@ class Rounds:
         pend = self.pending
         if pend is None or m.rank is None or msg.generation != self.generation:
             return
-        self.first_commits[m.rank] = now
-        if msg.first_batch_s is not None:
-            self.first_batches[m.rank] = msg.first_batch_s
+        for slot in [m.rank, *self.holders.of(m.rank)]:
+            self.first_commits[slot] = now
+            if msg.first_batch_s is not None:
+                self.first_batches[slot] = msg.first_batch_s
         if len(self.first_commits) < self.cfg.nproc:
             return
         self.pending = None
         self.ledger.report_recovery(pend, max(self.first_commits.values()), self.first_batches)
+
+    # -- degraded mode (degraded.py) ------------------------------------------------------------
+    def shrink(self, r: Round, lost: list[int]) -> None:
+        """No spare for the ``lost`` slots: survivors hold them from this round on."""
+        shrink_round(self, r, lost)
+
+    def grow(self, now: float, wall: float) -> None:
+        """Degraded, between rounds, with spares ready: a round in which they take slots back."""
+        grow_round(self, now, wall)
 
     def on_spare_ready(self, m: Member) -> None:
         """A spare finished warming up: room for the state, and maybe it stands in for another."""
@@ -388,17 +414,8 @@ class Rounds:
             self.spares.retire_squeezed()
 
 
-def _not_shrinkable(r: Round) -> str:
-    """Why this round's job cannot go on with fewer replicas ("" when it can): degraded mode
-    drops data-parallel replicas of a plain data-parallel job; a sharded mesh would have to drop
-    a whole replica group, which is not built."""
-    if any(rep.mesh is not None for rep in r.reports.values()):
-        return "a sharded device mesh (FSDP/HSDP) cannot yet drop a replica group"
-    return ""
-
-
-def resume_plan(plan: RecoveryPlan) -> ResumePlan:
-    """The rule's plan as every member receives it (``Recover.plan``)."""
+def resume_plan(plan: RecoveryPlan, holders: list[list[int]] | None = None) -> ResumePlan:
+    """The rule's plan as every member receives it (``Recover.plan``), with the held slots."""
     return ResumePlan(
         target_step=plan.target_step,
         source=plan.source,
@@ -408,4 +425,5 @@ def resume_plan(plan: RecoveryPlan) -> ResumePlan:
         own_snapshot=list(plan.own_snapshot),
         from_snapshot=plan.from_snapshot,
         from_checkpoint=plan.from_checkpoint,
+        holders=list(holders or []),
     )
