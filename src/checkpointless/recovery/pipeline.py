@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from checkpointless.comm.mesh_coords import MeshLayout
 from checkpointless.errors import ConfigError
+from checkpointless.events import get_logger
 
 __all__ = [
     "PIPELINE_DIMS",
@@ -38,8 +39,11 @@ __all__ = [
     "restart_schedule",
     "schedule_stages",
     "schedules_layout",
+    "warn_if_untracked",
     "with_pipeline_dim",
 ]
+
+log = get_logger()
 
 PIPELINE_DIMS = ("dp", "pp")  # the names the layout gives a pipeline job's two dimensions
 
@@ -151,3 +155,15 @@ def with_pipeline_dim(layout: MeshLayout, device_mesh: Any, schedules: Sequence[
         f"the pipeline stages' group is none of the groups of the mesh {layout.names}; make it "
         "with mesh['pp'].get_group() on the mesh of the tracked DTensors"
     )
+
+
+def warn_if_untracked() -> None:
+    """As ``job.steps()`` begins with no mesh and no tracked schedule: a script that imported
+    ``torch.distributed.pipelining`` most likely forgot ``schedule=``, and every rank would then
+    be taken for a replica of rank 0 (its stage's state copied onto every rank)."""
+    if _schedules() is not None:
+        log.warning(
+            "torch.distributed.pipelining is imported but no pipeline schedule is tracked: the job "
+            "takes every rank for a replica of rank 0; for pipeline stages pass the schedule, "
+            "job.track(..., schedule=schedule) (docs/adoption.md, Pipeline parallel)"
+        )

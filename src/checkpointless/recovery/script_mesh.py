@@ -32,7 +32,7 @@ from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.recovery.member import Member
-from checkpointless.recovery.pipeline import schedules_layout, with_pipeline_dim
+from checkpointless.recovery.pipeline import schedules_layout, warn_if_untracked, with_pipeline_dim
 from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun
 from checkpointless.recovery.startup import sharded_copies
 
@@ -142,6 +142,7 @@ def adopt_script_mesh(member: Member) -> None:
         layout = schedules_layout(schedules, member.rank, member.world_size)
         found = ScriptMesh(None, tuple(range(member.world_size)), layout)
     if found is None:
+        warn_if_untracked()
         return
     err = mesh_order_error(found.ranks, member.world_size)
     if err is not None:
