@@ -178,3 +178,34 @@ def test_interleaved_schedule_two_stages_per_rank_recovers_bitwise(
     assert_same_stages(res, ref)
     assert len(res.of("recovery")) == len(faults), res.output[-4000:]
     assert state_sources(res) == [{}, {}, {3: 1}, {0: 2}], state_sources(res)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(300)
+def test_dp_by_pp_by_tp_recovers_by_stage_and_tp_coordinates_bitwise(
+    tmp_path: Path, corpus: Path, reference: ReferenceRuns
+) -> None:
+    # dp 2 x pp 2 x tp 2 on 8 ranks: each stage tensor-parallel (Colwise, Rowwise) inside the
+    # pipeline. The DTensors name tp, the tracked schedule's group names pp: rank r's state is its
+    # (pp, tp) coordinates r % 4. A SIGKILL of (1, 0, 1) in backward, where a stage's TP
+    # all-reduce is aborted inside torch's stage (re-raised as a RuntimeError: still a peer's
+    # fault, not the rank's own), then a raise in (0, 1, 0)'s forward
+    args = ["--steps", "8", "--schedule", "1f1b", "--tp"]
+    ref = reference(
+        8, script=PP_SCRIPT, script_args=[*args, "--torch-only"], extra=["--plain"], replicated=False
+    )
+    d = ref.digests
+    assert sorted(d) == list(range(8)) and all(d[r] == d[r + 4] for r in range(4)), d
+    assert len({d[r] for r in range(4)}) == 4, d
+    faults = ["kill:rank=5:step=4:site=backward", "raise:rank=2:step=6:site=forward"]
+    res = run_job(
+        tmp_path / "run", corpus, nproc=8, spares=1, faults=faults, script=PP_SCRIPT, script_args=args,
+        timeout=200,
+    )  # fmt: skip
+    assert res.rc == 0, res.output[-6000:]
+    assert res.digests == d, "final states differ from torch alone's"
+    assert len(res.of("recovery")) == 2, res.output[-4000:]
+    plans = state_sources(res)
+    assert plans == [{5: 1}, {}], plans
+    own_faults = [line for line in res.output.splitlines() if "FAULT rank" in line and "exception" in line]
+    assert len(own_faults) == 1 and "rank 2" in own_faults[0], own_faults

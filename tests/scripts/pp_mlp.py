@@ -39,6 +39,8 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import checkpointless as cl
 
@@ -71,17 +73,21 @@ def chunks(pp: int, pp_size: int) -> nn.ModuleList:
     return nn.ModuleList([blocks[pp], blocks[pp + pp_size]])
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     """This rank's stage parameters and optimizer state, bit for bit."""
     h = hashlib.sha256()
     with torch.no_grad():
         for name, p in model.named_parameters():
             h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(local(p).detach().cpu().contiguous().numpy().tobytes())
         for i, s in sorted(opt.state_dict()["state"].items()):
             for k, v in sorted(s.items()):
                 h.update(f"{i}.{k}".encode())
-                h.update(v.cpu().contiguous().numpy().tobytes())
+                h.update(local(v).cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -126,11 +132,15 @@ def main() -> None:
     ap.add_argument("--digest-out", required=True)
     ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="gpipe")
     ap.add_argument("--torch-only", action="store_true", help="train with torch alone (under torchrun)")
+    ap.add_argument("--tp", action="store_true", help="dp 2 x pp 2 x tp 2: each stage tensor-parallel")
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     args = ap.parse_args()
 
     job: Any = TorchOnly() if args.torch_only else cl.init()  # a hot spare waits in init()
-    mesh = init_device_mesh(job.device.type, (2, 2), mesh_dim_names=("dp", "pp"))
+    if args.tp:  # 8 ranks: rank r is (dp r // 4, pp r // 2 % 2, tp r % 2)
+        mesh = init_device_mesh(job.device.type, (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    else:
+        mesh = init_device_mesh(job.device.type, (2, 2), mesh_dim_names=("dp", "pp"))
     dp, pp = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     pp_group = mesh["pp"].get_group()
     schedule: Any
@@ -141,6 +151,11 @@ def main() -> None:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
     else:
         model = stage_module(pp).to(job.device)
+        if args.tp:  # the activations between the stages stay whole (Replicate)
+            tp_plan = {"0": ColwiseParallel(output_layouts=Replicate())}
+            if pp == 1:
+                tp_plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            parallelize_module(model, mesh["tp"], tp_plan, src_data_rank=None)  # type: ignore[arg-type]
         stage = PipelineStage(model, pp, 2, job.device, group=pp_group)
         kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
         schedule = kind(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
@@ -166,8 +181,9 @@ def main() -> None:
                 schedule.step(target=y.to(job.device), losses=losses)
             for p in model.parameters():  # the replicas' average
                 assert p.grad is not None
-                dist.all_reduce(p.grad, group=dp_group)
-                p.grad.div_(mesh["dp"].size())
+                g = local(p.grad)
+                dist.all_reduce(g, group=dp_group)
+                g.div_(mesh["dp"].size())
             opt.step()
     Path(args.digest_out.format(rank=job.rank)).write_text(state_digest(model, opt))
     if args.torch_only:

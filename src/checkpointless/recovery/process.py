@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checkpointless.errors import CommAborted
 from checkpointless.events import get_logger
 from checkpointless.protocol import Fatal, Message
 from checkpointless.state.codec import tensor_paths
@@ -127,10 +128,20 @@ def close_at_exit(close: Callable[[], None], timeout: float) -> None:
 
 
 def looks_like_comm_error(exc: BaseException) -> bool:
-    text = str(exc)
-    return any(
-        s in text for s in ("Connection closed by peer", "Connection reset", "Gloo", "gloo", "aborted")
-    )
+    """Whether ``exc`` is a failed or aborted collective, or wraps one: torch's pipeline stages
+    re-raise any error of a stage's forward or backward as a ``RuntimeError`` from it (a TP
+    all-reduce aborted inside a stage is then a peer's fault, not this rank's)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, CommAborted) or any(
+            s in text for s in ("Connection closed by peer", "Connection reset", "Gloo", "gloo", "aborted")
+        ):
+            return True
+        e = e.__cause__
+    return False
 
 
 def short_error(exc: BaseException) -> str:

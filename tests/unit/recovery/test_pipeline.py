@@ -167,3 +167,27 @@ def test_without_a_restart_the_replay_takes_the_abandoned_attempts_losses(world_
     except RuntimeError:
         return
     assert not all(torch.equal(a, b) for a, b in zip(clean, stale, strict=True))
+
+
+def _wrapped(inner: BaseException) -> RuntimeError:
+    """An error as torch's pipeline stage re-raises it: a RuntimeError from the stage's own."""
+    try:
+        try:
+            raise inner
+        except BaseException as e:
+            raise RuntimeError("[Stage 0] failed to run forward:\n args: ...") from e
+    except RuntimeError as outer:
+        return outer
+
+
+def test_an_aborted_collective_inside_a_stage_is_a_comm_failure_not_the_ranks_own() -> None:
+    from checkpointless.errors import CommAborted
+    from checkpointless.faults.inject import InjectedFault
+    from checkpointless.recovery.process import looks_like_comm_error
+
+    # a TP all-reduce aborted inside the stage's forward, or a peer's socket closed under it
+    assert looks_like_comm_error(_wrapped(CommAborted("group g3 generation 0 aborted: peer left")))
+    assert looks_like_comm_error(_wrapped(RuntimeError("[pair.cc:553] Connection closed by peer")))
+    # the stage's own exception stays the rank's own fault
+    assert not looks_like_comm_error(_wrapped(InjectedFault("injected fault raise:rank=2:step=2")))
+    assert not looks_like_comm_error(_wrapped(ValueError("shapes do not match")))
