@@ -172,10 +172,9 @@ def main() -> None:
         mesh = init_device_mesh(job.device.type, (2, args.hsdp, 2), mesh_dim_names=("dp", "shard", "tp"))
     else:
         mesh = init_device_mesh(job.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
-    # src_data_rank=None: each rank cuts its shard from its own (identical) copy; the default
-    # scatters from tp rank 0, a collective that under the launcher cannot run before
-    # job.steps() forms the job's first generation (and the job's first state sync copies
-    # each shard's holder in the first replica to the others anyway)
+    # src_data_rank=None: each rank cuts its shard from its own (identical) copy. torch's
+    # default (a scatter from tp rank 0 before the loop) works too and is covered by
+    # tests/scripts/pre_loop.py; this script keeps the collective-free path covered
     plan = seq_plan() if args.seq else {"2": ColwiseParallel(), "4": RowwiseParallel()}
     parallelize_module(model.to(job.device), mesh["tp"], plan, src_data_rank=None)
     if args.fsdp or args.hsdp:  # TP first, then FSDP2 over the data-parallel dims (torchtitan)
