@@ -2,7 +2,9 @@
 
 Writes benchmarks/results/goodput.json (the simulator's tables and plot go to a temporary folder
 and its tables to stdout). Extra arguments are passed on, e.g. ``python benchmarks/goodput.py
---calibration cal.json``. The model and every assumption are described in docs/goodput.md.
+--calibration cal.json``, or the no-spare policy of the "chosen policy" column:
+``--no-spare-policy shrink|wait|fail --min-replicas N --spare-wait S --health-check on|off``
+(default: shrink, 1, 60, on). The model and every assumption are described in docs/goodput.md.
 """
 
 from __future__ import annotations
