@@ -57,7 +57,8 @@ class UpdateGuard:
         if name == "forward":
             self._clock.first_forward()  # the time to fetch and assemble the batch
         if self._clock.step_index is not None:
-            if name == "allreduce" and self._clock.in_section is None:  # the step's draws are done
+            # the step's first all-reduce after its forward: its draws are done (rank_rng.py)
+            if name == "allreduce" and self._clock.in_section is None and self._clock.batch_s is not None:
                 self._replicas.rank_rng.at_collective(self._clock.step_index)
             self.injector.maybe_fire(name, self._clock.step_index)
 

@@ -8,29 +8,38 @@ very streams of the rank it replaces, as they stood when the step it re-runs fir
 
 Where they are kept, and why there: each rank writes its generators into the job's private
 shared-memory directory (``<job shm>/rng/rank<k>.<slot>``), outside its process, at every point
-a recovery may resume from: as a step's update begins (its draws are done: where the next step
-starts, and where a recovery that rolls the step forward resumes, even if the rank was lost
-inside its update), as it commits (a check of torch's generators only, unless no update ran),
-as a section begins, and as a step begins (a compare of the state captured there anyway,
-written only if something drew since the last record). The write is synchronous (one
-``pwritev`` of ~12.7 KB; the cost is measured by ``benchmarks/rank_rng.py``), so the record of
-a point exists before the rank can take part in any collective after it, and no peer can pass
-that point while the keeper still holds an older record. An asynchronous send to another
-process could not promise that without a wait per step: a rank killed just after it began step
-``s`` would often leave step ``s - 1``'s record with its keeper. The directory is the one the
-snapshots and the same-host buddy copies use: the launcher's and the reaper's clean-up remove
-it, even after a SIGKILL. Each record carries its step, the section it began (if any), its
-length and a digest (a write cut short by a SIGKILL is refused, never restored); two slots (by
-the step's parity) keep the newest two steps, since a recovery may settle on the step before
-the newest record (a rank that committed a step its peers did not reach).
+a recovery may resume from: as a step issues its first collective after its forward (a gradient
+bucket's all-reduce: its draws are done, and no peer can commit the step before this rank has
+taken part; where the next step starts, and where a recovery that rolls the step forward
+resumes), as its update begins (a check that nothing drew since, without a capture; kept again
+if something did), as it commits (a check of torch's generators only, unless no update ran), as
+a section begins, and as a step begins (a compare of the state captured there anyway, written
+only if something drew since the last record). The write is synchronous (one ``pwritev`` of
+~12.7 KB; the cost is measured by ``benchmarks/rank_rng.py``), so the record of a point exists
+before the rank can take part in any collective after it, and no peer can pass that point while
+the keeper still holds an older record. The directory is the one the snapshots and the
+same-host buddy copies use: the launcher's and the reaper's clean-up remove it, even after a
+SIGKILL. Each record carries its step, the section it began (if any), its length and a digest
+(a write cut short by a SIGKILL is refused, never restored); two slots (by the step's parity)
+keep the newest two steps, since a recovery may settle on the step before the newest record (a
+rank that committed a step its peers did not reach).
 
-The limits. A replacement on another host (a lost host, or spares on a spare host) finds no
-record: it resumes the generators sent with the replica's state, with a warning (on a sharded
-mesh a buddy copy carries its owner's own, so that case is exact). A rank lost inside a section
-its peers completed (rank 0's evaluation, which has no collective) left the record of the
-section's start, and its replacement does not run the section again: what it drew there is
-lost, and a warning says so. A draw from Python's or NumPy's generator after the update, by a
-rank lost before the next step began, is not seen by the commit's check (torch's only).
+Every record written also goes to the rank's keeper on another host (``mirror``, set to
+``rank_rng_peer.PeerRecords.send``; sent on this thread before the write returns), so a
+replacement for a rank whose host was lost, which finds no record on its own host, asks the
+keeper for it (recovery/rank_rng_peer.py).
+
+The limits. A replacement that finds no record of its step anywhere (its keeper was lost too,
+no key servers with ``--rendezvous tcp``, a host lost before the kernel sent the newest frame)
+resumes the generators sent with the replica's state, and says so: a warning, an ``Inexact``
+message to the coordinator, an ``inexact`` event and ``job_end``'s account (on a sharded mesh a
+buddy copy carries its owner's own, so that case is exact). A rank lost inside a section its
+peers completed (rank 0's evaluation, which has no collective) left the record of the section's
+start, and its replacement does not run the section again: what it drew there is lost, and is
+reported the same way. A draw from Python's or NumPy's generator after the update, by a rank
+lost before the next step began, is not seen by the commit's check (torch's only); nor is any
+draw between the step's first collective and its update by a rank lost before the update
+began while a peer committed the step.
 """
 
 from __future__ import annotations
