@@ -66,18 +66,24 @@ def run_steps(member: Member, total: int, start: int, steps_per_epoch: int | Non
     step: Step | None = None
     try:
         while _run_sections(member) or not _finished(member, total):
-            step = Step(member, member.committed_step)
-            yield step
-            if not step.entered:
-                # Without `with step:` nothing commits, so the loop would yield the same step
-                # for ever, and a recovery could neither stop nor replay the body: say so
-                # instead of training on outside the job.
-                member.recovery.fatal(
-                    f"the body of `for step in job.steps(...)` ran outside `with step:` (step "
-                    f"{step.index}); put the step's work inside it: "
-                    "`for step in job.steps(N):` then `with step:` around forward, backward and "
-                    "the optimizer step",
-                )
+            # degraded mode: one pass per slot this process holds (recovery/slots.py), the
+            # update in the last; a pass that failed starts the step (or the next) over
+            slots = member.groups.held.passes(member.rank)
+            for i, slot in enumerate(slots):
+                step = Step(member, member.committed_step, slot=slot, pass_index=i, passes=len(slots))
+                yield step
+                if not step.entered:
+                    # Without `with step:` nothing commits, so the loop would yield the same step
+                    # for ever, and a recovery could neither stop nor replay the body: say so
+                    # instead of training on outside the job.
+                    member.recovery.fatal(
+                        f"the body of `for step in job.steps(...)` ran outside `with step:` (step "
+                        f"{step.index}); put the step's work inside it: "
+                        "`for step in job.steps(N):` then `with step:` around forward, backward and "
+                        "the optimizer step",
+                    )
+                if not step.passed:
+                    break
     except GeneratorExit:  # the script left the loop with `break`
         if step is None or not step.committed:  # an error escaping the loop, not a clean end
             log.warning("left job.steps() in a step that did not commit: not a clean end")
@@ -147,7 +153,7 @@ def _finish_barrier(member: Member) -> bool:
     try:
         # the final barrier is an "allreduce" site of step N, N the job's length (faults/inject.py)
         member.guard.injector.maybe_fire("allreduce", member.committed_step)
-        member.comm.barrier(timeout=member.rendezvous_timeout)
+        member.groups.held.barrier(member.comm, member.rendezvous_timeout)  # every slot held
         return True
     except CommAborted as e:
         log.info("final barrier interrupted: %s", short_error(e))

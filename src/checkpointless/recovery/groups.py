@@ -19,6 +19,7 @@ from torch import nn
 from checkpointless.comm.communicator import Communicator
 from checkpointless.recovery.default_group import DefaultGroup
 from checkpointless.recovery.sharded import ShardedRun
+from checkpointless.recovery.slots import HeldSlots
 
 __all__ = ["Groups"]
 
@@ -30,6 +31,7 @@ class Groups:
         self.comm = comm
         self.default: DefaultGroup | None = None  # torch's default group (dist.all_reduce, barrier)
         self.mesh: ShardedRun | None = None  # job.device_mesh(): FSDP2/HSDP over resilient groups
+        self.held = HeldSlots()  # degraded mode: the groups of the slots held besides our own
 
     @property
     def shards(self) -> int:
@@ -43,7 +45,7 @@ class Groups:
             n += self.default.abort(reason)
         if self.mesh is not None:
             n += self.mesh.abort(reason)
-        return n
+        return n + self.held.abort(reason)
 
     def aborted(self) -> str | None:
         """Why the communicator or a mesh group was aborted, or None while they are live."""
@@ -83,6 +85,7 @@ class Groups:
     def release(self) -> None:
         """Drop the groups the last generation parked, once the new one has formed."""
         self.comm.release_graveyard()
+        self.held.release()
         if self.default is not None:
             self.default.release()
         if self.mesh is not None:

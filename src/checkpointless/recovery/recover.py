@@ -174,12 +174,11 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
     to_send = sorted(r for r, s in sources.items() if s == member.rank and r not in plan.from_copy)
     member.guard.injector.maybe_fire("recovery", target)
     t0 = time.monotonic()
+    held = [slot for slot, _ in plan.holders]  # their keys live in their holders' key servers
     store = make_store(
-        msg.rendezvous, member.rank, member.world_size, gen, member.recovery.store_state, member.env
+        msg.rendezvous, member.rank, member.world_size, gen, member.recovery.store_state, member.env, held
     )
-    wait_s = member.groups.rebuild(
-        gen, store, member.rank, member.world_size, member.rendezvous_timeout, member.recovery.cancel
-    )
+    wait_s = _rebuild(member, msg, store)
     member.generation = gen
     t1 = time.monotonic()
     info: dict[str, Any] = {"rebuild_s": t1 - t0, "rendezvous_wait_s": wait_s, "role": "none"}
@@ -279,6 +278,42 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
         target,
     )
     return info
+
+
+def _rebuild(member: Member, msg: Recover, store: Any) -> float:
+    """Form the generation's groups: this process's own and, degraded, those of the slots it
+    holds (recovery/slots.py), together; the held slots' groups then reduce DataParallel's
+    gradients beside its own."""
+    gen, held = msg.generation, member.groups.held
+    deadline = time.monotonic() + member.rendezvous_timeout
+    slots = [s for s in msg.plan.slots_of(member.rank) if s != member.rank]
+    forming = held.start_forming(
+        slots,
+        member.world_size,
+        gen,
+        lambda slot: make_store(
+            msg.rendezvous,
+            slot,
+            member.world_size,
+            gen,
+            member.recovery.store_state,
+            member.env,
+            [s for s, _ in msg.plan.holders],
+        ),
+        member.comm,
+        member.groups.default,
+        deadline,
+        member.recovery.cancel,
+    )
+    try:
+        wait_s = member.groups.rebuild(
+            gen, store, member.rank, member.world_size, member.rendezvous_timeout, member.recovery.cancel
+        )
+    finally:
+        held.finish_forming(forming, deadline)
+    for dp in member.tracked.dps:
+        dp.hold(held.comms(member.comm))
+    return wait_s
 
 
 def newest_own_snapshot(member: Member) -> int | None:

@@ -20,11 +20,13 @@ def make_store(
     generation: int,
     cache: dict[str, Any],
     env: WorkerEnv | None,
+    shared: list[int] | None = None,
 ) -> dist.Store:
     """Each generation gets its own key space (``gen<g>/``) so stale keys never mix with new ones.
 
     ``cache`` keeps per-process objects (a client connection, this process's key server) alive
-    across generations.
+    across generations. ``shared``: ranks whose keys another rank's key server holds (degraded
+    mode's held slots).
     """
     prefix = f"gen{generation}/"
     timeout = datetime.timedelta(seconds=float(desc.get("timeout", 60)))
@@ -46,7 +48,7 @@ def make_store(
         return RootlessStore(
             rank=rank,
             world_size=world_size,
-            peers=PeerTable(list(desc["peers"])),
+            peers=PeerTable(list(desc["peers"]), shared or ()),
             secret=env.secret,
             prefix=prefix,
             timeout=timeout,

@@ -1,11 +1,19 @@
 """One step of ``job.steps()``: a context manager whose block commits when it ends cleanly and
 hands an exception to the recovery instead of raising it. It also knows its epoch and its batch,
 from the job's schedule (``schedule.py``: ``steps_per_epoch`` or its one loader).
+
+Degraded mode (docs/fault-model.md): a process that holds more than one data-parallel slot runs
+each step once per slot (a *pass*; ``step.slot`` says whose micro-batch). Only the last pass
+updates: before it, the tracked optimizers' and schedulers' ``step()`` do nothing, and
+``DataParallel`` keeps the pass's gradient aside; the last pass commits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.commit import check_divergence, commit, enter_step
@@ -19,13 +27,22 @@ class Step:
     """One training step; use as a context manager around the step's body.
 
     ``index`` is the step being run (a replay runs the same index again), ``committed`` whether
-    its block ended cleanly (check it after the ``with`` block)."""
+    its block ended cleanly (check it after the ``with`` block). ``slot`` is the data-parallel
+    slot whose micro-batch this pass trains: the rank's own, except in degraded mode's extra
+    passes; read the batch of ``(step.slot, step.index)``."""
 
-    def __init__(self, member: Member, index: int) -> None:
+    def __init__(
+        self, member: Member, index: int, *, slot: int | None = None, pass_index: int = 0, passes: int = 1
+    ) -> None:
         self._member = member
         self.index = index
+        self.slot = member.rank if slot is None else slot
+        self.pass_index = pass_index
+        self.passes = passes
         self.committed = False
+        self.passed = False  # its block ended cleanly (the last pass also committed)
         self.entered = False  # job.steps() refuses a step whose body ran outside `with step:`
+        self._restore: list[Callable[[], None]] = []
 
     @property
     def epoch(self) -> int:
@@ -41,17 +58,46 @@ class Step:
     def batch(self) -> Any:
         """This step's batch (the same object in a replay), from job.epochs()' loader or the one
         job.loader(); read it inside ``with step:``."""
+        if self.slot != self._member.rank:
+            raise ConfigError(
+                f"step.batch in degraded mode's pass for slot {self.slot}: the job's loaders are "
+                "bound to this rank's own share; compute the micro-batch of (step.slot, step.index) "
+                "(docs/fault-model.md, degraded mode)"
+            )
         return self._member.schedule.batch(self.index, self._member.tracked.loaders)
+
+    @property
+    def last_pass(self) -> bool:
+        return self.pass_index == self.passes - 1
 
     def __enter__(self) -> Step:
         self.entered = True
-        enter_step(self._member, self.index)
+        if self.pass_index == 0:
+            enter_step(self._member, self.index)
+        for dp in self._member.tracked.dps:
+            if dp.passes == self.passes:
+                dp.begin_pass(self.pass_index)
+        if not self.last_pass:
+            self._defer_updates()
         return self
 
+    def _defer_updates(self) -> None:
+        """Before the last pass, the update waits: every tracked optimizer's and scheduler's
+        ``step()`` does nothing (the instance attribute shadows the method until __exit__)."""
+        for obj in self._member.tracked.objects.values():
+            if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+                self._restore.append(_shadow_step(obj))
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        for undo in self._restore:
+            undo()
+        self._restore = []
+        if exc is None and not self.last_pass:
+            self.passed = True  # the next pass trains the next slot's micro-batch
+            return False
         if exc is None:
             commit(self._member, self.index)
-            self.committed = True
+            self.committed = self.passed = True
             check_divergence(self._member)
             return False
         if not isinstance(exc, Exception) or not self._member.recovery.connected:
@@ -60,3 +106,24 @@ class Step:
             return False  # a replay would raise it again: it ends the script (run_script.py)
         recover_from(self._member, self.index, exc)
         return True
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    """An optimizer's or scheduler's step() before a degraded step's last pass."""
+    return None
+
+
+def _shadow_step(obj: Any) -> Callable[[], None]:
+    """Make ``obj.step()`` do nothing; return what puts it back. An instance's own ``step`` (a
+    scheduler wraps its optimizer's that way) is put back as it was."""
+    had = "step" in obj.__dict__
+    prev = obj.__dict__.get("step")
+    obj.step = _skip
+
+    def undo() -> None:
+        if had:
+            obj.step = prev
+        else:
+            obj.__dict__.pop("step", None)
+
+    return undo

@@ -85,15 +85,18 @@ class PeerTable:
 
     __slots__ = ("_addresses", "_endpoints")
 
-    def __init__(self, addresses: Iterable[str]) -> None:
+    def __init__(self, addresses: Iterable[str], shared: Iterable[int] = ()) -> None:
+        """``shared``: ranks whose keys another rank's key server holds (a degraded job's held
+        slots, recovery/slots.py); every other rank has a key server of its own."""
         self._addresses = tuple(addresses)
         if not self._addresses:
             raise ConfigError("the peer table is empty: a generation needs at least one rank")
         self._endpoints = tuple(parse_address(a) for a in self._addresses)
         seen: dict[tuple[str, int], int] = {}
+        held = frozenset(shared)
         for rank, endpoint in enumerate(self._endpoints):
             other = seen.setdefault(endpoint, rank)
-            if other != rank:
+            if other != rank and rank not in held and other not in held:
                 raise ConfigError(
                     f"peer table gives ranks {other} and {rank} the same address "
                     f"{self._addresses[rank]}; every rank needs its own key server port"

@@ -378,13 +378,6 @@ class JobSettings:
                 f"--min-replicas {self.min_replicas} is more than the job's {self.nproc} ranks "
                 "(--nproc); it can be at most --nproc (which never goes on degraded)"
             )
-        if self.when_no_spare != "fail":
-            # the coordinator's rule is in (coordinator/rules/width.py), the workers' half is not:
-            # a process cannot hold a second slot yet (docs/fault-model.md, "Degraded mode")
-            raise ConfigError(
-                f"--when-no-spare {self.when_no_spare}: degraded mode is not available yet (the "
-                "workers cannot train a lost rank's batch); use --when-no-spare fail"
-            )
         if self.swap_stragglers and not self.straggler_ratio:
             raise ConfigError("--swap-stragglers needs --straggler-ratio (e.g. --straggler-ratio 1.5)")
         if self.swap_stragglers and self.spare_nodes < 1:

@@ -1,5 +1,5 @@
 """--when-no-spare and --min-replicas (issue 39, degraded mode): parsed, checked against --nproc,
-and carried to the agents; the policies that need the workers' half are refused for now."""
+and carried to the agents; every policy accepted."""
 
 from __future__ import annotations
 
@@ -35,10 +35,11 @@ def test_min_replicas_at_most_nproc() -> None:
         _settings("--min-replicas", "0").validate()
 
 
-@pytest.mark.parametrize("policy", ["shrink", "wait"])
-def test_degraded_policies_are_refused_until_the_workers_can_hold_a_second_slot(policy: str) -> None:
-    with pytest.raises(ConfigError, match=f"--when-no-spare {policy}: degraded mode is not available yet"):
-        _settings("--when-no-spare", policy).validate()
+@pytest.mark.parametrize("policy", ["shrink", "wait", "fail"])
+def test_every_policy_is_accepted(policy: str) -> None:
+    cfg = _settings("--when-no-spare", policy, "--nproc", "4", "--min-replicas", "2")
+    cfg.validate()
+    assert cfg.when_no_spare == policy
 
 
 def test_the_welcome_carries_them() -> None:

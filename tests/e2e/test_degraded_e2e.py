@@ -1,0 +1,63 @@
+"""Degraded mode, end to end (issue 39): a DDP job of 4 ranks with no spares loses rank 2, goes
+on with 3 (rank 0 trains slot 2's micro-batch as a second pass of each step, and takes part in
+the gradient all-reduce as slot 2's rank too), then grows back to 4 once the spare it started is
+ready; every rank ends with bitwise the fault-free run's weights, and every (slot, step) trained
+the fault-free run's batch. With --min-replicas 4 the same loss, with a spare that never comes,
+fails the job with the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.jobs import SCRIPTS, JobResult, run_job
+
+pytestmark = pytest.mark.timeout(150)
+
+SCRIPT = SCRIPTS / "degraded_dp.py"
+ARGS = ["--steps", "30", "--sleep", "0.03"]
+
+
+def _run(tmp_path: Path, name: str, extra: list[str], faults: list[str], args: list[str] = ARGS) -> JobResult:
+    return run_job(
+        tmp_path / name,
+        tmp_path / "unused-data",
+        nproc=4,
+        spares=0,
+        faults=faults,
+        extra=extra,
+        script=SCRIPT,
+        script_args=args,
+        timeout=120,
+    )
+
+
+def test_a_lost_rank_shrinks_the_job_then_a_spare_grows_it_back_bitwise(tmp_path: Path) -> None:
+    ref = _run(tmp_path, "clean", [], [])
+    assert ref.rc == 0, ref.output[-3000:]
+    res = _run(tmp_path, "degraded", ["--when-no-spare", "shrink"], ["kill:rank=2:step=10"])
+    assert res.rc == 0, res.output[-4000:]
+    widths = [e["width"] for e in res.events() if e["event"] == "width"]
+    assert widths == [3, 4], f"expected to shrink to 3 and grow back to 4: {widths}"
+    plans = [e for e in res.events() if e["event"] == "plan" and e.get("holders")]
+    assert plans and plans[0]["holders"] == [[2, 0]], plans
+    assert [e["rank"] for e in res.events() if e["event"] == "grow"] == [2]
+    res.assert_same_weights(ref, 4)
+    want = ref.trained_batches()
+    assert sorted(want) == [(slot, step) for slot in range(4) for step in range(30)]
+    assert res.trained_batches() == want, "a (slot, step) trained another batch than without the fault"
+
+
+def test_below_min_replicas_the_job_fails_with_the_reason(tmp_path: Path) -> None:
+    res = _run(
+        tmp_path,
+        "floor",
+        ["--when-no-spare", "shrink", "--min-replicas", "4", "--spare-wait", "2"],
+        ["kill:rank=2:step=5"],
+        [*ARGS, "--spares-never-ready"],
+    )
+    assert res.rc == 1, res.output[-3000:]
+    (end,) = [e for e in res.events() if e["event"] == "job_end"]
+    assert "going on would leave 3 of 4 replicas, fewer than --min-replicas 4" in end["error"], end
+    assert not [e for e in res.events() if e["event"] == "width"]
