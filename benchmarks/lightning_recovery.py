@@ -9,9 +9,11 @@ rank 1 to a SIGKILL right after step F has begun:
   restart; this script SIGKILLs the worker with RANK=1 when rank 0 reports F steps done.
 
 Downtime is from the kill to the first step completed after it (rank 0's wall clock; both
-processes run on this host). Lost steps are the completed steps computed again. Medians of --repeats:
+processes run on this host). Lost steps are the completed steps computed again. Rounds are
+interleaved (the harness's order); the ratio is the geometric mean of the rounds' paired ratios
+with a bootstrap interval. Writes ``benchmarks/results/lightning_recovery.json``.
 
-    .venv/bin/python benchmarks/lightning_recovery.py [--fault-step 42] [--steps 60] [--repeats 3]
+    .venv/bin/python benchmarks/lightning_recovery.py [--fault-step 42] [--steps 60] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -21,19 +23,25 @@ import json
 import os
 import re
 import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "lightning_gpt.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as bl
+
+EXAMPLE = bl.REPO / "examples" / "lightning_gpt.py"
+DESIGNS = ("checkpointless", "torchrun")
 # about 0.1 s a step on 2 cores: the fault hits seconds after the start, once the spare has started
 MODEL = ["--dim", "128", "--layers", "4", "--heads", "4", "--seq-len", "64", "--global-batch", "16"]
+# Lightning's gloo start-up here sometimes fails to connect its full mesh even after torchrun's
+# restarts: such a run is kept as a failed run and the round's torchrun side runs again
+TORCHRUN_ATTEMPTS = 3
 
 
 def step_times(text: str) -> list[tuple[int, float]]:
@@ -42,17 +50,27 @@ def step_times(text: str) -> list[tuple[int, float]]:
 
 def first_step_after(
     times: list[tuple[int, float]], t0: float, ok: Callable[[int], bool]
-) -> tuple[int, float]:
+) -> tuple[int, float] | None:
     """The first step end after t0 among the steps ``ok`` accepts (rank 0 may still report the
     step before the fault a moment after the fault fired on rank 1)."""
     later = [(s, t) for s, t in times if t > t0 and ok(s)]
-    if not later:
-        raise SystemExit("no step completed after the fault")
-    return later[0]
+    return later[0] if later else None
 
 
-def checkpointless(a: argparse.Namespace, work: Path) -> dict[str, float | int]:
-    cmd = [sys.executable, "-m", "checkpointless", "run", "--nproc", "2", "--spares", "1"]
+def job_env() -> dict[str, str]:
+    """This process's environment, as the script's earlier runs had it: under the harness's
+    (one thread, gloo on ``lo``, torchrun's store not shared) the workers torchrun restarted hung
+    in ``init_process_group`` twice out of two here (cause not found)."""
+    return dict(os.environ) | {"PYTHONUNBUFFERED": "1"}
+
+
+def output(job: Path) -> str:
+    logs = (job / "stdout.log", job / "stderr.log")
+    return "".join(p.read_text(errors="replace") for p in logs if p.exists())
+
+
+def run_checkpointless(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cmd = [bl.PYTHON, "-m", "checkpointless", "run", "--nproc", "2", "--spares", "1"]
     cmd += ["--run-dir", str(work / "cl"), "--inject", f"kill:rank=1:step={a.fault_step}"]
     cmd += [
         str(EXAMPLE),
@@ -63,110 +81,160 @@ def checkpointless(a: argparse.Namespace, work: Path) -> dict[str, float | int]:
         "--ckpt-dir",
         str(work / "cl.ckpt"),
     ]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if out.returncode:
-        raise SystemExit(f"checkpointless run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    fin = bl.run_job(cmd, work / "job", timeout=a.run_timeout, env=job_env())
+    if fin.rc != 0:
+        return {"error": "timed out" if fin.timed_out else f"exit code {fin.rc}", "wall_s": fin.wall_s}
     events = [json.loads(x) for x in (work / "cl" / "events.jsonl").read_text().splitlines() if x.strip()]
-    fired = next(e["fired_at"] for e in events if e["event"] == "fault_injected")
+    fired = next((e["fired_at"] for e in events if e["event"] == "fault_injected"), None)
+    if fired is None:
+        return {"error": "no fault_injected event", "wall_s": fin.wall_s}
     # "steptime S" means S steps done: the fault step F is done at S = F + 1
-    step, t = first_step_after(step_times(out.stdout + out.stderr), fired, lambda s: s > a.fault_step)
+    first = first_step_after(step_times(output(work / "job")), fired, lambda s: s > a.fault_step)
+    if first is None:
+        return {"error": "no step completed after the fault", "wall_s": fin.wall_s}
     # a step that ended after the fault but was the fault step itself was computed once: none lost
-    return {"downtime_s": t - fired, "first_step_after": step, "lost_steps": 0}
+    return {
+        "downtime_s": first[1] - fired,
+        "first_step_after": first[0],
+        "lost_steps": 0,
+        "wall_s": fin.wall_s,
+    }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rank1_child(parent: int) -> int | None:
+def rank1_worker(tag: str) -> int | None:
+    """The training process with RANK=1 among this run's (the tag is in their environment)."""
+    want = b"\0RANK=1\0", f"\0LIGHTNING_BENCH_RUN={tag}\0".encode()
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            stat = (d / "stat").read_text().split()
-            if int(stat[3]) == parent and b"\0RANK=1\0" in b"\0" + (d / "environ").read_bytes():
-                return int(d.name)
+            environ = b"\0" + (d / "environ").read_bytes()
         except OSError:
             continue
+        if all(w in environ for w in want):
+            return int(d.name)
     return None
 
 
-def lightning_restart(a: argparse.Namespace, work: Path) -> dict[str, float | int]:
-    torchrun = Path(sys.executable).with_name("torchrun")
+def torchrun_once(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     # torchrun's default (static) rendezvous on a free port: with c10d, Lightning's restarted
     # workers hung in init_process_group here
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--max-restarts", "3"]
-    cmd += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    cmd = [bl.TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "3"]
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{bl.free_port()}"]
     cmd += [str(EXAMPLE), "--strategy", "ddp", "--devices", "2", "--steps", str(a.steps), *MODEL]
     cmd += ["--step-times", "--resume", "--ckpt-dir", str(work / "lt.ckpt")]
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "torchrun.out"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    killed_at = None
-    deadline = time.monotonic() + 180  # a restart that hangs counts as failed
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            text = log.read_text(errors="replace")
-            if killed_at is None and any(s == a.fault_step for s, _ in step_times(text)):
-                pid = rank1_child(proc.pid)
+    tag = uuid.uuid4().hex
+    env = job_env() | {"LIGHTNING_BENCH_RUN": tag}
+    job = work / "job"
+    killed: list[float] = []
+    stop = threading.Event()
+
+    def kill_when_due() -> None:
+        while not stop.is_set() and not killed:
+            if any(s == a.fault_step for s, _ in step_times(output(job))):
+                pid = rank1_worker(tag)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
-                    killed_at = time.time()
+                    killed.append(time.time())
             time.sleep(0.02)
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass  # killed below, and reported as a failed run
+
+    watcher = threading.Thread(target=kill_when_due, daemon=True)
+    watcher.start()
+    try:
+        fin = bl.run_job(cmd, job, timeout=a.run_timeout, env=env)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    text = log.read_text(errors="replace")
-    if proc.returncode or killed_at is None:  # also a run killed at the deadline
-        raise SystemExit(f"torchrun run failed (rc {proc.returncode}, killed {killed_at}):\n{text[-3000:]}")
+        stop.set()
+        watcher.join(timeout=5)
+    if fin.rc != 0 or not killed:  # also a restart that hung until the time limit
+        return {"error": f"rc {fin.rc}, killed {bool(killed)}", "wall_s": fin.wall_s}
     # after the restart, steps resume from the last checkpoint, at or before the fault step
-    step, t = first_step_after(step_times(text), killed_at, lambda s: s <= a.fault_step)
+    first = first_step_after(step_times(output(job)), killed[0], lambda s: s <= a.fault_step)
+    if first is None:
+        return {"error": "no step completed after the kill", "wall_s": fin.wall_s}
     done_before = a.fault_step  # steps 0..F-1 had completed (global_step F reported)
-    return {"downtime_s": t - killed_at, "first_step_after": step, "lost_steps": done_before - (step - 1)}
+    return {
+        "downtime_s": first[1] - killed[0],
+        "first_step_after": first[0],
+        "lost_steps": done_before - (first[0] - 1),
+        "wall_s": fin.wall_s,
+    }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def summarize(a: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in runs if "error" not in r]
+    designs = {
+        d: {
+            "downtime_s": bl.summary([r["downtime_s"] for r in ok if r["design"] == d]),
+            "lost_steps": bl.summary([r["lost_steps"] for r in ok if r["design"] == d]),
+            "failed": [
+                f"round {r['round']}: {r['error']}" for r in runs if r["design"] == d and "error" in r
+            ],
+        }
+        for d in DESIGNS
+    }
+    paired = []
+    for rnd in range(a.rounds):
+        pair = {r["design"]: r for r in ok if r["round"] == rnd}
+        if len(pair) == 2 and pair["torchrun"]["downtime_s"] > 0:
+            paired.append(pair["checkpointless"]["downtime_s"] / pair["torchrun"]["downtime_s"])
+    return {"designs": designs, "ratio_downtime": bl.ratio_ci(paired), "target_ratio": 0.1}
+
+
+def print_report(s: dict[str, Any]) -> None:
+    rows = [
+        [d, bl.fmt_spread(s["designs"][d]["downtime_s"]), bl.fmt_spread(s["designs"][d]["lost_steps"], 0)]
+        for d in DESIGNS
+    ]
+    print(bl.table(["design", "downtime s", "steps lost"], rows))
+    c = s["ratio_downtime"]
+    print(
+        f"ratio downtime: {bl.fmt(c['geomean'], 3)} [{bl.fmt(c['lo'], 3)}-{bl.fmt(c['hi'], 3)}], n={c['n']}"
+    )
+    for d in DESIGNS:
+        for f in s["designs"][d]["failed"]:
+            print(f"{d} failed, {f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--fault-step", type=int, default=42)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    bl.add_run_args(ap, run_timeout=240.0, out=str(bl.RESULTS / "lightning_recovery.json"))
     a = ap.parse_args()
-    rows: dict[str, list[dict[str, float | int]]] = {"checkpointless": [], "torchrun+ckpt": []}
-    failed = 0
-    for i in range(a.repeats):
-        with tempfile.TemporaryDirectory(prefix="lightning-bench-") as tmp:
-            rows["checkpointless"].append(checkpointless(a, Path(tmp)))
-            for attempt in range(3):
-                # Lightning's gloo start-up here sometimes fails to connect its full mesh even
-                # after torchrun's restarts; such a run is counted and run again
-                try:
-                    rows["torchrun+ckpt"].append(lightning_restart(a, Path(tmp) / f"t{attempt}"))
-                    break
-                except SystemExit as e:
-                    failed += 1
-                    print(f"torchrun run failed outright ({str(e).splitlines()[0]}); again", flush=True)
-            else:
-                raise SystemExit("torchrun failed 3 times in a row")
-        print(
-            f"repeat {i}: " + ", ".join(f"{k} {v[-1]['downtime_s']:.2f} s" for k, v in rows.items()),
-            flush=True,
-        )
-    med = {k: statistics.median(float(r["downtime_s"]) for r in v) for k, v in rows.items()}
-    for k, v in rows.items():
-        spread = ", ".join(f"{float(r['downtime_s']):.2f}" for r in v)
-        print(f"{k:15s} downtime median {med[k]:.2f} s [{spread}]  lost steps {[r['lost_steps'] for r in v]}")
-    print(
-        f"ratio {med['checkpointless'] / med['torchrun+ckpt']:.3f}; torchrun runs that failed outright: {failed}"
-    )
+
+    machine = bl.machine_info()
+    t0 = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    with bl.cleanup_on_exit(), tempfile.TemporaryDirectory(prefix="lightning-bench-") as tmp:
+        base = Path(a.work_dir) if a.work_dir else Path(tmp)
+        for r in range(a.rounds):
+            for design in bl.interleaved(DESIGNS, r):
+                for attempt in range(1 if design == "checkpointless" else TORCHRUN_ATTEMPTS):
+                    work = base / f"{design}-{r}-{attempt}"
+                    work.mkdir(parents=True, exist_ok=True)
+                    row = (run_checkpointless if design == "checkpointless" else torchrun_once)(a, work)
+                    runs.append({"design": design, "round": r, "attempt": attempt, **row})
+                    bl.say(
+                        f"round {r} {design}: " + json.dumps({k: v for k, v in row.items() if k != "wall_s"})
+                    )
+                    if "error" not in row:
+                        break
+    machine["bench_wall_s"] = time.monotonic() - t0
+    machine["load_note"] = bl.load_note(machine["loadavg_start"], [round(x, 2) for x in os.getloadavg()])
+    result: dict[str, Any] = {
+        "benchmark": "lightning_recovery",
+        "command": "python benchmarks/lightning_recovery.py " + " ".join(sys.argv[1:]),
+        "machine": machine,
+        "params": vars(a),
+        "runs": runs,
+        "summary": summarize(a, runs),
+    }
+    print_report(result["summary"])
+    bl.save_result(a.out, result)
+    ok = {d: any(r["design"] == d and "error" not in r for r in runs) for d in DESIGNS}
+    return 0 if all(ok.values()) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,18 +12,25 @@ machine disturbs least.
 
     .venv/bin/python benchmarks/rank_rng.py                  # 5 rounds of 2000 steps, /dev/shm
     .venv/bin/python benchmarks/rank_rng.py --draw-between   # something draws between steps: two writes
+
+It writes ``benchmarks/results/rank_rng.json`` (``--out`` elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as bl
 
 from checkpointless.recovery.rank_rng import RankRngKeeper, RngRecord, encode_record
 from checkpointless.state.snapshot import capture_rng
@@ -75,23 +82,38 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=47.6, help="the step time to compare with")
     ap.add_argument("--draw-between", action="store_true")
     ap.add_argument("--cuda", action="store_true", help="initialise CUDA: its generators are kept too")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", default=str(bl.RESULTS / "rank_rng.json"), help="JSON output")
     args = ap.parse_args()
+    machine = bl.machine_info()
+    t_start = time.monotonic()
     torch.set_num_threads(1)
     if args.cuda:
         torch.rand(1, device="cuda")  # CUDA initialised: capture_rng() takes every device's state
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
         one_round(200, args.draw_between, Path(d))  # warm-up
-        rounds = [one_round(args.steps, args.draw_between, Path(d)) for _ in range(args.rounds)]
-        base = [baseline(args.steps) for _ in range(args.rounds)]
+        rounds: list[dict[str, float]] = []
+        base: list[float] = []
+        for i in range(args.rounds):  # the two loops interleaved, so both see the same load
+            for loop in bl.interleaved(("keep", "base"), i):
+                if loop == "keep":
+                    rounds.append(one_round(args.steps, args.draw_between, Path(d)))
+                else:
+                    base.append(baseline(args.steps))
     per_step = [r["update_us"] + r["commit_us"] + r["entry_us"] for r in rounds]
+    machine["bench_wall_s"] = time.monotonic() - t_start
+    machine["load_note"] = bl.load_note(machine["loadavg_start"], [round(x, 2) for x in os.getloadavg()])
+    machine["cuda_state"] = torch.cuda.is_available() and torch.cuda.is_initialized()
     result = {
         "benchmark": "rank_rng",
-        "params": vars(args) | {"out": str(args.out) if args.out else None},
+        "command": "python benchmarks/rank_rng.py " + " ".join(sys.argv[1:]),
+        "machine": machine,
+        "params": vars(args),
         "record_bytes": len(encode_record(RngRecord(0, capture_rng()))),
         "update_us": [round(r["update_us"], 1) for r in rounds],
         "commit_us": [round(r["commit_us"], 1) for r in rounds],
         "entry_us": [round(r["entry_us"], 1) for r in rounds],
+        "loop_cpu_us": [round(r["loop_cpu_us"], 1) for r in rounds],
+        "base_cpu_us": [round(x, 1) for x in base],
         "per_step_us_median": round(statistics.median(per_step), 1),
         # CPU per step: the loop's, less the same loop without the keeping (capture at entry, draws)
         "per_step_cpu_us_median": round(
@@ -100,10 +122,8 @@ def main() -> None:
         "per_step_us_min": round(min(per_step), 1),
         "share_of_step_median": statistics.median(per_step) / (args.step_ms * 1e3),
     }
-    result["machine"] = {"cuda_state": torch.cuda.is_available() and torch.cuda.is_initialized()}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
+    bl.save_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -443,6 +443,7 @@ BLOCKS = [
     Block("wait_cost", "wait_cost.json", t_wait_cost),
     Block("metrics_scrape", "metrics_scrape.json", t_metrics_scrape),
     Block("hf_recovery", "hf_recovery.json", t_hf_recovery),
+    Block("rank_rng", "rank_rng.json", t_rank_rng),
     Block("gpu_check", "h200/gpu_check.json", t_gpu_check, machine=H200, command="python3 benchmarks/gpu_check.py --out DIR"),
 ]  # fmt: skip
 # calibration.json is recovery.py's second output: the measured costs the goodput simulator reads
