@@ -2,7 +2,8 @@
 
 Each refusal names the setting, its value and what to do instead, and comes before
 ``checkpointless.init()``: a script with a setting the integration cannot honour stops at once,
-on every rank, without forming a job first.
+on every rank, without forming a job first. What only Trainer's set-up reveals (its default
+arguments, accelerate's own configuration, the GPUs one process drives) is checked after it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from checkpointless.errors import ConfigError
 
-__all__ = ["refuse_unsupported"]
+__all__ = ["refuse_unsupported", "refuse_unsupported_setup"]
 
 _SHARDED = (
     "CheckpointlessTrainer trains the model replicated, data-parallel under the job's abortable "
@@ -41,4 +42,22 @@ def refuse_unsupported(args: Any) -> None:
             "TrainingArguments(auto_find_batch_size=True) is not supported by CheckpointlessTrainer: "
             "it restarts training with a smaller batch after an out-of-memory error, which a job "
             "cannot follow; set per_device_train_batch_size yourself"
+        )
+
+
+def refuse_unsupported_setup(trainer: Any) -> None:
+    """After Trainer's set-up: its arguments again (the defaults it filled in, or changed since),
+    DeepSpeed or FSDP enabled through accelerate's configuration, and one process driving several
+    GPUs."""
+    refuse_unsupported(trainer.args)
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        raise ConfigError(
+            "accelerate's configuration enables DeepSpeed or FSDP, which CheckpointlessTrainer "
+            "does not support yet: it trains data-parallel; unset them (ACCELERATE_USE_FSDP, "
+            "ACCELERATE_USE_DEEPSPEED, `accelerate config`)"
+        )
+    if trainer.args.n_gpu > 1:
+        raise ConfigError(
+            "one process drives several GPUs (nn.DataParallel): run one rank per GPU with "
+            "`checkpointless run --nproc N` instead"
         )

@@ -5,29 +5,21 @@ The adoption is two lines (docs/adoption.md, "Hugging Face")::
     from checkpointless.integrations.hf import CheckpointlessTrainer
     trainer = CheckpointlessTrainer(model=model, args=args, train_dataset=ds)   # was Trainer(...)
 
-run under ``checkpointless run --nproc N --spares 1 script.py``. What the subclass changes:
+run under ``checkpointless run --nproc N --spares 1 script.py``. What the subclass changes (the
+full account is docs/adoption.md's):
 
-- ``__init__`` joins the job (``checkpointless.init()``; a hot spare waits there until it is
-  given a rank) and makes ``TrainingArguments`` set accelerate up again, so Trainer sees the job's
-  rank and world size and torch's default group, which ``init()`` made the job's resilient one.
-- The model is wrapped in the job's abortable ``DataParallel`` instead of DDP (a DDP reducer
-  does not survive an aborted backward; docs/architecture.md).
-- The training DataLoader samples with a ``DistributedSampler`` and is made step-addressable with
-  ``job.loader``: an optimizer step's micro-batches are a function of the step, a replay trains on
-  the very batches it had, and a replacement seeks to its step without reading what it skips.
-- Each optimizer step (its gradient-accumulation micro-batches, forward and backward, the
-  gradient clipping, the update and the scheduler step) is one checkpointless ``Step``. A fault
-  anywhere in it, this rank's exception or a collective aborted because another rank failed, is
-  recovered and the step runs again on the same micro-batches.
+- ``__init__`` joins the job (a hot spare waits there) and sets accelerate up again, so Trainer
+  sees the job's rank, world size and resilient default group; the model is wrapped in the job's
+  abortable ``DataParallel`` instead of DDP.
+- The training DataLoader (_hf_data.py) goes through ``job.loader``: a step's micro-batches are a
+  function of the step, so a replay trains on the same ones and a replacement seeks to its step.
+- Each optimizer step (its micro-batches, clipping, update, scheduler step) is one ``Step``,
+  replayed after a fault. Its loss is reduced inside it and logged once it commits.
 - The model, optimizer, scheduler, ``TrainerState``, ``TrainerControl``, the callbacks' exportable
   state and the loss since the last log line are the replica a replacement receives.
-- The loss of a step is reduced inside the step, and logged once the step has committed, so a log
-  line never waits on a collective between steps and a replayed step is counted once.
-- Evaluation, checkpoints and the end of an epoch run in a protected section (``job.section``) at
-  the step boundary: a fault inside one (a killed rank, an exception, an aborted gather) is
-  recovered and the section runs again on every rank, a replacement included, from the state it
-  began with (``SectionUndo``), so the evaluation's metrics and log lines are those of the
-  fault-free run.
+- Evaluation, checkpoints and an epoch's end run in a protected section after the steps where
+  Trainer asks for them; a fault inside it is recovered and the section runs again on every rank
+  from the state it began with (``SectionUndo``), its log lines shown once.
 """
 
 from __future__ import annotations
@@ -43,6 +35,7 @@ from transformers import Trainer
 import checkpointless
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
+from checkpointless.integrations._hf_boundary import HeldLogs, close_section, ends_epoch, work_at
 from checkpointless.integrations._hf_data import train_dataloader
 from checkpointless.integrations._hf_internals import (
     evaluate_and_save,
@@ -55,7 +48,7 @@ from checkpointless.integrations._hf_internals import (
     warn_if_untested,
 )
 from checkpointless.integrations._hf_run import EvalContext, StepOut, TrainerRun
-from checkpointless.integrations._hf_settings import refuse_unsupported
+from checkpointless.integrations._hf_settings import refuse_unsupported, refuse_unsupported_setup
 from checkpointless.integrations._hf_state import (
     LossLedger,
     SectionUndo,
@@ -110,21 +103,8 @@ class CheckpointlessTrainer(Trainer):
         )
         self._undo = SectionUndo(self._section_objects)
         self._eval = EvalContext()
-        self._refuse_unsupported()
-
-    def _refuse_unsupported(self) -> None:
-        refuse_unsupported(self.args)  # default arguments Trainer made, or changed since
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # set through accelerate's config
-            raise ConfigError(
-                "accelerate's configuration enables DeepSpeed or FSDP, which CheckpointlessTrainer "
-                "does not support yet: it trains data-parallel; unset them (ACCELERATE_USE_FSDP, "
-                "ACCELERATE_USE_DEEPSPEED, `accelerate config`)"
-            )
-        if self.args.n_gpu > 1:
-            raise ConfigError(
-                "one process drives several GPUs (nn.DataParallel): run one rank per GPU with "
-                "`checkpointless run --nproc N` instead"
-            )
+        self._held: HeldLogs | None = None  # inside the boundary's section: its on_log calls
+        refuse_unsupported_setup(self)  # Trainer's defaults, accelerate's config, the GPUs
 
     # -- data and model ------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader[Any]:
@@ -237,13 +217,7 @@ class CheckpointlessTrainer(Trainer):
         return self._work_at(run, at)
 
     def _work_at(self, run: TrainerRun, at: int) -> bool:
-        """Trainer has work at boundary ``at``: an evaluation, a checkpoint, an epoch's end or a stop."""
-        control = self.control
-        ends = self._ends_epoch(run, at)
-        return bool(control.should_evaluate or control.should_save or ends or control.should_training_stop)
-
-    def _ends_epoch(self, run: TrainerRun, at: int) -> bool:
-        return at % run.plan.steps_per_epoch == 0 or at >= self.state.max_steps
+        return work_at(self.control, at, run.plan.steps_per_epoch, self.state.max_steps)
 
     def _boundary(self) -> None:
         """The protected section after a committed step (``job.section``), where
@@ -254,25 +228,53 @@ class CheckpointlessTrainer(Trainer):
         run, at = self._run, self.job.committed_step
         if run is None or at == run.resumed_at:
             return
+        redo = self._undo.pending(at)
+        if redo:
+            # begun and interrupted, here or on the rank this state came from: back to the state
+            # it began with first (a received log history may hold what that attempt logged)
+            self._undo.begin(at)
         if run.joining:
             run.booked = max(run.booked, at - 1)  # the bookkeeping came with the received state
         elif run.booked < at - 1:
             # this rank was rolled forward past a failed update: the step's bookkeeping first
             self._after_step(run, at - 1, run.last_out, in_section=True)
         # an interrupted attempt may have cleared the flags it acted on: begin() puts them back
-        if not (self._undo.pending(at) or self._work_at(run, at)):
+        if not (redo or self._work_at(run, at)):
             return
         ctx = self._eval
         assert ctx.model is not None  # set by _run_epoch before the first step
         if self._undo.begin(at):
             log.info("the evaluation and checkpoint at global step %d run again", at)
-        evaluate_and_save(self, ctx.model, ctx.trial, ctx.ignore_keys)
-        if self._ends_epoch(run, at) or self.control.should_training_stop:
-            self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
-            self._log_save_evaluate(run.last_out)
+        self._held = held = HeldLogs()
+        try:
+            evaluate_and_save(self, ctx.model, ctx.trial, ctx.ignore_keys)
+            if (
+                ends_epoch(at, run.plan.steps_per_epoch, self.state.max_steps)
+                or self.control.should_training_stop
+            ):
+                self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+                self._log_save_evaluate(run.last_out)
+        finally:
+            self._held = None
         if self.control.should_training_stop:
             self.job.stop()  # replicated: the flags travel with TrainerState's carrier
+        close_section(self.job, self.args.device, held, self._show)
         self._undo.end()
+
+    def _show(self, logs: dict[str, float]) -> None:
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's ``log``; inside the boundary's section its ``on_log`` is held (``HeldLogs``)."""
+        held = self._held
+        if held is None:
+            super().log(logs, start_time)
+            return
+        handler, self.callback_handler = self.callback_handler, held  # type: ignore[assignment]
+        try:
+            super().log(logs, start_time)
+        finally:
+            self.callback_handler = handler
 
     def _peek(self, run: TrainerRun) -> Step | None:
         if run.pending is None and not run.done:
