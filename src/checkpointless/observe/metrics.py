@@ -96,6 +96,13 @@ class JobMetrics:
             "checkpointless_spares_ready", "Hot spares ready to take a rank", registry=r
         )
         self.generation = Gauge("checkpointless_generation", "Current communicator generation", registry=r)
+        # degraded mode: live data-parallel replicas (processes holding slots), set from `width`
+        # events; --nproc from job_start on
+        self.width = Gauge(
+            "checkpointless_replicas",
+            "Live data-parallel replicas (fewer than --nproc while degraded)",
+            registry=r,
+        )
         self.state_bytes = Counter(
             "checkpointless_state_transferred_bytes",
             "Training state sent to receivers in recoveries",
@@ -162,6 +169,8 @@ class JobMetrics:
                 del self._receivers[min(self._receivers)]
         elif kind == "started":
             self.generation.set(int(e["generation"]))
+        elif kind == "width" or (kind == "job_start" and "nproc" in e):
+            self.width.set(int(e["width"] if kind == "width" else e["nproc"]))
         elif kind in ("host_health", "host_quarantined", "host_readmitted", "host_lost"):
             self._apply_host(kind, e)
         elif kind == "recovery":

@@ -102,6 +102,10 @@ class JobStatus:
     spares: list[SpareStatus] = field(default_factory=list)
     last_fault: str | None = None
     hosts: list[HostHealthStatus] = field(default_factory=list)  # hosts that reported health
+    # data-parallel replicas (live processes holding slots): nproc at full width, fewer while
+    # degraded (the last `width` event); the [slot, holder] pairs of the held slots
+    width: int = 0
+    held: list[list[int]] = field(default_factory=list)
 
 
 def build_status(
@@ -126,8 +130,11 @@ def build_status(
     ready: set[int] = set()
     gone: set[int] = set()
     generation = -1
+    width, held = nproc, []
     for e in events:
         kind = e.get("event")
+        if kind == "width":
+            width, held = int(e["width"]), [list(p) for p in e.get("holders") or []]
         if kind == "spawn":
             wid = int(e["worker"])
             pids[wid], roles[wid] = int(e["pid"]), str(e["role"])
@@ -211,6 +218,8 @@ def build_status(
         host=host,
         launcher_pid=lpid,
         nproc=nproc,
+        width=width,
+        held=held,
         generation=generation,
         elapsed_s=ledger.wall_s,
         faults=len(causes),
@@ -259,6 +268,10 @@ def render_status(st: JobStatus) -> str:
         f"generation {st.generation}  steps {st.steps_committed}  elapsed {st.elapsed_s:.1f} s  "
         f"faults {st.faults}  recoveries {st.recoveries}  goodput {100 * st.goodput:.1f}%",
     ]
+    if st.width and st.width < st.nproc:
+        lines.append(
+            f"DEGRADED: {st.width} of {st.nproc} replicas; held slots (slot, holder rank): {st.held}"
+        )
     if st.last_fault:
         lines.append(f"last fault: {st.last_fault}")
     lines += [
