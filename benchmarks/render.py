@@ -386,19 +386,12 @@ def t_lightning_recovery(d: dict[str, Any]) -> Table:
 
 
 def t_rank_rng(d: dict[str, Any]) -> Table:
-    wall = {k: _median(d[f"{k}_us"]) for k in ("entry", "update", "commit")}
+    wall = " / ".join(num(_median(d[f"{k}_us"]), 1, " µs") for k in ("entry", "update", "commit"))
     rows = [
         ["record kept per step", f"{num(d['record_bytes'] / 1000, 1)} KB"],
-        [
-            "wall time per step: entry / update / commit",
-            " / ".join(num(wall[k], 1, " µs") for k in ("entry", "update", "commit")),
-        ],
-        ["wall time per step, total (median of rounds)", num(d["per_step_us_median"], 1, " µs")],
+        ["wall time per step (entry / update / commit)", f"{num(d['per_step_us_median'], 1, ' µs')} ({wall})"],
         ["CPU time per step (the loop less the loop without the keeping)", num(d["per_step_cpu_us_median"], 1, " µs")],
-        [
-            f"share of a {num(d['params']['step_ms'], 1, ' ms')} step (wall)",
-            num(d["share_of_step_median"], 3, "%", 100),
-        ],
+        [f"share of a {num(d['params']['step_ms'], 1, ' ms')} step (wall)", num(d["share_of_step_median"], 3, "%", 100)],
     ]  # fmt: skip
     return ["measure", "value"], rows
 
