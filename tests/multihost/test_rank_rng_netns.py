@@ -56,3 +56,36 @@ def test_host_loss_resumes_the_lost_ranks_own_generators(
     wrong = sorted(k for k in got if got[k] != want.get(k))
     assert not wrong, f"ranks drew other batches than in the fault-free run at {wrong}"
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(180)
+def test_a_lost_record_is_reported_never_silent(
+    netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
+) -> None:
+    """With ``--rendezvous tcp`` there are no key servers to carry the copies: the lost host's
+    records are gone. The job still ends (rc 0), but each replacement's resume is an ``inexact``
+    event, and ``job_end`` accounts for both."""
+    reference(4, script=SCRIPT, script_args=ARGS)
+    with host_shm_dirs(3) as shm:
+        job, deadline = launch_on_hosts(
+            netns_hosts,
+            tmp_path,
+            corpus,
+            ARGS,
+            script=SCRIPT,
+            shm_dirs=shm,
+            seconds=120,
+            launcher_flags=["--rendezvous", "tcp"],
+        )
+        with job.killed_on_failure():
+            job.wait_training(deadline, rank=2, step=8)
+            assert job.cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
+        res = job.finish(deadline)
+    assert res.rc == 0, res.output[-6000:]
+    inexact = res.of("inexact")
+    assert {e["rank"] for e in inexact} == {2, 3} and {e["what"] for e in inexact} == {"rng"}, inexact
+    assert all("no record of rank" in e["detail"] for e in inexact), inexact
+    end = res.of("job_end")[-1]
+    assert sorted(x["rank"] for x in end["inexact"]) == [2, 3], end
+    assert "may differ from the run without the faults" in res.output, res.output[-3000:]

@@ -61,6 +61,7 @@ __all__ = [
 
 _PREFIX = "groups/"  # apart from "default/", the communicator's "dp/" and the mesh's "gen<g>/"
 _POLL_S = 0.005
+_SEALED = "sealed/"  # each rank's list of groups once it has reached job.steps() (seal)
 
 
 class GroupsDisagree(ConfigError):
@@ -267,6 +268,8 @@ class ScriptGroups:
         assert made.pg is not None
         joined = dist.PrefixStore(f"{made.entry.key}/made/", store)
         joined.set(str(self.rank), b"1")
+        if not self._await_makers(made.entry, joined, store):
+            return  # a fault: the next generation forms it with the others
         try:
             made.pg.configure(
                 generation, store, time.monotonic() + self.timeout.total_seconds(), self._cancel
@@ -283,6 +286,37 @@ class ScriptGroups:
                 f"{self.timeout.total_seconds():.0f} s; every rank must call dist.new_group the "
                 "same number of times, in the same order"
             ) from None
+
+    def _await_makers(self, entry: GroupEntry, joined: dist.Store, store: dist.Store) -> bool:
+        """Wait until every member of ``entry`` has made it; False if a fault cancelled the wait.
+        A member that has sealed its list without it (:meth:`seal`) never will: that is a
+        :class:`GroupsDisagree` naming the group at once, not a wait until the timeout."""
+        peers = [r for r in entry.ranks if r != self.rank]
+        sealed = dist.PrefixStore(_SEALED, store)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while time.monotonic() < deadline:
+            absent = [r for r in peers if not joined.check([str(r)])]
+            if not absent:
+                return True
+            done = [r for r in absent if sealed.check([str(r)])]
+            theirs = {r: parse_catalog(sealed.get(str(r)).decode()) for r in done}
+            why = disagreement([entry], self.rank, theirs) if theirs else None
+            if why is not None:
+                raise GroupsDisagree(why)
+            if self._cancel.is_set():
+                return False
+            time.sleep(_POLL_S)
+        return True  # the formation below names who never came
+
+    def seal(self) -> None:
+        """This rank has made every group it will make before its loop (``job.steps()`` begins):
+        publish the list in the live generation, so that a peer waiting for a group this rank
+        never made learns it at once (:meth:`_await_makers`)."""
+        with self._lock:
+            live = self._live
+            lines = "\n".join(m.entry.line() for m in self._made)
+        if live is not None:
+            dist.PrefixStore(_SEALED, live[1]).set(str(self.rank), lines.encode())
 
     # -- generations -------------------------------------------------------------------------------
     def configure(

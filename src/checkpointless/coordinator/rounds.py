@@ -12,14 +12,19 @@ from __future__ import annotations
 from dataclasses import replace as with_fields
 from typing import Any
 
-from checkpointless.coordinator.degraded import decide_width, grow_round, shrink_round
 from checkpointless.coordinator.holders import SlotHolders, unique
 from checkpointless.coordinator.ledger import FaultLedger
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.decisions import MemberReport, RecoveryPlan, plan_recovery
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, placement, without_spare
-from checkpointless.coordinator.rules.width import WidthAction
+from checkpointless.coordinator.rules.width import (
+    NoSparePolicy,
+    WidthAction,
+    WidthDecision,
+    WidthSituation,
+    width_decision,
+)
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import TableDelivery
@@ -289,7 +294,7 @@ class Rounds:
         if r.waiting_since is None:
             r.waiting_since = now
         coming = len(unmatched) - len(bare)
-        d = decide_width(self, r, ranks, len(match), coming, now)
+        d = self.decide_width(r, ranks, len(match), coming, now)
         if d.action == WidthAction.FAIL:
             raise NotRecoverableError(d.reason)
         out.condition(
@@ -397,14 +402,89 @@ class Rounds:
         self.pending = None
         self.ledger.report_recovery(pend, max(self.first_commits.values()), self.first_batches)
 
-    # -- degraded mode (degraded.py) ------------------------------------------------------------
+    # -- degraded mode (issue 39): the rule is rules/width.py's, who holds which slot holders.py's --
+    def decide_width(
+        self, r: Round, ranks: list[int], ready: int, starting: int, now: float
+    ) -> WidthDecision:
+        """The rule's answer for a round with ``ranks`` to fill, ``ready`` spares matched to them
+        and ``starting`` on their way."""
+        cfg = self.cfg
+        waited = now - (r.waiting_since if r.waiting_since is not None else now)
+        return width_decision(
+            WidthSituation(
+                width=cfg.nproc,
+                survivors=len(self.holders.layout(cfg.nproc, ranks)),
+                needed=len(ranks),
+                ready=ready,
+                starting=starting,
+                waited=waited,
+                wait_limit=cfg.spare_wait,
+                policy=NoSparePolicy(cfg.when_no_spare),
+                min_replicas=cfg.min_replicas,
+                not_shrinkable=not_shrinkable(r),
+            )
+        )
+
     def shrink(self, r: Round, lost: list[int]) -> None:
-        """No spare for the ``lost`` slots: survivors hold them from this round on."""
-        shrink_round(self, r, lost)
+        """No spare for the ``lost`` slots: survivors hold them from this round on, and the
+        spares started for them grow the job back once ready (``grow``)."""
+        ms, nproc = self.members, self.cfg.nproc
+        given = self.holders.shrink(nproc, lost, leaving=lost)
+        for slot, holder in sorted(given.items()):
+            old = ms.ranks.get(slot)
+            if old is not None and old is not ms.ranks[holder]:
+                self.outbox.kill(old, old.killed_for or "replaced")
+            ms.ranks[slot] = ms.ranks[holder]
+            r.replace.discard(slot)
+            if holder in r.reports:  # its state is the holder's own
+                r.reports[slot] = with_fields(r.reports[holder], rank=slot)
+                r.report_times[slot] = r.report_times[holder]
+        width = self.holders.width(nproc)
+        self.outbox.emit("width", generation=r.target, width=width, slots=nproc, holders=self.holders.pairs())
+        self.outbox.condition("spare_wait", False)
+        self.outbox.condition(
+            "degraded",
+            True,
+            f"running degraded: {width} of {nproc} replicas (slot, holder: {self.holders.pairs()}); "
+            "the survivors train the lost slots' batches until spares take them back",
+        )
+        r.waiting_since = None
 
     def grow(self, now: float, wall: float) -> None:
-        """Degraded, between rounds, with spares ready: a round in which they take slots back."""
-        grow_round(self, now, wall)
+        """Degraded, between rounds, with spares ready: a round in which they take held slots
+        back (the job aborts its step, the spares receive state, the step is replayed)."""
+        ms = self.members
+        ready = [
+            m
+            for m in ms.idle_spares()
+            if m.ready and m.connected and m.killed_for is None and self.spares.promotable(m, now)
+        ]
+        if not ready or any(m.done for m in ms.ranks.values()):
+            return
+        slots = self.holders.to_grow(self.cfg.nproc, len(ready))
+        if not slots:
+            return
+        step = max((m.step for m in unique(ms.ranks.values()) if m.step is not None), default=None)
+        self.outbox.log(
+            "info", f"spare(s) ready: growing back, slot(s) {slots} return to processes of their own"
+        )
+        for slot in slots:
+            holder = self.holders.holder(slot)
+            detail = f"a spare takes slot {slot} back from rank {holder}"
+            record = {
+                "time": wall,
+                "rank": slot,
+                "kind": "grow",
+                "detail": detail,
+                "step": step,
+                "detected": now,
+            }
+            self.outbox.emit("grow", rank=slot, holder=holder, generation=self.generation, step=step)
+            r = self.round if self.round is not None else self.begin(record, now)
+            if r.faults[-1] is not record:
+                r.faults.append(record)
+            r.replace.add(slot)
+            r.reports.pop(slot, None)
 
     def on_spare_ready(self, m: Member) -> None:
         """A spare finished warming up: room for the state, and maybe it stands in for another."""
@@ -427,3 +507,12 @@ def resume_plan(plan: RecoveryPlan, holders: list[list[int]] | None = None) -> R
         from_checkpoint=plan.from_checkpoint,
         holders=list(holders or []),
     )
+
+
+def not_shrinkable(r: Round) -> str:
+    """Why this round's job cannot go on with fewer replicas ("" when it can): degraded mode
+    drops data-parallel replicas of a plain data-parallel job; a sharded mesh would have to drop
+    a whole replica group, which is not built."""
+    if any(rep.mesh is not None for rep in r.reports.values()):
+        return "a sharded device mesh (FSDP/HSDP) cannot yet drop a replica group"
+    return ""

@@ -66,6 +66,7 @@ def estimate_restart(
         gpus=nproc,
         gpus_per_node=nproc,
         replicas=1,
+        dp_replica_gpus=nproc,  # the run's machine is one node and one replica
         step_s=step,
         checkpoint_gb=max(ledger.state_bytes, 1.0) / 1e9,
     )

@@ -37,15 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any, NoReturn
-
-import torch.distributed as dist
 
 from checkpointless.comm.script_groups import GroupsDisagree
 from checkpointless.events import get_logger
 from checkpointless.protocol import Abort, Recover, Recovered, Stopped
-from checkpointless.recovery.member import Member
+from checkpointless.recovery.member import Member, Opening
 from checkpointless.recovery.process import end_now, short_error
 from checkpointless.recovery.recover import stream_route
 from checkpointless.recovery.rendezvous_client import make_store
@@ -59,17 +56,6 @@ log = get_logger()
 # it had communicated before job.steps()); an ordinary fault to the launcher, which gives its
 # rank to a spare
 START_OVER_EXIT = 75
-
-
-@dataclass(frozen=True)
-class Opening:
-    """A generation formed in ``init()`` whose state sync is still to come (``job.steps()``)."""
-
-    generation: int
-    plan: Recover  # the round's message: its rendezvous names the route of later buddy copies
-    store: dist.Store  # the generation's store: a group made before job.steps() forms from it
-    rebuild_s: float
-    rendezvous_wait_s: float
 
 
 def open_first_generation(member: Member) -> None:
@@ -176,11 +162,14 @@ def finish_opening(member: Member, start: int) -> None:
     """``job.steps()`` after :func:`open_first_generation`: the job's first state sync over the
     formed groups, ``Recovered``, and a barrier; the start step is the first replica's."""
     rc = member.recovery
+    default = member.groups.default
     while True:
         op = member.opening
         if op is None or rc.latest_abort > member.generation:
             _reform(member, "aborted before the first state sync")
             continue
+        if default is not None and default.made is not None:
+            default.made.seal()  # a peer waiting for a group this rank never made is told so
         t1 = time.monotonic()
         try:
             target = start_from_first_replica(

@@ -22,13 +22,14 @@ façade, so the imports run one way.
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from checkpointless.comm.communicator import Communicator
 from checkpointless.config import WorkerEnv
+from checkpointless.protocol import Recover
 from checkpointless.recovery.client import RecoveryClient
 from checkpointless.recovery.clock import StepClock
 from checkpointless.recovery.default_group import DefaultGroup, install_default_group
@@ -41,10 +42,18 @@ from checkpointless.recovery.schedule import StepSchedule
 from checkpointless.recovery.step_record import StepRecord
 from checkpointless.recovery.tracked import Tracked
 
-if TYPE_CHECKING:  # first_generation.py drives the member: imported for the type only
-    from checkpointless.recovery.first_generation import Opening
+__all__ = ["Member", "Opening"]
 
-__all__ = ["Member"]
+
+@dataclass(frozen=True)
+class Opening:
+    """A generation formed in ``init()`` whose state sync is still to come (``job.steps()``)."""
+
+    generation: int
+    plan: Recover  # the round's message: its rendezvous names the route of later buddy copies
+    store: dist.Store  # the generation's store: a group made before job.steps() forms from it
+    rebuild_s: float
+    rendezvous_wait_s: float
 
 
 class Member:
