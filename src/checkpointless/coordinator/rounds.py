@@ -12,19 +12,14 @@ from __future__ import annotations
 from dataclasses import replace as with_fields
 from typing import Any
 
+from checkpointless.coordinator.degraded import DegradedMode
 from checkpointless.coordinator.holders import SlotHolders, unique
 from checkpointless.coordinator.ledger import FaultLedger
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.decisions import MemberReport, RecoveryPlan, plan_recovery
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, placement, without_spare
-from checkpointless.coordinator.rules.width import (
-    NoSparePolicy,
-    WidthAction,
-    WidthDecision,
-    WidthSituation,
-    width_decision,
-)
+from checkpointless.coordinator.rules.width import WidthAction
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import TableDelivery
@@ -65,6 +60,7 @@ class Rounds:
         self.state_bytes = 0  # a replica's state, as rank 0 last reported it
         self.refill_after_round = False  # a host joined while a round ran
         self.holders = SlotHolders()  # degraded mode: the lost slots survivors hold (holders.py)
+        self.degraded = DegradedMode(cfg, members, outbox, spares, self.holders)
 
     # -- faults ---------------------------------------------------------------------------------
     def record_fault(
@@ -294,7 +290,7 @@ class Rounds:
         if r.waiting_since is None:
             r.waiting_since = now
         coming = len(unmatched) - len(bare)
-        d = self.decide_width(r, ranks, len(match), coming, now)
+        d = self.degraded.decide(r, ranks, len(match), coming, now)
         if d.action == WidthAction.FAIL:
             raise NotRecoverableError(d.reason)
         out.condition(
@@ -335,7 +331,7 @@ class Rounds:
         if match:
             self.spares.refill(now)  # refill the pool in the background (once: it walks every rank)
         if d.action == WidthAction.SHRINK:
-            self.shrink(r, sorted(r.replace))
+            self.degraded.shrink(r, sorted(r.replace))
         elif grew and not self.holders.degraded:
             nproc = self.cfg.nproc
             self.outbox.emit("width", generation=r.target, width=nproc, slots=nproc, holders=[])
@@ -402,80 +398,21 @@ class Rounds:
         self.pending = None
         self.ledger.report_recovery(pend, max(self.first_commits.values()), self.first_batches)
 
-    # -- degraded mode (issue 39): the rule is rules/width.py's, who holds which slot holders.py's --
-    def decide_width(
-        self, r: Round, ranks: list[int], ready: int, starting: int, now: float
-    ) -> WidthDecision:
-        """The rule's answer for a round with ``ranks`` to fill, ``ready`` spares matched to them
-        and ``starting`` on their way."""
-        cfg = self.cfg
-        waited = now - (r.waiting_since if r.waiting_since is not None else now)
-        return width_decision(
-            WidthSituation(
-                width=cfg.nproc,
-                survivors=len(self.holders.layout(cfg.nproc, ranks)),
-                needed=len(ranks),
-                ready=ready,
-                starting=starting,
-                waited=waited,
-                wait_limit=cfg.spare_wait,
-                policy=NoSparePolicy(cfg.when_no_spare),
-                min_replicas=cfg.min_replicas,
-                not_shrinkable=not_shrinkable(r),
-            )
-        )
-
-    def shrink(self, r: Round, lost: list[int]) -> None:
-        """No spare for the ``lost`` slots: survivors hold them from this round on, and the
-        spares started for them grow the job back once ready (``grow``)."""
-        ms, nproc = self.members, self.cfg.nproc
-        given = self.holders.shrink(nproc, lost, leaving=lost)
-        for slot, holder in sorted(given.items()):
-            old = ms.ranks.get(slot)
-            if old is not None and old is not ms.ranks[holder]:
-                self.outbox.kill(old, old.killed_for or "replaced")
-            ms.ranks[slot] = ms.ranks[holder]
-            r.replace.discard(slot)
-            if holder in r.reports:  # its state is the holder's own
-                r.reports[slot] = with_fields(r.reports[holder], rank=slot)
-                r.report_times[slot] = r.report_times[holder]
-        width = self.holders.width(nproc)
-        self.outbox.emit("width", generation=r.target, width=width, slots=nproc, holders=self.holders.pairs())
-        self.outbox.condition("spare_wait", False)
-        self.outbox.condition(
-            "degraded",
-            True,
-            f"running degraded: {width} of {nproc} replicas (slot, holder: {self.holders.pairs()}); "
-            "the survivors train the lost slots' batches until spares take them back",
-        )
-        r.waiting_since = None
-
+    # -- degraded mode (issue 39): DegradedMode decides and shrinks, the grow round is ours ------
     def grow(self, now: float, wall: float) -> None:
         """Degraded, between rounds, with spares ready: a round in which they take held slots
         back (the job aborts its step, the spares receive state, the step is replayed)."""
-        ms = self.members
-        ready = [
-            m
-            for m in ms.idle_spares()
-            if m.ready and m.connected and m.killed_for is None and self.spares.promotable(m, now)
-        ]
-        if not ready or any(m.done for m in ms.ranks.values()):
+        back = self.degraded.slots_to_grow(now)
+        if back is None:
             return
-        slots = self.holders.to_grow(self.cfg.nproc, len(ready))
-        if not slots:
-            return
-        step = max((m.step for m in unique(ms.ranks.values()) if m.step is not None), default=None)
-        self.outbox.log(
-            "info", f"spare(s) ready: growing back, slot(s) {slots} return to processes of their own"
-        )
+        slots, step = back
         for slot in slots:
             holder = self.holders.holder(slot)
-            detail = f"a spare takes slot {slot} back from rank {holder}"
             record = {
                 "time": wall,
                 "rank": slot,
                 "kind": "grow",
-                "detail": detail,
+                "detail": f"a spare takes slot {slot} back from rank {holder}",
                 "step": step,
                 "detected": now,
             }
@@ -507,12 +444,3 @@ def resume_plan(plan: RecoveryPlan, holders: list[list[int]] | None = None) -> R
         from_checkpoint=plan.from_checkpoint,
         holders=list(holders or []),
     )
-
-
-def not_shrinkable(r: Round) -> str:
-    """Why this round's job cannot go on with fewer replicas ("" when it can): degraded mode
-    drops data-parallel replicas of a plain data-parallel job; a sharded mesh would have to drop
-    a whole replica group, which is not built."""
-    if any(rep.mesh is not None for rep in r.reports.values()):
-        return "a sharded device mesh (FSDP/HSDP) cannot yet drop a replica group"
-    return ""
