@@ -25,6 +25,9 @@ class StepClock:
         self.recovering = False  # between a fault and the new generation's formation
         self.step_index: int | None = None  # the step begun last
         self.in_section: str | None = None  # the section running between steps, if any
+        # degraded mode: the held data-parallel slot whose pass is running (None: the rank's
+        # own), for the readers of per-slot data (job.loader(), job.generator())
+        self.held_slot: int | None = None
         self.progress_t = time.monotonic()  # the last progress: a step begun or committed
         self.batch_s: float | None = None  # this step's time until its batch was in the model
         self.last_step_time: float | None = None

@@ -78,9 +78,8 @@ def check_divergence(member: Member) -> None:
     if member.groups.mesh is not None and member.groups.mesh.replicate == 1:
         return  # plain FSDP: every shard exists once, there is no replica to compare it with
     digest = state_digest(member.tracked.modules, member.tracked.optimizers)
-    mine = torch.tensor([digest], dtype=torch.int64, device=member.device)
     try:
-        gathered = member.comm.wait(member.comm.allgather(mine), member.rendezvous_timeout)
+        gathered = _gather_digests(member, digest)
     except Exception as e:  # a peer failed meanwhile: this step stands, recover as usual
         if not member.recovery.connected:
             raise
@@ -108,6 +107,19 @@ def check_divergence(member: Member) -> None:
     # since the last check): a later rollback must not restore one of them, so none is offered.
     member.replicas.own_states_after = step
     recover(member, "exception", why, step, False)
+
+
+def _gather_digests(member: Member, digest: int) -> list[torch.Tensor]:
+    """Every slot's replica digest, in slot order. A degraded holder is also the rank of each
+    slot it holds in the job's width-N group (recovery/slots.py): it gives its own digest as
+    theirs (their replica is its own), all at once, as DataParallel's reduction does; a slot left
+    out would hold every rank in the all-gather until the hang rules ended the job."""
+    deadline = time.monotonic() + member.rendezvous_timeout
+    comms = member.groups.held.comms(member.comm) or [member.comm]
+    mine = [torch.tensor([digest], dtype=torch.int64, device=member.device) for _ in comms]
+    handles = [comm.allgather(t) for comm, t in zip(comms, mine, strict=True)]  # all issued first
+    results = [member.comm.wait(h, max(0.0, deadline - time.monotonic())) for h in handles]
+    return results[0]  # type: ignore[no-any-return]  # one collective: every handle sees the same
 
 
 def judge_replicas(digests: list[int], shards: int) -> Verdict:

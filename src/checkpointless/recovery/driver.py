@@ -15,6 +15,7 @@ from checkpointless.errors import CommAborted, ConfigError
 from checkpointless.events import get_logger
 from checkpointless.protocol import Done
 from checkpointless.recovery.first_generation import finish_opening
+from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
@@ -23,7 +24,7 @@ from checkpointless.recovery.sections import due_sections
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import start_from_first_replica
 
-__all__ = ["run_steps"]
+__all__ = ["close_section", "run_steps"]
 
 log = get_logger()
 
@@ -69,6 +70,9 @@ def run_steps(member: Member, total: int, start: int, steps_per_epoch: int | Non
             # degraded mode: one pass per slot this process holds (recovery/slots.py), the
             # update in the last; a pass that failed starts the step (or the next) over
             slots = member.groups.held.passes(member.rank)
+            for loader in member.tracked.loaders:  # the readers of slots a spare took back stop
+                if isinstance(loader, StepLoader):
+                    loader.release_slots(slots)
             for i, slot in enumerate(slots):
                 step = Step(member, member.committed_step, slot=slot, pass_index=i, passes=len(slots))
                 yield step
@@ -120,6 +124,9 @@ def _run_sections(member: Member) -> bool:
         member.clock.in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
         try:
             sec.fn()
+            # the section's work is done: a "section" fault fires here (faults/inject.py)
+            member.guard.injector.maybe_fire("section", at)
+            close_section(member)
         except Exception as exc:
             if not member.recovery.connected or isinstance(exc, ConfigError):
                 raise  # no launcher, or an error a replay would raise again (run_script.py)
@@ -134,6 +141,26 @@ def _run_sections(member: Member) -> bool:
         member.record.fields = {}
         member.clock.restart()
     return False
+
+
+def close_section(member: Member) -> None:
+    """Leave the section on every rank together: none completes it (and goes on to the next
+    step) before every rank has done all of its work.
+
+    A rank failing after the section's last collective (in the checkpoint it saves after the
+    evaluation's gathers, say) would otherwise find its peers gone on into the next step while it
+    redoes the section alone, its gathers meeting their gradient all-reduce: a stall the launcher
+    ends as 'faults keep recurring'. Here its peers wait instead, are interrupted with it, and
+    every rank redoes the section from its start, so what the loop is given from the section,
+    and the ``section`` event, come once. The barrier's settling (``Communicator.barrier``)
+    keeps a rank from failing it once a peer has passed it. Without a launcher nothing is
+    redone, and nothing waits here.
+
+    The wait is unbounded, as the section's work is: one rank may save for minutes while its
+    peers wait, and a lost or stopped peer is the launcher's to detect (it aborts the barrier).
+    """
+    if member.recovery.connected:
+        member.groups.held.barrier(member.comm, None)  # every slot this process holds, too
 
 
 def _finished(member: Member, total: int) -> bool:

@@ -153,11 +153,13 @@ class Job:
         m = self._member
         if is_stateful_loader(dataloader):
             wrapped: StepLoader | StatefulStepLoader = StatefulStepLoader(
-                dataloader, next_step=lambda: m.committed_step
+                dataloader, next_step=lambda: m.committed_step, slot_of=lambda: m.clock.held_slot
             )
             self.track(**{f"_loader{len(m.tracked.loaders)}": wrapped})  # its position travels too
         else:
-            wrapped = StepLoader(dataloader, dp_rank=m.rank, dp_size=m.world_size)
+            wrapped = StepLoader(
+                dataloader, dp_rank=m.rank, dp_size=m.world_size, slot_of=lambda: m.clock.held_slot
+            )
         m.tracked.loaders.append(wrapped)
         return wrapped
 
@@ -229,14 +231,17 @@ class Job:
     def generator(self, name: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
         """Inside a step or a section: a generator seeded from (seed, name, rank, step), for
         randomness that differs per rank yet is reproduced by a replay or a replacement
-        (recovery/rng.py). In a section, the step is the boundary's (the steps committed)."""
+        (recovery/rng.py). In a section, the step is the boundary's (the steps committed). In
+        degraded mode's pass for a held slot, the rank is the slot's: the lost rank's stream."""
         m = self._member
         section = m.clock.in_section  # set only while a section runs, between steps
         if section is not None:
             step: int | None = m.committed_step
         else:
             step = m.clock.step_index if m.inside_step() else None
-        return m.record.streams.get(name, seed=seed, rank=m.rank, step=step, device=device, section=section)
+        held = m.clock.held_slot
+        rank = m.rank if held is None else held
+        return m.record.streams.get(name, seed=seed, rank=rank, step=step, device=device, section=section)
 
     def record(self, **fields: Any) -> None:
         """Attach fields (loss, a batch digest, ...) to this step's commit event."""
@@ -245,7 +250,17 @@ class Job:
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     ) -> torch.Tensor:
-        """All-reduce over the job's ranks (in place), abortable like every job collective."""
+        """All-reduce over the job's ranks (in place), abortable like every job collective.
+
+        Refused while this process holds lost slots (degraded mode): the held slots' parts would
+        come only from passes still to run, so every rank would wait in it for good."""
+        held = self._member.groups.held.slots
+        if held:
+            raise ConfigError(
+                f"job.all_reduce while this process holds the lost slots {held} (degraded mode): "
+                "their parts of it are not computed, and every rank would wait; run such a script "
+                "with --when-no-spare fail (docs/fault-model.md, degraded mode)"
+            )
         comm = self._member.comm
         return comm.wait(comm.allreduce(tensor, op))  # type: ignore[no-any-return]
 

@@ -18,12 +18,20 @@ The twin's worker seeds come from a generator seeded from the epoch alone, not f
 torch generator, so making an iterator (which a replacement does at another step than the
 survivors) never moves the training step's random numbers. Without workers the batch is read in
 this process on the global generators, seeded per step for the read (``rng.batch_rng``).
+
+Degraded mode (docs/fault-model.md): a process that holds a lost rank's data-parallel slot trains
+that slot's micro-batch in an extra pass of each step. ``batch(step)`` in that pass returns the
+slot's batch, not this rank's: a second reader whose sampler is a copy of this rank's with
+``rank`` set to the slot, and whose iterator, workers and seeds are the ones that rank's own
+loader would have had (the same epoch view and epoch-seeded worker generator). So a script that
+calls ``loader.batch(step.index)`` (or reads ``step.batch``) trains every slot's batch unchanged.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -67,7 +75,9 @@ class StepLoader:
     """``batch(step)`` for a DataLoader: the same batch for the same step on every run.
 
     Build it with :meth:`checkpointless.Job.loader` (or directly). ``dp_rank``/``dp_size``, when
-    given, are checked against a ``DistributedSampler``'s ``rank``/``num_replicas``.
+    given, are checked against a ``DistributedSampler``'s ``rank``/``num_replicas``. ``slot_of``
+    (the job's): the data-parallel slot whose pass is running, None for this rank's own; another
+    slot's batches come from a reader of that slot's share (degraded mode).
     """
 
     def __init__(
@@ -76,6 +86,7 @@ class StepLoader:
         *,
         dp_rank: int | None = None,
         dp_size: int | None = None,
+        slot_of: Callable[[], int | None] | None = None,
     ) -> None:
         if not isinstance(loader, DataLoader):
             raise ConfigError(
@@ -116,7 +127,74 @@ class StepLoader:
                 f"(len(loader) failed or is 0 for {type(batch_sampler).__name__})"
             )
         self.batches_per_epoch = len(batch_sampler)
-        self._view = _EpochView(loader.batch_sampler, sampler)
+        self._source = loader
+        self._sampler = sampler
+        self._dp_rank = dp_rank
+        self._slot_of = slot_of
+        self._own = _Reader(loader, loader.batch_sampler, sampler)
+        self._slots: dict[int, _Reader] = {}  # degraded mode: the readers of held slots
+
+    @property
+    def seeks(self) -> int:
+        """Iterators this rank's reader started somewhere other than where the last one ended."""
+        return self._own.seeks
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, batch inside the epoch) of ``step``."""
+        if step < 0:
+            raise ConfigError(f"step {step} is negative; steps count from 0")
+        return divmod(step, self.batches_per_epoch)
+
+    def batch(self, step: int) -> Any:
+        """The batch of ``step`` for the slot whose pass is running (this rank's own, except in
+        degraded mode's extra passes): held for a replay, next from the iterator, or after a seek."""
+        epoch, pos = self.position(step)
+        slot = self._slot_of() if self._slot_of is not None else None
+        if slot is None or slot == self._dp_rank:
+            return self._own.batch(step, epoch, pos)
+        return self._reader_for(slot).batch(step, epoch, pos)
+
+    def _reader_for(self, slot: int) -> _Reader:
+        reader = self._slots.get(slot)
+        if reader is not None:
+            return reader
+        own_batches = self._source.batch_sampler
+        batch_sampler, sampler = _samplers_for_slot(own_batches, self._sampler, slot)
+        if batch_sampler is own_batches and sampler is self._sampler:
+            # nothing here depends on the rank: every rank reads the same batches (a
+            # SequentialSampler), so the slot's batch is this rank's, read once
+            reader = self._own
+        else:
+            length = len(batch_sampler)
+            if length != self.batches_per_epoch:
+                raise ConfigError(
+                    f"slot {slot}'s share of the DataLoader has {length} batches per epoch and this "
+                    f"rank's {self.batches_per_epoch}: degraded mode needs every rank's share to be "
+                    "as long (DistributedSampler pads or drops to make it so)"
+                )
+            reader = _Reader(self._source, batch_sampler, sampler)
+        self._slots[slot] = reader
+        return reader
+
+    def release_slots(self, keep: Iterable[int]) -> None:
+        """Stop the readers of the slots not in ``keep`` (a spare took them back)."""
+        for slot in set(self._slots) - set(keep):
+            reader = self._slots.pop(slot)
+            if reader is not self._own:
+                reader.close()
+
+    def close(self) -> None:
+        """Stop the workers (also done when the job's loop ends)."""
+        self._own.close()
+        self.release_slots(())
+
+
+class _Reader:
+    """One share's batches by step: a twin of the user's DataLoader over an epoch view of
+    ``batch_sampler``. A rank's own share has one; a degraded holder one more per held slot."""
+
+    def __init__(self, loader: DataLoader[Any], batch_sampler: Any, sampler: Any) -> None:
+        self._view = _EpochView(batch_sampler, sampler)
         self._generator = torch.Generator()
         workers = loader.num_workers
         self._twin: DataLoader[Any] = DataLoader(
@@ -139,17 +217,10 @@ class StepLoader:
         self._held: tuple[int, Any] | None = None  # the last batch handed out, for a replay
         self.seeks = 0  # iterators started somewhere other than where the last one ended
 
-    def position(self, step: int) -> tuple[int, int]:
-        """(epoch, batch inside the epoch) of ``step``."""
-        if step < 0:
-            raise ConfigError(f"step {step} is negative; steps count from 0")
-        return divmod(step, self.batches_per_epoch)
-
-    def batch(self, step: int) -> Any:
-        """The batch of ``step``: held for a replay, next from the iterator, or after a seek."""
+    def batch(self, step: int, epoch: int, pos: int) -> Any:
+        """The batch of ``step`` (at ``pos`` in ``epoch``)."""
         if self._held is not None and self._held[0] == step:
             return self._held[1]  # a replay trains on the very batch it had
-        epoch, pos = self.position(step)
         if self._iter is None or step != self._next or pos == 0:
             if self._iter is not None and step != self._next:
                 self.seeks += 1
@@ -172,12 +243,33 @@ class StepLoader:
         self._iter = iter(self._twin)
 
     def close(self) -> None:
-        """Stop the workers (also done when the job's loop ends)."""
         self._iter = None
         self._held = None
         self._next = -1
         # persistent workers live in the loader's cached iterator
         self._twin._iterator = None
+
+
+def _samplers_for_slot(batch_sampler: Any, sampler: Any, slot: int) -> tuple[Any, Any]:
+    """(batch sampler, sampler) of ``slot``'s share: copies of this rank's with ``rank`` set to
+    the slot (a ``DistributedSampler``, or a batch sampler of one). A sampler without a ``rank``
+    gives every rank the same order, so the slot's share is this rank's own."""
+    slot_sampler = _with_rank(sampler, slot)
+    if isinstance(batch_sampler, BatchSampler) and batch_sampler.sampler is sampler:
+        if slot_sampler is sampler:
+            return batch_sampler, sampler
+        slot_batches = copy.copy(batch_sampler)
+        slot_batches.sampler = slot_sampler
+        return slot_batches, slot_sampler
+    return _with_rank(batch_sampler, slot), slot_sampler
+
+
+def _with_rank(obj: Any, slot: int) -> Any:
+    if not isinstance(getattr(obj, "rank", None), int):
+        return obj
+    twin = copy.copy(obj)  # shallow: the dataset and the seed are shared, the rank is the slot's
+    twin.rank = slot
+    return twin
 
 
 def _epoch_addressable(obj: object) -> bool:

@@ -36,7 +36,7 @@ class StepStreams:
     the same one) begins, so every entry into a step draws from the start of its stream."""
 
     def __init__(self) -> None:
-        self._live: dict[tuple[str, int, str], torch.Generator] = {}
+        self._live: dict[tuple[str, int, str, int], torch.Generator] = {}
 
     def begin_step(self) -> None:
         self._live.clear()
@@ -63,7 +63,7 @@ class StepStreams:
         dev = torch.device(device)
         # a section's streams are named apart from the step's (the step's names keep their seeds)
         full = name if section is None else f"{name}\x00section\x00{section}"
-        key = (full, int(seed), str(dev))
+        key = (full, int(seed), str(dev), rank)  # a degraded holder draws for two ranks a step
         gen = self._live.get(key)
         if gen is None:
             # one call per step and name gives a fresh generator; later calls in the same step

@@ -61,7 +61,12 @@ def _stateful(obj: object) -> bool:
 class StatefulStepLoader:
     """``batch(step)`` for a ``StatefulDataLoader``; build it with :meth:`checkpointless.Job.loader`."""
 
-    def __init__(self, loader: Any, next_step: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        loader: Any,
+        next_step: Callable[[], int] | None = None,
+        slot_of: Callable[[], int | None] | None = None,
+    ) -> None:
         if not is_stateful_loader(loader):
             raise ConfigError(
                 f"StatefulStepLoader takes torchdata's StatefulDataLoader, got {type(loader).__name__}"
@@ -89,6 +94,8 @@ class StatefulStepLoader:
                 "replay) to the next; leave in_order at its default (True)"
             )
         self.loader = loader
+        # degraded mode's held slot whose pass is running (None: this rank's own), the job's
+        self._slot_of = slot_of
         self._next_step = next_step  # the job's next step: the one a loader that has not read is before
         # step.epoch needs it; an iterable dataset's loader may have no length
         self.batches_per_epoch: int | None = None
@@ -110,6 +117,15 @@ class StatefulStepLoader:
         """The batch of ``step``: held for a replay, next from the loader, or from a restored position."""
         if step < 0:
             raise ConfigError(f"step {step} is negative; steps count from 0")
+        slot = self._slot_of() if self._slot_of is not None else None
+        if slot is not None:
+            # Its position is a state of this rank's loader, not a function of (slot, step): a
+            # held slot's share has no position here to read from.
+            raise ConfigError(
+                f"a StatefulDataLoader cannot read held slot {slot}'s batch in degraded mode (its "
+                "position is its own state, not a function of the step); use a DataLoader over a "
+                "map-style dataset with a DistributedSampler, or run with --when-no-spare fail"
+            )
         restoring = bool(self._restored) or self._restored_first is not None
         if self._held is not None and self._held[0] == step and not restoring:
             return self._held[1]  # a replay trains on the very batch it had

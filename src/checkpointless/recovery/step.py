@@ -57,13 +57,8 @@ class Step:
     @property
     def batch(self) -> Any:
         """This step's batch (the same object in a replay), from job.epochs()' loader or the one
-        job.loader(); read it inside ``with step:``."""
-        if self.slot != self._member.rank:
-            raise ConfigError(
-                f"step.batch in degraded mode's pass for slot {self.slot}: the job's loaders are "
-                "bound to this rank's own share; compute the micro-batch of (step.slot, step.index) "
-                "(docs/fault-model.md, degraded mode)"
-            )
+        job.loader(); read it inside ``with step:``. In degraded mode's pass for a held slot it
+        is that slot's batch (recovery/loader.py)."""
         return self._member.schedule.batch(self.index, self._member.tracked.loaders)
 
     @property
@@ -72,6 +67,8 @@ class Step:
 
     def __enter__(self) -> Step:
         self.entered = True
+        # the loaders and job.generator() read the held slot's share in its pass
+        self._member.clock.held_slot = self.slot if self.slot != self._member.rank else None
         if self.pass_index == 0:
             enter_step(self._member, self.index)
         for dp in self._member.tracked.dps:
@@ -89,6 +86,7 @@ class Step:
                 self._restore.append(_shadow_step(obj))
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        self._member.clock.held_slot = None
         for undo in self._restore:
             undo()
         self._restore = []

@@ -1,0 +1,78 @@
+"""A script written the README's way, for degraded mode's tests (issue 39): a DataLoader over a
+map-style dataset with a DistributedSampler of this rank, made step-addressable with
+``job.loader(...)``, the batch read as ``step.batch``, per-rank dropout from ``job.generator``.
+Nothing in it knows about slots: a survivor that holds a lost rank's slot gets that slot's batch
+and that rank's dropout stream from the job.
+
+Prints ``batch rank=SLOT step=S DIGEST by=RANK`` for every pass that ended cleanly
+(tests/helpers/jobs.py reads them; ``by`` is the process's own rank, to see who trained a held
+slot) and writes each rank's final weights' digest to ``--digest-out`` (``{rank}`` filled in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import checkpointless as cl
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--sleep", type=float, default=0.02)
+parser.add_argument("--workers", type=int, default=0)
+parser.add_argument("--data", default="")  # the job helpers pass one; this script makes its own
+parser.add_argument("--digest-out", default="")
+# a spare that takes this long before it joins: the job runs degraded meanwhile
+parser.add_argument("--spare-delay", type=float, default=0.0)
+args = parser.parse_args()
+
+if args.spare_delay and os.environ.get("CHECKPOINTLESS_ROLE") == "spare":
+    time.sleep(args.spare_delay)
+
+
+class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample i is a pure function of i (as a file on disk would be)."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(8, generator=g)
+        return x, (x[:4].sum() > 0).long()
+
+
+job = cl.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+dp = job.data_parallel(model, bucket_cap_mb=0.001)  # a few buckets
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+job.track(model=model, optimizer=opt)
+ds = Points()
+sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=7)
+dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=args.workers, drop_last=True)
+loader = job.loader(dl)
+
+for step in job.steps(args.steps):
+    with step:
+        x, y = step.batch
+        out = dp(x)
+        mask = (torch.rand(out.shape, generator=job.generator("dropout", seed=3)) > 0.2).float() / 0.8
+        opt.zero_grad()
+        F.cross_entropy(out * mask, y).backward()
+        opt.step()
+        time.sleep(args.sleep)
+    if step.passed:
+        digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes() + mask.numpy().tobytes())
+        print(f"batch rank={step.slot} step={step.index} {digest.hexdigest()[:16]} by={job.rank}", flush=True)
+
+if args.digest_out:
+    weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    with open(args.digest_out.replace("{rank}", str(job.rank)), "w") as f:
+        f.write(hashlib.sha256(weights).hexdigest())
