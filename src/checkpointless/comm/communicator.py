@@ -165,9 +165,9 @@ class Communicator:
             self.in_collective_since = None
             self.waited_s += time.monotonic() - t0
 
-    def barrier(self, timeout: float) -> None:
+    def barrier(self, timeout: float | None) -> None:
         """Return once every rank has reached the barrier; :class:`CommAborted` if it is aborted
-        before it completes.
+        before it completes (or, with a ``timeout``, does not complete within it).
 
         An abort that lands while the barrier completes does not fail it here. All its parts
         were in, so a peer may already have passed it and acted (applied its update, left the

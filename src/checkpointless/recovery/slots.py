@@ -102,9 +102,9 @@ class HeldSlots:
             n += d.abort(reason)
         return n
 
-    def barrier(self, own: Communicator, timeout: float) -> None:
+    def barrier(self, own: Communicator, timeout: float | None) -> None:
         """``own.barrier`` for this process and every slot it holds at once (each group waits
-        for every slot's rank)."""
+        for every slot's rank); ``timeout`` None: until it completes or is aborted."""
         if not self.slots:
             own.barrier(timeout)
             return
@@ -120,7 +120,7 @@ class HeldSlots:
         for th in threads:
             th.start()
         for th in threads:
-            th.join(timeout + 5)
+            th.join(None if timeout is None else timeout + 5)
         if errors:
             raise errors[0]
 

@@ -1,0 +1,116 @@
+"""A fault on one rank after a protected section's last collective: every rank leaves together.
+
+Each run is tests/scripts/hf_accelerate_save.py (an Accelerate loop, gradient accumulation 2, 2
+epochs of 5 optimizer steps; after each epoch a protected section that evaluates, its losses
+gathered over the ranks, and then has rank 0 save the model) on 2 ranks and 1 spare. The faults
+fire as the section returns on one rank (``site=section``): its last gather is behind it, its
+peer has finished the section too. Before the section closed with every rank together, the peer
+went on into the next step while the faulted rank redid the section alone, its gathers meeting
+the step's gradient all-reduce. The job must end with every rank's weights, optimizer state and
+evaluation losses, and every saved file, equal to the fault-free run's, each evaluation given
+to the loop once and each section completed once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
+from tests.helpers.reference import ReferenceRuns
+
+pytest.importorskip("accelerate", reason="the `hf` extra is not installed")
+
+SCRIPT = ROOT / "tests" / "scripts" / "hf_accelerate_save.py"
+ARGS = ["--epochs", "2", "--accumulation", "2"]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def run(run_dir: Path, faults: list[str]) -> JobResult:
+    job = start_job(
+        run_dir, run_dir.parent / "unused", 2, 1, faults, script_args=ARGS, script=SCRIPT,
+        hang_timeout=6, env=OFFLINE,
+    )  # fmt: skip
+    return job.finish(150)
+
+
+def saved_files(res: JobResult) -> dict[str, bytes]:
+    """Every file the sections saved, by its path under ``saved/``."""
+    root = res.run_dir.parent / "saved"
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def recovered(res: JobResult, fault: str) -> bool:
+    """A recovery names the fault of ``fault``'s rank in the section at its boundary: at the
+    step last begun there (the rank's own report) or at the boundary (the launcher's, for a
+    lost rank)."""
+    rank, at = fault_at(fault)
+    return any(res.recovery_from(rank, step) is not None for step in (at - 1, at))
+
+
+def sections(res: JobResult) -> Counter[tuple[int, str, int]]:
+    """(rank, section, boundary) -> how many times it completed, from the ranks' event logs."""
+    events = [e for r in range(2) for e in res.events(f"rank-{r}.jsonl") if e["event"] == "section"]
+    return Counter((e["rank"], e["name"], e["step"]) for e in events)
+
+
+def evaluations_given(res: JobResult) -> Counter[tuple[int, int, int, str]]:
+    """(rank, process, epoch, loss) -> how many times that process's loop was given it (a
+    replacement's loop is given the epochs it passes too, from the state it received)."""
+    # each line's end is its loss's 6 decimals: lines printed at once may be glued together
+    found = re.findall(r"rank (\d+) pid (\d+) epoch (\d+) eval loss (\d+\.\d{6})", res.output)
+    return Counter((int(r), int(p), int(e), loss) for r, p, e, loss in found)
+
+
+def check(res: JobResult, ref: JobResult, faults: list[str]) -> None:
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(ref, nproc=2)  # weights, optimizer state and the evaluation losses
+    assert saved_files(res) == saved_files(ref) and len(saved_files(ref)) >= 2, "the saved files differ"
+    for fault in faults:
+        assert res.fired(fault) and recovered(res, fault), (fault, res.output[-4000:])
+    # each boundary's section completed once, and every rank's loop was given each evaluation once
+    assert sections(res) == sections(ref), sections(res)
+    given, want = evaluations_given(res), evaluations_given(ref)
+    assert all(n == 1 for n in given.values()), given
+    assert {(r, e, loss) for r, _, e, loss in given} == {(r, e, loss) for r, _, e, loss in want}, given
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+@pytest.fixture(scope="module")
+def ref(reference: ReferenceRuns) -> JobResult:
+    res = reference(2, script=SCRIPT, script_args=ARGS, env=OFFLINE)
+    assert sorted(step for _, _, step in sections(res)) == [5, 5, 10, 10], sections(res)
+    return res
+
+
+# rank 0 raises as its save of epoch 0 ends; rank 1 is SIGKILLed as the last section returns, and
+# its replacement redoes that section with rank 0
+MERGED = ["raise:rank=0:step=5:site=section", "kill:rank=1:step=10:site=section"]
+
+
+@pytest.mark.timeout(200)
+def test_a_fault_after_a_sections_last_collective_redoes_it_on_every_rank(
+    tmp_path: Path, ref: JobResult
+) -> None:
+    res = run(tmp_path / "run", MERGED)
+    check(res, ref, MERGED)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param("raise:rank=1:step=10:site=section", id="raise-last-section-rank1"),
+        pytest.param("kill:rank=0:step=5:site=section", id="sigkill-saver"),
+        pytest.param("hang:rank=0:step=5:site=section", id="sigstop-saver"),
+    ],
+)
+def test_each_fault_after_a_sections_last_collective_is_survived(
+    tmp_path: Path, ref: JobResult, fault: str
+) -> None:
+    res = run(tmp_path / "run", [fault])
+    check(res, ref, [fault])

@@ -1,0 +1,94 @@
+"""An Accelerate loop whose protected section evaluates and then saves the model.
+
+examples/hf_accelerate.py's model, data and loop (gradient accumulation, a scheduler, an
+evaluation gathered over the ranks after each epoch), with one change: after the evaluation's
+last gather the section saves the model (``accelerator.save_model``, written by rank 0 alone)
+into ``saved/epoch-E`` beside the digests. A fault there, after the section's last collective,
+on one rank only (``--inject raise:rank=0:step=S:site=section``), is what the test rehearses:
+its peers have nothing left to wait for in the section but the others.
+
+Every rank's digest covers its weights, optimizer state and the evaluation losses the loop was
+given; the saved files are compared by the test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything below is built locally
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import torch
+from _hf_common import Snippets, state_digest, tiny_gpt2, write_digest
+from torch.utils.data import DataLoader
+
+from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=80, help="per epoch, all ranks together")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--accumulation", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--data", help="unused (the test harness passes a corpus); data is synthetic")
+    ap.add_argument("--digest-out", required=True, help="the digests' path, {rank} filled in")
+    args = ap.parse_args()
+    # beside the digests, so that a fault-free run and a faulted one each save into their own
+    saved = Path(args.digest_out).parent / "saved"
+
+    model = tiny_gpt2(args.seq_len, seed=args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
+    loader = DataLoader(
+        Snippets(args.samples, args.seq_len, args.seed), batch_size=args.batch, shuffle=True, drop_last=True
+    )
+    held_out = DataLoader(Snippets(8 * args.batch, args.seq_len, args.seed + 1), batch_size=args.batch)
+    accelerator = CheckpointlessAccelerator(gradient_accumulation_steps=args.accumulation, cpu=True)
+    model, optimizer, loader, held_out, scheduler = accelerator.prepare(
+        model, optimizer, loader, held_out, scheduler
+    )
+    steps_per_epoch = len(loader) // args.accumulation
+
+    def evaluate_and_save() -> float:
+        model.eval()
+        losses = []
+        with torch.no_grad():
+            for batch in held_out:
+                losses.append(accelerator.gather_for_metrics(model(**batch).loss.reshape(1)))
+        model.train()
+        # the section's last collective is behind us: what follows runs on rank 0 alone
+        epoch = accelerator.job.committed_step // steps_per_epoch - 1
+        accelerator.save_model(model, saved / f"epoch-{epoch}")
+        return float(torch.cat(losses).mean())
+
+    evaluate_and_save = accelerator.protect(evaluate_and_save)
+    eval_losses = []
+    for epoch in range(args.epochs):
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        eval_losses.append({"epoch": epoch, "eval_loss": evaluate_and_save()})
+        # every process prints what its loop was given: a section redone must not give it twice
+        print(
+            f"rank {accelerator.process_index} pid {os.getpid()} epoch {epoch} "
+            f"eval loss {eval_losses[-1]['eval_loss']:.6f}",
+            flush=True,
+        )
+    accelerator.end_training()
+    digest = state_digest(accelerator.unwrap_model(model), optimizer.optimizer, eval_losses)
+    write_digest(args.digest_out, accelerator.process_index, digest)
+
+
+if __name__ == "__main__":
+    main()
