@@ -2,20 +2,16 @@
 
 integrations/hf.py registers one section (evaluation, checkpoints, an epoch's end) that the step
 loop asks about after every step (``when``, recovery/sections.py) and runs only where Trainer has
-work: :func:`work_at`. Inside it Trainer's ``on_log`` calls are held (:class:`HeldLogs`) and
-:func:`close_section` ends it on every rank together.
+work: :func:`work_at`. Inside it Trainer's ``on_log`` calls are held (:class:`HeldLogs`); they
+are shown once the step loop has closed the section on every rank together (``close_section``,
+recovery/driver.py, then the section's ``closed``), when no fault can make it run again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from checkpointless.recovery.job import Job
-
-__all__ = ["HeldLogs", "close_section", "ends_epoch", "work_at"]
+__all__ = ["HeldLogs", "ends_epoch", "work_at"]
 
 
 def ends_epoch(at: int, steps_per_epoch: int, max_steps: int) -> bool:
@@ -33,8 +29,10 @@ def work_at(control: Any, at: int, steps_per_epoch: int, max_steps: int) -> bool
 class HeldLogs:
     """Stands in for Trainer's callback handler while Trainer logs inside the boundary's section:
     the entry goes to the log history at once (what follows in the section reads it), its
-    ``on_log`` (the printed line, a tracker's record) is held until every rank has done the
-    section's work, so that a section redone after a fault shows its lines once."""
+    ``on_log`` (the printed line, a tracker's record) is held until the section has closed on
+    every rank, so that a section redone after a fault shows its lines once. A fault anywhere in
+    the section, up to the last rank's arrival at the closing barrier, redoes it on every rank:
+    lines shown before then could be shown twice."""
 
     def __init__(self) -> None:
         self.logs: list[dict[str, float]] = []
@@ -43,21 +41,3 @@ class HeldLogs:
         control.should_log = False  # as the handler's own on_log does first
         self.logs.append(logs)
         return control
-
-
-def close_section(
-    job: Job, device: torch.device, held: HeldLogs, show: Callable[[dict[str, float]], None]
-) -> None:
-    """End the section's work on every rank together, then show its held log lines.
-
-    The lines are shown once every rank has done the section's work: a fault in a checkpoint's
-    save after the evaluation would otherwise show the evaluation twice. And no rank completes
-    the section before every rank has done all of it: one failing after the section's last
-    collective (in its checkpoint files, in ``on_log``) would leave its peers past the boundary
-    while it redoes the section alone, its evaluation's gathers then meeting their step's
-    all-reduce. Here they wait instead, are interrupted with it, and every rank redoes the
-    section from the state it began with."""
-    job.all_reduce(torch.zeros(1, device=device))
-    for logs in held.logs:
-        show(logs)
-    job.all_reduce(torch.zeros(1, device=device))

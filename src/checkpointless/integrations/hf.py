@@ -35,7 +35,7 @@ from transformers import Trainer
 import checkpointless
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
-from checkpointless.integrations._hf_boundary import HeldLogs, close_section, ends_epoch, work_at
+from checkpointless.integrations._hf_boundary import HeldLogs, ends_epoch, work_at
 from checkpointless.integrations._hf_data import train_dataloader
 from checkpointless.integrations._hf_internals import (
     evaluate_and_save,
@@ -104,6 +104,7 @@ class CheckpointlessTrainer(Trainer):
         self._undo = SectionUndo(self._section_objects)
         self._eval = EvalContext()
         self._held: HeldLogs | None = None  # inside the boundary's section: its on_log calls
+        self._to_show: HeldLogs | None = None  # held by the section's last attempt, shown as it closes
         refuse_unsupported_setup(self)  # Trainer's defaults, accelerate's config, the GPUs
 
     # -- data and model ------------------------------------------------------------------------
@@ -175,8 +176,10 @@ class CheckpointlessTrainer(Trainer):
             objects["grad_scaler"] = scaler
         self.job.track(**objects)
         # asked at every boundary, run only where Trainer has work there (_boundary_due)
+        # the state the section began with is kept, and its log lines held, until it has closed
+        # on every rank together
         self.job.internals.schedule.add_section(
-            BOUNDARY_SECTION, self._boundary, 1, False, self._boundary_due
+            BOUNDARY_SECTION, self._boundary, 1, False, self._boundary_due, self._section_closed
         )
         self._ledger.last_logged = self.state.global_step  # a resumed run logs from its step on
         if resume_from_checkpoint is not None and not self.job.is_replacement:
@@ -226,6 +229,7 @@ class CheckpointlessTrainer(Trainer):
         recovered and this runs again on every rank from the state it began with; a stop asked
         for by a callback ends the job here."""
         run, at = self._run, self.job.committed_step
+        self._to_show = None  # an interrupted attempt's lines are not shown
         if run is None or at == run.resumed_at:
             return
         redo = self._undo.pending(at)
@@ -258,11 +262,17 @@ class CheckpointlessTrainer(Trainer):
             self._held = None
         if self.control.should_training_stop:
             self.job.stop()  # replicated: the flags travel with TrainerState's carrier
-        close_section(self.job, self.args.device, held, self._show)
-        self._undo.end()
+        self._to_show = held
 
-    def _show(self, logs: dict[str, float]) -> None:
-        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+    def _section_closed(self) -> None:
+        """The boundary's section has closed on every rank together (recovery/driver.py): no
+        fault can make it run again, so the state it began with can go, and its held log lines
+        are shown, once. A callback's ``on_log`` that raises here is not recovered as part of
+        the section (its peers are past it): it ends this rank's loop, and a spare takes over."""
+        held, self._to_show = self._to_show, None
+        self._undo.end()
+        for logs in held.logs if held is not None else ():
+            self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's ``log``; inside the boundary's section its ``on_log`` is held (``HeldLogs``)."""

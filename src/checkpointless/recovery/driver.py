@@ -136,6 +136,8 @@ def _run_sections(member: Member) -> bool:
             continue
         finally:
             member.clock.in_section = None
+        if sec.closed is not None:
+            sec.closed()
         member.loop.sections_done[sec.name] = at
         member.record.emit("section", name=sec.name, step=at, generation=member.generation)
         member.record.fields = {}

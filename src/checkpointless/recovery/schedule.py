@@ -36,12 +36,13 @@ class StepSchedule:
         every: int,
         at_start: bool,
         when: Callable[[], bool] | None = None,
+        closed: Callable[[], None] | None = None,
     ) -> None:
-        """Register a section (``job.section()``, or an integration's with ``when``, sections.py);
-        its name must be new."""
+        """Register a section (``job.section()``, or an integration's with ``when`` and
+        ``closed``, sections.py); its name must be new."""
         if any(s.name == name for s in self.sections):
             raise ConfigError(f"a section named {name!r} is already registered; give each its own name")
-        self.sections.append(Section(name, fn, every, at_start, when))
+        self.sections.append(Section(name, fn, every, at_start, when, closed))
 
     def per_epoch(self, loaders: Sequence[Loader]) -> int:
         """The epoch length: ``steps_per_epoch``, else that of the job's one loader."""

@@ -6,8 +6,11 @@ part in the redone section with the survivors, and a replacement enters the scri
 ``job.steps()``, never at a line in the middle of the loop body. So the loop itself runs the due
 sections at each boundary, on every rank alike: a fault inside one (a killed rank, an exception, an
 aborted collective) is recovered like a fault in a step that changed nothing (every survivor's
-replica is valid), and the section starts over on every rank. What it recorded with
-``job.record()`` is emitted once, when it completes, as a ``section`` event.
+replica is valid), and the section starts over on every rank. No rank completes a section before
+every rank has done all of its work (``close_section`` in driver.py): one failing after the
+section's last collective would otherwise redo it alone while its peers went on into the next
+step. What it recorded with ``job.record()`` is emitted once, when it completes, as a ``section``
+event.
 
 Which sections completed at the current boundary travels with the loop state
 (``LoopControl.sections_done``), so a fault in the next step does not run an evaluation again,
@@ -38,6 +41,11 @@ class Section:
     # and save flags), so that a boundary with nothing to do costs no generator record and no
     # event. Ranks must answer alike wherever the body would use a collective
     when: Callable[[], bool] | None = None
+    # run on every rank once the section has closed on every rank together (the step loop's
+    # closing barrier, driver.close_section): what an integration kept to redo the section from
+    # its start (the Trainer's SectionUndo) can go then, and not before, for until every rank is
+    # past that barrier a fault anywhere redoes the section on every rank
+    closed: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
