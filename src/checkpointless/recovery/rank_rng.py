@@ -33,10 +33,10 @@ The limits. A replacement that finds no record of its step anywhere (its keeper 
 no key servers with ``--rendezvous tcp``, a host lost before the kernel sent the newest frame)
 resumes the generators sent with the replica's state, and says so: a warning, an ``Inexact``
 message to the coordinator, an ``inexact`` event and ``job_end``'s account (on a sharded mesh a
-buddy copy carries its owner's own, so that case is exact). A rank lost inside a section its
-peers completed (rank 0's evaluation, which has no collective) left the record of the section's
-start, and its replacement does not run the section again: what it drew there is lost, and is
-reported the same way. A draw from Python's or NumPy's generator after the update, by a rank
+buddy copy carries its owner's own, so that case is exact). A rank lost in a section after its
+peers completed it (every rank leaves a section together, driver.close_section: only one lost as
+the closing barrier completes) left the record of the section's start, and its replacement does
+not run the section again: what it drew there is lost, and is reported the same way. A draw from Python's or NumPy's generator after the update, by a rank
 lost before the next step began, is not seen by the commit's check (torch's only); nor is any
 draw between the step's first collective and its update by a rank lost before the update
 began while a peer committed the step.
