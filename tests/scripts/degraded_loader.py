@@ -1,8 +1,10 @@
 """A script written the README's way, for degraded mode's tests (issue 39): a DataLoader over a
 map-style dataset with a DistributedSampler of this rank, made step-addressable with
 ``job.loader(...)``, the batch read as ``step.batch``, per-rank dropout from ``job.generator``.
-Nothing in it knows about slots: a survivor that holds a lost rank's slot gets that slot's batch
-and that rank's dropout stream from the job.
+With ``--tokens``: instead, a ``BatchLoader`` over the token file ``--data`` built for
+``dp_rank=job.rank`` with a shared-memory cache, read as ``loader.batch(step.index)`` (the
+examples/train_gpt.py way). Nothing in it knows about slots: a survivor that holds a lost rank's
+slot gets that slot's batch and that rank's dropout stream from the job.
 
 Prints ``batch rank=SLOT step=S DIGEST by=RANK`` for every pass that ended cleanly
 (tests/helpers/jobs.py reads them; ``by`` is the process's own rank, to see who trained a held
@@ -21,11 +23,13 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import checkpointless as cl
+from checkpointless.data import BatchLoader, ShmBatchCache, TokenDataset
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--sleep", type=float, default=0.02)
 parser.add_argument("--workers", type=int, default=0)
+parser.add_argument("--tokens", action="store_true", help="a BatchLoader over the token file --data")
 parser.add_argument("--data", default="")  # the job helpers pass one; this script makes its own
 parser.add_argument("--digest-out", default="")
 # a spare that takes this long before it joins: the job runs degraded meanwhile
@@ -50,19 +54,31 @@ class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 job = cl.init()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+tokens: BatchLoader | None = None
+if args.tokens:
+    ds_tokens = TokenDataset.open(args.data)
+    vocab = ds_tokens.vocab_size
+    model: torch.nn.Module = torch.nn.Sequential(torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab))
+    cache = ShmBatchCache(job_id=job.job_id, rank=job.rank, capacity=4) if job.job_id else None
+    tokens = BatchLoader(
+        ds_tokens, seq_len=8, global_batch=8, seed=5, dp_rank=job.rank, dp_size=job.world_size, cache=cache
+    )
+else:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    ds = Points()
+    sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=7)
+    dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=args.workers, drop_last=True)
+    loader = job.loader(dl)
 dp = job.data_parallel(model, bucket_cap_mb=0.001)  # a few buckets
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
 job.track(model=model, optimizer=opt)
-ds = Points()
-sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=7)
-dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=args.workers, drop_last=True)
-loader = job.loader(dl)
 
 for step in job.steps(args.steps):
     with step:
-        x, y = step.batch
+        x, y = tokens.batch(step.index) if tokens is not None else step.batch
         out = dp(x)
+        if tokens is not None:
+            out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
         mask = (torch.rand(out.shape, generator=job.generator("dropout", seed=3)) > 0.2).float() / 0.8
         opt.zero_grad()
         F.cross_entropy(out * mask, y).backward()
@@ -72,6 +88,8 @@ for step in job.steps(args.steps):
         digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes() + mask.numpy().tobytes())
         print(f"batch rank={step.slot} step={step.index} {digest.hexdigest()[:16]} by={job.rank}", flush=True)
 
+if tokens is not None:
+    tokens.close()
 if args.digest_out:
     weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
     with open(args.digest_out.replace("{rank}", str(job.rank)), "w") as f:

@@ -4,6 +4,13 @@ With a :class:`ShmBatchCache`, a background thread keeps the next ``prefetch`` b
 published in shared memory, and ``batch`` serves a file from there when one matches (zero-copy);
 otherwise it assembles the batch from the memory-mapped tokens and publishes it too, so that a
 re-run of the same step, in this process or in a replacement, finds it in memory.
+
+Degraded mode: in the pass of a slot this process holds for a lost rank (``held_slot.py``), a
+loader built for the job's own share serves that slot's share, through a loader of the slot's
+own (``dp_rank`` the slot) whose cache is the slot's directory: on the lost rank's host, the
+batches it had prefetched are still there, and a spare that later takes the slot back finds the
+ones built meanwhile. That loader does not prefetch (a thread per held slot, for a stretch that
+ends when a spare is ready, is not worth its clean-up); it builds on a miss and publishes.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import numpy.typing as npt
 import torch
 
 from checkpointless.data.dataset import TokenDataset
+from checkpointless.data.held_slot import held_slot_for
 from checkpointless.data.sampler import GlobalSampler
 from checkpointless.data.shm_cache import BatchKey, ShmBatchCache
 from checkpointless.errors import ConfigError
@@ -173,6 +181,7 @@ class BatchLoader:
         self.last_source: Literal["cache", "built", ""] = ""
         #: Digest of the last batch when the cache computed it anyway (None without a cache).
         self.last_digest: str | None = None
+        self._slots: dict[int, BatchLoader] = {}  # degraded mode: held slots' loaders
 
     @functools.cached_property
     def _tokens(self) -> npt.NDArray[Any]:
@@ -213,6 +222,12 @@ class BatchLoader:
         """(inputs, targets), int64 of shape [global_batch // dp_size, seq_len], for global ``step``."""
         if step < 0:
             raise ConfigError(f"step must be non-negative, got {step}")
+        slot = held_slot_for(self.dp_rank, self.dp_size)
+        if slot is not None and slot != self.dp_rank:  # degraded mode: a held slot's pass
+            held = self._slot_loader(slot)
+            x_held, y_held = held.batch(step)
+            self.last_source, self.last_digest = held.last_source, held.last_digest
+            return x_held, y_held
         cache = self.cache
         key = self.key(step)
         got = None
@@ -248,6 +263,35 @@ class BatchLoader:
         self._served = True
         return torch.from_numpy(x), torch.from_numpy(y)
 
+    def _slot_loader(self, slot: int) -> BatchLoader:
+        """The loader of held slot ``slot``'s share: the same data, seed and sampler, the slot's
+        rank, and the slot's own cache directory (no prefetch thread)."""
+        loader = self._slots.get(slot)
+        if loader is None:
+            cache = self.cache
+            slot_cache = None
+            if cache is not None:
+                slot_cache = ShmBatchCache(
+                    cache.job_id,
+                    slot,
+                    cache.capacity,
+                    behind=cache.behind,
+                    root=cache.job_dir.parent,
+                    verify_checksum=cache.verify_checksum,
+                )
+            loader = self._slots[slot] = BatchLoader(
+                self.dataset,
+                self.seq_len,
+                self.global_batch,
+                self.seed,
+                dp_rank=slot,
+                dp_size=self.dp_size,
+                cache=slot_cache,
+                prefetch=0,
+                shuffle=self.sampler.shuffle,
+            )
+        return loader
+
     @property
     def prefetch_error(self) -> BaseException | None:
         """Why the last prefetch thread stopped on its own, if it did (batches are then built on demand)."""
@@ -265,6 +309,7 @@ class BatchLoader:
             self._prefetch_error = self._prefetcher.error
         self._prefetcher = None
         self._served = False
+        self._slots.clear()  # nothing of theirs runs: they hold no thread
 
     def __enter__(self) -> BatchLoader:
         return self

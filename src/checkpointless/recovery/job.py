@@ -30,6 +30,7 @@ from torch import nn
 from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.config import WorkerEnv
+from checkpointless.data.held_slot import follow_job
 from checkpointless.errors import CheckpointlessError, ConfigError
 from checkpointless.events import setup_logging
 from checkpointless.faults.inject import parse_faults
@@ -291,6 +292,8 @@ def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
     else:
         setup_logging(f"{env.role} {env.worker_id}")
         connect(member)
+        # a BatchLoader of this rank's share serves a held slot's share in its pass (degraded mode)
+        follow_job(member.rank, member.world_size, lambda: member.clock.held_slot)
         member.install_default_group()
         if member.is_replacement:
             # its peers are in the recovery round: the start-up's collectives have no partners,
