@@ -2,13 +2,14 @@
 
 Each run is tests/scripts/hf_accelerate_save.py (an Accelerate loop, gradient accumulation 2, 2
 epochs of 5 optimizer steps; after each epoch a protected section that evaluates, its losses
-gathered over the ranks, and then has rank 0 save the model) on 2 ranks and 1 spare. The faults
+gathered over the ranks, and then has rank 0 save the model and say so with ``accelerator.print``)
+on 2 ranks and 1 spare. The faults
 fire as the section returns on one rank (``site=section``): its last gather is behind it, its
 peer has finished the section too. Before the section closed with every rank together, the peer
 went on into the next step while the faulted rank redid the section alone, its gathers meeting
 the step's gradient all-reduce. The job must end with every rank's weights, optimizer state and
 evaluation losses, and every saved file, equal to the fault-free run's, each evaluation given
-to the loop once and each section completed once.
+to the loop once, each section completed once and its printed line shown once.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def check(res: JobResult, ref: JobResult, faults: list[str]) -> None:
         assert res.fired(fault) and recovered(res, fault), (fault, res.output[-4000:])
     # each boundary's section completed once, and every rank's loop was given each evaluation once
     assert sections(res) == sections(ref), sections(res)
+    # what the section printed itself (accelerator.print) is shown once, as it closes
+    assert res.output.count("saved epoch-") == ref.output.count("saved epoch-") == 2
     given, want = evaluations_given(res), evaluations_given(ref)
     assert all(n == 1 for n in given.values()), given
     assert {(r, e, loss) for r, _, e, loss in given} == {(r, e, loss) for r, _, e, loss in want}, given

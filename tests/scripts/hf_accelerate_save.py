@@ -66,7 +66,9 @@ def main() -> None:
         # the section's last collective is behind us: what follows runs on rank 0 alone
         epoch = accelerator.job.committed_step // steps_per_epoch - 1
         accelerator.save_model(model, saved / f"epoch-{epoch}")
-        return float(torch.cat(losses).mean())
+        loss = float(torch.cat(losses).mean())
+        accelerator.print(f"saved epoch-{epoch} after eval loss {loss:.6f}", flush=True)  # rank 0's
+        return loss
 
     evaluate_and_save = accelerator.protect(evaluate_and_save)
     eval_losses = []

@@ -16,7 +16,9 @@ The loop stays as it is (docs/adoption.md, "Hugging Face")::
   on the job's group) is made a protected section with ``evaluate = accelerator.protect(evaluate)``:
   the loop calls ``evaluate()`` where it did, after each epoch's inner loop; a fault during it is
   recovered and it runs again on every rank, a replacement included. A
-  replacement whose loop passes epochs its state already holds gets what it returned there.
+  replacement whose loop passes epochs its state already holds gets what it returned there. What
+  it prints and logs (``accelerator.print``, ``accelerator.log``) is shown once every rank has
+  left the section together.
 - ``save_state``/``load_state`` are refused: the state survives faults in memory, and the launcher
   keeps the durable copies (``--checkpoint-dir``, ``--checkpoint-every``).
 
@@ -146,6 +148,8 @@ class CheckpointlessAccelerator(Accelerator):
         self._held: tuple[int, list[Any]] | None = None
         self._results = ProtectedResults()
         self._protected: dict[str, int] = {}  # protected function -> its period in steps
+        # inside a protected function: what it prints and logs, shown once its section has closed
+        self._shown_later: list[Callable[[], None]] | None = None
 
     # -- preparation ---------------------------------------------------------------------------
     def prepare_model(
@@ -209,10 +213,37 @@ class CheckpointlessAccelerator(Accelerator):
         self._protected[name] = period
 
         def run() -> None:
+            self._shown_later = []  # an interrupted attempt's lines are not shown
             self._results.put(name, self.job.committed_step, fn())
 
-        self.job.section(name, run, every=period)
+        # as job.section(name, run, every=period), with the lines shown as the section closes
+        self.job.internals.schedule.add_section(name, run, period, False, closed=self._section_closed)
         return lambda: self._call_protected(name)
+
+    def _section_closed(self) -> None:
+        """A protected function's section has closed on every rank together (recovery/driver.py):
+        no fault can make it run again, so what it printed and logged is shown now, once."""
+        held, self._shown_later = self._shown_later, None
+        for show in held or ():
+            show()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Accelerate's ``print``; inside a protected function, held until its section has
+        closed on every rank (a redone evaluation prints its lines once)."""
+        if self._shown_later is None:
+            super().print(*args, **kwargs)
+        else:
+            self._shown_later.append(lambda: super(CheckpointlessAccelerator, self).print(*args, **kwargs))
+
+    def log(self, values: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        """Accelerate's ``log`` to the trackers; inside a protected function, held (a copy of
+        ``values``) until its section has closed on every rank, so a redone evaluation is
+        recorded once."""
+        if self._shown_later is None:
+            super().log(values, *args, **kwargs)
+            return
+        held = dict(values)
+        self._shown_later.append(lambda: super(CheckpointlessAccelerator, self).log(held, *args, **kwargs))
 
     def _call_protected(self, name: str) -> Any:
         loader = self._train
@@ -336,6 +367,9 @@ class CheckpointlessAccelerator(Accelerator):
                 yield
             return
         if not attempt.entered:
+            # a step begins: no protected function is under way (an older state restored after
+            # one was interrupted goes back to steps first), so nothing printed from here is held
+            self._shown_later = None
             attempt.step.__enter__()
             attempt.entered = True
         attempt.done += 1
