@@ -117,3 +117,18 @@ def test_each_fault_after_a_sections_last_collective_is_survived(
 ) -> None:
     res = run(tmp_path / "run", [fault])
     check(res, ref, [fault])
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_slower_than_the_hang_timeout_at_a_sections_end_is_waited_for(
+    tmp_path: Path, ref: JobResult
+) -> None:
+    # rank 0 takes 8 s more than its peer to finish epoch 0's section (a long save, say), past
+    # the job's 6 s hang timeout: rank 1 waits in the closing barrier without a time limit, and
+    # neither is taken for hung (there is no step-progress clock inside a section)
+    fault = "slow:rank=0:step=5:site=section"
+    res = run(tmp_path / "run", [fault + ":seconds=8"])
+    assert res.rc == 0, res.output[-6000:]
+    assert res.fired(fault) and not res.of("recovery") and not res.of("fault"), res.output[-4000:]
+    res.assert_same_weights(ref, nproc=2)
+    assert saved_files(res) == saved_files(ref) and sections(res) == sections(ref)
