@@ -19,7 +19,7 @@ from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.decisions import MemberReport, RecoveryPlan, plan_recovery
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, placement, without_spare
-from checkpointless.coordinator.rules.width import WidthAction
+from checkpointless.coordinator.rules.width import WidthAction, fold_held_slots
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import TableDelivery
@@ -240,6 +240,7 @@ class Rounds:
                 )
             return
         plan = plan_recovery([r.reports[k] for k in sorted(r.reports)], initial=r.initial)
+        plan = fold_held_slots(plan, {slot: holder for slot, holder in self.holders.pairs()})
         self.ledger.check_progress(plan.target_step, r.faults, r.initial)
         plan_json = plan.to_json()
         # one Recover for every member, and of a size that does not grow with the job: the plan's

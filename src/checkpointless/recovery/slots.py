@@ -33,6 +33,9 @@ class HeldSlots:
         self.slots: list[int] = []  # in pass order, after this process's own slot
         self._comms: dict[int, Communicator] = {}
         self._defaults: dict[int, DefaultGroup] = {}
+        # the groups of slots spares took back: aborted, their parked gloo groups dropped by
+        # release() off the training thread, the objects kept (a store outlives its group)
+        self._retired: list[Communicator | DefaultGroup] = []
 
     def passes(self, own: int) -> list[int]:
         """The slots a step trains, in pass order: this process's own first (its random numbers
@@ -59,10 +62,17 @@ class HeldSlots:
         membership included, so they must form while its own groups do. ``store_for(slot)``: the
         generation's store as that slot's rank sees it."""
         for gone in set(self._comms) - set(slots):  # a spare took it back
-            self._comms.pop(gone).close()
+            # Not closed here: destroying a gloo group whose collective the grow round cut off
+            # joins gloo's threads, which wait out that collective's timeout, and every member
+            # of the new generation waited that long for this one (seen: 60 s, the job then
+            # recovered once more). Aborted now, dropped off this thread by release().
+            retired: list[Communicator | DefaultGroup] = [self._comms.pop(gone)]
             d = self._defaults.pop(gone, None)
             if d is not None:
-                d.close()
+                retired.append(d)
+            for group in retired:
+                group.abort(f"slot {gone} is a process's own again")
+            self._retired.extend(retired)
         self.slots = list(slots)
         threads: list[threading.Thread] = []
         for slot in slots:
@@ -125,11 +135,17 @@ class HeldSlots:
             raise errors[0]
 
     def release(self) -> None:
-        """Drop the parked groups of earlier generations (off the training thread's hot path)."""
+        """Drop the parked groups of earlier generations and of retired slots (off the training
+        thread's hot path)."""
         for comm in self._comms.values():
             comm.release_graveyard()
         for d in self._defaults.values():
             d.release()
+        for group in self._retired:
+            if isinstance(group, Communicator):
+                group.release_graveyard()
+            else:
+                group.release()
 
 
 class _Forming(threading.Thread):

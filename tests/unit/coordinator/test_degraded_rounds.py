@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from checkpointless.coordinator import Command, Emit, Kill, Send, Spawn, Stop
+from checkpointless.coordinator.rules.decisions import RecoveryPlan
+from checkpointless.coordinator.rules.width import fold_held_slots
 from checkpointless.protocol import (
     Abort,
     Assign,
@@ -167,3 +169,33 @@ def test_fail_policy_fails_after_the_wait_as_before() -> None:
     j.tick(6.0)
     (stop,) = [c for c in j.log if isinstance(c, Stop)]
     assert "--spares" in stop.why and "--spare-wait" in stop.why and not j.events("width")
+
+
+def test_a_holder_one_step_behind_receives_once_for_itself_and_its_held_slot() -> None:
+    """The holder had not committed the step its peers had when the slot was lost: it receives
+    the state, once, as itself. Its held slot reports the holder's state too, and was a second
+    receiver in the plan, which the sender streamed to and waited on for good (seen in a run
+    of examples/train_gpt.py: every member stuck in the state transfer)."""
+    j = Job(when_no_spare="shrink")
+    j.c.on_exit(2, -9, False, "terminated by SIGKILL", "", j.now, 1e9 + j.now)
+    j.flush()
+    j.tick()
+    out: list[Command] = []
+    for wid, committed in ((0, 6), (1, 7), (3, 7)):
+        out += j.msg(wid, Stopped(for_generation=1, committed_step=committed, valid=True, cause="comm"))
+    out += j.tick()
+    plans = j.sent(out, Recover)
+    assert sorted(plans) == [0, 1, 3]
+    plan = plans[0][0].plan
+    assert plan.target_step == 7 and plan.holders == [[2, 0]]
+    assert plan.receivers == [0] and plan.source in (1, 3), plan
+    assert plan.source_of() == {0: plan.source}
+
+
+def test_a_held_slot_is_never_the_source_its_holder_sends() -> None:
+    plan = RecoveryPlan(target_step=5, source=2, receivers=(1, 3), sources=((1, 2), (3, 2)))
+    folded = fold_held_slots(plan, {2: 0, 3: 0})
+    assert folded.source == 0 and folded.receivers == (1,) and folded.sources == ((1, 0),)
+    assert fold_held_slots(plan, {}) is plan
+    snap = RecoveryPlan(target_step=5, source=-1, receivers=(0, 1, 2, 3), from_snapshot=True)
+    assert fold_held_slots(snap, {2: 0}).source == -1

@@ -13,7 +13,9 @@ Three rules, each a function of what the coordinator observed (no I/O, no clock)
 * :func:`width_decision`: a round has ranks to replace; assign, wait, shrink or fail, under the
   ``--when-no-spare`` policy and ``--min-replicas``;
 * :func:`assign_slots`: which survivor holds each lost slot (the least loaded first);
-* :func:`slots_to_grow`: which held-over slots go back to ready spares.
+* :func:`slots_to_grow`: which held-over slots go back to ready spares;
+* :func:`fold_held_slots`: a recovery plan as processes carry it out, a held slot's part done by
+  its holder.
 
 Under the ``fail`` policy :func:`width_decision` is exactly the old ``spare_policy``: start the
 missing spares, wait up to ``--spare-wait``, then fail with the settings to change.
@@ -23,7 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import replace as with_fields
 from enum import Enum
+
+from checkpointless.coordinator.rules.decisions import RecoveryPlan
 
 __all__ = [
     "NoSparePolicy",
@@ -31,6 +36,7 @@ __all__ = [
     "WidthDecision",
     "WidthSituation",
     "assign_slots",
+    "fold_held_slots",
     "ideal_step_time",
     "slots_to_grow",
     "width_decision",
@@ -171,3 +177,29 @@ def ideal_step_time(full_step_s: float, width: int, holders: Mapping[int, Sequen
     if width < 1 or not holders:
         raise ValueError("ideal_step_time: needs slots and live processes")
     return full_step_s * max(len(s) for s in holders.values())
+
+
+def fold_held_slots(plan: RecoveryPlan, held: Mapping[int, int]) -> RecoveryPlan:
+    """``plan`` with each held slot's part given to its holder (``held``: slot -> holder).
+
+    A held slot reports its holder's state (its replica is the holder's own), so the plan rule
+    makes it a receiver whenever its holder is one, and may pick it as the source. But a
+    process receives and sends once, as its own rank: a sender that also streamed to the held
+    slot waited for a receiver that never came (seen: the holder one step behind when the slot
+    was lost, every member stuck in the state transfer), and a held slot chosen as the source
+    would have no process sending for it. So a held slot is never a receiver (its holder's
+    receipt is its state), and a held source is its holder."""
+    if not held:
+        return plan
+
+    def sender(rank: int) -> int:
+        return held.get(rank, rank)
+
+    return with_fields(
+        plan,
+        source=sender(plan.source) if plan.source >= 0 else plan.source,
+        receivers=tuple(r for r in plan.receivers if r not in held),
+        sources=tuple((r, sender(s)) for r, s in plan.sources if r not in held),
+        from_copy=tuple(r for r in plan.from_copy if r not in held),
+        own_snapshot=tuple(r for r in plan.own_snapshot if r not in held),
+    )
