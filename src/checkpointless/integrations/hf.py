@@ -268,7 +268,7 @@ class CheckpointlessTrainer(Trainer):
         """The boundary's section has closed on every rank together (recovery/driver.py): no
         fault can make it run again, so the state it began with can go, and its held log lines
         are shown, once. A callback's ``on_log`` that raises here is not recovered as part of
-        the section (its peers are past it): it ends this rank's loop, and a spare takes over."""
+        the section (its peers are past it): the error leaves ``job.steps()`` and ``train()``."""
         held, self._to_show = self._to_show, None
         self._undo.end()
         for logs in held.logs if held is not None else ():

@@ -1,8 +1,9 @@
 """The step clock: where the loop is, and how long its steps take.
 
 It is what each heartbeat tells the launcher (``protocol.Heartbeat``): the step running, the
-age of the last progress (none while the loop has not started, while a recovery runs, or inside
-a section: those are timed by other rules), whether a collective is waiting, and the last step's
+age of the last progress (none while the loop has not started or a recovery runs, which are
+timed by other rules; inside a section, which is judged by heartbeat silence only, 0), whether a
+collective is waiting, and the last step's
 time with and without its collective waits (the straggler rule's inputs). It also times the
 step's batch: from the step's start to the model's first forward. :class:`StepClock` owns these
 fields; the step loop moves it, the link's heartbeat thread reads it.
@@ -65,11 +66,21 @@ class StepClock:
     def heartbeat(self, in_collective_since: float | None) -> Heartbeat:
         return Heartbeat(
             step=self.step_index,
-            # no progress clock while recovering: the launcher times recoveries by their own rules
-            progress_age=None
-            if (self.recovering or not self.started or self.in_section is not None)
-            else time.monotonic() - self.progress_t,
+            progress_age=self._progress_age(),
             in_collective=in_collective_since is not None,
             step_time=self.last_step_time,
             busy_time=self.last_busy_time,
         )
+
+    def _progress_age(self) -> float | None:
+        """The age of the last progress, as the launcher's hang rule reads it. None (the launcher
+        keeps the last age it had) while recovering, which the launcher times by its own rules,
+        and before the loop. Inside a section, 0: progress now. A section is judged by heartbeat
+        silence only, for it may be long (an evaluation; one rank's save while its peers wait at
+        the barrier that closes it), and None would leave the launcher the step's age, which
+        grows through the section until a rank working in it is taken for hung."""
+        if self.recovering or not self.started:
+            return None
+        if self.in_section is not None:
+            return 0.0
+        return time.monotonic() - self.progress_t

@@ -158,8 +158,12 @@ def close_section(member: Member) -> None:
     keeps a rank from failing it once a peer has passed it. Without a launcher nothing is
     redone, and nothing waits here.
 
-    The wait is unbounded, as the section's work is: one rank may save for minutes while its
-    peers wait, and a lost or stopped peer is the launcher's to detect (it aborts the barrier).
+    The barrier sets no time limit of its own, as the section's work has none: a lost or
+    stopped peer is the launcher's to detect (it aborts the barrier), and no step-progress limit
+    runs inside a section (recovery/clock.py). The process group's own timeout
+    (``init(rendezvous_timeout=...)``) still ends a barrier that waits longer, as it ends any
+    collective: one rank's own work after its peers finished the section (a save on rank 0)
+    must fit in it.
     """
     if member.recovery.connected:
         member.groups.held.barrier(member.comm, None)  # every slot this process holds, too
