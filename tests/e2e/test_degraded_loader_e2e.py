@@ -85,3 +85,50 @@ def test_a_batch_loader_of_the_job_s_share_serves_the_held_slot_s_share_bitwise(
     assert len(held) >= 4, f"slot 2 was held for too few steps to test anything: {held}"
     res.assert_same_weights(ref, 4)
     assert res.trained_batches() == ref.trained_batches()
+
+
+@pytest.mark.parametrize("metric", ["job", "dist"])
+def test_a_collective_of_the_script_s_own_ends_a_degraded_job_with_the_reason(
+    tmp_path: Path, metric: str
+) -> None:
+    """A step that all-reduces a metric (``job.all_reduce``, or ``dist.all_reduce`` on torch's
+    default group) cannot run degraded: the held slot's part would come from a pass still to
+    run. The holder's collective raises a ConfigError that names why, and the job ends with it
+    at once instead of every rank waiting in the collective."""
+    res = run_job(
+        tmp_path / metric,
+        tmp_path / "unused-data",
+        nproc=3,
+        spares=0,
+        faults=["kill:rank=2:step=3"],
+        extra=SHRINK,
+        script=SCRIPT,
+        script_args=["--steps", "20", "--sleep", "0.01", "--spare-delay", "30", "--metric", metric],
+        timeout=60,
+    )
+    assert res.rc == 1, res.output[-3000:]
+    assert [e["width"] for e in res.of("width")] == [2], res.of("width")
+    (end,) = res.of("job_end")
+    assert "holds the lost slots [2] (degraded mode)" in end["error"], end
+
+
+def test_a_holder_that_must_receive_state_receives_it_once_and_the_job_goes_on_bitwise(
+    tmp_path: Path,
+) -> None:
+    """Rank 2 dies and rank 0 raises half-way through the same step's update: ranks 1 and 3
+    committed it, so rank 0 receives their state, and it also holds slot 2. The slot reports
+    its holder's state; were it a second receiver, the sender would wait on it for good (seen:
+    every member stuck in the state transfer). One receipt, then the job trains on, bitwise."""
+    faults = ["raise:rank=0:step=3:site=optimizer", "kill:rank=2:step=3:site=optimizer"]
+    ref = _run(tmp_path, "clean", [], [])
+    assert ref.rc == 0, ref.output[-3000:]
+    res = _run(tmp_path, "degraded", SHRINK, faults)
+    assert res.rc == 0, res.output[-4000:]
+    plan = next(e for e in res.of("plan") if e.get("holders"))
+    assert plan["holders"] == [[2, 0]] and 0 in plan["receivers"] and 2 not in plan["receivers"], plan
+    res.assert_same_weights(ref, 4)
+    got, want = res.trained_batches(), ref.trained_batches()
+    assert {k: want[k] for k in got} == got, "a (slot, step) trained another batch than without the fault"
+    # step 3's passes of slots 0 and 2 ended in the raise, and rank 0 took their update with
+    # the state it received: no pass of them ended cleanly to say so
+    assert set(want) - set(got) <= {(0, 3), (2, 3)}, sorted(set(want) - set(got))

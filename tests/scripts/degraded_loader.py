@@ -19,6 +19,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -30,6 +31,8 @@ parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--sleep", type=float, default=0.02)
 parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--tokens", action="store_true", help="a BatchLoader over the token file --data")
+# a collective of the script's own inside the step, which a degraded job refuses (ConfigError)
+parser.add_argument("--metric", choices=["none", "job", "dist"], default="none")
 parser.add_argument("--data", default="")  # the job helpers pass one; this script makes its own
 parser.add_argument("--digest-out", default="")
 # a spare that takes this long before it joins: the job runs degraded meanwhile
@@ -81,7 +84,12 @@ for step in job.steps(args.steps):
             out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
         mask = (torch.rand(out.shape, generator=job.generator("dropout", seed=3)) > 0.2).float() / 0.8
         opt.zero_grad()
-        F.cross_entropy(out * mask, y).backward()
+        loss = F.cross_entropy(out * mask, y)
+        loss.backward()
+        if args.metric == "job":
+            job.all_reduce(loss.detach().clone())
+        elif args.metric == "dist":
+            dist.all_reduce(loss.detach().clone())
         opt.step()
         time.sleep(args.sleep)
     if step.passed:

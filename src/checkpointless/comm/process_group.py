@@ -53,6 +53,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from checkpointless.comm.generations import GenerationGroup, on_cuda
 from checkpointless.comm.handle import Handle, default_backend
 from checkpointless.comm.work import AbortableWork, ChainWork, clamp_timeout
+from checkpointless.errors import ConfigError
 
 __all__ = ["BACKEND_NAME", "ResilientProcessGroup", "register_backend"]
 
@@ -82,6 +83,10 @@ class ResilientProcessGroup(GenerationGroup):
     # replacement until job.steps(): its start-up's collectives have no partners (its peers are
     # in the recovery round) and what they would bring is replaced by the state it receives.
     local_until_formed: ClassVar[bool] = False
+    # while set, every collective on this group raises a ConfigError with this reason: torch's
+    # default group in a process that holds lost slots (degraded mode, recovery/slots.py), whose
+    # held slots' parts of a collective would never come, so every rank would wait in it
+    refused: str | None = None
 
     # -- identity: what FSDP2, DeviceMesh and c10d ask ----------------------------------------
     def rank(self) -> int:
@@ -131,6 +136,8 @@ class ResilientProcessGroup(GenerationGroup):
 
     # -- collectives ----------------------------------------------------------------------------
     def _issue(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> AbortableWork:
+        if self.refused is not None:
+            raise ConfigError(self.refused)
         if ResilientProcessGroup.local_until_formed and self.generation < 0:
             return AbortableWork(Handle(None, result, _forget_nothing), result)  # done as issued
         self.issued += 1

@@ -313,6 +313,18 @@ def _rebuild(member: Member, msg: Recover, store: Any) -> float:
         held.finish_forming(forming, deadline)
     for dp in member.tracked.dps:
         dp.hold(held.comms(member.comm))
+    default = member.groups.default
+    if default is not None and default.active:
+        # the script's own collectives on torch's default group: the held slots' parts would
+        # come from passes still to run (or never, between steps), so every rank would wait
+        default.pg.refused = (
+            f"a collective on torch's default group while this process holds the lost slots "
+            f"{held.slots} (degraded mode): their parts of it are not computed, and every rank "
+            "would wait; run such a script with --when-no-spare fail (docs/fault-model.md, "
+            "degraded mode)"
+            if held.slots
+            else None
+        )
     return wait_s
 
 
