@@ -31,6 +31,8 @@ parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--sleep", type=float, default=0.02)
 parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--tokens", action="store_true", help="a BatchLoader over the token file --data")
+# per-rank seeds for torch's global generator and dropout drawn from it (recovery/slot_rng.py)
+parser.add_argument("--global-dropout", action="store_true")
 # a collective of the script's own inside the step, which a degraded job refuses (ConfigError)
 parser.add_argument("--metric", choices=["none", "job", "dist"], default="none")
 parser.add_argument("--data", default="")  # the job helpers pass one; this script makes its own
@@ -73,6 +75,8 @@ else:
     dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=args.workers, drop_last=True)
     loader = job.loader(dl)
 dp = job.data_parallel(model, bucket_cap_mb=0.001)  # a few buckets
+if args.global_dropout:
+    torch.manual_seed(1000 + job.rank)  # the model is built: from here on every rank draws its own
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
 job.track(model=model, optimizer=opt)
 
@@ -83,6 +87,8 @@ for step in job.steps(args.steps):
         if tokens is not None:
             out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
         mask = (torch.rand(out.shape, generator=job.generator("dropout", seed=3)) > 0.2).float() / 0.8
+        if args.global_dropout:
+            mask = F.dropout(mask, 0.1)  # from this rank's global generator
         opt.zero_grad()
         loss = F.cross_entropy(out * mask, y)
         loss.backward()

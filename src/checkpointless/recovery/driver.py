@@ -73,6 +73,7 @@ def run_steps(member: Member, total: int, start: int, steps_per_epoch: int | Non
             for loader in member.tracked.loaders:  # the readers of slots a spare took back stop
                 if isinstance(loader, StepLoader):
                     loader.release_slots(slots)
+            member.held_rng.release(slots)  # ... and their generators are the spare's
             for i, slot in enumerate(slots):
                 step = Step(member, member.committed_step, slot=slot, pass_index=i, passes=len(slots))
                 yield step

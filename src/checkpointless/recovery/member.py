@@ -39,6 +39,7 @@ from checkpointless.recovery.guard import UpdateGuard
 from checkpointless.recovery.loop import LoopControl
 from checkpointless.recovery.replicas import ReplicaKeeper
 from checkpointless.recovery.schedule import StepSchedule
+from checkpointless.recovery.slot_rng import HeldGenerators
 from checkpointless.recovery.step_record import StepRecord
 from checkpointless.recovery.tracked import Tracked
 
@@ -94,6 +95,7 @@ class Member:
         self.record = StepRecord()  # the running step's event fields, generators, retries
         self.loop = LoopControl()  # where the loop ends; travels with the tracked state
         self.schedule = StepSchedule()  # sections, the epoch length, step.batch's loader
+        self.held_rng = HeldGenerators()  # degraded mode: the held slots' own global generators
 
     @property
     def comm(self) -> Communicator:

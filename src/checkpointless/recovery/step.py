@@ -18,7 +18,7 @@ import torch
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.commit import check_divergence, commit, enter_step
 from checkpointless.recovery.member import Member
-from checkpointless.recovery.recover import recover_from
+from checkpointless.recovery.recover import recover_from, report_inexact
 
 __all__ = ["Step"]
 
@@ -71,6 +71,11 @@ class Step:
         self._member.clock.held_slot = self.slot if self.slot != self._member.rank else None
         if self.pass_index == 0:
             enter_step(self._member, self.index)
+        else:  # a held slot's pass draws from the slot's own generators (recovery/slot_rng.py)
+            m, index = self._member, self.index
+            m.held_rng.enter(
+                m.replicas, m.job_id, self.slot, index, lambda why: report_inexact(m, index, "rng", why)
+            )
         for dp in self._member.tracked.dps:
             if dp.passes == self.passes:
                 dp.begin_pass(self.pass_index)
@@ -90,14 +95,20 @@ class Step:
         for undo in self._restore:
             undo()
         self._restore = []
+        m = self._member
         if exc is None and not self.last_pass:
+            if self.pass_index == 0:
+                m.held_rng.own_pass_ended(m.replicas, self.index)
+            m.held_rng.leave(m.replicas)
             self.passed = True  # the next pass trains the next slot's micro-batch
             return False
         if exc is None:
-            commit(self._member, self.index)
+            commit(m, self.index)  # the last pass's record keeping is its slot's
+            m.held_rng.leave(m.replicas)
             self.committed = self.passed = True
-            check_divergence(self._member)
+            check_divergence(m)
             return False
+        m.held_rng.leave(m.replicas)  # the recovery resumes this rank's own generators
         if not isinstance(exc, Exception) or not self._member.recovery.connected:
             return False  # KeyboardInterrupt/SystemExit, or no launcher to recover with
         if isinstance(exc, ConfigError):
