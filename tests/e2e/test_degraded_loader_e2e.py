@@ -136,3 +136,27 @@ def test_a_holder_that_must_receive_state_receives_it_once_and_the_job_goes_on_b
     # step 3's passes cut off by the faults (rank 0's, slot 2's, and a peer's the abort reached
     # before its commit) took their update with the state received: none ended cleanly to say so
     assert set(want) - set(got) <= {(slot, 3) for slot in range(4)}, sorted(set(want) - set(got))
+
+
+def test_a_group_the_script_made_ends_a_degraded_job_with_the_reason(tmp_path: Path) -> None:
+    """A script that made a group of every rank with ``dist.new_group`` (as Lightning does for
+    its prepare_data), never used in a step: the degraded generation cannot form it (the held
+    slot has no process to join it), and every rank waited out the formation's deadline in
+    every round. The job now ends at once with the reason."""
+    res = run_job(
+        tmp_path / "group",
+        tmp_path / "unused-data",
+        nproc=3,
+        spares=0,
+        faults=["kill:rank=2:step=3"],
+        extra=SHRINK,
+        script=SCRIPT,
+        script_args=["--steps", "20", "--sleep", "0.01", "--spare-delay", "5", "--make-group"],
+        timeout=60,
+    )
+    assert res.rc == 1, res.output[-3000:]
+    (end,) = res.of("job_end")
+    assert (
+        "degraded mode cannot go on: dist.new_group #1 over ranks [0, 1, 2] includes the lost slot(s) [2]"
+        in (end["error"])
+    ), end

@@ -33,6 +33,8 @@ parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--tokens", action="store_true", help="a BatchLoader over the token file --data")
 # per-rank seeds for torch's global generator and dropout drawn from it (recovery/slot_rng.py)
 parser.add_argument("--global-dropout", action="store_true")
+# a group of every rank made and never used in a step, as Lightning's prepare_data group is
+parser.add_argument("--make-group", action="store_true")
 # a collective of the script's own inside the step, which a degraded job refuses (ConfigError)
 parser.add_argument("--metric", choices=["none", "job", "dist"], default="none")
 parser.add_argument("--data", default="")  # the job helpers pass one; this script makes its own
@@ -58,6 +60,8 @@ class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 job = cl.init()
+if args.make_group:
+    dist.new_group(backend="gloo")
 torch.manual_seed(0)
 tokens: BatchLoader | None = None
 if args.tokens:

@@ -14,7 +14,7 @@ import traceback
 from typing import Any
 
 from checkpointless.comm.script_groups import GroupsDisagree
-from checkpointless.errors import CommAborted, StateTransferError
+from checkpointless.errors import CommAborted, ConfigError, StateTransferError
 from checkpointless.events import get_logger
 from checkpointless.protocol import Abort, Inexact, Recover, Recovered, Stopped
 from checkpointless.recovery.amp import finish_cut_off_update, reset_step_state
@@ -142,7 +142,7 @@ def recover(member: Member, cause: str, error: str | None, committed: int, valid
         member.recovery.cancel.clear()
         try:
             timings = join_generation(member, msg, committed, valid)
-        except GroupsDisagree as e:  # the ranks made different groups: no recovery can help
+        except (GroupsDisagree, HeldSlotsInScriptGroups) as e:  # no recovery can help
             member.recovery.fatal(str(e))
         except Exception as e:  # any failure here is a fault of this round, not of the job
             log.warning("recovery to generation %d failed: %s", gen, short_error(e))
@@ -280,10 +280,35 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
     return info
 
 
+class HeldSlotsInScriptGroups(ConfigError):
+    """A group the script made with ``dist.new_group`` includes a slot held in degraded mode."""
+
+
+def _refuse_held_slots_in_script_groups(member: Member, msg: Recover) -> None:
+    """A group the script made (``dist.new_group``; Lightning makes one of every rank) forms
+    in each generation from every member's catalog, and a held slot has no process of its own
+    to publish one or to join: the generation would wait out its deadline on every rank, again
+    in every round after. Degraded mode does not form them (not built); end the job with why."""
+    held = sorted(slot for slot, _ in msg.plan.holders)
+    made = member.groups.default.made if member.groups.default is not None else None
+    if not held or made is None:
+        return
+    for entry in made.entries():
+        inside = sorted(set(held) & set(entry.ranks))
+        if inside:
+            raise HeldSlotsInScriptGroups(
+                f"degraded mode cannot go on: {entry.describe()} includes the lost slot(s) "
+                f"{inside}, which no process of its own can join (groups a script makes are not "
+                "formed for held slots); run such a script with --when-no-spare fail "
+                "(docs/fault-model.md, degraded mode)"
+            )
+
+
 def _rebuild(member: Member, msg: Recover, store: Any) -> float:
     """Form the generation's groups: this process's own and, degraded, those of the slots it
     holds (recovery/slots.py), together; the held slots' groups then reduce DataParallel's
     gradients beside its own."""
+    _refuse_held_slots_in_script_groups(member, msg)
     gen, held = msg.generation, member.groups.held
     deadline = time.monotonic() + member.rendezvous_timeout
     slots = [s for s in msg.plan.slots_of(member.rank) if s != member.rank]
