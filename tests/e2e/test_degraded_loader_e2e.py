@@ -45,7 +45,9 @@ def _run(tmp_path: Path, name: str, extra: list[str], faults: list[str]) -> JobR
 def test_a_job_loader_script_trains_the_held_slot_s_batches_bitwise(tmp_path: Path) -> None:
     ref = _run(tmp_path, "clean", [], [])
     assert ref.rc == 0, ref.output[-3000:]
-    res = _run(tmp_path, "degraded", SHRINK, ["kill:rank=2:step=6"])
+    # and rank 0 raises as slot 2's pass all-reduces at step 12: the step is replayed, slot 2's
+    # pass from slot 2's generators as the step began
+    res = _run(tmp_path, "degraded", SHRINK, ["kill:rank=2:step=6", "raise:rank=0:step=12:site=allreduce"])
     assert res.rc == 0, res.output[-4000:]
     widths = [e["width"] for e in res.events() if e["event"] == "width"]
     assert widths == [3, 4], f"expected to shrink to 3 and grow back to 4: {widths}"
@@ -53,6 +55,7 @@ def test_a_job_loader_script_trains_the_held_slot_s_batches_bitwise(tmp_path: Pa
     held = sorted({int(s) for s in re.findall(r"batch rank=2 step=(\d+) [0-9a-f]{16} by=0", res.output)})
     assert len(held) >= 4, f"slot 2 was held for too few steps to test anything: {held}"
     assert any((s + 1) % 3 == 0 for s in held), f"no divergence check while degraded: {held}"
+    assert 12 in held and res.recovery_from(0, 12) is not None, "the raise did not hit a held step"
     assert not res.of("divergence"), res.of("divergence")
     assert not res.of("inexact"), "a slot resumed without its own generators"
     res.assert_same_weights(ref, 4)
