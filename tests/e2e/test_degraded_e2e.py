@@ -16,7 +16,10 @@ from tests.helpers.jobs import SCRIPTS, JobResult, run_job
 pytestmark = pytest.mark.timeout(150)
 
 SCRIPT = SCRIPTS / "degraded_dp.py"
-ARGS = ["--steps", "30", "--sleep", "0.03"]
+# long enough after the kill at step 10 (50 steps of >= 50 ms) for the spare the coordinator
+# starts to be ready before the job ends, also on 2 loaded cores (30 x 30 ms was not, once)
+STEPS = 60
+ARGS = ["--steps", str(STEPS), "--sleep", "0.05"]
 
 
 def _run(tmp_path: Path, name: str, extra: list[str], faults: list[str], args: list[str] = ARGS) -> JobResult:
@@ -45,7 +48,7 @@ def test_a_lost_rank_shrinks_the_job_then_a_spare_grows_it_back_bitwise(tmp_path
     assert [e["rank"] for e in res.events() if e["event"] == "grow"] == [2]
     res.assert_same_weights(ref, 4)
     want = ref.trained_batches()
-    assert sorted(want) == [(slot, step) for slot in range(4) for step in range(30)]
+    assert sorted(want) == [(slot, step) for slot in range(4) for step in range(STEPS)]
     assert res.trained_batches() == want, "a (slot, step) trained another batch than without the fault"
 
 
