@@ -399,6 +399,26 @@ def t_rank_rng(d: dict[str, Any]) -> Table:
     return ["measure", "value"], rows
 
 
+def t_degraded_step(d: dict[str, Any]) -> Table:
+    label = {
+        "device4": f"4 → 3 ranks, a {num(d['params']['device_ms'], 0, ' ms')} sleep per pass for each rank's own device",
+        "cpu2": "2 → 1 ranks, compute-bound pass (one rank per core)",
+        "cpu4": "4 → 3 ranks, compute-bound pass on 2 cores (shared-CPU)",
+    }
+    rows = []
+    for name, w in d["workloads"].items():
+        s = w["summary"]
+        rows.append([
+            label.get(name, name), spread(s["full_ms"], 1, " ms"), spread(s["degraded_ms"], 1, " ms"),
+            spread(s["grown_back_ms"], 1, " ms"), spread(s["ratio"], 2, "×"),
+            f"{num(s['ideal_ratio'], 2, '×')} / {num(s['issue_ratio'], 2, '×')}",
+            spread(s["measured_over_ideal"], 2, ""), spread(s["measured_over_issue"], 2, ""),
+        ])  # fmt: skip
+    head = ["job", "full", "degraded", "grown back", "degraded / full", "ideal: rules / issue",
+            "measured / rules ideal", "measured / issue ideal"]  # fmt: skip
+    return head, rows
+
+
 # -- the blocks ----------------------------------------------------------------------------------
 DEV = "the 2-vCPU development machine (shared)"
 H200 = "the lent GPU machine (one NVIDIA H200, 16 cores)"
@@ -440,6 +460,7 @@ BLOCKS = [
     Block("metrics_scrape", "metrics_scrape.json", t_metrics_scrape),
     Block("hf_recovery", "hf_recovery.json", t_hf_recovery),
     Block("rank_rng", "rank_rng.json", t_rank_rng),
+    Block("degraded_step", "degraded_step.json", t_degraded_step),
     Block("gpu_check", "h200/gpu_check.json", t_gpu_check, machine=H200, command="python3 benchmarks/gpu_check.py --out DIR"),
 ]  # fmt: skip
 # calibration.json is recovery.py's second output: the measured costs the goodput simulator reads
