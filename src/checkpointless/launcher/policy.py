@@ -23,6 +23,7 @@ __all__ = [
     "Limits",
     "ProcWatch",
     "loop_wait",
+    "signal_ends_the_job",
 ]
 
 
@@ -106,3 +107,15 @@ def loop_wait(now: float, last_event: float, settled: bool) -> float:
     if settled and now - last_event >= QUIET_AFTER_S:
         return LOOP_QUIET_S
     return LOOP_BUSY_S
+
+
+def signal_ends_the_job(stepped_down: bool, recorded: str | None, own: str) -> bool:
+    """Whether a SIGTERM or SIGINT to this coordinator ends the job, so its secret and its record
+    go at once (before a scheduler's SIGKILL: scancel's KillWait can be 2 s).
+
+    A coordinator that stepped down leaves both to its successor, but only once a successor has
+    recorded itself (``recorded`` names another address). Under ``scancel`` the agents often get
+    their SIGTERM first: their connections close, every host is lost at once, the coordinator
+    steps down for want of a majority, and its own SIGTERM comes a moment later. With no
+    successor recorded there is no job left to keep the secret for."""
+    return not stepped_down or recorded is None or recorded == own

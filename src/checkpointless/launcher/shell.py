@@ -28,8 +28,14 @@ from checkpointless.launcher.identity import JobIdentity
 from checkpointless.launcher.loop import DecisionLoop
 from checkpointless.launcher.model import LaunchConfig, checkpoint_root
 from checkpointless.launcher.outcome import Outcome
+from checkpointless.launcher.policy import signal_ends_the_job
 from checkpointless.launcher.reaper import cleanup_job
-from checkpointless.launcher.runfiles import forget_coordinator, remove_early
+from checkpointless.launcher.runfiles import (
+    COORDINATOR_FILE,
+    forget_coordinator,
+    recorded_coordinator,
+    remove_early,
+)
 from checkpointless.launcher.store import JobStore
 from checkpointless.protocol.agent_link import local_node
 from checkpointless.state.checkpoint_dir import remove_partial
@@ -168,7 +174,9 @@ class CoordinatorShell:
         # A scheduler's SIGKILL can follow within seconds (scancel: KillWait, 2 s on some
         # clusters), and the loop may be in a send to a slow peer (up to 5 s); this handler
         # runs at once even then (Python runs it before retrying an interrupted call).
-        if not self.outcome.stepped_down:
+        own = self.control_address if self.server is not None else ""
+        recorded = recorded_coordinator(self.job.run_dir / COORDINATOR_FILE)
+        if signal_ends_the_job(self.outcome.stepped_down, recorded, own):
             try:
                 self.job.secret_file.unlink(missing_ok=True)
             except OSError:

@@ -23,6 +23,7 @@ from checkpointless.launcher.policy import (
     Limits,
     ProcWatch,
     loop_wait,
+    signal_ends_the_job,
 )
 from checkpointless.launcher.proctable import ProcSample, parse_stat, read_sample
 
@@ -147,3 +148,15 @@ def test_the_loop_slows_only_when_settled_and_quiet_for_a_while() -> None:
     assert loop_wait(100.0, 0.0, settled=False) == LOOP_BUSY_S
     # an event moments ago: the rest of it (a killed rank's exit after its connection's end)
     assert loop_wait(100.0, 100.0 - QUIET_AFTER_S / 2, settled=True) == LOOP_BUSY_S
+
+
+def test_a_signal_ends_the_job_unless_a_successor_has_taken_over() -> None:
+    """The secret and the record go on SIGTERM unless a successor recorded itself: a coordinator
+    that stepped down because scancel's SIGTERM reached the agents first (every host lost at once)
+    still removes them when its own SIGTERM comes."""
+    own, other = "10.0.0.1:29500", "10.0.0.2:29500"
+    assert signal_ends_the_job(False, own, own)
+    assert signal_ends_the_job(False, other, own)  # still the coordinator: its signal ends the job
+    assert signal_ends_the_job(True, None, own)  # stepped down, nobody took over
+    assert signal_ends_the_job(True, own, own)
+    assert not signal_ends_the_job(True, other, own)  # the successor's job goes on
