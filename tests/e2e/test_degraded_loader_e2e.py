@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.jobs import SCRIPTS, JobResult, run_job
+from tests.helpers.reference import ReferenceRuns
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -28,10 +29,18 @@ CHECK = ["--divergence-check", "3"]
 SHRINK = ["--when-no-spare", "shrink"]
 
 
+NOWHERE = Path("/nonexistent")  # the script makes its data in memory
+
+
+def _clean(reference: ReferenceRuns) -> JobResult:
+    """The fault-free run the tests of this file share (the session's reference runs)."""
+    return reference(4, data=NOWHERE, script=SCRIPT, script_args=ARGS, extra=CHECK, timeout=120)
+
+
 def _run(tmp_path: Path, name: str, extra: list[str], faults: list[str]) -> JobResult:
     return run_job(
         tmp_path / name,
-        tmp_path / "unused-data",
+        NOWHERE,
         nproc=4,
         spares=0,
         faults=faults,
@@ -42,9 +51,10 @@ def _run(tmp_path: Path, name: str, extra: list[str], faults: list[str]) -> JobR
     )
 
 
-def test_a_job_loader_script_trains_the_held_slot_s_batches_bitwise(tmp_path: Path) -> None:
-    ref = _run(tmp_path, "clean", [], [])
-    assert ref.rc == 0, ref.output[-3000:]
+def test_a_job_loader_script_trains_the_held_slot_s_batches_bitwise(
+    tmp_path: Path, reference: ReferenceRuns
+) -> None:
+    ref = _clean(reference)
     # and rank 0 raises as slot 2's pass all-reduces at step 12: the step is replayed, slot 2's
     # pass from slot 2's generators as the step began
     res = _run(tmp_path, "degraded", SHRINK, ["kill:rank=2:step=6", "raise:rank=0:step=12:site=allreduce"])
@@ -120,15 +130,14 @@ def test_a_collective_of_the_script_s_own_ends_a_degraded_job_with_the_reason(
 
 
 def test_a_holder_that_must_receive_state_receives_it_once_and_the_job_goes_on_bitwise(
-    tmp_path: Path,
+    tmp_path: Path, reference: ReferenceRuns
 ) -> None:
     """Rank 2 dies and rank 0 raises half-way through the same step's update: ranks 1 and 3
     committed it, so rank 0 receives their state, and it also holds slot 2. The slot reports
     its holder's state; were it a second receiver, the sender would wait on it for good (seen:
     every member stuck in the state transfer). One receipt, then the job trains on, bitwise."""
     faults = ["raise:rank=0:step=3:site=optimizer", "kill:rank=2:step=3:site=optimizer"]
-    ref = _run(tmp_path, "clean", [], [])
-    assert ref.rc == 0, ref.output[-3000:]
+    ref = _clean(reference)
     res = _run(tmp_path, "degraded", SHRINK, faults)
     assert res.rc == 0, res.output[-4000:]
     plan = next(e for e in res.of("plan") if e.get("holders"))
