@@ -6,8 +6,8 @@ tests/scripts/pp_mlp.py makes its mesh with torch's ``init_device_mesh``, cuts a
 the dp group. It tracks its schedule (``job.track(..., schedule=schedule)``), which names the
 pipeline group: the state of rank r is stage ``r % 2`` of replica ``r // 2``. Under the launcher
 (4 ranks, 1 spare, gloo, CPU) ranks raise in forward (inside the schedule, between the stages'
-sends and receives), in backward and half-way through the optimizer update, and a stage rank is
-killed mid-schedule; every rank's final parameters and AdamW state must be bit for bit the
+sends and receives), in backward, inside a receive and half-way through the optimizer update,
+and stage ranks are killed mid-schedule and inside a send (the ``p2p`` fault site); every rank's final parameters and AdamW state must be bit for bit the
 fault-free run's, and a rank that received state must have taken it from the rank holding its
 own stage in the other replica. The reference is the same training with torch alone; the
 fault-free run under the launcher and the adopted script under plain torchrun equal it too.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, read_digests, run_job, torchrun_env
+from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, read_digests, run_job, torchrun_env
 from tests.helpers.paths import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 
@@ -84,30 +84,53 @@ def assert_same_stages(res: JobResult, ref: JobResult) -> None:
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
 
 
+# one job, six faults, each replayed from unchanged state; fault -> {receiver: source} of its plan
+MERGED: list[tuple[str, dict[int, int]]] = [
+    # a raise inside (dp=0, pp=1)'s receive of microbatch 0's activation: (dp=0, pp=0) is left
+    # waiting in its receive of that microbatch's gradient; no state moves. In step 1, after a
+    # step without a fault: the first receive is the first thing stage 1 does in a step, so
+    # right after a step that ends in a fault it could fire in the same round as that fault
+    ("raise:rank=1:step=1:site=p2p", {}),
+    # a raise in stage 0's forward of replica 1 (stage 1 waits in its receive): no state moves
+    ("raise:rank=2:step=2:site=forward", {}),
+    # a raise in stage 1's backward of replica 0, after its loss of microbatch 0 went backward
+    # (the replay must not reuse the abandoned attempt's microbatch losses)
+    ("raise:rank=1:step=3:site=backward", {}),
+    # a SIGKILL of (dp=1, pp=0) inside its send of microbatch 0's activation, while (dp=1, pp=1)
+    # waits for it in its receive: the spare takes stage 0 from (dp=0, pp=0)
+    ("kill:rank=2:step=4:site=p2p", {2: 0}),
+    # a SIGKILL of (dp=1, pp=1) in its backward, mid-schedule: the spare takes stage 1's state
+    # from (dp=0, pp=1), and every stage prepares its schedule afresh with the newcomer
+    ("kill:rank=3:step=5:site=backward", {3: 1}),
+    # a raise half-way through (dp=0, pp=0)'s update: its stage comes back from (dp=1, pp=0)
+    ("raise:rank=0:step=6:site=optimizer", {0: 2}),
+]
+
+
 @pytest.mark.timeout(150)
 def test_pp_faults_in_every_phase_are_recovered_from_the_same_stage_bitwise(
     tmp_path: Path, corpus: Path, pp_reference: JobResult
 ) -> None:
-    # one job, four faults, each replayed from unchanged state:
-    # - a raise in stage 0's forward of replica 1 (stage 1 waits in its receive): no state moves
-    # - a raise in stage 1's backward of replica 0, after its loss of microbatch 0 went backward
-    #   (the replay must not reuse the abandoned attempt's microbatch losses)
-    # - a SIGKILL of (dp=1, pp=1) in its backward, mid-schedule: the spare takes stage 1's state
-    #   from (dp=0, pp=1), and every stage prepares its schedule afresh with the newcomer
-    # - a raise half-way through (dp=0, pp=0)'s update: its stage comes back from (dp=1, pp=0)
-    faults = [
-        "raise:rank=2:step=2:site=forward",
-        "raise:rank=1:step=3:site=backward",
-        "kill:rank=3:step=5:site=backward",
-        "raise:rank=0:step=6:site=optimizer",
-    ]
+    faults = [f for f, _ in MERGED]
     res = run_job(
         tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script=PP_SCRIPT, script_args=ARGS,
         timeout=120,
     )  # fmt: skip
     assert_same_stages(res, pp_reference)
     assert len(res.of("recovery")) == len(faults), res.output[-4000:]
-    assert state_sources(res) == [{}, {}, {3: 1}, {0: 2}], state_sources(res)
+    for fault, receivers in MERGED:  # each fault fired and was recovered from as its own
+        rank, step = fault_at(fault)
+        rec = res.recovery_from(rank, step)
+        assert res.fired(fault) and rec is not None, (fault, res.output[-4000:])
+        plans = [
+            {r: s for r, s in e.get("sources", [])}
+            for e in res.of("plan")
+            if e["generation"] == rec["generation"]
+        ]
+        assert plans and plans[0] == receivers, (fault, plans)
+    # the raise came out of torch's receive, issued by the schedule
+    raised = res.output.partition("[rank 1 step 1] step 1 raised InjectedFault")[2].partition("[launcher]")[0]
+    assert "fwd_recv" in raised and "in irecv" in raised, res.output[-4000:]
 
 
 @pytest.mark.soak

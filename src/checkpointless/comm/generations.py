@@ -67,8 +67,9 @@ class GenerationGroup(dist.ProcessGroup):
         self._stores: list[Any] = []  # the current generation's stores (see configure)
         self._name: str | None = None
         self._desc = self.key
-        # called with "allreduce" or "reduce_scatter" before such a collective is issued: the
-        # job's fault-injection sites (an exception raised here surfaces inside FSDP's backward)
+        # called with "allreduce" or "reduce_scatter" before such a collective is issued, and
+        # with "send" or "recv" before a point-to-point op: the job's fault-injection sites (an
+        # exception raised here surfaces inside FSDP's backward, or a pipeline stage's send)
         self.before_collective: Callable[[str], None] | None = None
 
     def configure(

@@ -319,13 +319,21 @@ class ResilientProcessGroup(GenerationGroup):
     # c10d's newer name, which C++ callers (functional collectives) look up first
     all_to_all_single = alltoall_base  # type: ignore[assignment]
 
+    # Every point-to-point path of c10d ends here on this group: dist.send/recv, isend/irecv,
+    # and batch_isend_irecv (which issues them one by one on a group that is not c10d's own
+    # ProcessGroup type), so any pipeline schedule's sends and receives pass the "send"/"recv"
+    # hook, the fault site inside a stage's send or receive (faults/inject.py's "p2p"). It runs
+    # before the op is posted: a fault there leaves the peer stage waiting in its matching op.
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> AbortableWork:  # type: ignore[override]
+        self._before("send")
         return self._issue(lambda pg: pg.send(tensors, dst, tag), tensors, tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> AbortableWork:  # type: ignore[override]
+        self._before("recv")
         return self._issue(lambda pg: pg.recv(tensors, src, tag), tensors, tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> AbortableWork:  # type: ignore[override]
+        self._before("recv")
         works: list[Any] = []
 
         def issue(pg: Any) -> Any:

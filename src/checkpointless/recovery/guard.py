@@ -1,7 +1,7 @@
 """Fault sites and the update guard: what the hooks that ``job.track()`` puts on the script's
 modules and optimizers, and the job's collectives, do inside a step.
 
-A *site* (forward, backward, allreduce, optimizer, step) is where a rehearsed fault fires, where
+A *site* (forward, backward, allreduce, p2p, optimizer, step) is where a rehearsed fault fires, where
 an exception deferred by the step's entry surfaces inside the script's own code, and, at the
 first forward, where the time to assemble the batch is taken. The *update guard* runs around
 every optimizer step: no update may change tensors a copy still reads, none may come from an
@@ -69,8 +69,12 @@ class UpdateGuard:
         self.site("forward")
 
     def on_collective(self, kind: str) -> None:
-        # an FSDP reduce-scatter runs inside backward; the replicate all-reduce is the job's
-        self.site("backward" if kind == "reduce_scatter" else "allreduce")
+        # an FSDP reduce-scatter runs inside backward; the replicate all-reduce is the job's;
+        # a send or receive is a pipeline stage's activation or gradient (its own site, "p2p")
+        if kind in ("send", "recv"):
+            self.site("p2p")
+        else:
+            self.site("backward" if kind == "reduce_scatter" else "allreduce")
 
     def before_update(self, opt: Any, args: Any, kwargs: Any) -> None:
         self._replicas.rank_rng.at_update(self._clock.step_index)  # the step's draws are done

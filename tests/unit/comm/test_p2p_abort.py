@@ -5,7 +5,8 @@
 Two real processes (gloo, CPU) on our 1-D mesh: a batched exchange delivers the peer's bytes; a
 batched send and receive to a peer that stopped is woken by an abort from another thread at
 once, with ``CommAborted``, as a collective is; and the same group object exchanges again in the
-next generation, into fresh buffers.
+next generation, into fresh buffers. Every send and receive passes the group's hook as "send"
+or "recv" (where the job's ``p2p`` fault site fires).
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ def _run(rank: int, port: int) -> dict[str, Any]:
     rm = make_device_mesh(("pp",), (WORLD,), rank, WORLD, store)
     rm.configure(0, store, time.monotonic() + 30)
     pg = rm.device_mesh.get_group(0)
-    res: dict[str, Any] = {"gen0": _exchange(rank, pg, 0)}
+    kinds: list[str] = []
+    pg.before_collective = kinds.append  # the job's fault-site hook (the "p2p" site)
+    res: dict[str, Any] = {"gen0": _exchange(rank, pg, 0), "hooked": list(kinds)}
+    pg.before_collective = None
     res["abort"] = _stopped_peer(rank, store, rm, pg)
     rm.configure(1, store, time.monotonic() + 30)  # the next generation, under the same objects
     rm.release_graveyard()
@@ -102,6 +106,8 @@ def test_batched_send_and_receive_deliver_and_an_abort_wakes_them() -> None:
     for rank in range(WORLD):  # each received the other's tensor, bit for bit, in both generations
         for gen in (0, 1):
             assert ours[rank][f"gen{gen}"] == _sent(1 - rank, gen).numpy().tobytes(), (rank, gen)
+    # each send and receive that batch_isend_irecv issued passed the hook, in issue order
+    assert ours[0]["hooked"] == ["send", "recv"] and ours[1]["hooked"] == ["recv", "send"], ours
     info = ours[0]["abort"]
     assert "error" in info, "a batched receive from a stopped peer completed"
     assert "CommAborted" in info["error"] and "aborted" in info["error"], info["error"]
