@@ -12,6 +12,9 @@ mesh has three dimensions (dp 2, shard S, tp 2) and FSDP2's HSDP over (dp, shard
 replicas: the state is named by its (shard, tp) coordinates. With --seq the model is a
 transformer layer's TP shape (SeqNet) with SequenceParallel norms and loss parallel.
 
+Each commit records where its step ran: the rank's TP group and its host (the network namespace:
+one per host in tests/multihost/test_tp_host_netns.py).
+
 --digest-out: each rank writes a hash of its own state (its parameters' local shards and its
 AdamW state's local shards) to the path with "{rank}" filled in, so that every rank's shards can
 be compared with the fault-free run's. The same script runs under plain torchrun (parity), and
@@ -182,12 +185,18 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # after parallelize_module: DTensor params
     job.track(model=model, optimizer=opt)
     dp_group, dp = mesh["dp"].get_group(), mesh.get_local_rank("dp")
+    # where the step ran, in each commit: this rank's TP group and its host, the network
+    # namespace (one per host in the many-host tests, tests/multihost/test_tp_host_netns.py)
+    where = {
+        "tp_group": dist.get_process_group_ranks(mesh["tp"].get_group()),
+        "host": os.stat("/proc/self/ns/net").st_ino,
+    }
     if args.hsdp:  # every (dp, shard) rank takes a batch of its own; the tp ranks share one
         dp = dp * args.hsdp + mesh.get_local_rank("shard")
     for step in job.steps(args.steps):
         with step:
             x, y = (seq_batch if args.seq else batch)(step.index, dp)
-            job.record(batch=hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16])
+            job.record(batch=hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16], **where)
             # loss parallel: the cross-entropy of logits sharded over the vocabulary
             with loss_parallel() if args.seq else contextlib.nullcontext():
                 out = model(x.to(job.device))
