@@ -164,17 +164,23 @@ def test_pp_adopted_script_under_plain_torchrun_equals_checkpointless_run(
 def test_gpipe_kill_of_the_first_stage_and_raise_in_the_last_stage_bitwise(
     tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
-    # GPipe (every forward, then every backward): a SIGKILL of (dp=0, pp=0) in its forward
-    # (stage 1 waits in a receive from it), then a raise in (dp=1, pp=1)'s forward, at the loss
+    # GPipe (every forward, then every backward): a SIGKILL of (dp=0, pp=1) inside its first
+    # receive of step 1 (stage 0 goes on sending its forwards, then waits for a gradient), a
+    # SIGKILL of (dp=0, pp=0) in its forward (stage 1 waits in a receive from it), then a raise
+    # in (dp=1, pp=1)'s forward, at the loss
     args = ["--steps", "8", "--schedule", "gpipe"]
     ref = reference(4, script=PP_SCRIPT, script_args=args, replicated=False)
-    faults = ["kill:rank=0:step=3:site=forward", "raise:rank=3:step=5:site=forward"]
+    faults = [
+        "kill:rank=1:step=1:site=p2p",
+        "kill:rank=0:step=3:site=forward",
+        "raise:rank=3:step=5:site=forward",
+    ]
     res = run_job(
         tmp_path / "run", corpus, nproc=4, spares=1, faults=faults, script=PP_SCRIPT, script_args=args,
         timeout=120,
     )  # fmt: skip
     assert_same_stages(res, ref)
-    assert state_sources(res) == [{0: 2}, {}], state_sources(res)
+    assert state_sources(res) == [{1: 3}, {0: 2}, {}], state_sources(res)
 
 
 @pytest.mark.soak
@@ -182,8 +188,10 @@ def test_gpipe_kill_of_the_first_stage_and_raise_in_the_last_stage_bitwise(
 def test_interleaved_schedule_two_stages_per_rank_recovers_bitwise(
     tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
-    # ScheduleInterleaved1F1B, four stages, two per rank (pp 0: stages 0 and 2): the same four
-    # faults as the 1F1B job, against the same training with torch alone
+    # ScheduleInterleaved1F1B, four stages, two per rank (pp 0: stages 0 and 2): four of the
+    # 1F1B job's faults and a raise inside (dp=1, pp=0)'s first send of step 4 (after a step
+    # that all ranks replayed, so that it has a round of its own), against the same training
+    # with torch alone
     args = ["--steps", "8", "--schedule", "interleaved"]
     ref = reference(
         4, script=PP_SCRIPT, script_args=[*args, "--torch-only"], extra=["--plain"], replicated=False
@@ -191,6 +199,7 @@ def test_interleaved_schedule_two_stages_per_rank_recovers_bitwise(
     faults = [
         "raise:rank=2:step=2:site=forward",
         "raise:rank=1:step=3:site=backward",
+        "raise:rank=2:step=4:site=p2p",
         "kill:rank=3:step=5:site=backward",
         "raise:rank=0:step=6:site=optimizer",
     ]
@@ -200,7 +209,7 @@ def test_interleaved_schedule_two_stages_per_rank_recovers_bitwise(
     )  # fmt: skip
     assert_same_stages(res, ref)
     assert len(res.of("recovery")) == len(faults), res.output[-4000:]
-    assert state_sources(res) == [{}, {}, {3: 1}, {0: 2}], state_sources(res)
+    assert state_sources(res) == [{}, {}, {}, {3: 1}, {0: 2}], state_sources(res)
 
 
 @pytest.mark.soak
