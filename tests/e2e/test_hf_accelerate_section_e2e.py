@@ -2,14 +2,17 @@
 
 Each run is tests/scripts/hf_accelerate_save.py (an Accelerate loop, gradient accumulation 2, 2
 epochs of 5 optimizer steps; after each epoch a protected section that evaluates, its losses
-gathered over the ranks, and then has rank 0 save the model and say so with ``accelerator.print``)
-on 2 ranks and 1 spare. The faults
+gathered over the ranks, and then has rank 0 save the model and say so with ``accelerator.print``;
+which batches it scores is drawn from torch's global generator) on 2 ranks and 1 spare. Faults
 fire as the section returns on one rank (``site=section``): its last gather is behind it, its
 peer has finished the section too. Before the section closed with every rank together, the peer
 went on into the next step while the faulted rank redid the section alone, its gathers meeting
-the step's gradient all-reduce. The job must end with every rank's weights, optimizer state and
-evaluation losses, and every saved file, equal to the fault-free run's, each evaluation given
-to the loop once, each section completed once and its printed line shown once.
+the step's gradient all-reduce. Faults also fire just after the closing barrier
+(``site=closed``), where one rank has passed it and its peer may still be in it: the section is
+complete then and is not redone. The job must end with every rank's weights, optimizer state
+and evaluation losses, and every saved file, equal to the fault-free run's, each evaluation
+given to the loop once, each section completed once and its printed line shown once, and no
+rank resumed without its own generators.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ def check(res: JobResult, ref: JobResult, faults: list[str]) -> None:
     assert saved_files(res) == saved_files(ref) and len(saved_files(ref)) >= 2, "the saved files differ"
     for fault in faults:
         assert res.fired(fault) and recovered(res, fault), (fault, res.output[-4000:])
+    # every rank resumed with its own generators: a replacement of a rank lost after the
+    # section's work, its peer past the closing barrier, resumes them as the section left them
+    assert not res.of("inexact"), res.of("inexact")
     # each boundary's section completed once, and every rank's loop was given each evaluation once
     assert sections(res) == sections(ref), sections(res)
     # what the section printed itself (accelerator.print) is shown once, as it closes
@@ -89,9 +95,18 @@ def ref(reference: ReferenceRuns) -> JobResult:
     return res
 
 
-# rank 0 raises as its save of epoch 0 ends; rank 1 is SIGKILLed as the last section returns, and
-# its replacement redoes that section with rank 0
-MERGED = ["raise:rank=0:step=5:site=section", "kill:rank=1:step=10:site=section"]
+# rank 0 raises as its save of epoch 0 ends, and the section is redone on both ranks. Then faults
+# just after the closing barrier (site=closed: the rank has passed it; its peer has passed it
+# too, or is still in it and has its barrier aborted by the launcher as it completes): rank 1
+# SIGKILLed after that redone section, its replacement not redoing it and resuming the
+# generators as the section left them (it drew from them; from where it began they would give
+# other dropout masks); rank 0 raising after the last section, recovered in its process while
+# its peer waits at the final barrier, the section not redone and its printed line shown once
+MERGED = [
+    "raise:rank=0:step=5:site=section",
+    "kill:rank=1:step=5:site=closed",
+    "raise:rank=0:step=10:site=closed",
+]
 
 
 @pytest.mark.timeout(200)
@@ -100,6 +115,9 @@ def test_a_fault_after_a_sections_last_collective_redoes_it_on_every_rank(
 ) -> None:
     res = run(tmp_path / "run", MERGED)
     check(res, ref, MERGED)
+    # both raises recovered in their own process (an exception), neither by a spare (an exit)
+    raised = [f for r in res.of("recovery") for f in r["faults"] if f["kind"] == "exception"]
+    assert len(raised) == 2, raised
 
 
 @pytest.mark.soak
@@ -108,6 +126,8 @@ def test_a_fault_after_a_sections_last_collective_redoes_it_on_every_rank(
     "fault",
     [
         pytest.param("raise:rank=1:step=10:site=section", id="raise-last-section-rank1"),
+        # its replacement redoes the last section with rank 0
+        pytest.param("kill:rank=1:step=10:site=section", id="sigkill-last-section-rank1"),
         pytest.param("kill:rank=0:step=5:site=section", id="sigkill-saver"),
         pytest.param("hang:rank=0:step=5:site=section", id="sigstop-saver"),
     ],

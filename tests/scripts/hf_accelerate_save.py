@@ -1,10 +1,10 @@
 """An Accelerate loop whose protected section evaluates and then saves the model.
 
 examples/hf_accelerate.py's model, data and loop (gradient accumulation, a scheduler, an
-evaluation gathered over the ranks after each epoch), with one change: after the evaluation's
+evaluation gathered over the ranks after each epoch), with two changes: after the evaluation's
 last gather the section saves the model (``accelerator.save_model``, written by rank 0 alone)
-into ``saved/epoch-E`` beside the digests. A fault there, after the section's last collective,
-on one rank only (``--inject raise:rank=0:step=S:site=section``), is what the test rehearses:
+into ``saved/epoch-E`` beside the digests, and which held-out batches it scores is drawn from
+torch's global generator. A fault there, after the section's last collective, on one rank only (``--inject raise:rank=0:step=S:site=section``), is what the test rehearses:
 its peers have nothing left to wait for in the section but the others.
 
 Every rank's digest covers its weights, optimizer state and the evaluation losses the loop was
@@ -58,10 +58,15 @@ def main() -> None:
 
     def evaluate_and_save() -> float:
         model.eval()
+        # the batches scored are drawn from torch's global generator, as a sampled evaluation
+        # would: the generators leave the section elsewhere than they began, and the steps
+        # after it draw their dropout from there (a replacement must resume them there)
+        scored = set(torch.randperm(len(held_out))[: len(held_out) - 1].tolist())
         losses = []
         with torch.no_grad():
-            for batch in held_out:
-                losses.append(accelerator.gather_for_metrics(model(**batch).loss.reshape(1)))
+            for i, batch in enumerate(held_out):
+                if i in scored:  # as many on every rank: the gathers meet
+                    losses.append(accelerator.gather_for_metrics(model(**batch).loss.reshape(1)))
         model.train()
         # the section's last collective is behind us: what follows runs on rank 0 alone
         epoch = accelerator.job.committed_step // steps_per_epoch - 1

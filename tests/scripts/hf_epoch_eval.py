@@ -5,8 +5,10 @@ Trainer evaluates and saves.
 
 The model and data are examples/_hf_common.py's (a 2-layer GPT-2, data made in memory).
 ``HF_FAULTS`` is a comma-separated list of ``KIND:WHERE:RANK:STEP`` (KIND ``kill`` or ``raise``;
-WHERE ``eval``, at the rank's second evaluation batch, or ``save``, after the checkpoint's
-weights are written and before its optimizer, RNG and trainer state: a half-written checkpoint),
+WHERE ``eval``, at the rank's second evaluation batch, ``save``, after the checkpoint's
+weights are written and before its optimizer, RNG and trainer state: a half-written checkpoint,
+or ``log``, in a callback's ``on_log`` of the evaluation's line, called after Trainer's printer
+has shown it: once the boundary's section has closed on every rank),
 each fired once, by rank RANK when ``state.global_step == STEP``; the file ``HF_FAULT_MARKS``
 (``{n}`` the fault's index) records that it fired, so that neither the rank after a raise nor
 its replacement after a kill fires it again.
@@ -79,6 +81,19 @@ class EvalFaults(TrainerCallback):
                     fault.fire()
 
 
+class LogFaults(TrainerCallback):
+    """Fires a ``log`` fault as the evaluation's line reaches this callback, the last one (added
+    after Trainer's printer): the line is shown already, a tracker after it would not have it."""
+
+    def __init__(self, faults: list[Fault]) -> None:
+        self.faults = [f for f in faults if f.where == "log"]
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        for fault in self.faults:
+            if "eval_loss" in (logs or {}) and fault.due("log", args.process_index, state.global_step):
+                fault.fire()
+
+
 class FaultyTrainer(CheckpointlessTrainer):
     """Fires a ``save`` fault between a checkpoint's weights and the rest of it."""
 
@@ -137,6 +152,7 @@ def main() -> None:
         callbacks=[EvalFaults(faults)],
         record_batches=args.record_batches,
     )
+    trainer.add_callback(LogFaults(faults))  # after the printer Trainer added last
     trainer.train()
 
     assert trainer.optimizer is not None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from checkpointless.integrations._hf_internals import log_to
+
 __all__ = ["HeldLogs", "ends_epoch", "work_at"]
 
 
@@ -36,6 +38,25 @@ class HeldLogs:
 
     def __init__(self) -> None:
         self.logs: list[dict[str, float]] = []
+        # how far show() has come: the entry being shown, and how many callbacks have had it
+        self.entry = 0
+        self.reached = 0
+
+    def show(self, handler: Any, args: Any, state: Any, control: Any) -> Any:
+        """Give each held entry to each of ``handler``'s callbacks in turn (the handler's
+        ``on_log``, one callback at a time) and return the control flags. Called again after a
+        callback raised (the step loop recovers it, recovery/driver.py), it goes on from that
+        callback with that entry: the callbacks before it (Trainer's printer, a tracker) have
+        had it already and do not get it twice."""
+        while self.entry < len(self.logs):
+            callbacks = list(handler.callbacks)
+            while self.reached < len(callbacks):
+                control = log_to(
+                    handler, callbacks[self.reached], args, state, control, self.logs[self.entry]
+                )
+                self.reached += 1
+            self.entry, self.reached = self.entry + 1, 0
+        return control
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float]) -> Any:
         control.should_log = False  # as the handler's own on_log does first

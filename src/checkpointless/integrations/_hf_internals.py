@@ -27,6 +27,7 @@ __all__ = [
     "evaluate_and_save",
     "hand_over_loss",
     "load_rng_state",
+    "log_to",
     "num_items_in_batch",
     "refresh_devices",
     "save_checkpoint",
@@ -138,3 +139,16 @@ def load_rng_state(trainer: Any, checkpoint: str) -> None:
     """The random generators as ``checkpoint`` saved them (Trainer restores them in its own
     ``_run_epoch``, which CheckpointlessTrainer replaces)."""
     trainer._load_rng_state(checkpoint)
+
+
+def log_to(handler: Any, callback: Any, args: Any, state: Any, control: Any, logs: dict[str, float]) -> Any:
+    """Trainer's ``CallbackHandler.on_log`` for one of its callbacks alone: the handler calls
+    each of ``handler.callbacks`` with its model, optimizer, schedulers and data loaders; here
+    that list is ``[callback]`` for the call (a callback that raised is called again without
+    the ones before it)."""
+    callbacks = handler.callbacks
+    handler.callbacks = [callback]
+    try:
+        return handler.on_log(args, state, control, logs)
+    finally:
+        handler.callbacks = callbacks

@@ -267,12 +267,13 @@ class CheckpointlessTrainer(Trainer):
     def _section_closed(self) -> None:
         """The boundary's section has closed on every rank together (recovery/driver.py): no
         fault can make it run again, so the state it began with can go, and its held log lines
-        are shown, once. A callback's ``on_log`` that raises here is not recovered as part of
-        the section (its peers are past it): the error leaves ``job.steps()`` and ``train()``."""
-        held, self._to_show = self._to_show, None
+        are shown, once. A callback's ``on_log`` that raises here is recovered in process (its
+        peers are past the section, so it is not redone) and this runs again, going on from
+        that callback (``HeldLogs.show``)."""
         self._undo.end()
-        for logs in held.logs if held is not None else ():
-            self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+        if self._to_show is not None:
+            self.control = self._to_show.show(self.callback_handler, self.args, self.state, self.control)
+        self._to_show = None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's ``log``; inside the boundary's section its ``on_log`` is held (``HeldLogs``)."""

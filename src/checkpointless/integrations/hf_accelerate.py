@@ -150,6 +150,7 @@ class CheckpointlessAccelerator(Accelerator):
         self._protected: dict[str, int] = {}  # protected function -> its period in steps
         # inside a protected function: what it prints and logs, shown once its section has closed
         self._shown_later: list[Callable[[], None]] | None = None
+        self._showing: list[Callable[[], None]] = []  # ... being shown as its section closed
 
     # -- preparation ---------------------------------------------------------------------------
     def prepare_model(
@@ -213,7 +214,7 @@ class CheckpointlessAccelerator(Accelerator):
         self._protected[name] = period
 
         def run() -> None:
-            self._shown_later = []  # an interrupted attempt's lines are not shown
+            self._shown_later, self._showing = [], []  # an interrupted attempt's lines are not shown
             self._results.put(name, self.job.committed_step, fn())
 
         # as job.section(name, run, every=period), with the lines shown as the section closes
@@ -222,10 +223,14 @@ class CheckpointlessAccelerator(Accelerator):
 
     def _section_closed(self) -> None:
         """A protected function's section has closed on every rank together (recovery/driver.py):
-        no fault can make it run again, so what it printed and logged is shown now, once."""
-        held, self._shown_later = self._shown_later, None
-        for show in held or ():
-            show()
+        no fault can make it run again, so what it printed and logged is shown now, once. A
+        tracker that raises here is recovered in process and this runs again, going on from
+        the line that raised (those before it are not shown twice)."""
+        if self._shown_later is not None:  # not on the call after a raise: it goes on
+            self._showing, self._shown_later = self._shown_later, None
+        while self._showing:
+            self._showing[0]()
+            del self._showing[0]
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Accelerate's ``print``; inside a protected function, held until its section has

@@ -20,9 +20,10 @@ from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
 from checkpointless.recovery.recover import recover, recover_from
-from checkpointless.recovery.sections import due_sections
+from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import start_from_first_replica
+from checkpointless.state.snapshot import capture_rng
 
 __all__ = ["close_section", "run_steps"]
 
@@ -127,6 +128,11 @@ def _run_sections(member: Member) -> bool:
             sec.fn()
             # the section's work is done: a "section" fault fires here (faults/inject.py)
             member.guard.injector.maybe_fire("section", at)
+            # ... and where this rank's generators stand now is where a replacement resumes if
+            # its peers pass the closing barrier and this rank is lost before (or as) it does:
+            # kept before the barrier, since its peers may pass it before it returns here
+            after = capture_rng()
+            member.replicas.rank_rng.keep_section_end(at, after, sec.name)
             close_section(member)
         except Exception as exc:
             if not member.recovery.connected or isinstance(exc, ConfigError):
@@ -137,13 +143,43 @@ def _run_sections(member: Member) -> bool:
             continue
         finally:
             member.clock.in_section = None
-        if sec.closed is not None:
-            sec.closed()
+        # The barrier completed here: every rank has done all of the section's work, and a peer
+        # may be in the next step already. The section is complete from now on, whatever
+        # happens next on this rank: a fault after this point never redoes it (its peers could
+        # not redo it with this rank), and one here is recovered like a fault at the start of
+        # the next step, from the generators as the section left them.
         member.loop.sections_done[sec.name] = at
+        member.record.end_section(at, after)
         member.record.emit("section", name=sec.name, step=at, generation=member.generation)
         member.record.fields = {}
         member.clock.restart()
+        _after_section(member, sec, at)
     return False
+
+
+def _after_section(member: Member, sec: Section, at: int) -> None:
+    """What follows a section once it has closed on every rank (its ``closed``: the lines an
+    integration held, a tracker's record), recovered in process if it raises: its peers are
+    past the section, so it is not redone; the recovery keeps every rank at this boundary,
+    and ``closed`` is called again to finish what it left (it must resume, not restart: an
+    integration's held lines are shown once). A ``closed`` that keeps raising ends the job as
+    a step that keeps raising does (``max_step_retries``)."""
+    while True:
+        try:
+            # this rank has passed the closing barrier, its peer maybe not yet: a "closed"
+            # fault fires here (faults/inject.py)
+            member.guard.injector.maybe_fire("closed", at)
+            if sec.closed is not None:
+                sec.closed()
+            return
+        except Exception as exc:
+            if not member.recovery.connected or isinstance(exc, ConfigError):
+                raise
+            log.info("after section %r closed at step %d: %s", sec.name, at, short_error(exc))
+            recover_from(member, at, exc)  # nothing was updated: every survivor stays valid
+            if member.committed_step != at or member.loop.sections_done.get(sec.name) != at:
+                return  # the job went back to an older state (every replica lost): not shown
+            member.record.end_section(at, capture_rng())
 
 
 def close_section(member: Member) -> None:

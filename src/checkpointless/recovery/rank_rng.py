@@ -35,8 +35,10 @@ resumes the generators sent with the replica's state, and says so: a warning, an
 message to the coordinator, an ``inexact`` event and ``job_end``'s account (on a sharded mesh a
 buddy copy carries its owner's own, so that case is exact). A rank lost in a section after its
 peers completed it (every rank leaves a section together, driver.close_section: only one lost as
-the closing barrier completes) left the record of the section's start, and its replacement does
-not run the section again: what it drew there is lost, and is reported the same way. A draw from Python's or NumPy's generator after the update, by a rank
+the closing barrier completes) is not redone there: its replacement resumes the generators as
+the section left them, kept before that barrier (``keep_section_end``, on this host only); with
+the section's start record alone (from the keeper on another host) what it drew there is lost,
+and is reported the same way. A draw from Python's or NumPy's generator after the update, by a rank
 lost before the next step began, is not seen by the commit's check (torch's only); nor is any
 draw between the step's first collective and its update by a rank lost before the update
 began while a peer committed the step.
@@ -333,6 +335,35 @@ class RankRngKeeper:
         except (FileNotFoundError, ValueError):
             return None
         return record if record.step == step else None
+
+    def keep_section_end(self, step: int, rng: RngState, section: str) -> None:
+        """Record the generators ``rng`` as ``section`` at step ``step``'s boundary has done its
+        work, before its closing barrier (recovery/driver.py): a rank lost as its peers pass that
+        barrier is not redone there, and its replacement resumes from this, not from the
+        section's start (still the step's record, which a redone section needs). One record of
+        its own on this host (the section's ends are rare), not sent to the keeper on another."""
+        if self.directory is None:
+            return
+        fd = os.open(self._end_path(), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.pwritev(fd, encode_parts(RngRecord(step, rng, section)), 0)
+        finally:
+            os.close(fd)
+
+    def load_section_end(self, step: int, section: str) -> RngRecord | None:
+        """The record :meth:`keep_section_end` kept for ``section`` at step ``step``'s boundary
+        (by this process or its predecessor on this host), else None."""
+        if self.directory is None:
+            return None
+        try:
+            record = decode_record(self._end_path().read_bytes())
+        except (FileNotFoundError, ValueError):
+            return None
+        return record if (record.step, record.section) == (step, section) else None
+
+    def _end_path(self) -> Path:
+        assert self.directory is not None
+        return self.directory / f"rank{self.rank}.end"
 
     def _path(self, step: int) -> Path:
         assert self.directory is not None

@@ -429,6 +429,11 @@ def receiver_rng(
     kept = kept_record(member, target, route)
     if kept is not None:
         if kept.section is not None and member.loop.sections_done.get(kept.section) == target:
+            # lost in the section after all its work, its peers past the closing barrier: the
+            # generators as the section left them, kept before that barrier
+            end = keeper.load_section_end(target, kept.section)
+            if end is not None:
+                return end.rng
             report_inexact(
                 member,
                 target,

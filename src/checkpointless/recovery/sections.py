@@ -9,8 +9,10 @@ aborted collective) is recovered like a fault in a step that changed nothing (ev
 replica is valid), and the section starts over on every rank. No rank completes a section before
 every rank has done all of its work (``close_section`` in driver.py): one failing after the
 section's last collective would otherwise redo it alone while its peers went on into the next
-step. What it recorded with ``job.record()`` is emitted once, when it completes, as a ``section``
-event.
+step. Once a rank has passed that barrier the section is complete, and a fault after it (what an
+integration shows as the section closes, a rank lost as its peer passes the barrier) does not
+redo it. What it recorded with ``job.record()`` is emitted once, when it completes, as a
+``section`` event.
 
 Which sections completed at the current boundary travels with the loop state
 (``LoopControl.sections_done``), so a fault in the next step does not run an evaluation again,
@@ -44,7 +46,9 @@ class Section:
     # run on every rank once the section has closed on every rank together (the step loop's
     # closing barrier, driver.close_section): what an integration kept to redo the section from
     # its start (the Trainer's SectionUndo) can go then, and not before, for until every rank is
-    # past that barrier a fault anywhere redoes the section on every rank
+    # past that barrier a fault anywhere redoes the section on every rank. From then on the
+    # section is complete: if this raises, the fault is recovered without redoing the section
+    # and this is called again, so it must go on where it stopped (held lines shown once)
     closed: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:

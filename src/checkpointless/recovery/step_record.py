@@ -48,6 +48,12 @@ class StepRecord:
         self.fields = {}
         self.streams.begin_step()  # job.generator() in a section: each attempt from its start
 
+    def end_section(self, at: int, rng: RngState) -> None:
+        """The section at the boundary after ``at`` steps has closed on every rank, leaving the
+        generators at ``rng``: a fault before the next step begins resumes from them (the
+        section is not redone), not from where the section began."""
+        self.rng_at_start = (at, rng)
+
     def emit(self, event: str, **fields: Any) -> None:
         """Write an event (with this step's recorded fields) to the commit log, if there is one."""
         if self.events is not None:

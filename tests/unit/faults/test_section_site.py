@@ -1,4 +1,5 @@
-"""The ``section`` fault site: parsed like the others, due only as a section returns at its boundary."""
+"""The ``section`` and ``closed`` fault sites: parsed like the others, due only at their boundary
+(``section`` as a section returns, ``closed`` as the rank passes its closing barrier)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,23 @@ def test_a_section_fault_fires_at_its_boundary_only_and_once() -> None:
         injector.maybe_fire("section", 5)
     injector.maybe_fire("section", 5)  # a redone section does not fire it again
     assert announced == [("raise:rank=0:step=5:site=section", 5)]
+
+
+def test_a_closed_fault_is_its_own_site_at_its_boundary_only_and_once() -> None:
+    (spec,) = parse_faults(["kill:rank=1:step=5:site=closed"], 2)
+    assert "closed" in SITES and spec == FaultSpec("kill", 1, 5, "closed")
+    assert spec.to_text() == "kill:rank=1:step=5:site=closed"
+    announced: list[tuple[str, int]] = []
+    injector = Injector(
+        parse_faults(["raise:rank=0:step=5:site=closed"], 2),
+        0,
+        set(),
+        lambda s, at: announced.append((s.id, at)),
+    )
+    injector.maybe_fire("section", 5)  # the section returning, before its closing barrier: not this one
+    injector.maybe_fire("closed", 4)
+    assert not announced
+    with pytest.raises(InjectedFault):
+        injector.maybe_fire("closed", 5)
+    injector.maybe_fire("closed", 5)  # the same boundary after the recovery: once
+    assert announced == [("raise:rank=0:step=5:site=closed", 5)]

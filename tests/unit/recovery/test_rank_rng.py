@@ -160,6 +160,42 @@ def test_a_replacement_lost_inside_a_section_its_peers_completed_says_so(tmp_pat
 
 
 @pytest.mark.timeout(60)
+def test_a_replacement_lost_as_its_peers_passed_the_sections_barrier_resumes_where_it_left(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 killed as it passes the closing barrier of an evaluation that drew (its peer is
+    past it, so the section is done): its replacement resumes the generators as the section left
+    them, kept before that barrier, and nothing is reported; a redone section (not done) still
+    starts from where the section began."""
+    _seed(4)
+    at_eval = capture_rng()
+    torch.rand(3)  # the evaluation draws
+    after_eval = capture_rng()
+    writer = RankRngKeeper()
+    writer.configure(tmp_path, 0)
+    writer.keep(16, at_eval, "eval")
+    writer.keep_section_end(16, after_eval, "eval")
+    m = Job(None).internals
+    m.is_replacement = True
+    m.replicas.rank_rng.configure(tmp_path, 0)
+    assert m.replicas.rank_rng.load_section_end(16, "other") is None  # another section's end
+    assert m.replicas.rank_rng.load_section_end(12, "eval") is None  # another boundary's
+    lines = _Lines()
+    get_logger().addHandler(lines)
+    try:
+        assert receiver_rng(m, 16, capture_rng(), from_copy=False)["torch"].equal(at_eval["torch"])
+        m.loop.sections_done["eval"] = 16
+        got = receiver_rng(m, 16, capture_rng(), from_copy=False)
+        assert not lines.lines, lines.lines
+    finally:
+        get_logger().removeHandler(lines)
+    restore_rng(got)
+    a = _draws()
+    restore_rng(after_eval)
+    assert _same(a, _draws())
+
+
+@pytest.mark.timeout(60)
 def test_job_generator_works_in_a_section_and_restarts_with_it() -> None:
     job = Job(None)
     m = job.internals

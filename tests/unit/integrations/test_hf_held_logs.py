@@ -1,0 +1,77 @@
+"""Trainer's log lines held in the boundary's section are shown once, through a callback that
+raises as they are shown (``HeldLogs.show``, integrations/_hf_boundary.py): called again after
+the recovery, it goes on from the callback that raised, and no callback gets an entry twice."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="the `hf` extra is not installed")
+
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer_callback import CallbackHandler
+
+from checkpointless.integrations._hf_boundary import HeldLogs
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Seen(TrainerCallback):
+    """Records each entry its ``on_log`` was given; raises once on the entry ``fail_on``."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.seen: list[int] = []
+        self.fail_on = fail_on
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if logs["n"] == self.fail_on:
+            self.fail_on = None
+            raise RuntimeError("the tracker is unreachable")
+        self.seen.append(logs["n"])
+
+
+def test_a_callback_raising_as_held_lines_are_shown_resumes_at_itself() -> None:
+    first, flaky, last = Seen(), Seen(fail_on=1), Seen()
+    handler = CallbackHandler([first, flaky, last], None, None, None, None)
+    held = HeldLogs()
+    args, state, control = SimpleNamespace(), TrainerState(), TrainerControl(should_log=True)
+    for n in range(3):
+        held.on_log(args, state, control, {"n": n})
+    assert not (first.seen or flaky.seen or last.seen)  # nothing shown inside the section
+    with pytest.raises(RuntimeError, match="unreachable"):
+        held.show(handler, args, state, control)
+    assert (first.seen, flaky.seen, last.seen) == ([0, 1], [0], [0])
+    assert handler.callbacks == [first, flaky, last]  # the handler's own list is put back
+    out = held.show(handler, args, state, control)  # after the recovery: from the raising one on
+    assert first.seen == flaky.seen == last.seen == [0, 1, 2]
+    assert out is control and not control.should_log
+    held.show(handler, args, state, control)  # everything shown: nothing again
+    assert first.seen == [0, 1, 2]
+
+
+def test_accelerate_lines_held_in_a_protected_function_resume_at_the_one_that_raised() -> None:
+    from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator
+
+    shown: list[str] = []
+    calls = {"log": 0}
+
+    def log() -> None:  # a tracker's record: unreachable the first time
+        calls["log"] += 1
+        if calls["log"] == 1:
+            raise RuntimeError("the tracker is unreachable")
+        shown.append("log")
+
+    # what a protected function held (accelerator.print, accelerator.log), as its section closes
+    acc = SimpleNamespace(_shown_later=[lambda: shown.append("print"), log, lambda: shown.append("end")])
+    acc._showing = []
+    closed = CheckpointlessAccelerator._section_closed
+    with pytest.raises(RuntimeError, match="unreachable"):
+        closed(acc)  # type: ignore[arg-type]
+    assert shown == ["print"] and acc._shown_later is None
+    closed(acc)  # type: ignore[arg-type]
+    assert shown == ["print", "log", "end"]
+    closed(acc)  # type: ignore[arg-type]
+    assert shown == ["print", "log", "end"]
