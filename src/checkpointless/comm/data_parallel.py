@@ -150,6 +150,18 @@ class DataParallel(nn.Module):
         finally:
             self._sync = old
 
+    @contextmanager
+    def local_backward(self) -> Iterator[None]:
+        """Backward passes inside this block accumulate locally, whatever their forward decided:
+        for a caller that runs the wrapped module's code without this wrapper's forward (the
+        Lightning strategy calls ``training_step`` directly) and accumulates micro-batches; the
+        first backward after the block reduces the sum, as after ``no_sync()``."""
+        old, self._reduce = self._reduce, False
+        try:
+            yield
+        finally:
+            self._reduce = old
+
     def reset(self) -> None:
         """Forget a half-finished iteration (after an abort)."""
         for b in self._buckets:

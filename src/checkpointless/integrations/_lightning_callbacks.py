@@ -82,6 +82,10 @@ class CallbackReplica:
         # step's start
         self._in_closure = [cb for cb in self.callbacks if _hooks_closure(cb)]
         self._at_start: list[dict[str, Any]] = []
+        # under gradient accumulation, every callback's state as the open window began: the
+        # state a peer receives for the window's step, whose first micro-batch it trains (the
+        # hooks of the micro-batches this rank has run since must reach its callbacks again)
+        self._window: list[dict[str, Any]] | None = None
 
     @property
     def behind(self) -> bool:
@@ -89,7 +93,16 @@ class CallbackReplica:
         return self._rejoin_at is not None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"batch": self.position, "callbacks": [cb.state_dict() for cb in self.callbacks]}
+        states = self._window if self._window is not None else [cb.state_dict() for cb in self.callbacks]
+        return {"batch": self.position, "callbacks": states}
+
+    def window_begins(self) -> None:
+        """A window of accumulated micro-batches (one job step) begins on this rank."""
+        self._window = [copy.deepcopy(cb.state_dict()) for cb in self.callbacks]
+
+    def window_ends(self) -> None:
+        """The window's update is applied: the callbacks' own state is the step's again."""
+        self._window = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         batch = int(state["batch"])

@@ -17,18 +17,70 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["EpochMetricsMark", "ProgressMark", "keep_sigterm_local", "set_logger_version"]
+__all__ = [
+    "EpochMetricsMark",
+    "ManualStepCount",
+    "ProgressMark",
+    "batch_count",
+    "epochs_last_batch",
+    "keep_sigterm_local",
+    "set_logger_version",
+    "updates_now",
+]
 
 
 class ProgressMark:
-    """The automatic-optimization progress as a step began, to be put back before a replay."""
+    """The closure's ``zero_grad`` count as a step began, to be put back before a replay (under
+    manual optimization: the count of optimizer steps, Lightning's ``global_step``). Only
+    that count: the optimizer-step counters around the strategy's ``optimizer_step`` are
+    Lightning's own (under gradient accumulation a step's last micro-batch counts its update as
+    ready before the strategy sees it, after the mark was taken at the window's first)."""
 
     def __init__(self, trainer: Any) -> None:
-        self._progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+        loop = trainer.fit_loop.epoch_loop
+        if getattr(trainer.lightning_module, "automatic_optimization", True):
+            self._progress = loop.automatic_optimization.optim_progress.optimizer.zero_grad
+        else:  # manual optimization: the optimizer steps the script's training_step made
+            self._progress = loop.manual_optimization.optim_step_progress
         self._state = copy.deepcopy(self._progress.state_dict())
 
     def restore(self) -> None:
         self._progress.load_state_dict(copy.deepcopy(self._state))
+
+
+class ManualStepCount:
+    """Lightning's count of the optimizer steps a manual ``training_step`` made (its
+    ``global_step`` under manual optimization), as part of the replica: a replacement walks past
+    the batches its state holds without running ``training_step``, so it counts none of their
+    steps itself, and a rank rolled forward past a batch takes the count its update made."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self._progress.state_dict())  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._progress.load_state_dict(copy.deepcopy(state))
+
+
+def batch_count(trainer: Any) -> int:
+    """The batches of the fit before the one in progress: a manual step's place in the job."""
+    return int(trainer.fit_loop.epoch_loop.total_batch_idx)
+
+
+def updates_now(trainer: Any) -> bool:
+    """Lightning's optimizer step in progress is a real update, not an accumulating micro-batch:
+    Lightning counts an update as ready before it calls the step, and completed after it."""
+    step = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    return bool(step.ready > step.completed)
+
+
+def epochs_last_batch(trainer: Any) -> bool:
+    """The batch in progress is its epoch's last, on which Lightning always steps the optimizer
+    (as ``_TrainingEpochLoop._num_ready_batches_reached`` decides it)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(progress.current.ready == trainer.num_training_batches or progress.is_last_batch)
 
 
 def keep_sigterm_local(trainer: Any) -> None:

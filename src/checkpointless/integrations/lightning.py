@@ -13,7 +13,10 @@ strategy, and nothing else:
   optimizer update run inside a checkpointless ``Step``. A fault anywhere in it (this rank's
   exception, or a collective aborted because another rank failed) is caught there; after the
   recovery the closure runs again on the very batch Lightning handed in, so Lightning's progress
-  counters and its DataLoader position never move back.
+  counters and its DataLoader position never move back. With ``accumulate_grad_batches`` the
+  step is the window of micro-batches of one update; under manual optimization it is the whole
+  ``training_step``, its updates put back as it began if it faults between two of them
+  (``_lightning_steps.py``).
 - A replacement holds a replica's state for step C while Lightning's loop starts at batch 0: it
   walks the loop forward, skipping ``training_step`` and the update, until the loop reaches C.
   The batches come from the same DataLoader and ``DistributedSampler`` as on every other rank, so
@@ -43,26 +46,21 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
 import checkpointless
+from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.integrations._lightning_callbacks import CallbackReplica
 from checkpointless.integrations._lightning_devices import devices_warning
 from checkpointless.integrations._lightning_environment import CheckpointlessEnvironment
 from checkpointless.integrations._lightning_internals import (
-    EpochMetricsMark,
-    ProgressMark,
+    ManualStepCount,
+    epochs_last_batch,
     keep_sigterm_local,
 )
 from checkpointless.integrations._lightning_loggers import LoggerVersions
 from checkpointless.integrations._lightning_samplers import own_shuffle_generators
-from checkpointless.integrations._lightning_state import (
-    TESTED_LIGHTNING,
-    BatchAction,
-    SchedulerLedger,
-    batch_action,
-)
-from checkpointless.recovery.job import Step
-from checkpointless.state.snapshot import RngState, capture_rng, restore_rng
+from checkpointless.integrations._lightning_state import TESTED_LIGHTNING, SchedulerLedger
+from checkpointless.integrations._lightning_steps import LightningSteps
 
 __all__ = ["CheckpointlessEnvironment", "CheckpointlessStrategy"]
 
@@ -101,12 +99,7 @@ class CheckpointlessStrategy(DDPStrategy):
             rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries
         )
         super().__init__(cluster_environment=CheckpointlessEnvironment(self._job), **kwargs)
-        self._steps: Any = None  # the job.steps() generator, driven one step per optimizer_step
-        self._pending: Step | None = None  # a step taken from the generator, not yet run
-        self._done = False  # the generator ended: every rank holds the final state
-        self._inside = False  # in a step: collectives are real and abortable
-        self._skipping = False  # training_step is skipped: a batch the state already holds
-        self._catch_up_rng: RngState | None = None  # a replacement's RNG for its first real step
+        self._steps: LightningSteps | None = None  # job.steps(), one step per optimizer update
         self._ledger = SchedulerLedger()
         self._sigterm: Any = None
         self._callbacks: CallbackReplica | None = None
@@ -182,17 +175,6 @@ class CheckpointlessStrategy(DDPStrategy):
                 "starts a job from step 0; to resume from Lightning's own checkpoints run the "
                 "script with the ddp strategy under `checkpointless run --plain`"
             )
-        if not self._module.automatic_optimization:
-            raise ConfigError(
-                "manual optimization (automatic_optimization = False) is not supported by "
-                "CheckpointlessStrategy yet: the strategy makes a step of Lightning's closure and "
-                "optimizer.step(); use automatic optimization"
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise ConfigError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported "
-                "by CheckpointlessStrategy yet: a step is one batch; use a larger batch instead"
-            )
         self._guard_schedulers(trainer)
         keep_sigterm_local(trainer)
         # before a replacement's generators become its predecessor's (_lightning_samplers.py)
@@ -205,26 +187,21 @@ class CheckpointlessStrategy(DDPStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": the loss scale and its growth tracker
             objects["grad_scaler"] = scaler
+        # under manual optimization, what a step's updates change (put back as the step began
+        # when it faults between two of them), and Lightning's count of those updates
+        if not self._module.automatic_optimization:
+            objects["lightning_steps"] = ManualStepCount(trainer)
+        manual = None if self._module.automatic_optimization else dict(objects)
         self._callbacks = CallbackReplica(trainer)
         if self._callbacks.callbacks:
             objects["lightning_callbacks"] = self._callbacks
         self._job.track(**objects)
-        self._steps = self._job.steps(2**62)  # Lightning decides the end; see on_train_end
-        self._pending = self._next_step()
+        dp = self.model
+        local = dp.local_backward if isinstance(dp, DataParallel) else None
+        self._steps = LightningSteps(self._job, trainer, self._callbacks, local, manual)
         if self._job.is_replacement:
-            # the replica's generators as its next step began: restored when this rank reaches
-            # that step, because walking Lightning's loop there may draw from them
-            self._catch_up_rng = capture_rng()
             self._logger_versions.resume(self._job.committed_step)
             log.info("joined at step %d; Lightning's loop catches up from 0", self._job.committed_step)
-
-    def _next_step(self) -> Step | None:
-        try:
-            step: Step = next(self._steps)
-            return step
-        except StopIteration:
-            self._done = True
-            return None
 
     def _guard_schedulers(self, trainer: pl.Trainer) -> None:
         # Lightning steps schedulers after the optimizer step, outside the strategy: a rank that
@@ -245,15 +222,31 @@ class CheckpointlessStrategy(DDPStrategy):
 
     # -- the step ------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._skipping:
+        if self._steps is not None and self._steps.skipping:
             # A loss connected to no parameter: Lightning refuses None from training_step in a
             # distributed run, and this one's backward reaches no gradient hook, no collective
             return torch.zeros((), device=self.root_device, requires_grad=True)
+
         # Called directly, not redirected through the wrapper's forward as DDP needs: our
         # DataParallel has no per-forward set-up, and a redirection that a fault interrupts
         # leaves the module's forward patched for the replay.
-        with self.precision_plugin.train_step_context():
-            return self._module.training_step(*args, **kwargs)
+        def run() -> Any:
+            with self.precision_plugin.train_step_context():
+                return self._module.training_step(*args, **kwargs)
+
+        if self._steps is not None and not self._module.automatic_optimization:
+            return self._steps.manual_step(run)  # the step is the whole training_step
+        return run()
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        """True under ``accumulate_grad_batches``: Lightning then hands ``optimizer_step`` every
+        micro-batch, so that the window of one update is one job step (``_lightning_steps.py``);
+        False on an epoch's last batch, so that Lightning steps there, as it does by itself."""
+        if self._steps is None:
+            return False
+        trainer = self._module.trainer
+        return trainer.accumulate_grad_batches > 1 and not epochs_last_batch(trainer)
 
     def optimizer_step(
         self,
@@ -262,85 +255,20 @@ class CheckpointlessStrategy(DDPStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        if self._steps is None:  # not fitting under the job (e.g. a manual call): plain step
+        if self._steps is None or not self._module.automatic_optimization:
+            # not fitting under the job, or an update inside a manual step (manual_step)
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        trainer = self._module.trainer
-        lightning_step = trainer.global_step
-        callbacks = self._callbacks
-        if callbacks is not None:
-            callbacks.at(lightning_step)
-        mark = ProgressMark(trainer)
-        epoch_metrics = EpochMetricsMark(trainer)
-        replay = False
-        while True:
-            if replay:
-                mark.restore()  # Lightning counts the batch once, however often its closure ran
-                if callbacks is not None:
-                    callbacks.rewind()
-            skip = self._done or batch_action(lightning_step, self._job.committed_step) is BatchAction.SKIP
-            if replay and not skip:
-                # the batch trains again and logs again: its on_epoch values count once (a rank
-                # rolled forward past it keeps what its attempt logged)
-                epoch_metrics.restore()
-            replay = True
-            if skip:
-                self._skip(closure)
-                if callbacks is not None:
-                    callbacks.passed(lightning_step)
-                return None
-            if self._catch_up_rng is not None:
-                restore_rng(self._catch_up_rng)
-                self._catch_up_rng = None
-            if callbacks is not None:
-                callbacks.train(lightning_step)
-            step = self._pending if self._pending is not None else self._next_step()
-            self._pending = None
-            if step is None:
-                continue  # the job ended (it cannot while Lightning still steps; skip safely)
-            out: Any = None
-            self._inside = True
-            try:
-                with step:
-                    out = self._closure_then_update(optimizer, closure, model, **kwargs)
-            finally:
-                self._inside = False
-            if step.committed:
-                return out
-            # recovered: the job now stands at the step it settled on; train this batch again
-            # if that is this batch, or skip it if the update is already in this rank's state
 
-    def _closure_then_update(
-        self,
-        optimizer: torch.optim.Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | nn.Module | None,
-        **kwargs: Any,
-    ) -> Any:
-        # Run training_step and backward before optimizer.step(): the optimizer's pre-hook marks
-        # the state as mid-update, and a fault in the forward pass must leave it valid.
-        result = closure()
-        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        def update(result: Any) -> Any:
+            return super(CheckpointlessStrategy, self).optimizer_step(
+                optimizer, lambda: result, model, **kwargs
+            )
 
-    def _skip(self, closure: Callable[[], Any]) -> None:
-        # Lightning's closure must still run once (its result is read after the step), but with
-        # training_step returning a detached zero it does no forward, no collective, no update
-        self._skipping = True
-        try:
-            closure()
-        finally:
-            self._skipping = False
+        return self._steps.micro_batch(closure, update)
 
     def on_train_end(self) -> None:
-        if self._steps is not None and not self._done:
-            if self._callbacks is not None:
-                # every hook of the fit has reached the callbacks: a replacement sent their state
-                # now must not let its own walk's hooks reach them again
-                self._callbacks.at(self._module.trainer.global_step)
-            # every rank ends at the same batch (Lightning's max_steps/max_epochs); the job's end
-            # waits until all hold the final state, recovering a rank that fails meanwhile
-            self._job.stop()
-            while not self._done:
-                self._next_step()
+        if self._steps is not None:
+            self._steps.finish()
         if self._callbacks is not None:
             self._callbacks.rejoin()
 
@@ -373,18 +301,18 @@ class CheckpointlessStrategy(DDPStrategy):
         )
 
     def _in_step(self) -> bool:
-        return self._inside and not self._skipping
+        return self._steps is not None and self._steps.inside and not self._steps.skipping
 
     # -- files and faults ----------------------------------------------------------------------
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        if self._skipping or self._catch_up_rng is not None:
+        if self._steps is not None and (self._steps.skipping or self._steps.catching_up):
             return  # a replacement catching up holds a later state than the step it walks past
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self._catch_up_rng is not None:
+        if self._steps is not None and self._steps.catching_up:
             return  # the files belong to the rank this one replaced; keep them
         super().remove_checkpoint(filepath)
 
