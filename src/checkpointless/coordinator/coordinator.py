@@ -378,8 +378,9 @@ class Coordinator:
             ranks = sorted({x.rank for x in self.ledger.inexact if x.rank is not None})
             self.outbox.log(
                 "warning",
-                f"rank(s) {ranks} resumed without their own per-rank state {len(self.ledger.inexact)} "
-                "time(s): the result may differ from the run without the faults (job_end's 'inexact')",
+                f"rank(s) {ranks} resumed without their own per-rank state or replayed a step to another "
+                f"loss {len(self.ledger.inexact)} time(s): the result may differ from the run without "
+                "the faults (job_end's 'inexact')",
             )
         self._end("done", 1 if failed else 0)
 

@@ -55,6 +55,28 @@ class FaultLedger:
         self.outbox.emit("inexact", **asdict(entry))
         self.outbox.log("warning", f"rank {rank} resumed step {step} without its own {what}: {detail}")
 
+    def replay_differed(
+        self, rank: int | None, step: int, generation: int, interrupted: str, replayed: str
+    ) -> None:
+        """A rank's first replay of ``step`` recorded another loss than the attempt a fault
+        interrupted: a ``replay_differs`` event now, and a line in the job's end (as an inexact
+        resume, ``what`` "replay": the result may differ from the run without the fault)."""
+        detail = (
+            f"step {step} replayed to loss {replayed}, its interrupted attempt had {interrupted}: "
+            "something in the step is not a function of its state and its step (a data order, a "
+            "generator, a kernel); `checkpointless audit` names the cause"
+        )
+        self.inexact.append(InexactResume(rank, step, "replay", detail))
+        self.outbox.emit(
+            "replay_differs",
+            rank=rank,
+            step=step,
+            generation=generation,
+            interrupted=interrupted,
+            replayed=replayed,
+        )
+        self.outbox.log("warning", f"rank {rank}: {detail}")
+
     def inexact_account(self) -> list[dict[str, Any]]:
         """Every inexact resume so far, for ``job_end``."""
         return [asdict(x) for x in self.inexact]

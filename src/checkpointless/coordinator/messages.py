@@ -24,6 +24,7 @@ from checkpointless.protocol import (
     Message,
     PeerTableRequest,
     Recovered,
+    ReplayDiffers,
     SpareReady,
     Stopped,
 )
@@ -80,6 +81,8 @@ class MessageRouter:
             out.send(m, DoneSeen())  # on many hosts it waits for this before it leaves
         elif isinstance(msg, Inexact):  # the job goes on, but says it may no longer be exact
             self.ledger.resumed_inexact(m.rank, msg.step, msg.what, msg.detail)
+        elif isinstance(msg, ReplayDiffers):  # a replay that is not the step it replays
+            self.ledger.replay_differed(m.rank, msg.step, msg.generation, msg.interrupted, msg.replayed)
         elif isinstance(msg, Fatal):
             if msg.kind == "config":  # a ConfigError ended its script: a replacement would raise it too
                 raise NotRecoverableError(config_error_verdict(_who(m), msg.error))

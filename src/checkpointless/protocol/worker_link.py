@@ -35,6 +35,7 @@ __all__ = [
     "Prepare",
     "Recover",
     "Recovered",
+    "ReplayDiffers",
     "Shutdown",
     "SpareReady",
     "Stopped",
@@ -157,6 +158,21 @@ class Inexact(Message):
     step: int
     what: str
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class ReplayDiffers(Message):
+    """This rank's first replay of step ``step`` after a recovery recorded another loss than the
+    attempt the fault interrupted (``interrupted``, ``replayed``: the ``loss`` values the script
+    gave ``job.record``, as JSON): something the step computes is not a function of its state
+    and its step (a rank's data order, a replacement's generators, a kernel), so the run may
+    differ from the run without the fault."""
+
+    TYPE: ClassVar[str] = "replay_differs"
+    step: int
+    interrupted: str
+    replayed: str
+    generation: int = -1
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,14 @@ import torch
 
 from checkpointless.errors import NotRecoverableError
 from checkpointless.events import get_logger, set_log_step
-from checkpointless.protocol import Committed
+from checkpointless.protocol import Committed, ReplayDiffers
 from checkpointless.recovery import fingerprint
 from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
 
-__all__ = ["check_divergence", "commit", "enter_step", "judge_replicas"]
+__all__ = ["check_divergence", "check_replay", "commit", "enter_step", "judge_replicas"]
 
 log = get_logger()
 
@@ -47,6 +47,7 @@ def commit(member: Member, index: int) -> None:
     member.clock.commit(member.comm.waited_s)
     member.record.retries.pop(index, None)
     member.record.fields.update(member.replicas.published())
+    check_replay(member, index)
     member.replicas.rank_rng.at_commit(index)  # where the next step starts (recovery/rank_rng.py)
     if fingerprint.ACTIVE is not None:  # only under `checkpointless audit`
         t = member.tracked
@@ -64,6 +65,34 @@ def commit(member: Member, index: int) -> None:
                 state_bytes=state_bytes(member.tracked.objects) if member.rank == 0 else None,
             )
         )
+
+
+def check_replay(member: Member, index: int) -> None:
+    """The first replay of a step a fault interrupted here, against that attempt's recorded loss
+    (recovery/replay_check.py): its commit event says ``replay_loss`` ``same`` or ``differs``,
+    and a difference is a warning here and a ``replay_differs`` event from the launcher."""
+    verdict = member.replay.check(index, member.record.fields)
+    if verdict is None:
+        return
+    member.record.fields["replay_loss"] = "same" if verdict.same else "differs"
+    if verdict.same:
+        return
+    log.warning(
+        "step %d replayed to loss %s, its interrupted attempt had %s: something in the step is not a "
+        "function of its state and its step (a data order, a generator, a kernel); the run may "
+        "differ from the run without the fault (`checkpointless audit` names the cause)",
+        index,
+        verdict.replayed,
+        verdict.interrupted,
+    )
+    member.recovery.send(
+        ReplayDiffers(
+            step=index,
+            interrupted=verdict.interrupted,
+            replayed=verdict.replayed,
+            generation=member.generation,
+        )
+    )
 
 
 def check_divergence(member: Member) -> None:

@@ -37,6 +37,7 @@ from checkpointless.recovery.divergence import DEFAULT_EVERY
 from checkpointless.recovery.groups import Groups
 from checkpointless.recovery.guard import UpdateGuard
 from checkpointless.recovery.loop import LoopControl
+from checkpointless.recovery.replay_check import ReplayCheck
 from checkpointless.recovery.replicas import ReplicaKeeper
 from checkpointless.recovery.schedule import StepSchedule
 from checkpointless.recovery.slot_rng import HeldGenerators
@@ -93,6 +94,7 @@ class Member:
         )
         self.groups.comm.before_allreduce = lambda: self.guard.site("allreduce")
         self.record = StepRecord()  # the running step's event fields, generators, retries
+        self.replay = ReplayCheck()  # a replayed step's loss against its interrupted attempt's
         self.loop = LoopControl()  # where the loop ends; travels with the tracked state
         self.schedule = StepSchedule()  # sections, the epoch length, step.batch's loader
         self.held_rng = HeldGenerators()  # degraded mode: the held slots' own global generators

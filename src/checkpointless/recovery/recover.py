@@ -267,6 +267,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
             raise copier.error
     member.replicas.after_round(target, gen, stream_route(member, msg.rendezvous, gen))
     member.committed_step = target
+    member.replay.arm(member.record.interrupted, target)  # a replay is checked as it commits
     member.record.settle(target, gen)  # the interrupted step, if rolled forward, commits now
     info["transfer_s"] = time.monotonic() - t1
     log.info(
@@ -410,6 +411,7 @@ def restore_kept_rng(member: Member, target: int, route: StreamRoute | None = No
     kept = kept_record(member, target, route)
     if kept is not None:
         restore_rng(kept.rng)
+        member.tracked.positions.restore(kept.data, target)  # its own loader positions (rank_data.py)
 
 
 def receiver_rng(
@@ -422,12 +424,18 @@ def receiver_rng(
     the record its predecessor kept for ``target`` (recovery/rank_rng.py), on this host or with
     its rank's keeper on another (``kept_record``). Without one it keeps what was sent: a buddy
     copy's are its owner's own; a replica peer's are the peer's, and then the run may differ
-    from the run without the fault, which is reported (``report_inexact``)."""
+    from the run without the fault, which is reported (``report_inexact``).
+
+    The record's loader positions (recovery/rank_data.py) are loaded over the received ones the
+    same way: this rank's own, never the sender's, where a record of ``target`` holds them."""
     keeper = member.replicas.rank_rng
     if not member.is_replacement or keeper.began:
+        own = keeper.load(target)
+        member.tracked.positions.restore(own.data if own is not None else None, target)
         return resume_rng(member, target)
     kept = kept_record(member, target, route)
     if kept is not None:
+        member.tracked.positions.restore(kept.data, target)
         if kept.section is not None and member.loop.sections_done.get(kept.section) == target:
             # lost in the section after all its work, its peers past the closing barrier: the
             # generators as the section left them, kept before that barrier
