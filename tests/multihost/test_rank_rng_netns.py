@@ -3,11 +3,19 @@
 2 hosts x 2 ranks + 1 hot-spare host, each host a network namespace with a shared-memory
 directory of its own (as real hosts have): a script that draws per rank from the global
 generators (batch offsets from ``torch.randint`` seeded ``1337 + rank``, ``nn.Dropout``'s masks,
-Python's ``random``) loses host 1 mid-run. Its ranks' generator records died with its shared
-memory; each rank also keeps its record with the rank one host over (recovery/rank_rng_peer.py),
-so the replacements on the spare host resume the lost ranks' own streams and every rank ends
-bitwise equal to the fault-free run. Without those copies the job still ended with rc 0, but
-with a "no record of rank 2's own generators" warning and other weights than the fault-free run.
+Python's ``random``, and half of each batch from a ``StatefulDataLoader`` with ``shuffle=True``
+whose sampler's generator is seeded from that per-rank seed) loses host 1 mid-run. Its ranks'
+generator records, loader positions included, died with its shared memory; each rank also keeps
+its record with the rank one host over (recovery/rank_rng_peer.py), so the replacements on the
+spare host resume the lost ranks' own streams and their own loader positions, and every rank
+ends bitwise equal to the fault-free run. Without those copies the job still ended with rc 0, but
+with a "no record of rank 2's own generators" warning and other weights than the fault-free run;
+without the positions in the record (before recovery/rank_data.py), ranks 2 and 3 shuffled as
+the rank that sent them their state did, silently.
+
+Later in the same job rank 1 raises half-way through its update of step 20: it receives its
+replica's state (the step rolls forward) and must load its own positions, from its own record in
+memory, over the sender's.
 
 The namespaces, their processes and the shared-memory directories are removed by the fixtures
 (tests/helpers/harness/fixtures.py, ``host_shm_dirs``), also after a failure.
@@ -25,7 +33,8 @@ from tests.helpers.jobs import SCRIPTS, alive
 from tests.helpers.reference import ReferenceRuns
 
 SCRIPT = SCRIPTS / "dropout_global_rng.py"
-ARGS = ["--steps", "30", "--sleep", "0.05"]
+ARGS = ["--steps", "30", "--sleep", "0.05", "--loader"]
+RAISE = "raise:rank=1:step=20:site=optimizer"
 
 
 @pytest.mark.netns
@@ -38,7 +47,14 @@ def test_host_loss_resumes_the_lost_ranks_own_generators(
     assert all(batches[(0, s)] != batches[(2, s)] for s in range(30)), "the ranks' streams must differ"
     with host_shm_dirs(3) as shm:
         job, deadline = launch_on_hosts(
-            netns_hosts, tmp_path, corpus, ARGS, script=SCRIPT, shm_dirs=shm, seconds=120
+            netns_hosts,
+            tmp_path,
+            corpus,
+            ARGS,
+            script=SCRIPT,
+            shm_dirs=shm,
+            seconds=120,
+            inject=[RAISE],
         )
         with job.killed_on_failure():
             job.wait_training(deadline, rank=2, step=8)
@@ -52,6 +68,8 @@ def test_host_loss_resumes_the_lost_ranks_own_generators(
     assert not res.of("job_end")[-1]["inexact"]
     for rank in (2, 3):  # from the keeper one host over: host 1's shared memory went with it
         assert f"resuming rank {rank}'s own generators of step" in res.output, res.output[-6000:]
+    # rank 1, whose update was cut short, received its replica's state (and kept its own positions)
+    assert any(1 in p["receivers"] for p in res.of("plan")), res.of("plan")
     got, want = res.batches(), ref.batches()
     wrong = sorted(k for k in got if got[k] != want.get(k))
     assert not wrong, f"ranks drew other batches than in the fault-free run at {wrong}"

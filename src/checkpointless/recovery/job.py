@@ -153,10 +153,15 @@ class Job:
         ``StatefulDataLoader`` goes through its own state, tracked with the job's (docs/adoption.md)."""
         m = self._member
         if is_stateful_loader(dataloader):
-            wrapped: StepLoader | StatefulStepLoader = StatefulStepLoader(
+            stateful = StatefulStepLoader(
                 dataloader, next_step=lambda: m.committed_step, slot_of=lambda: m.clock.held_slot
             )
-            self.track(**{f"_loader{len(m.tracked.loaders)}": wrapped})  # its position travels too
+            name = f"_loader{len(m.tracked.loaders)}"
+            self.track(**{name: stateful})  # its position travels too
+            # ... and, since it may differ per rank, is kept with this rank's own records
+            m.tracked.positions.add(name, stateful)
+            m.replicas.rank_rng.positions = m.tracked.positions.capture
+            wrapped: StepLoader | StatefulStepLoader = stateful
         else:
             wrapped = StepLoader(
                 dataloader, dp_rank=m.rank, dp_size=m.world_size, slot_of=lambda: m.clock.held_slot

@@ -29,6 +29,13 @@ Every record written also goes to the rank's keeper on another host (``mirror``,
 replacement for a rank whose host was lost, which finds no record on its own host, asks the
 keeper for it (recovery/rank_rng_peer.py).
 
+The record also carries the rank's per-rank data positions (``data``: the positions of the
+``StatefulDataLoader`` objects registered through ``job.loader()``, recovery/rank_data.py), the one
+per-rank data state that is not a function of the step: a ``DataLoader`` under ``job.loader()``
+and a ``BatchLoader`` find a step's batch by arithmetic, while a ``StatefulDataLoader``'s state
+(a sampler's generator drawn from the per-rank global seed, a per-rank file offset) is its own.
+A rank that receives its replica's state would otherwise take the sender's positions.
+
 The limits. A replacement that finds no record of its step anywhere (its keeper was lost too,
 no key servers with ``--rendezvous tcp``, a host lost before the kernel sent the newest frame)
 resumes the generators sent with the replica's state, and says so: a warning, an ``Inexact``
@@ -87,6 +94,8 @@ class RngRecord:
     step: int
     rng: RngState
     section: str | None = None
+    # the rank's per-rank data positions as they stood there (rank_data.py's bytes), if any
+    data: bytes | None = None
 
 
 def rank_rng_dir(job_id: str) -> Path:
@@ -115,12 +124,15 @@ def encode_parts(record: RngRecord) -> list[bytes | memoryview]:
         _blob(rng["torch"]),
         *(_blob(t) for t in rng.get("cuda", [])),
     ]
+    if record.data is not None:
+        blobs.append(memoryview(record.data))
     header = {
         "step": record.step,
         "section": record.section,
         "python": [int(version), py_gauss],
         "numpy": [str(np_kind), int(np_pos), int(np_has_gauss), float(np_gauss)],
         "cuda": "cuda" in rng,
+        "data": record.data is not None,  # the last blob: the per-rank data positions
         "sizes": [b.nbytes for b in blobs],
     }
     head = json.dumps(header).encode()
@@ -190,9 +202,10 @@ def decode_record(data: bytes) -> RngRecord:
         "numpy": [np_kind, np.frombuffer(blobs[1], dtype=np.uint32).copy(), np_pos, np_has_gauss, np_gauss],
         "torch": torch.frombuffer(bytearray(blobs[2]), dtype=torch.uint8),
     }
+    positions = blobs.pop() if header.get("data") else None
     if header["cuda"]:
         rng["cuda"] = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs[3:]]
-    return RngRecord(int(header["step"]), rng, header["section"])
+    return RngRecord(int(header["step"]), rng, header["section"], positions)
 
 
 def same_rng(a: RngState, b: RngState) -> bool:
@@ -249,6 +262,9 @@ class RankRngKeeper:
         # encoded record; recovery/rank_rng_peer.py): None keeps them on this host only
         self.mirror: Callable[[int, bytes], None] | None = None
         self._early: int | None = None  # the step whose first collective kept the next one's record
+        # this rank's per-rank data positions, taken with each record (rank_data.py): None
+        # while the script has registered no loader whose position is its own state
+        self.positions: Callable[[], bytes | None] | None = None
 
     def configure(self, directory: Path | None, rank: int) -> None:
         """Keep this rank's records in ``directory`` (a spare learns its rank at assignment)."""
@@ -266,10 +282,17 @@ class RankRngKeeper:
     def keep(self, step: int, rng: RngState, section: str | None = None) -> None:
         """Record the generators ``rng`` as they stand at step ``step``'s boundary (the commit of
         step ``step - 1``, the start of ``section`` or of the step): a step's newest record wins."""
+        data = self.positions() if self.positions is not None else None
         kept = self._slots.get(step % 2)
-        if kept is not None and kept.step == step and kept.section == section and same_rng(kept.rng, rng):
-            return  # nothing drew since the commit kept it: the usual step entry costs a compare
-        record = RngRecord(step, rng, section)
+        if (
+            kept is not None
+            and kept.step == step
+            and kept.section == section
+            and kept.data == data
+            and same_rng(kept.rng, rng)
+        ):
+            return  # nothing drew or read since the commit kept it: the usual step entry costs a compare
+        record = RngRecord(step, rng, section, data)
         self._slots[step % 2] = record
         if self.directory is None:
             return
@@ -308,8 +331,14 @@ class RankRngKeeper:
         if index is None or self.directory is None:
             return
         kept = self._slots.get((index + 1) % 2)
-        if self._early == index and kept is not None and kept.step == index + 1 and _unchanged(kept.rng):
-            return  # kept as the step's first collective began, and nothing drew since
+        if (
+            self._early == index
+            and kept is not None
+            and kept.step == index + 1
+            and _unchanged(kept.rng)
+            and (self.positions is None or kept.data == self.positions())
+        ):
+            return  # kept as the step's first collective began, and nothing drew or read since
         self.keep(index + 1, capture_rng())
 
     def at_commit(self, index: int) -> None:

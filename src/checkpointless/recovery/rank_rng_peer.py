@@ -57,7 +57,9 @@ log = get_logger()
 KEEP_CHANNEL = "rank-rng/keep"  # an owner's records, one sealed frame each
 ASK_CHANNEL = "rank-rng/ask"  # a replacement asks for what its rank's keeper holds
 _DIGEST = 16  # a record ends with its XXH3-128 digest (rank_rng.py)
-_MAX_RECORD = 1 << 20  # ~12.7 KB, more with many CUDA devices: anything larger is not a record
+# ~12.7 KB, more with many CUDA devices, plus the loader positions (at most rank_data's 4 MiB):
+# anything larger is not a record
+_MAX_RECORD = 5 << 20
 _SEND_TIMEOUT_S = 1.0  # a frame the kernel cannot buffer within this: the keeper is gone
 _CONNECT_S = 30.0  # the keeper may be a replacement still receiving its state
 

@@ -25,11 +25,14 @@ state the script loaded and the loader has not used yet, the iterator a ``state_
 the script made, or ``{}`` for a loader at its start. Positions received and not used yet (a
 replacement's state is taken before its first read: a snapshot, a copy) are its state as they are.
 
-The positions are per loader, not per rank: a replacement loads the state a *peer* saved into its
-own loader, whose sampler still carries its own rank. That is right for the usual loader states
-(batch counters, sampler offsets, a ``DistributedSampler`` of this rank) and for stateful iterable
-datasets whose state is a position that every rank shares. A dataset whose state holds something
-that differs per rank (a per-rank file offset) would give the replacement the peer's position.
+The positions travel with the replica's state, so a rank that receives state first loads the
+state a *peer* saved. That is right for the usual loader states (batch counters, a
+``DistributedSampler`` of this rank, which keeps its own rank) but not for a state that differs
+per rank: a ``shuffle=True`` sampler whose generator was seeded from the per-rank global seed, a
+per-rank file offset. So each rank also keeps its own positions with its generator records, on
+its host and with its keeper on another (recovery/rank_data.py), and a rank that received state
+loads its own record's positions over the peer's (``version`` tells the record keeping when they
+moved).
 """
 
 from __future__ import annotations
@@ -112,11 +115,20 @@ class StatefulStepLoader:
         self._restored: dict[int, dict[str, Any]] = {}  # step -> position, from load_state_dict
         self._restored_first: dict[str, Any] | None = None  # a position for the first step asked
         self.seeks = 0  # positions loaded into the loader after it had started
+        self._changes = 0  # reads, seeks and loads: what may have moved state_dict()'s answer
+
+    @property
+    def version(self) -> tuple[int, int | None]:
+        """Changes whenever :meth:`state_dict` may answer differently (a read, a load, the job's
+        next step while nothing was read): the per-rank record keeping captures only then."""
+        unread = self._next_step() if self._iter is None and self._next_step is not None else None
+        return self._changes, unread
 
     def batch(self, step: int) -> Any:
         """The batch of ``step``: held for a replay, next from the loader, or from a restored position."""
         if step < 0:
             raise ConfigError(f"step {step} is negative; steps count from 0")
+        self._changes += 1
         slot = self._slot_of() if self._slot_of is not None else None
         if slot is not None:
             # Its position is a state of this rank's loader, not a function of (slot, step): a
@@ -244,11 +256,13 @@ class StatefulStepLoader:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._changes += 1
         positions = state["positions"]
         self._restored = {int(p["step"]): p for p in positions if p["step"] is not None}
         self._restored_first = next((p for p in positions if p["step"] is None), None)
 
     def close(self) -> None:
         """Drop the iterator (its workers stop unless the loader keeps them persistent)."""
+        self._changes += 1
         self._iter = None
         self._held = None

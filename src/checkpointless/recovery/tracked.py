@@ -20,6 +20,7 @@ from checkpointless.errors import ConfigError
 from checkpointless.recovery.amp import is_grad_scaler
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.pipeline import is_schedule, restart_schedule
+from checkpointless.recovery.rank_data import LoaderPositions
 from checkpointless.recovery.sharded import local_stateful
 from checkpointless.recovery.stateful_loader import StatefulStepLoader
 from checkpointless.state.snapshot import Stateful, check_stateful
@@ -38,6 +39,8 @@ class Tracked:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.scalers: list[Any] = []  # GradScalers: per-step bookkeeping reset on a restart
         self.loaders: list[StepLoader | StatefulStepLoader] = []
+        # the stateful loaders' positions, per rank: kept with this rank's generator records
+        self.positions = LoaderPositions()
         self.schedules: list[Any] = []  # pipeline schedules: restarted after an abandoned step
 
     def add(self, name: str, obj: Any) -> bool:
