@@ -37,7 +37,9 @@ def _clean(reference: ReferenceRuns) -> JobResult:
     return reference(4, data=NOWHERE, script=SCRIPT, script_args=ARGS, extra=CHECK, timeout=120)
 
 
-def _run(tmp_path: Path, name: str, extra: list[str], faults: list[str]) -> JobResult:
+def _run(
+    tmp_path: Path, name: str, extra: list[str], faults: list[str], args: list[str] | None = None
+) -> JobResult:
     return run_job(
         tmp_path / name,
         NOWHERE,
@@ -46,7 +48,7 @@ def _run(tmp_path: Path, name: str, extra: list[str], faults: list[str]) -> JobR
         faults=faults,
         extra=[*CHECK, *extra],
         script=SCRIPT,
-        script_args=ARGS,
+        script_args=ARGS if args is None else args,
         timeout=120,
     )
 
@@ -76,6 +78,36 @@ def test_a_job_loader_script_trains_the_held_slot_s_batches_bitwise(
     )
 
 
+def test_a_batch_picked_from_job_rank_in_the_loop_is_the_held_slot_s_and_one_from_a_rank_read_before_is_reported(
+    tmp_path: Path, reference: ReferenceRuns
+) -> None:
+    """A script that picks its batches by hand from a rank, exactly the DistributedSampler's
+    (``--rank-batches``), and no job loader. Reading ``job.rank`` inside the loop, the held
+    pass gets slot 2 (recovery/held_pass.py): every (slot, step) and every rank's weights are
+    the fault-free run's. Reading ``dist.get_rank()`` once before the loop, the held pass trains
+    rank 0's batch again: that cannot be made exact, so it is reported (an ``inexact`` event and
+    job_end's account, once), not silent."""
+    ref = _clean(reference)
+    inside = _run(tmp_path, "inside", SHRINK, ["kill:rank=2:step=6"], [*ARGS, "--rank-batches", "inside"])
+    assert inside.rc == 0, inside.output[-4000:]
+    assert [e["width"] for e in inside.of("width")] == [3, 4], inside.of("width")
+    held = re.findall(r"batch rank=2 step=(\d+) [0-9a-f]{16} by=0", inside.output)
+    assert len(held) >= 4, f"slot 2 was held for too few steps to test anything: {held}"
+    assert not inside.of("inexact"), inside.of("inexact")
+    inside.assert_same_weights(ref, 4)
+    assert inside.trained_batches() == ref.trained_batches()
+
+    short = ["--steps", "16", "--sleep", "0.03", "--spare-delay", "30", "--global-dropout"]
+    before = _run(tmp_path, "before", SHRINK, ["kill:rank=2:step=6"], [*short, "--rank-batches", "before"])
+    assert before.rc == 0, before.output[-4000:]
+    assert [e["width"] for e in before.of("width")] == [3], before.of("width")
+    (inexact,) = before.of("inexact")  # once for the slot, not at every held step
+    assert (inexact["rank"], inexact["step"], inexact["what"]) == (0, 6, "batch"), inexact
+    assert "held slot 2" in inexact["detail"] and "job.rank" in inexact["detail"], inexact
+    (end,) = before.of("job_end")
+    assert [(e["rank"], e["what"]) for e in end["inexact"]] == [(0, "batch")], end
+
+
 def test_a_batch_loader_of_the_job_s_share_serves_the_held_slot_s_share_bitwise(
     tmp_path: Path, corpus: Path
 ) -> None:
@@ -100,6 +132,7 @@ def test_a_batch_loader_of_the_job_s_share_serves_the_held_slot_s_share_bitwise(
     assert [e["width"] for e in res.of("width")] == [3, 4], res.of("width")
     held = re.findall(r"batch rank=2 step=(\d+) [0-9a-f]{16} by=0", res.output)
     assert len(held) >= 4, f"slot 2 was held for too few steps to test anything: {held}"
+    assert not res.of("inexact"), "the loader's held reads count as the slot's batch"
     res.assert_same_weights(ref, 4)
     assert res.trained_batches() == ref.trained_batches()
 

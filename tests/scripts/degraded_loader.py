@@ -37,6 +37,10 @@ parser.add_argument("--global-dropout", action="store_true")
 parser.add_argument("--make-group", action="store_true")
 # a collective of the script's own inside the step, which a degraded job refuses (ConfigError)
 parser.add_argument("--metric", choices=["none", "job", "dist"], default="none")
+# the batch picked by the script itself from a rank: `inside` reads job.rank inside the loop
+# (the held slot in its pass), `before` reads dist.get_rank() once before it (trained twice:
+# reported as inexact); either picks exactly the batches the DistributedSampler below would
+parser.add_argument("--rank-batches", choices=["job", "inside", "before"], default="job")
 parser.add_argument("--data", default="")  # the job helpers pass one; this script makes its own
 parser.add_argument("--digest-out", default="")
 # a spare that takes this long before it joins: the job runs degraded meanwhile
@@ -77,7 +81,21 @@ else:
     ds = Points()
     sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=7)
     dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=args.workers, drop_last=True)
-    loader = job.loader(dl)
+    if args.rank_batches == "job":
+        loader = job.loader(dl)
+rank_before_loop = dist.get_rank()
+
+
+def batch_of(rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch the DistributedSampler above gives ``rank`` at step ``index`` (4 ranks, 6
+    batches of 4 per epoch, the permutation of epoch e seeded 7 + e), picked by hand."""
+    epoch, k = divmod(index, 6)
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+    mine = order[rank :: job.world_size][k * 4 : (k + 1) * 4]
+    xs, ys = zip(*(ds[i] for i in mine), strict=True)
+    return torch.stack(xs), torch.stack(ys)
+
+
 dp = job.data_parallel(model, bucket_cap_mb=0.001)  # a few buckets
 if args.global_dropout:
     torch.manual_seed(1000 + job.rank)  # the model is built: from here on every rank draws its own
@@ -86,7 +104,14 @@ job.track(model=model, optimizer=opt)
 
 for step in job.steps(args.steps):
     with step:
-        x, y = tokens.batch(step.index) if tokens is not None else step.batch
+        if tokens is not None:
+            x, y = tokens.batch(step.index)
+        elif args.rank_batches == "inside":
+            x, y = batch_of(job.rank, step.index)
+        elif args.rank_batches == "before":
+            x, y = batch_of(rank_before_loop, step.index)
+        else:
+            x, y = step.batch
         out = dp(x)
         if tokens is not None:
             out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
@@ -104,7 +129,10 @@ for step in job.steps(args.steps):
         time.sleep(args.sleep)
     if step.passed:
         digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes() + mask.numpy().tobytes())
-        print(f"batch rank={step.slot} step={step.index} {digest.hexdigest()[:16]} by={job.rank}", flush=True)
+        print(
+            f"batch rank={step.slot} step={step.index} {digest.hexdigest()[:16]} by={dist.get_rank()}",
+            flush=True,
+        )
 
 if tokens is not None:
     tokens.close()

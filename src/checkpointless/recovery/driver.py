@@ -77,7 +77,12 @@ def run_steps(member: Member, total: int, start: int, steps_per_epoch: int | Non
             member.held_rng.release(slots)  # ... and their generators are the spare's
             for i, slot in enumerate(slots):
                 step = Step(member, member.committed_step, slot=slot, pass_index=i, passes=len(slots))
-                yield step
+                # job.rank is the held slot until the next pass is yielded (recovery/held_pass.py)
+                member.held_pass.begin(step.index, None if slot == member.rank else slot, i, len(slots))
+                try:
+                    yield step
+                finally:
+                    member.held_pass.end()
                 if not step.entered:
                     # Without `with step:` nothing commits, so the loop would yield the same step
                     # for ever, and a recovery could neither stop nor replay the body: say so

@@ -40,6 +40,7 @@ from checkpointless.recovery.epochs import EpochDriver, hold_state
 from checkpointless.recovery.first_generation import open_first_generation
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.member import Member
+from checkpointless.recovery.recover import report_inexact
 from checkpointless.recovery.script_mesh import adopt_script_mesh, settle_before_update
 from checkpointless.recovery.sharded import has_dtensors
 from checkpointless.recovery.startup import connect, form_mesh, join_torchrun, standalone
@@ -74,8 +75,13 @@ class Job:
     def rank(self) -> int:
         """This process's rank, 0 to ``world_size - 1``; the same for the whole job. On a mesh
         it is also the data-parallel coordinate (the flat rank over (replicate, shard)): give
-        it to the data loader."""
-        return self._member.rank
+        it to the data loader. In degraded mode, inside the loop body of a held slot's pass
+        (from ``job.steps()`` yielding it to yielding the next), it is that slot: a batch or a
+        rank-0 line picked from ``job.rank`` there is the slot's, as at full width
+        (recovery/held_pass.py)."""
+        m = self._member
+        held = m.held_pass.slot
+        return m.rank if held is None else held
 
     @property
     def world_size(self) -> int:
@@ -138,7 +144,7 @@ class Job:
                 continue
             if isinstance(obj, nn.Module):
                 # with the keyword arguments too: Hugging Face calls model(**batch)
-                obj.register_forward_pre_hook(lambda mod, a, kw: guard.on_forward((a, kw)), with_kwargs=True)
+                obj.register_forward_pre_hook(lambda mod, a, kw: _on_forward(m, (a, kw)), with_kwargs=True)
                 first = next((p for p in obj.parameters() if p.requires_grad), None)
                 if first is not None:
                     first.register_post_accumulate_grad_hook(lambda p: guard.site("backward"))
@@ -154,7 +160,9 @@ class Job:
         m = self._member
         if is_stateful_loader(dataloader):
             stateful = StatefulStepLoader(
-                dataloader, next_step=lambda: m.committed_step, slot_of=lambda: m.clock.held_slot
+                dataloader,
+                next_step=lambda: m.committed_step,
+                slot_of=lambda: m.held_pass.data_slot(m.clock.held_slot),
             )
             name = f"_loader{len(m.tracked.loaders)}"
             self.track(**{name: stateful})  # its position travels too
@@ -164,7 +172,10 @@ class Job:
             wrapped: StepLoader | StatefulStepLoader = stateful
         else:
             wrapped = StepLoader(
-                dataloader, dp_rank=m.rank, dp_size=m.world_size, slot_of=lambda: m.clock.held_slot
+                dataloader,
+                dp_rank=m.rank,
+                dp_size=m.world_size,
+                slot_of=lambda: m.held_pass.data_slot(m.clock.held_slot),
             )
         m.tracked.loaders.append(wrapped)
         return wrapped
@@ -274,6 +285,15 @@ class Job:
 _JOB: Job | None = None
 
 
+def _on_forward(member: Member, args: Any) -> None:
+    """A tracked module's forward hook: the fault site, and degraded mode's check that a held
+    slot's pass did not get the rank's own inputs again (recovery/held_pass.py)."""
+    member.guard.on_forward(args)
+    detail = member.held_pass.on_forward(args)
+    if detail is not None:
+        report_inexact(member, member.clock.step_index or 0, "batch", detail)
+
+
 def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
     """Join the job. Under ``checkpointless run`` this connects to the launcher (and, in a spare,
     waits to be given a rank); under plain torchrun it joins torchrun's rendezvous as a job without
@@ -298,7 +318,7 @@ def init(*, rendezvous_timeout: float = 60.0, max_step_retries: int = 3) -> Job:
         setup_logging(f"{env.role} {env.worker_id}")
         connect(member)
         # a BatchLoader of this rank's share serves a held slot's share in its pass (degraded mode)
-        follow_job(member.rank, member.world_size, lambda: member.clock.held_slot)
+        follow_job(member.rank, member.world_size, lambda: member.held_pass.data_slot(member.clock.held_slot))
         member.install_default_group()
         if member.is_replacement:
             # its peers are in the recovery round: the start-up's collectives have no partners,

@@ -36,6 +36,7 @@ from checkpointless.recovery.default_group import DefaultGroup, install_default_
 from checkpointless.recovery.divergence import DEFAULT_EVERY
 from checkpointless.recovery.groups import Groups
 from checkpointless.recovery.guard import UpdateGuard
+from checkpointless.recovery.held_pass import HeldPass
 from checkpointless.recovery.loop import LoopControl
 from checkpointless.recovery.replay_check import ReplayCheck
 from checkpointless.recovery.replicas import ReplicaKeeper
@@ -98,6 +99,7 @@ class Member:
         self.loop = LoopControl()  # where the loop ends; travels with the tracked state
         self.schedule = StepSchedule()  # sections, the epoch length, step.batch's loader
         self.held_rng = HeldGenerators()  # degraded mode: the held slots' own global generators
+        self.held_pass = HeldPass()  # degraded mode: the slot the loop body runs for (job.rank)
 
     @property
     def comm(self) -> Communicator:
