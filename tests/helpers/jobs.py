@@ -92,10 +92,15 @@ class JobResult:
         return [f for e in self.of("started") for f in e.get("faults", [])]
 
     def commits(self) -> list[dict[str, Any]]:
-        """Every rank's ``commit`` events, a replayed step's each time it committed."""
+        """Every rank's ``commit`` events, a replayed step's each time it committed; in degraded
+        mode a held slot's ``slot_commit`` (in its holder's log) counts as that slot's commit."""
         out: list[dict[str, Any]] = []
         for f in sorted(self.run_dir.glob("rank-*.jsonl")):
-            out.extend(e for e in self.events(f.name) if e["event"] == "commit")
+            for e in self.events(f.name):
+                if e["event"] == "commit":
+                    out.append(e)
+                elif e["event"] == "slot_commit":
+                    out.append({**e, "rank": e["slot"]})
         return out
 
     def batches(self) -> dict[tuple[int, int], str]:

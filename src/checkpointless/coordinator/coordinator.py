@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from checkpointless.coordinator.health import HostQuarantine
+from checkpointless.coordinator.holders import SlotHolders
 from checkpointless.coordinator.ledger import FaultLedger
 from checkpointless.coordinator.losses import Losses
 from checkpointless.coordinator.members import Members
@@ -71,7 +72,10 @@ class Coordinator:
         self.members = Members(self.outbox)
         self.ledger = FaultLedger(cfg, self.outbox)
         self.health = HostQuarantine(cfg, self.members, self.outbox)  # health-gated admission
-        self.spares = SparePool(cfg, self.members, self.outbox, self.health)
+        # degraded mode: the lost slots survivors hold (holders.py), which the rounds keep and
+        # the spare pool starts spares for
+        holders = SlotHolders()
+        self.spares = SparePool(cfg, self.members, self.outbox, self.health, holders)
         self.tables = TableDelivery(self.members, self.outbox)
         self.rounds = Rounds(
             cfg,
@@ -83,6 +87,7 @@ class Coordinator:
             self.ledger,
             self.spares,
             self.tables,
+            holders,
         )
         self.losses = Losses(
             cfg, self.members, self.outbox, self.ledger, self.spares, self.tables, self.rounds

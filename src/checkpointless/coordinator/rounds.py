@@ -42,6 +42,7 @@ class Rounds:
         ledger: FaultLedger,
         spares: SparePool,
         tables: TableDelivery,
+        holders: SlotHolders,
     ) -> None:
         self.cfg = cfg
         self.job_id = job_id
@@ -59,7 +60,7 @@ class Rounds:
         self.first_batches: dict[int, float] = {}
         self.state_bytes = 0  # a replica's state, as rank 0 last reported it
         self.refill_after_round = False  # a host joined while a round ran
-        self.holders = SlotHolders()  # degraded mode: the lost slots survivors hold (holders.py)
+        self.holders = holders  # degraded mode: the lost slots survivors hold (holders.py)
         self.degraded = DegradedMode(cfg, members, outbox, spares, self.holders)
 
     # -- faults ---------------------------------------------------------------------------------

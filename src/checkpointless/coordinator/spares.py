@@ -9,6 +9,7 @@ import dataclasses
 from collections import Counter
 
 from checkpointless.coordinator.health import HostQuarantine
+from checkpointless.coordinator.holders import SlotHolders
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.placement import (
@@ -28,12 +29,19 @@ __all__ = ["SparePool"]
 
 class SparePool:
     def __init__(
-        self, cfg: LaunchConfig, members: Members, outbox: Outbox, health: HostQuarantine | None = None
+        self,
+        cfg: LaunchConfig,
+        members: Members,
+        outbox: Outbox,
+        health: HostQuarantine | None = None,
+        holders: SlotHolders | None = None,
     ) -> None:
         self.cfg = cfg
         self.members = members
         self.outbox = outbox
         self.health = health  # the quarantine: which hosts may take a rank or a new spare
+        # degraded mode's held slots (holders.py): each wants a spare of its own to grow back
+        self.holders = holders if holders is not None else SlotHolders()
         # spares started on a joined host in place of squeezed ones, not yet standing in for them
         self.moving: set[int] = set()
         self.hinted: dict[int, int] = {}  # spare worker id -> the step of its last Prefetch
@@ -96,7 +104,11 @@ class SparePool:
         # a quarantined host's spares cannot take a rank: others make up the pool meanwhile (they
         # are kept, warm, for when it is re-admitted)
         idle = sum(1 for m in self.members.idle_spares() if not self.quarantined(m.host))
-        while idle < self.cfg.spares:
+        # a held slot's spare is on top of the pool: the round that shrank the job could find no
+        # host for it when the lost host's ranks had nowhere to go, and a host that joins later
+        # (a repaired node, a second allocation) must start it, or the job never grows back
+        wanted = self.cfg.spares + len(self.holders.held)
+        while idle < wanted:
             host = self.host_for(views=views)
             if host is None:
                 return
@@ -106,7 +118,7 @@ class SparePool:
             return  # no host without ranks has room (one machine never has one)
         rank_hosts = {v.host for v in views if v.ranks}
         squeezed = sum(1 for m in self._idle() if m.host in rank_hosts and m.killed_for is None)
-        for _ in range(spares_to_move(views, squeezed, idle, self.cfg.spares, self.cfg.per_node)):
+        for _ in range(spares_to_move(views, squeezed, idle, wanted, self.cfg.per_node)):
             host = self.host_for(strict=True, views=views)
             if host is None:
                 return

@@ -134,18 +134,24 @@ class PeerRecords:
         self.keeper = keeper
 
     # -- the owner's side ----------------------------------------------------------------------
-    def resume(self, generation: int, route: StreamRoute | None) -> None:
+    def resume(self, generation: int, route: StreamRoute | None, *, held: bool = False) -> None:
         """A generation formed: serve this process's owners, and open a connection to this
-        rank's keeper (on a helper thread), which first receives the newest records."""
+        rank's keeper (on a helper thread), which first receives the newest records.
+
+        ``held``: this instance sends the records of a slot this process holds in degraded mode
+        (recovery/slot_rng.py). The process's own instance serves; and the records go to the
+        slot's keeper even on this host (the holder itself, maybe): the spare that takes the
+        slot back may start on any host and asks that keeper."""
         with self._lock:
             self._drop()
             self._generation = generation
             self._route = None
         if route is None:
             return
-        self.serve(route)
+        if not held:
+            self.serve(route)
         keeper = self.keeper
-        if keeper is None or _host(route.peers[keeper]) == _host(route.peers[self.rank]):
+        if keeper is None or (not held and _host(route.peers[keeper]) == _host(route.peers[self.rank])):
             return  # one host: the shared memory serves a replacement
         self._route = dataclasses.replace(route, channel=KEEP_CHANNEL)
         threading.Thread(
@@ -241,6 +247,22 @@ class PeerRecords:
         found = pick(fetch_records(route, keeper, self.rank, timeout), step)
         if found is not None:
             log.info("resuming rank %d's own generators of step %d, kept by rank %d", self.rank, step, keeper)
+        return found
+
+    def fetch_of(
+        self, route: StreamRoute, owner: int, keeper: int | None, step: int, timeout: float
+    ) -> RngRecord | None:
+        """As the holder of lost rank ``owner``'s slot (degraded mode): ``owner``'s record of
+        ``step`` from ``keeper``, its keeper, which may be this process itself."""
+        self.serve(route)
+        if keeper is None:
+            return None
+        records = self.held(owner) if keeper == self.rank else fetch_records(route, keeper, owner, timeout)
+        found = pick(records, step)
+        if found is not None:
+            log.info(
+                "slot %d's own generators of step %d, kept by rank %d, go to its holder", owner, step, keeper
+            )
         return found
 
     def held(self, owner: int) -> list[RngRecord]:

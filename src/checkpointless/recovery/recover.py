@@ -24,6 +24,7 @@ from checkpointless.recovery.rank_rng import RngRecord
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.sharded import send_copies
 from checkpointless.state.buddy import copy_channel
+from checkpointless.state.buddy_ring import buddy_of
 from checkpointless.state.durable import restore_checkpoint
 from checkpointless.state.shm_dir import newest_snapshot, snapshot_dir
 from checkpointless.state.shm_snapshot import restore_snapshot
@@ -265,6 +266,8 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
         copier.join(member.rendezvous_timeout)
         if copier.error is not None:
             raise copier.error
+    if route is not None and plan.holders:
+        fetch_held_records(member, plan.holders, target, route)
     member.replicas.after_round(target, gen, stream_route(member, msg.rendezvous, gen))
     member.committed_step = target
     member.replay.arm(member.record.interrupted, target)  # a replay is checked as it commits
@@ -279,6 +282,23 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
         target,
     )
     return info
+
+
+def fetch_held_records(member: Member, holders: list[list[int]], target: int, route: StreamRoute) -> None:
+    """Degraded mode: each slot this process holds whose record of ``target`` is not on this
+    host (its lost rank's host went with its shared memory) is asked of the lost rank's keeper
+    on another host, as a replacement asks for its own; and the records the holder keeps for
+    the slot go to that keeper from now on (recovery/slot_rng.py)."""
+    mine = [slot for slot, holder in holders if holder == member.rank]
+    if not mine:
+        return
+    keepers = {slot: buddy_of(slot, member.world_size, member.placement[1]) for slot in mine}
+    timeout = min(member.rendezvous_timeout, 10.0)
+    for slot in member.held_rng.missing(mine, target, member.job_id):
+        record = member.replicas.rank_rng_peer.fetch_of(route, slot, keepers[slot], target, timeout)
+        if record is not None:
+            member.held_rng.provide(slot, record)
+    member.held_rng.mirror(keepers, member.job_id, member.generation, route)
 
 
 class HeldSlotsInScriptGroups(ConfigError):

@@ -100,10 +100,16 @@ class Step:
             if self.pass_index == 0:
                 m.held_rng.own_pass_ended(m.replicas, self.index)
             m.held_rng.leave(m.replicas)
+            m.record.end_pass(self.slot)  # what the pass recorded is its slot's
             self.passed = True  # the next pass trains the next slot's micro-batch
             return False
         if exc is None:
+            held: dict[int, dict[str, Any]] = {}
+            if self.passes > 1:
+                m.record.end_pass(self.slot)
+                held = m.record.take_passes(m.rank)
             commit(m, self.index)  # the last pass's record keeping is its slot's
+            m.record.emit_held(self.index, m.generation, held, m.rank)
             m.held_rng.leave(m.replicas)
             self.committed = self.passed = True
             check_divergence(m)

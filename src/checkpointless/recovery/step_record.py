@@ -32,10 +32,14 @@ class StepRecord:
         self.interrupted: tuple[int, dict[str, Any]] | None = None
         self.events: EventLog | None = None  # the commit log (under the launcher)
         self.streams = StepStreams()  # job.generator()'s per-rank streams
+        # degraded mode: the fields each pass recorded, by slot, until the step commits: the
+        # own pass's go to this rank's commit, a held slot's to a ``slot_commit`` event
+        self._passes: dict[int, dict[str, Any]] = {}
 
     def begin(self, index: int) -> RngState:
         """Step ``index`` begins: its fields cleared, its generators captured (returned)."""
         self.fields = {}
+        self._passes = {}
         rng = capture_rng()
         self.rng_at_start = (index, rng)
         self.streams.begin_step()
@@ -58,6 +62,28 @@ class StepRecord:
         """Write an event (with this step's recorded fields) to the commit log, if there is one."""
         if self.events is not None:
             self.events.emit(event, **fields, **self.fields)
+
+    def end_pass(self, slot: int) -> None:
+        """A pass of a degraded step ended cleanly: what it recorded is ``slot``'s; the next
+        pass records afresh."""
+        self._passes[slot] = self.fields
+        self.fields = {}
+
+    def take_passes(self, own: int) -> dict[int, dict[str, Any]]:
+        """As a degraded step commits (after :meth:`end_pass` of its last pass): this rank's own
+        pass's fields become the commit's again; the held slots' are returned, by slot."""
+        held = self._passes
+        self.fields = held.pop(own, self.fields)
+        self._passes = {}
+        return held
+
+    def emit_held(self, index: int, generation: int, held: dict[int, dict[str, Any]], by: int) -> None:
+        """Each held slot's ``slot_commit`` event for step ``index``: what its pass recorded
+        (``job.record``), as its own rank's commit would have carried it at full width."""
+        if self.events is None:
+            return
+        for slot, fields in sorted(held.items()):
+            self.events.emit("slot_commit", step=index, generation=generation, slot=slot, by=by, **fields)
 
     def count_retry(self, index: int) -> int:
         """Step ``index`` raised once more on this rank: how many times in a row it has."""
