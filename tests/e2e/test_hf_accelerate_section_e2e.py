@@ -11,12 +11,14 @@ the step's gradient all-reduce. Faults also fire just after the closing barrier
 (``site=closed``), where one rank has passed it and its peer may still be in it: the section is
 complete then and is not redone. The job must end with every rank's weights, optimizer state
 and evaluation losses, and every saved file, equal to the fault-free run's, each evaluation
-given to the loop once, each section completed once and its printed line shown once, and no
-rank resumed without its own generators.
+given to the loop once, each section completed once, its printed line shown once and its logged
+values recorded once by the tracker (accelerate's ``log_with``, also when it raises once as they
+reach it), and no rank resumed without its own generators.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -33,9 +35,9 @@ ARGS = ["--epochs", "2", "--accumulation", "2"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-def run(run_dir: Path, faults: list[str]) -> JobResult:
+def run(run_dir: Path, faults: list[str], args: tuple[str, ...] = ()) -> JobResult:
     job = start_job(
-        run_dir, run_dir.parent / "unused", 2, 1, faults, script_args=ARGS, script=SCRIPT,
+        run_dir, run_dir.parent / "unused", 2, 1, faults, script_args=[*ARGS, *args], script=SCRIPT,
         hang_timeout=6, env=OFFLINE,
     )  # fmt: skip
     return job.finish(150)
@@ -92,32 +94,33 @@ def check(res: JobResult, ref: JobResult, faults: list[str]) -> None:
 def ref(reference: ReferenceRuns) -> JobResult:
     res = reference(2, script=SCRIPT, script_args=ARGS, env=OFFLINE)
     assert sorted(step for _, _, step in sections(res)) == [5, 5, 10, 10], sections(res)
+    tracked = (res.run_dir.parent / "saved" / "tracker.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in tracked] == [0, 1], tracked
     return res
 
 
-# rank 0 raises as its save of epoch 0 ends, and the section is redone on both ranks. Then faults
-# just after the closing barrier (site=closed: the rank has passed it; its peer has passed it
-# too, or is still in it and has its barrier aborted by the launcher as it completes): rank 1
-# SIGKILLed after that redone section, its replacement not redoing it and resuming the
-# generators as the section left them (it drew from them; from where it began they would give
-# other dropout masks); rank 0 raising after the last section, recovered in its process while
-# its peer waits at the final barrier, the section not redone and its printed line shown once
-MERGED = [
-    "raise:rank=0:step=5:site=section",
-    "kill:rank=1:step=5:site=closed",
-    "raise:rank=0:step=10:site=closed",
-]
+# rank 0 raises as its save of epoch 0 ends, and the section is redone on both ranks. Then rank 1
+# is SIGKILLed just after that redone section's closing barrier (site=closed: the rank has passed
+# it; its peer has passed it too, or is still in it and has its barrier aborted by the launcher
+# as it completes): its replacement does not redo the section and resumes the generators as the
+# section left them (it drew from them; from where it began they would give other dropout masks)
+MERGED = ["raise:rank=0:step=5:site=section", "kill:rank=1:step=5:site=closed"]
 
 
 @pytest.mark.timeout(200)
 def test_a_fault_after_a_sections_last_collective_redoes_it_on_every_rank(
     tmp_path: Path, ref: JobResult
 ) -> None:
-    res = run(tmp_path / "run", MERGED)
-    check(res, ref, MERGED)
-    # both raises recovered in their own process (an exception), neither by a spare (an exit)
+    # ... and after the last section's closing barrier rank 0's tracker (accelerate's log_with)
+    # raises as the section's logged values reach it, the line printed before them shown
+    # already: recovered in rank 0's process, the section not redone, the showing going on
+    # from the values that raised
+    res = run(tmp_path / "run", MERGED, ("--tracker-fails-at", "1"))
+    check(res, ref, MERGED)  # the tracker's file (in saved/) included: each epoch recorded once
+    assert "tracker failed once at epoch 1" in res.output
+    # both raises recovered in rank 0's own process (an exception), not by a spare (an exit)
     raised = [f for r in res.of("recovery") for f in r["faults"] if f["kind"] == "exception"]
-    assert len(raised) == 2, raised
+    assert [f["rank"] for f in raised] == [0, 0], raised
 
 
 @pytest.mark.soak
@@ -128,6 +131,8 @@ def test_a_fault_after_a_sections_last_collective_redoes_it_on_every_rank(
         pytest.param("raise:rank=1:step=10:site=section", id="raise-last-section-rank1"),
         # its replacement redoes the last section with rank 0
         pytest.param("kill:rank=1:step=10:site=section", id="sigkill-last-section-rank1"),
+        # just after the last section's closing barrier: recovered in rank 1's process, not redone
+        pytest.param("raise:rank=1:step=10:site=closed", id="raise-after-last-section-rank1"),
         pytest.param("kill:rank=0:step=5:site=section", id="sigkill-saver"),
         pytest.param("hang:rank=0:step=5:site=section", id="sigstop-saver"),
     ],

@@ -4,7 +4,8 @@ examples/hf_accelerate.py's model, data and loop (gradient accumulation, a sched
 evaluation gathered over the ranks after each epoch), with two changes: after the evaluation's
 last gather the section saves the model (``accelerator.save_model``, written by rank 0 alone)
 into ``saved/epoch-E`` beside the digests, and which held-out batches it scores is drawn from
-torch's global generator. A fault there, after the section's last collective, on one rank only (``--inject raise:rank=0:step=S:site=section``), is what the test rehearses:
+torch's global generator. It prints and logs to a tracker (``JsonLinesTracker``, in ``saved/``)
+what it saved. A fault there, after the section's last collective, on one rank only (``--inject raise:rank=0:step=S:site=section``), is what the test rehearses:
 its peers have nothing left to wait for in the section but the others.
 
 Every rank's digest covers its weights, optimizer state and the evaluation losses the loop was
@@ -14,9 +15,11 @@ given; the saved files are compared by the test.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything below is built locally
 
@@ -24,9 +27,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import torch
 from _hf_common import Snippets, state_digest, tiny_gpt2, write_digest
+from accelerate.tracking import GeneralTracker
 from torch.utils.data import DataLoader
 
 from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator
+
+
+class JsonLinesTracker(GeneralTracker):
+    """A tracker of accelerate's own kind (``log_with=[...]``, on the main process): each
+    ``accelerator.log`` one JSON line in ``path``. With ``fails_at`` it raises once, as the
+    values of that epoch reach it (a tracker that could not be reached); ``mark`` records that
+    it did, for the job's other processes."""
+
+    name = "jsonl"
+    requires_logging_directory = False
+
+    def __init__(self, path: Path, fails_at: int | None, mark: Path) -> None:
+        super().__init__()
+        self.path, self.fails_at, self.mark = path, fails_at, mark
+
+    @property
+    def tracker(self) -> Path:
+        return self.path
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        if values.get("epoch") == self.fails_at and not self.mark.exists():
+            self.mark.write_text("fired")
+            print(f"tracker failed once at epoch {self.fails_at}", flush=True)
+            raise RuntimeError("the tracker could not be reached")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}, sort_keys=True) + "\n")
 
 
 def main() -> None:
@@ -38,6 +69,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--data", help="unused (the test harness passes a corpus); data is synthetic")
+    ap.add_argument("--tracker-fails-at", type=int, help="the tracker raises once at this epoch's values")
     ap.add_argument("--digest-out", required=True, help="the digests' path, {rank} filled in")
     args = ap.parse_args()
     # beside the digests, so that a fault-free run and a faulted one each save into their own
@@ -50,7 +82,13 @@ def main() -> None:
         Snippets(args.samples, args.seq_len, args.seed), batch_size=args.batch, shuffle=True, drop_last=True
     )
     held_out = DataLoader(Snippets(8 * args.batch, args.seq_len, args.seed + 1), batch_size=args.batch)
-    accelerator = CheckpointlessAccelerator(gradient_accumulation_steps=args.accumulation, cpu=True)
+    tracker = JsonLinesTracker(
+        saved / "tracker.jsonl", args.tracker_fails_at, saved.parent / "tracker-failed"
+    )
+    accelerator = CheckpointlessAccelerator(
+        gradient_accumulation_steps=args.accumulation, cpu=True, log_with=[tracker]
+    )
+    accelerator.init_trackers("hf_accelerate_save")
     model, optimizer, loader, held_out, scheduler = accelerator.prepare(
         model, optimizer, loader, held_out, scheduler
     )
@@ -73,6 +111,7 @@ def main() -> None:
         accelerator.save_model(model, saved / f"epoch-{epoch}")
         loss = float(torch.cat(losses).mean())
         accelerator.print(f"saved epoch-{epoch} after eval loss {loss:.6f}", flush=True)  # rank 0's
+        accelerator.log({"epoch": epoch, "eval_loss": loss}, step=accelerator.job.committed_step)
         return loss
 
     evaluate_and_save = accelerator.protect(evaluate_and_save)
