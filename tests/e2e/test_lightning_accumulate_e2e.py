@@ -26,6 +26,11 @@ step) updates the head, then the encoder after a second backward and all-reduce.
 - rank 0 is SIGKILLed in step 7's second all-reduce, after the first update: rank 1 puts its
   state back and hands it to the replacement, which walks 7 batches without training them.
 
+The accumulating jobs write ``ModelCheckpoint`` files (rank 0, every 4 updates): the faulted
+run's must hold the fault-free run's weights, optimizer state and loop counters. Under
+`make soak`, a fit resumed from the fault-free run's checkpoint of step 4 (``ckpt_path=``) runs
+fault-free and through three faults, a SIGKILL among them.
+
 Every rank must end with the fault-free run's weights, optimizer state, learning rates (and
 EMA callback state, count of batch-end hooks, ``global_step``), and ``on_epoch`` sum; every
 (micro-)batch trained must be the fault-free run's.
@@ -62,8 +67,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobResult]:
     mid = [a for micro, spec in MID_WINDOW for a in ("--fault-at", micro, spec)]
     between = [a for spec in BETWEEN_UPDATES for a in ("--after-first-update", spec)]
     plan = {  # name: (script, spares, launcher faults, script arguments)
-        "acc-ref": (ACCUMULATE, 0, [], []),
-        "acc": (ACCUMULATE, 1, AT_UPDATE, mid),
+        "acc-ref": (ACCUMULATE, 0, [], ["--ckpt-dir", str(root / "acc-ref" / "ckpt")]),
+        "acc": (ACCUMULATE, 1, AT_UPDATE, [*mid, "--ckpt-dir", str(root / "acc" / "ckpt")]),
         "manual-ref": (MANUAL, 0, [], []),
         "manual": (MANUAL, 1, MANUAL_FAULTS, between),
     }
@@ -156,6 +161,72 @@ def test_accumulation_windows_survive_faults_in_and_at_their_end_bitwise(runs: d
     assert res.output.count("micro rank=0 step=6 batch=0 ") == 2, (
         "step 6's window was not trained from its start"
     )
+    # rank 0 writes the ModelCheckpoint files; killed after step 4's, its replacement walks past
+    # it without overwriting it, and writes step 8's and last.ckpt itself
+    assert_same_checkpoints(res, ref)
+
+
+def assert_same_checkpoints(res: JobResult, ref: JobResult) -> None:
+    import torch
+
+    got_dir, want_dir = res.run_dir.parent / "ckpt", ref.run_dir.parent / "ckpt"
+    names = sorted(p.name for p in want_dir.glob("*.ckpt"))
+    assert names == ["epoch=1-step=4.ckpt", "epoch=2-step=8.ckpt", "last.ckpt"], names
+    assert sorted(p.name for p in got_dir.glob("*.ckpt")) == names
+    for name in names:
+        got = torch.load(got_dir / name, weights_only=False)
+        want = torch.load(want_dir / name, weights_only=False)
+        for key in ("global_step", "epoch", "loops", "lr_schedulers"):
+            assert got[key] == want[key], f"{name}: {key} differs"
+        for k, t in want["state_dict"].items():
+            assert torch.equal(got["state_dict"][k], t), f"{name}: weight {k} differs"
+        for a, b in zip(got["optimizer_states"], want["optimizer_states"], strict=True):
+            for pa, pb in zip(a["state"].values(), b["state"].values(), strict=True):
+                assert all(torch.equal(pa[k], pb[k]) for k in pb), f"{name}: optimizer state differs"
+
+
+# a fit resumed from the fault-free run's checkpoint of step 4 (ckpt_path=), fault-free and with
+# a raise at step 5, rank 0 SIGKILLed at step 6 (its replacement restores the checkpoint too and
+# walks from step 4) and a raise in step 7's second micro-batch; `make soak` only
+RESUMED = ["raise:rank=1:step=5:site=forward", "kill:rank=0:step=6"]
+RESUMED_MID = ("1", "raise:rank=0:step=7:site=forward")
+
+
+@pytest.fixture(scope="module")
+def resumed(runs: dict[str, JobResult], tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobResult]:
+    ckpt = runs["acc-ref"].run_dir.parent / "ckpt" / "epoch=1-step=4.ckpt"
+    assert ckpt.exists(), ckpt
+    root = tmp_path_factory.mktemp("lightning-resumed")
+    resume = ["--resume", str(ckpt)]
+    plan = {
+        "ref": (0, [], resume),
+        "faults": (1, RESUMED, [*resume, "--fault-at", *RESUMED_MID]),
+    }
+    jobs: dict[str, RunningJob] = {}
+    for name, (spares, faults, args) in plan.items():
+        (root / name).mkdir()
+        jobs[name] = start_job(
+            root / name / "run", root, 2, spares, faults, script_args=args, script=ACCUMULATE, hang_timeout=10
+        )
+    out = {name: job.finish(220) for name, job in jobs.items()}
+    for name, res in out.items():
+        assert not [p for p in res.pids() if alive(p)], f"{name}: processes of the job were left behind"
+    return out
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(400)
+def test_fit_resumed_from_a_checkpoint_survives_faults_bitwise(resumed: dict[str, JobResult]) -> None:
+    ref, res = resumed["ref"], resumed["faults"]
+    assert ref.rc == 0, ref.output[-4000:]
+    want = trained(ref, "micro")
+    assert min(step for _, step, _ in want) == 4, "the resumed fit starts at the checkpoint's step"
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(ref, nproc=2)
+    assert trained(res, "micro") == want, "some rank trained on other samples than the fault-free run"
+    assert epoch_metrics(res) == epoch_metrics(ref)
+    assert_recovered_each(res, [*RESUMED, RESUMED_MID[1]])
+    assert "Lightning's loop catches up from 4" in res.output, "the replacement walks from the checkpoint"
 
 
 @pytest.mark.timeout(300)

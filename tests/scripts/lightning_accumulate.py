@@ -10,7 +10,8 @@ state updates after every micro-batch, and a step-wise scheduler changes the lea
 of that step reaches its micro-batch MICRO (0 first), as that micro-batch's forward begins: a
 fault in the middle of a window, which the launcher's own ``--inject`` (first forward of a step)
 cannot place. ``--ckpt-dir`` adds a ``ModelCheckpoint`` there (rank 0 writes every 4 updates, and
-``last.ckpt``); ``--resume CKPT`` fits from that checkpoint (``ckpt_path=``). Every rank prints each micro-batch it trains on, and writes the SHA-256 of its
+``last.ckpt``); ``--resume CKPT`` fits from that checkpoint (``ckpt_path=``). Every rank prints
+each micro-batch it trains on, and writes the SHA-256 of its
 final weights, optimizer state and EMA to --digest-out ("{rank}" filled in).
 """
 

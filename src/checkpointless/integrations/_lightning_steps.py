@@ -56,7 +56,8 @@ class LightningSteps:
     ``update`` applies the optimizer step through Lightning's precision plugin, given the last
     micro-batch's closure result; ``local_backward`` is the model wrapper's (None: one rank).
     ``manual``: under manual optimization, the tracked objects a step's updates change, to be put
-    back as the step began when it faults after one of them."""
+    back as the step began when it faults after one of them. ``start``: the updates in the state
+    the fit began with (a checkpoint's, ``fit(ckpt_path=...)``)."""
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class LightningSteps:
         callbacks: CallbackReplica | None,
         local_backward: Callable[[], AbstractContextManager[None]] | None,
         manual: dict[str, Any] | None = None,
+        start: int = 0,
     ) -> None:
         self._job = job
         self._trainer = trainer
@@ -73,7 +75,7 @@ class LightningSteps:
         self.done = False  # the generator ended: every rank holds the final state
         self.inside = False  # running a micro-batch's closure or the update: collectives are real
         self.skipping = False  # training_step is skipped: a batch the state already holds
-        self._steps = job.steps(2**62)  # Lightning decides the end; see finish()
+        self._steps = job.steps(2**62, start)  # Lightning decides the end; see finish()
         self._pending = self._next_step()  # taken from the generator, not yet entered
         # a replacement's generators as its next step began: restored when this rank reaches that
         # step, because walking Lightning's loop there may draw from them
@@ -107,6 +109,7 @@ class LightningSteps:
         callbacks = self._callbacks
         if callbacks is not None:
             callbacks.at(lightning_step)
+        this_batch = ProgressMark(self._trainer)  # what this call's closure has not counted yet
         first = self._open is None  # the window's first micro-batch
         if first and (self._skips(lightning_step) or not self._enter(lightning_step, replay=False)):
             return self._skip(closure, lightning_step)
@@ -118,11 +121,16 @@ class LightningSteps:
                 return out
             # the job now stands at the step it settled on: train the window again from its
             # first micro-batch, or skip the batch if its update is in this rank's state already
-            if self._marks is not None:
-                self._marks[0].restore()  # Lightning counts the closures once, however often they ran
             if callbacks is not None:
                 callbacks.rewind()
-            if self._skips(lightning_step) or not self._enter(lightning_step, replay=True):
+            if self._skips(lightning_step):
+                # rolled forward past the window: its micro-batches each ran once, and the skip
+                # runs this one's closure again, so only its own count is put back
+                this_batch.restore()
+                return self._skip(closure, lightning_step)
+            if self._marks is not None:
+                self._marks[0].restore()  # every closure of the window runs again: count them once
+            if not self._enter(lightning_step, replay=True):
                 return self._skip(closure, lightning_step)
             run = list(self._closures)
 

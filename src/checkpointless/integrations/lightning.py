@@ -169,11 +169,12 @@ class CheckpointlessStrategy(DDPStrategy):
         trainer = self._module.trainer
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
-        if trainer.global_step != 0:
+        if trainer.global_step != 0 and not self._module.automatic_optimization:
             raise ConfigError(
-                f"fit resumed at step {trainer.global_step} (ckpt_path): CheckpointlessStrategy "
-                "starts a job from step 0; to resume from Lightning's own checkpoints run the "
-                "script with the ddp strategy under `checkpointless run --plain`"
+                f"fit resumed at step {trainer.global_step} (ckpt_path) with manual optimization: "
+                "CheckpointlessStrategy resumes Lightning's checkpoints under automatic optimization "
+                "only; start the manual fit from step 0, or resume it with the ddp strategy under "
+                "`checkpointless run --plain`"
             )
         self._guard_schedulers(trainer)
         keep_sigterm_local(trainer)
@@ -198,10 +199,15 @@ class CheckpointlessStrategy(DDPStrategy):
         self._job.track(**objects)
         dp = self.model
         local = dp.local_backward if isinstance(dp, DataParallel) else None
-        self._steps = LightningSteps(self._job, trainer, self._callbacks, local, manual)
+        # fit(ckpt_path=...): every rank restored the checkpoint, and the job's steps begin at
+        # its updates (a replacement, which restores it too, takes its step from a peer instead)
+        start = trainer.global_step
+        self._steps = LightningSteps(self._job, trainer, self._callbacks, local, manual, start)
         if self._job.is_replacement:
             self._logger_versions.resume(self._job.committed_step)
-            log.info("joined at step %d; Lightning's loop catches up from 0", self._job.committed_step)
+            log.info(
+                "joined at step %d; Lightning's loop catches up from %d", self._job.committed_step, start
+            )
 
     def _guard_schedulers(self, trainer: pl.Trainer) -> None:
         # Lightning steps schedulers after the optimizer step, outside the strategy: a rank that
