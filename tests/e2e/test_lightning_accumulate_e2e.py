@@ -28,8 +28,9 @@ step) updates the head, then the encoder after a second backward and all-reduce.
 
 The accumulating jobs write ``ModelCheckpoint`` files (rank 0, every 4 updates): the faulted
 run's must hold the fault-free run's weights, optimizer state and loop counters. Under
-`make soak`, a fit resumed from the fault-free run's checkpoint of step 4 (``ckpt_path=``) runs
-fault-free and through three faults, a SIGKILL among them.
+`make soak`, fits resumed from the fault-free runs' checkpoints (``ckpt_path=``), the
+accumulating one's of step 4 and the manual one's after 4 batches, run fault-free and through
+faults, a SIGKILL in each.
 
 Every rank must end with the fault-free run's weights, optimizer state, learning rates (and
 EMA callback state, count of batch-end hooks, ``global_step``), and ``on_epoch`` sum; every
@@ -69,8 +70,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobResult]:
     plan = {  # name: (script, spares, launcher faults, script arguments)
         "acc-ref": (ACCUMULATE, 0, [], ["--ckpt-dir", str(root / "acc-ref" / "ckpt")]),
         "acc": (ACCUMULATE, 1, AT_UPDATE, [*mid, "--ckpt-dir", str(root / "acc" / "ckpt")]),
-        "manual-ref": (MANUAL, 0, [], []),
-        "manual": (MANUAL, 1, MANUAL_FAULTS, between),
+        "manual-ref": (MANUAL, 0, [], ["--ckpt-dir", str(root / "manual-ref" / "ckpt")]),
+        "manual": (MANUAL, 1, MANUAL_FAULTS, [*between, "--ckpt-dir", str(root / "manual" / "ckpt")]),
     }
     jobs: dict[str, RunningJob] = {}
     for name, (script, spares, faults, args) in plan.items():
@@ -190,6 +191,9 @@ def assert_same_checkpoints(res: JobResult, ref: JobResult) -> None:
 # walks from step 4) and a raise in step 7's second micro-batch; `make soak` only
 RESUMED = ["raise:rank=1:step=5:site=forward", "kill:rank=0:step=6"]
 RESUMED_MID = ("1", "raise:rank=0:step=7:site=forward")
+# manual optimization, resumed from the fault-free run's checkpoint after 4 batches (8 updates)
+RESUMED_MANUAL = ["kill:rank=1:step=6"]
+RESUMED_BETWEEN = "raise:rank=0:step=8:site=allreduce"
 
 
 @pytest.fixture(scope="module")
@@ -198,15 +202,21 @@ def resumed(runs: dict[str, JobResult], tmp_path_factory: pytest.TempPathFactory
     assert ckpt.exists(), ckpt
     root = tmp_path_factory.mktemp("lightning-resumed")
     resume = ["--resume", str(ckpt)]
+    found = sorted((runs["manual-ref"].run_dir.parent / "ckpt").glob("*-step=8.ckpt"))
+    assert len(found) == 1, found
+    manual_ckpt = found[0]
+    manual = ["--resume", str(manual_ckpt)]
     plan = {
-        "ref": (0, [], resume),
-        "faults": (1, RESUMED, [*resume, "--fault-at", *RESUMED_MID]),
+        "ref": (ACCUMULATE, 0, [], resume),
+        "faults": (ACCUMULATE, 1, RESUMED, [*resume, "--fault-at", *RESUMED_MID]),
+        "manual-ref": (MANUAL, 0, [], manual),
+        "manual": (MANUAL, 1, RESUMED_MANUAL, [*manual, "--after-first-update", RESUMED_BETWEEN]),
     }
     jobs: dict[str, RunningJob] = {}
-    for name, (spares, faults, args) in plan.items():
+    for name, (script, spares, faults, args) in plan.items():
         (root / name).mkdir()
         jobs[name] = start_job(
-            root / name / "run", root, 2, spares, faults, script_args=args, script=ACCUMULATE, hang_timeout=10
+            root / name / "run", root, 2, spares, faults, script_args=args, script=script, hang_timeout=10
         )
     out = {name: job.finish(220) for name, job in jobs.items()}
     for name, res in out.items():
@@ -250,3 +260,18 @@ def test_manual_optimization_with_two_optimizers_survives_faults_between_updates
     for spec in BETWEEN_UPDATES:
         first = plans(res, spec)[0]
         assert first["target_step"] == fault_at(spec)[1], (spec, first)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(400)
+def test_manual_fit_resumed_from_a_checkpoint_survives_faults_bitwise(resumed: dict[str, JobResult]) -> None:
+    ref, res = resumed["manual-ref"], resumed["manual"]
+    assert ref.rc == 0, ref.output[-4000:]
+    want = trained(ref, "manual")
+    assert min(step for _, step, _ in want) == 4, "the resumed fit starts at the checkpoint's batch"
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(ref, nproc=2)
+    assert trained(res, "manual") == want, "some rank trained on other samples, or counted other steps"
+    assert epoch_metrics(res) == epoch_metrics(ref)
+    assert_recovered_each(res, [*RESUMED_MANUAL, RESUMED_BETWEEN])
+    assert "Lightning's loop catches up from 4" in res.output, "the replacement walks from the checkpoint"

@@ -9,7 +9,9 @@ global generator, and ``self.log(..., on_epoch=True)`` sums the inputs.
 
 ``--after-first-update SPEC`` injects SPEC (``--inject`` syntax, its step a job step, i.e. a
 batch) once that step's first update is applied: with ``site=allreduce`` the fault fires in the
-second backward's all-reduce, between the two updates. Every rank prints each batch it trains on
+second backward's all-reduce, between the two updates. ``--ckpt-dir`` adds a ``ModelCheckpoint``
+there (rank 0 writes every 8 optimizer steps, 4 batches); ``--resume CKPT`` fits from that
+checkpoint (``ckpt_path=``). Every rank prints each batch it trains on
 and writes the SHA-256 of its final weights, both optimizers' state, the learning rates and
 ``global_step`` to --digest-out ("{rank}" filled in).
 """
@@ -77,22 +79,27 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=10)
     ap.add_argument("--after-first-update", action="append", default=[], metavar="SPEC")
     ap.add_argument("--data", help="ignored (the test helper passes it)")
+    ap.add_argument("--ckpt-dir", help="a ModelCheckpoint writes here")
+    ap.add_argument("--resume", help="fit from this checkpoint (ckpt_path=)")
     ap.add_argument("--digest-out", required=True)
     args = ap.parse_args()
 
     pl.seed_everything(0)  # the same model and data on every rank
     module = TwoUpdates(list(args.after_first_update))
     data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+    saving = [pl.callbacks.ModelCheckpoint(args.ckpt_dir, every_n_train_steps=8, save_top_k=-1)]
+    saving = saving if args.ckpt_dir else []
     trainer = pl.Trainer(
         accelerator="cpu",
         strategy=CheckpointlessStrategy(),
         max_steps=2 * args.batches,  # manual optimization: global_step counts every update
+        callbacks=list[pl.Callback](saving),
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(saving),
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(data, batch_size=2, shuffle=True, drop_last=True))
+    trainer.fit(module, DataLoader(data, batch_size=2, shuffle=True, drop_last=True), ckpt_path=args.resume)
 
     h = hashlib.sha256()
     tensors = sorted(module.state_dict().items())

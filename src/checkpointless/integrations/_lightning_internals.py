@@ -22,6 +22,7 @@ __all__ = [
     "ManualStepCount",
     "ProgressMark",
     "batch_count",
+    "batches_done",
     "epochs_last_batch",
     "keep_sigterm_local",
     "set_logger_version",
@@ -62,6 +63,12 @@ class ManualStepCount:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._progress.load_state_dict(copy.deepcopy(state))
+
+
+def batches_done(trainer: Any) -> int:
+    """The batches whose ``training_step`` has finished (a fit resumed from a checkpoint restores
+    this count; at ``on_train_start`` no batch of the fit has begun)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
 
 
 def batch_count(trainer: Any) -> int:

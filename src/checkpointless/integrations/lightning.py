@@ -54,6 +54,7 @@ from checkpointless.integrations._lightning_devices import devices_warning
 from checkpointless.integrations._lightning_environment import CheckpointlessEnvironment
 from checkpointless.integrations._lightning_internals import (
     ManualStepCount,
+    batches_done,
     epochs_last_batch,
     keep_sigterm_local,
 )
@@ -169,13 +170,6 @@ class CheckpointlessStrategy(DDPStrategy):
         trainer = self._module.trainer
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
-        if trainer.global_step != 0 and not self._module.automatic_optimization:
-            raise ConfigError(
-                f"fit resumed at step {trainer.global_step} (ckpt_path) with manual optimization: "
-                "CheckpointlessStrategy resumes Lightning's checkpoints under automatic optimization "
-                "only; start the manual fit from step 0, or resume it with the ddp strategy under "
-                "`checkpointless run --plain`"
-            )
         self._guard_schedulers(trainer)
         keep_sigterm_local(trainer)
         # before a replacement's generators become its predecessor's (_lightning_samplers.py)
@@ -200,8 +194,9 @@ class CheckpointlessStrategy(DDPStrategy):
         dp = self.model
         local = dp.local_backward if isinstance(dp, DataParallel) else None
         # fit(ckpt_path=...): every rank restored the checkpoint, and the job's steps begin at
-        # its updates (a replacement, which restores it too, takes its step from a peer instead)
-        start = trainer.global_step
+        # its updates, or its batches under manual optimization (a replacement, which restores
+        # it too, takes its step from a peer instead)
+        start = trainer.global_step if manual is None else batches_done(trainer)
         self._steps = LightningSteps(self._job, trainer, self._callbacks, local, manual, start)
         if self._job.is_replacement:
             self._logger_versions.resume(self._job.committed_step)

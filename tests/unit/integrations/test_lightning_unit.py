@@ -175,42 +175,6 @@ def test_manual_progress_mark_and_step_count_cover_global_step() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_manual_fit_resumed_from_a_checkpoint_is_refused_with_the_fix(tmp_path: Path) -> None:
-    """ckpt_path= is resumed under automatic optimization (tests/e2e/test_lightning_accumulate_e2e.py,
-    soak); under manual optimization the job's step is a batch count the strategy does not take
-    from a checkpoint, so the fit is refused before training, naming the setting and what to do
-    instead (run in a process of its own: init() is global)."""
-    pytest.importorskip("lightning")
-    script = tmp_path / "resume_manual.py"
-    script.write_text(
-        "import lightning.pytorch as pl, torch\n"
-        "from torch.utils.data import DataLoader, TensorDataset\n"
-        "from checkpointless.integrations.lightning import CheckpointlessStrategy\n"
-        "class M(pl.LightningModule):\n"
-        "    def __init__(self):\n"
-        "        super().__init__(); self.automatic_optimization = False; self.l = torch.nn.Linear(2, 1)\n"
-        "    def training_step(self, b, i):\n"
-        "        opt = self.optimizers(); opt.zero_grad(); self.manual_backward(self.l(b[0]).sum()); opt.step()\n"
-        "    def configure_optimizers(self):\n"
-        "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
-        "data = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)\n"
-        "kw = dict(accelerator='cpu', logger=False, enable_progress_bar=False, enable_model_summary=False,\n"
-        "          enable_checkpointing=False)\n"
-        "first = pl.Trainer(max_steps=2, **kw)\n"
-        "first.fit(M(), data)\n"
-        "first.save_checkpoint('c.ckpt')\n"
-        "pl.Trainer(strategy=CheckpointlessStrategy(), max_steps=4, **kw).fit(M(), data, ckpt_path='c.ckpt')\n"
-    )
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path
-    )
-    assert out.returncode != 0
-    err = out.stderr
-    assert "ConfigError" in err and "ckpt_path" in err and "manual optimization" in err, err[-3000:]
-    assert "--plain" in err, err[-3000:]
-
-
-@pytest.mark.timeout(120)
 def test_sigterm_still_ends_a_worker_during_fit(tmp_path: Path) -> None:
     """Lightning's own SIGTERM handler turns the signal into a quiet end of fit (exit code 0 here,
     as if training had finished); the strategy puts the previous handler back, so the launcher's
