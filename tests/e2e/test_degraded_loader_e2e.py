@@ -182,9 +182,13 @@ def test_a_holder_that_must_receive_state_receives_it_once_and_the_job_goes_on_b
     res.assert_same_weights(ref, 4)
     got, want = res.trained_batches(), ref.trained_batches()
     assert {k: want[k] for k in got} == got, "a (slot, step) trained another batch than without the fault"
-    # step 3's passes cut off by the faults (rank 0's, slot 2's, and a peer's the abort reached
-    # before its commit) took their update with the state received: none ended cleanly to say so
-    assert set(want) - set(got) <= {(slot, 3) for slot in range(4)}, sorted(set(want) - set(got))
+    # a pass cut off by a round (step 3's by the faults; the step the grow-back round cut in on,
+    # where the holder's last pass may already have applied its update) took its update with the
+    # state received or rolled forward: none ended cleanly to print its line. The weights above
+    # say those updates are the fault-free run's.
+    cut = {p["target_step"] - 1 for p in res.of("plan") if p["generation"] > 0}
+    allowed = {(slot, step) for slot in range(4) for step in cut | {3}}
+    assert set(want) - set(got) <= allowed, (sorted(set(want) - set(got)), sorted(cut))
 
 
 def test_a_group_the_script_made_ends_a_degraded_job_with_the_reason(tmp_path: Path) -> None:
