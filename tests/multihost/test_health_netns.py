@@ -50,13 +50,14 @@ def test_a_spare_host_that_fails_its_check_is_never_promoted(
     netns_hosts: Any, tmp_path: Path, corpus: Path
 ) -> None:
     """Host 1 is lost; the only spare host is quarantined, so its ranks have nowhere to go: the job
-    waits --spare-wait and fails as it does today with no spare host, naming the quarantine and
-    the check's output. (Degraded mode, being designed separately, would shrink the job instead.)"""
+    waits --spare-wait and fails (``--when-no-spare fail``; the default would go on degraded after
+    the wait), naming the quarantine and the check's output."""
     cluster = netns_hosts(3)
     sick = cluster.hosts[2].address
     run_dir = tmp_path / "job" / "run"
     deadline = time.monotonic() + 150
     flags = ["--health-check", _check_failing_on(sick), "--health-builtins", "basic", "--spare-wait", "4"]
+    flags += ["--when-no-spare", "fail"]
     job = start_netns_job(cluster, run_dir, corpus, ARGS, launcher_flags=flags)
     with job.killed_on_failure():
         wait_for(lambda: job.events("host_quarantined"), deadline, "the spare host's quarantine")

@@ -94,7 +94,7 @@ class JobSettings:
     # degraded mode (coordinator/rules/width.py, docs/fault-model.md): what a round does when a
     # lost rank has no ready spare, and the fewest replicas the job may go on with
     when_no_spare: str = flag(
-        "fail",
+        "wait",
         choices=("shrink", "wait", "fail"),
         help="when a lost rank has no ready spare: shrink (go on at once with fewer data-parallel "
         "replicas, the same global batch; a spare that becomes ready takes the slot back), wait "

@@ -162,7 +162,7 @@ def test_below_min_replicas_the_job_waits_then_fails_with_the_reason() -> None:
 
 
 def test_fail_policy_fails_after_the_wait_as_before() -> None:
-    j = Job(spare_wait=5.0)
+    j = Job(spare_wait=5.0, when_no_spare="fail")
     j.c.on_exit(2, -9, False, "terminated by SIGKILL", "", j.now, 1e9 + j.now)
     j.flush()
     j.tick()

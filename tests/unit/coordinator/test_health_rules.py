@@ -152,7 +152,7 @@ def test_a_stale_report_is_no_report() -> None:
 
 
 def test_a_quarantined_spare_host_is_never_promoted_and_the_job_fails_naming_it() -> None:
-    c, _ = formed_host_job(ready=2, spare_wait=5.0)
+    c, _ = formed_host_job(ready=2, spare_wait=5.0, when_no_spare="fail")
     c.health.expect(2)
     c.on_host_health(2, _report(False, "exit 1: GPU 3 missing"), 101.5)
     out = c.drain()

@@ -21,9 +21,9 @@ def _settings(*flags: str) -> JobSettings:
     return JobSettings.from_flags(values_from(JobSettings, args), local_agent=True)
 
 
-def test_defaults_keep_the_old_behaviour() -> None:
+def test_the_default_waits_for_a_spare_then_goes_on_degraded() -> None:
     cfg = _settings()
-    assert (cfg.when_no_spare, cfg.min_replicas) == ("fail", 1)
+    assert (cfg.when_no_spare, cfg.min_replicas) == ("wait", 1)
     cfg.validate()
 
 
@@ -47,4 +47,4 @@ def test_the_welcome_carries_them() -> None:
     welcome = AgentWelcome(agent_id=1, job_id="j", control="127.0.0.1:1", run_dir="/r", shm_key="k", job=cfg)
     back = decode(encode(welcome))
     assert isinstance(back, AgentWelcome)
-    assert (back.job.min_replicas, back.job.when_no_spare) == (3, "fail")
+    assert (back.job.min_replicas, back.job.when_no_spare) == (3, "wait")
