@@ -174,13 +174,15 @@ def test_no_spare_in_time_stops_the_job_naming_the_settings(tmp_path: Path) -> N
         "0.5",
         "--inject",
         "kill:rank=1:step=3",
+        "--when-no-spare",
+        "fail",  # the default, wait, would go on degraded after the 0.5 s
         # a spare forked from the template is ready within about 0.5 s: start a fresh interpreter
         # (seconds of imports) so that none can be ready in time
         "--no-fork-server",
     )
     out, _ = proc.communicate(timeout=110)
     assert proc.returncode == 1, out[-3000:]
-    assert "--spares" in out and "--spare-wait" in out
+    assert "--spares" in out and "--spare-wait" in out and "--when-no-spare wait" in out
     assert_nothing_left(run_dir, str(wait_for_event(run_dir, "job_end", 1)["job"]))
 
 

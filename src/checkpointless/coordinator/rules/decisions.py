@@ -349,6 +349,7 @@ def spare_policy(ready: int, starting: int, needed: int, waited: float, wait_lim
         SpareAction.FAIL,
         reason=(
             f"{needed} rank(s) need a replacement but only {ready} spare(s) were ready after "
-            f"waiting {waited:.0f} s; keep more hot spares with --spares or allow longer with --spare-wait"
+            f"waiting {waited:.0f} s; keep more hot spares with --spares, allow longer with --spare-wait, "
+            "or go on with fewer replicas meanwhile with --when-no-spare wait"
         ),
     )

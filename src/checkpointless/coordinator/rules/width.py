@@ -125,7 +125,10 @@ def _fail_reason(s: WidthSituation, after: int) -> str:
         f"waiting {s.waited:.0f} s"
     )
     if s.policy == NoSparePolicy.FAIL:
-        return f"{base}; keep more hot spares with --spares or allow longer with --spare-wait"
+        return (
+            f"{base}; keep more hot spares with --spares, allow longer with --spare-wait, or go on "
+            "with fewer replicas meanwhile with --when-no-spare wait"
+        )
     if s.not_shrinkable:
         return f"{base}, and the job cannot go on with fewer replicas: {s.not_shrinkable}"
     return (
