@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from adopt import write_digest  # tests/scripts is the script's own directory
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -101,22 +100,14 @@ def main() -> None:
     )
     trainer.fit(module, DataLoader(data, batch_size=2, shuffle=True, drop_last=True), ckpt_path=args.resume)
 
-    h = hashlib.sha256()
-    tensors = sorted(module.state_dict().items())
+    state = dict(module.state_dict())
     for o, opt in enumerate(trainer.optimizers):
-        for i, s in sorted(opt.state_dict()["state"].items()):
-            tensors += [(f"opt{o}.{i}.{k}", v) for k, v in sorted(s.items()) if isinstance(v, torch.Tensor)]
-    for name, t in tensors:
-        h.update(name.encode())
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    h.update(repr([g["lr"] for opt in trainer.optimizers for g in opt.param_groups]).encode())
-    h.update(repr(trainer.global_step).encode())
+        for i, s in opt.state_dict()["state"].items():
+            state.update({f"opt{o}.{i}.{k}": v for k, v in s.items() if isinstance(v, torch.Tensor)})
     x_sum = float(trainer.callback_metrics["x_sum"])
     print(f"epoch metric rank={trainer.global_rank} x_sum={x_sum!r} gs={trainer.global_step}", flush=True)
-    out = Path(args.digest_out.replace("{rank}", str(trainer.global_rank)))
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(h.hexdigest() + "\n")
-    os.replace(tmp, out)
+    lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
+    write_digest(args.digest_out, trainer.global_rank, state, repr((lrs, trainer.global_step)).encode())
 
 
 if __name__ == "__main__":
