@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, read_digests, run_job, torchrun_env
+from tests.helpers.jobs import ROOT, JobResult, alive, read_digests, run_job, torchrun_env
 from tests.helpers.paths import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 
@@ -118,16 +118,7 @@ def test_pp_faults_in_every_phase_are_recovered_from_the_same_stage_bitwise(
     )  # fmt: skip
     assert_same_stages(res, pp_reference)
     assert len(res.of("recovery")) == len(faults), res.output[-4000:]
-    for fault, receivers in MERGED:  # each fault fired and was recovered from as its own
-        rank, step = fault_at(fault)
-        rec = res.recovery_from(rank, step)
-        assert res.fired(fault) and rec is not None, (fault, res.output[-4000:])
-        plans = [
-            {r: s for r, s in e.get("sources", [])}
-            for e in res.of("plan")
-            if e["generation"] == rec["generation"]
-        ]
-        assert plans and plans[0] == receivers, (fault, plans)
+    res.assert_each_fault_recovered(MERGED)
     # the raise came out of torch's receive, issued by the schedule
     raised = res.output.partition("[rank 1 step 1] step 1 raised InjectedFault")[2].partition("[launcher]")[0]
     assert "fwd_recv" in raised and "in irecv" in raised, res.output[-4000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, read_digests, run_job, torchrun_env
+from tests.helpers.jobs import ROOT, JobResult, alive, read_digests, run_job, torchrun_env
 from tests.helpers.paths import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 
@@ -83,16 +83,7 @@ def test_tp_faults_in_one_job_are_each_recovered_from_the_same_tp_coordinate_bit
         "some rank trained on other samples than the fault-free run"
     )
     assert len(res.of("recovery")) == len(faults), res.output[-4000:]
-    for fault, receivers in MERGED:
-        rank, step = fault_at(fault)
-        rec = res.recovery_from(rank, step)
-        assert res.fired(fault) and rec is not None, (fault, res.output[-4000:])
-        plans = [
-            {r: s for r, s in e.get("sources", [])}
-            for e in res.of("plan")
-            if e["generation"] == rec["generation"]
-        ]
-        assert plans and plans[0] == receivers, (fault, plans)
+    res.assert_each_fault_recovered(MERGED)
     for plan in state_sources(
         res
     ):  # whatever the plan, a source holds the receiver's tp shard in another replica

@@ -129,6 +129,20 @@ class JobResult:
         with the defaults filled in (``kill:rank=1:step=4`` fires as ``...:site=step``)."""
         return any(e["id"] == spec or e["id"].startswith(spec + ":") for e in self.of("fault_injected"))
 
+    def assert_each_fault_recovered(self, merged: list[tuple[str, dict[int, int]]]) -> None:
+        """A job of several faults (a merged test): each fault of ``merged`` fired and was
+        recovered from in a round of its own, whose plan's sources were ``{receiver: source}``."""
+        for fault, receivers in merged:
+            rank, step = fault_at(fault)
+            rec = self.recovery_from(rank, step)
+            assert self.fired(fault) and rec is not None, (fault, self.output[-4000:])
+            plans = [
+                {r: s for r, s in e.get("sources", [])}
+                for e in self.of("plan")
+                if e["generation"] == rec["generation"]
+            ]
+            assert plans and plans[0] == receivers, (fault, plans)
+
     def pids(self) -> list[int]:
         p = self.run_dir / "pids"
         return [int(x) for x in p.read_text().split()] if p.exists() else []
