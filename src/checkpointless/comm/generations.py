@@ -89,8 +89,14 @@ class GenerationGroup(dist.ProcessGroup):
         sub = dist.PrefixStore(f"{self.key}/", store)
 
         dev_sub = dist.PrefixStore(f"{self.device_backend}/", sub) if self.device_backend else None
+        # Every store gloo may call into, down to a Python one (the root-less store): the C++
+        # side keeps only its C++ half. A cancelled or timed-out configure returns while gloo is
+        # still connecting on the helper thread, and its callers then drop their references; the
+        # thread holds these until gloo is done with them, and a formed generation keeps them.
+        chain = _store_chain(dev_sub or sub)
 
         def build() -> None:
+            assert chain  # referenced here, so this thread keeps the stores alive
             try:
                 left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
                 result["pg"] = new_group(backend, sub, self._group_rank, self._group_size, left)
@@ -123,7 +129,7 @@ class GenerationGroup(dist.ProcessGroup):
             # a Python store must outlive its process group (torch keeps only the C++ half):
             # this generation's stay referenced here until the next one replaces them
             self._graveyard.extend(self._stores)
-            self._stores = [x for x in (store, sub, dev_sub) if x is not None]
+            self._stores = chain
             self.generation = generation
             self._aborted = None
 
@@ -188,6 +194,15 @@ class GenerationGroup(dist.ProcessGroup):
     def _forget(self, h: Handle) -> None:
         with self._lock:
             self._pending.discard(h)
+
+
+def _store_chain(store: Any) -> list[Any]:
+    """``store`` and every store it wraps (a ``PrefixStore``'s ``underlying_store``), outermost
+    first: holding them holds the innermost Python store too."""
+    chain = [store]
+    while isinstance(chain[-1], dist.PrefixStore):
+        chain.append(chain[-1].underlying_store)
+    return chain
 
 
 def on_cuda(x: Any) -> bool:

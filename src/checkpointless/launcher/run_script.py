@@ -59,9 +59,13 @@ def _report_config_error(text: str) -> bool:
 
 def run_script(argv: list[str]) -> NoReturn:
     """Run ``argv[0]`` with ``sys.argv = argv`` as ``__main__``; exit with its status."""
+    import faulthandler
     import runpy
     import traceback
 
+    # a native crash (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to the worker's
+    # output: without it a crash inside torch or gloo leaves only an exit signal to go on
+    faulthandler.enable(all_threads=True)
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
