@@ -7,6 +7,7 @@ Kept free of transformers, so it is tested as plain code (tests/unit/integration
 - :class:`LossLedger`: the training loss summed since the last log line, reduced inside the step
   that produced it, so a log line never depends on a collective between steps and never counts a
   replayed step twice.
+- :func:`replica_objects`: what a Trainer's replica is, Trainer's own objects and these.
 - :class:`TrainerStateCarrier`: ``TrainerState`` (global step, epoch, log history, best metric),
   ``TrainerControl`` and every callback with exportable state, as one tracked object.
 - :class:`SectionUndo`: the state that evaluation and checkpointing change (the carrier's, the
@@ -37,6 +38,7 @@ __all__ = [
     "StepPlan",
     "TrainerStateCarrier",
     "micro_batches_digest",
+    "replica_objects",
 ]
 
 # TrainerState fields that do not travel: this process's own place in the job, and Trainer's
@@ -238,3 +240,20 @@ def micro_batches_digest(batches: list[Any]) -> str:
             if isinstance(value, torch.Tensor):
                 h.update(value.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def replica_objects(trainer: Any, added: dict[str, Any]) -> dict[str, Any]:
+    """What ``job.track`` keeps of a ``CheckpointlessTrainer``: the model, the optimizer (not
+    accelerate's wrapper), the scheduler and fp16's grad scaler where there are ones, and the
+    integration's ``added`` objects."""
+    objects: dict[str, Any] = {
+        "model": trainer.model,
+        "optimizer": getattr(trainer.optimizer, "optimizer", trainer.optimizer),
+        **added,
+    }
+    if trainer.lr_scheduler is not None:
+        objects["scheduler"] = trainer.lr_scheduler
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    if scaler is not None:  # fp16 mixed precision: the loss scale and its growth tracker
+        objects["grad_scaler"] = scaler
+    return objects

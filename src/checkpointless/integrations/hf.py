@@ -24,10 +24,8 @@ full account is docs/adoption.md's):
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer
@@ -41,10 +39,8 @@ from checkpointless.integrations._hf_internals import (
     evaluate_and_save,
     hand_over_loss,
     load_rng_state,
-    num_items_in_batch,
     refresh_devices,
     save_checkpoint,
-    set_sync_gradients,
     warn_if_untested,
 )
 from checkpointless.integrations._hf_run import EvalContext, StepOut, TrainerRun
@@ -54,8 +50,9 @@ from checkpointless.integrations._hf_state import (
     SectionUndo,
     StepPlan,
     TrainerStateCarrier,
-    micro_batches_digest,
+    replica_objects,
 )
+from checkpointless.integrations._hf_step import optimizer_step
 from checkpointless.recovery.job import Job, Step
 
 __all__ = ["CheckpointlessTrainer"]
@@ -161,20 +158,8 @@ class CheckpointlessTrainer(Trainer):
     def _start(self, train_dataloader: DataLoader[Any], resume_from_checkpoint: str | None) -> TrainerRun:
         plan = StepPlan(len(train_dataloader), self.args.gradient_accumulation_steps)
         loader = self.job.loader(train_dataloader)
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        objects: dict[str, Any] = {
-            "model": self.model,
-            "optimizer": optimizer,
-            "trainer_state": self._carrier,
-            "loss_ledger": self._ledger,
-            "section_undo": self._undo,
-        }
-        if self.lr_scheduler is not None:
-            objects["scheduler"] = self.lr_scheduler
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None:  # fp16 mixed precision: the loss scale and its growth tracker
-            objects["grad_scaler"] = scaler
-        self.job.track(**objects)
+        added = {"trainer_state": self._carrier, "loss_ledger": self._ledger, "section_undo": self._undo}
+        self.job.track(**replica_objects(self, added))
         # asked at every boundary, run only where Trainer has work there (_boundary_due)
         # the state the section began with is kept, and its log lines held, until it has closed
         # on every rank together
@@ -304,7 +289,7 @@ class CheckpointlessTrainer(Trainer):
                 run.begun = index
             out = run.last_out = StepOut()
             with step:
-                self._optimizer_step(run, index, model, out)
+                optimizer_step(self, run, index, model, out, self._record_batches)
             if not step.committed:
                 # recovered: the job settled on this step again (replay it on the batches held)
                 # or on the next one (this rank's update was applied, or it received the state)
@@ -321,41 +306,6 @@ class CheckpointlessTrainer(Trainer):
                     return
             self._after_step(run, index, out)
             return
-
-    def _optimizer_step(self, run: TrainerRun, index: int, model: nn.Module, out: StepOut) -> None:
-        if run.held is None or run.held[0] != index:
-            run.held = (index, [run.loader.batch(i) for i in run.plan.micro_batches(index)])
-        batches = run.held[1]
-        if self._record_batches:
-            self.job.record(batch=micro_batches_digest(batches))  # before anything in the step can fail
-        self.current_gradient_accumulation_steps = len(batches)
-        model.zero_grad(set_to_none=True)  # an interrupted attempt may have left gradients
-        items = num_items_in_batch(self, batches, self.args.device)
-        loss = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        flos = 0.0
-        for i, inputs in enumerate(batches):
-            last = i == len(batches) - 1
-            set_sync_gradients(self.accelerator, last)
-            sync: Any = contextlib.nullcontext() if last else model.no_sync()  # type: ignore[operator]
-            with sync:
-                loss = loss + self.training_step(model, inputs, items).double()
-            flos += float(self.floating_point_ops(inputs))
-        # reduced here, in the step: the log line must not depend on a collective between steps
-        sums = torch.stack([loss.detach(), torch.tensor(flos, dtype=torch.float64, device=loss.device)])
-        self.job.all_reduce(sums)
-        out.loss, out.flos = float(sums[0]) / self.job.world_size, float(sums[1])
-        if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
-            norm = self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
-            out.grad_norm = float(norm) if norm is not None else None
-        assert self.optimizer is not None  # Trainer made it before the loop
-        self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
-        self.optimizer.step()
-        self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
-        if self.lr_scheduler is not None:
-            out.learning_rate = float(self.lr_scheduler.get_last_lr()[0])
-            plateau = isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-            if not self.accelerator.optimizer_step_was_skipped and not plateau:
-                self.lr_scheduler.step()
 
     def _after_step(self, run: TrainerRun, index: int, out: StepOut, in_section: bool = False) -> None:
         """Trainer's bookkeeping of step ``index``, once on this rank, after its update is in the

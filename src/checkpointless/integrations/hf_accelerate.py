@@ -38,20 +38,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from accelerate import Accelerator  # type: ignore[import-untyped]
 from accelerate.utils import send_to_device  # type: ignore[import-untyped]
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader
 
 import checkpointless
 from checkpointless.comm.data_parallel import DataParallel
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
+from checkpointless.integrations._hf_accelerate_data import Attempt, StepDataLoader
+from checkpointless.integrations._hf_accelerate_held import HeldOutput
 from checkpointless.integrations._hf_internals import warn_if_untested
-from checkpointless.integrations._hf_state import ProtectedResults, StepPlan
+from checkpointless.integrations._hf_state import ProtectedResults
 from checkpointless.recovery.job import Job, Step
 
 __all__ = ["CheckpointlessAccelerator"]
@@ -59,63 +60,6 @@ __all__ = ["CheckpointlessAccelerator"]
 log = get_logger()
 
 T = TypeVar("T")
-
-
-@dataclass
-class _Attempt:
-    """One attempt at a step: how many of its micro-batches' blocks have run, and how it ended."""
-
-    step: Step
-    count: int
-    entered: bool = False
-    done: int = 0
-    failed: bool = False
-
-
-class _StepDataLoader:
-    """The training DataLoader, step-addressable: iterate it once per epoch, as the original.
-    ``batches(loader, epoch)`` is the accelerator's generator of one epoch's micro-batches."""
-
-    def __init__(
-        self,
-        dl: DataLoader[Any],
-        job: Job,
-        accumulation: int,
-        seed: int,
-        batches: Callable[[_StepDataLoader, int], Iterator[Any]],
-    ) -> None:
-        if isinstance(dl.dataset, IterableDataset) or dl.batch_size is None:
-            raise ConfigError(
-                "CheckpointlessAccelerator needs a map-style dataset and a batch_size for the training "
-                "DataLoader: its batches must be a function of (epoch, position)"
-            )
-        shuffle = isinstance(dl.sampler, RandomSampler)
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            dl.dataset, num_replicas=job.world_size, rank=job.rank, shuffle=shuffle, seed=seed
-        )
-        self.twin: DataLoader[Any] = DataLoader(
-            dl.dataset,
-            batch_size=dl.batch_size,
-            sampler=sampler,
-            collate_fn=dl.collate_fn,
-            num_workers=dl.num_workers,
-            pin_memory=dl.pin_memory,
-            drop_last=dl.drop_last,
-        )
-        self.plan = StepPlan(len(self.twin), accumulation)
-        self._batches = batches
-        self.epochs_started = 0
-        # the step boundary the loop is at: the committed steps, or, in an epoch a replacement
-        # passes because its state holds it already, that epoch's end
-        self.loop_at = 0
-
-    def __len__(self) -> int:
-        return len(self.twin)
-
-    def __iter__(self) -> Iterator[Any]:
-        epoch = self.epochs_started
-        self.epochs_started += 1
-        return self._batches(self, epoch)
 
 
 class CheckpointlessAccelerator(Accelerator):
@@ -140,17 +84,16 @@ class CheckpointlessAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         self._data_seed = data_seed
         self._objects: dict[str, Any] = {}
-        self._train: _StepDataLoader | None = None
+        self._train: StepDataLoader | None = None
         self._steps: Iterator[Step] | None = None
         self._pending: Step | None = None
         self._done = False
-        self._attempt: _Attempt | None = None
+        self._attempt: Attempt | None = None
         self._held: tuple[int, list[Any]] | None = None
         self._results = ProtectedResults()
         self._protected: dict[str, int] = {}  # protected function -> its period in steps
         # inside a protected function: what it prints and logs, shown once its section has closed
-        self._shown_later: list[Callable[[], None]] | None = None
-        self._showing: list[Callable[[], None]] = []  # ... being shown as its section closed
+        self._held_output = HeldOutput(self._show_print, self._show_log)
 
     # -- preparation ---------------------------------------------------------------------------
     def prepare_model(
@@ -187,7 +130,7 @@ class CheckpointlessAccelerator(Accelerator):
     ) -> Any:
         if self._train is not None:  # evaluation data: accelerate's own (not protected)
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        self._train = _StepDataLoader(
+        self._train = StepDataLoader(
             data_loader, self.job, self.gradient_accumulation_steps, self._data_seed, self._epoch_batches
         )
         return self._train
@@ -214,7 +157,7 @@ class CheckpointlessAccelerator(Accelerator):
         self._protected[name] = period
 
         def run() -> None:
-            self._shown_later, self._showing = [], []  # an interrupted attempt's lines are not shown
+            self._held_output.begin()  # an interrupted attempt's lines are not shown
             self._results.put(name, self.job.committed_step, fn())
 
         # as job.section(name, run, every=period), with the lines shown as the section closes
@@ -226,29 +169,28 @@ class CheckpointlessAccelerator(Accelerator):
         no fault can make it run again, so what it printed and logged is shown now, once. A
         tracker that raises here is recovered in process and this runs again, going on from
         the line that raised (those before it are not shown twice)."""
-        if self._shown_later is not None:  # not on the call after a raise: it goes on
-            self._showing, self._shown_later = self._shown_later, None
-        while self._showing:
-            self._showing[0]()
-            del self._showing[0]
+        self._held_output.closed()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Accelerate's ``print``; inside a protected function, held until its section has
         closed on every rank (a redone evaluation prints its lines once)."""
-        if self._shown_later is None:
+        if not self._held_output.print(args, kwargs):
             super().print(*args, **kwargs)
-        else:
-            self._shown_later.append(lambda: super(CheckpointlessAccelerator, self).print(*args, **kwargs))
 
-    def log(self, values: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def log(
+        self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None
+    ) -> None:
         """Accelerate's ``log`` to the trackers; inside a protected function, held (a copy of
-        ``values``) until its section has closed on every rank, so a redone evaluation is
+        ``values``) until its section has closed on every rank, so that a redone evaluation is
         recorded once."""
-        if self._shown_later is None:
-            super().log(values, *args, **kwargs)
-            return
-        held = dict(values)
-        self._shown_later.append(lambda: super(CheckpointlessAccelerator, self).log(held, *args, **kwargs))
+        if not self._held_output.log(values, step, log_kwargs):
+            super().log(values, step, log_kwargs)
+
+    def _show_print(self, text: str, flush: bool, file: Any) -> None:
+        super().print(text, end="", flush=flush, file=file)
+
+    def _show_log(self, values: dict[str, Any], step: int | None, log_kwargs: dict[str, Any] | None) -> None:
+        super().log(values, step, log_kwargs)
 
     def _call_protected(self, name: str) -> Any:
         loader = self._train
@@ -293,7 +235,7 @@ class CheckpointlessAccelerator(Accelerator):
         )
 
     # -- the loop ------------------------------------------------------------------------------
-    def _start(self, loader: _StepDataLoader) -> None:
+    def _start(self, loader: StepDataLoader) -> None:
         objects = dict(self._objects)
         if self.scaler is not None:  # fp16: the loss scale and its growth tracker
             objects["grad_scaler"] = self.scaler
@@ -314,7 +256,7 @@ class CheckpointlessAccelerator(Accelerator):
                 self._done = True
         return self._pending
 
-    def _epoch_batches(self, loader: _StepDataLoader, epoch: int) -> Iterator[Any]:
+    def _epoch_batches(self, loader: StepDataLoader, epoch: int) -> Iterator[Any]:
         if self._steps is None:
             self._start(loader)
         while True:
@@ -336,7 +278,7 @@ class CheckpointlessAccelerator(Accelerator):
                     micro = loader.plan.micro_batches(index)
                     self._held = (index, [self._loader.batch(i) for i in micro])
                 batches = self._held[1]
-                attempt = self._attempt = _Attempt(step, len(batches))
+                attempt = self._attempt = Attempt(step, len(batches))
                 # accelerate's accumulation counter: the step's last micro-batch syncs and steps
                 self.step = self.gradient_accumulation_steps - len(batches)
                 for batch in batches:
@@ -374,7 +316,7 @@ class CheckpointlessAccelerator(Accelerator):
         if not attempt.entered:
             # a step begins: no protected function is under way (an older state restored after
             # one was interrupted goes back to steps first), so nothing printed from here is held
-            self._shown_later = None
+            self._held_output.stop()
             attempt.step.__enter__()
             attempt.entered = True
         attempt.done += 1

@@ -53,25 +53,28 @@ def test_a_callback_raising_as_held_lines_are_shown_resumes_at_itself() -> None:
 
 
 def test_accelerate_lines_held_in_a_protected_function_resume_at_the_one_that_raised() -> None:
-    from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator
+    from checkpointless.integrations._hf_accelerate_held import HeldOutput
 
     shown: list[str] = []
     calls = {"log": 0}
 
-    def log() -> None:  # a tracker's record: unreachable the first time
-        calls["log"] += 1
+    def log(values: dict[str, Any], step: int | None, kwargs: dict[str, Any] | None) -> None:
+        calls["log"] += 1  # a tracker's record: unreachable the first time
         if calls["log"] == 1:
             raise RuntimeError("the tracker is unreachable")
-        shown.append("log")
+        shown.append(f"log {values} {step}")
 
-    # what a protected function held (accelerator.print, accelerator.log), as its section closes
-    acc = SimpleNamespace(_shown_later=[lambda: shown.append("print"), log, lambda: shown.append("end")])
-    acc._showing = []
-    closed = CheckpointlessAccelerator._section_closed
+    held = HeldOutput(lambda text, flush, file: shown.append(text), log)
+    assert not held.print(("outside",), {})  # not inside a protected function: shown at once
+    held.begin()
+    assert held.print(("a", 1), {"sep": "-", "flush": True})
+    assert held.log({"x": 1.5}, 3, None)
+    assert held.print(("end",), {"end": ""})
+    assert shown == []  # nothing shown inside the section
     with pytest.raises(RuntimeError, match="unreachable"):
-        closed(acc)  # type: ignore[arg-type]
-    assert shown == ["print"] and acc._shown_later is None
-    closed(acc)  # type: ignore[arg-type]
-    assert shown == ["print", "log", "end"]
-    closed(acc)  # type: ignore[arg-type]
-    assert shown == ["print", "log", "end"]
+        held.closed()
+    assert shown == ["a-1\n"]
+    held.closed()  # after the recovery: from the raising one on
+    assert shown == ["a-1\n", "log {'x': 1.5} 3", "end"]
+    held.closed()  # everything shown: nothing again
+    assert len(shown) == 3
