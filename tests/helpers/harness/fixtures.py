@@ -57,13 +57,15 @@ def netns_hosts() -> Iterator[Callable[..., NetnsCluster]]:
 
 
 @pytest.fixture
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A running Slurm cluster (munged, slurmctld, 3 slurmd) private to this test; stopped after."""
+def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
+    """A running Slurm cluster (munged, slurmctld, 3 slurmd) private to this test; stopped after.
+    A test that needs another number of nodes parametrizes it indirectly:
+    ``@pytest.mark.parametrize("slurm_cluster", [4], indirect=True)``."""
     reason = slurm_unavailable_reason()
     if reason:
         unavailable(reason)
     exit_on_sigterm()
-    cluster = SlurmCluster(nodes=3)
+    cluster = SlurmCluster(nodes=getattr(request, "param", 3))
     try:
         cluster.start()
         yield cluster
