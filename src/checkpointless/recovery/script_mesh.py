@@ -35,6 +35,7 @@ from checkpointless.recovery.member import Member
 from checkpointless.recovery.pipeline import schedules_layout, warn_if_untracked, with_pipeline_dim
 from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun
 from checkpointless.recovery.startup import sharded_copies
+from checkpointless.recovery.tp_hosts import warn_if_tp_spans_hosts
 
 __all__ = ["ScriptMesh", "adopt_script_mesh", "script_mesh_of", "settle_before_update", "settle_gradients"]
 
@@ -159,6 +160,7 @@ def adopt_script_mesh(member: Member) -> None:
     if mesh.shards > 1:
         sharded_copies(member)
     layout = found.layout
+    warn_if_tp_spans_hosts(member, layout)
     log.info(
         "mesh %s: state split over %s, replicated over %s; rank %d holds state %s, also held by ranks %s",
         dict(zip(layout.names, layout.shape, strict=True)),

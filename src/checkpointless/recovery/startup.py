@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpointless.comm.mesh_coords import MeshLayout
 from checkpointless.comm.work import waiting_since
 from checkpointless.errors import ConfigError, RendezvousError
 from checkpointless.events import get_logger, setup_logging
@@ -30,6 +31,7 @@ from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import warm_up
 from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun, mesh_shape_error
 from checkpointless.recovery.torchrun import join_torchrun_group, torchrun_warning
+from checkpointless.recovery.tp_hosts import warn_if_tp_spans_hosts
 
 __all__ = ["connect", "form_mesh", "join_torchrun", "sharded_copies", "standalone"]
 
@@ -164,6 +166,7 @@ def form_mesh(member: Member, names: tuple[str, ...], shape: tuple[int, ...]) ->
         world_formed_elsewhere=member.groups.default is not None,
     )
     member.tracked.objects[SHARD_STATE_NAME] = mesh.identity()
+    warn_if_tp_spans_hosts(member, MeshLayout.of(names, shape, sharded=names))
     if mesh.shards > 1:
         sharded_copies(member)
     if member.torchrun_store is not None:  # plain torchrun: formed once, from torchrun's store
