@@ -9,7 +9,8 @@ peer has finished the section too. Before the section closed with every rank tog
 went on into the next step while the faulted rank redid the section alone, its gathers meeting
 the step's gradient all-reduce. Faults also fire just after the closing barrier
 (``site=closed``), where one rank has passed it and its peer may still be in it: the section is
-complete then and is not redone. The job must end with every rank's weights, optimizer state
+complete then and is not redone; a rank lost there before it showed what the section printed and
+logged has its replacement show it. The job must end with every rank's weights, optimizer state
 and evaluation losses, and every saved file, equal to the fault-free run's, each evaluation
 given to the loop once, each section completed once, its printed line shown once and its logged
 values recorded once by the tracker (accelerate's ``log_with``, also when it raises once as they
@@ -103,24 +104,39 @@ def ref(reference: ReferenceRuns) -> JobResult:
 # is SIGKILLed just after that redone section's closing barrier (site=closed: the rank has passed
 # it; its peer has passed it too, or is still in it and has its barrier aborted by the launcher
 # as it completes): its replacement does not redo the section and resumes the generators as the
-# section left them (it drew from them; from where it began they would give other dropout masks)
-MERGED = ["raise:rank=0:step=5:site=section", "kill:rank=1:step=5:site=closed"]
+# section left them (it drew from them; from where it began they would give other dropout masks).
+# Rank 0 is SIGKILLed just after the last section's closing barrier, before it showed what that
+# section printed and logged (only rank 0 prints and logs): its replacement shows those lines,
+# once, from the copy the lost process kept beside its generator records (recovery/held_lines.py)
+MERGED = [
+    "raise:rank=0:step=5:site=section",
+    "kill:rank=1:step=5:site=closed",
+    "kill:rank=0:step=10:site=closed",
+]
 
 
 @pytest.mark.timeout(200)
 def test_a_fault_after_a_sections_last_collective_redoes_it_on_every_rank(
     tmp_path: Path, ref: JobResult
 ) -> None:
-    # ... and after the last section's closing barrier rank 0's tracker (accelerate's log_with)
-    # raises as the section's logged values reach it, the line printed before them shown
-    # already: recovered in rank 0's process, the section not redone, the showing going on
-    # from the values that raised
+    # ... and as rank 0's replacement shows the last section's held lines, its tracker
+    # (accelerate's log_with) raises as the logged values reach it, the line printed before
+    # them shown already: recovered in that process, the section not redone, the showing going
+    # on from the values that raised
     res = run(tmp_path / "run", MERGED, ("--tracker-fails-at", "1"))
     check(res, ref, MERGED)  # the tracker's file (in saved/) included: each epoch recorded once
     assert "tracker failed once at epoch 1" in res.output
+    assert "showing the lines rank 0 held in section" in res.output  # by its replacement
     # both raises recovered in rank 0's own process (an exception), not by a spare (an exit)
     raised = [f for r in res.of("recovery") for f in r["faults"] if f["kind"] == "exception"]
     assert [f["rank"] for f in raised] == [0, 0], raised
+    # what the lost rank 0 held, shown by its replacement: the tracker's two epochs and the
+    # printed lines, each once, as in the fault-free run
+    tracked = (res.run_dir.parent / "saved" / "tracker.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in tracked] == [0, 1], tracked
+    assert re.findall(r"saved epoch-\d after eval loss \d+\.\d{6}", res.output) == re.findall(
+        r"saved epoch-\d after eval loss \d+\.\d{6}", ref.output
+    )
 
 
 @pytest.mark.soak

@@ -9,7 +9,8 @@ must end with every rank's weights (the best checkpoint's, loaded at the end), o
 log history, evaluation metrics and best metric, step and checkpoint equal to the fault-free
 run's, with each evaluation printed once, and with Trainer's checkpoint files equal to the
 fault-free run's: a checkpoint whose save a fault cut short is written again whole before the
-end of training loads it. A callback's ``on_log`` raising as the evaluation's line is shown, once
+end of training loads it. Rank 0 lost after a section closed and before it printed the
+evaluation's line has its replacement print it. A callback's ``on_log`` raising as the evaluation's line is shown, once
 the section has closed on every rank, is recovered in its process and the line shown once.
 """
 
@@ -32,7 +33,7 @@ STEPS = 12  # 3 epochs of 4 optimizer steps
 TIMING = ("runtime", "per_second", "_time")
 
 
-def run(run_dir: Path, faults: str, spares: int = 1) -> JobResult:
+def run(run_dir: Path, faults: str, spares: int = 1, inject: tuple[str, ...] = ()) -> JobResult:
     env = {
         **OFFLINE,
         "HF_FAULTS": faults,
@@ -41,7 +42,7 @@ def run(run_dir: Path, faults: str, spares: int = 1) -> JobResult:
     }
     args = ["--record-batches", "--output-dir", str(run_dir.parent / "out")]
     job = start_job(
-        run_dir, run_dir.parent / "unused", 2, spares, [], script_args=args, script=SCRIPT,
+        run_dir, run_dir.parent / "unused", 2, spares, list(inject), script_args=args, script=SCRIPT,
         hang_timeout=6, env=env,
     )  # fmt: skip
     return job.finish(150)
@@ -95,7 +96,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    "faults",
+    ("faults", "inject"),
     [
         # rank 0 raises in checkpoint-4's save, its weights written and the rest not yet (the
         # evaluation before it logged already); rank 1 is SIGKILLed in the middle of the
@@ -103,27 +104,38 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
         # ... and rank 0's last callback raises in its on_log of the last evaluation's line, the
         # section closed on every rank and the line printed: recovered in process (no spare),
         # not redone, the line not printed again
+        # ... and rank 0 (the one that prints) is SIGKILLed just after the closing barrier of
+        # the first evaluation's redone section, before it showed the evaluation's line: its
+        # replacement shows that line, once (recovery/held_lines.py)
         pytest.param(
-            "raise:save:0:4,kill:eval:1:8,raise:log:0:12", id="raise-in-save-sigkill-in-eval-raise-in-on-log"
+            "raise:save:0:4,kill:eval:1:8,raise:log:0:12",
+            ("kill:rank=0:step=4:site=closed",),
+            id="raise-in-save-sigkill-in-eval-raise-in-on-log",
         ),
         # rank 0, which writes the checkpoints, is SIGKILLed in the last checkpoint's save: its
         # replacement writes it again before the end of training loads the best one; rank 1
         # raises in the middle of the first evaluation
         pytest.param(
-            "raise:eval:1:4,kill:save:0:12", id="raise-in-eval-then-sigkill-in-save", marks=pytest.mark.soak
+            "raise:eval:1:4,kill:save:0:12",
+            (),
+            id="raise-in-eval-then-sigkill-in-save",
+            marks=pytest.mark.soak,
         ),
     ],
 )
 def test_epoch_evaluation_and_the_best_checkpoint_survive_faults_bitwise(
-    tmp_path: Path, reference: JobResult, faults: str
+    tmp_path: Path, reference: JobResult, faults: str, inject: tuple[str, ...]
 ) -> None:
-    res = run(tmp_path / "run", faults)
+    res = run(tmp_path / "run", faults, inject=inject)
     assert res.rc == 0, res.output[-6000:]
     for n, fault in enumerate(faults.split(",")):
         kind, where, _, _ = fault.split(":")
         assert (tmp_path / f"fired-{n}").exists(), f"{fault} did not fire"
         assert f"fault in {where}: {kind}" in res.output
     assert len(res.of("recovery")) >= len(faults.split(",")) and res.of("spare_assigned"), res.output[-4000:]
+    for fault in inject:
+        assert res.fired(fault), (fault, res.output[-4000:])
+        assert "showing the lines rank 0 held in section" in res.output  # by its replacement
     # every raise recovered in its own process (an exception, not an exit a spare replaces),
     # and no rank resumed without its own generators
     raised = [f for r in res.of("recovery") for f in r["faults"] if f["kind"] == "exception"]

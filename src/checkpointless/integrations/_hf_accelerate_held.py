@@ -5,17 +5,25 @@ fault redoes on every rank: a line printed or a value logged by an attempt that 
 would be shown twice. So ``accelerator.print`` and ``accelerator.log`` inside it are held here,
 as data (the printed text, the logged values), and shown once the section has closed on every
 rank (``closed``, recovery/driver.py), when nothing can redo it. A tracker that raises as they
-are shown is recovered in process and the showing goes on from the call that raised.
+are shown is recovered in process and the showing goes on from the call that raised. They are
+kept outside the process as JSON too (``encode``, recovery/held_lines.py), so the replacement of
+a rank lost before it showed them shows them (``restore``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from checkpointless.events import get_logger
+
 __all__ = ["Held", "HeldOutput"]
+
+log = get_logger()
 
 
 @dataclass
@@ -86,3 +94,22 @@ class HeldOutput:
                 assert held.values is not None
                 self._show_log(held.values, held.step, held.log_kwargs)
             del self.showing[0]
+
+    def encode(self) -> bytes | None:
+        """What is held, as JSON, for a replacement; None when nothing is, or when a call cannot
+        be kept (a print to a file of its own, values that are not JSON): shown here only."""
+        held = self.holding if self.holding is not None else self.showing
+        if not held:
+            return None
+        if any(h.file is not None for h in held):
+            log.warning("held lines not kept for a replacement: a print to a file of its own")
+            return None
+        try:
+            return json.dumps([dataclasses.asdict(h) | {"file": None} for h in held]).encode()
+        except (TypeError, ValueError) as e:
+            log.warning("held lines not kept for a replacement (not JSON: %s)", e)
+            return None
+
+    def restore(self, data: bytes) -> None:
+        """Hold what a lost predecessor's :meth:`encode` kept, for :meth:`closed` to show."""
+        self.holding, self.showing = [Held(**item) for item in json.loads(data)], []

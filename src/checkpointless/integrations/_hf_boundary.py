@@ -4,16 +4,22 @@ integrations/hf.py registers one section (evaluation, checkpoints, an epoch's en
 loop asks about after every step (``when``, recovery/sections.py) and runs only where Trainer has
 work: :func:`work_at`. Inside it Trainer's ``on_log`` calls are held (:class:`HeldLogs`); they
 are shown once the step loop has closed the section on every rank together (``close_section``,
-recovery/driver.py, then the section's ``closed``), when no fault can make it run again.
+recovery/driver.py, then the section's ``closed``), when no fault can make it run again. What
+is held is kept outside the process too (:class:`ClosingLines`, recovery/held_lines.py), so the
+replacement of a rank lost before it showed them shows them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from checkpointless.events import get_logger
 from checkpointless.integrations._hf_internals import log_to
 
-__all__ = ["HeldLogs", "ends_epoch", "work_at"]
+__all__ = ["ClosingLines", "HeldLogs", "ends_epoch", "work_at"]
+
+log = get_logger()
 
 
 def ends_epoch(at: int, steps_per_epoch: int, max_steps: int) -> bool:
@@ -62,3 +68,36 @@ class HeldLogs:
         control.should_log = False  # as the handler's own on_log does first
         self.logs.append(logs)
         return control
+
+    def encode(self) -> bytes | None:
+        """The entries not shown yet, as JSON (Trainer's log values are numbers and strings);
+        None when there are none, or when one is not JSON (then it is not kept)."""
+        rest = self.logs[self.entry :]
+        if not rest:
+            return None
+        try:
+            return json.dumps(rest).encode()
+        except (TypeError, ValueError) as e:
+            log.warning("held log lines not kept for a replacement (not JSON: %s)", e)
+            return None
+
+    @classmethod
+    def decode(cls, data: bytes) -> HeldLogs:
+        """The entries :meth:`encode` wrote, none shown yet."""
+        held = cls()
+        held.logs = [dict(entry) for entry in json.loads(data)]
+        return held
+
+
+class ClosingLines:
+    """The boundary section's lines to show as it closes (``logs``, set by its last attempt),
+    kept for a replacement as the section's ``held`` (recovery/sections.py)."""
+
+    def __init__(self) -> None:
+        self.logs: HeldLogs | None = None
+
+    def encode(self) -> bytes | None:
+        return self.logs.encode() if self.logs is not None else None
+
+    def restore(self, data: bytes) -> None:
+        self.logs = HeldLogs.decode(data)

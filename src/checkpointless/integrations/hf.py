@@ -33,7 +33,7 @@ from transformers import Trainer
 import checkpointless
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
-from checkpointless.integrations._hf_boundary import HeldLogs, ends_epoch, work_at
+from checkpointless.integrations._hf_boundary import ClosingLines, HeldLogs, ends_epoch, work_at
 from checkpointless.integrations._hf_data import train_dataloader
 from checkpointless.integrations._hf_internals import (
     evaluate_and_save,
@@ -101,7 +101,7 @@ class CheckpointlessTrainer(Trainer):
         self._undo = SectionUndo(self._section_objects)
         self._eval = EvalContext()
         self._held: HeldLogs | None = None  # inside the boundary's section: its on_log calls
-        self._to_show: HeldLogs | None = None  # held by the section's last attempt, shown as it closes
+        self._closing = ClosingLines()  # held by the section's last attempt, shown as it closes
         refuse_unsupported_setup(self)  # Trainer's defaults, accelerate's config, the GPUs
 
     # -- data and model ------------------------------------------------------------------------
@@ -164,7 +164,13 @@ class CheckpointlessTrainer(Trainer):
         # the state the section began with is kept, and its log lines held, until it has closed
         # on every rank together
         self.job.internals.schedule.add_section(
-            BOUNDARY_SECTION, self._boundary, 1, False, self._boundary_due, self._section_closed
+            BOUNDARY_SECTION,
+            self._boundary,
+            1,
+            False,
+            self._boundary_due,
+            self._section_closed,
+            self._closing,
         )
         self._ledger.last_logged = self.state.global_step  # a resumed run logs from its step on
         if resume_from_checkpoint is not None and not self.job.is_replacement:
@@ -214,7 +220,7 @@ class CheckpointlessTrainer(Trainer):
         recovered and this runs again on every rank from the state it began with; a stop asked
         for by a callback ends the job here."""
         run, at = self._run, self.job.committed_step
-        self._to_show = None  # an interrupted attempt's lines are not shown
+        self._closing.logs = None  # an interrupted attempt's lines are not shown
         if run is None or at == run.resumed_at:
             return
         redo = self._undo.pending(at)
@@ -247,18 +253,20 @@ class CheckpointlessTrainer(Trainer):
             self._held = None
         if self.control.should_training_stop:
             self.job.stop()  # replicated: the flags travel with TrainerState's carrier
-        self._to_show = held
+        self._closing.logs = held
 
     def _section_closed(self) -> None:
         """The boundary's section has closed on every rank together (recovery/driver.py): no
         fault can make it run again, so the state it began with can go, and its held log lines
         are shown, once. A callback's ``on_log`` that raises here is recovered in process (its
         peers are past the section, so it is not redone) and this runs again, going on from
-        that callback (``HeldLogs.show``)."""
+        that callback (``HeldLogs.show``). A replacement of a rank lost before it showed them
+        runs this too, its predecessor's lines restored (recovery/held_lines.py)."""
         self._undo.end()
-        if self._to_show is not None:
-            self.control = self._to_show.show(self.callback_handler, self.args, self.state, self.control)
-        self._to_show = None
+        held = self._closing.logs
+        if held is not None:
+            self.control = held.show(self.callback_handler, self.args, self.state, self.control)
+        self._closing.logs = None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's ``log``; inside the boundary's section its ``on_log`` is held (``HeldLogs``)."""

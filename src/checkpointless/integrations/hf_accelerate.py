@@ -161,7 +161,9 @@ class CheckpointlessAccelerator(Accelerator):
             self._results.put(name, self.job.committed_step, fn())
 
         # as job.section(name, run, every=period), with the lines shown as the section closes
-        self.job.internals.schedule.add_section(name, run, period, False, closed=self._section_closed)
+        self.job.internals.schedule.add_section(
+            name, run, period, False, closed=self._section_closed, held=self._held_output
+        )
         return lambda: self._call_protected(name)
 
     def _section_closed(self) -> None:

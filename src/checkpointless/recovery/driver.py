@@ -15,6 +15,7 @@ from checkpointless.errors import CommAborted, ConfigError
 from checkpointless.events import get_logger
 from checkpointless.protocol import Done
 from checkpointless.recovery.first_generation import finish_opening
+from checkpointless.recovery.held_lines import HeldLinesFile
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.member import Member
@@ -61,6 +62,7 @@ def run_steps(member: Member, total: int, start: int, steps_per_epoch: int | Non
         member.tracked.objects[LOOP_STATE_NAME] = member.loop  # an early end travels to a replacement
         if member.is_replacement:
             recover(member, cause="join", error=None, committed=-1, valid=False)
+            _show_predecessors_lines(member)
         elif member.opening is not None:  # its groups formed in init(): the state sync is left
             finish_opening(member, start)
         else:
@@ -138,6 +140,8 @@ def _run_sections(member: Member) -> bool:
             # kept before the barrier, since its peers may pass it before it returns here
             after = capture_rng()
             member.replicas.rank_rng.keep_section_end(at, after, sec.name)
+            if sec.held is not None:  # ... and what it holds to show as it closes
+                _held_file(member).keep(at, sec.name, sec.held.encode())
             close_section(member)
         except Exception as exc:
             if not member.recovery.connected or isinstance(exc, ConfigError):
@@ -176,6 +180,8 @@ def _after_section(member: Member, sec: Section, at: int) -> None:
             member.guard.injector.maybe_fire("closed", at)
             if sec.closed is not None:
                 sec.closed()
+            if sec.held is not None:
+                _held_file(member).drop()  # shown: a replacement must not show it again
             return
         except Exception as exc:
             if not member.recovery.connected or isinstance(exc, ConfigError):
@@ -185,6 +191,32 @@ def _after_section(member: Member, sec: Section, at: int) -> None:
             if member.committed_step != at or member.loop.sections_done.get(sec.name) != at:
                 return  # the job went back to an older state (every replica lost): not shown
             member.record.end_section(at, capture_rng())
+
+
+def _held_file(member: Member) -> HeldLinesFile:
+    keeper = member.replicas.rank_rng  # beside this rank's generator records
+    return HeldLinesFile(keeper.directory, keeper.rank)
+
+
+def _show_predecessors_lines(member: Member) -> None:
+    """A replacement that joined at a boundary whose section its predecessor completed (its
+    peers passed the closing barrier) and whose held lines it did not show: show them now, once
+    (held_lines.py), as its ``closed`` would have."""
+    at = member.committed_step
+    for sec in member.schedule.sections:
+        if sec.held is None or member.loop.sections_done.get(sec.name) != at:
+            continue
+        lines = _held_file(member).load(at, sec.name)
+        if lines is None:
+            continue
+        log.info(
+            "showing the lines rank %d held in section %r at step %d before it was lost",
+            member.rank,
+            sec.name,
+            at,
+        )
+        sec.held.restore(lines)
+        _after_section(member, sec, at)
 
 
 def close_section(member: Member) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.loader import StepLoader
-from checkpointless.recovery.sections import Section
+from checkpointless.recovery.sections import HeldLines, Section
 from checkpointless.recovery.stateful_loader import StatefulStepLoader
 
 __all__ = ["StepSchedule"]
@@ -37,12 +37,13 @@ class StepSchedule:
         at_start: bool,
         when: Callable[[], bool] | None = None,
         closed: Callable[[], None] | None = None,
+        held: HeldLines | None = None,
     ) -> None:
-        """Register a section (``job.section()``, or an integration's with ``when`` and
-        ``closed``, sections.py); its name must be new."""
+        """Register a section (``job.section()``, or an integration's with ``when``, ``closed``
+        and ``held``, sections.py); its name must be new."""
         if any(s.name == name for s in self.sections):
             raise ConfigError(f"a section named {name!r} is already registered; give each its own name")
-        self.sections.append(Section(name, fn, every, at_start, when, closed))
+        self.sections.append(Section(name, fn, every, at_start, when, closed, held))
 
     def per_epoch(self, loaders: Sequence[Loader]) -> int:
         """The epoch length: ``steps_per_epoch``, else that of the job's one loader."""

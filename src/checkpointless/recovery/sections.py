@@ -23,11 +23,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from checkpointless.errors import ConfigError
 
-__all__ = ["Section", "due_sections"]
+__all__ = ["HeldLines", "Section", "due_sections"]
+
+
+class HeldLines(Protocol):
+    """What a section holds to show as it closes (its log lines), kept for a replacement
+    (recovery/held_lines.py)."""
+
+    def encode(self) -> bytes | None:
+        """What ``closed`` is yet to show, as bytes; None when nothing is held (or it cannot be
+        kept)."""
+
+    def restore(self, data: bytes) -> None:
+        """Hold ``data`` (a lost predecessor's ``encode()``), for ``closed`` to show."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,9 @@ class Section:
     # section is complete: if this raises, the fault is recovered without redoing the section
     # and this is called again, so it must go on where it stopped (held lines shown once)
     closed: Callable[[], None] | None = None
+    # what ``closed`` will show, kept as the section's work is done: a replacement of a rank
+    # lost after the closing barrier and before ``closed`` showed it shows it (held_lines.py)
+    held: HeldLines | None = None
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -78,3 +78,41 @@ def test_accelerate_lines_held_in_a_protected_function_resume_at_the_one_that_ra
     assert shown == ["a-1\n", "log {'x': 1.5} 3", "end"]
     held.closed()  # everything shown: nothing again
     assert len(shown) == 3
+
+
+def test_held_lines_travel_as_json_to_a_replacement_that_shows_them_once() -> None:
+    from checkpointless.integrations._hf_accelerate_held import HeldOutput
+    from checkpointless.integrations._hf_boundary import ClosingLines, HeldLogs
+
+    closing = ClosingLines()
+    assert closing.encode() is None  # nothing held
+    closing.logs = HeldLogs()
+    assert closing.encode() is None
+    state, control = TrainerState(), TrainerControl(should_log=True)
+    closing.logs.on_log(SimpleNamespace(), state, control, {"n": 0, "eval_loss": 1.25})
+    successor = ClosingLines()
+    successor.restore(closing.encode() or b"")
+    assert successor.logs is not None and successor.logs.logs == [{"n": 0, "eval_loss": 1.25}]
+    seen = Seen()
+    handler = CallbackHandler([seen], None, None, None, None)
+    successor.logs.show(handler, SimpleNamespace(), state, control)
+    assert seen.seen == [0]
+
+    shown: list[str] = []
+    held = HeldOutput(
+        lambda text, flush, file: shown.append(text), lambda v, s, k: shown.append(f"{v} {s} {k}")
+    )
+    held.begin()
+    held.print(("saved", 3), {"flush": True})
+    held.log({"epoch": 1, "loss": 0.5}, 10, {"jsonl": {"a": 1}})
+    data = held.encode()
+    assert data is not None and shown == []
+    lost = HeldOutput(
+        lambda text, flush, file: shown.append(text), lambda v, s, k: shown.append(f"{v} {s} {k}")
+    )
+    lost.restore(data)
+    lost.closed()
+    assert shown == ["saved 3\n", "{'epoch': 1, 'loss': 0.5} 10 {'jsonl': {'a': 1}}"]
+    held.begin()
+    held.print(("to a file",), {"file": object()})  # not kept: shown in this process only
+    assert held.encode() is None
