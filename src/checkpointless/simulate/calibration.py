@@ -37,6 +37,11 @@ class CommModel(str, Enum):
     # Ranks derive peer addresses from a table handed out in advance and exchange them along a
     # tree, so the critical path is O(log N) network round trips (HyperPod's root-less start-up).
     ROOTLESS_LOG = "rootless-log"
+    # This repository's root-less rendezvous (docs/rendezvous.md, the launcher's default), as
+    # benchmarks/rendezvous_scale.py measured it: each rank serves its own keys and reads N keys
+    # from N owners, so the critical path is N times one key's CPU cost plus a few round trips
+    # per batch of 128 keys. Only the key exchange: the communicator's own connections are not in it.
+    ROOTLESS_MEASURED = "rootless-measured"
     # Shrink/grow of an existing communicator touches only the replaced ranks' neighbours.
     ROOTLESS_CONST = "rootless-const"
 
@@ -67,6 +72,10 @@ class Calibration:
     init_model: CommModel = CommModel.STORE_LINEAR
     store_per_rank_s: float = 0.01  # store-based start-up: seconds per rank (the O(N) term)
     rootless_log_s: float = 1.0  # root-less start-up: seconds per doubling of N (the log term)
+    # rootless-measured: benchmarks/results/rendezvous_scale.json, max(s_o, s_r) = 187.9 us of CPU
+    # per key (owner or reader, measured at 4,096 ranks), 3 round trips of 50 us per 128 keys
+    rootless_per_rank_s: float = 1.879e-4
+    rootless_rtt_s: float = 5e-5
     load_s: float = 5.0  # fixed part of a checkpoint load: metadata, opening files
     storage_read_gbps: float = 200.0  # aggregate read bandwidth of the checkpoint store
     restart_data_s: float = 60.0  # data loader cold start (workers, shuffle buffers, prefetch)
@@ -81,6 +90,10 @@ class Calibration:
     # grow_phases), until the issue's benchmark measures them.
     shrink_s: float | None = None  # from detection to the first step with fewer replicas
     grow_s: float | None = None  # from a step boundary to the first step at full width again
+    # One extra accumulation pass as a share of the full-width step (the forward and backward;
+    # the all-reduce and the optimizer step run once): benchmarks/results/degraded_step.json,
+    # 4 -> 3 ranks with a per-pass device stand-in, degraded step 1.8294x the full one (median of 3).
+    extra_pass_ratio: float = 0.8294
 
     def __post_init__(self) -> None:
         for f in fields(self):

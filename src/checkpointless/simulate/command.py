@@ -15,7 +15,7 @@ from pathlib import Path
 
 from checkpointless.errors import ConfigError
 from checkpointless.simulate.calibration import load_calibration
-from checkpointless.simulate.capacity import CapacityPolicy, NoSparePolicy
+from checkpointless.simulate.capacity import CapacityPolicy, DegradedDesign, NoSparePolicy
 from checkpointless.simulate.des import SimConfig
 from checkpointless.simulate.failures import BAD_REPAIR_FRACTION
 from checkpointless.simulate.models import IntervalRule
@@ -94,22 +94,34 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("the chosen policy (the launcher's flags of the same names)")
     g.add_argument(
         "--no-spare-policy",
+        "--when-no-spare",
+        dest="no_spare_policy",
         choices=[v.value for v in NoSparePolicy],
-        default=NoSparePolicy.SHRINK.value,
-        help="a host is lost and no spare host is ready: go on with fewer replicas and grow back "
-        "(shrink, the default), wait up to --spare-wait then fail (wait), or fail at once (fail)",
+        default=NoSparePolicy.WAIT.value,
+        help="a host is lost and no spare host is ready: go on at once with fewer replicas and grow "
+        "back (shrink), wait up to --spare-wait then shrink (wait, the launcher's default), or wait "
+        "up to --spare-wait then fail (fail, the launcher before degraded mode)",
+    )
+    g.add_argument(
+        "--degraded-design",
+        choices=[v.value for v in DegradedDesign],
+        default=DegradedDesign.BITWISE.value,
+        help="how survivors train a dropped replica's micro-batches: bitwise (this repository's "
+        "design: a held slot is a whole extra pass, the measured step) or split (the issue's ideal, "
+        "full / remaining width; not built)",
     )
     g.add_argument(
         "--min-replicas",
         type=int,
         default=1,
-        help="shrink: fewer data-parallel replicas at work than this fails the job (default %(default)s)",
+        help="fewer data-parallel replicas at work than this fails the job (default %(default)s)",
     )
     g.add_argument(
         "--spare-wait",
         type=float,
         default=60.0,
-        help="wait: seconds to wait for a host before the job fails (default %(default)s; inf: no limit)",
+        help="seconds to wait for a host before the job shrinks (wait) or fails (fail) "
+        "(default %(default)s; inf: no limit)",
     )
     g.add_argument(
         "--health-check",
@@ -213,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             spare_wait_s=args.spare_wait,
             min_replicas=args.min_replicas,
             health_check=args.health_check == "on",
+            design=DegradedDesign(args.degraded_design),
         )
         base = SimConfig(days=args.days, interval_rule=IntervalRule(args.interval), capacity=capacity)
         base = replace(

@@ -34,8 +34,12 @@ from checkpointless.simulate.capacity import (
     CapacityPolicy,
     Fleet,
     Host,
-    NoSparePolicy,
+    SparePool,
+    WidthAction,
+    dropped_replicas,
     fill_count,
+    hosts_to_keep,
+    no_spare_action,
     replicas_at_work,
     slowdown,
 )
@@ -114,26 +118,6 @@ class _Placement(NamedTuple):
     shrank: bool = False  # the job goes on with fewer replicas
 
 
-class SparePool:
-    """Hot spare nodes. Each node taken is replaced by a repaired one ``replace_s`` later.
-
-    The simple pool of the wait policy (kept for its unit test and for callers); the simulation
-    itself uses :class:`~checkpointless.simulate.capacity.Fleet`, which adds repairs that fail.
-    """
-
-    def __init__(self, free: int, replace_s: float) -> None:
-        self._fleet = Fleet(free, replace_s, 0.0, health_check=False)
-
-    @property
-    def free(self) -> int:
-        return len(self._fleet.free)
-
-    def take(self, now: float, count: int) -> float:
-        """Take ``count`` nodes at ``now``; return how long the job waits for the last one."""
-        self._fleet.send_to_repair(now, count, 1.0)
-        return self._fleet.take(now, count)[1]
-
-
 class _Run:
     """Mutable state of one run; ``simulate_run`` is the public entry point."""
 
@@ -160,6 +144,9 @@ class _Run:
             shape.spares, shape.replace_s, cfg.failures.bad_repair_fraction, self.cap.health_check
         )
         self.holes = 0  # job positions without a host (degraded mode)
+        # when the hosts the job has taken from repairs are there: a fault during that wait
+        # starts a new plan, which still waits for them
+        self.hosts_at = 0.0
         self.factor = 1.0  # step wall time over the full-width step time
         self.grow_at = math.inf  # step boundary at which hosts that returned join
         self.promoted_bad: list[tuple[int, float]] = []  # (position, repair draw) of bad hosts
@@ -233,31 +220,40 @@ class _Run:
 
     def _set_holes(self, holes: int) -> None:
         self.holes = holes
-        self.factor = slowdown(self.cfg.shape, holes)
+        self.factor = slowdown(self.cfg.shape, holes, self.cap.design, self.cfg.cal.extra_pass_ratio)
         self.min_width = min(self.min_width, replicas_at_work(self.cfg.shape, holes))
 
     def _place(self, nodes: tuple[int, ...]) -> _Placement:
-        """Find hosts for the lost ``nodes`` under the no-spare policy."""
-        shape, cap = self.cfg.shape, self.cap
-        if cap.no_spare is NoSparePolicy.SHRINK:
-            holes = self.holes + len(nodes)
-            fill = fill_count(holes, self.fleet.available(self.t), shape.dp_group_nodes)
-            if holes == fill or replicas_at_work(shape, holes - fill) >= cap.min_replicas:
-                before = replicas_at_work(shape, self.holes)
-                self._promote(self.fleet.take_ready(self.t, fill), nodes)
-                self._set_holes(holes - fill)
-                # a lost host taken over by a spare or by a dropped replica's survivor is a swap
-                return _Placement(shrank=replicas_at_work(shape, self.holes) < before)
-            # below --min-replicas the job fails at once; its restart waits for every missing host
-            hosts, wait = self.fleet.take(self.t, holes)
+        """Find hosts for the lost ``nodes`` under the no-spare policy (``no_spare_action``)."""
+        shape, cap, fleet, g = self.cfg.shape, self.cap, self.fleet, self.cfg.shape.dp_group_nodes
+        holes = self.holes + len(nodes)
+        before = replicas_at_work(shape, self.holes)
+        # hosts that keep every replica at work that was at work (the survivors of a replica
+        # already dropped stand in for the rest), and hosts that keep --min-replicas at work
+        need = max(0, holes - g * dropped_replicas(self.holes, g))
+        floor = hosts_to_keep(shape.dp_width, holes, g, cap.min_replicas)
+        ready = fleet.available(self.t)
+        action, waited = no_spare_action(
+            cap,
+            wait_to_cover_s=fleet.ready_at(self.t, need) - self.t,
+            wait_to_shrink_s=math.inf if floor is None else fleet.ready_at(self.t, floor) - self.t,
+        )
+        if action is WidthAction.ASSIGN:
+            # the ready spares that bring back the most replicas, or the hosts waited for
+            hosts, wait = fleet.take(self.t, max(need, fill_count(holes, ready, g)))
             self._promote(hosts, nodes)
-            self._set_holes(0)
-            return _Placement(wait_s=wait, failed=True)
-        hosts, wait = self.fleet.take(self.t, len(nodes))
+            self._set_holes(holes - len(hosts))
+            return _Placement(wait_s=wait)
+        if action is WidthAction.SHRINK:
+            hosts, _ = fleet.take(self.t, fill_count(holes, fleet.ready_by(self.t, self.t + waited), g))
+            self._promote(hosts, nodes)
+            self._set_holes(holes - len(hosts))
+            return _Placement(wait_s=waited, shrank=replicas_at_work(shape, self.holes) < before)
+        # fail: the restart waits for every missing host
+        hosts, wait = fleet.take(self.t, holes)
         self._promote(hosts, nodes)
-        if wait > cap.wait_limit_s:  # the job gives up and fails; its restart waits for the rest
-            return _Placement(wait - cap.wait_limit_s, cap.wait_limit_s, failed=True)
-        return _Placement(wait_s=wait)
+        self._set_holes(0)
+        return _Placement(max(0.0, wait - waited), waited, failed=True)
 
     # -- faults --------------------------------------------------------------------------------
     def on_fault(self, fault: Fault) -> list[Phase]:
@@ -268,7 +264,9 @@ class _Run:
         self.save_done = 0.0  # a save under way is void
         self.fleet.send_to_repair(self.t, len(fault.nodes), fault.repair_u)
         place = self._place(fault.nodes) if fault.nodes else _Placement()
-        wait = place.wait_s
+        waited_for = place.wait_s + place.gave_up_after_s if not place.shrank else 0.0
+        wait = max(place.wait_s, self.hosts_at - self.t - place.gave_up_after_s)
+        self.hosts_at = max(self.hosts_at, self.t + waited_for)
         if wait > 0:
             self.spare_waits += 1
         lost = self.pending | set(fault.nodes)

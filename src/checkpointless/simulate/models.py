@@ -16,10 +16,11 @@ from checkpointless.errors import ConfigError
 from checkpointless.simulate.calibration import Calibration
 from checkpointless.simulate.capacity import (
     CapacityPolicy,
-    NoSparePolicy,
-    dropped_replicas,
+    WidthAction,
     extra_faults_per_host_loss,
     fill_count,
+    hosts_to_keep,
+    no_spare_action,
     slowdown,
 )
 from checkpointless.simulate.failures import Blast, FailureCause, FailureModel
@@ -148,18 +149,22 @@ def _nodes_needed(cause: FailureCause, shape: JobShape) -> int:
     return 1
 
 
-def _no_spare(cause: FailureCause, shape: JobShape, capacity: CapacityPolicy | None) -> str:
-    """With a full pool, what a checkpointless job does about this cause's lost hosts:
-    "swap" (enough spares), "wait" (for a repair), "fail" (restart) or "shrink"."""
+# a hole the full pool cannot fill: waiting for its repair, going on degraded, or a restart
+_MODE = {WidthAction.ASSIGN: "wait", WidthAction.SHRINK: "shrink", WidthAction.FAIL: "fail"}
+
+
+def _no_spare(cause: FailureCause, shape: JobShape, capacity: CapacityPolicy | None) -> tuple[str, float]:
+    """With a full pool, what a checkpointless job does about this cause's lost hosts, and the
+    wait before it: "swap" (enough spares), "wait" (for a repair), "fail" (restart) or "shrink"."""
     needed = _nodes_needed(cause, shape)
     if needed <= shape.spares:
-        return "swap"
+        return "swap", 0.0
     cap = capacity if capacity is not None else CapacityPolicy()
-    if cap.no_spare is NoSparePolicy.SHRINK:
-        holes = needed - fill_count(needed, shape.spares, shape.dp_group_nodes)
-        left = shape.dp_width - dropped_replicas(holes, shape.dp_group_nodes)
-        return "shrink" if holes == 0 or left >= cap.min_replicas else "fail"
-    return "wait" if cap.wait_limit_s >= shape.replace_s else "fail"
+    floor = hosts_to_keep(shape.dp_width, needed, shape.dp_group_nodes, cap.min_replicas)
+    # the spares there now keep --min-replicas at work, or the repairs bring them in one repair time
+    shrink = math.inf if floor is None else (0.0 if floor <= shape.spares else shape.replace_s)
+    action, waited = no_spare_action(cap, wait_to_cover_s=shape.replace_s, wait_to_shrink_s=shrink)
+    return _MODE[action], waited
 
 
 def _cause_fallback_probability(
@@ -167,7 +172,7 @@ def _cause_fallback_probability(
 ) -> float:
     if cause.blast is Blast.JOB:
         return 1.0 if cause.recurring else 0.0
-    if _no_spare(cause, shape, capacity) == "fail":
+    if _no_spare(cause, shape, capacity)[0] == "fail":
         return 1.0
     if cause.blast is Blast.SWITCH:
         return switch_fallback_fraction(shape)
@@ -204,12 +209,10 @@ def _cause_loss(
     cl = policy is Policy.CHECKPOINTLESS
     p_fb = _cause_fallback_probability(cause, shape, capacity) if cl else 1.0
     wait = expected_spare_wait_s(cause, shape)
-    mode = _no_spare(cause, shape, capacity) if cl else "wait"
+    mode, waited = _no_spare(cause, shape, capacity) if cl else ("wait", 0.0)
     cost = 0.0
     if p_fb > 0:
-        cap = capacity if capacity is not None else CapacityPolicy()
-        waits_first = mode == "fail" and cap.no_spare is not NoSparePolicy.SHRINK
-        limit = min(wait, cap.wait_limit_s) if waits_first else 0.0
+        limit = min(wait, waited) if mode == "fail" else 0.0
         plan = recovery_plan(
             policy, cause, shape, cal, fallback=True, lost_state=lost_state,
             spare_wait_s=wait - limit, gave_up_after_s=limit,
@@ -218,11 +221,13 @@ def _cause_loss(
     if p_fb < 1:
         if mode == "shrink":
             # a round to shrink, the missing capacity until the repair, a round to grow back
+            cap = capacity if capacity is not None else CapacityPolicy()
             needed = _nodes_needed(cause, shape)
             holes = needed - fill_count(needed, shape.spares, shape.dp_group_nodes)
             plan = [*recovery_plan(policy, cause, shape, cal, fallback=False, lost_state=True,
-                                   spare_wait_s=0.0, shrink=True), *grow_phases(shape, cal)]  # fmt: skip
-            extra = shape.replace_s * (1.0 - 1.0 / slowdown(shape, holes))
+                                   spare_wait_s=waited, shrink=True), *grow_phases(shape, cal)]  # fmt: skip
+            factor = slowdown(shape, holes, cap.design, cal.extra_pass_ratio)
+            extra = max(0.0, shape.replace_s - waited) * (1.0 - 1.0 / factor)
         else:
             plan = recovery_plan(
                 policy, cause, shape, cal, fallback=False, lost_state=lost_state, spare_wait_s=wait

@@ -74,6 +74,9 @@ def comm_start_s(model: CommModel, fixed_s: float, gpus: int, cal: Calibration) 
         return fixed_s + cal.store_per_rank_s * gpus
     if model is CommModel.ROOTLESS_LOG:
         return fixed_s + cal.rootless_log_s * math.log2(max(gpus, 2))
+    if model is CommModel.ROOTLESS_MEASURED:
+        batches = math.ceil(gpus / 128)
+        return fixed_s + cal.rootless_per_rank_s * (gpus - 1) + 3 * cal.rootless_rtt_s * batches
     return fixed_s
 
 
@@ -165,7 +168,8 @@ def recovery_plan(
     ``fallback`` (checkpointless only) means the state cannot come from a peer, or the in-process
     retry will fail, or no host came within the no-spare policy's wait (``gave_up_after_s``), so
     the job restarts from its own (less frequent) checkpoint. ``shrink``: no spare host took the
-    lost place, and the job goes on with fewer replicas.
+    lost place, and the job goes on with fewer replicas (after waiting ``spare_wait_s`` for one,
+    under ``--when-no-spare wait``).
     """
     detect = Phase(Bucket.INFRA_RECOVERY, "detect", detect_s(cause, cal))
     if policy is Policy.CHECKPOINT_RESTART:
@@ -173,7 +177,7 @@ def recovery_plan(
     abort = Phase(Bucket.INFRA_RECOVERY, "abort", cal.abort_s)
     if not fallback:
         if shrink:
-            return [detect, *shrink_phases(shape, cal)]
+            return [detect, *shrink_phases(shape, cal, spare_wait_s)]
         return [detect, abort, *inprocess_phases(shape, cal, spare_wait_s, lost_state)]
     if gave_up_after_s > 0:
         gave_up = Phase(Bucket.INFRA_RECOVERY, "wait for a spare host, then fail", gave_up_after_s)
@@ -190,14 +194,18 @@ def recovery_plan(
     return [detect, abort, *restart_phases(shape, cal, spare_wait_s)]
 
 
-def shrink_phases(shape: JobShape, cal: Calibration) -> list[Phase]:
+def shrink_phases(shape: JobShape, cal: Calibration, waited_s: float = 0.0) -> list[Phase]:
     """After detection: go on with fewer replicas. One recovery round: abort, swap the spares that
     are there (survivors of a dropped replica stand in for the others), rebuild, re-plan the
-    micro-batches, first step; or the measured ``shrink_s``."""
+    micro-batches, first step; or the measured ``shrink_s``. ``waited_s``: the wait for a spare
+    host that came first (``--when-no-spare wait``)."""
+    waited = (
+        [Phase(Bucket.INFRA_RECOVERY, "wait for a spare host, then shrink", waited_s)] if waited_s > 0 else []
+    )
     if cal.shrink_s is not None:
-        return [Phase(Bucket.INFRA_RECOVERY, "shrink (measured)", cal.shrink_s)]
+        return [*waited, Phase(Bucket.INFRA_RECOVERY, "shrink (measured)", cal.shrink_s)]
     abort = Phase(Bucket.INFRA_RECOVERY, "abort", cal.abort_s)
-    return [abort, *inprocess_phases(shape, cal, 0.0, lost_state=True)]
+    return [abort, *waited, *inprocess_phases(shape, cal, 0.0, lost_state=True)]
 
 
 def grow_phases(shape: JobShape, cal: Calibration) -> list[Phase]:

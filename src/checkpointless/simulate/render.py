@@ -55,13 +55,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def policy_text(cap: CapacityPolicy) -> str:
     """The chosen no-spare policy in words (the flags that select it)."""
+    limit = "no limit" if math.isinf(cap.spare_wait_s) else f"up to {cap.spare_wait_s:g} s"
+    shrink = f"shrink to at least {cap.min_replicas} replica(s) ({cap.design.value} design) and grow back"
     if cap.no_spare is NoSparePolicy.SHRINK:
-        words = f"shrink to at least {cap.min_replicas} replica(s) and grow back"
+        words = shrink
     elif cap.no_spare is NoSparePolicy.FAIL:
-        words = "fail at once"
-    else:
-        limit = "no limit" if math.isinf(cap.spare_wait_s) else f"up to {cap.spare_wait_s:g} s"
         words = f"wait for a repaired host ({limit}), then fail"
+    else:
+        words = f"wait for a repaired host ({limit}), then {shrink}"
     return f"{words}; health check {'on (quarantine)' if cap.health_check else 'off'}"
 
 
@@ -199,11 +200,13 @@ def render_markdown(rep: Report, command: str, machine: str, runtime_s: float) -
         "",
         "## Goodput versus job size",
         "",
-        "Mean ± standard deviation over seeds. CL = checkpointless with this repository's store-based",
-        "communicator rebuild (O(N)); 'root-less' uses an O(log N) rebuild instead. When a host is",
-        "lost and no spare host is ready, 'fails when spares run out' waits 60 s (`--spare-wait`) and",
-        "restarts from its checkpoint, 'waits for a repair' waits as long as it takes (the model so",
-        f"far), and the chosen policy does this: {policy_text(rep.base.capacity)}.",
+        "Mean ± standard deviation over seeds. CL = checkpointless with a store-based communicator",
+        "rebuild (O(N), the published start-up times); 'root-less' uses this repository's root-less",
+        "rendezvous as benchmarks/rendezvous_scale.py measured it instead. When a host is lost and no",
+        "spare host is ready, 'fails when spares run out' waits 60 s (`--when-no-spare fail`, the",
+        "launcher before degraded mode) and restarts from its checkpoint, 'waits for a repair' waits",
+        "as long as it takes (the model so far), and the chosen policy does this:",
+        f"{policy_text(rep.base.capacity)}.",
         "",
         sweep_table(rep),
         "",
@@ -220,9 +223,10 @@ def render_markdown(rep: Report, command: str, machine: str, runtime_s: float) -
             "## The target sizes under longer repairs, and what limits them",
             "",
             "A repaired host returns after the given time; the chosen policy runs with fewer",
-            "replicas meanwhile, the launcher of today fails once its spares are used up. The",
-            "what-if rows change one assumption to show what limits the largest jobs; they are",
-            "not defaults.",
+            "replicas meanwhile, the launcher before degraded mode fails once its spares are used",
+            "up. The 'split' row gives degraded steps the issue's ideal (full / remaining width)",
+            "instead of the bitwise design's measured whole extra pass. The what-if rows remove",
+            "what limits the largest jobs, one at a time and then together; they are not defaults.",
             "",
             scale_table(rep),
         ]
