@@ -241,7 +241,10 @@ def t_goodput(d: dict[str, Any]) -> Table:
     columns = [
         ("checkpoint-restart", "checkpoint-restart (Young interval)"),
         ("checkpointless, fails when the spares run out", "checkpointless, fails when the spares run out"),
-        ("checkpointless, chosen policy", "checkpointless, shrink + grow back + quarantine"),
+        (
+            "checkpointless, chosen policy",
+            "checkpointless, wait, then shrink (bitwise) + grow back + quarantine",
+        ),
         ("checkpointless, chosen policy, root-less rebuild", "the same, root-less rebuild"),
     ]
     rows = [
