@@ -296,6 +296,33 @@ def t_sharded_recovery(d: dict[str, Any]) -> Table:
     return ["design", "downtime (rank 1 SIGKILLed)", "ratio checkpointless / this"], rows
 
 
+def t_parallel_recovery(d: dict[str, Any]) -> Table:
+    """The 3-D job: each design's downtime, steps redone and fault-free step time."""
+    cfg, ratios = d["summary"]["configs"], d["summary"]["ratios"]
+    rows = []
+    for c in ["a", *(f"b{k}" for k in d["params"]["ckpt_every"])]:
+        k = cfg[c]["kinds"]["kill"]
+        ratio = "" if c == "a" else num(ratios[f"kill/{c}"]["downtime"], 3)
+        step = cfg[c]["no_fault"]["step_s"] if "no_fault" in cfg[c] else None
+        rows.append(
+            [
+                cfg[c]["label"],
+                spread(k["downtime_s"]),
+                ratio,
+                num(k["lost_steps"]["max"], 0),
+                spread(step, 3) if step else "–",
+            ]
+        )
+    rank = d["params"]["fault_rank"]
+    return [
+        "design",
+        f"downtime (rank {rank} SIGKILLed)",
+        "ratio checkpointless / this",
+        "steps redone",
+        "step, no fault",
+    ], rows
+
+
 def t_sharded_transfer(d: dict[str, Any]) -> Table:
     s = d["summary"]
     rows = [
@@ -458,6 +485,7 @@ BLOCKS = [
     Block("sharded_overhead", "sharded_overhead.json", t_sharded_overhead),
     Block("sharded_recovery", "sharded_recovery.json", t_sharded_recovery),
     Block("sharded_transfer", "sharded_transfer.json", t_sharded_transfer),
+    Block("parallel_recovery", "parallel_recovery.json", t_parallel_recovery),
     Block("supervision_cpu", "supervision_cpu.json", t_supervision, date="2026-12-03"),
     Block("wait_cost", "wait_cost.json", t_wait_cost),
     Block("metrics_scrape", "metrics_scrape.json", t_metrics_scrape),

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -193,18 +194,25 @@ def train(
     job: Job,
     net: torch.nn.Module,
     opt: torch.optim.Optimizer,
-    sched: torch.optim.lr_scheduler.LRScheduler,
+    sched: torch.optim.lr_scheduler.LRScheduler | None,
+    *,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    vocab: int = VOCAB,
 ) -> None:
     """Resume from the newest complete checkpoint (if any), train to ``--steps``, saving every K.
 
     ``net`` is what the step calls and what the state dict is taken of: the DDP wrapper, or the
-    ``fully_shard``-ed model, whose state dict is sharded (DCP then writes each rank's own shards).
+    ``fully_shard``-ed model, whose state dict is sharded (DCP then writes each rank's own shards;
+    a tensor-parallel model's DTensors too). ``batch(step)``: this rank's (inputs, targets) of a
+    step, the example GPT's synthetic batch when None; ``vocab``: the model's output width.
     """
     a, rank, log = job.args, job.rank, job.log
 
     def full_state(step: int) -> dict[str, Any]:
         msd, osd = get_state_dict(net, opt)
-        state: dict[str, Any] = {"model": msd, "optim": osd, "sched": sched.state_dict(), "step": step}
+        state: dict[str, Any] = {"model": msd, "optim": osd, "step": step}
+        if sched is not None:
+            state["sched"] = sched.state_dict()
         state[f"rng.{rank}"] = torch.get_rng_state()
         return state
 
@@ -215,7 +223,8 @@ def train(
         state = full_state(0)
         dcp.load(state, checkpoint_id=str(ckpt))
         set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        sched.load_state_dict(state["sched"])
+        if sched is not None:
+            sched.load_state_dict(state["sched"])
         torch.set_rng_state(state[f"rng.{rank}"])
         start = int(state["step"])
         log.phase("ckpt_loaded", path=ckpt.name, step=start, seconds=round(time.time() - t0, 6))
@@ -225,17 +234,21 @@ def train(
     short_timeout = datetime.timedelta(seconds=a.hang_timeout)
     for step in range(start, a.steps):
         maybe_fire(job.faults, rank, step, job.log_dir, log)
-        tokens = job.example.synthetic_batch(a.seed, step, rank, job.local_batch, a.seq_len, VOCAB)
-        x, y = tokens[:, :-1], tokens[:, 1:]
+        if batch is None:
+            tokens = job.example.synthetic_batch(a.seed, step, rank, job.local_batch, a.seq_len, VOCAB)
+            x, y = tokens[:, :-1], tokens[:, 1:]
+        else:
+            x, y = batch(step)
         digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16]
         if step == start:
             log.phase("first_batch", step=step)
         logits = net(x)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sched.step()
+        if sched is not None:
+            sched.step()
         log.emit("commit", step=step, loss=round(loss.item(), 6), batch=digest)
         if rank == 0:
             print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
