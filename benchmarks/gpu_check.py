@@ -31,6 +31,10 @@ a machine with several GPUs. On one GPU this checks what can be checked:
    What one GPU leaves untested: shards over several ranks, so no all-gather or reduce-scatter
    that moves bytes between GPUs, no replica peer or buddy copy between GPUs, and no NCCL abort of
    a collective that a dead peer left hanging.
+5. The 3-D example (``examples/llama_3d.py``: tensor parallel by ``parallelize_module``, then
+   FSDP2) on a mesh of one under the launcher, through the same three exceptions, bitwise: its
+   DTensors on CUDA, its groups the job's NCCL groups. Several GPUs are needed for TP collectives
+   that move bytes.
 
     python3 benchmarks/gpu_check.py --out DIR      # writes DIR/gpu-check.json
     python3 benchmarks/gpu_check.py --out DIR --skip fsdp_step_time_nccl   # leave a check out
@@ -470,6 +474,19 @@ def main() -> int:
             "raise:rank=0:step=7:site=backward",
             "raise:rank=0:step=13:site=forward",
             "raise:rank=0:step=19:site=optimizer",
+        )
+        # the 3-D example (replicate x FSDP x TP) on a mesh of one: its TP plan's DTensor
+        # collectives and FSDP2's on each generation's NCCL groups, through the same faults
+        checks.append(
+            (
+                "tp_job_nccl",
+                lambda: check_job(
+                    Path(tmp) / "tp",
+                    ("--example", "llama_3d", "--dp", "1", "--fsdp", "1", "--tp", "1"),
+                    ("--snapshot-every", "5"),
+                    fsdp_faults,
+                ),
+            )
         )
         checks.append(
             (
