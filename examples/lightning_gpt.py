@@ -40,6 +40,7 @@ class TokenWindows(Dataset[torch.Tensor]):
         self.seq_len, self.seed = seq_len, seed
         self.ds: Any = None
         self.vocab, self.size = 256, size
+        self.reads = 0  # samples read on this process (tests: a replacement reads none it skips)
         if path:
             from checkpointless.data import TokenDataset
 
@@ -50,6 +51,7 @@ class TokenWindows(Dataset[torch.Tensor]):
         return self.size
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        self.reads += 1
         if self.ds is not None:
             return torch.from_numpy(self.ds.sample(i, self.seq_len).astype("int64"))
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
@@ -62,6 +64,7 @@ class LitGPT(pl.LightningModule):
         self.args = args
         self.vocab = vocab
         self.gpt = GPT(vocab, args.dim, args.layers, args.heads, args.seq_len, args.dropout)
+        self.trained: set[int] = set()  # the steps this process ran training_step for
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gpt(x)  # type: ignore[no-any-return]
@@ -70,6 +73,7 @@ class LitGPT(pl.LightningModule):
         x, y = batch[:, :-1], batch[:, 1:]
         loss = F.cross_entropy(self(x).reshape(-1, self.vocab), y.reshape(-1))
         self.log("loss", loss, prog_bar=False)
+        self.trained.add(self.global_step)
         if self.args.print_batches:  # which samples each rank trained on, per step (tests)
             digest = hashlib.sha256(batch.numpy().tobytes()).hexdigest()[:16]
             print(f"batch rank={self.global_rank} step={self.global_step} {digest}", flush=True)
@@ -132,7 +136,14 @@ def main() -> None:
     ap.add_argument(
         "--ema", type=float, help="keep an EMA of the weights with this decay (a stateful callback)"
     )
+    ap.add_argument(
+        "--catch-up",
+        choices=("seek", "reread"),
+        default="seek",
+        help="how a replacement reaches its step in Lightning's loop (reread: the old walk, to compare)",
+    )
     ap.add_argument("--step-times", action="store_true")
+    ap.add_argument("--print-reads", action="store_true", help="print the samples read as the fit ends")
     ap.add_argument("--print-batches", action="store_true")
     ap.add_argument("--digest-out", help="write the final weights' SHA-256 here; {rank} is filled in")
     args = ap.parse_args()
@@ -141,7 +152,7 @@ def main() -> None:
     data = TokenWindows(args.data, args.seq_len, args.seed)
     module = LitGPT(data.vocab, args)
     strategy: Any = (
-        CheckpointlessStrategy() if args.strategy == "checkpointless" else args.strategy
+        CheckpointlessStrategy(catch_up=args.catch_up) if args.strategy == "checkpointless" else args.strategy
     )  # checkpointless
     callbacks: list[Any] = [StepTimes()] if args.step_times else []
     ema = WeightEMA(args.ema) if args.ema else None
@@ -169,6 +180,12 @@ def main() -> None:
     resume = args.resume and args.ckpt_dir and (Path(args.ckpt_dir) / "last.ckpt").exists()
     trainer.fit(module, loader, ckpt_path="last" if resume else None)
 
+    if args.print_reads:  # the samples this process read, against the batches it trained on
+        per_batch = args.global_batch // world
+        print(
+            f"reads rank={trainer.global_rank} samples={data.reads} trained={len(module.trained)}x{per_batch}",
+            flush=True,
+        )
     digest = weights_digest(module)
     if ema is not None:  # the average is part of what a run must end with, bitwise
         h = hashlib.sha256(digest.encode())

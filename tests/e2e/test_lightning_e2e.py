@@ -9,6 +9,7 @@ run trained on.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ pytest.importorskip("lightning", reason="the `lightning` extra is not installed"
 
 SCRIPT = ROOT / "examples" / "lightning_gpt.py"
 ARGS = ["--steps", "8", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16"]
-ARGS += ["--global-batch", "12", "--print-batches", "--ema", "0.9"]
+ARGS += ["--global-batch", "12", "--print-batches", "--print-reads", "--ema", "0.9"]
 _REF: dict[str, JobResult] = {}
 
 
@@ -53,6 +54,17 @@ def assert_same_checkpoints(res: JobResult, ref: JobResult) -> None:
         for a, b in zip(got["optimizer_states"], want["optimizer_states"], strict=True):
             for pa, pb in zip(a["state"].values(), b["state"].values(), strict=True):
                 assert all(torch.equal(pa[k], pb[k]) for k in pb), f"{name}: optimizer state differs"
+
+
+def assert_reads_only_trained_batches(res: JobResult, replaced: int) -> None:
+    """Every process read the samples of the batches it trained on and no other: ``replaced``
+    processes were replacements, which seek to their step in Lightning's loop instead of reading
+    the DataLoader from the job's start (each prints its count as it ends)."""
+    counts = re.findall(r"reads rank=(\d+) samples=(\d+) trained=(\d+)x(\d+)", res.output)
+    assert sorted(int(c[0]) for c in counts) == [0, 1, 2], res.output[-4000:]  # the killed print none
+    for rank, samples, trained, per_batch in counts:
+        assert int(samples) == int(trained) * int(per_batch), f"rank {rank} read {samples} samples"
+    assert res.output.count("by seeking to epoch 0, batch") == replaced, res.output[-4000:]
 
 
 def _paths(state: object, ckpt_dir: str) -> object:
@@ -132,6 +144,7 @@ def test_lightning_fault_is_survived_bitwise(
     if fault.startswith(("kill", "hang")):
         assert res.of("spare_assigned"), "a dead or hung rank must be replaced by a spare"
         assert "Lightning's loop catches up" in res.output
+    assert_reads_only_trained_batches(res, replaced=1 if fault.startswith(("kill", "hang")) else 0)
     if "optimizer" in fault:
         plans = [p for p in res.of("plan") if p["generation"] > 0]
         assert 0 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
@@ -153,6 +166,8 @@ def test_lightning_faults_in_one_job_are_each_survived_bitwise(
     timed_out = [f["detail"] for f in res.of("fault") if "Timed out" in f.get("detail", "")]
     assert not timed_out, timed_out
     assert_same_checkpoints(res, reference)
+    # the killed rank 0's replacement read only the batches from its step on
+    assert_reads_only_trained_batches(res, replaced=sum(f.startswith(("kill", "hang")) for f in MERGED))
     for fault in MERGED:
         rank, step = fault_at(fault)
         rec = res.recovery_from(rank, step)

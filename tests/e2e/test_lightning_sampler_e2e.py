@@ -67,6 +67,8 @@ def test_per_rank_shuffle_and_logger_survive_a_kill_of_rank0(tmp_path: Path, cor
     )
     assert res.rc == 0, res.output[-6000:]
     assert res.of("spare_assigned") and "Lightning's loop catches up" in res.output
+    # a per-rank RandomSampler's order is not a function of the epoch: the replacement walks
+    assert "by re-reading its DataLoader from the start (the sampler RandomSampler" in res.output
     res.assert_same_weights(ref, nproc=2)
     assert res.trained_batches() == want, "some rank trained on other samples than the fault-free run"
     assert epoch_sum(res, 1) == epoch_sum(ref, 1), "a replayed batch counted twice in an on_epoch metric"

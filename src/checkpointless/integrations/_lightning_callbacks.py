@@ -22,7 +22,10 @@ state of the callbacks that implement one is kept as each step begins and put ba
 Checkpoint callbacks are the exception to being left out: what they did in this process (the
 last file saved, the step saved last) decides what they write at the end of the fit, so they walk
 along (the strategy drops their writes while the replacement catches up), and the state they
-received is loaded again once the walk is over.
+received is loaded again once the walk is over. A replacement that seeks to its batch instead of
+walking (``_lightning_seek.py``) takes what the sender's checkpoint callbacks did in its process
+(:meth:`CallbackReplica.sought`): every rank's make the same saves, and a walk would have made
+them again.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
+
+from checkpointless.integrations._lightning_internals import checkpoint_marks, set_checkpoint_marks
 
 __all__ = ["CallbackReplica", "has_state"]
 
@@ -86,6 +91,7 @@ class CallbackReplica:
         # state a peer receives for the window's step, whose first micro-batch it trains (the
         # hooks of the micro-batches this rank has run since must reach its callbacks again)
         self._window: list[dict[str, Any]] | None = None
+        self._marks: list[dict[str, Any]] = []  # the sender's checkpoint marks, received
 
     @property
     def behind(self) -> bool:
@@ -94,7 +100,8 @@ class CallbackReplica:
 
     def state_dict(self) -> dict[str, Any]:
         states = self._window if self._window is not None else [cb.state_dict() for cb in self.callbacks]
-        return {"batch": self.position, "callbacks": states}
+        marks = [checkpoint_marks(cb) if isinstance(cb, Checkpoint) else {} for cb in self.callbacks]
+        return {"batch": self.position, "callbacks": states, "marks": marks}
 
     def window_begins(self) -> None:
         """A window of accumulated micro-batches (one job step) begins on this rank."""
@@ -116,6 +123,7 @@ class CallbackReplica:
             )
         for cb, s in zip(self.callbacks, states, strict=True):
             cb.load_state_dict(s)
+        self._marks = list(state.get("marks", []))
         self._at_start = []  # the received state is newer than this step's start
         if self._full is None:
             self._full = _callbacks(self.trainer)
@@ -123,6 +131,14 @@ class CallbackReplica:
         self._walked = [(cb, copy.deepcopy(cb.state_dict())) for cb in walking]
         _set_callbacks(self.trainer, [cb for cb in self._full if cb not in self.callbacks or cb in walking])
         self._rejoin_at = batch
+
+    def sought(self) -> None:
+        """This replacement's loop was put at the received state's batch without walking there:
+        its checkpoint callbacks take the sender's marks of what they saved, which the walk's
+        hooks would have set alike."""
+        for cb, marks in zip(self.callbacks, self._marks, strict=False):
+            if isinstance(cb, Checkpoint):
+                set_checkpoint_marks(cb, marks)
 
     def at(self, batch: int) -> None:
         """The strategy's optimizer_step for ``batch`` begins (every attempt at it)."""

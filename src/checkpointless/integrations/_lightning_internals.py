@@ -8,7 +8,9 @@ The second: from 2.6 the training loop broadcasts a SIGTERM flag from rank 0 bef
 straight through ``torch.distributed`` and outside any step, where a collective cannot be aborted
 and replayed: a replacement walking the loop forward to its replica's step broadcasts once per
 batch it walks past while the survivors wait inside the step's all-reduce, and the job deadlocks
-until the process group's timeout. The attribute paths below are Lightning 2.6's
+until the process group's timeout. The third: a ModelCheckpoint's marks of what it saved in its
+process, which a replacement that seeks instead of walking takes from its sender. The attribute
+paths below are Lightning 2.6's
 (tests/unit/integrations/test_lightning_unit.py pins the version).
 """
 
@@ -23,8 +25,10 @@ __all__ = [
     "ProgressMark",
     "batch_count",
     "batches_done",
+    "checkpoint_marks",
     "epochs_last_batch",
     "keep_sigterm_local",
+    "set_checkpoint_marks",
     "set_logger_version",
     "updates_now",
 ]
@@ -105,6 +109,24 @@ def keep_sigterm_local(trainer: Any) -> None:
             raise SIGTERMException()
 
     loop._broadcast_sigterm_tensor = local_sigterm_check
+
+
+# What a ModelCheckpoint did in its process (the step it saved last, the file it saved last):
+# they decide whether it saves again at a step and at the end of the fit (save_last), and its
+# state_dict leaves them out
+_CHECKPOINT_MARKS = ("_last_global_step_saved", "_last_checkpoint_saved")
+
+
+def checkpoint_marks(callback: Any) -> dict[str, Any]:
+    """A checkpoint callback's marks of what it saved in this process (``{}``: it has none)."""
+    return {name: getattr(callback, name) for name in _CHECKPOINT_MARKS if hasattr(callback, name)}
+
+
+def set_checkpoint_marks(callback: Any, marks: dict[str, Any]) -> None:
+    """Set the marks :func:`checkpoint_marks` read, on a callback of the same class."""
+    for name, value in marks.items():
+        if name in _CHECKPOINT_MARKS and hasattr(callback, name):
+            setattr(callback, name, value)
 
 
 def set_logger_version(logger: Any, version: int | str) -> None:

@@ -32,10 +32,12 @@ after an update puts it back before the recovery, which then finds it whole at t
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from checkpointless.events import get_logger
 from checkpointless.integrations._lightning_callbacks import CallbackReplica
 from checkpointless.integrations._lightning_internals import (
     EpochMetricsMark,
@@ -48,6 +50,8 @@ from checkpointless.recovery.job import Job, Step
 from checkpointless.state.snapshot import RngState, capture_rng, restore_rng
 
 __all__ = ["LightningSteps"]
+
+log = get_logger()
 
 
 class LightningSteps:
@@ -80,6 +84,9 @@ class LightningSteps:
         # a replacement's generators as its next step began: restored when this rank reaches that
         # step, because walking Lightning's loop there may draw from them
         self._catch_up_rng: RngState | None = capture_rng() if job.is_replacement else None
+        # a replacement's catch-up is timed from here: wall clock, and this process's CPU (which a
+        # machine shared with other work leaves nearly as it is)
+        self._joined_at = (time.perf_counter(), time.process_time())
         self._open: Step | None = None  # the window's step, entered and not yet left
         self._closures: list[Callable[[], Any]] = []  # the open window's micro-batches, in order
         self._marks: tuple[ProgressMark, EpochMetricsMark] | None = None
@@ -202,6 +209,12 @@ class LightningSteps:
         if self._catch_up_rng is not None:
             restore_rng(self._catch_up_rng)
             self._catch_up_rng = None
+            log.info(
+                "caught up with step %d in %.6f s (%.6f s CPU)",
+                self._job.committed_step,
+                time.perf_counter() - self._joined_at[0],
+                time.process_time() - self._joined_at[1],
+            )
         if callbacks is not None:
             callbacks.train(lightning_step)
         step = self._pending if self._pending is not None else self._next_step()

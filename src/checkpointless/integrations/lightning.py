@@ -18,9 +18,13 @@ strategy, and nothing else:
   ``training_step``, its updates put back as it began if it faults between two of them
   (``_lightning_steps.py``).
 - A replacement holds a replica's state for step C while Lightning's loop starts at batch 0: it
-  walks the loop forward, skipping ``training_step`` and the update, until the loop reaches C.
-  The batches come from the same DataLoader and ``DistributedSampler`` as on every other rank, so
-  the data position is exact; nothing it skips touches the received state.
+  puts the loop at C in O(1), the counters an uninterrupted run has there and the DataLoader's
+  next iterator at C's batch, reading no sample before it (``_lightning_seek.py``). Where the
+  data or the fit cannot be addressed so (an iterable dataset, a sampler whose order is not a
+  function of the epoch, validation inside the fit, ``ckpt_path=``), or with
+  ``catch_up="reread"``, it walks the loop forward instead, skipping ``training_step`` and the
+  update, until the loop reaches C, and logs why. Either way the batches are those of the same
+  DataLoader and sampler as on every other rank; nothing skipped touches the received state.
 - Callbacks with state (``state_dict()``: ``EarlyStopping``, ``ModelCheckpoint``, an EMA of the
   weights) are part of the replica, with the position in Lightning's loop their state belongs to,
   so that a rank behind it never lets a hook reach them twice (``_lightning_callbacks.py``).
@@ -60,6 +64,7 @@ from checkpointless.integrations._lightning_internals import (
 )
 from checkpointless.integrations._lightning_loggers import LoggerVersions
 from checkpointless.integrations._lightning_samplers import own_shuffle_generators
+from checkpointless.integrations._lightning_seek import fit_position, seek, seek_refusal
 from checkpointless.integrations._lightning_state import TESTED_LIGHTNING, SchedulerLedger
 from checkpointless.integrations._lightning_steps import LightningSteps
 
@@ -72,6 +77,9 @@ class CheckpointlessStrategy(DDPStrategy):
     """Data-parallel training that survives faults in process (docs/adoption.md).
 
     ``rendezvous_timeout`` and ``max_step_retries`` are passed to ``checkpointless.init()``.
+    ``catch_up``: how a replacement reaches its step in Lightning's loop: ``"seek"`` (where the
+    training data allows it, else a walk) or ``"reread"`` (always walk, reading every batch
+    before the step: the old way, for comparison).
     """
 
     strategy_name = "checkpointless"
@@ -86,7 +94,16 @@ class CheckpointlessStrategy(DDPStrategy):
                 cls.strategy_name, cls, description="data parallel that survives faults in process"
             )
 
-    def __init__(self, *, rendezvous_timeout: float = 60.0, max_step_retries: int = 3, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        rendezvous_timeout: float = 60.0,
+        max_step_retries: int = 3,
+        catch_up: str = "seek",
+        **kwargs: Any,
+    ) -> None:
+        if catch_up not in ("seek", "reread"):
+            raise ConfigError(f"CheckpointlessStrategy(catch_up={catch_up!r}): use 'seek' or 'reread'")
         installed = importlib.metadata.version("lightning")
         if installed != TESTED_LIGHTNING:
             warnings.warn(
@@ -101,6 +118,7 @@ class CheckpointlessStrategy(DDPStrategy):
         )
         super().__init__(cluster_environment=CheckpointlessEnvironment(self._job), **kwargs)
         self._steps: LightningSteps | None = None  # job.steps(), one step per optimizer update
+        self._catch_up = catch_up
         self._ledger = SchedulerLedger()
         self._sigterm: Any = None
         self._callbacks: CallbackReplica | None = None
@@ -201,8 +219,23 @@ class CheckpointlessStrategy(DDPStrategy):
         if self._job.is_replacement:
             self._logger_versions.resume(self._job.committed_step)
             log.info(
-                "joined at step %d; Lightning's loop catches up from %d", self._job.committed_step, start
+                "joined at step %d; Lightning's loop catches up from %d %s",
+                self._job.committed_step,
+                start,
+                self._seek(trainer, start, manual is not None),
             )
+
+    def _seek(self, trainer: pl.Trainer, start: int, manual: bool) -> str:
+        """Put a replacement's loop at its step where the data allows it; says how it catches up."""
+        step = self._job.committed_step
+        why = "catch_up='reread'" if self._catch_up == "reread" else seek_refusal(trainer)
+        if why is None and start == 0 and step > 0:
+            pos = fit_position(trainer, step, manual)
+            seek(trainer, pos, manual)
+            if self._callbacks is not None:
+                self._callbacks.sought()
+            return f"by seeking to epoch {pos.epoch}, batch {pos.batch} (no batch before it is read)"
+        return f"by re-reading its DataLoader from the start ({why or 'nothing to skip'})"
 
     def _guard_schedulers(self, trainer: pl.Trainer) -> None:
         # Lightning steps schedulers after the optimizer step, outside the strategy: a rank that

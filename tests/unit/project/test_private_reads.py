@@ -89,6 +89,12 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_version": "Lightning's CSV and TensorBoard loggers take a version only in their constructor",
         "_results": "Lightning's training loop keeps the on_epoch accumulators only there",
     },
+    "checkpointless.integrations._lightning_seek": {
+        "_data_fetcher": "Lightning's fit loop: the iterator of epoch 0, made again at the sought batch",
+        "_restart_stage": "Lightning's fit loop: its own mark of a fit resumed inside an epoch",
+        "_batches_that_stepped": "Lightning's training loop: the loggers' step, which no hook sets",
+        "_iterator": "torch's DataLoader keeps a persistent-workers iterator there",
+    },
     "checkpointless.integrations.hf": {
         "_wrap_model": "transformers.Trainer's own model wrapping, which our override falls back to",
     },
