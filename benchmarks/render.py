@@ -418,6 +418,32 @@ def t_lightning_recovery(d: dict[str, Any]) -> Table:
     return ["design", "downtime (kill → next step)", "steps computed again", "runs failed outright"], rows
 
 
+def t_lightning_catch_up(d: dict[str, Any]) -> Table:
+    ways = d["summary"]["ways"]
+    rows = []
+    for step in sorted(ways["seek"], key=int):
+        seek, reread = ways["seek"][step], ways["reread"][step]
+        rows.append([
+            f"{int(step):,}", spread(seek["catch_up_s"], 1, " ms", 1000), spread(seek["catch_up_cpu_s"], 1, " ms", 1000),
+            spread(reread["catch_up_s"], 2), spread(reread["catch_up_cpu_s"], 2),
+            f"{num(seek['samples_read'].get('median'), 0)} / {num(reread['samples_read'].get('median'), 0)}",
+            num(seek["samples_trained"].get("median"), 0),
+            str(len(seek["failed"]) + len(reread["failed"])),
+        ])  # fmt: skip
+    s = d["summary"]
+    rows.append([
+        "highest step / lowest", num(s.get("seek_high_over_low"), 2, "×"), num(s.get("seek_high_over_low_cpu"), 2, "×"),
+        "–", "–", "–", "–", "–",
+    ])  # fmt: skip
+    rows.append([
+        "re-read / seek, highest step", "–", "–", num(s.get("reread_over_seek_at_high"), 0, "×"),
+        num(s.get("reread_over_seek_at_high_cpu"), 0, "×"), "–", "–", "–",
+    ])  # fmt: skip
+    head = ["replacement joins at step", "seek: wall", "seek: CPU", "re-read (walk): wall", "re-read: CPU",
+            "samples read, seek / re-read", "samples trained", "runs failed"]  # fmt: skip
+    return head, rows
+
+
 def t_rank_rng(d: dict[str, Any]) -> Table:
     wall = " / ".join(num(_median(d[f"{k}_us"]), 1, " µs") for k in ("entry", "update", "commit"))
     rows = [
@@ -491,6 +517,7 @@ BLOCKS = [
     Block("metrics_scrape", "metrics_scrape.json", t_metrics_scrape),
     Block("hf_recovery", "hf_recovery.json", t_hf_recovery),
     Block("rank_rng", "rank_rng.json", t_rank_rng),
+    Block("lightning_catch_up", "lightning_catch_up.json", t_lightning_catch_up),
     Block("degraded_step", "degraded_step.json", t_degraded_step),
     Block("gpu_check", "h200/gpu_check.json", t_gpu_check, machine=H200, command="python3 benchmarks/gpu_check.py --out DIR"),
 ]  # fmt: skip
