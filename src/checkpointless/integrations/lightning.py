@@ -229,7 +229,9 @@ class CheckpointlessStrategy(DDPStrategy):
         """Put a replacement's loop at its step where the data allows it; says how it catches up."""
         step = self._job.committed_step
         why = "catch_up='reread'" if self._catch_up == "reread" else seek_refusal(trainer)
-        if why is None and start == 0 and step > 0:
+        if why is None and start != 0:
+            why = "the fit resumed from a checkpoint (fit(ckpt_path=...))"  # its loop is not at 0
+        if why is None and step > 0:
             pos = fit_position(trainer, step, manual)
             seek(trainer, pos, manual)
             if self._callbacks is not None:
