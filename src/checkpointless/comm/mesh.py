@@ -26,7 +26,7 @@ from checkpointless.comm.process_group import BACKEND_NAME, ResilientProcessGrou
 from checkpointless.comm.script_groups import made_by_mesh
 from checkpointless.errors import ConfigError
 
-__all__ = ["ResilientMesh", "make_device_mesh", "mesh_lines", "reset_fsdp"]
+__all__ = ["ResilientMesh", "hold_replica_reduce", "make_device_mesh", "mesh_lines", "reset_fsdp"]
 
 
 def mesh_lines(shape: Sequence[int]) -> list[list[list[int]]]:
@@ -91,10 +91,28 @@ class ResilientMesh:
         pass the same ones."""
         gen_store = dist.PrefixStore(f"gen{generation}/", store)
         for pg in self.groups:
-            if pg in formed:
+            if pg in formed or pg.folded:  # a folded group has no other process to form with
                 continue
             pg.configure(generation, gen_store, deadline, cancelled)
         self.generation = generation
+
+    @property
+    def formed_groups(self) -> list[ResilientProcessGroup]:
+        """The groups that form in each generation: a folded one has no communicator to watch."""
+        return [pg for pg in self.groups if not pg.folded]
+
+    def fold_replicas(self, folded: bool) -> None:
+        """Degraded HSDP (comm/folded.py): this process holds every member of its replicate
+        group (``folded``), or no longer does. Set before :meth:`configure`, which forms no
+        communicator for a folded group; every process of the mesh must agree on it."""
+        if len(self.dim_groups) != 2:
+            raise ConfigError(
+                f"degraded mode cannot go on: the job's mesh has {len(self.dim_groups)} dimension(s) "
+                "of groups of its own (a mesh the script made with init_device_mesh has none); only a "
+                "2-D ('replicate', 'shard') mesh made by job.device_mesh() can drop a replica group. "
+                "Keep a spare ready (--spares) or run with --when-no-spare fail"
+            )
+        self.dim_groups[0].folded = folded
 
     def abort(self, reason: str) -> int:
         """Abort every group (thread-safe); return how many collectives were pending."""
@@ -163,6 +181,18 @@ def make_device_mesh(
     else:
         dm = DeviceMesh.from_group(mine, device_type, mesh=mesh_t, mesh_dim_names=names)
     return ResilientMesh(device_mesh=dm, world=world, dim_groups=mine)
+
+
+def hold_replica_reduce(module: nn.Module, last_pass: bool) -> None:
+    """Degraded HSDP: before each pass of a step, whether its backward all-reduces over the
+    replicate group. Every pass but the last keeps its reduce-scattered gradient inside FSDP2,
+    which adds it to the last pass's before that pass's single all-reduce (comm/folded.py says
+    why the sum is then the full-width job's, bit for bit). At full width: ``last_pass`` True."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_requires_all_reduce(last_pass, recurse=False)
 
 
 def reset_fsdp(module: nn.Module) -> None:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 # torch does not re-export this one from torch.distributed (the others it does)
 from torch._C._distributed_c10d import AllgatherOptions
 
+from checkpointless.comm.folded import fold_all_reduce, folded_refusal
 from checkpointless.comm.generations import GenerationGroup, on_cuda
 from checkpointless.comm.handle import Handle, default_backend
 from checkpointless.comm.work import AbortableWork, ChainWork, clamp_timeout
@@ -87,6 +88,8 @@ class ResilientProcessGroup(GenerationGroup):
     # default group in a process that holds lost slots (degraded mode, recovery/slots.py), whose
     # held slots' parts of a collective would never come, so every rank would wait in it
     refused: str | None = None
+    # degraded HSDP: every member of this replicate group is this process (comm/folded.py)
+    folded = False
 
     # -- identity: what FSDP2, DeviceMesh and c10d ask ----------------------------------------
     def rank(self) -> int:
@@ -136,8 +139,8 @@ class ResilientProcessGroup(GenerationGroup):
 
     # -- collectives ----------------------------------------------------------------------------
     def _issue(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> AbortableWork:
-        if self.refused is not None:
-            raise ConfigError(self.refused)
+        if self.refused is not None or self.folded:
+            raise ConfigError(self.refused or folded_refusal(self.key))
         if ResilientProcessGroup.local_until_formed and self.generation < 0:
             return AbortableWork(Handle(None, result, _forget_nothing), result)  # done as issued
         self.issued += 1
@@ -155,6 +158,9 @@ class ResilientProcessGroup(GenerationGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         self._before("allreduce")
+        if self.folded and self.refused is None:  # finished here: comm/folded.py
+            fold_all_reduce(tensors, opts.reduceOp, self._group_size, self.key)
+            return AbortableWork(Handle(None, tensors, _forget_nothing), tensors)
         return self._issue(lambda pg: pg.allreduce(tensors, opts), tensors, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AbortableWork:  # type: ignore[override]

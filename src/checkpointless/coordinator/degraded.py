@@ -14,8 +14,10 @@ from dataclasses import replace as with_fields
 from checkpointless.coordinator.holders import SlotHolders, unique
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
+from checkpointless.coordinator.rules.mesh_width import mesh_leaving, mesh_not_shrinkable
 from checkpointless.coordinator.rules.width import (
     NoSparePolicy,
+    WidthAction,
     WidthDecision,
     WidthSituation,
     width_decision,
@@ -24,7 +26,7 @@ from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Round
 from checkpointless.settings import JobSettings
 
-__all__ = ["DegradedMode", "not_shrinkable"]
+__all__ = ["DegradedMode"]
 
 
 class DegradedMode:
@@ -36,16 +38,27 @@ class DegradedMode:
         self.outbox = outbox
         self.spares = spares
         self.holders = holders
+        # the job's (replicate, shard) mesh once a member reported one (None: data parallel);
+        # kept across rounds, since a round may decide before the survivors have reported
+        self.mesh: tuple[int, int] | None = None
+
+    def leaving(self, lost: list[int]) -> list[int]:
+        """The live ranks that leave with the lost slots: on a mesh, the rest of their replica
+        groups (rules/mesh_width.py); nobody else in data parallelism."""
+        if self.mesh is None:
+            return []
+        return mesh_leaving(lost, self.mesh[1], self.holders.layout(self.cfg.nproc, lost))
 
     def decide(self, r: Round, ranks: list[int], ready: int, starting: int, now: float) -> WidthDecision:
         """The rule's answer for a round with ``ranks`` to fill, ``ready`` spares matched to them
         and ``starting`` on their way."""
         cfg = self.cfg
         waited = now - (r.waiting_since if r.waiting_since is not None else now)
-        return width_decision(
+        gone = [*ranks, *self.leaving(ranks)]
+        d = width_decision(
             WidthSituation(
                 width=cfg.nproc,
-                survivors=len(self.holders.layout(cfg.nproc, ranks)),
+                survivors=len(self.holders.layout(cfg.nproc, gone)),
                 needed=len(ranks),
                 ready=ready,
                 starting=starting,
@@ -53,15 +66,34 @@ class DegradedMode:
                 wait_limit=cfg.spare_wait,
                 policy=NoSparePolicy(cfg.when_no_spare),
                 min_replicas=cfg.min_replicas,
-                not_shrinkable=not_shrinkable(r),
+                not_shrinkable=mesh_not_shrinkable(self.mesh, ranks) if self.mesh is not None else "",
             )
         )
+        if d.action == WidthAction.SHRINK and self.mesh is None:
+            # Whether the job has a mesh is learnt from the survivors' reports (the first state
+            # sync happens before the script makes one), and a mesh drops whole replica groups:
+            # shrinking before they are in held a mesh's lost slot as data parallelism's (seen
+            # under load: the degraded generation never formed). Reports come within moments.
+            waiting = [k for k in self.holders.layout(cfg.nproc, ranks) if k not in r.reports]
+            if waiting:
+                return WidthDecision(
+                    WidthAction.WAIT, d.spawn, f"waiting for the reports of rank(s) {waiting} to shrink"
+                )
+        return d
 
-    def shrink(self, r: Round, lost: list[int]) -> None:
+    def shrink(self, r: Round, lost: list[int], now: float) -> None:
         """No spare for the ``lost`` slots: survivors hold them from this round on, and the
-        spares started for them grow the job back once ready (``Rounds.grow``)."""
+        spares started for them grow the job back once ready (``Rounds.grow``). On a mesh the
+        rest of each lost slot's replica group leaves too: its processes are stopped, its slots
+        held by the ranks of the same shard coordinates, and a spare is started for each."""
         ms, nproc = self.members, self.cfg.nproc
-        given = self.holders.shrink(nproc, lost, leaving=lost)
+        leaving = self.leaving(lost)
+        for rank in leaving:
+            self.outbox.kill(
+                ms.ranks[rank], f"its replica group left the job with rank(s) {lost} (degraded HSDP)"
+            )
+        lost = sorted([*lost, *leaving])
+        given = self.holders.shrink(nproc, lost, leaving=lost, shards=self.mesh[1] if self.mesh else None)
         for slot, holder in sorted(given.items()):
             old = ms.ranks.get(slot)
             if old is not None and old is not ms.ranks[holder]:
@@ -81,6 +113,8 @@ class DegradedMode:
             "the survivors train the lost slots' batches until spares take them back",
         )
         r.waiting_since = None
+        if leaving:
+            self.spares.refill(now)  # one spare per held slot: the group comes back whole
 
     def slots_to_grow(self, now: float) -> tuple[list[int], int | None] | None:
         """The held slots that ready spares take back now, and the step the job is at; None
@@ -93,7 +127,7 @@ class DegradedMode:
         ]
         if not ready or any(m.done for m in ms.ranks.values()):
             return None
-        slots = self.holders.to_grow(self.cfg.nproc, len(ready))
+        slots = self.holders.to_grow(self.cfg.nproc, len(ready), self.mesh[1] if self.mesh else None)
         if not slots:
             return None
         step = max((m.step for m in unique(ms.ranks.values()) if m.step is not None), default=None)
@@ -101,12 +135,3 @@ class DegradedMode:
             "info", f"spare(s) ready: growing back, slot(s) {slots} return to processes of their own"
         )
         return slots, step
-
-
-def not_shrinkable(r: Round) -> str:
-    """Why this round's job cannot go on with fewer replicas ("" when it can): degraded mode
-    drops data-parallel replicas of a plain data-parallel job; a sharded mesh would have to drop
-    a whole replica group, which is not built."""
-    if any(rep.mesh is not None for rep in r.reports.values()):
-        return "a sharded device mesh (FSDP/HSDP) cannot yet drop a replica group"
-    return ""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
+from checkpointless.coordinator.rules.mesh_width import assign_mesh_slots, mesh_groups_to_grow
 from checkpointless.coordinator.rules.width import assign_slots, slots_to_grow
 
 __all__ = ["SlotHolders", "unique"]
@@ -67,19 +68,25 @@ class SlotHolders:
             del self.held[slot]
         return slots
 
-    def shrink(self, nproc: int, lost: list[int], leaving: Iterable[int]) -> dict[int, int]:
+    def shrink(
+        self, nproc: int, lost: list[int], leaving: Iterable[int], shards: int | None = None
+    ) -> dict[int, int]:
         """Give every slot in ``lost`` to a survivor (not one of ``leaving``, the processes this
-        round replaces); returns slot -> holder for them."""
+        round replaces); returns slot -> holder for them. On a mesh (``shards``: its S) ``lost``
+        is whole replica groups, each held by the ranks of its shard coordinates."""
         for slot in lost:  # a held slot whose spare never came is held anew
             self.held.pop(slot, None)
         live = self.layout(nproc, leaving)
-        after = assign_slots(live, lost)
+        after = assign_slots(live, lost) if shards is None else assign_mesh_slots(live, lost, shards)
         given = {slot: p for p, slots in after.items() for slot in slots if slot in set(lost)}
         self.held.update(given)
         return given
 
-    def to_grow(self, nproc: int, ready: int) -> list[int]:
-        """The held slots that ``ready`` spares take back (rules/width.py's choice)."""
+    def to_grow(self, nproc: int, ready: int, shards: int | None = None) -> list[int]:
+        """The held slots that ``ready`` spares take back (rules/width.py's choice; on a mesh,
+        whole replica groups: rules/mesh_width.py's)."""
+        if shards is not None:
+            return mesh_groups_to_grow(self.layout(nproc), ready, shards)
         return slots_to_grow(self.layout(nproc), ready)
 
     def release(self, slot: int) -> None:

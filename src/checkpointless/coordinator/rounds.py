@@ -196,6 +196,8 @@ class Rounds:
             own_snapshots=tuple(msg.own_snapshots),
         )
         r.report_times[rank] = now
+        if r.reports[rank].mesh is not None:  # degraded mode drops whole replica groups on a mesh
+            self.degraded.mesh = r.reports[rank].mesh
         for slot in self.holders.of(rank):  # their state is the holder's own
             if slot not in r.replace:
                 r.reports[slot] = with_fields(r.reports[rank], rank=slot)
@@ -333,7 +335,7 @@ class Rounds:
         if match:
             self.spares.refill(now)  # refill the pool in the background (once: it walks every rank)
         if d.action == WidthAction.SHRINK:
-            self.degraded.shrink(r, sorted(r.replace))
+            self.degraded.shrink(r, sorted(r.replace), now)
         elif grew and not self.holders.degraded:
             nproc = self.cfg.nproc
             self.outbox.emit("width", generation=r.target, width=nproc, slots=nproc, holders=[])

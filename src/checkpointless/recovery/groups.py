@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checkpointless.comm.communicator import Communicator
+from checkpointless.comm.mesh import hold_replica_reduce
 from checkpointless.recovery.default_group import DefaultGroup
 from checkpointless.recovery.sharded import ShardedRun
 from checkpointless.recovery.slots import HeldSlots
@@ -32,11 +33,30 @@ class Groups:
         self.default: DefaultGroup | None = None  # torch's default group (dist.all_reduce, barrier)
         self.mesh: ShardedRun | None = None  # job.device_mesh(): FSDP2/HSDP over resilient groups
         self.held = HeldSlots()  # degraded mode: the groups of the slots held besides our own
+        self._replica_reduce = True  # FSDP2 all-reduces over the replicate group (begin_pass)
 
     @property
     def shards(self) -> int:
         """How many shards the state is split into (1 without a mesh)."""
         return self.mesh.shards if self.mesh is not None else 1
+
+    def hold_replicas(self, slots: Sequence[int]) -> None:
+        """Degraded HSDP: while this process holds the slots of a replica group that left
+        (``slots``), it is every member of its replicate group, which is folded and forms no
+        communicator (comm/folded.py); back at full width the group forms again. Set before the
+        generation's groups form. A mesh the script made itself cannot fold: ConfigError."""
+        if self.mesh is not None and (slots or any(pg.folded for pg in self.mesh.mesh.groups)):
+            self.mesh.mesh.fold_replicas(bool(slots))
+
+    def begin_pass(self, modules: Sequence[nn.Module], last_pass: bool) -> None:
+        """A pass of a step begins: on a mesh, FSDP2 all-reduces over the replicate group only in
+        the last one, the earlier passes' reduce-scattered gradients kept and added to it
+        (comm/mesh.py, ``hold_replica_reduce``). Nothing to do at full width."""
+        if self.mesh is None or last_pass == self._replica_reduce:
+            return
+        for m in modules:
+            hold_replica_reduce(m, last_pass)
+        self._replica_reduce = last_pass
 
     def abort(self, reason: str) -> int:
         """Fail every pending collective of every group now (thread-safe); how many there were."""

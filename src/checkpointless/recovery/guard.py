@@ -91,7 +91,8 @@ class UpdateGuard:
             # step exists anywhere (found by the HSDP raise-mid-optimizer test). Past this
             # barrier every rank has its gradients and applies its update even if an abort
             # arrives meanwhile (an update is never undone).
-            self._groups.comm.barrier(self._timeout)  # CommAborted: the step dies before any update
+            # CommAborted: the step dies before any update; degraded, every held slot's too
+            self._groups.held.barrier(self._groups.comm, self._timeout)
         else:
             self._groups.check()  # never apply an update from a generation that was aborted
         if fingerprint.ACTIVE is not None:  # only under `checkpointless audit`

@@ -333,6 +333,7 @@ def _rebuild(member: Member, msg: Recover, store: Any) -> float:
     gen, held = msg.generation, member.groups.held
     deadline = time.monotonic() + member.rendezvous_timeout
     slots = [s for s in msg.plan.slots_of(member.rank) if s != member.rank]
+    member.groups.hold_replicas(slots)  # degraded HSDP: the replicate group is this process alone
     forming = held.start_forming(
         slots,
         member.world_size,

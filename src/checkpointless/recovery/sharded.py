@@ -126,14 +126,14 @@ class ShardedRun:
 
     def aborted(self) -> str | None:
         """Why a group of the mesh was aborted, or None while every group is live."""
-        for pg in self.mesh.groups:
+        for pg in self.mesh.formed_groups:
             if pg.aborted is not None:
                 return f"mesh group {pg.key} aborted: {pg.aborted}"
         return None
 
     def check(self) -> None:
         """Raise CommAborted if any group was aborted: an update must not follow a dead step."""
-        for pg in self.mesh.groups:
+        for pg in self.mesh.formed_groups:
             if pg.aborted is not None:
                 raise CommAborted(f"mesh group {pg.key} aborted: {pg.aborted}")
 

@@ -79,16 +79,28 @@ class Step:
         for dp in self._member.tracked.dps:
             if dp.passes == self.passes:
                 dp.begin_pass(self.pass_index)
+        # degraded HSDP: FSDP2's replicate all-reduce waits for the last pass (recovery/groups.py)
+        self._member.groups.begin_pass(self._member.tracked.modules, self.last_pass)
         if not self.last_pass:
             self._defer_updates()
         return self
 
     def _defer_updates(self) -> None:
         """Before the last pass, the update waits: every tracked optimizer's and scheduler's
-        ``step()`` does nothing (the instance attribute shadows the method until __exit__)."""
-        for obj in self._member.tracked.objects.values():
-            if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
-                self._restore.append(_shadow_step(obj))
+        ``step()`` does nothing (the instance attribute shadows the method until __exit__).
+
+        The optimizers are taken from ``tracked.optimizers``, not from the tracked objects: an
+        optimizer over DTensors (FSDP2, HSDP) is tracked as its local shards' view
+        (recovery/sharded.py), which is no ``Optimizer``. Missed, its ``step()`` ran in every
+        pass: a no-op there (the held-back gradients are None), but it passed the update guard,
+        which then took a step cut off in its last pass for updated and rolled it forward
+        without its update (seen in degraded HSDP: every rank's weights wrong from then on)."""
+        m = self._member
+        schedulers = [
+            o for o in m.tracked.objects.values() if isinstance(o, torch.optim.lr_scheduler.LRScheduler)
+        ]
+        for obj in {id(o): o for o in [*m.tracked.optimizers, *schedulers]}.values():
+            self._restore.append(_shadow_step(obj))
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         self._member.clock.held_slot = None

@@ -91,8 +91,11 @@ class StepRecord:
         return self.retries[index]
 
     def interrupt(self, index: int) -> None:
-        """A fault interrupted step ``index``: remember it with what it had recorded."""
-        self.interrupted = (index, dict(self.fields))
+        """A fault interrupted step ``index``: remember it with what it had recorded. In a
+        degraded step that is the rank's own pass's (the first that ended), not what a held
+        slot's pass recorded before it was cut off: a rolled-forward commit is the rank's."""
+        own = next(iter(self._passes.values()), self.fields)
+        self.interrupted = (index, dict(own))
 
     def rng_for(self, target: int) -> RngState:
         """The generators as step ``target`` first began here; if this rank never began it (it

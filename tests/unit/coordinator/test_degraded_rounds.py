@@ -86,7 +86,10 @@ class Job:
                     for_generation=gen, committed_step=committed if valid else -1, valid=valid, cause="comm"
                 ),
             )
-        out += self.tick()
+        for _ in range(3):  # a round that shrinks sends its plan at the next tick
+            out += self.tick()
+            if self.sent(out, Recover):
+                break
         plans = self.sent(out, Recover)
         assert sorted(plans) == sorted(reports), out
         assert all(len(p) == 1 for p in plans.values()), "a holder gets one plan, not one per slot"
@@ -104,9 +107,11 @@ def test_no_spare_shrinks_then_a_ready_spare_grows_the_job_back() -> None:
     spawned = [c for c in out if isinstance(c, Spawn)]
     assert [s.role for s in spawned] == ["spare"], "the spare that will grow the job back is started"
     assert not j.sent(out, Assign), "no spare was ready: nobody takes rank 2"
+    # whether the job has a mesh (which drops whole replica groups) is in the survivors' reports
+    assert not j.events("width"), "the shrink waits for the survivors' reports"
+    plan = j.form(1, {0: 0, 1: 1, 3: 3}, committed=7)
     (width,) = j.events("width")
     assert width["width"] == 3 and width["holders"] == [[2, 0]], width
-    plan = j.form(1, {0: 0, 1: 1, 3: 3}, committed=7)
     assert plan.holders == [[2, 0]] and plan.slots_of(0) == [0, 2]
     assert plan.target_step == 7 and plan.receivers == []
     assert j.c.generation == 1, "the degraded generation formed with 3 processes"
@@ -143,8 +148,8 @@ def test_a_lost_holder_takes_its_held_slots_with_it() -> None:
     j.c.on_exit(0, -9, False, "terminated by SIGKILL", "", j.now, 1e9 + j.now)
     j.flush()
     j.tick()
-    assert j.events("width")[-1]["holders"] == [[0, 1], [2, 3]]
     plan = j.form(2, {1: 1, 3: 3}, committed=7)
+    assert j.events("width")[-1]["holders"] == [[0, 1], [2, 3]]
     assert plan.slots_of(1) == [0, 1] and plan.slots_of(3) == [2, 3]
 
 
@@ -183,6 +188,7 @@ def test_a_holder_one_step_behind_receives_once_for_itself_and_its_held_slot() -
     out: list[Command] = []
     for wid, committed in ((0, 6), (1, 7), (3, 7)):
         out += j.msg(wid, Stopped(for_generation=1, committed_step=committed, valid=True, cause="comm"))
+    out += j.tick()  # the shrink, now that the survivors have reported
     out += j.tick()
     plans = j.sent(out, Recover)
     assert sorted(plans) == [0, 1, 3]
@@ -199,3 +205,39 @@ def test_a_held_slot_is_never_the_source_its_holder_sends() -> None:
     assert fold_held_slots(plan, {}) is plan
     snap = RecoveryPlan(target_step=5, source=-1, receivers=(0, 1, 2, 3), from_snapshot=True)
     assert fold_held_slots(snap, {2: 0}).source == -1
+
+
+def test_on_an_hsdp_mesh_the_lost_ranks_replica_group_leaves_whole() -> None:
+    """A (2, 2) mesh loses rank 2: rank 3 (its replica group's other rank) is stopped, each slot
+    of the group goes to the rank of the same shard coordinate, a spare is started per held
+    slot, and only a whole group's worth of ready spares grows it back."""
+    j = Job(when_no_spare="shrink")
+    j.c.on_exit(2, -9, False, "terminated by SIGKILL", "", j.now, 1e9 + j.now)
+    j.flush()
+    j.tick()
+    for wid in (0, 1, 3):
+        j.msg(wid, Stopped(for_generation=1, committed_step=7, valid=True, cause="comm", mesh=[2, 2]))
+    j.tick()
+    (width,) = j.events("width")
+    assert width["width"] == 2 and width["holders"] == [[2, 0], [3, 1]], width
+    assert 3 in [c.worker_id for c in j.log if isinstance(c, Kill)], "rank 3 leaves with its group"
+    spares = [c.worker_id for c in j.log if isinstance(c, Spawn) and c.role == "spare"]
+    assert len(spares) == 2, "one spare for each held slot"
+    out = j.tick()
+    plans = j.sent(out, Recover)
+    assert sorted(plans) == [0, 1] and plans[0][0].plan.holders == [[2, 0], [3, 1]]
+    for wid in (0, 1):
+        j.msg(wid, Recovered(generation=1))
+    for wid in (0, 1):
+        j.msg(wid, Committed(generation=1, step=7))
+    # one spare ready brings nothing back: a replica group returns whole
+    assert j.c.on_connected(spares[0], j.now)
+    j.flush()
+    j.msg(spares[0], SpareReady())
+    j.tick()
+    assert not j.events("grow")
+    assert j.c.on_connected(spares[1], j.now)
+    j.flush()
+    j.msg(spares[1], SpareReady())
+    j.tick()
+    assert sorted(e["rank"] for e in j.events("grow")) == [2, 3]

@@ -13,6 +13,7 @@ these rules to their own state; the agent and the launcher use a few of them too
 * ``placement``: which host a rank or a spare goes to, and which spares take which ranks;
 * ``stragglers``: hosts whose steps run persistently slower than the others';
 * ``prefetch``: which ranks a spare on a spare host may take;
+* ``width`` and ``mesh_width``: degraded mode, for data parallelism and for an HSDP mesh;
 * ``election`` and ``rebuild``: a successor coordinator after a failover.
 """
 
