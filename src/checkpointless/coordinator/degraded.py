@@ -29,6 +29,17 @@ from checkpointless.settings import JobSettings
 __all__ = ["DegradedMode"]
 
 
+# Why a rank lost while the job's first generation forms waits for a spare instead: a held slot
+# is formed beside its holder's own groups by a recovery, not by the first generation, and the
+# lost rank has no generator record yet for a holder to go on from (its per-rank seeds ran in a
+# process that is gone). Found when a host was taken for lost at start-up on a loaded machine:
+# the holders' first generation never formed and the job failed after 5 recoveries.
+BEFORE_FIRST_GENERATION = (
+    "the rank(s) were lost before the job's first generation formed, when no survivor can hold "
+    "them yet; start the job again, or keep a spare (--spares, --spare-nodes)"
+)
+
+
 class DegradedMode:
     def __init__(
         self, cfg: JobSettings, members: Members, outbox: Outbox, spares: SparePool, holders: SlotHolders
@@ -55,6 +66,9 @@ class DegradedMode:
         cfg = self.cfg
         waited = now - (r.waiting_since if r.waiting_since is not None else now)
         gone = [*ranks, *self.leaving(ranks)]
+        not_shrinkable = mesh_not_shrinkable(self.mesh, ranks) if self.mesh is not None else ""
+        if r.initial:
+            not_shrinkable = not_shrinkable or BEFORE_FIRST_GENERATION
         d = width_decision(
             WidthSituation(
                 width=cfg.nproc,
@@ -66,7 +80,7 @@ class DegradedMode:
                 wait_limit=cfg.spare_wait,
                 policy=NoSparePolicy(cfg.when_no_spare),
                 min_replicas=cfg.min_replicas,
-                not_shrinkable=mesh_not_shrinkable(self.mesh, ranks) if self.mesh is not None else "",
+                not_shrinkable=not_shrinkable,
             )
         )
         if d.action == WidthAction.SHRINK and self.mesh is None:

@@ -166,6 +166,28 @@ def test_below_min_replicas_the_job_waits_then_fails_with_the_reason() -> None:
     assert "going on would leave 3 of 4 replicas, fewer than --min-replicas 4" in stops[0].why
 
 
+def test_a_rank_lost_before_the_first_generation_formed_waits_for_a_spare_not_a_holder() -> None:
+    # started, not formed: the initial round is still collecting its members
+    c = new_coordinator(4, 0, when_no_spare="shrink", spare_wait=5.0)
+    now = 100.0
+    c.start(now)
+    log = c.drain()
+    for cmd in log:
+        if isinstance(cmd, Spawn):
+            c.on_started(cmd.worker_id, f"127.0.0.1:{30000 + cmd.worker_id}")
+    for wid in range(4):
+        assert c.on_connected(wid, now)
+    c.on_exit(2, -9, False, "terminated by SIGKILL", "", now, 1e9 + now)
+    for t in (now + 0.01, now + 6.0):
+        c.tick(t, 1e9 + t)
+        log += c.drain()
+    widths = [x for x in log if isinstance(x, Emit) and x.event == "width"]
+    assert not widths, "no survivor can hold a slot before the first generation formed"
+    assert [x.role for x in log if isinstance(x, Spawn)].count("spare") >= 1, "a spare is started"
+    (stop,) = [x for x in log if isinstance(x, Stop)]
+    assert "before the job's first generation formed" in stop.why, stop.why
+
+
 def test_fail_policy_fails_after_the_wait_as_before() -> None:
     j = Job(spare_wait=5.0, when_no_spare="fail")
     j.c.on_exit(2, -9, False, "terminated by SIGKILL", "", j.now, 1e9 + j.now)
