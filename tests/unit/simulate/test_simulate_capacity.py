@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from checkpointless.errors import ConfigError
@@ -204,8 +204,14 @@ def test_a_spare_that_cannot_complete_a_replica_is_kept() -> None:
 @pytest.mark.timeout(120)
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), rate_x=st.sampled_from([1.0, 10.0, 40.0]))
+@example(seed=1622, rate_x=1.0)
 def test_degraded_goodput_lies_between_fail_stop_and_ideal(seed: int, rate_x: float) -> None:
-    cfgs = {c: _cfg(c, days=3.0, replace_s=6 * 3600.0) for c in (SHRINK, FAIL)}
+    # The same checkpoint cadence for both: each policy's own optimal interval follows from its
+    # expected fallbacks (shrinking falls back less, so it saves less often), which wins in
+    # expectation but not on every trace: a fallback that comes anyway then loses more (seed
+    # 1622: both fell back once; shrink had saved 58 times, fail 225). The cap makes the
+    # interval the same, so only the no-spare policy differs.
+    cfgs = {c: replace(_cfg(c, days=3.0, replace_s=6 * 3600.0), max_interval_s=900.0) for c in (SHRINK, FAIL)}
     trace = _trace(cfgs[SHRINK], seed, rate_x)
     shrink = simulate_run(cfgs[SHRINK], Policy.CHECKPOINTLESS, trace)
     fail = simulate_run(cfgs[FAIL], Policy.CHECKPOINTLESS, trace)
