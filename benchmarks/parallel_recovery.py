@@ -41,7 +41,7 @@ import _harness as bl
 import recovery as rv
 import shardlib as sl
 from _harness import downtime as dt
-from sharded_recovery import plan_sources
+from sharded_recovery import collect, recovery_notes
 
 __all__ = ["main"]
 
@@ -75,42 +75,15 @@ def command(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> 
     ]  # fmt: skip
 
 
-def collect(a: argparse.Namespace, cfg: dt.Config, kind: str, repeat: int, work: Path) -> dt.RunRecord:
-    run_dir = work / f"{cfg.key}-{kind}-{repeat}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    fin = bl.run_job(
+def launch(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> bl.Finished:
+    return bl.run_job(
         command(a, cfg, kind, run_dir), run_dir, timeout=a.run_timeout, env=bl.bench_env(a.threads)
     )
-    sl.combine_digests(run_dir, a.nproc)  # every rank's shards, into run_dir/digest
-    return dt.read_run(
-        cfg, kind, repeat, fin, run_dir, fault_step=a.fault_step, run_timeout=a.run_timeout,
-        checkpointless_extra=lambda d: {"sources": plan_sources(d)}, kind_width=9, logs_in_error=True,
-    )  # fmt: skip
 
 
 def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:
-    notes = []
-    for key, r in agg["ratios"].items():
-        if r["downtime"] is not None:
-            verdict = "met" if r["downtime"] <= 0.1 else "NOT met"
-            notes.append(
-                f"Downtime ratio (a)/(b) against target ≤ 0.1, K={key.split('/b')[1]}: {r['downtime']:.3f} ({verdict})."
-            )
-    kill = agg["configs"]["a"]["kinds"]["kill"]
-    if kill["n"]:
-        lost = kill["lost_steps"]["max"]
-        notes.append(
-            f"Lost steps of checkpointless, target 0: max {lost:.0f} ({'met' if lost == 0 else 'NOT met'})."
-        )
+    notes = recovery_notes(a, agg)
     if not a.no_reference:
-        for c in agg["configs"].values():
-            k = c["kinds"]["kill"]
-            if k["n"] and not k["digest_equal"]:
-                notes.append(f"{c['label']}: final shards differ from the fault-free run's.")
-            elif k["n"]:
-                notes.append(
-                    f"{c['label']}: every rank's final shards bitwise equal to the fault-free run's."
-                )
         steps = {k: c["no_fault"]["step_s"]["median"] for k, c in agg["configs"].items() if "no_fault" in c}
         ours, theirs = steps.get("a"), steps.get(f"b{a.ckpt_every[0]}")
         if ours and theirs:
@@ -190,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         with bl.cleanup_on_exit(), bl.run_bar(a.repeats * len(configs) * len(kinds), "3-D recovery") as bar:
             for rep, kind, cfg in dt.schedule(a.repeats, kinds, configs):
-                runs.append(collect(a, cfg, kind, rep, work))
+                runs.append(collect(a, cfg, kind, rep, work, launch))
                 bar.update()
     finally:
         if not a.work_dir:

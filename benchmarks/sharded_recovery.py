@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +72,30 @@ def plan_sources(run_dir: Path) -> list[list[int]]:
     return out
 
 
-def collect(a: argparse.Namespace, cfg: dt.Config, kind: str, repeat: int, work: Path) -> dt.RunRecord:
+def collect(
+    a: argparse.Namespace,
+    cfg: dt.Config,
+    kind: str,
+    repeat: int,
+    work: Path,
+    launcher: Callable[[argparse.Namespace, dt.Config, str, Path], bl.Finished] = launch,
+) -> dt.RunRecord:
+    """Run one job (``launcher``: this benchmark's HSDP job by default; parallel_recovery.py
+    passes its 3-D one) and read it, every rank's shard digests combined into one."""
     run_dir = work / f"{cfg.key}-{kind}-{repeat}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    fin = launch(a, cfg, kind, run_dir)
-    sl.combine_digests(run_dir, a.mesh[0] * a.mesh[1])  # every rank's shards, into run_dir/digest
+    fin = launcher(a, cfg, kind, run_dir)
+    sl.combine_digests(run_dir, a.nproc)  # every rank's shards, into run_dir/digest
     return dt.read_run(
         cfg, kind, repeat, fin, run_dir, fault_step=a.fault_step, run_timeout=a.run_timeout,
         checkpointless_extra=lambda d: {"sources": plan_sources(d)}, kind_width=9, logs_in_error=True,
     )  # fmt: skip
 
 
-def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:
+def recovery_notes(a: argparse.Namespace, agg: dict[str, Any]) -> list[str]:
+    """The notes every sharded recovery benchmark gives (here and in parallel_recovery.py): each
+    downtime ratio against its target, checkpointless' lost steps, and each design's final
+    shards against its fault-free run's."""
     notes = []
     for key, r in agg["ratios"].items():
         if r["downtime"] is not None:
@@ -105,6 +118,11 @@ def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRec
                 notes.append(
                     f"{c['label']}: every rank's final shards bitwise equal to the fault-free run's."
                 )
+    return notes
+
+
+def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:
+    notes = recovery_notes(a, agg)
     srcs = [
         r.metrics.get("sources") for r in runs if r.config.design == "checkpointless" and r.kind == "kill"
     ]

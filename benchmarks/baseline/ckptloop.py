@@ -73,11 +73,12 @@ class RankLog:
         self.emit("phase", t, name=name, **fields)
 
 
-def load_example() -> ModuleType:
-    """Import examples/train_gpt.py as a module (its GPT, synthetic_batch and weights_digest)."""
-    spec = importlib.util.spec_from_file_location("cl_example_train_gpt", EXAMPLE)
+def load_example(path: Path = EXAMPLE) -> ModuleType:
+    """Import an example as a module: by default examples/train_gpt.py (its GPT,
+    synthetic_batch and weights_digest)."""
+    spec = importlib.util.spec_from_file_location(f"cl_example_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot import {EXAMPLE}")
+        raise SystemExit(f"cannot import {path}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -23,11 +23,9 @@ _T_START = time.time()  # before the heavy imports: the restart cost includes th
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import importlib.util  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from types import ModuleType  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -40,15 +38,6 @@ import ckptloop as cl  # noqa: E402  (imports torch.distributed.checkpoint: part
 
 _T_IMPORTED = time.time()
 LLAMA = Path(__file__).resolve().parents[2] / "examples" / "llama_3d.py"
-
-
-def load_llama() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cl_example_llama_3d", LLAMA)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot import {LLAMA}")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def parse_mesh(text: str, world: int) -> tuple[int, int, int]:
@@ -76,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     dp, shard, tp = parse_mesh(args.mesh, int(os.environ.get("WORLD_SIZE", "1")))
     job = cl.start_job(args, _T_START, _T_IMPORTED)
-    llama = load_llama()
+    llama = cl.load_example(LLAMA)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.start_timeout))
     mesh = init_device_mesh("cpu", (dp, shard, tp), mesh_dim_names=("dp", "shard", "tp"))
     job.log.phase("pg_ready")

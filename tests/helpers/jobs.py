@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,18 @@ class JobResult:
             assert out.get(key, e["batch"]) == e["batch"], f"rank/step {key} committed two batches"
             out[key] = e["batch"]
         return out
+
+    def assert_same_batches(self, ref: JobResult, lost: Collection[int] | None = None) -> None:
+        """Every (rank, step) this run logged trained the fault-free run's batch. With ``lost``
+        (ranks killed at an arbitrary moment): a lost rank may have committed a step in the
+        collective and died before its line was written, so at most one line per lost rank may
+        be missing, and no other rank's (its replica's line proves the batch was trained)."""
+        got, want = self.batches(), ref.batches()
+        wrong = sorted(k for k in got if got[k] != want.get(k))
+        assert not wrong, f"ranks trained on other samples than the fault-free run at {wrong}"
+        if lost is not None:
+            missing = sorted(set(want) - set(got))
+            assert {r for r, _ in missing} <= set(lost) and len(missing) <= len(lost), missing
 
     def recovery_from(self, rank: int, step: int) -> dict[str, Any] | None:
         """The recovery from the fault of ``rank`` at ``step`` (its own fault, not a peer's comm

@@ -10,16 +10,30 @@ so they are tested as plain functions.
 from __future__ import annotations
 
 import enum
+import importlib.metadata
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from checkpointless.errors import ConfigError
 
-__all__ = ["TESTED_LIGHTNING", "BatchAction", "SchedulerLedger", "batch_action"]
+__all__ = ["TESTED_LIGHTNING", "BatchAction", "SchedulerLedger", "batch_action", "warn_if_untested"]
 
 # The Lightning release the strategy is tested against (tests/unit/integrations/test_lightning_unit.py pins it);
 # it uses only public hooks, but Lightning's loop order is what makes them mean what they mean.
 TESTED_LIGHTNING = "2.6.6"
+
+
+def warn_if_untested(strategy: str) -> None:
+    """Warn (at the caller's caller: the script that made ``strategy``) when the installed
+    lightning is not the one the integration is tested with."""
+    installed = importlib.metadata.version("lightning")
+    if installed != TESTED_LIGHTNING:
+        warnings.warn(
+            f"{strategy} is tested with lightning=={TESTED_LIGHTNING}, this is {installed}; "
+            "install the `checkpointless[lightning]` extra for the tested pair",
+            stacklevel=3,
+        )
 
 
 class BatchAction(enum.Enum):

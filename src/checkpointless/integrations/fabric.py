@@ -21,8 +21,6 @@ as ``for step in job.steps(N): with step: ...`` (docs/adoption.md, "Lightning Fa
 
 from __future__ import annotations
 
-import importlib.metadata
-import warnings
 from typing import Any
 
 import torch
@@ -31,7 +29,7 @@ from torch import nn
 
 import checkpointless
 from checkpointless.integrations._lightning_environment import CheckpointlessEnvironment
-from checkpointless.integrations._lightning_state import TESTED_LIGHTNING
+from checkpointless.integrations._lightning_state import warn_if_untested
 from checkpointless.recovery.job import Job
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.stateful_loader import StatefulStepLoader
@@ -45,13 +43,7 @@ class CheckpointlessFabricStrategy(DDPStrategy):
     ``steps()`` the script's loop runs."""
 
     def __init__(self, *, rendezvous_timeout: float = 60.0, max_step_retries: int = 3, **kwargs: Any) -> None:
-        installed = importlib.metadata.version("lightning")
-        if installed != TESTED_LIGHTNING:
-            warnings.warn(
-                f"CheckpointlessFabricStrategy is tested with lightning=={TESTED_LIGHTNING}, this is "
-                f"{installed}; install the `checkpointless[lightning]` extra for the tested pair",
-                stacklevel=2,
-            )
+        warn_if_untested("CheckpointlessFabricStrategy")
         # join at construction: a spare then waits before the script builds anything, and
         # Fabric's rank-zero helpers see the real rank from the start
         self.job: Job = checkpointless.init(

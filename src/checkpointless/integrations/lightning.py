@@ -38,7 +38,6 @@ abortable collectives. See docs/adoption.md, "PyTorch Lightning".
 
 from __future__ import annotations
 
-import importlib.metadata
 import signal
 import warnings
 from collections.abc import Callable
@@ -65,7 +64,7 @@ from checkpointless.integrations._lightning_internals import (
 from checkpointless.integrations._lightning_loggers import LoggerVersions
 from checkpointless.integrations._lightning_samplers import own_shuffle_generators
 from checkpointless.integrations._lightning_seek import fit_position, seek, seek_refusal
-from checkpointless.integrations._lightning_state import TESTED_LIGHTNING, SchedulerLedger
+from checkpointless.integrations._lightning_state import SchedulerLedger, warn_if_untested
 from checkpointless.integrations._lightning_steps import LightningSteps
 
 __all__ = ["CheckpointlessEnvironment", "CheckpointlessStrategy"]
@@ -104,13 +103,7 @@ class CheckpointlessStrategy(DDPStrategy):
     ) -> None:
         if catch_up not in ("seek", "reread"):
             raise ConfigError(f"CheckpointlessStrategy(catch_up={catch_up!r}): use 'seek' or 'reread'")
-        installed = importlib.metadata.version("lightning")
-        if installed != TESTED_LIGHTNING:
-            warnings.warn(
-                f"CheckpointlessStrategy is tested with lightning=={TESTED_LIGHTNING}, this is "
-                f"{installed}; install the `checkpointless[lightning]` extra for the tested pair",
-                stacklevel=2,
-            )
+        warn_if_untested("CheckpointlessStrategy")
         # Join now rather than in setup_environment: a spare then waits with the model already
         # built, and Lightning's rank-zero helpers see the real rank from the Trainer's start.
         self._job = checkpointless.init(
