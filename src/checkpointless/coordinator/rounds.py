@@ -19,6 +19,7 @@ from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.decisions import MemberReport, RecoveryPlan, plan_recovery
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, placement, without_spare
+from checkpointless.coordinator.rules.sections import closed_sections
 from checkpointless.coordinator.rules.width import WidthAction, fold_held_slots
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
@@ -194,6 +195,7 @@ class Rounds:
             mesh=(msg.mesh[0], msg.mesh[1]) if msg.mesh and len(msg.mesh) == 2 else None,
             copies=tuple((c[0], c[1]) for c in msg.copies if len(c) == 2),
             own_snapshots=tuple(msg.own_snapshots),
+            sections_closed=tuple(msg.sections_closed),
         )
         r.report_times[rank] = now
         if r.reports[rank].mesh is not None:  # degraded mode drops whole replica groups on a mesh
@@ -242,7 +244,9 @@ class Rounds:
                     f"generation {r.target}: ranks {missing} never reported within --recovery-timeout"
                 )
             return
-        plan = plan_recovery([r.reports[k] for k in sorted(r.reports)], initial=r.initial)
+        reports = [r.reports[k] for k in sorted(r.reports)]
+        plan = plan_recovery(reports, initial=r.initial)
+        closed = list(closed_sections(reports, plan.target_step))  # a section some rank passed
         plan = fold_held_slots(plan, {slot: holder for slot, holder in self.holders.pairs()})
         self.ledger.check_progress(plan.target_step, r.faults, r.initial)
         plan_json = plan.to_json()
@@ -255,7 +259,7 @@ class Rounds:
         msg = Recover(
             generation=r.target,
             rendezvous=dict(self.rendezvous),
-            plan=resume_plan(plan, self.holders.pairs()),
+            plan=with_fields(resume_plan(plan, self.holders.pairs()), sections_closed=closed),
             table_version=t.version,
             table_base=t.base,
             table_digest=t.digest,
@@ -269,7 +273,8 @@ class Rounds:
         # whole tables this round sent to hosts' agents and to single members (protocol/tables.py)
         tables = {"hosts": t.host_tables, "members": t.member_tables}
         held = {"holders": self.holders.pairs()} if self.holders.degraded else {}
-        self.outbox.emit("plan", generation=r.target, peer_tables=tables, **plan_json, **held)
+        closing = {"sections_closed": closed} if closed else {}
+        self.outbox.emit("plan", generation=r.target, peer_tables=tables, **plan_json, **held, **closing)
 
     def replace_ranks(self, r: Round, ranks: list[int], now: float) -> None:
         ms, out = self.members, self.outbox

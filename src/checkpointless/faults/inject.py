@@ -7,13 +7,16 @@ stage's activation or gradient, its peer stage left waiting in the matching op �
 half-way through the update —, recovery — while rejoining for that step —, section — as a
 protected section at the boundary after ``step`` steps returns, past its last collective —, closed
 — as the rank passes that section's closing barrier, its peers passing it or still in it, before
-anything after the section (the output it held) —; default step) and ``seconds`` (for slow). Examples::
+anything after the section (the output it held) —, unsettled — as that closing barrier completes
+on the rank, which takes it for failed, as when an abort lands on it before it completed and it
+does not complete within the settle time: its peers have passed it, it has not —; default step) and ``seconds`` (for slow). Examples::
 
     kill:rank=1:step=20            SIGKILL rank 1 as it starts step 20
     raise:rank=2:step=5:site=backward
     kill:rank=2:step=4:site=p2p    rank 2 dies as it sends an activation its next stage waits for
     raise:rank=0:step=10:site=section  rank 0 raises as a section after 10 steps returns
     kill:rank=1:step=10:site=closed    rank 1 dies as it passes that section's closing barrier
+    raise:rank=0:step=10:site=unsettled  rank 0 fails that barrier, which its peers passed
     hang:rank=3:step=30            SIGSTOP: the process stops answering
     spin:rank=0:step=12            a busy loop that holds the step
     random:seed=7:count=3:kinds=raise,kill:steps=5-40
@@ -37,7 +40,18 @@ from checkpointless.errors import ConfigError
 __all__ = ["KINDS", "SITES", "FaultSpec", "InjectedFault", "Injector", "expand_random", "parse_faults"]
 
 KINDS = ("raise", "exit", "kill", "hang", "spin", "slow")
-SITES = ("step", "forward", "backward", "allreduce", "p2p", "optimizer", "recovery", "section", "closed")
+SITES = (
+    "step",
+    "forward",
+    "backward",
+    "allreduce",
+    "p2p",
+    "optimizer",
+    "recovery",
+    "section",
+    "closed",
+    "unsettled",
+)
 
 
 class InjectedFault(RuntimeError):

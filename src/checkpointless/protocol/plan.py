@@ -36,6 +36,10 @@ class ResumePlan:
     # a live process other than its own holds (it trains that slot's micro-batch as an extra pass
     # of each step, and is that slot's rank in its groups); empty at full width
     holders: list[list[int]] = field(default_factory=list)
+    # the protected sections that completed at the boundary after ``target_step`` steps: some
+    # rank passed their closing barrier, so every rank takes them as done and none redoes them
+    # (coordinator/rules/sections.py)
+    sections_closed: list[str] = field(default_factory=list)
 
     def held_by(self) -> dict[int, int]:
         """slot -> the rank whose process holds it, for every held-over slot (empty at full width)."""

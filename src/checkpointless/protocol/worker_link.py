@@ -120,6 +120,9 @@ class Stopped(Message):
     copies: list[list[int]] = field(default_factory=list)
     # steps of this rank's own per-rank shared-memory snapshots (a sharded mesh)
     own_snapshots: list[int] = field(default_factory=list)
+    # the protected sections whose closing barrier this rank passed at the boundary after
+    # ``committed_step`` steps: a peer's may have failed as it completed (recovery/driver.py)
+    sections_closed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from checkpointless.recovery.recover import recover, recover_from
 from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import start_from_first_replica
-from checkpointless.state.snapshot import capture_rng
+from checkpointless.state.snapshot import RngState, capture_rng, restore_rng
 
 __all__ = ["close_section", "run_steps"]
 
@@ -131,6 +131,7 @@ def _run_sections(member: Member) -> bool:
         member.record.begin_section(at)
         member.replicas.rank_rng.keep(at, member.record.rng_for(at), sec.name)  # for a replacement
         member.clock.in_section = sec.name  # no step-progress clock inside (an evaluation may be long)
+        after: RngState | None = None
         try:
             sec.fn()
             # the section's work is done: a "section" fault fires here (faults/inject.py)
@@ -143,13 +144,21 @@ def _run_sections(member: Member) -> bool:
             if sec.held is not None:  # ... and what it holds to show as it closes
                 _held_file(member).keep(at, sec.name, sec.held.encode())
             close_section(member)
+            # the barrier completed here, and this rank fails it anyway: an "unsettled" fault
+            # fires here, as an abort that landed before it completed here would have
+            member.guard.injector.maybe_fire("unsettled", at)
         except Exception as exc:
             if not member.recovery.connected or isinstance(exc, ConfigError):
                 raise  # no launcher, or an error a replay would raise again (run_script.py)
             member.clock.in_section = None
             log.info("section %r after step %d interrupted: %s", sec.name, at - 1, short_error(exc))
             recover_from(member, at, exc)  # nothing was updated: every survivor stays valid
-            continue
+            if not _closed_by_peers(member, sec, at):
+                continue  # no rank passed the closing barrier: every rank redoes the section
+            if after is None:  # not seen: a peer passes only once this rank's work is done
+                log.warning("section %r at step %d closed with no generators kept at its end", sec.name, at)
+                after = capture_rng()
+            restore_rng(after)  # the recovery resumed them as the section began
         finally:
             member.clock.in_section = None
         # The barrier completed here: every rank has done all of the section's work, and a peer
@@ -164,6 +173,24 @@ def _run_sections(member: Member) -> bool:
         member.clock.restart()
         _after_section(member, sec, at)
     return False
+
+
+def _closed_by_peers(member: Member, sec: Section, at: int) -> bool:
+    """After a recovery from a fault in section ``sec`` at the boundary after ``at`` steps:
+    whether a peer passed its closing barrier (the plan says so: coordinator/rules/sections.py),
+    though this rank's failed. Then the section is complete here too, and it is ended as if this
+    rank had passed: from the generators as its work left them (``after``, taken before the
+    barrier), what it held shown once by ``closed``. Redoing it would run its collectives
+    against its peers' next step."""
+    if member.committed_step != at or member.loop.sections_done.get(sec.name) != at:
+        return False
+    log.info(
+        "section %r at step %d: a peer passed its closing barrier, which failed here; it is "
+        "complete on every rank and not redone",
+        sec.name,
+        at,
+    )
+    return True
 
 
 def _after_section(member: Member, sec: Section, at: int) -> None:

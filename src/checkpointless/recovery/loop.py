@@ -30,6 +30,19 @@ class LoopControl:
         # runs it too (recovery/epochs.py)
         self.epochs_done = -1
 
+    def closed_at(self, boundary: int) -> list[str]:
+        """The sections completed at the boundary after ``boundary`` steps (their closing barrier
+        passed here, or settled without running), as this rank reports them in a recovery."""
+        return sorted(name for name, at in self.sections_done.items() if at == boundary)
+
+    def agree(self, closed: list[str], boundary: int) -> None:
+        """A recovery's plan to resume at ``boundary``: the sections some rank completed there
+        are done on this rank too, also where its own closing barrier failed as its peers passed
+        it (coordinator/rules/sections.py); the step loop then ends them here without redoing
+        them (recovery/driver.py)."""
+        for name in closed:
+            self.sections_done[name] = boundary
+
     def end(self, total: int) -> int:
         """The number of committed steps after which the loop ends."""
         return total if self.stop_at < 0 else min(total, self.stop_at)

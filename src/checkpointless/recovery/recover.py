@@ -111,6 +111,7 @@ def recover(member: Member, cause: str, error: str | None, committed: int, valid
         cause=cause,
         error=error,
         step=member.clock.step_index,
+        sections_closed=member.loop.closed_at(committed),
     )
     resend = True
     while True:
@@ -249,6 +250,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
             member.replicas.arena = None  # what was carved out lives on in the received tensors
         tr = time.monotonic()
         step, rng = restore_state(member.tracked.objects, state)
+        member.loop.agree(plan.sections_closed, target)  # its source may not have passed one
         if step != target:
             raise StateTransferError(f"received state for step {step}, the plan says {target}")
         restore_rng(receiver_rng(member, target, rng, member.rank in plan.from_copy, route))
@@ -269,6 +271,7 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
     if route is not None and plan.holders:
         fetch_held_records(member, plan.holders, target, route)
     member.replicas.after_round(target, gen, stream_route(member, msg.rendezvous, gen))
+    member.loop.agree(plan.sections_closed, target)  # the sections a peer passed the barrier of
     member.committed_step = target
     member.replay.arm(member.record.interrupted, target)  # a replay is checked as it commits
     member.record.settle(target, gen)  # the interrupted step, if rolled forward, commits now

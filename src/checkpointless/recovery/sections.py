@@ -11,8 +11,11 @@ every rank has done all of its work (``close_section`` in driver.py): one failin
 section's last collective would otherwise redo it alone while its peers went on into the next
 step. Once a rank has passed that barrier the section is complete, and a fault after it (what an
 integration shows as the section closes, a rank lost as its peer passes the barrier) does not
-redo it. What it recorded with ``job.record()`` is emitted once, when it completes, as a
-``section`` event.
+redo it. The ranks agree on that in the recovery: an abort landing as the barrier completes
+can leave a live rank failing it while its peer passed, so each rank reports the sections it
+passed at its step, the plan says done where any did (coordinator/rules/sections.py), and a
+rank whose barrier failed ends the section as if it had passed. What it recorded with
+``job.record()`` is emitted once, when it completes, as a ``section`` event.
 
 Which sections completed at the current boundary travels with the loop state
 (``LoopControl.sections_done``), so a fault in the next step does not run an evaluation again,

@@ -10,6 +10,7 @@ these rules to their own state; the agent and the launcher use a few of them too
 * ``budget``: the fault budget, respawn loops, the no-progress limits;
 * ``fatal``: endings no spare can change (a ConfigError, an unadopted script's clean exit);
 * ``fault_step``: the step a fault event names;
+* ``sections``: which protected sections every rank takes as done after a recovery;
 * ``placement``: which host a rank or a spare goes to, and which spares take which ranks;
 * ``stragglers``: hosts whose steps run persistently slower than the others';
 * ``prefetch``: which ranks a spare on a spare host may take;

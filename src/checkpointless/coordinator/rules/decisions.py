@@ -41,6 +41,9 @@ class MemberReport:
     copies: tuple[tuple[int, int], ...] = ()
     # steps of this rank's own shared-memory snapshots on its host (per-rank, on a sharded mesh)
     own_snapshots: tuple[int, ...] = ()
+    # the protected sections whose closing barrier it passed at the boundary after
+    # ``committed_step`` steps (rules/sections.py)
+    sections_closed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

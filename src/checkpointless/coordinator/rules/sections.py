@@ -1,0 +1,35 @@
+"""Whether a protected section completed, as every rank of the next generation is to take it.
+
+A section ends with a closing barrier (recovery/driver.py, ``close_section``). A rank that has
+passed it takes the section as complete: it shows what the section held and goes on into the
+next step. An abort that lands as that barrier completes can leave a live peer failing it: a
+barrier aborted in flight is given 1 s more to complete (``Communicator.barrier``), and one whose
+last part has not reached it by then (its host too loaded to read it, a resent packet) raises,
+though its peers have passed. Left to its own view, that rank would leave the recovery at the
+same step as its peers with the section due, they with it done: it would run the section's
+collectives against their step's, and the section's work and lines would come twice.
+
+A rank passes the barrier only once every rank has entered it, every rank's work in the section
+done, so one pass anywhere settles it: the section is complete on every rank. Unit-tested in
+tests/unit/coordinator/test_sections_rule.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from checkpointless.coordinator.rules.decisions import MemberReport
+
+__all__ = ["closed_sections"]
+
+
+def closed_sections(reports: Iterable[MemberReport], target_step: int) -> tuple[str, ...]:
+    """The sections that completed at the boundary after ``target_step`` steps, sorted: each one
+    some valid member passed the closing barrier of there. A report about another boundary (a
+    rank behind the target receives its state) or from an invalid member (a new process, a
+    rank cut off in its update) says nothing about this one."""
+    done: set[str] = set()
+    for report in reports:
+        if report.valid and report.committed_step == target_step:
+            done.update(report.sections_closed)
+    return tuple(sorted(done))
