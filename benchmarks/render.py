@@ -475,6 +475,60 @@ def t_degraded_step(d: dict[str, Any]) -> Table:
     return head, rows
 
 
+def t_degraded(d: dict[str, Any]) -> Table:
+    """Two ranks lost with no spare: degraded mode against torchrun's elastic restarts."""
+    s, n = d["summary"], d["params"]["nproc"]
+    a, b, grow = s.get("a:two", {}), s.get("b:two", {}), s.get("a:grow", {})
+
+    def cell(x: dict[str, Any], path: str, nd: int = 2, unit: str = " s") -> str:
+        try:
+            return spread(get(x, path), nd, unit)
+        except (KeyError, IndexError):
+            return "–"
+
+    def both(path: str, nd: int = 2, unit: str = " s") -> list[str]:
+        return [cell(a, path, nd, unit), cell(b, path, nd, unit)]
+
+    def width(x: dict[str, Any], i: int) -> str:
+        if len(x.get("widths", [])) <= i:
+            return "–"
+        w = x["widths"][i]
+        return f"{spread(w['step_s'], 3)}, {spread(w['over_full'], 2, '×')} of full"
+
+    def bits(x: dict[str, Any]) -> str:
+        return "–" if not x else f"{sum(x['bitwise'])} of {len(x['bitwise'])} runs"
+
+    rows = [
+        ["whole job, 2 faults", *both("wall_s", 1)],
+        [
+            "whole job, no fault",
+            cell(s.get("a:none", {}), "wall_s", 1),
+            cell(s.get("b:none", {}), "wall_s", 1),
+        ],
+        ["time the 2 faults added", *both("added_wall_s", 1)],
+    ]
+    for i, (lo, hi) in enumerate(((n, n - 1), (n - 1, n - 2))):
+        rows += [
+            [f"downtime, fault {i + 1} ({lo} → {hi} ranks)", *both(f"faults[{i}].downtime_s")],
+            [f"until the step fault {i + 1} hit is done again", *both(f"faults[{i}].back_s")],
+            [f"steps redone, fault {i + 1}", *both(f"faults[{i}].redone", 0, "")],
+        ]
+    rows += [
+        [f"step at {n} ranks", width(a, 0), width(b, 0)],
+        [
+            f"step at {n - 1} ranks (issue's ideal {n / (n - 1):.2f}×; (a)'s design 2×)",
+            width(a, 1),
+            width(b, 1),
+        ],
+        [f"step at {n - 2} ranks (ideal {n / (n - 2):.2f}×)", width(a, 2), width(b, 2)],
+        ["final weights bitwise the fault-free run's", bits(a), bits(b)],
+        ["time to shrink (1 fault, then a spare)", cell(grow, "faults[0].downtime_s"), "–"],
+        ["time to grow back (last degraded commit → first full-width step)", cell(grow, "grow_gap_s"), "–"],
+        ["step after growing back", width(grow, 2), "–"],
+    ]
+    return ["measure", "(a) checkpointless, degraded mode", "(b) torchrun elastic + DCP"], rows
+
+
 # -- the blocks ----------------------------------------------------------------------------------
 DEV = "the 2-vCPU development machine (shared)"
 H200 = "the lent GPU machine (one NVIDIA H200, 16 cores)"
@@ -519,6 +573,7 @@ BLOCKS = [
     Block("rank_rng", "rank_rng.json", t_rank_rng),
     Block("lightning_catch_up", "lightning_catch_up.json", t_lightning_catch_up),
     Block("degraded_step", "degraded_step.json", t_degraded_step),
+    Block("degraded", "degraded.json", t_degraded),
     Block("gpu_check", "h200/gpu_check.json", t_gpu_check, machine=H200, command="python3 benchmarks/gpu_check.py --out DIR"),
 ]  # fmt: skip
 # calibration.json is recovery.py's second output: the measured costs the goodput simulator reads

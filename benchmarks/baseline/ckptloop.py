@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-FAULT_KINDS = ("raise", "kill", "hang")
+FAULT_KINDS = ("raise", "kill", "hang", "node")
 VOCAB = 256  # the example's byte-level vocabulary
 
 
@@ -111,6 +111,11 @@ def maybe_fire(faults: list[tuple[str, int, int]], rank: int, step: int, log_dir
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        if kind == "node":
+            # the whole node is lost: its torchrun agent (this worker's parent) with it, so an
+            # elastic job (--nnodes MIN:MAX) must go on without the node, not restart it here
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:

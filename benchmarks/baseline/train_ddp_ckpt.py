@@ -15,11 +15,13 @@ Run under torchrun (4 ranks, 3 restarts)::
         benchmarks/baseline/train_ddp_ckpt.py --steps 35 --ckpt-every 10 --log-dir /tmp/b \\
         --inject kill:rank=1:step=25
 
-Faults (``--inject KIND:rank=R:step=S``, repeatable; KIND raise, kill or hang) fire as the rank
+Faults (``--inject KIND:rank=R:step=S``, repeatable; KIND raise, kill, hang or node) fire as the rank
 begins step S, once per job (a marker file in --log-dir remembers it across restarts). ``hang``
 stops the process with SIGSTOP: the survivors then wait in their all-reduce until the gloo timeout
 (``--hang-timeout``, applied once the first step after each start has completed, so a slow start
-is not mistaken for a hang) fails them and torchrun restarts everyone.
+is not mistaken for a hang) fails them and torchrun restarts everyone. ``node`` SIGKILLs the
+rank's torchrun agent with it: a whole node lost, which an elastic job (``--nnodes MIN:MAX``, one
+agent per node) goes on without (benchmarks/degraded.py).
 
 Each rank appends JSON lines to ``<log-dir>/rank-<r>.jsonl``: ``phase`` events (process start,
 imports, process group, model, optimizer, checkpoint load, first batch), one ``commit`` per step,
