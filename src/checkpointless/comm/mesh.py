@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from checkpointless.comm.process_group import BACKEND_NAME, ResilientProcessGroup, register_backend
+from checkpointless.comm.c10d_backend import BACKEND_NAME, register_backend
+from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.comm.script_groups import made_by_mesh
 from checkpointless.errors import ConfigError
 

@@ -27,14 +27,14 @@ a host wait (``loss.item()``, say) on a collective that a dead peer left hanging
 with one rank (``benchmarks/gpu_check.py``); never yet with several NCCL ranks.
 
 The groups are made through c10d's backend-plugin path (``init_process_group`` and
-``new_group`` with :data:`BACKEND_NAME`), so torch does its own bookkeeping: the group name,
+``new_group`` with ``c10d_backend.BACKEND_NAME``), so torch does its own bookkeeping: the group name,
 the registry that ``DeviceMesh.get_group`` and functional collectives resolve names in, and
 the global-to-group rank map.
 
 Forming, aborting and parking each generation's communicators, and issuing one collective on
 the current one, are the base class's (:class:`~checkpointless.comm.generations.GenerationGroup`,
-``generations.py``); this module is what c10d sees: the group's identity, every collective, and
-the backend's registration.
+``generations.py``); this module is what c10d sees: the group's identity and every collective.
+The backend's registration, which makes these groups, is ``c10d_backend.py``.
 """
 
 from __future__ import annotations
@@ -52,13 +52,11 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from checkpointless.comm.folded import fold_all_reduce, folded_refusal
 from checkpointless.comm.generations import GenerationGroup, on_cuda
-from checkpointless.comm.handle import Handle, default_backend
+from checkpointless.comm.handle import Handle
 from checkpointless.comm.work import AbortableWork, ChainWork, clamp_timeout
 from checkpointless.errors import ConfigError
 
-__all__ = ["BACKEND_NAME", "ResilientProcessGroup", "register_backend"]
-
-BACKEND_NAME = "checkpointless"
+__all__ = ["ResilientProcessGroup"]
 
 
 class ResilientProcessGroup(GenerationGroup):
@@ -369,37 +367,3 @@ def _forget_nothing(handle: Handle) -> None:
 
 def _call(method: str, output: torch.Tensor, input: torch.Tensor, opts: Any, pg: Any) -> Any:
     return getattr(pg, method)(output, input, opts)
-
-
-_registered = False
-
-
-def register_backend() -> None:
-    """Teach c10d the :data:`BACKEND_NAME` backend (idempotent): ``init_process_group`` and
-    ``new_group`` with it return a :class:`ResilientProcessGroup` with no communicator yet."""
-    global _registered
-    if _registered:
-        return
-
-    def create(opts: Any, _backend_options: Any) -> ResilientProcessGroup:
-        # the job's backend is NCCL exactly when CUDA is here and not overridden: then CUDA
-        # tensors get a group of their own each generation (the job's device is the GPU)
-        dev = "nccl" if default_backend() == "nccl" else None
-        # the default group is created with no member list: it is every rank
-        members = list(opts.global_ranks_in_group)
-        if not members:
-            return ResilientProcessGroup(
-                opts.group_rank,
-                opts.group_size,
-                range(opts.group_size),
-                opts.timeout,
-                key="world",
-                device_backend=dev,
-            )
-        return ResilientProcessGroup(
-            opts.group_rank, opts.group_size, members, clamp_timeout(opts.timeout), device_backend=dev
-        )
-
-    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=devices)
-    _registered = True

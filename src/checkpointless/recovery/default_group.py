@@ -34,7 +34,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from checkpointless.comm.process_group import BACKEND_NAME, ResilientProcessGroup, register_backend
+from checkpointless.comm.c10d_backend import BACKEND_NAME, register_backend
+from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.comm.script_groups import ScriptGroups, torch_delegates_new_group
 from checkpointless.errors import CommAborted, ConfigError
 from checkpointless.events import get_logger
