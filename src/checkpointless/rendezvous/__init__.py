@@ -10,6 +10,7 @@ next generation forms once that rank is replaced. See docs/rendezvous.md.
 from typing import TYPE_CHECKING, Any
 
 from checkpointless.rendezvous.barrier import store_barrier
+from checkpointless.rendezvous.connections import ServerStats
 from checkpointless.rendezvous.peers import PeerTable, group_by_owner, key_owner, parse_address
 from checkpointless.rendezvous.ports import (
     PORT_BASE_SETTING,
@@ -18,7 +19,7 @@ from checkpointless.rendezvous.ports import (
     open_listener,
     port_range_from_env,
 )
-from checkpointless.rendezvous.server import KeyServer, ServerStats
+from checkpointless.rendezvous.server import KeyServer
 
 if TYPE_CHECKING:
     from checkpointless.rendezvous.store import RootlessStore

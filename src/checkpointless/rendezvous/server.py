@@ -3,8 +3,9 @@
 One event-loop thread per participant handles every connection (a full-mesh rendezvous of N ranks
 opens N-1 connections to each server, so a thread per connection would not scale). This module is
 the connection side: accepting, reading and sealing frames, and deciding which connections to
-trust. What an authenticated request does to the keys, including the requests that wait for a key
-(parked, so the loop never blocks on a slow key), is
+trust (what each connection has proved so far, and the load counters, are
+:mod:`~checkpointless.rendezvous.connections`). What an authenticated request does to the keys,
+including the requests that wait for a key (parked, so the loop never blocks on a slow key), is
 :mod:`~checkpointless.rendezvous.server_requests`; what both ends share (labels, version, ops) is
 :mod:`~checkpointless.rendezvous.keyproto`.
 
@@ -39,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
-import secrets
 import selectors
 import socket
 import threading
@@ -48,70 +48,21 @@ from collections import OrderedDict
 from typing import Any
 
 from checkpointless.errors import ConfigError
-from checkpointless.rendezvous.keyproto import (
-    KEYSERVER_C2S,
-    KEYSERVER_S2C,
-    MUTATING_OPS,
-    PROTOCOL_VERSION,
-    clamp_wait,
-)
+from checkpointless.rendezvous.connections import Connection, ServerStats
+from checkpointless.rendezvous.keyproto import KEYSERVER_C2S, KEYSERVER_S2C, PROTOCOL_VERSION, clamp_wait
 from checkpointless.rendezvous.keyspace import KeySpace
 from checkpointless.rendezvous.ports import open_listener
-from checkpointless.rendezvous.server_requests import Pending, RequestHandler
-from checkpointless.wire import FrameDecoder, FrameError, derive_key, send_frame
+from checkpointless.rendezvous.server_requests import RequestHandler
+from checkpointless.wire import FrameError, derive_key, send_frame
 
-__all__ = ["KeyServer", "ServerStats"]
+__all__ = ["KeyServer"]
 
 _READ_CHUNK = 256 << 10
-_MAX_PAYLOAD = 64 << 20  # rendezvous values are addresses and ids; more is a bug or an attack
-# A connection's first frame is a hello or a read (a write needs the nonce a hello issues), so
-# it has no payload to speak of: until a frame has passed its seal, a connection may announce
-# only this much, and a flood of connections that never authenticate buffers little each.
-_FIRST_MAX_PAYLOAD = 64 << 10
 _HELLO_TIMEOUT_S = 30.0  # a peer connects to every owner, then sends: the gap grows with N
 _MAX_UNSEALED = 256  # well under a process's usual 1024 descriptors
 _FRAME_OVERHEAD = 12 + 32  # length prefix + MAC, for the byte counters
 _LISTENER = object()
 _WAKER = object()
-
-
-class ServerStats:
-    """Load counters of one key server (read by the benchmarks; written by the loop only)."""
-
-    __slots__ = (
-        "bytes_in",
-        "bytes_out",
-        "connections",
-        "peak_connections",
-        "rejected",
-        "requests",
-        "unsealed_closed",
-    )
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.connections = 0
-        self.peak_connections = 0
-        self.rejected = 0  # connections closed for a bad seal, a missing nonce or a replayed sequence
-        self.unsealed_closed = 0  # connections closed before their first sealed frame (idle or flood)
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-
-class _Conn:
-    __slots__ = ("accepted", "decoder", "last_seq", "nonce", "partial_since", "pending", "sock")
-
-    def __init__(self, sock: socket.socket, rx_key: bytes, accepted: float) -> None:
-        self.sock = sock
-        self.accepted = accepted
-        self.nonce: str | None = None  # issued by the first "hello" on this connection
-        self.last_seq = 0
-        self.pending: set[Pending[_Conn]] = set()  # parked by the request handler
-        self.decoder = FrameDecoder(rx_key, max_payload=_FIRST_MAX_PAYLOAD)
-        self.partial_since: float | None = None  # when the frame in progress started arriving
 
 
 class KeyServer:
@@ -166,10 +117,10 @@ class KeyServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._requests: RequestHandler[_Conn] = RequestHandler(self.keyspace, self._send, self._wake)
-        self._conns: set[_Conn] = set()
+        self._requests: RequestHandler[Connection] = RequestHandler(self.keyspace, self._send, self._wake)
+        self._conns: set[Connection] = set()
         # connections with no sealed frame yet, oldest first (insertion order is accept order)
-        self._unsealed: OrderedDict[_Conn, None] = OrderedDict()
+        self._unsealed: OrderedDict[Connection, None] = OrderedDict()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         # connections handed over to a bulk transfer (see open_channel), by channel name
@@ -300,7 +251,7 @@ class KeyServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if len(self._unsealed) >= self.max_unsealed:
                 self._make_room()
-            conn = _Conn(sock, self._rx_key, time.monotonic())
+            conn = Connection(sock, self._rx_key, time.monotonic())
             self._unsealed[conn] = None
             self._conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -319,7 +270,7 @@ class KeyServer:
                 self.stats.unsealed_closed += 1
                 self._drop(oldest)
 
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: Connection) -> None:
         self._requests.cancel(conn)
         self._unsealed.pop(conn, None)
         if conn in self._conns:
@@ -328,7 +279,7 @@ class KeyServer:
                 self._sel.unregister(conn.sock)
         conn.sock.close()
 
-    def _send(self, conn: _Conn, header: dict[str, Any], payload: bytes = b"") -> bool:
+    def _send(self, conn: Connection, header: dict[str, Any], payload: bytes = b"") -> bool:
         try:
             conn.sock.settimeout(self.io_timeout)
             send_frame(conn.sock, self._tx_key, header, payload)
@@ -339,7 +290,7 @@ class KeyServer:
         self.stats.bytes_out += _FRAME_OVERHEAD + len(json.dumps(header)) + len(payload)
         return True
 
-    def _serve(self, conn: _Conn) -> None:
+    def _serve(self, conn: Connection) -> None:
         """Read what the socket holds (never past the frame in progress); serve a completed frame."""
         frame: tuple[dict[str, Any], bytearray] | None = None
         try:
@@ -366,24 +317,16 @@ class KeyServer:
         conn.partial_since = None
         header, payload = frame
         seq, op = header.get("seq"), header.get("op")
-        if (
-            not isinstance(seq, int)
-            or seq <= conn.last_seq
-            or (op in MUTATING_OPS and (conn.nonce is None or header.get("nonce") != conn.nonce))
-        ):
+        if not conn.admits(header):
             self.stats.rejected += 1  # replayed or reordered: never trust this connection again
             self._drop(conn)
             return
-        if conn.last_seq == 0:  # its first sealed frame: it may send values of any allowed size now
-            conn.decoder = FrameDecoder(self._rx_key, max_payload=_MAX_PAYLOAD)
+        if conn.served(header["seq"]):  # its first sealed frame: off the short leash of the unsealed
             self._unsealed.pop(conn, None)
-        conn.last_seq = seq
         self.stats.requests += 1
         self.stats.bytes_in += _FRAME_OVERHEAD + len(json.dumps(header)) + len(payload)
         if op == "hello":
-            if conn.nonce is None:
-                conn.nonce = secrets.token_hex(16)
-            self._send(conn, {"seq": seq, "ok": True, "v": PROTOCOL_VERSION, "nonce": conn.nonce})
+            self._send(conn, {"seq": seq, "ok": True, "v": PROTOCOL_VERSION, "nonce": conn.issue_nonce()})
             return
         try:
             if op == "stream":
@@ -393,7 +336,7 @@ class KeyServer:
         except Exception as e:  # a bug must cost one request, never the loop (and every rank)
             self._send(conn, {"seq": seq, "ok": False, "error": "bad-request", "detail": repr(e)})
 
-    def _hand_over(self, conn: _Conn, h: dict[str, Any]) -> None:
+    def _hand_over(self, conn: Connection, h: dict[str, Any]) -> None:
         """A ``stream`` request: the connection leaves the loop for the channel it names (see
         :meth:`open_channel`)."""
         seq = h["seq"]
