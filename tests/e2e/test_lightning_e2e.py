@@ -10,10 +10,12 @@ run trained on.
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_snapshots import _kill_every_rank_after_snapshot
 from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
 
 pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
@@ -24,10 +26,14 @@ ARGS += ["--global-batch", "12", "--print-batches", "--print-reads", "--ema", "0
 _REF: dict[str, JobResult] = {}
 
 
-def run(run_dir: Path, corpus: Path, faults: list[str], spares: int = 1) -> JobResult:
+def run(
+    run_dir: Path, corpus: Path, faults: list[str], spares: int = 1, extra: list[str] | None = None
+) -> JobResult:
     # ModelCheckpoint (rank 0 writes, every 5 steps and last.ckpt) runs in every job
     args = [*ARGS, "--ckpt-dir", str(run_dir.parent / "ckpt")]
-    job = start_job(run_dir, corpus, 3, spares, faults, script_args=args, script=SCRIPT, hang_timeout=6)
+    job = start_job(
+        run_dir, corpus, 3, spares, faults, extra, script_args=args, script=SCRIPT, hang_timeout=6
+    )
     return job.finish(150)
 
 
@@ -185,4 +191,42 @@ def test_lightning_faults_in_one_job_are_each_survived_bitwise(
             assert plans and rank in plans[0]["receivers"], (
                 "a rank that faulted mid-update must receive state"
             )
+    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+
+
+# `make soak`: the default suite's test_lightning_every_replica_e2e kills every rank of a smaller
+# job the same way; this one checks Lightning's checkpoint files and an EMA callback on top
+@pytest.mark.soak
+@pytest.mark.timeout(240)
+def test_lightning_job_that_loses_every_rank_restores_its_snapshot_bitwise(
+    tmp_path: Path, corpus: Path, reference: JobResult
+) -> None:
+    # rank 0 sleeps 4 s as step 4 begins (the snapshot of step 4 is written meanwhile; the others
+    # wait for it in the all-reduce); then every process is SIGKILLed at once: no replica is left,
+    # and three spares restore the snapshot, each putting a fresh Lightning loop at step 4
+    run_dir = tmp_path / "run"
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 4, stop, 3), daemon=True)
+    killer.start()
+    try:
+        res = run(
+            run_dir, corpus, ["slow:rank=0:step=4:seconds=4"], spares=3, extra=["--snapshot-every", "2"]
+        )
+    finally:
+        stop.set()
+        killer.join(timeout=5)
+    assert res.rc == 0, res.output[-6000:]
+    assert sorted(e["rank"] for e in res.of("spare_assigned")) == [0, 1, 2], "every rank is replaced once"
+    plans = [(p["target_step"], p["receivers"]) for p in res.of("plan") if p.get("from_snapshot")]
+    assert plans == [(4, [0, 1, 2])], res.of("plan")
+    assert res.of("recovery")[-1]["transport"] == "snapshot"
+    # weights, EMA, optimizer, scheduler, loop counters and callback state (in the checkpoint
+    # files the replacement rank 0 wrote from step 5 on) are the fault-free run's on every rank
+    res.assert_same_weights(reference, nproc=3)
+    assert res.trained_batches() == reference.trained_batches(), (
+        "some rank trained on other samples than the fault-free run"
+    )
+    assert_same_checkpoints(res, reference)
+    # each replacement sought step 4 in Lightning's loop and read no sample before it
+    assert_reads_only_trained_batches(res, replaced=3)
     assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"

@@ -2,8 +2,9 @@
 
 Lightning owns the training loop, so the strategy cannot move the loop to a step; it can only
 decide, for each batch Lightning hands it, whether to train on it, skip it (a replacement that
-received a replica's state is behind in Lightning's loop) or refuse it (the loop is behind the
-job in a way that cannot be repaired). These rules are kept here, free of Lightning and torch,
+received a replica's state is behind in Lightning's loop) or leave the job (its loop is past the
+state: every replica was lost and an older snapshot restored; a spare with a fresh loop, put at
+that step, takes the rank). These rules are kept here, free of Lightning and torch,
 so they are tested as plain functions.
 """
 
@@ -15,9 +16,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpointless.errors import ConfigError
+from checkpointless.errors import CheckpointlessError
 
-__all__ = ["TESTED_LIGHTNING", "BatchAction", "SchedulerLedger", "batch_action", "warn_if_untested"]
+__all__ = [
+    "TESTED_LIGHTNING",
+    "BatchAction",
+    "LoopAheadOfState",
+    "SchedulerLedger",
+    "batch_action",
+    "warn_if_untested",
+]
 
 # The Lightning release the strategy is tested against (tests/unit/integrations/test_lightning_unit.py pins it);
 # it uses only public hooks, but Lightning's loop order is what makes them mean what they mean.
@@ -34,6 +42,11 @@ def warn_if_untested(strategy: str) -> None:
             "install the `checkpointless[lightning]` extra for the tested pair",
             stacklevel=3,
         )
+
+
+class LoopAheadOfState(CheckpointlessError):
+    """A rank's Lightning loop is past the state it holds (the job went back to a snapshot or a
+    checkpoint): not a setting, so not a ``ConfigError``; the process exits and is replaced."""
 
 
 class BatchAction(enum.Enum):
@@ -53,11 +66,12 @@ def batch_action(lightning_step: int, job_step: int) -> BatchAction:
         return BatchAction.SKIP
     if lightning_step == job_step:
         return BatchAction.TRAIN
-    raise ConfigError(
+    raise LoopAheadOfState(
         f"Lightning is at optimizer step {lightning_step} but this rank's state holds only "
-        f"{job_step} updates: the strategy cannot move Lightning's loop back. This happens when "
-        "the job restores an older snapshot or checkpoint (every replica was lost); run the script "
-        "under `checkpointless run --plain` with ckpt_path='last' for that case."
+        f"{job_step} updates: every replica was lost and the job restored an older snapshot or "
+        "checkpoint, and the strategy cannot move a running Lightning loop back. This process "
+        "leaves so that a spare takes its rank and puts a fresh loop at that step (keep a hot "
+        "spare per rank, `--spares`, for a job whose every replica may be lost at once)."
     )
 
 

@@ -25,6 +25,9 @@ strategy, and nothing else:
   ``catch_up="reread"``, it walks the loop forward instead, skipping ``training_step`` and the
   update, until the loop reaches C, and logs why. Either way the batches are those of the same
   DataLoader and sampler as on every other rank; nothing skipped touches the received state.
+- When every replica is lost the job restores its snapshot, and every spare that takes a rank
+  is put at the snapshot's step as above; a rank still alive has its loop past that step, which
+  a running fit cannot move back, so it leaves for a spare (``LoopAheadOfState``).
 - Callbacks with state (``state_dict()``: ``EarlyStopping``, ``ModelCheckpoint``, an EMA of the
   weights) are part of the replica, with the position in Lightning's loop their state belongs to,
   so that a rank behind it never lets a hook reach them twice (``_lightning_callbacks.py``).
