@@ -12,9 +12,9 @@ This class is a façade over components, each owning its own state and given its
 explicitly: :class:`Members` (hosts, processes, ranks), :class:`Outbox` (the commands out),
 :class:`FaultLedger` (faults, budgets, recoveries), :class:`SparePool`, :class:`TableDelivery`
 (the peer table), :class:`Rounds` (the generation and its recovery round), :class:`Losses`
-(exits, lost hosts, hangs), :class:`StragglerMoves` and :class:`MessageRouter` (the workers'
-messages). It routes the shell's events to them and
-decides when the job ends.
+(exits, lost hosts, hangs), :class:`StragglerMoves`, :class:`MessageRouter` (the workers'
+messages) and :class:`JobEnd` (the job's end: finished everywhere, or stopped). It routes the
+shell's events to them.
 
 A round, in brief: a fault aborts the current generation (``Abort`` to every member), dead or hung
 ranks are replaced by ready spares (``Assign``), every member reports its state (``Stopped``), the
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from checkpointless.coordinator.ending import JobEnd
 from checkpointless.coordinator.health import HostQuarantine
 from checkpointless.coordinator.holders import SlotHolders
 from checkpointless.coordinator.ledger import FaultLedger
@@ -40,7 +41,7 @@ from checkpointless.coordinator.state import Command, HostState, Member, Round
 from checkpointless.coordinator.tables import TableDelivery
 from checkpointless.coordinator.watch import StragglerMoves
 from checkpointless.errors import NotRecoverableError
-from checkpointless.protocol import HealthReport, Message, Shutdown
+from checkpointless.protocol import HealthReport, Message
 from checkpointless.settings import JobSettings as LaunchConfig
 
 if TYPE_CHECKING:
@@ -66,8 +67,6 @@ class Coordinator:
         self.rendezvous = rendezvous
         self.checkpoint_dir = checkpoint_dir  # where durable checkpoints go ("" when they are off)
         self.started = False
-        self.stopping: str | None = None
-        self.exit_code = 0
         self.outbox = Outbox()
         self.members = Members(self.outbox)
         self.ledger = FaultLedger(cfg, self.outbox)
@@ -89,6 +88,7 @@ class Coordinator:
             self.tables,
             holders,
         )
+        self.ending = JobEnd(self.members, self.outbox, self.ledger, self.rounds)
         self.losses = Losses(
             cfg, self.members, self.outbox, self.ledger, self.spares, self.tables, self.rounds
         )
@@ -105,6 +105,15 @@ class Coordinator:
         self._held_exits: dict[int, tuple[float, tuple[Any, ...]]] = {}
 
     # -- the components' state, as the shell and the tests read it ---------------------------
+    @property
+    def stopping(self) -> str | None:
+        """Why the job is ending (None while it runs)."""
+        return self.ending.stopping
+
+    @property
+    def exit_code(self) -> int:
+        return self.ending.exit_code
+
     @property
     def procs(self) -> dict[int, Member]:
         return self.members.procs
@@ -287,11 +296,11 @@ class Coordinator:
         self._guarded(self._tick, now, wall)
 
     def on_signal(self, name: str, code: int) -> None:
-        self._stop(f"launcher received {name}; stopping the job", code)
+        self.ending.stop(f"launcher received {name}; stopping the job", code)
 
     def fail(self, why: str) -> None:
         """The shell hit an error it cannot recover from (a launcher bug, a spawn that failed)."""
-        self._stop(why, 1)
+        self.ending.stop(why, 1)
 
     def settled(self) -> bool:
         """Nothing in flight: started, no round, no exit waiting for its connection's end. O(1):
@@ -312,7 +321,7 @@ class Coordinator:
         except NotRecoverableError as e:
             # a job that fails while hosts sit in quarantine (the only spare host, say) says so
             note = self.health.note()
-            self._stop(f"{e}; {note}" if note else str(e), 1)
+            self.ending.stop(f"{e}; {note}" if note else str(e), 1)
 
     def _tick(self, now: float, wall: float) -> None:
         for wid, (deadline, args) in list(self._held_exits.items()):
@@ -332,7 +341,9 @@ class Coordinator:
             self.losses.check_hangs(now, wall)
         if self.stopping is None:
             if self.moves is not None:  # samples every step: not rate-limited (off by default)
-                self.moves.check(now, wall, self.round is not None or self.rounds.pending is not None)
+                self.moves.check(
+                    now, wall, self.round is not None or self.rounds.first_steps.round is not None
+                )
             if walk and self.round is None:
                 self.spares.hint()
         if self.stopping is None:
@@ -340,75 +351,4 @@ class Coordinator:
             self.health.note_faults(self.ledger.history, self.ranks)
             self.rounds.advance(now, wall)
         if self.stopping is None:
-            self._check_done()
-
-    def _check_done(self) -> None:
-        if not self.ranks or not all(m.done and m.exited for m in self.ranks.values()):
-            return
-        if self.round is not None:
-            # Every rank finished its loop and exited while a round was open: a coordinator that
-            # took over as the last steps ran (its election and rebuild took longer than they
-            # did). Training is complete everywhere and no process is left to recover; waiting
-            # for reports that cannot come would fail a finished job at --recovery-timeout.
-            self.outbox.log(
-                "warning",
-                f"every rank finished its last step while recovery round {self.round.target} was "
-                "open; the round is dropped and the job ends",
-            )
-            self.round = None
-        failed = sorted(r for r, m in self.ranks.items() if m.exit_code != 0)
-        if failed:
-            # training finished everywhere, but the script failed after its loop (saving?)
-            self.outbox.log(
-                "error",
-                f"training finished, but rank(s) {failed} failed after the loop; see their output",
-            )
-        self.rounds.flush_pending("the job ended before every rank committed a step after it")
-        faults, recoveries, startup = (
-            len(self.ledger.history),
-            len(self.recoveries),
-            self.ledger.startup_faults,
-        )
-        self.outbox.emit(
-            "job_end",
-            status="failed" if failed else "ok",
-            recoveries=recoveries,
-            faults=faults,
-            startup_faults=startup,
-            inexact=self.ledger.inexact_account(),
-        )
-        during = f" ({startup} during start-up)" if startup else ""
-        self.outbox.log("info", f"job finished: {recoveries} recoveries from {faults} faults{during}")
-        if self.ledger.inexact:
-            ranks = sorted({x.rank for x in self.ledger.inexact if x.rank is not None})
-            self.outbox.log(
-                "warning",
-                f"rank(s) {ranks} resumed without their own per-rank state or replayed a step to another "
-                f"loss {len(self.ledger.inexact)} time(s): the result may differ from the run without "
-                "the faults (job_end's 'inexact')",
-            )
-        self._end("done", 1 if failed else 0)
-
-    def _stop(self, why: str, code: int) -> None:
-        if self.stopping is not None and self.exit_code:
-            return
-        self.rounds.flush_pending("the job stopped")
-        self.outbox.log("error", why)
-        self.outbox.emit(
-            "job_end",
-            status="failed",
-            error=why,
-            code=code,
-            recoveries=len(self.recoveries),
-            faults=len(self.ledger.history),
-            inexact=self.ledger.inexact_account(),
-        )
-        self._end(why, code)
-
-    def _end(self, why: str, code: int) -> None:
-        self.stopping = why
-        self.exit_code = code
-        for m in self.procs.values():
-            # each process logs the reason: its first line (a traceback is printed once, above)
-            self.outbox.send(m, Shutdown(code=0 if code == 0 else 1, reason=why.partition("\n")[0]))
-        self.outbox.stop(code, why)
+            self.ending.check_done()

@@ -4,7 +4,9 @@ whose first step is not yet done everywhere.
 A round, in brief: a fault aborts the current generation (``Abort`` to every member), dead or hung
 ranks are handed to ready spares (``Assign``), every member reports where it stopped
 (``Stopped``), the plan goes out (``Recover``), and once every rank has ``Recovered`` the new
-generation has formed; the recovery is reported once every rank has committed a step in it.
+generation has formed; the recovery is reported once every rank has committed a step in it
+(``first_steps.py`` holds the formed round until then). The messages a round sends are built in
+``round_messages.py``; the decisions are here and in the pure rules (``rules/``).
 """
 
 from __future__ import annotations
@@ -13,22 +15,30 @@ from dataclasses import replace as with_fields
 from typing import Any
 
 from checkpointless.coordinator.degraded import DegradedMode
+from checkpointless.coordinator.first_steps import FirstSteps
 from checkpointless.coordinator.holders import SlotHolders, unique
 from checkpointless.coordinator.ledger import FaultLedger
 from checkpointless.coordinator.members import Members
 from checkpointless.coordinator.outbox import Outbox
-from checkpointless.coordinator.rules.decisions import MemberReport, RecoveryPlan, plan_recovery
-from checkpointless.coordinator.rules.placement import match_spares, move_chain, placement, without_spare
+from checkpointless.coordinator.round_messages import (
+    assign_message,
+    member_report,
+    recover_message,
+    resume_plan,
+)
+from checkpointless.coordinator.rules.after_loop import after_the_loop
+from checkpointless.coordinator.rules.decisions import plan_recovery
+from checkpointless.coordinator.rules.placement import match_spares, move_chain, without_spare
 from checkpointless.coordinator.rules.sections import closed_sections
 from checkpointless.coordinator.rules.width import WidthAction, fold_held_slots
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
 from checkpointless.coordinator.tables import TableDelivery
 from checkpointless.errors import NotRecoverableError
-from checkpointless.protocol import Abort, Assign, Committed, Prepare, Recover, Recovered, ResumePlan, Stopped
+from checkpointless.protocol import Abort, Committed, Prepare, Recovered, Stopped
 from checkpointless.settings import JobSettings as LaunchConfig
 
-__all__ = ["Rounds", "resume_plan"]
+__all__ = ["Rounds"]
 
 
 class Rounds:
@@ -56,9 +66,7 @@ class Rounds:
         self.tables = tables
         self.generation = -1
         self.round: Round | None = None
-        self.pending: Round | None = None  # a formed round whose first step is not done everywhere
-        self.first_commits: dict[int, float] = {}
-        self.first_batches: dict[int, float] = {}
+        self.first_steps = FirstSteps(ledger, cfg.nproc)  # the formed round, until its first step
         self.state_bytes = 0  # a replica's state, as rank 0 last reported it
         self.refill_after_round = False  # a host joined while a round ran
         self.holders = holders  # degraded mode: the lost slots survivors hold (holders.py)
@@ -117,7 +125,7 @@ class Rounds:
             r.replace = set(prev.replace)
             r.moving = dict(prev.moving)  # a lost host's ranks still go where the first of them went
         self.round = r
-        self.flush_pending("superseded by a new fault before every rank committed a step")
+        self.first_steps.flush("superseded by a new fault before every rank committed a step")
         gone = {
             id(self.members.ranks[k])
             for k in r.replace
@@ -129,41 +137,13 @@ class Rounds:
                 self.outbox.send(m, Abort(generation=target, reason=first_fault["detail"]))
         return r
 
-    def flush_pending(self, why: str) -> None:
-        """Report a recovery whose first step never completed everywhere: every round that formed
-        a generation is counted and reported, even when the job ended (or another fault came)
-        before its first step did."""
-        pend, self.pending = self.pending, None
-        if pend is not None:
-            self.ledger.report_recovery(pend, None, self.first_batches, why)
-
     def assign(self, m: Member, rank: int, generation: int, now: float, initial: bool) -> None:
         """Give ``m`` its rank (a starting worker, or a spare taking a lost rank)."""
         m.rank = rank
         self.spares.moving.discard(m.worker_id)
         m.assigned_at = now
-        cfg = self.cfg
-        where = placement(rank, cfg.per_node)
-        self.outbox.send(
-            m,
-            Assign(
-                rank=rank,
-                world_size=cfg.nproc,
-                generation=generation,
-                faults=list(cfg.faults),
-                fired=sorted(self.ledger.fired),
-                snapshot_every=cfg.snapshot_every,
-                checkpoint_every=str(cfg.checkpoint_every),
-                checkpoint_dir=self.checkpoint_dir,
-                local_rank=where.local_rank,
-                local_world_size=where.local_world_size,
-                node_rank=where.node_rank,
-                divergence_check=cfg.divergence_check,
-                buddy_copies=cfg.buddy_copies,
-                buddy_every=cfg.buddy_every,
-                initial=initial,
-            ),
-        )
+        fired = sorted(self.ledger.fired)
+        self.outbox.send(m, assign_message(self.cfg, rank, generation, fired, self.checkpoint_dir, initial))
 
     # -- the members' reports -------------------------------------------------------------------
     def on_stopped(self, m: Member, msg: Stopped, now: float, wall: float) -> None:
@@ -185,18 +165,7 @@ class Rounds:
         assert r is not None
         if gen != r.target or r.phase != "collect":
             return
-        r.reports[rank] = MemberReport(
-            rank,
-            msg.committed_step,
-            msg.valid,
-            msg.snapshot_step,
-            msg.checkpoint_step,
-            checkpoint_steps=tuple(msg.checkpoint_steps),
-            mesh=(msg.mesh[0], msg.mesh[1]) if msg.mesh and len(msg.mesh) == 2 else None,
-            copies=tuple((c[0], c[1]) for c in msg.copies if len(c) == 2),
-            own_snapshots=tuple(msg.own_snapshots),
-            sections_closed=tuple(msg.sections_closed),
-        )
+        r.reports[rank] = member_report(rank, msg)
         r.report_times[rank] = now
         if r.reports[rank].mesh is not None:  # degraded mode drops whole replica groups on a mesh
             self.degraded.mesh = r.reports[rank].mesh
@@ -207,7 +176,7 @@ class Rounds:
 
     def advance(self, now: float, wall: float | None = None) -> None:
         r = self.round
-        if r is None and self.holders.degraded and self.pending is None and wall is not None:
+        if r is None and self.holders.degraded and self.first_steps.round is None and wall is not None:
             self.grow(now, wall)
             return
         if r is None or r.phase != "collect":
@@ -215,24 +184,16 @@ class Rounds:
         ranks, nproc = self.members.ranks, self.cfg.nproc
         done = sorted(k for k, m in ranks.items() if m.done)
         if done:
-            # Some rank has left its loop, so every rank passed the last step's collectives: there
-            # is no step left to recover into. The rest only need to finish (the coordinator ends
-            # the job). A rank lost meanwhile cannot be rebuilt from peers that have left, and one
-            # that stopped for this round (an abort that caught it in the final barrier) waits for
-            # a plan that cannot form without them: say so now rather than at a timeout.
-            lost = sorted(r.replace)
+            # Some rank has left its loop: no step is left to recover into, and a rank lost or
+            # caught by this round cannot be rebuilt from peers that have left (rules/after_loop.py)
             caught = sorted(k for k in r.reports if not ranks[k].done)
-            if lost or caught:
-                what = f"rank(s) {lost} were lost" if lost else f"rank(s) {caught} were interrupted"
-                raise NotRecoverableError(
-                    f"{what} after training finished (rank(s) {done} had left the loop): nothing is "
-                    "left to recover them with, and their work after the loop did not run"
-                )
-            if now - r.started > self.cfg.recovery_timeout:
-                raise NotRecoverableError(
-                    f"generation {r.target}: ranks {sorted(set(ranks) - set(done))} neither "
-                    "finished nor reported within --recovery-timeout after the others finished"
-                )
+            unfinished = sorted(set(ranks) - set(done))
+            waited = now - r.started
+            why = after_the_loop(
+                done, sorted(r.replace), caught, unfinished, r.target, waited, self.cfg.recovery_timeout
+            )
+            if why is not None:
+                raise NotRecoverableError(why)
             return
         if r.replace:
             self.replace_ranks(r, sorted(r.replace), now)
@@ -256,16 +217,8 @@ class Rounds:
         # in chunks.
         rootless = self.rendezvous["kind"] == "rootless"
         t = self.tables.for_plan(ranks, nproc) if rootless else self.tables.without_table(ranks)
-        msg = Recover(
-            generation=r.target,
-            rendezvous=dict(self.rendezvous),
-            plan=with_fields(resume_plan(plan, self.holders.pairs()), sections_closed=closed),
-            table_version=t.version,
-            table_base=t.base,
-            table_digest=t.digest,
-            moved_ranks=t.moved_ranks,
-            moved_to=t.moved_to,
-        )
+        resume = with_fields(resume_plan(plan, self.holders.pairs()), sections_closed=closed)
+        msg = recover_message(r.target, self.rendezvous, resume, t)
         for m in unique(ranks.values()):  # after every host's copy: a remote agent gets it first
             self.outbox.send(m, msg)
         r.phase = "rebuild"
@@ -383,9 +336,7 @@ class Rounds:
             self.spares.refill(now)
         if self.spares.moving:
             self.spares.retire_squeezed()  # spares moved to a joined host that became ready during the round
-        self.pending = r
-        self.first_commits = {}
-        self.first_batches = {}
+        self.first_steps.wait_for(r)
 
     def on_committed(self, m: Member, msg: Committed, now: float) -> None:
         size = msg.state_bytes
@@ -395,17 +346,9 @@ class Rounds:
             for spare in self.members.idle_spares():
                 if spare.ready:
                     self.outbox.send(spare, Prepare(size))
-        pend = self.pending
-        if pend is None or m.rank is None or msg.generation != self.generation:
+        if self.first_steps.round is None or m.rank is None or msg.generation != self.generation:
             return
-        for slot in [m.rank, *self.holders.of(m.rank)]:
-            self.first_commits[slot] = now
-            if msg.first_batch_s is not None:
-                self.first_batches[slot] = msg.first_batch_s
-        if len(self.first_commits) < self.cfg.nproc:
-            return
-        self.pending = None
-        self.ledger.report_recovery(pend, max(self.first_commits.values()), self.first_batches)
+        self.first_steps.committed([m.rank, *self.holders.of(m.rank)], now, msg.first_batch_s)
 
     # -- degraded mode (issue 39): DegradedMode decides and shrinks, the grow round is ours ------
     def grow(self, now: float, wall: float) -> None:
@@ -438,18 +381,3 @@ class Rounds:
             self.outbox.send(m, Prepare(self.state_bytes))
         if self.round is None and m.worker_id in self.spares.moving:
             self.spares.retire_squeezed()
-
-
-def resume_plan(plan: RecoveryPlan, holders: list[list[int]] | None = None) -> ResumePlan:
-    """The rule's plan as every member receives it (``Recover.plan``), with the held slots."""
-    return ResumePlan(
-        target_step=plan.target_step,
-        source=plan.source,
-        receivers=list(plan.receivers),
-        sources=[list(pair) for pair in plan.sources],
-        from_copy=list(plan.from_copy),
-        own_snapshot=list(plan.own_snapshot),
-        from_snapshot=plan.from_snapshot,
-        from_checkpoint=plan.from_checkpoint,
-        holders=list(holders or []),
-    )
