@@ -40,7 +40,7 @@ from checkpointless.recovery.epochs import EpochDriver, hold_state
 from checkpointless.recovery.first_generation import open_first_generation
 from checkpointless.recovery.loader import StepLoader
 from checkpointless.recovery.member import Member
-from checkpointless.recovery.recover import report_inexact
+from checkpointless.recovery.own_rng import report_inexact
 from checkpointless.recovery.script_mesh import adopt_script_mesh, settle_before_update
 from checkpointless.recovery.sharded import has_dtensors
 from checkpointless.recovery.startup import connect, form_mesh, join_torchrun, standalone

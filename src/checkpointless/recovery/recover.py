@@ -3,7 +3,9 @@ receive the state the plan names, and settle on the step to resume from.
 
 Functions of the :class:`~checkpointless.recovery.member.Member` they act on, kept apart from
 the step loop in ``driver.py``: the loop calls :func:`recover_from` when a step fails and
-:func:`recover` when a collective outside a step (the final barrier, a section) does.
+:func:`recover` when a collective outside a step (the final barrier, a section) does. Which
+generators a rank resumes with is ``own_rng.py``; degraded mode's held slots in a round,
+``held_round.py``.
 """
 
 from __future__ import annotations
@@ -14,22 +16,25 @@ import traceback
 from typing import Any
 
 from checkpointless.comm.script_groups import GroupsDisagree
-from checkpointless.errors import CommAborted, ConfigError, StateTransferError
+from checkpointless.errors import CommAborted, StateTransferError
 from checkpointless.events import get_logger
-from checkpointless.protocol import Abort, Inexact, Recover, Recovered, Stopped
+from checkpointless.protocol import Abort, Recover, Recovered, Stopped
 from checkpointless.recovery.amp import finish_cut_off_update, reset_step_state
+from checkpointless.recovery.held_round import (
+    HeldSlotsInScriptGroups,
+    fetch_held_records,
+    refuse_held_slots_in_script_groups,
+)
 from checkpointless.recovery.member import Member
+from checkpointless.recovery.own_rng import receiver_rng, restore_kept_rng, resume_rng
 from checkpointless.recovery.process import looks_like_comm_error, short_error
-from checkpointless.recovery.rank_rng import RngRecord
 from checkpointless.recovery.rendezvous_client import make_store
 from checkpointless.recovery.sharded import send_copies
 from checkpointless.state.buddy import copy_channel
-from checkpointless.state.buddy_ring import buddy_of
 from checkpointless.state.durable import restore_checkpoint
 from checkpointless.state.shm_dir import newest_snapshot, snapshot_dir
 from checkpointless.state.shm_snapshot import restore_snapshot
 from checkpointless.state.snapshot import (
-    RngState,
     capture_rng,
     collect_state,
     landing_zone,
@@ -41,15 +46,10 @@ from checkpointless.state.transfer import StreamRoute, receive_state, send_state
 
 __all__ = [
     "join_generation",
-    "kept_record",
     "newest_own_snapshot",
-    "receiver_rng",
     "recover",
     "recover_from",
-    "report_inexact",
-    "restore_kept_rng",
     "restore_own_snapshot",
-    "resume_rng",
     "stream_route",
 ]
 
@@ -287,52 +287,11 @@ def join_generation(member: Member, msg: Recover, committed: int, valid: bool) -
     return info
 
 
-def fetch_held_records(member: Member, holders: list[list[int]], target: int, route: StreamRoute) -> None:
-    """Degraded mode: each slot this process holds whose record of ``target`` is not on this
-    host (its lost rank's host went with its shared memory) is asked of the lost rank's keeper
-    on another host, as a replacement asks for its own; and the records the holder keeps for
-    the slot go to that keeper from now on (recovery/slot_rng.py)."""
-    mine = [slot for slot, holder in holders if holder == member.rank]
-    if not mine:
-        return
-    keepers = {slot: buddy_of(slot, member.world_size, member.placement[1]) for slot in mine}
-    timeout = min(member.rendezvous_timeout, 10.0)
-    for slot in member.held_rng.missing(mine, target, member.job_id):
-        record = member.replicas.rank_rng_peer.fetch_of(route, slot, keepers[slot], target, timeout)
-        if record is not None:
-            member.held_rng.provide(slot, record)
-    member.held_rng.mirror(keepers, member.job_id, member.generation, route)
-
-
-class HeldSlotsInScriptGroups(ConfigError):
-    """A group the script made with ``dist.new_group`` includes a slot held in degraded mode."""
-
-
-def _refuse_held_slots_in_script_groups(member: Member, msg: Recover) -> None:
-    """A group the script made (``dist.new_group``; Lightning makes one of every rank) forms
-    in each generation from every member's catalog, and a held slot has no process of its own
-    to publish one or to join: the generation would wait out its deadline on every rank, again
-    in every round after. Degraded mode does not form them (not built); end the job with why."""
-    held = sorted(slot for slot, _ in msg.plan.holders)
-    made = member.groups.default.made if member.groups.default is not None else None
-    if not held or made is None:
-        return
-    for entry in made.entries():
-        inside = sorted(set(held) & set(entry.ranks))
-        if inside:
-            raise HeldSlotsInScriptGroups(
-                f"degraded mode cannot go on: {entry.describe()} includes the lost slot(s) "
-                f"{inside}, which no process of its own can join (groups a script makes are not "
-                "formed for held slots); run such a script with --when-no-spare fail "
-                "(docs/fault-model.md, degraded mode)"
-            )
-
-
 def _rebuild(member: Member, msg: Recover, store: Any) -> float:
     """Form the generation's groups: this process's own and, degraded, those of the slots it
     holds (recovery/slots.py), together; the held slots' groups then reduce DataParallel's
     gradients beside its own."""
-    _refuse_held_slots_in_script_groups(member, msg)
+    refuse_held_slots_in_script_groups(member, msg)
     gen, held = msg.generation, member.groups.held
     deadline = time.monotonic() + member.rendezvous_timeout
     slots = [s for s in msg.plan.slots_of(member.rank) if s != member.rank]
@@ -397,92 +356,3 @@ def stream_route(member: Member, desc: dict[str, Any], gen: int) -> StreamRoute 
     if desc.get("kind") != "rootless" or server is None or member.env is None:
         return None
     return StreamRoute(server, list(desc["peers"]), member.env.secret, f"state/gen{gen}")
-
-
-def resume_rng(member: Member, target: int) -> RngState:
-    """This rank's generators as they stood when step ``target`` first began here
-    (``StepRecord.rng_for``), or as it kept them for ``target`` (the commit of step ``target - 1``,
-    recovery/rank_rng.py); failing both, as they are now (it rolled a step forward it updated)."""
-    at_start = member.record.rng_at_start
-    if at_start is not None and at_start[0] == target:
-        return at_start[1]
-    kept = member.replicas.rank_rng.load(target)
-    return kept.rng if kept is not None else member.record.rng_for(target)
-
-
-def kept_record(member: Member, target: int, route: StreamRoute | None) -> RngRecord | None:
-    """This rank's record of step ``target``: kept on this host (by this process, or by its
-    predecessor in shared memory), else, for a replacement, by its rank's keeper on another
-    host (recovery/rank_rng_peer.py: its predecessor's host may be lost)."""
-    kept = member.replicas.rank_rng.load(target)
-    if kept is not None or route is None or not member.is_replacement or member.replicas.rank_rng.began:
-        return kept
-    return member.replicas.rank_rng_peer.fetch(route, target, min(member.rendezvous_timeout, 10.0))
-
-
-def report_inexact(member: Member, step: int, what: str, detail: str) -> None:
-    """Resumed without some of this rank's own state: said in its log, and to the coordinator,
-    whose ``inexact`` event and ``job_end`` account carry it (never silent)."""
-    log.warning("%s", detail)
-    if member.recovery.link is not None:
-        member.recovery.send(Inexact(step=step, what=what, detail=detail))
-
-
-def restore_kept_rng(member: Member, target: int, route: StreamRoute | None = None) -> None:
-    """After a restore of rank 0's snapshot or checkpoint (every replica lost): this rank's own
-    generators where it (or its predecessor) kept a record of ``target``; otherwise the
-    snapshot's stand (a record of that step is rarely still kept: two steps are)."""
-    kept = kept_record(member, target, route)
-    if kept is not None:
-        restore_rng(kept.rng)
-        member.tracked.positions.restore(kept.data, target)  # its own loader positions (rank_data.py)
-
-
-def receiver_rng(
-    member: Member, target: int, sent: RngState, from_copy: bool, route: StreamRoute | None = None
-) -> RngState:
-    """The generators a rank that received its replica's state resumes with: its own, never the
-    sender's (they are per-rank state: a script may seed them per rank, and draw per rank).
-
-    A rank that has run steps in this process has them (``resume_rng``). A replacement takes
-    the record its predecessor kept for ``target`` (recovery/rank_rng.py), on this host or with
-    its rank's keeper on another (``kept_record``). Without one it keeps what was sent: a buddy
-    copy's are its owner's own; a replica peer's are the peer's, and then the run may differ
-    from the run without the fault, which is reported (``report_inexact``).
-
-    The record's loader positions (recovery/rank_data.py) are loaded over the received ones the
-    same way: this rank's own, never the sender's, where a record of ``target`` holds them."""
-    keeper = member.replicas.rank_rng
-    if not member.is_replacement or keeper.began:
-        own = keeper.load(target)
-        member.tracked.positions.restore(own.data if own is not None else None, target)
-        return resume_rng(member, target)
-    kept = kept_record(member, target, route)
-    if kept is not None:
-        member.tracked.positions.restore(kept.data, target)
-        if kept.section is not None and member.loop.sections_done.get(kept.section) == target:
-            # lost in the section after all its work, its peers past the closing barrier: the
-            # generators as the section left them, kept before that barrier
-            end = keeper.load_section_end(target, kept.section)
-            if end is not None:
-                return end.rng
-            report_inexact(
-                member,
-                target,
-                "rng",
-                f"rank {member.rank} was lost inside section {kept.section!r} after step {target - 1}, "
-                "which its peers completed: its replacement does not run it again, so what it drew "
-                "there is lost (the run may differ from the run without the fault)",
-            )
-        return kept.rng
-    if not from_copy:
-        report_inexact(
-            member,
-            target,
-            "rng",
-            f"no record of rank {member.rank}'s own generators for step {target} on this host or "
-            "with its keeper on another: resuming the sender's (a script that draws per-rank random "
-            "numbers from the global generators may now differ from the run without the fault; "
-            "docs/fault-model.md, docs/adoption.md)",
-        )
-    return sent

@@ -18,7 +18,8 @@ import torch
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.commit import check_divergence, commit, enter_step
 from checkpointless.recovery.member import Member
-from checkpointless.recovery.recover import recover_from, report_inexact
+from checkpointless.recovery.own_rng import report_inexact
+from checkpointless.recovery.recover import recover_from
 
 __all__ = ["Step"]
 

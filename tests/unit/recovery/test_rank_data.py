@@ -1,7 +1,7 @@
 """Every rank's own loader positions kept with its generator records (recovery/rank_data.py): a
 ``shuffle=True`` StatefulDataLoader's position is per rank (its sampler's generator is seeded from
 the per-rank global seed), the record carries it through its encoding and the keeper's, and a
-rank that receives a peer's state loads its own positions over the peer's (recover.receiver_rng),
+rank that receives a peer's state loads its own positions over the peer's (own_rng.receiver_rng),
 a survivor from its memory and a replacement from its predecessor's record."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from checkpointless.recovery.job import Job
+from checkpointless.recovery.own_rng import receiver_rng
 from checkpointless.recovery.rank_data import LoaderPositions, decode_positions, encode_positions
 from checkpointless.recovery.rank_rng import (
     RankRngKeeper,
@@ -21,7 +22,6 @@ from checkpointless.recovery.rank_rng import (
     encode_record,
     record_point,
 )
-from checkpointless.recovery.recover import receiver_rng
 from checkpointless.recovery.stateful_loader import StatefulStepLoader
 from checkpointless.state.snapshot import capture_rng
 

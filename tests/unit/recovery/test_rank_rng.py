@@ -1,7 +1,7 @@
 """A rank's own global generators, kept for its replacement (recovery/rank_rng.py): the record
 restores every stream exactly, a torn or foreign record is never restored, the newest two steps
 are kept, a fresh replacement finds its predecessor's record, a rank that receives its replica's
-state keeps its own generators (recover.receiver_rng), and job.generator works in a section."""
+state keeps its own generators (own_rng.receiver_rng), and job.generator works in a section."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.recovery.job import Job
+from checkpointless.recovery.own_rng import receiver_rng
 from checkpointless.recovery.rank_rng import RankRngKeeper, RngRecord, decode_record, encode_record
-from checkpointless.recovery.recover import receiver_rng
 from checkpointless.state.snapshot import RngState, capture_rng, restore_rng
 
 
