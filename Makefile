@@ -31,8 +31,13 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/mypy --strict tests/helpers
 
+# Two workers (pytest-xdist), each taking whole test files (--dist loadfile: a file's merged job,
+# module fixtures and reference runs stay in one process); the reference runs and the corpus are
+# made once for both (tests/helpers/shared.py). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: lint typecheck
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 # the unit tests alone (tests/unit/, marked `unit` by tests/conftest.py): the quick loop while editing
 unit: $(STAMP)

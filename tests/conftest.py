@@ -6,8 +6,9 @@ import pytest
 
 from tests.helpers.harness.fixtures import netns_hosts, slurm_cluster
 from tests.helpers.reference import ReferenceRuns
+from tests.helpers.shared import SharedDir, shared_root
 
-__all__ = ["corpus", "netns_hosts", "reference", "slurm_cluster"]  # fixtures pytest finds here
+__all__ = ["corpus", "netns_hosts", "reference", "shared", "slurm_cluster"]  # fixtures pytest finds here
 
 # The folder a test sits in is its kind: `pytest -m unit` (or e2e, multihost) selects by it, and
 # a test moved between folders changes kind with no marker to edit.
@@ -26,17 +27,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from checkpointless.data import make_synthetic_corpus, prepare_main
-
-    d = tmp_path_factory.mktemp("corpus")
-    make_synthetic_corpus(d / "corpus.jsonl", num_docs=400, seed=0)
-    assert prepare_main([str(d / "corpus.jsonl"), "-o", str(d / "corpus.tokens"), "--quiet"]) == 0
-    return d / "corpus.tokens"
+def shared(tmp_path_factory: pytest.TempPathFactory) -> SharedDir:
+    """Results made once for the whole run, whichever xdist worker needs them first."""
+    return SharedDir(shared_root(tmp_path_factory))
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> ReferenceRuns:
-    """Fault-free runs, each run once per session: ``reference(nproc, script_args=..., ...)``
-    (tests/helpers/reference.py), on the session's corpus unless a call names other data."""
-    return ReferenceRuns(lambda: tmp_path_factory.mktemp("ref"), corpus)
+def corpus(shared: SharedDir) -> Path:
+    from checkpointless.data import make_synthetic_corpus, prepare_main
+
+    def make(d: Path) -> None:
+        make_synthetic_corpus(d / "corpus.jsonl", num_docs=400, seed=0)
+        assert prepare_main([str(d / "corpus.jsonl"), "-o", str(d / "corpus.tokens"), "--quiet"]) == 0
+
+    # one path for every worker: a reference run is shared only between calls on the same data
+    return shared.folder("corpus", make, timeout=120) / "corpus.tokens"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, shared: SharedDir) -> ReferenceRuns:
+    """Fault-free runs, each run once per test run: ``reference(nproc, script_args=..., ...)``
+    (tests/helpers/reference.py), on the run's corpus unless a call names other data."""
+    return ReferenceRuns(lambda: tmp_path_factory.mktemp("ref"), corpus, shared)

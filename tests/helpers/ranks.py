@@ -33,11 +33,21 @@ def _rank_main(
     os._exit(0)
 
 
+def _context() -> Any:
+    # A fork server that has imported torch once, and forks each rank from it: a spawned rank
+    # would import torch again (~2 s of CPU each, 8 per test of two 4-rank launches). The server
+    # has run nothing but imports, so it holds no thread or gloo state a fork could copy half of;
+    # this test process (which has) is never forked.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def spawn_ranks(
     run: Callable[..., dict[str, Any]], world: int, args: tuple[Any, ...], timeout: float, what: str
 ) -> dict[int, dict[str, Any]]:
     """Every rank's result, or an assertion naming ``what`` and the ranks that failed."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

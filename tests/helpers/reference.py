@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .jobs import JobResult, run_job
 from .paths import EXAMPLE
+from .shared import SharedDir
 
 __all__ = ["ReferenceRuns"]
 
@@ -36,12 +38,14 @@ class ReferenceRuns:
     """Fault-free runs, each run once and kept for the session.
 
     ``make_dir()`` gives a new empty folder for each run; ``data`` is the token file a call uses
-    when it names none.
+    when it names none. With ``shared``, each run is made once for all the run's xdist workers
+    (the first to need it runs it, the others read its result).
     """
 
-    def __init__(self, make_dir: Callable[[], Path], data: Path) -> None:
+    def __init__(self, make_dir: Callable[[], Path], data: Path, shared: SharedDir | None = None) -> None:
         self._make_dir = make_dir
         self._data = data
+        self._shared = shared
         self._runs: dict[_Job, JobResult] = {}
 
     def __call__(
@@ -71,11 +75,25 @@ class ReferenceRuns:
             tuple(sorted((env or {}).items())),
         )
         if job not in self._runs:
-            self._runs[job] = self._run(job, timeout)
+            self._runs[job] = self._run_once(job, timeout)
         res = self._runs[job]
         if replicated:
             assert res.digest, f"the fault-free run's ranks disagree: {res.digests}"
         return res
+
+    def _run_once(self, job: _Job, timeout: float) -> JobResult:
+        if self._shared is None:
+            return self._run(job, timeout)
+
+        def make() -> dict[str, Any]:
+            res = self._run(job, timeout)
+            return {"rc": res.rc, "output": res.output, "run_dir": str(res.run_dir), "digests": res.digests}
+
+        # another worker may be running this very job: wait for it as long as the run may take
+        rec = self._shared.record(SharedDir.key(job), make, timeout=2 * timeout + 60)
+        return JobResult(
+            rec["rc"], rec["output"], Path(rec["run_dir"]), {int(r): d for r, d in rec["digests"].items()}
+        )
 
     def _run(self, job: _Job, timeout: float) -> JobResult:
         res = run_job(
