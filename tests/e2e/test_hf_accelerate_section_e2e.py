@@ -10,7 +10,9 @@ went on into the next step while the faulted rank redid the section alone, its g
 the step's gradient all-reduce. Faults also fire just after the closing barrier
 (``site=closed``), where one rank has passed it and its peer may still be in it: the section is
 complete then and is not redone; a rank lost there before it showed what the section printed and
-logged has its replacement show it. The job must end with every rank's weights, optimizer state
+logged has its replacement show it. A rank whose own closing barrier fails as it completes
+(``site=unsettled``) while its peer passed it and was lost at once ends the section without
+redoing it: the peer's replacement reports the pass. The job must end with every rank's weights, optimizer state
 and evaluation losses, and every saved file, equal to the fault-free run's, each evaluation
 given to the loop once, each section completed once, its printed line shown once and its logged
 values recorded once by the tracker (accelerate's ``log_with``, also when it raises once as they
@@ -53,7 +55,10 @@ def saved_files(res: JobResult) -> dict[str, bytes]:
 def recovered(res: JobResult, fault: str) -> bool:
     """A recovery names the fault of ``fault``'s rank in the section at its boundary: at the
     step last begun there (the rank's own report) or at the boundary (the launcher's, for a
-    lost rank)."""
+    lost rank). A raise names itself in its fault's detail: two of rank 0 at one boundary (in
+    the section, then in its redo's closing barrier) are told apart by it."""
+    if any(fault in f["detail"] for r in res.of("recovery") for f in r["faults"]):
+        return True
     rank, at = fault_at(fault)
     return any(res.recovery_from(rank, step) is not None for step in (at - 1, at))
 
@@ -105,12 +110,18 @@ def ref(reference: ReferenceRuns) -> JobResult:
 # it; its peer has passed it too, or is still in it and has its barrier aborted by the launcher
 # as it completes): its replacement does not redo the section and resumes the generators as the
 # section left them (it drew from them; from where it began they would give other dropout masks).
+# Meanwhile rank 0's own closing barrier of that redone section fails as it completes
+# (site=unsettled): rank 1 passed it and was lost at once, so no live rank passed it; rank 1's
+# replacement reports the mark its predecessor left on its host as it passed
+# (recovery/section_pass.py), the plan says the section is done, and rank 0 ends it without
+# redoing it, showing what it printed and logged once (redone, rank 1's part would come twice).
 # Rank 0 is SIGKILLed just after the last section's closing barrier, before it showed what that
 # section printed and logged (only rank 0 prints and logs): its replacement shows those lines,
 # once, from the copy the lost process kept beside its generator records (recovery/held_lines.py)
 MERGED = [
     "raise:rank=0:step=5:site=section",
     "kill:rank=1:step=5:site=closed",
+    "raise:rank=0:step=5:site=unsettled",
     "kill:rank=0:step=10:site=closed",
 ]
 
@@ -127,9 +138,12 @@ def test_a_fault_after_a_sections_last_collective_redoes_it_on_every_rank(
     check(res, ref, MERGED)  # the tracker's file (in saved/) included: each epoch recorded once
     assert "tracker failed once at epoch 1" in res.output
     assert "showing the lines rank 0 held in section" in res.output  # by its replacement
-    # both raises recovered in rank 0's own process (an exception), not by a spare (an exit)
+    # rank 0 took epoch 0's section as done, from rank 1's replacement's report
+    assert "a peer passed its closing barrier, which failed here" in res.output
+    assert any(p.get("sections_closed") for p in res.of("plan") if p["target_step"] == 5), res.of("plan")
+    # the three raises recovered in rank 0's own process (an exception), not by a spare (an exit)
     raised = [f for r in res.of("recovery") for f in r["faults"] if f["kind"] == "exception"]
-    assert [f["rank"] for f in raised] == [0, 0], raised
+    assert [f["rank"] for f in raised] == [0, 0, 0], raised
     # what the lost rank 0 held, shown by its replacement: the tracker's two epochs and the
     # printed lines, each once, as in the fault-free run
     tracked = (res.run_dir.parent / "saved" / "tracker.jsonl").read_text().splitlines()

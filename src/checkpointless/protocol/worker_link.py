@@ -123,6 +123,9 @@ class Stopped(Message):
     # the protected sections whose closing barrier this rank passed at the boundary after
     # ``committed_step`` steps: a peer's may have failed as it completed (recovery/driver.py)
     sections_closed: list[str] = field(default_factory=list)
+    # the boundary those are at when not ``committed_step``: a replacement reports the section
+    # its predecessor passed last (recovery/section_pass.py)
+    sections_step: int | None = None
 
 
 @dataclass(frozen=True)

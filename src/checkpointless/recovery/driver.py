@@ -21,6 +21,7 @@ from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
 from checkpointless.recovery.recover import recover, recover_from
+from checkpointless.recovery.section_pass import pass_mark
 from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import start_from_first_replica
@@ -167,6 +168,7 @@ def _run_sections(member: Member) -> bool:
         # not redo it with this rank), and one here is recovered like a fault at the start of
         # the next step, from the generators as the section left them.
         member.loop.sections_done[sec.name] = at
+        pass_mark(member).mark(at, sec.name)  # its replacement says so, should it be lost now
         member.record.end_section(at, after)
         member.record.emit("section", name=sec.name, step=at, generation=member.generation)
         member.record.fields = {}

@@ -29,6 +29,7 @@ from checkpointless.recovery.member import Member
 from checkpointless.recovery.own_rng import receiver_rng, restore_kept_rng, resume_rng
 from checkpointless.recovery.process import looks_like_comm_error, short_error
 from checkpointless.recovery.rendezvous_client import make_store
+from checkpointless.recovery.section_pass import sections_report
 from checkpointless.recovery.sharded import send_copies
 from checkpointless.state.buddy import copy_channel
 from checkpointless.state.durable import restore_checkpoint
@@ -111,7 +112,7 @@ def recover(member: Member, cause: str, error: str | None, committed: int, valid
         cause=cause,
         error=error,
         step=member.clock.step_index,
-        sections_closed=member.loop.closed_at(committed),
+        **sections_report(member, committed),
     )
     resend = True
     while True:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from checkpointless.coordinator.rules.decisions import MemberReport
 from checkpointless.coordinator.rules.sections import closed_sections
 from checkpointless.protocol import Recover, ResumePlan, Stopped, decode, encode
 from checkpointless.recovery.loop import LoopControl
+from checkpointless.recovery.section_pass import PassMark
 from tests.unit.coordinator.test_coordinator import Harness, start_job
 
 pytestmark = pytest.mark.timeout(10)
@@ -48,22 +50,66 @@ def test_several_sections_are_the_union_sorted() -> None:
     assert closed_sections(reports, 4) == ("eval", "save")
 
 
+def test_a_lost_ranks_replacement_reports_what_its_predecessor_passed() -> None:
+    # rank 1 passed the barrier after 10 steps and was lost at once; rank 0's barrier failed.
+    # Its replacement (invalid, no step of its own) reports the mark rank 1 left on its host
+    joined = MemberReport(1, -1, False, sections_closed=("eval",), sections_step=10)
+    assert closed_sections([report(0, 10), joined], 10) == ("eval",)
+    # a mark of an earlier boundary says nothing about this one
+    older = MemberReport(1, -1, False, sections_closed=("eval",), sections_step=5)
+    assert closed_sections([report(0, 10), older], 10) == ()
+    # every replica lost (nobody valid at the target: the job goes back to a snapshot, whose
+    # state has the sections as they were saved): a mark does not count
+    assert closed_sections([report(0, 10, valid=False), joined], 10) == ()
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_done_exactly_when_some_valid_member_at_the_target_passed(ranks: int) -> None:
-    """Every combination of (step, valid, passed) per rank, on 1 to 3 ranks."""
-    states = list(itertools.product((9, 10), (True, False), (True, False)))
-    for combo in itertools.product(states, repeat=ranks):
+def test_done_exactly_when_some_member_at_the_target_passed(ranks: int) -> None:
+    """Every combination per rank of a survivor's (step, valid, passed) or a replacement's mark
+    (none, or the section at step 9 or 10), on 1 to 3 ranks."""
+    survivors = [
+        (step, valid, passed, None)
+        for step, valid, passed in itertools.product((9, 10), (True, False), (True, False))
+    ]
+    joiners = [(-1, False, mark is not None, mark) for mark in (None, 9, 10)]
+    for combo in itertools.product(survivors + joiners, repeat=ranks):
         reports = [
-            report(r, step, valid, ("eval",) if passed else ())
-            for r, (step, valid, passed) in enumerate(combo)
+            MemberReport(r, step, valid, sections_closed=("eval",) if passed else (), sections_step=mark)
+            for r, (step, valid, passed, mark) in enumerate(combo)
         ]
-        want = any(step == 10 and valid and passed for step, valid, passed in combo)
+        live = any(step == 10 and valid for step, valid, _, _ in combo)
+        passed_here = any(
+            passed and (mark == 10 if mark is not None else step == 10 and valid)
+            for step, valid, passed, mark in combo
+        )
+        want = live and passed_here
         assert closed_sections(reports, 10) == (("eval",) if want else ()), combo
+
+
+def test_a_pass_mark_is_read_back_and_a_bad_one_is_none(tmp_path: Path) -> None:
+    mark = PassMark(tmp_path, 3)
+    assert mark.read() is None
+    mark.mark(10, "eval")
+    assert PassMark(tmp_path, 3).read() == (10, "eval")  # by a replacement on the same host
+    assert PassMark(tmp_path, 2).read() is None  # another rank's
+    mark.mark(20, "save")
+    assert mark.read() == (20, "save")
+    (tmp_path / "rank3.passed").write_text('{"step": "x", "section": "eval"}')
+    assert mark.read() is None
+    (tmp_path / "rank3.passed").write_text("{")
+    assert mark.read() is None
+    off = PassMark(None, 3)  # not under the launcher: nothing kept
+    off.mark(10, "eval")
+    assert off.read() is None
 
 
 def test_the_report_and_the_plan_carry_it_on_the_wire() -> None:
     stopped = Stopped(for_generation=3, committed_step=10, valid=True, sections_closed=["eval"])
     assert decode(json.loads(json.dumps(encode(stopped)))) == stopped
+    joined = Stopped(
+        for_generation=3, committed_step=-1, valid=False, sections_closed=["eval"], sections_step=10
+    )
+    assert decode(json.loads(json.dumps(encode(joined)))) == joined
     plan = Recover(generation=3, rendezvous={"kind": "tcp"}, plan=ResumePlan(10, 0, sections_closed=["eval"]))
     assert decode(json.loads(json.dumps(encode(plan)))) == plan
     # unset, it does not travel (the plan's optional fields never did)
@@ -80,16 +126,17 @@ def test_the_loop_reports_what_it_passed_and_takes_the_plans_decision() -> None:
     assert peer.sections_done == {"eval": 10, "save": 5}
 
 
-def plans_after(rank0: Stopped) -> dict[int, Recover]:
+def plans_after(rank0: Stopped, spare: Stopped | None = None) -> dict[int, Recover]:
     """The plans of a round in which rank 1 is lost, rank 0 reports ``rank0``, rank 2 stops at
-    step 10 without having passed a section there."""
+    step 10 without having passed a section there, and the spare taking rank 1 reports
+    ``spare`` (by default, nothing of its predecessor)."""
     h = Harness()
     start_job(h)
     h.exit(1, -9)  # a round opens; rank 1 goes to the ready spare (worker 3)
     h.advance(0.01)
     out = h.msg(0, rank0)
     out += h.msg(2, Stopped(for_generation=1, committed_step=10, valid=True))
-    out += h.msg(3, Stopped(for_generation=1, committed_step=-1, valid=False))
+    out += h.msg(3, spare or Stopped(for_generation=1, committed_step=-1, valid=False))
     out += h.advance(0.01)
     plans = h.sent(out, Recover)
     assert set(plans) == {0, 2, 3}, out
@@ -104,3 +151,9 @@ def test_the_coordinator_sends_every_member_the_decision() -> None:
     # nobody reports a section passed at 10: it is due on every rank
     earlier = plans_after(Stopped(for_generation=1, committed_step=10, valid=True))
     assert all(p.plan.sections_closed == [] for p in earlier.values())
+    # rank 1 passed it and was lost; its replacement reports the mark it left on its host
+    mark = Stopped(
+        for_generation=1, committed_step=-1, valid=False, sections_closed=["eval"], sections_step=10
+    )
+    by_mark = plans_after(Stopped(for_generation=1, committed_step=10, valid=True), mark)
+    assert all(p.plan.sections_closed == ["eval"] for p in by_mark.values())

@@ -44,6 +44,8 @@ class MemberReport:
     # the protected sections whose closing barrier it passed at the boundary after
     # ``committed_step`` steps (rules/sections.py)
     sections_closed: tuple[str, ...] = ()
+    # the boundary those are at when not ``committed_step`` (a replacement's predecessor's)
+    sections_step: int | None = None
 
 
 @dataclass(frozen=True)

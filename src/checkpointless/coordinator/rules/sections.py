@@ -25,11 +25,19 @@ __all__ = ["closed_sections"]
 
 def closed_sections(reports: Iterable[MemberReport], target_step: int) -> tuple[str, ...]:
     """The sections that completed at the boundary after ``target_step`` steps, sorted: each one
-    some valid member passed the closing barrier of there. A report about another boundary (a
-    rank behind the target receives its state) or from an invalid member (a new process, a
-    rank cut off in its update) says nothing about this one."""
+    some member passed the closing barrier of there. A valid member says so of the boundary it
+    stopped at; a replacement of the boundary its predecessor passed it at (``sections_step``,
+    marked on its host just after the barrier), which counts only where the job resumes at a
+    live replica's step (not when it goes back to a snapshot or a checkpoint, whose state has
+    the sections as they were saved). A report about another boundary (a rank behind the
+    target receives its state) or from another invalid member (a rank cut off in its update)
+    says nothing about this one."""
+    reports = list(reports)
+    if not any(r.valid and r.committed_step == target_step for r in reports):
+        return ()
     done: set[str] = set()
     for report in reports:
-        if report.valid and report.committed_step == target_step:
+        at = report.committed_step if report.sections_step is None else report.sections_step
+        if at == target_step and (report.valid or report.sections_step is not None):
             done.update(report.sections_closed)
     return tuple(sorted(done))
