@@ -22,8 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.state.codec import layout, unpack
-from tests.e2e.test_snapshots import _kill_every_rank_after_snapshot
-from tests.helpers.jobs import ROOT, alive, run_job
+from tests.helpers.jobs import ROOT, alive, kill_every_rank_after_snapshot, run_job
 from tests.helpers.reference import ReferenceRuns
 
 torchdata = pytest.importorskip("torchdata.stateful_dataloader")
@@ -237,7 +236,7 @@ def test_every_rank_killed_resumes_a_stateful_dataloader_from_the_snapshot(
     stop = threading.Event()
     # rank 0 sleeps as step 6 begins (the snapshot of step 6 is written meanwhile), then every
     # rank is SIGKILLed at once
-    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 6, stop, 2), daemon=True)
+    killer = threading.Thread(target=kill_every_rank_after_snapshot, args=(run_dir, 6, stop, 2), daemon=True)
     killer.start()
     try:
         res = run_job(

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_snapshots import _kill_every_rank_after_snapshot
-from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
+from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, kill_every_rank_after_snapshot, start_job
 
 pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
 
@@ -206,7 +205,7 @@ def test_lightning_job_that_loses_every_rank_restores_its_snapshot_bitwise(
     # and three spares restore the snapshot, each putting a fresh Lightning loop at step 4
     run_dir = tmp_path / "run"
     stop = threading.Event()
-    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 4, stop, 3), daemon=True)
+    killer = threading.Thread(target=kill_every_rank_after_snapshot, args=(run_dir, 4, stop, 3), daemon=True)
     killer.start()
     try:
         res = run(

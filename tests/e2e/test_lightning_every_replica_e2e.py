@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_snapshots import _kill_every_rank_after_snapshot
-from tests.helpers.jobs import ROOT, JobResult, alive, start_job
+from tests.helpers.jobs import ROOT, JobResult, alive, kill_every_rank_after_snapshot, start_job
 
 pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
 
@@ -54,7 +53,7 @@ def test_lightning_job_that_loses_every_replica_restores_its_snapshot_bitwise(
     assert ref.rc == 0 and sorted(ref.digests) == [0, 1], ref.output[-4000:]
     run_dir = tmp_path / "run"
     stop = threading.Event()
-    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 4, stop, 2), daemon=True)
+    killer = threading.Thread(target=kill_every_rank_after_snapshot, args=(run_dir, 4, stop, 2), daemon=True)
     killer.start()
     try:
         res = run(run_dir, corpus, ["slow:rank=0:step=4:seconds=4"], 2, ["--snapshot-every", "2"])

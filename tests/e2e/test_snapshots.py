@@ -3,7 +3,6 @@ a real job whose every rank dies at once finishing bitwise identical to the faul
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
@@ -28,7 +27,7 @@ from checkpointless.state.snapshot import (
 from checkpointless.state.snapshot_file import load_snapshot, write_snapshot
 from checkpointless.state.staging import guarded_pointers
 from tests.e2e.test_faults_e2e import check_recovered
-from tests.helpers.jobs import all_committed, kill_workers_when, run_job
+from tests.helpers.jobs import kill_every_rank_after_snapshot, run_job
 from tests.helpers.writer_kill import kill_writer_repeatedly
 
 
@@ -158,30 +157,6 @@ def test_writer_killed_mid_write_leaves_the_last_snapshot_usable(tmp_path: Path)
     assert len(list_snapshots(d)) == 2
 
 
-def _snapshot_dir_of(run_dir: Path) -> Path | None:
-    """The job's snapshot directory, inside its private shared-memory directory (job_start says where)."""
-    for line in (run_dir / "events.jsonl").read_text().splitlines():
-        if '"job_start"' in line and line.endswith("}"):
-            return Path(json.loads(line)["shm"]) / "snapshots"
-    return None
-
-
-def _kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Event, nproc: int) -> None:
-    """Once the snapshot of ``step`` is published and every rank has committed the step before it
-    (the others then wait in step ``step``'s all-reduce; see ``all_committed``), SIGKILL every
-    process holding a rank at once."""
-
-    def ready(job: str) -> bool:
-        where = _snapshot_dir_of(run_dir)
-        return (
-            where is not None
-            and snapshot_path(where, step).exists()
-            and all_committed(run_dir, step - 1, nproc)
-        )
-
-    kill_workers_when(run_dir, ready, stop)
-
-
 @pytest.mark.timeout(300)
 def test_every_rank_killed_at_once_restores_from_the_snapshot(
     tmp_path: Path, corpus: Path, reference: Any
@@ -191,7 +166,7 @@ def test_every_rank_killed_at_once_restores_from_the_snapshot(
     stop = threading.Event()
     # rank 0 sleeps 5 s as step 6 begins (its snapshot of step 6 is written meanwhile); the
     # others wait for it in the all-reduce; then every rank is SIGKILLed at the same moment
-    killer = threading.Thread(target=_kill_every_rank_after_snapshot, args=(run_dir, 6, stop, 3), daemon=True)
+    killer = threading.Thread(target=kill_every_rank_after_snapshot, args=(run_dir, 6, stop, 3), daemon=True)
     killer.start()
     try:
         res = run_job(

@@ -318,3 +318,29 @@ def kill_workers_when(run_dir: Path, ready: Callable[[str], bool], stop: threadi
                         os.kill(int(e["pid"]), signal.SIGKILL)
             return
         time.sleep(0.01)
+
+
+def snapshot_dir_of(run_dir: Path) -> Path | None:
+    """The job's snapshot directory, inside its private shared-memory directory (job_start says where)."""
+    events = run_dir / "events.jsonl"
+    for line in events.read_text().splitlines() if events.exists() else []:
+        if '"job_start"' in line and line.endswith("}"):
+            return Path(json.loads(line)["shm"]) / "snapshots"
+    return None
+
+
+def kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Event, nproc: int) -> None:
+    """Once the snapshot of ``step`` is published and every rank has committed the step before it
+    (the others then wait in step ``step``'s all-reduce; see ``all_committed``), SIGKILL every
+    process holding a rank at once: every replica of the state is lost."""
+    from checkpointless.state.shm_dir import snapshot_path
+
+    def ready(job: str) -> bool:
+        where = snapshot_dir_of(run_dir)
+        return (
+            where is not None
+            and snapshot_path(where, step).exists()
+            and all_committed(run_dir, step - 1, nproc)
+        )
+
+    kill_workers_when(run_dir, ready, stop)
