@@ -21,6 +21,7 @@ from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
 from checkpointless.recovery.recover import recover, recover_from
+from checkpointless.recovery.section_closing import carry_end, carry_pass, carry_shown
 from checkpointless.recovery.section_pass import pass_mark
 from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.step import Step
@@ -142,8 +143,10 @@ def _run_sections(member: Member) -> bool:
             # kept before the barrier, since its peers may pass it before it returns here
             after = capture_rng()
             member.replicas.rank_rng.keep_section_end(at, after, sec.name)
-            if sec.held is not None:  # ... and what it holds to show as it closes
-                _held_file(member).keep(at, sec.name, sec.held.encode())
+            held = sec.held.encode() if sec.held is not None else None
+            if held is not None:  # ... and what it holds to show as it closes
+                _held_file(member).keep(at, sec.name, held)
+            carry_end(member, at, sec.name, after, held)  # ... also to its keeper one host over
             close_section(member)
             # the barrier completed here, and this rank fails it anyway: an "unsettled" fault
             # fires here, as an abort that landed before it completed here would have
@@ -169,6 +172,7 @@ def _run_sections(member: Member) -> bool:
         # the next step, from the generators as the section left them.
         member.loop.sections_done[sec.name] = at
         pass_mark(member).mark(at, sec.name)  # its replacement says so, should it be lost now
+        carry_pass(member, at, sec.name)  # ... and its keeper one host over, should its host be
         member.record.end_section(at, after)
         member.record.emit("section", name=sec.name, step=at, generation=member.generation)
         member.record.fields = {}
@@ -211,6 +215,7 @@ def _after_section(member: Member, sec: Section, at: int) -> None:
                 sec.closed()
             if sec.held is not None:
                 _held_file(member).drop()  # shown: a replacement must not show it again
+                carry_shown(member, at, sec.name)  # ... here nor on another host
             return
         except Exception as exc:
             if not member.recovery.connected or isinstance(exc, ConfigError):

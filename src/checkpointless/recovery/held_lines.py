@@ -12,9 +12,9 @@ barrier, and removes it once ``closed`` has shown it. A replacement that joins a
 with the section completed and finds the file shows those lines, once (``Section.held.restore``
 then ``closed``): the lines the run without the fault showed, each once.
 
-The limits: the file is on the rank's host only, so a replacement after a host loss shows
-nothing of it (its generators from there are reported inexact anyway, recovery/rank_rng.py); a
-rank lost while it was showing (a tracker that hangs) leaves the file, so its replacement shows
+The file is on the rank's host; the lines also ride in the rank's generator record to its
+keeper one host over (up to a cap), whence a replacement after a host loss takes them into its
+own host's file (recovery/section_closing.py). The limits: a rank lost while it was showing (a tracker that hangs) leaves the file, so its replacement shows
 the lines from the first again; and one lost between showing the last line and removing the file
 (microseconds) has its lines shown twice.
 """

@@ -14,6 +14,7 @@ from checkpointless.events import get_logger
 from checkpointless.protocol import Inexact
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.rank_rng import RngRecord
+from checkpointless.recovery.section_closing import adopt
 from checkpointless.state.snapshot import RngState, restore_rng
 from checkpointless.state.transfer import StreamRoute
 
@@ -40,7 +41,14 @@ def kept_record(member: Member, target: int, route: StreamRoute | None) -> RngRe
     kept = member.replicas.rank_rng.load(target)
     if kept is not None or route is None or not member.is_replacement or member.replicas.rank_rng.began:
         return kept
-    return member.replicas.rank_rng_peer.fetch(route, target, min(member.rendezvous_timeout, 10.0))
+    fetched = member.replicas.rank_rng_peer.fetch(route, target, min(member.rendezvous_timeout, 10.0))
+    if fetched is not None:
+        # how its section closed there, if it did: into this host's files, where the step loop
+        # looks for the section's end generators and held lines (section_closing.py)
+        left_behind = adopt(member, fetched)
+        if left_behind is not None:
+            report_inexact(member, target, "lines", left_behind)
+    return fetched
 
 
 def report_inexact(member: Member, step: int, what: str, detail: str) -> None:

@@ -36,6 +36,10 @@ and a ``BatchLoader`` find a step's batch by arithmetic, while a ``StatefulDataL
 (a sampler's generator drawn from the per-rank global seed, a per-rank file offset) is its own.
 A rank that receives its replica's state would otherwise take the sender's positions.
 
+A record of a section's boundary also carries, once the section's work is done, how it closed
+on this rank (``closing``: its end generators, held lines and pass, recovery/section_closing.py),
+so that a lost host's section still counts as passed and its lines are shown once.
+
 The limits. A replacement that finds no record of its step anywhere (its keeper was lost too,
 no key servers with ``--rendezvous tcp``, a host lost before the kernel sent the newest frame)
 resumes the generators sent with the replica's state, and says so: a warning, an ``Inexact``
@@ -43,9 +47,9 @@ message to the coordinator, an ``inexact`` event and ``job_end``'s account (on a
 buddy copy carries its owner's own, so that case is exact). A rank lost in a section after its
 peers completed it (every rank leaves a section together, driver.close_section: only one lost as
 the closing barrier completes) is not redone there: its replacement resumes the generators as
-the section left them, kept before that barrier (``keep_section_end``, on this host only); with
-the section's start record alone (from the keeper on another host) what it drew there is lost,
-and is reported the same way. A draw from Python's or NumPy's generator after the update, by a rank
+the section left them, kept before that barrier (``keep_section_end`` on this host, and in the
+step's record's ``closing`` with the keeper on another); without either, what it drew there is
+lost, and is reported the same way. A draw from Python's or NumPy's generator after the update, by a rank
 lost before the next step began, is not seen by the commit's check (torch's only); nor is any
 draw between the step's first collective and its update by a rank lost before the update
 began while a peer committed the step.
@@ -53,20 +57,20 @@ began while a peer committed the step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import random
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 
 from checkpointless.data.shm_cache import job_cache_dir
+from checkpointless.recovery.rng_compare import same_rng, torch_unchanged, unchanged
 from checkpointless.state.shm_dir import private_dir
 from checkpointless.state.snapshot import RngState, capture_rng
 
@@ -96,6 +100,8 @@ class RngRecord:
     section: str | None = None
     # the rank's per-rank data positions as they stood there (rank_data.py's bytes), if any
     data: bytes | None = None
+    # how the section of this boundary closed here (section_closing.py's bytes), if it did
+    closing: bytes | None = None
 
 
 def rank_rng_dir(job_id: str) -> Path:
@@ -126,13 +132,16 @@ def encode_parts(record: RngRecord) -> list[bytes | memoryview]:
     ]
     if record.data is not None:
         blobs.append(memoryview(record.data))
+    if record.closing is not None:
+        blobs.append(memoryview(record.closing))
     header = {
         "step": record.step,
         "section": record.section,
         "python": [int(version), py_gauss],
         "numpy": [str(np_kind), int(np_pos), int(np_has_gauss), float(np_gauss)],
         "cuda": "cuda" in rng,
-        "data": record.data is not None,  # the last blob: the per-rank data positions
+        "data": record.data is not None,  # the last blob (or the one before): the data positions
+        "closing": record.closing is not None,  # the last blob: how the section closed
         "sizes": [b.nbytes for b in blobs],
     }
     head = json.dumps(header).encode()
@@ -202,51 +211,11 @@ def decode_record(data: bytes) -> RngRecord:
         "numpy": [np_kind, np.frombuffer(blobs[1], dtype=np.uint32).copy(), np_pos, np_has_gauss, np_gauss],
         "torch": torch.frombuffer(bytearray(blobs[2]), dtype=torch.uint8),
     }
+    closing = blobs.pop() if header.get("closing") else None
     positions = blobs.pop() if header.get("data") else None
     if header["cuda"]:
         rng["cuda"] = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs[3:]]
-    return RngRecord(int(header["step"]), rng, header["section"], positions)
-
-
-def same_rng(a: RngState, b: RngState) -> bool:
-    """Whether two captured states are the same (torch's and Python's first: they change most)."""
-    if not torch.equal(a["torch"], b["torch"]):
-        return False
-    pa, pb = a["python"], b["python"]
-    if pa[0] != pb[0] or pa[2] != pb[2] or not torch.equal(torch.as_tensor(pa[1]), torch.as_tensor(pb[1])):
-        return False
-    na, nb = a["numpy"], b["numpy"]
-    if list(na[2:]) != list(nb[2:]) or na[0] != nb[0] or not np.array_equal(na[1], nb[1]):
-        return False
-    ca, cb = a.get("cuda", []), b.get("cuda", [])
-    return len(ca) == len(cb) and all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
-
-
-def _torch_unchanged(rng: RngState) -> bool:
-    """Whether torch's CPU and CUDA generators still stand where ``rng`` has them (a few µs)."""
-    if not torch.equal(rng["torch"], torch.get_rng_state()):
-        return False
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        now = torch.cuda.get_rng_state_all()
-        had = rng.get("cuda", [])
-        return len(now) == len(had) and all(torch.equal(a, b) for a, b in zip(now, had, strict=True))
-    return "cuda" not in rng
-
-
-def _unchanged(rng: RngState) -> bool:
-    """Whether every generator still stands where ``rng`` has them, without a capture: torch's
-    first (what a draw most likely used), then NumPy's position and keys, then Python's words."""
-    if not _torch_unchanged(rng):
-        return False
-    np_now: Any = np.random.get_state()
-    np_kept = rng["numpy"]
-    if int(np_now[2]) != int(np_kept[2]) or not np.array_equal(np_now[1], np_kept[1]):
-        return False
-    version, words, gauss = random.getstate()
-    py_kept = rng["python"]
-    if version != py_kept[0] or gauss != py_kept[2]:
-        return False
-    return bool(np.array_equal(np.fromiter(words, dtype=np.int64, count=len(words)), np.asarray(py_kept[1])))
+    return RngRecord(int(header["step"]), rng, header["section"], positions, closing)
 
 
 class RankRngKeeper:
@@ -289,10 +258,24 @@ class RankRngKeeper:
             and kept.step == step
             and kept.section == section
             and kept.data == data
+            and kept.closing is None  # a section's closing of an older attempt is not carried on
             and same_rng(kept.rng, rng)
         ):
             return  # nothing drew or read since the commit kept it: the usual step entry costs a compare
-        record = RngRecord(step, rng, section, data)
+        self._write(RngRecord(step, rng, section, data))
+
+    def attach(self, step: int, closing: bytes) -> bool:
+        """Write step ``step``'s newest record again with ``closing`` (how its section closed,
+        section_closing.py) carried in it, here and to the keeper on another host; False if this
+        process holds no record of ``step``."""
+        kept = self._slots.get(step % 2)
+        if kept is None or kept.step != step:
+            return False
+        self._write(dataclasses.replace(kept, closing=closing))
+        return True
+
+    def _write(self, record: RngRecord) -> None:
+        step = record.step
         self._slots[step % 2] = record
         if self.directory is None:
             return
@@ -335,7 +318,7 @@ class RankRngKeeper:
             self._early == index
             and kept is not None
             and kept.step == index + 1
-            and _unchanged(kept.rng)
+            and unchanged(kept.rng)
             and (self.positions is None or kept.data == self.positions())
         ):
             return  # kept as the step's first collective began, and nothing drew or read since
@@ -348,7 +331,7 @@ class RankRngKeeper:
         if self.directory is None:
             return
         kept = self._slots.get((index + 1) % 2)
-        if kept is None or kept.step != index + 1 or not _torch_unchanged(kept.rng):
+        if kept is None or kept.step != index + 1 or not torch_unchanged(kept.rng):
             self.keep(index + 1, capture_rng())
 
     def load(self, step: int) -> RngRecord | None:
@@ -370,7 +353,8 @@ class RankRngKeeper:
         work, before its closing barrier (recovery/driver.py): a rank lost as its peers pass that
         barrier is not redone there, and its replacement resumes from this, not from the
         section's start (still the step's record, which a redone section needs). One record of
-        its own on this host (the section's ends are rare), not sent to the keeper on another."""
+        its own on this host (the section's ends are rare); the keeper on another host has it
+        in the step's record's ``closing`` (section_closing.py)."""
         if self.directory is None:
             return
         fd = os.open(self._end_path(), os.O_RDWR | os.O_CREAT, 0o600)

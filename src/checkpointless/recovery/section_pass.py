@@ -8,8 +8,11 @@ passed, while its live peer's barrier failed as it completed, would leave nobody
 the peer and the replacement would redo the section: what the lost rank did after the barrier
 (its ``section`` event, the lines it showed) would come twice. So each rank also marks, on its
 host beside its generator records (``<job shm>/rng/rank<k>.passed``), the last boundary and
-section it passed, and its replacement reports that mark as it joins. On the rank's host only:
-after a host loss nothing is reported, and the section is redone (the ranks still agree).
+section it passed, and its replacement reports that mark as it joins. The mark also rides in
+the rank's generator record to its keeper one host over (section_closing.py), and the keeper
+reports the sections its owners passed beside its own: after a host loss the section is still
+taken as complete (unless the keeper reported before the owner's mark reached it: then it is
+redone, and the ranks still agree).
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from checkpointless.events import get_logger
 from checkpointless.recovery.member import Member
+from checkpointless.recovery.section_closing import owners_passed
 
 __all__ = ["PassMark", "pass_mark", "sections_report"]
+
+log = get_logger()
 
 
 class PassMark:
@@ -65,7 +72,15 @@ def sections_report(member: Member, committed: int) -> dict[str, Any]:
     ``committed`` steps; for a replacement that has run nothing yet, those its predecessor
     marked, at the boundary it marked them."""
     if not (member.is_replacement and committed < 0):
-        return {"sections_closed": member.loop.closed_at(committed)}
+        own = member.loop.closed_at(committed)
+        # ... and, as the keeper of other ranks' records one host over, those they passed there:
+        # an owner lost with its host leaves nobody else to say so (section_closing.py)
+        theirs = [name for name in owners_passed(member, committed) if name not in own]
+        if theirs:
+            log.info(
+                "a rank whose records this rank keeps passed section(s) %s at step %d", theirs, committed
+            )
+        return {"sections_closed": sorted([*own, *theirs])}
     passed = pass_mark(member).read()
     if passed is None:
         return {}
