@@ -201,9 +201,12 @@ class Coordinator:
         if not self.hosts:  # one machine: the embedded agent is host 0
             self.hosts[0] = HostState(0, self.cfg.host, False, now)
         # a host quarantined already (its first checks failed) is placed last, without its order
-        # hint: a spare host if enough others joined
-        agents = [(h.host, h.order) for h in self.hosts.values() if not self.health.quarantined(h.host)]
-        agents += [(h.host, -1) for h in self.hosts.values() if self.health.quarantined(h.host)]
+        # hint: a spare host if enough others joined. An agent lost before the start is not
+        # placed at all: on a loaded machine an agent whose welcome came late hangs up and joins
+        # again as a new agent with the same --node-order, which is the same host, not a clash.
+        live = [h for h in self.hosts.values() if not h.lost]
+        agents = [(h.host, h.order) for h in live if not self.health.quarantined(h.host)]
+        agents += [(h.host, -1) for h in live if self.health.quarantined(h.host)]
         nodes, _spares = assign_hosts(agents, self.cfg.nnodes, self.cfg.spare_nodes)
         by_node = {node: host for host, node in nodes.items()}
         for host, node in nodes.items():

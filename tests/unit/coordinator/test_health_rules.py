@@ -259,3 +259,30 @@ def test_a_host_that_failed_before_the_start_is_placed_as_a_spare_host() -> None
     placed = _events(out, "placement")[0]
     assert placed["spare_hosts"] == ["10.0.0.0"], placed
     assert {x.host for x in out if isinstance(x, Spawn)} == {1, 2}
+
+
+def test_an_agent_lost_before_the_start_is_not_placed_and_its_rejoin_is_no_order_clash() -> None:
+    # seen on a loaded machine: each agent's welcome came late, so it hung up and joined again as
+    # a new agent with the same --node-order; the first joins' hosts were lost and must neither
+    # be placed nor clash with the rejoined hosts' order hints
+    from checkpointless.coordinator.state import Spawn
+    from checkpointless.settings import JobSettings
+    from tests.helpers.coordinator import RENDEZVOUS, SCRIPT
+
+    cfg = JobSettings(
+        script=SCRIPT, nproc=4, spares=2, nnodes=2, nproc_per_node=2, spare_nodes=1, local_agent=False
+    )  # fmt: skip
+    c = Coordinator(cfg, "job", dict(RENDEZVOUS))
+    for host in range(3):
+        c.add_host(host, f"10.0.0.{host}", True, 100.0, host)
+    for host in range(3):
+        c.on_host_lost(host, "its agent's connection closed", 100.1, 1e9)
+    for host in range(3, 6):
+        c.add_host(host, f"10.0.0.{host - 3}", True, 100.2, host - 3)
+    c.start(101.0)
+    out = c.drain()
+    placed = _events(out, "placement")[0]
+    assert placed["nodes"] == {"0": "10.0.0.0", "1": "10.0.0.1"} and placed["spare_hosts"] == ["10.0.0.2"], (
+        placed
+    )
+    assert {x.host for x in out if isinstance(x, Spawn)} == {3, 4}
