@@ -34,7 +34,7 @@ ARGS = ["--steps", "80", "--sleep", "0.05"]
 
 
 @pytest.mark.netns
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 # host 2 (the holder keeps the records itself) in the soak: the same paths, over its own server
 @pytest.mark.parametrize("lost", [1, pytest.param(2, marks=pytest.mark.soak)])
 def test_a_lost_host_with_no_spare_host_shrinks_the_job_and_a_new_host_grows_it_back_bitwise(
@@ -50,7 +50,7 @@ def test_a_lost_host_with_no_spare_host_shrinks_the_job_and_a_new_host_grows_it_
             script=SCRIPT,
             shm_dirs=shm,
             hosts=4,
-            seconds=150,
+            seconds=210,  # `make test` runs another test beside this one on 2 cores
             nnodes=3,
             nproc_per_node=1,
             spare_nodes=0,

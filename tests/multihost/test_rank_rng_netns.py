@@ -77,7 +77,7 @@ def test_host_loss_resumes_the_lost_ranks_own_generators(
 
 
 @pytest.mark.netns
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(260)
 def test_a_lost_record_is_reported_never_silent(
     netns_hosts: Any, tmp_path: Path, corpus: Path, reference: ReferenceRuns
 ) -> None:
@@ -93,7 +93,7 @@ def test_a_lost_record_is_reported_never_silent(
             ARGS,
             script=SCRIPT,
             shm_dirs=shm,
-            seconds=120,
+            seconds=180,  # `make test` runs another test beside this one on 2 cores
             launcher_flags=["--rendezvous", "tcp"],
         )
         with job.killed_on_failure():
