@@ -21,7 +21,7 @@ from checkpointless.recovery.loop import LOOP_STATE_NAME
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import close_at_exit, install_fast_exit, short_error
 from checkpointless.recovery.recover import recover, recover_from
-from checkpointless.recovery.section_closing import carry_end, carry_pass, carry_shown
+from checkpointless.recovery.section_closing import carry_end, carry_left, carry_pass, carry_shown
 from checkpointless.recovery.section_pass import pass_mark
 from checkpointless.recovery.sections import Section, due_sections
 from checkpointless.recovery.step import Step
@@ -155,6 +155,8 @@ def _run_sections(member: Member) -> bool:
             if not member.recovery.connected or isinstance(exc, ConfigError):
                 raise  # no launcher, or an error a replay would raise again (run_script.py)
             member.clock.in_section = None
+            if after is not None:  # its keeper may wait to learn whether it passed: it did not
+                carry_left(member, at, sec.name)
             log.info("section %r after step %d interrupted: %s", sec.name, at - 1, short_error(exc))
             recover_from(member, at, exc)  # nothing was updated: every survivor stays valid
             if not _closed_by_peers(member, sec, at):

@@ -24,10 +24,13 @@ not carried: they stay whole in the host's own file, and a replacement on anothe
 finds only their size says so (a warning and an ``Inexact`` message, ``what="lines"``); it never
 shows a cut line.
 
-The limits: a keeper that reports before its owner's mark arrived (the frame is sent as the
-owner's barrier returns; the keeper reports after an abort and its groups' teardown) says
-nothing of it, and the section is redone as before; so is one whose owner's host went before the
-kernel sent that frame.
+The owner's barrier may complete milliseconds after the keeper's failed (seen: 6 ms on two
+loaded cores), so a keeper that stops at a boundary where an owner entered the closing barrier
+and has said neither that it passed nor that its barrier failed (``carry_left``) waits for it, up
+to :data:`WAIT_S` (the cost, where it applies: a rank lost just before its barrier completes,
+and a recovery that keeps a section closed on host loss). The limits: an owner whose pass
+reaches its keeper later than that, or whose host went before the kernel sent the frame, is not
+counted, and the section is redone on every rank as before (the ranks still agree).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from checkpointless.events import get_logger
@@ -45,9 +50,11 @@ from checkpointless.state.snapshot import RngState
 
 __all__ = [
     "HELD_CAP",
+    "WAIT_S",
     "Closing",
     "adopt",
     "carry_end",
+    "carry_left",
     "carry_pass",
     "carry_shown",
     "decode_closing",
@@ -57,6 +64,8 @@ __all__ = [
 
 log = get_logger()
 
+# how long a keeper waits for an owner that entered a closing barrier to say whether it passed
+WAIT_S = 0.5
 HELD_CAP = 64 << 10  # held lines up to this many bytes travel with the record; more stay on the host
 _MAGIC = b"CLCLOS01"
 _LEAD = struct.Struct("<8sIII")  # magic, the header's, the end record's and the lines' lengths
@@ -69,6 +78,7 @@ class Closing:
     step: int
     section: str
     passed: bool = False  # the rank passed the closing barrier
+    left: bool = False  # its closing barrier failed here (the rank recovers from there)
     end: bytes | None = None  # the generators as its work left them (an encoded RngRecord)
     held: bytes | None = None  # the lines it holds to show (``held.encode()``), if carried
     held_size: int = 0  # their length: above HELD_CAP they are not carried (``held`` None)
@@ -84,7 +94,9 @@ def closing_of(step: int, section: str, end: RngState, held: bytes | None) -> Cl
     over :data:`HELD_CAP` by their size only."""
     size = 0 if held is None else len(held)
     carried = held if held is not None and size <= HELD_CAP else None
-    return Closing(step, section, False, encode_record(RngRecord(step, end, section)), carried, size)
+    return Closing(
+        step, section, end=encode_record(RngRecord(step, end, section)), held=carried, held_size=size
+    )
 
 
 def encode_closing(closing: Closing) -> bytes:
@@ -94,6 +106,7 @@ def encode_closing(closing: Closing) -> bytes:
             "step": closing.step,
             "section": closing.section,
             "passed": closing.passed,
+            "left": closing.left,
             "end": closing.end is not None,
             "held": closing.held is not None,
             "held_size": closing.held_size,
@@ -117,7 +130,7 @@ def decode_closing(data: bytes) -> Closing:
     at = _LEAD.size
     try:
         head = json.loads(data[at : at + n_head])
-        step, section, passed = head["step"], head["section"], head["passed"]
+        step, section, passed, left = head["step"], head["section"], head["passed"], head["left"]
         has_end, has_held, held_size = head["end"], head["held"], head["held_size"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"a section's closing with a malformed header: {e}") from e
@@ -125,9 +138,8 @@ def decode_closing(data: bytes) -> Closing:
         raise ValueError(f"a section's closing with a malformed header: {head!r}")
     at += n_head
     end, held = data[at : at + n_end], data[at + n_end :]
-    return Closing(
-        step, section, bool(passed), end if has_end else None, held if has_held else None, held_size
-    )
+    end_or_none, held_or_none = (end if has_end else None), (held if has_held else None)
+    return Closing(step, section, bool(passed), bool(left), end_or_none, held_or_none, held_size)
 
 
 def _attach(member: Member, closing: Closing) -> None:
@@ -158,24 +170,54 @@ def carry_pass(member: Member, step: int, section: str) -> None:
     _attach(member, dataclasses.replace(_carried(member, step, section), passed=True))
 
 
+def carry_left(member: Member, step: int, section: str) -> None:
+    """The closing barrier failed here, the section's work done: a keeper waiting to learn
+    whether this rank passed (``owners_passed``) need wait no longer."""
+    _attach(member, dataclasses.replace(_carried(member, step, section), left=True))
+
+
 def carry_shown(member: Member, step: int, section: str) -> None:
     """``closed`` showed the held lines: a replacement must not show them again."""
     _attach(member, dataclasses.replace(_carried(member, step, section), held=None, held_size=0))
 
 
-def owners_passed(member: Member, step: int) -> list[str]:
+def owners_passed(
+    member: Member, step: int, known: Collection[str] = (), wait_s: float = WAIT_S
+) -> list[str]:
     """As the keeper of other ranks' records: the sections an owner passed the closing barrier
-    of at the boundary after ``step`` steps (sorted), by the newest record it sent."""
+    of at the boundary after ``step`` steps (sorted), by the newest record it sent.
+
+    An owner whose record says it entered the closing barrier of a section not in ``known``
+    (those this rank passed itself) and has neither passed nor left it may pass it as this
+    rank reports: its barrier can complete some milliseconds after this rank's failed, and the
+    frame saying so is on its way. For that one case this waits up to ``wait_s`` for the
+    record to say which (an owner alive says ``left`` as its own barrier fails; one lost
+    before it passed says nothing, and the wait runs out)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        passed, pending = _owners_closings(member, step)
+        if not (pending - passed - set(known)) or time.monotonic() >= deadline:
+            return sorted(passed)
+        time.sleep(0.005)
+
+
+def _owners_closings(member: Member, step: int) -> tuple[set[str], set[str]]:
+    """(passed, entered and still undecided) sections of this rank's owners at ``step``."""
     peer = member.replicas.rank_rng_peer
     passed: set[str] = set()
+    pending: set[str] = set()
     for owner in range(member.world_size):
         if owner == member.rank:
             continue
         for record in peer.held(owner):
             closing = _closing_in(record)
-            if closing is not None and closing.passed and closing.step == step == record.step:
+            if closing is None or not closing.step == step == record.step:
+                continue
+            if closing.passed:
                 passed.add(closing.section)
-    return sorted(passed)
+            elif not closing.left and closing.end is not None:
+                pending.add(closing.section)
+    return passed, pending
 
 
 def _closing_in(record: RngRecord) -> Closing | None:

@@ -75,7 +75,7 @@ def sections_report(member: Member, committed: int) -> dict[str, Any]:
         own = member.loop.closed_at(committed)
         # ... and, as the keeper of other ranks' records one host over, those they passed there:
         # an owner lost with its host leaves nobody else to say so (section_closing.py)
-        theirs = [name for name in owners_passed(member, committed) if name not in own]
+        theirs = [name for name in owners_passed(member, committed, own) if name not in own]
         if theirs:
             log.info(
                 "a rank whose records this rank keeps passed section(s) %s at step %d", theirs, committed

@@ -21,9 +21,11 @@ from checkpointless.recovery.rank_rng_peer import PeerRecords
 from checkpointless.recovery.rng_compare import same_rng
 from checkpointless.recovery.section_closing import (
     HELD_CAP,
+    WAIT_S,
     Closing,
     adopt,
     carry_end,
+    carry_left,
     carry_pass,
     carry_shown,
     closing_of,
@@ -98,6 +100,7 @@ def test_a_closing_round_trips_and_a_malformed_one_is_refused() -> None:
     assert back == closing and not back.passed and back.held_size == 20
     assert back.end is not None and same_rng(decode_record(back.end).rng, end)
     bare = Closing(3, "save", passed=True)
+    assert decode_closing(encode_closing(Closing(3, "save", left=True))).left
     assert decode_closing(encode_closing(bare)) == bare
     whole = encode_closing(closing)
     for bad in (whole[:-1], b"", b"x" * 40, whole.replace(b'"step": 10', b'"step": "x"')):
@@ -154,7 +157,9 @@ def test_a_keeper_reports_its_owners_passes_and_a_third_host_adopts_the_lines(
     end = capture_rng()
     carry_end(owner, 10, "eval", end, b"lines")  # before the closing barrier
     _wait_for(keeper_peer, 1, passed=False)
-    assert owners_passed(keeper, 10) == []  # entered the barrier, not passed
+    began = time.monotonic()  # entered the barrier, not passed: the keeper waits, then says so
+    assert owners_passed(keeper, 10) == [] and time.monotonic() - began >= WAIT_S
+    assert owners_passed(keeper, 10, known=["eval"]) == []  # passed here itself: no wait
     carry_pass(owner, 10, "eval")  # just after it
     _wait_for(keeper_peer, 1, passed=True)
     assert owners_passed(keeper, 10) == ["eval"] and owners_passed(keeper, 9) == []
@@ -184,3 +189,27 @@ def test_a_replacement_is_told_of_lines_left_behind_over_the_cap(tmp_path: Path)
     assert why is not None and str(HELD_CAP + 1) in why and str(HELD_CAP) in why
     assert HeldLinesFile(tmp_path, 2).load(6, "eval") is None  # never a cut line
     assert adopt(replacement, RngRecord(6, capture_rng())) is None  # nothing carried
+
+
+def test_an_owner_whose_barrier_failed_ends_its_keepers_wait(
+    servers: list[KeyServer], tmp_path: Path
+) -> None:
+    a, b, _ = servers
+    owner_peer, keeper_peer = PeerRecords(), PeerRecords()
+    owner_peer.place(1, 0)
+    keeper_peer.place(0, 1)
+    keeper_peer.resume(0, _route(a, [a.address, b.address]))
+    owner_peer.resume(0, _route(b, [a.address, b.address]))
+    owner = _member(1, 2, tmp_path / "b", owner_peer)
+    (tmp_path / "b").mkdir()
+    keeper = _member(0, 2, tmp_path / "a", keeper_peer)
+    owner.replicas.rank_rng.keep(10, capture_rng(), "eval")
+    carry_end(owner, 10, "eval", capture_rng(), None)
+    carry_left(owner, 10, "eval")  # its closing barrier failed: it did not pass
+    end = time.monotonic() + 10.0
+    while not any(decode_closing(r.closing).left for r in keeper_peer.held(1) if r.closing is not None):
+        assert time.monotonic() < end, "the keeper never held the owner's closing"
+        time.sleep(0.01)
+    began = time.monotonic()
+    assert owners_passed(keeper, 10, wait_s=30.0) == [] and time.monotonic() - began < 5.0
+    owner_peer.close()
