@@ -37,6 +37,7 @@ The loop stays as it is (docs/adoption.md, "Hugging Face")::
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -81,6 +82,10 @@ class CheckpointlessAccelerator(Accelerator):
         self.job: Job = checkpointless.init(
             rendezvous_timeout=rendezvous_timeout, max_step_retries=max_step_retries
         )
+        # On CPU, Accelerate refuses ranks spread over several hosts unless MASTER_ADDR is set,
+        # though it reads it only to form a default group, and the job formed that group already
+        # (root-less: there is no rank-0 address to give). It fills in MASTER_PORT itself.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         super().__init__(*args, **kwargs)
         self._data_seed = data_seed
         self._objects: dict[str, Any] = {}
