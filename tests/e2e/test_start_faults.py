@@ -56,8 +56,10 @@ def test_worker_stopped_while_importing_is_replaced_and_the_job_ends_bitwise(
     assert res.batches() == ref.batches()
     faults = res.of("fault")
     assert faults and faults[0]["rank"] == 1 and "stopped" in faults[0]["detail"], faults
-    # seen from the process table, long before the 120 s recovery timeout or the 8 s hang timeout
-    assert faults[0]["time"] - res.of("job_start")[0]["time"] < 8, faults
+    # seen from the process table ("stopped", not a hang's "no CPU progress"), long before the
+    # 120 s recovery timeout; the bound leaves room for a loaded machine's slow start-up (8.5 s
+    # beside another test in make test's second worker)
+    assert faults[0]["time"] - res.of("job_start")[0]["time"] < 30, faults
     assert time.monotonic() - t0 < 120
     assert not [p for p in res.pids() if alive(p)]
 
