@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,25 +19,9 @@ from checkpointless.recovery.rank_rng import RankRngKeeper, RngRecord, encode_re
 from checkpointless.recovery.rank_rng_peer import PeerRecords, _Held, _split, pick
 from checkpointless.rendezvous.server import KeyServer
 from checkpointless.state.snapshot import capture_rng
-from checkpointless.state.stream import StreamRoute
+from tests.unit.recovery.conftest import stream_route
 
-SECRET = b"s" * 32
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def servers() -> Iterator[list[KeyServer]]:
-    """Three key servers on three loopback addresses: three hosts."""
-    made = [KeyServer(f"127.0.0.{i + 1}", 0, SECRET) for i in range(3)]
-    for s in made:
-        s.start()
-    yield made
-    for s in made:
-        s.stop()
-
-
-def _route(server: KeyServer, peers: list[str]) -> StreamRoute:
-    return StreamRoute(server, peers, SECRET, "unused")
 
 
 def _wait(cond: object, what: str, timeout: float = 10.0) -> None:
@@ -63,8 +46,8 @@ def test_records_reach_the_keeper_and_a_replacement_on_a_third_host_fetches_them
     owner, keeper = PeerRecords(), PeerRecords()
     owner.place(0, 1)
     keeper.place(1, 0)
-    keeper.resume(0, _route(b, [a.address, b.address]))
-    owner.resume(0, _route(a, [a.address, b.address]))
+    keeper.resume(0, stream_route(b, [a.address, b.address]))
+    owner.resume(0, stream_route(a, [a.address, b.address]))
     rng = _keeping(owner, tmp_path)
     states = {}
     for step in (4, 5, 6):
@@ -75,7 +58,7 @@ def test_records_reach_the_keeper_and_a_replacement_on_a_third_host_fetches_them
     # host 0 is lost: rank 0's replacement runs on host 2 and asks rank 1
     replacement = PeerRecords()
     replacement.place(0, 1)
-    route = _route(c, [c.address, b.address])
+    route = stream_route(c, [c.address, b.address])
     got = replacement.fetch(route, 6, timeout=5.0)
     assert got is not None and got.step == 6 and same_rng(got.rng, states[6])
     assert replacement.fetch(route, 4, timeout=5.0) is None  # the keeper holds the newest two
@@ -93,8 +76,8 @@ def test_records_written_before_the_connection_follow_it_newest_of_each_parity(
     for step in (1, 2, 3):
         torch.rand(2)
         rng.keep(step, capture_rng())
-    keeper.resume(0, _route(b, [a.address, b.address]))
-    owner.resume(0, _route(a, [a.address, b.address]))
+    keeper.resume(0, stream_route(b, [a.address, b.address]))
+    owner.resume(0, stream_route(a, [a.address, b.address]))
     _wait(lambda: {r.step for r in keeper.held(0)} == {2, 3}, "steps 2 and 3 to follow the connection")
     assert owner.sent_frames == 2
     owner.close()
@@ -104,17 +87,17 @@ def test_a_keeper_on_the_owners_host_gets_nothing(servers: list[KeyServer], tmp_
     a, _, _ = servers
     owner = PeerRecords()
     owner.place(0, 1)
-    owner.resume(0, _route(a, [a.address, a.address]))  # one host: the shared memory serves
+    owner.resume(0, stream_route(a, [a.address, a.address]))  # one host: the shared memory serves
     _keeping(owner, tmp_path).keep(3, capture_rng())
     assert owner.sent_frames == 0
-    assert owner.fetch(_route(a, [a.address, a.address]), 3, timeout=1.0) is None
+    assert owner.fetch(stream_route(a, [a.address, a.address]), 3, timeout=1.0) is None
 
 
 def test_a_replacement_whose_keeper_is_gone_finds_no_record(servers: list[KeyServer]) -> None:
     a, _, _ = servers
     lonely = PeerRecords()
     lonely.place(0, 1)
-    assert lonely.fetch(_route(a, [a.address, "127.0.0.9:9"]), 3, timeout=1.0) is None
+    assert lonely.fetch(stream_route(a, [a.address, "127.0.0.9:9"]), 3, timeout=1.0) is None
 
 
 def test_a_keeper_refuses_torn_records_and_answers_are_split_checked() -> None:

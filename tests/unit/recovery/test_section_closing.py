@@ -5,7 +5,6 @@ report of its owners' passes, and a replacement on a third host taking it into i
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -36,9 +35,8 @@ from checkpointless.recovery.section_closing import (
 from checkpointless.recovery.section_pass import sections_report
 from checkpointless.rendezvous.server import KeyServer
 from checkpointless.state.snapshot import capture_rng
-from checkpointless.state.stream import StreamRoute
+from tests.unit.recovery.conftest import stream_route
 
-SECRET = b"c" * 32
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -65,21 +63,6 @@ def _member(rank: int, world: int, directory: Path | None, peer: PeerRecords | N
     peer = peer if peer is not None else PeerRecords()
     rng.mirror = peer.send
     return cast(Member, _Member(rank, world, _Replicas(rng, peer)))
-
-
-@pytest.fixture
-def servers() -> Iterator[list[KeyServer]]:
-    """Three key servers on three loopback addresses: three hosts."""
-    made = [KeyServer(f"127.0.0.{i + 1}", 0, SECRET) for i in range(3)]
-    for s in made:
-        s.start()
-    yield made
-    for s in made:
-        s.stop()
-
-
-def _route(server: KeyServer, peers: list[str]) -> StreamRoute:
-    return StreamRoute(server, peers, SECRET, "unused")
 
 
 def _wait_for(peer: PeerRecords, owner: int, passed: bool, held: bool = True) -> None:
@@ -147,8 +130,8 @@ def test_a_keeper_reports_its_owners_passes_and_a_third_host_adopts_the_lines(
     owner_peer, keeper_peer = PeerRecords(), PeerRecords()
     owner_peer.place(1, 0)
     keeper_peer.place(0, 1)
-    keeper_peer.resume(0, _route(a, [a.address, b.address]))
-    owner_peer.resume(0, _route(b, [a.address, b.address]))
+    keeper_peer.resume(0, stream_route(a, [a.address, b.address]))
+    owner_peer.resume(0, stream_route(b, [a.address, b.address]))
     owner = _member(1, 2, host_b, owner_peer)
     keeper = _member(0, 2, host_a, keeper_peer)
     start = capture_rng()
@@ -167,7 +150,7 @@ def test_a_keeper_reports_its_owners_passes_and_a_third_host_adopts_the_lines(
     # host b is lost: rank 1's replacement runs on host c and asks rank 0 for the record of step 10
     replacement_peer = PeerRecords()
     replacement_peer.place(1, 0)
-    fetched = replacement_peer.fetch(_route(c, [a.address, c.address]), 10, timeout=5.0)
+    fetched = replacement_peer.fetch(stream_route(c, [a.address, c.address]), 10, timeout=5.0)
     assert fetched is not None and same_rng(fetched.rng, start)  # a redone section starts there
     replacement = _member(1, 2, host_c, replacement_peer)
     assert adopt(replacement, fetched) is None
@@ -198,8 +181,8 @@ def test_an_owner_whose_barrier_failed_ends_its_keepers_wait(
     owner_peer, keeper_peer = PeerRecords(), PeerRecords()
     owner_peer.place(1, 0)
     keeper_peer.place(0, 1)
-    keeper_peer.resume(0, _route(a, [a.address, b.address]))
-    owner_peer.resume(0, _route(b, [a.address, b.address]))
+    keeper_peer.resume(0, stream_route(a, [a.address, b.address]))
+    owner_peer.resume(0, stream_route(b, [a.address, b.address]))
     owner = _member(1, 2, tmp_path / "b", owner_peer)
     (tmp_path / "b").mkdir()
     keeper = _member(0, 2, tmp_path / "a", keeper_peer)
