@@ -18,6 +18,15 @@ _SHARDED = (
     "CheckpointlessTrainer trains the model replicated, data-parallel under the job's abortable "
     "DataParallel, and does not support sharding through TrainingArguments yet"
 )
+# Found with transformers 5.25.0 and accelerate 1.16.0 (docs/adoption.md, "Hugging Face"): on CPU
+# Trainer's fsdp settings shard nothing, so refusing them costs a CPU user no sharding; on a GPU
+# they would shard, which the integration's state transfer does not handle yet.
+_FSDP_ON_CPU = (
+    "On CPU, Trainer does not shard either: accelerate (1.16.0) turns FSDP on only for accelerator "
+    "devices (AcceleratorState.__init__ leaves DistributedType.MULTI_CPU out of that list), so the "
+    "FSDP plugin Trainer builds from these settings is dropped without a warning and Trainer trains "
+    "the model replicated under DistributedDataParallel"
+)
 _FSDP2_INSTEAD = (
     "for a model too big for one rank, write the loop with job.device_mesh and torch's fully_shard "
     "(docs/adoption.md, 'Sharded models: FSDP2 and HSDP')"
@@ -35,7 +44,17 @@ def refuse_unsupported(args: Any) -> None:
         config = {k: v for k, v in (args.fsdp_config or {}).items() if k in ("version", "fsdp_version")}
         raise ConfigError(
             f"TrainingArguments(fsdp={args.fsdp!r}, fsdp_config {config or 'default'}): {_SHARDED}. "
-            f"Leave fsdp unset (fsdp=False, no fsdp_config) to train replicated; {_FSDP2_INSTEAD}"
+            f"{_FSDP_ON_CPU}. Leave fsdp unset (fsdp=False, no fsdp_config) to train replicated; "
+            f"{_FSDP2_INSTEAD}"
+        )
+    sizes = _model_parallel_sizes(getattr(args, "parallelism_config", None))
+    if sizes:
+        shown = ", ".join(f"{name}={size}" for name, size in sizes.items())
+        raise ConfigError(
+            f"TrainingArguments(parallelism_config=ParallelismConfig({shown})): {_SHARDED}; on CPU "
+            "accelerate refuses it too (a ValueError from ParallelismConfig._validate_accelerator: "
+            "it needs FSDP2 or an accelerator device). Leave parallelism_config unset (None) to "
+            f"train replicated; {_FSDP2_INSTEAD}"
         )
     if args.auto_find_batch_size:
         raise ConfigError(
@@ -43,6 +62,14 @@ def refuse_unsupported(args: Any) -> None:
             "it restarts training with a smaller batch after an out-of-memory error, which a job "
             "cannot follow; set per_device_train_batch_size yourself"
         )
+
+
+def _model_parallel_sizes(config: Any) -> dict[str, int]:
+    """The sizes above 1 of an accelerate ``ParallelismConfig`` other than plain replication."""
+    if config is None:
+        return {}
+    names = ("dp_shard_size", "tp_size", "cp_size", "sp_size")
+    return {name: size for name in names if (size := getattr(config, name, None) or 1) > 1}
 
 
 def refuse_unsupported_setup(trainer: Any) -> None:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import os
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -182,10 +187,18 @@ def test_fsdp_and_deepspeed_through_training_arguments_are_refused_before_joinin
         CheckpointlessTrainer(model=nn.Linear(2, 2), args=arguments(fsdp="full_shard"))
     assert "TrainingArguments(fsdp=True" in str(fsdp.value)
     assert "Leave fsdp unset" in str(fsdp.value) and "job.device_mesh" in str(fsdp.value)
+    assert "On CPU, Trainer does not shard either" in str(fsdp.value)
+    assert "DistributedType.MULTI_CPU" in str(fsdp.value)
     with pytest.raises(ConfigError, match=r"fsdp_config \{'version': 2\}"):
         CheckpointlessTrainer(
             model=nn.Linear(2, 2), args=arguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
         )
+    from accelerate.parallelism_config import ParallelismConfig
+
+    sharded = ParallelismConfig(dp_shard_size=2)
+    with pytest.raises(ConfigError, match=r"parallelism_config=ParallelismConfig\(dp_shard_size=2\)") as pc:
+        CheckpointlessTrainer(model=nn.Linear(2, 2), args=arguments(parallelism_config=sharded))
+    assert "Leave parallelism_config unset" in str(pc.value)
     # TrainingArguments itself refuses deepspeed without the package, so set it afterwards
     args = arguments()
     args.deepspeed = {"zero_optimization": {"stage": 2}}
@@ -195,3 +208,44 @@ def test_fsdp_and_deepspeed_through_training_arguments_are_refused_before_joinin
     assert "Leave deepspeed unset" in str(ds.value)
     with pytest.raises(ConfigError, match="auto_find_batch_size=True"):
         CheckpointlessTrainer(model=nn.Linear(2, 2), args=arguments(auto_find_batch_size=True))
+
+
+# One process of a CPU job as torchrun starts it (a rank, a gloo world of 1): accelerate's MULTI_CPU
+_FSDP_ON_CPU_PROBE = """
+import json
+from torch import nn
+from transformers import Trainer, TrainingArguments
+args = TrainingArguments(output_dir=".", use_cpu=True, report_to="none", fsdp=True,
+                         fsdp_config={"version": 2})
+trainer = Trainer(model=nn.Linear(2, 2), args=args)
+print(json.dumps({"asked": args.fsdp_plugin_args["fsdp_version"],
+                  "type": trainer.accelerator.distributed_type.name,
+                  "fsdp": trainer.is_fsdp_enabled}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_trainer_does_not_shard_on_cpu_with_the_pinned_accelerate(tmp_path: Path) -> None:
+    """Why FSDP through TrainingArguments is refused rather than supported on CPU: Trainer asks
+    for accelerate's FSDP2 plugin, and accelerate drops it on a multi-process CPU job, so Trainer
+    trains DDP (docs/adoption.md, "Hugging Face"). A release that shards on CPU fails here: then
+    the refusal in integrations/_hf_settings.py should become support."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        **{"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
+        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HF_HUB_OFFLINE": "1"},
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _FSDP_ON_CPU_PROBE],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"asked": 2, "type": "MULTI_CPU", "fsdp": False}, seen
