@@ -455,6 +455,27 @@ def t_rank_rng(d: dict[str, Any]) -> Table:
     return ["measure", "value"], rows
 
 
+def _over(xs: list[float], nd: int, unit: str) -> str:
+    """A list's median with its [min–max] (one value per round)."""
+    return spread({"median": _median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}, nd, unit)
+
+
+def t_rank_rng_lightning(d: dict[str, Any]) -> Table:
+    rows = [
+        ["record kept per step (generators; loader position)",
+         f"{num(d['record_bytes'] / 1000, 1)} KB; {num(d['position_bytes'], 0)} B (a replacement seeks to the step)"],
+        ["wall time per step (entry, first collective, update, commit)", _over(d["keep_us"], 1, " µs")],
+        ["CPU time per step (the same, the training thread's)", _over(d["keep_cpu_us"], 1, " µs")],
+        ["Lightning step without the keeping (wall)", _over(d["step_us_plain"], 0, " µs")],
+        ["share of that step (wall, medians)", num(d["share_of_step_median"], 2, "%", 100)],
+        [f"share of the overhead benchmark's {num(d['params']['step_ms'], 1, ' ms')} step",
+         num(d["share_of_overhead_step"], 2, "%", 100)],
+        ["the loop of the block above, timed between the fits (wall)",
+         _over(d["loop_us"], 1, " µs") if d.get("loop_us") else "–"],
+    ]  # fmt: skip
+    return ["measure (a Lightning fit, one rank)", "value"], rows
+
+
 def t_degraded_step(d: dict[str, Any]) -> Table:
     label = {
         "device4": f"4 → 3 ranks, a {num(d['params']['device_ms'], 0, ' ms')} sleep per pass for each rank's own device",
@@ -571,6 +592,7 @@ BLOCKS = [
     Block("metrics_scrape", "metrics_scrape.json", t_metrics_scrape),
     Block("hf_recovery", "hf_recovery.json", t_hf_recovery),
     Block("rank_rng", "rank_rng.json", t_rank_rng),
+    Block("rank_rng_lightning", "rank_rng_lightning.json", t_rank_rng_lightning),
     Block("lightning_catch_up", "lightning_catch_up.json", t_lightning_catch_up),
     Block("degraded_step", "degraded_step.json", t_degraded_step),
     Block("degraded", "degraded.json", t_degraded),
