@@ -296,31 +296,78 @@ def t_sharded_recovery(d: dict[str, Any]) -> Table:
     return ["design", "downtime (rank 1 SIGKILLed)", "ratio checkpointless / this"], rows
 
 
+PARALLEL_JOBS = {"3d": "3-D, 2×2×2", "pp": "PP, 2 stages × 2, 1F1B"}
+
+
+def _parallel_jobs(d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """parallel_recovery.json's jobs with their labels; a job carried over from an earlier run
+    (``--jobs`` left it out) names that run's date and commit."""
+    out = []
+    for key, label in PARALLEL_JOBS.items():
+        if key not in d["jobs"]:
+            continue
+        job = d["jobs"][key]
+        m = job.get("measured") or {}
+        if m.get("date") and m["date"] != d["machine"].get("date"):
+            label += f" (run of {str(m['date']).replace('T', ' ')[:16]}, `{m.get('git')}`)"
+        out.append((label, job))
+    return out
+
+
 def t_parallel_recovery(d: dict[str, Any]) -> Table:
-    """The 3-D job: each design's downtime, steps redone and fault-free step time."""
-    cfg, ratios = d["summary"]["configs"], d["summary"]["ratios"]
-    rows = []
-    for c in ["a", *(f"b{k}" for k in d["params"]["ckpt_every"])]:
-        k = cfg[c]["kinds"]["kill"]
-        ratio = "" if c == "a" else num(ratios[f"kill/{c}"]["downtime"], 3)
-        step = cfg[c]["no_fault"]["step_s"] if "no_fault" in cfg[c] else None
-        rows.append(
-            [
-                cfg[c]["label"],
-                spread(k["downtime_s"]),
-                ratio,
-                num(k["lost_steps"]["max"], 0),
-                spread(step, 3) if step else "–",
-            ]
-        )
-    rank = d["params"]["fault_rank"]
-    return [
-        "design",
-        f"downtime (rank {rank} SIGKILLed)",
-        "ratio checkpointless / this",
-        "steps redone",
-        "step, no fault",
-    ], rows
+    """One column per job: both designs' downtime, steps redone and bitwise checks, the fault-free
+    step time with the ratio's interval, and the state the spare received against loopback."""
+    jobs = _parallel_jobs(d)
+    rows: Rows = []
+
+    def row(name: str, cell: Callable[[dict[str, Any]], str]) -> None:
+        rows.append([name, *(cell(job) for _, job in jobs)])
+
+    def yes(x: bool | None) -> str:
+        return "–" if x is None else ("yes" if x else "NO")
+
+    def kill(job: dict[str, Any], c: str) -> dict[str, Any]:
+        return dict(job["summary"]["configs"][c]["kinds"]["kill"])
+
+    def step(job: dict[str, Any], c: str) -> str:
+        s = job["step_time"][c] if "step_time" in job else job["summary"]["configs"][c]["no_fault"]["step_s"]
+        return spread(s, 3)
+
+    def ratio(job: dict[str, Any]) -> str:
+        if "step_time" not in job:  # a run from before the interval: the ratio of the two medians
+            ours, theirs = (job["summary"]["configs"][c]["no_fault"]["step_s"]["median"] for c in ("a", base))
+            return f"{ours / theirs:.3f} (one run each, no interval)" if ours and theirs else "–"
+        if job["step_time"]["ratio"]["ratio"] is None:
+            return "–"
+        r, p = job["step_time"]["ratio"], job["step_time"]["paired"]
+        return f"{r['ratio']:.3f} ({r['lo']:.3f}–{r['hi']:.3f}); per repeat {spread(p, 3, '')}"
+
+    def same_bits(job: dict[str, Any]) -> str:
+        a, b = (job["summary"]["configs"][c]["no_fault"]["digests"] for c in ("a", base))
+        return yes(len(a) == 1 and a == b) if a and b else "–"
+
+    def moved(key: str, nd: int, unit: str, scale: float = 1.0) -> Callable[[dict[str, Any]], str]:
+        return lambda job: spread(job["transfer"][key], nd, unit, scale) if "transfer" in job else "–"
+
+    base = "b10"
+    row("rank SIGKILLed", lambda job: str(job["params"]["fault_rank"]))
+    row("downtime, (a) checkpointless", lambda job: spread(kill(job, "a")["downtime_s"]))
+    row("downtime, (b) torchrun + DCP, K=10", lambda job: spread(kill(job, base)["downtime_s"]))
+    row("ratio (a) / (b)", lambda job: num(job["summary"]["ratios"][f"kill/{base}"]["downtime"], 3))
+    row("steps redone, (a) / (b)", lambda job: f"{num(kill(job, 'a')['lost_steps']['max'], 0)} / "
+        f"{num(kill(job, base)['lost_steps']['max'], 0)}")  # fmt: skip
+    row("every rank's final state = fault-free run's, (a) / (b)", lambda job: f"{yes(kill(job, 'a')['digest_equal'])} / "
+        f"{yes(kill(job, base)['digest_equal'])}")  # fmt: skip
+    row("fault-free runs of (a) and (b) bitwise equal", same_bits)
+    row("step, no fault, (a)", lambda job: step(job, "a"))
+    row("step, no fault, (b)", lambda job: step(job, base))
+    row("step ratio (a) / (b) (95% interval)", ratio)
+    row("state the spare received", moved("state_bytes", 1, " MB", 1e-6))
+    row("its stream", moved("stream_mbps", 0, " MB/s"))
+    row("whole transfer (collect, stream, check, restore)", moved("end_to_end_mbps", 0, " MB/s"))
+    row("raw loopback TCP copy, same bytes", moved("loopback_mbps", 0, " MB/s"))
+    row("stream / loopback", moved("stream_share_of_loopback", 1, "%", 100))
+    return ["measure", *(label for label, _ in jobs)], rows
 
 
 def t_sharded_transfer(d: dict[str, Any]) -> Table:

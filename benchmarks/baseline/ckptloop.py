@@ -80,6 +80,7 @@ def load_example(path: Path = EXAMPLE) -> ModuleType:
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot import {path}")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # a dataclass in the file looks its module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -204,6 +205,8 @@ def train(
     *,
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     vocab: int = VOCAB,
+    step_fn: Callable[[torch.Tensor, torch.Tensor], float] | None = None,
+    state_key: str = "",
 ) -> None:
     """Resume from the newest complete checkpoint (if any), train to ``--steps``, saving every K.
 
@@ -211,12 +214,21 @@ def train(
     ``fully_shard``-ed model, whose state dict is sharded (DCP then writes each rank's own shards;
     a tensor-parallel model's DTensors too). ``batch(step)``: this rank's (inputs, targets) of a
     step, the example GPT's synthetic batch when None; ``vocab``: the model's output width.
+    ``step_fn(x, y)``: one whole training step (gradients zeroed, computed, applied) returning the
+    loss, in place of the default forward, cross-entropy, backward and ``opt.step`` (a pipeline
+    stage runs its schedule instead). ``state_key``: nest the model and optimizer state under it
+    in the checkpoint: two pipeline stages' modules have the same parameter names ("0.weight")
+    and DCP would take same-named plain tensors on two ranks for one replicated tensor.
     """
     a, rank, log = job.args, job.rank, job.log
 
     def full_state(step: int) -> dict[str, Any]:
         msd, osd = get_state_dict(net, opt)
-        state: dict[str, Any] = {"model": msd, "optim": osd, "step": step}
+        state: dict[str, Any] = {"step": step}
+        if state_key:
+            state[state_key] = {"model": msd, "optim": osd}
+        else:
+            state.update(model=msd, optim=osd)
         if sched is not None:
             state["sched"] = sched.state_dict()
         state[f"rng.{rank}"] = torch.get_rng_state()
@@ -228,7 +240,8 @@ def train(
         t0 = time.time()
         state = full_state(0)
         dcp.load(state, checkpoint_id=str(ckpt))
-        set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        ours = state[state_key] if state_key else state
+        set_state_dict(net, opt, model_state_dict=ours["model"], optim_state_dict=ours["optim"])
         if sched is not None:
             sched.load_state_dict(state["sched"])
         torch.set_rng_state(state[f"rng.{rank}"])
@@ -248,16 +261,20 @@ def train(
         digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16]
         if step == start:
             log.phase("first_batch", step=step)
-        logits = net(x)
-        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        if step_fn is None:
+            logits = net(x)
+            loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            value = loss.item()
+        else:
+            value = step_fn(x, y)
         if sched is not None:
             sched.step()
-        log.emit("commit", step=step, loss=round(loss.item(), 6), batch=digest)
+        log.emit("commit", step=step, loss=round(value, 6), batch=digest)
         if rank == 0:
-            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+            print(f"step {step:4d}  loss {value:.4f}", flush=True)
         if step == start:
             # from now on a silent peer is a hang: fail the collective after --hang-timeout. Only the
             # default group's timeout changes; an FSDP mesh's subgroups keep the start timeout, which

@@ -54,10 +54,10 @@ def batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :4].sin() + x[:, 4:8].cos()
 
 
-def stage_module(pp: int) -> nn.Module:
+def stage_module(pp: int, hidden: int = 32) -> nn.Module:
     """Stage ``pp``'s layers of one MLP built whole from seed 0 (the same on every rank)."""
     torch.manual_seed(0)
-    layers = [nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)]
+    layers = [nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 4)]
     return nn.Sequential(*(layers[:2] if pp == 0 else layers[2:]))
 
 
@@ -133,6 +133,9 @@ def main() -> None:
     ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="gpipe")
     ap.add_argument("--torch-only", action="store_true", help="train with torch alone (under torchrun)")
     ap.add_argument("--tp", action="store_true", help="dp 2 x pp 2 x tp 2: each stage tensor-parallel")
+    ap.add_argument(
+        "--hidden", type=int, default=32, help="width of the MLP's hidden layers (not --schedule interleaved)"
+    )
     ap.add_argument("--data", help="ignored (the test helper passes it)")
     args = ap.parse_args()
 
@@ -150,7 +153,7 @@ def main() -> None:
         stages = [PipelineStage(m, pp + 2 * i, 4, job.device, group=pp_group) for i, m in enumerate(model)]
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
     else:
-        model = stage_module(pp).to(job.device)
+        model = stage_module(pp, args.hidden).to(job.device)
         if args.tp:  # the activations between the stages stay whole (Replicate)
             tp_plan = {"0": ColwiseParallel(output_layouts=Replicate())}
             if pp == 1:

@@ -1,0 +1,64 @@
+"""benchmarks/parallel_measure.py's readers: the step gaps that the step-time ratio is made of leave
+out a torchrun baseline's DCP saves (else (a) would be compared with checkpointing, not with plain
+torchrun), and a job that ``--jobs`` leaves out keeps its figures, dated, instead of vanishing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks" / "baseline"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import parallel_measure as pm
+
+
+def write_log(run_dir: Path, rank: int, events: list[dict[str, object]]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"rank": rank, **e}) for e in events]
+    (run_dir / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.timeout(30)
+def test_step_gaps_leave_out_warm_up_and_the_gap_that_holds_a_save(tmp_path: Path) -> None:
+    # steps 0..7 one second apart on rank 0; rank 1 commits 0.1 s later (the step is done when
+    # the last rank commits); a save after step 5 ("step 6") makes the gap 5 -> 6 last 3 s
+    times = {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0, 6: 8.0, 7: 9.0}
+    for rank, lag in ((0, 0.0), (1, 0.1)):
+        events: list[dict[str, object]] = [
+            {"time": t + lag, "event": "commit", "step": s} for s, t in times.items()
+        ]
+        events.append({"time": 5.5, "event": "save", "step": 6})
+        write_log(tmp_path, rank, events)
+    assert pm.step_gaps(tmp_path) == [1.0, 1.0, 1.0]  # 3->4, 4->5, 6->7; not 5->6
+
+
+@pytest.mark.timeout(30)
+def test_the_ratio_of_equal_designs_is_one_and_its_interval_holds_one() -> None:
+    gaps = [0.10, 0.11, 0.09, 0.10, 0.12, 0.10, 0.095]
+    r = pm.median_ratio(gaps, list(gaps))
+    assert r["ratio"] == 1.0
+    assert r["lo"] <= 1.0 <= r["hi"]
+    assert pm.median_ratio(gaps[:2], gaps)["ratio"] is None  # too few gaps: no figure, no guess
+
+
+@pytest.mark.timeout(30)
+def test_a_job_left_out_keeps_its_figures_with_the_run_that_made_them(tmp_path: Path) -> None:
+    machine = {"date": "2026-12-07T02:42:09+00:00", "git": "531bc9f"}
+    legacy = {  # the result file from before the PP job: the 3-D job at the top level
+        "command": "python benchmarks/parallel_recovery.py",
+        "machine": machine,
+        **{k: {"k": k} for k in ("params", "summary", "tables", "notes", "runs")},
+    }
+    path = tmp_path / "parallel_recovery.json"
+    path.write_text(json.dumps(legacy))
+    kept = pm.carried_jobs(path, ["pp"])
+    assert list(kept) == ["3d"]
+    assert kept["3d"]["summary"] == {"k": "summary"}
+    assert kept["3d"]["measured"] == {"command": legacy["command"], **machine}
+    assert pm.carried_jobs(path, ["3d", "pp"]) == {}  # both rerun: nothing old is kept
+    assert pm.carried_jobs(tmp_path / "absent.json", ["pp"]) == {}
