@@ -144,6 +144,8 @@ def step_note(label: str, s: dict[str, Any]) -> str:
         return f"{label}: step time not measured (a fault-free run is missing)."
     lo, hi = min(r["lo"], p["min"] or r["lo"]), max(r["hi"], p["max"] or r["hi"])
     verdict = "met" if hi <= TARGET_STEP else ("NOT met" if lo > TARGET_STEP else "undecided")
+    if p["n"] < 2:  # one repeat says nothing of the spread between runs
+        verdict = "undecided, one repeat"
     paired = f"; per repeat {p['min']:.3f}-{p['max']:.3f} ({p['n']} repeats)" if p["n"] else ""
     return (
         f"{label}: fault-free step time checkpointless / torchrun {r['ratio']:.3f}, 95% interval "

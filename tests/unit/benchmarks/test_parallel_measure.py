@@ -62,3 +62,15 @@ def test_a_job_left_out_keeps_its_figures_with_the_run_that_made_them(tmp_path: 
     assert kept["3d"]["measured"] == {"command": legacy["command"], **machine}
     assert pm.carried_jobs(path, ["3d", "pp"]) == {}  # both rerun: nothing old is kept
     assert pm.carried_jobs(tmp_path / "absent.json", ["pp"]) == {}
+
+
+@pytest.mark.timeout(30)
+def test_one_repeat_decides_no_step_time_target() -> None:
+    # a tight interval over one run's gaps is not the spread between runs: no verdict from it
+    one = {"ratio": {"ratio": 0.9, "lo": 0.85, "hi": 0.95, "n": [30, 30]},
+           "paired": {"median": 0.9, "min": 0.9, "max": 0.9, "n": 1}}  # fmt: skip
+    assert "undecided, one repeat" in pm.step_note("PP", one)
+    three = {**one, "paired": {"median": 0.9, "min": 0.8, "max": 1.2, "n": 3}}
+    assert "target ≤ 1.02: undecided;" in pm.step_note("PP", three)  # the repeats reach past 1.02
+    met = {**one, "paired": {"median": 0.9, "min": 0.88, "max": 0.97, "n": 3}}
+    assert "target ≤ 1.02: met;" in pm.step_note("PP", met)
