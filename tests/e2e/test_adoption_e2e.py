@@ -16,6 +16,16 @@ import pytest
 
 from tests.helpers.jobs import ROOT, JobResult, alive, run_job
 from tests.helpers.reference import ReferenceRuns
+from tests.helpers.zygote import ENABLE_ENV
+
+
+@pytest.fixture(autouse=True)
+def fresh_interpreters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launcher here a fresh interpreter: processes_with_key finds a job's processes by
+    the environment they were started with (/proc/PID/environ), and a launcher forked from the
+    test zygote would give them the zygote's."""
+    monkeypatch.setenv(ENABLE_ENV, "0")
+
 
 SCRIPT = ROOT / "tests" / "scripts" / "adopt.py"
 NPROC = 2

@@ -16,10 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import zygote
+
 # re-exported: the tests that start jobs take the paths from here with the job helpers
 from .paths import EXAMPLE as EXAMPLE
 from .paths import ROOT as ROOT
 from .paths import SCRIPTS as SCRIPTS
+from .zygote import Process
 
 # small enough that a 3-4 rank job runs in seconds on two cores
 TINY = [
@@ -170,7 +173,7 @@ def fault_at(spec: str) -> tuple[int, int]:
 class RunningJob:
     """A launcher started by :func:`start_job`; its output goes to ``log`` (read at the end)."""
 
-    proc: subprocess.Popen[bytes]
+    proc: Process  # a subprocess.Popen, or a launcher forked from the zygote (helpers/zygote.py)
     run_dir: Path
     log: Path
     started: float  # time.monotonic() at launch
@@ -229,14 +232,12 @@ def start_job(
     log = run_dir.parent / (run_dir.name + ".out")
     # a file, not a pipe: a caller that is busy injecting faults must not stall the job's output
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=None if env is None else {**os.environ, **env},
-        )
+        full_env = {**os.environ, **(env or {})}
+        proc: Process | None = zygote.launch(cmd, str(ROOT), full_env, out.fileno())
+        if proc is None:
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=full_env
+            )
     return RunningJob(proc, run_dir, log, time.monotonic())
 
 

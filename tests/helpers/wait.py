@@ -9,10 +9,12 @@ among several waits passes the same instant to each; one that waits a number of 
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from .zygote import Process
 
 __all__ = ["deadline_in", "wait_for"]
 
@@ -30,7 +32,7 @@ def wait_for(
     what: str,
     *,
     interval: float = 0.05,
-    proc: subprocess.Popen[Any] | None = None,
+    proc: Process | None = None,
     details: Callable[[], object] | None = None,
 ) -> T:
     """Poll ``cond()`` every ``interval`` s until it returns something truthy, and return that.

@@ -28,6 +28,7 @@ from checkpointless.launcher.forkserver import (
     ForkServerError,
     become_subreaper,
     reap_strays,
+    take_preforked,
 )
 from checkpointless.launcher.output import OutputTail, worker_log
 from checkpointless.launcher.policy import Limits, ProcWatch
@@ -177,7 +178,7 @@ class Agent:
         if not self.cfg.fork_server or not become_subreaper():
             return
         out = subprocess.DEVNULL if self.cfg.quiet_workers else None
-        fs = self.forkserver = ForkServer(self.cfg.python, self._env, out)
+        fs = self.forkserver = take_preforked() or ForkServer(self.cfg.python, self._env, out)
         self._record_pid(fs.popen.pid)
         self._events.emit("fork_server", pid=fs.popen.pid)
 
@@ -243,11 +244,15 @@ class Agent:
             env[SUCCESSION_ENV] = succession_to_env(self.succession)
         argv = [self.cfg.python, self.cfg.script, *self.cfg.script_args]
         err_r, err_w = os.pipe()
+        out_w: int | None = None
         handle: ProcessHandle | None = None
         try:
             fs = self.forkserver
             if fs is not None and self._fork_server_ready(fs):
-                fds = {"stderr": err_w}
+                # the worker's stdout is passed, not left to the template's own: a template
+                # forked from this process (prefork) has ours, whatever --quiet-workers says
+                out_w = os.open(os.devnull, os.O_WRONLY) if self.cfg.quiet_workers else os.dup(1)
+                fds = {"stdout": out_w, "stderr": err_w}
                 if listener is not None:
                     fds[ENV.STORE_FD] = listener.fileno()
                 try:
@@ -270,6 +275,8 @@ class Agent:
                 )
         finally:
             os.close(err_w)
+            if out_w is not None:
+                os.close(out_w)
             if listener is not None:
                 listener.close()  # the process holds the only copy now
         self._record_pid(handle.pid)

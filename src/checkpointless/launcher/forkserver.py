@@ -30,13 +30,14 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, NoReturn
 
 from checkpointless.errors import CheckpointlessError
 
-__all__ = ["ForkServer", "ForkedProcess", "become_subreaper", "reap_strays"]
+__all__ = ["ForkServer", "ForkedProcess", "become_subreaper", "prefork", "reap_strays", "take_preforked"]
 
 _LEN = struct.Struct(">I")
 _MAX_REQUEST = 1 << 20  # a request is argv + environment: far below this
@@ -155,7 +156,7 @@ class ForkServer:
         import subprocess
 
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.popen = subprocess.Popen(
+        self.popen: subprocess.Popen[bytes] | ForkedProcess = subprocess.Popen(
             [python, "-m", "checkpointless.launcher.forkserver", str(theirs.fileno())],
             env=env,
             stdout=stdout,
@@ -163,6 +164,13 @@ class ForkServer:
         )
         theirs.close()
         self.ready = False
+
+    @classmethod
+    def forked(cls, sock: socket.socket, pid: int) -> ForkServer:
+        """A template forked from this process by :func:`prefork` (no interpreter started)."""
+        fs = cls.__new__(cls)
+        fs.sock, fs.popen, fs.ready = sock, ForkedProcess(pid), False
+        return fs
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until the template has imported everything (or died, or ``timeout``)."""
@@ -292,11 +300,51 @@ def _serve(sock: socket.socket) -> None:
             return
 
 
+# A template forked by prefork(), waiting for the launcher's agent to take it.
+_preforked: ForkServer | None = None
+
+
+def prefork() -> None:
+    """Fork the template from this process now; the next :func:`take_preforked` returns it.
+
+    For a process that has already imported torch and has one thread (a test harness's launcher
+    forked from an interpreter that imported torch once): the template is then ready at once
+    instead of paying the imports again. Called before the launcher starts any thread, because
+    a fork copies only the calling thread and a lock another thread held would stay held.
+    """
+    global _preforked
+    if "torch._dynamo" not in sys.modules or threading.active_count() != 1:
+        raise ForkServerError("prefork() needs torch._dynamo imported and no thread but this one")
+    parent = os.getpid()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ours.close()
+            _template(theirs, parent)
+        finally:
+            os._exit(1)
+    theirs.close()
+    _preforked = ForkServer.forked(ours, pid)
+
+
+def take_preforked() -> ForkServer | None:
+    """The template :func:`prefork` made, once (None if there is none)."""
+    global _preforked
+    fs, _preforked = _preforked, None
+    return fs
+
+
 def main() -> NoReturn:
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    _template(socket.socket(fileno=int(sys.argv[1])), os.getppid())
+
+
+def _template(sock: socket.socket, launcher: int) -> NoReturn:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     with contextlib.suppress(OSError):  # die with the launcher, even if it is SIGKILLed
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != launcher:
+        os._exit(0)  # it died before the line above: no signal will come
     # The expensive part, once. Nothing here may run a torch operation (see the module notes).
     import numpy  # noqa: F401
     import torch

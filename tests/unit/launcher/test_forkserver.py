@@ -94,3 +94,63 @@ def test_a_killed_fork_reports_the_signal_and_strays_are_reaped(server: ForkServ
     assert p.wait(10) == -signal.SIGKILL
     os.close(r)
     reap_strays({server.popen.pid})  # nothing of ours left as a zombie
+
+
+PREFORK = """
+import os, sys, threading
+import torch._dynamo
+from checkpointless.launcher.forkserver import ForkServerError, become_subreaper, prefork, take_preforked
+assert become_subreaper()
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)
+t.start()
+try:
+    prefork()
+    print("refused=False")
+except ForkServerError as e:
+    print(f"refused=True {e}")
+stop.set()
+t.join()
+prefork()
+fs = take_preforked()
+assert take_preforked() is None  # handed out once
+assert fs.wait_ready(30)
+with open(f"/proc/{fs.popen.pid}/stat") as f:
+    print(f"template_parent_is_us={int(f.read().rsplit(')', 1)[1].split()[1]) == os.getpid()}")
+script = sys.argv[1]
+r, w = os.pipe()
+out = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT)
+env = dict(os.environ, ROLE="worker", CODE="4", TEMPLATE_SID=str(os.getsid(fs.popen.pid)))
+p = fs.spawn([sys.executable, script, "x"], env, os.getcwd(), {"stdout": out, "stderr": w})
+os.close(w); os.close(out)
+print(f"code={p.wait(30)}")
+print(os.fdopen(r).read())
+fs.close()
+print(f"template_gone={fs.popen.poll() is not None}")
+"""
+
+
+def test_a_template_forked_from_a_process_that_imported_torch(tmp_path: Path) -> None:
+    """prefork (the test zygote's launchers use it): the template is a fork of the caller, refused
+    while another thread runs (a lock it held would stay held in the fork); its workers are
+    like the fresh template's, their stdout the descriptor passed with each spawn."""
+    import subprocess
+
+    (tmp_path / "child.py").write_text(
+        SCRIPT.replace("raise SystemExit", "print('to stdout')\nraise SystemExit")
+    )
+    (tmp_path / "main.py").write_text(PREFORK)
+    res = subprocess.run(
+        [sys.executable, str(tmp_path / "main.py"), str(tmp_path / "child.py"), str(tmp_path / "stdout")],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "refused=True" in out and "no thread but this one" in out, out
+    assert "template_parent_is_us=True" in out and "code=4" in out and "template_gone=True" in out, out
+    assert "role=worker args=['x']" in out and "threads=1 x=3.0" in out, out
+    assert "session_leader=True template_session=False" in out, out
+    assert (tmp_path / "stdout").read_text() == "to stdout\n"
