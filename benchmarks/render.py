@@ -245,7 +245,10 @@ def t_goodput(d: dict[str, Any]) -> Table:
             "checkpointless, chosen policy",
             "checkpointless, wait, then shrink (bitwise) + grow back + quarantine",
         ),
-        ("checkpointless, chosen policy, root-less rebuild", "the same, root-less rebuild"),
+        (
+            "checkpointless, chosen policy, store-based rebuild",
+            "the same, store-based rebuild (--rendezvous tcp)",
+        ),
     ]
     rows = [
         [num(int(gpus), 0), *(num(by[key], 2, "%", 100) if key in by else "–" for key, _ in columns)]

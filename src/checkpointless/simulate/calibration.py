@@ -26,6 +26,8 @@ __all__ = ["Calibration", "CommModel", "calibration_from_mapping", "load_calibra
 
 
 _OPTIONAL_FIELDS = ("shrink_s", "grow_s")
+# more retries than this is a typo, not a setting: each one is a whole recovery round in the plan
+_MAX_RETRIES = 1000
 
 
 class CommModel(str, Enum):
@@ -58,7 +60,18 @@ class Calibration:
     abort_s: float = 5.0  # abort pending collectives, unwind the step, free framework state
     swap_s: float = 5.0  # hand the failed rank's identity to an already-started spare process
     rebuild_s: float = 2.0  # fixed part of re-forming the communicator (scaled part: models.py)
-    rebuild_model: CommModel = CommModel.STORE_LINEAR
+    # The launcher's default --rendezvous rootless (settings/job.py): every generation's store is
+    # recovery/rendezvous_client.py:make_store's RootlessStore, each rank serving its own keys;
+    # no store is left in the round (--rendezvous tcp, a TCPStore in the launcher, is STORE_LINEAR)
+    rebuild_model: CommModel = CommModel.ROOTLESS_MEASURED
+    # A checkpointless job that falls back is started again by the same launcher, whose first
+    # generation forms through the same make_store: its restart is root-less too
+    restart_model: CommModel = CommModel.ROOTLESS_MEASURED
+    # A step whose exception recurs is retried in the same process this many times, then the
+    # job stops: recovery/recover.py:recover_from (max_step_retries=3, init()'s default), and the
+    # coordinator's fault budget rules/budget.py:budget_verdict (--max-repeat-faults 3) and
+    # ledger.py:check_progress (--max-step-failures 3) stop it at the same fourth raise
+    step_retries: int = 3
     transfer_s: float = 1.0  # fixed part of a peer state transfer: handshake, checksums
     peer_gbps: float = 10.0  # effective per-GPU network bandwidth for the peer transfer
     data_resume_s: float = 1.0  # batches are served from the node-local cache, no cold start
@@ -69,7 +82,7 @@ class Calibration:
     requeue_s: float = 300.0  # kill every process, reschedule the job, start containers
     restart_s: float = 120.0  # process start, imports, model and optimizer construction
     init_s: float = 5.0  # fixed part of communicator initialisation (scaled part: models.py)
-    init_model: CommModel = CommModel.STORE_LINEAR
+    init_model: CommModel = CommModel.STORE_LINEAR  # C-R: torchrun's TCPStore rendezvous
     store_per_rank_s: float = 0.01  # store-based start-up: seconds per rank (the O(N) term)
     rootless_log_s: float = 1.0  # root-less start-up: seconds per doubling of N (the log term)
     # rootless-measured: benchmarks/results/rendezvous_scale.json, max(s_o, s_r) = 187.9 us of CPU
@@ -108,9 +121,14 @@ class Calibration:
                 raise ConfigError(f"calibration {f.name}={value} must be > 0 GB/s")
             if value < 0:
                 raise ConfigError(f"calibration {f.name}={value} is negative; costs are >= 0 seconds")
+        if not isinstance(self.step_retries, int) or self.step_retries > _MAX_RETRIES:
+            raise ConfigError(
+                f"calibration step_retries={self.step_retries!r} must be a whole number of retries "
+                f"from 0 to {_MAX_RETRIES}; e.g. 3 (the worker's max_step_retries)"
+            )
 
 
-_MODEL_FIELDS = ("rebuild_model", "init_model")
+_MODEL_FIELDS = ("rebuild_model", "restart_model", "init_model")
 
 
 def calibration_from_mapping(data: dict[str, Any], base: Calibration | None = None) -> Calibration:

@@ -35,6 +35,7 @@ from checkpointless.errors import ConfigError
 from checkpointless.simulate.topology import JobShape
 
 __all__ = [
+    "AfterRetries",
     "CapacityPolicy",
     "DegradedDesign",
     "Fleet",
@@ -75,6 +76,19 @@ class DegradedDesign(str, Enum):
     SPLIT = "split"
 
 
+class AfterRetries(str, Enum):
+    """What a job does once a step that keeps raising has used its in-process retries.
+
+    ``stop`` is the launcher as built: the worker's ``max_step_retries`` and the coordinator's
+    fault budget end the job, and it is started again from its checkpoint. ``respawn`` is a
+    what-if, not built: the raising ranks are started again as fresh spare processes that take
+    the state of the step from a copy held outside them, and the job goes on without a restart.
+    """
+
+    STOP = "stop"
+    RESPAWN = "respawn"
+
+
 @dataclass(frozen=True)
 class CapacityPolicy:
     """The no-spare policy and the admission of hosts (the launcher's flags of the same names)."""
@@ -84,6 +98,7 @@ class CapacityPolicy:
     min_replicas: int = 1  # fewer data-parallel replicas at work than this is a failure
     health_check: bool = False  # a host that fails the check is quarantined, never promoted
     design: DegradedDesign = DegradedDesign.BITWISE
+    after_retries: AfterRetries = AfterRetries.STOP  # a recurring bug: respawn is not built
 
     def __post_init__(self) -> None:
         if math.isnan(self.spare_wait_s) or self.spare_wait_s < 0:

@@ -29,7 +29,7 @@ from checkpointless.simulate.render import (
     to_json,
     write_plot,
 )
-from checkpointless.simulate.report import DEFAULT_GPUS, run_report
+from checkpointless.simulate.report import DEFAULT_GPUS, run_report, store_based
 from checkpointless.simulate.topology import JobShape
 
 __all__ = ["MAX_DAYS", "MAX_GPUS", "MAX_SEEDS", "build_parser", "main"]
@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["on", "off"],
         default="on",
         help="on: a repaired host that fails its check is quarantined, never promoted (default on)",
+    )
+    g.add_argument(
+        "--rendezvous",
+        choices=["rootless", "tcp"],
+        default="rootless",
+        help="how a checkpointless job's communicator is rebuilt and, after a fallback, started "
+        "again: rootless (the launcher's default, as rendezvous_scale.json measured it) or tcp "
+        "(one store, O(N): the launcher's --rendezvous tcp, this study's default until session 32)",
     )
     m = p.add_argument_group("hosts and repairs")
     m.add_argument(
@@ -233,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             shape=replace(base.shape, dp_replica_gpus=args.replica_gpus, replace_s=args.repair_hours * 3600),
             failures=replace(base.failures, bad_repair_fraction=args.bad_repair_fraction),
         )
+        if args.rendezvous == "tcp":
+            base = store_based(base)
         if args.calibration is not None:
-            base = replace(base, cal=load_calibration(args.calibration))
+            base = replace(base, cal=load_calibration(args.calibration, base.cal))
         gpus = sorted({n for group in args.gpus for n in group})
         for n in [*gpus, args.focus_gpus]:
             replace(base.shape, gpus=n)  # validates the size before any long run

@@ -31,6 +31,7 @@ from typing import NamedTuple
 from checkpointless.errors import ConfigError
 from checkpointless.simulate.calibration import Calibration
 from checkpointless.simulate.capacity import (
+    AfterRetries,
     CapacityPolicy,
     Fleet,
     Host,
@@ -273,9 +274,8 @@ class _Run:
         if self.policy is Policy.CHECKPOINT_RESTART:
             fallback = True
         else:
-            fallback = (
-                self.restarting or cause.recurring or place.failed or spans_all_replicas(lost, cfg.shape)
-            )
+            stops = cause.recurring and cfg.capacity.after_retries is AfterRetries.STOP
+            fallback = self.restarting or stops or place.failed or spans_all_replicas(lost, cfg.shape)
             self.fallbacks += fallback
         shrank = place.shrank and not fallback
         self.shrinks += shrank

@@ -15,6 +15,7 @@ from enum import Enum
 from checkpointless.errors import ConfigError
 from checkpointless.simulate.calibration import Calibration
 from checkpointless.simulate.capacity import (
+    AfterRetries,
     CapacityPolicy,
     WidthAction,
     extra_faults_per_host_loss,
@@ -171,7 +172,8 @@ def _cause_fallback_probability(
     cause: FailureCause, shape: JobShape, capacity: CapacityPolicy | None = None
 ) -> float:
     if cause.blast is Blast.JOB:
-        return 1.0 if cause.recurring else 0.0
+        stops = capacity is None or capacity.after_retries is AfterRetries.STOP
+        return 1.0 if cause.recurring and stops else 0.0
     if _no_spare(cause, shape, capacity)[0] == "fail":
         return 1.0
     if cause.blast is Blast.SWITCH:

@@ -26,6 +26,7 @@ __all__ = [
     "inprocess_phases",
     "load_cost_s",
     "recovery_plan",
+    "recurring_retries",
     "restart_phases",
     "save_cost_s",
     "shrink_phases",
@@ -112,20 +113,20 @@ def step_wall_s(policy: Policy, shape: JobShape, cal: Calibration) -> float:
 # ----------------------------------------------------------------------------------------------
 # Recovery plans
 # ----------------------------------------------------------------------------------------------
-def restart_phases(shape: JobShape, cal: Calibration, spare_wait_s: float) -> list[Phase]:
+def restart_phases(
+    shape: JobShape, cal: Calibration, spare_wait_s: float, model: CommModel | None = None
+) -> list[Phase]:
     """A full job restart from the last checkpoint, after the fault has been detected.
 
     Waiting for replacement nodes overlaps with requeueing the job, so the longer of the two
-    counts.
+    counts. ``model``: how the restarted job forms its communicator (default ``cal.init_model``,
+    checkpoint-restart's; a checkpointless job's own launcher restarts with ``cal.restart_model``).
     """
+    init = cal.init_model if model is None else model
     return [
         Phase(Bucket.INFRA_RECOVERY, "requeue / wait for nodes", max(cal.requeue_s, spare_wait_s)),
         Phase(Bucket.PROGRAM_STARTUP, "process start", cal.restart_s),
-        Phase(
-            Bucket.INITIALISATION,
-            "communicator init",
-            comm_start_s(cal.init_model, cal.init_s, shape.gpus, cal),
-        ),
+        Phase(Bucket.INITIALISATION, "communicator init", comm_start_s(init, cal.init_s, shape.gpus, cal)),
         Phase(Bucket.CHECKPOINT_RESTORE, "checkpoint load", load_cost_s(shape, cal)),
         Phase(Bucket.DATA_LOADING, "data loader cold start", cal.restart_data_s),
         Phase(Bucket.PROGRAM_STARTUP, "first step after restart", cal.restart_first_step_s),
@@ -166,7 +167,7 @@ def recovery_plan(
     """Every phase from the fault to the first productive step (lost work is charged apart).
 
     ``fallback`` (checkpointless only) means the state cannot come from a peer, or the in-process
-    retry will fail, or no host came within the no-spare policy's wait (``gave_up_after_s``), so
+    retries of a recurring bug will fail and the job stops (``AfterRetries.STOP``, as built), or no host came within the no-spare policy's wait (``gave_up_after_s``), so
     the job restarts from its own (less frequent) checkpoint. ``shrink``: no spare host took the
     lost place, and the job goes on with fewer replicas (after waiting ``spare_wait_s`` for one,
     under ``--when-no-spare wait``).
@@ -178,20 +179,38 @@ def recovery_plan(
     if not fallback:
         if shrink:
             return [detect, *shrink_phases(shape, cal, spare_wait_s)]
+        if cause.recurring:
+            # only under AfterRetries.RESPAWN (a what-if, not built): after its retries the
+            # raising ranks start again as fresh spares, which must receive the step's state
+            respawn = inprocess_phases(shape, cal, spare_wait_s, lost_state=True)
+            return [detect, abort, *recurring_retries(shape, cal, cause), *respawn]
         return [detect, abort, *inprocess_phases(shape, cal, spare_wait_s, lost_state)]
+    restart = restart_phases(shape, cal, spare_wait_s, cal.restart_model)
     if gave_up_after_s > 0:
         gave_up = Phase(Bucket.INFRA_RECOVERY, "wait for a spare host, then fail", gave_up_after_s)
-        return [detect, abort, gave_up, *restart_phases(shape, cal, spare_wait_s)]
+        return [detect, abort, gave_up, *restart]
     if cause.recurring:
-        # The in-process retry is tried first (the job cannot know the bug will recur): it costs a
-        # recovery plus one step that fails again, then a second detection.
-        retry = inprocess_phases(shape, cal, 0.0, lost_state=False)
-        failed = Phase(
-            Bucket.WASTED_PROGRESS, "re-run step that fails again", step_wall_s(policy, shape, cal)
-        )
-        again = Phase(Bucket.INFRA_RECOVERY, "detect again", detect_s(cause, cal))
-        return [detect, abort, *retry, failed, again, abort, *restart_phases(shape, cal, spare_wait_s)]
-    return [detect, abort, *restart_phases(shape, cal, spare_wait_s)]
+        return [detect, abort, *recurring_retries(shape, cal, cause), *restart]
+    return [detect, abort, *restart]
+
+
+def recurring_retries(shape: JobShape, cal: Calibration, cause: FailureCause) -> list[Phase]:
+    """What a bug that fires again in the same processes costs before the job gives up on it.
+
+    The job cannot know the bug will recur: the raising rank stays in its process (the
+    coordinator replaces only a rank whose process is gone: rounds.py:on_stopped records an
+    exception with ``replace=False``) and the step is retried in process ``cal.step_retries``
+    times, each a round without a swap or a transfer (every rank's state is valid), the step
+    failing again and being detected and aborted again. Then the job stops and is started again
+    (the restart that follows), as tests/e2e/test_launcher.py's recurring exception shows.
+    """
+    one = [
+        *inprocess_phases(shape, cal, 0.0, lost_state=False),
+        Phase(Bucket.WASTED_PROGRESS, "re-run step that fails again", step_wall_s(Policy.CHECKPOINTLESS, shape, cal)),
+        Phase(Bucket.INFRA_RECOVERY, "detect again", detect_s(cause, cal)),
+        Phase(Bucket.INFRA_RECOVERY, "abort", cal.abort_s),
+    ]  # fmt: skip
+    return one * cal.step_retries
 
 
 def shrink_phases(shape: JobShape, cal: Calibration, waited_s: float = 0.0) -> list[Phase]:

@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from checkpointless.simulate.calibration import CommModel
-from checkpointless.simulate.capacity import CapacityPolicy, DegradedDesign, NoSparePolicy
+from checkpointless.simulate.capacity import AfterRetries, CapacityPolicy, DegradedDesign, NoSparePolicy
 from checkpointless.simulate.des import SimConfig, simulate_run
 from checkpointless.simulate.failures import META_RSC_RATE_PER_GPU_HOUR, sample_faults
 from checkpointless.simulate.models import (
@@ -33,8 +33,8 @@ from checkpointless.simulate.models import (
 __all__ = [
     "CL",
     "CL_POLICY",
-    "CL_POLICY_ROOTLESS",
-    "CL_ROOTLESS",
+    "CL_POLICY_STORE",
+    "CL_STORE",
     "CL_TODAY",
     "CR",
     "DEFAULT_GPUS",
@@ -49,6 +49,7 @@ __all__ = [
     "run_report",
     "scale_study",
     "sensitivity",
+    "store_based",
     "summarise",
     "sweep",
 ]
@@ -60,15 +61,24 @@ SCALE_GPUS: tuple[int, ...] = (2304, 16384, 100000)
 CR = "checkpoint-restart"
 # the model so far: a lost host with no spare ready waits for a repaired one, however long
 CL = "checkpointless"
-CL_ROOTLESS = "checkpointless, root-less rebuild"
+# the same with a store-based rebuild and restart (the launcher's --rendezvous tcp; this model's
+# default until session 32)
+CL_STORE = "checkpointless, store-based rebuild"
 # the launcher before issue 39 (--when-no-spare fail): it waits --spare-wait (60 s) for a host,
 # then the job fails
 CL_TODAY = "checkpointless, fails when the spares run out"
 # the policy chosen on the command line (default: shrink, grow back, health-checked admission)
 CL_POLICY = "checkpointless, chosen policy"
-CL_POLICY_ROOTLESS = "checkpointless, chosen policy, root-less rebuild"
+CL_POLICY_STORE = "checkpointless, chosen policy, store-based rebuild"
 
 TODAY = CapacityPolicy(NoSparePolicy.FAIL, spare_wait_s=60.0)
+
+
+def store_based(c: SimConfig) -> SimConfig:
+    """The launcher under ``--rendezvous tcp``: one TCPStore for every rebuild and restart."""
+    return replace(
+        c, cal=replace(c.cal, rebuild_model=CommModel.STORE_LINEAR, restart_model=CommModel.STORE_LINEAR)
+    )
 
 
 @dataclass(frozen=True)
@@ -128,15 +138,15 @@ def summarise(variant: str, policy: Policy, cfg: SimConfig, seeds: Sequence[int]
 
 def _variants(cfg: SimConfig) -> list[tuple[str, Policy, SimConfig]]:
     """Every column; ``cfg.capacity`` is the chosen policy, the others are fixed references."""
-    rootless = replace(cfg, cal=replace(cfg.cal, rebuild_model=CommModel.ROOTLESS_MEASURED))
+    store = store_based(cfg)
     so_far, today = replace(cfg, capacity=CapacityPolicy()), replace(cfg, capacity=TODAY)
     return [
         (CR, Policy.CHECKPOINT_RESTART, cfg),
         (CL, Policy.CHECKPOINTLESS, so_far),
-        (CL_ROOTLESS, Policy.CHECKPOINTLESS, replace(rootless, capacity=CapacityPolicy())),
+        (CL_STORE, Policy.CHECKPOINTLESS, replace(store, capacity=CapacityPolicy())),
         (CL_TODAY, Policy.CHECKPOINTLESS, today),
         (CL_POLICY, Policy.CHECKPOINTLESS, cfg),
-        (CL_POLICY_ROOTLESS, Policy.CHECKPOINTLESS, rootless),
+        (CL_POLICY_STORE, Policy.CHECKPOINTLESS, store),
     ]
 
 
@@ -219,14 +229,9 @@ SENSITIVITY_CASES: tuple[tuple[str, Callable[[SimConfig], SimConfig]], ...] = (
         "checkpointless rebuild root-less O(log N), 1 s per doubling",
         _cal(rebuild_model=CommModel.ROOTLESS_LOG),
     ),
-    (
-        "checkpointless rebuild root-less as measured (rendezvous_scale.json)",
-        _cal(rebuild_model=CommModel.ROOTLESS_MEASURED),
-    ),
-    (
-        "both paths root-less start-up as measured",
-        _cal(rebuild_model=CommModel.ROOTLESS_MEASURED, init_model=CommModel.ROOTLESS_MEASURED),
-    ),
+    ("checkpointless store-based rebuild and restart (--rendezvous tcp)", store_based),
+    ("checkpoint-restart's start-up root-less too", _cal(init_model=CommModel.ROOTLESS_MEASURED)),
+    ("a recurring bug retried once, not 3 times", _cal(step_retries=1)),
     ("requeue and process start x0.25", _fast_restart),
     ("every software bug recurs in-process", _all_bugs_recur),
     ("one copy of the state (replicas=1)", _shape(replicas=1)),
@@ -271,14 +276,18 @@ def _no_bug_recurs(c: SimConfig) -> SimConfig:
     return replace(c, failures=replace(c.failures, causes=causes))
 
 
+def _respawn(c: SimConfig) -> SimConfig:
+    # not built: after its retries a recurring bug's ranks start again as fresh spare processes
+    return replace(c, capacity=replace(c.capacity, after_retries=AfterRetries.RESPAWN))
+
+
 def _split(c: SimConfig) -> SimConfig:
     return replace(c, capacity=replace(c.capacity, design=DegradedDesign.SPLIT))
 
 
-def _closes_the_gap(c: SimConfig) -> SimConfig:
-    # the three limits of the largest jobs removed together (docs/goodput.md, "What limits")
-    rootless = _cal(rebuild_model=CommModel.ROOTLESS_MEASURED, init_model=CommModel.ROOTLESS_MEASURED)
-    return _no_bug_recurs(rootless(c))
+def _previous_model(c: SimConfig) -> SimConfig:
+    # this study's default until session 32: a store-based rebuild and restart, one retry
+    return _cal(step_retries=1)(store_based(c))
 
 
 # benchmarks/results/host_loss.json: a whole host lost, one recovery round of 1.28 s on this
@@ -291,8 +300,9 @@ _MEASURED_ROUND = _cal(
 
 
 # The scale table: repair times (the default is an assumption, then a day, three days), the
-# issue's ideal degraded step against the measured one, and what-ifs that remove what limits the
-# largest jobs (not defaults: they show the limits and what would close the gap to the targets).
+# issue's ideal degraded step against the measured one, the previous default model beside the
+# system as built, and what-ifs that remove what limits the largest jobs (not defaults: they show
+# the limits and what would close the gap to the targets).
 SCALE_CASES: tuple[tuple[str, Callable[[SimConfig], SimConfig]], ...] = (
     ("repairs take 1 h (default)", lambda c: c),
     ("repairs take 24 h", _shape(replace_s=24 * 3600.0)),
@@ -301,12 +311,16 @@ SCALE_CASES: tuple[tuple[str, Callable[[SimConfig], SimConfig]], ...] = (
         "repairs take 72 h, degraded step at the issue's ideal (split)",
         lambda c: _split(_shape(replace_s=72 * 3600.0)(c)),
     ),
-    ("what-if: restarts start root-less too", _cal(init_model=CommModel.ROOTLESS_MEASURED)),
+    ("the previous model: store-based rebuild and restarts, one retry of a recurring bug", _previous_model),
     ("what-if: no software bug recurs in-process", _no_bug_recurs),
-    ("what-if: both, and the rebuild root-less", _closes_the_gap),
+    ("what-if: after its 3 retries a recurring bug's ranks respawn as fresh spares, no restart", _respawn),
     (
-        "what-if: all three, and the round's fixed costs as measured here (host_loss.json)",
-        lambda c: _MEASURED_ROUND(_closes_the_gap(c)),
+        "what-if: that respawn, and a rebuild that exchanges only the replaced ranks' keys",
+        lambda c: _cal(rebuild_model=CommModel.ROOTLESS_CONST)(_respawn(c)),
+    ),
+    (
+        "what-if: that respawn, and the round's fixed costs as measured here (host_loss.json)",
+        lambda c: _MEASURED_ROUND(_respawn(c)),
     ),
 )
 
@@ -318,7 +332,7 @@ class ScaleRow:
     checkpoint_restart: Summary
     today: Summary  # CL_TODAY
     policy: Summary  # CL_POLICY
-    policy_rootless: Summary  # CL_POLICY_ROOTLESS
+    policy_store: Summary  # CL_POLICY_STORE
 
 
 def scale_study(base: SimConfig, gpus: Sequence[int], seeds: Sequence[int]) -> list[ScaleRow]:
@@ -330,9 +344,9 @@ def scale_study(base: SimConfig, gpus: Sequence[int], seeds: Sequence[int]) -> l
             v = {
                 label: summarise(label, p, c, seeds)
                 for label, p, c in _variants(cfg)
-                if label != CL and label != CL_ROOTLESS
+                if label != CL and label != CL_STORE
             }
-            rows.append(ScaleRow(name, n, v[CR], v[CL_TODAY], v[CL_POLICY], v[CL_POLICY_ROOTLESS]))
+            rows.append(ScaleRow(name, n, v[CR], v[CL_TODAY], v[CL_POLICY], v[CL_POLICY_STORE]))
     return rows
 
 

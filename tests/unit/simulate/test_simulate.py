@@ -108,7 +108,7 @@ def test_expected_loss_checkpointless_half_step_unless_no_second_copy() -> None:
     # With a single copy of the state every node fault must go back to the checkpoint.
     single = replace(shape, replicas=1)
     loss1 = expected_loss_per_fault(Policy.CHECKPOINTLESS, node, single, cal, 7200.0)
-    assert loss1 > 3600.0 + sum(p.seconds for p in restart_phases(single, cal, 0.0))
+    assert loss1 > 3600.0 + sum(p.seconds for p in restart_phases(single, cal, 0.0, cal.restart_model))
 
 
 @pytest.mark.timeout(5)
