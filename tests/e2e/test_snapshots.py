@@ -4,7 +4,6 @@ a real job whose every rank dies at once finishing bitwise identical to the faul
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from checkpointless.state.snapshot import (
 from checkpointless.state.snapshot_file import load_snapshot, write_snapshot
 from checkpointless.state.staging import guarded_pointers
 from tests.e2e.test_faults_e2e import check_recovered
-from tests.helpers.jobs import kill_every_rank_after_snapshot, run_job
+from tests.helpers.jobs import run_job
 from tests.helpers.writer_kill import kill_writer_repeatedly
 
 
@@ -163,25 +162,24 @@ def test_every_rank_killed_at_once_restores_from_the_snapshot(
 ) -> None:
     ref = reference(3)
     run_dir = tmp_path / "run"
-    stop = threading.Event()
-    # rank 0 sleeps 5 s as step 6 begins (its snapshot of step 6 is written meanwhile); the
-    # others wait for it in the all-reduce; then every rank is SIGKILLed at the same moment
-    killer = threading.Thread(target=kill_every_rank_after_snapshot, args=(run_dir, 6, stop, 3), daemon=True)
-    killer.start()
-    try:
-        res = run_job(
-            run_dir,
-            corpus,
-            nproc=3,
-            spares=3,
-            faults=["slow:rank=0:step=6:seconds=5"],
-            extra=["--snapshot-every", "2"],
-            timeout=240,
-        )
-    finally:
-        stop.set()
-        killer.join(timeout=5)
+    # killall: as step 6 begins, every rank waits for rank 0's snapshot of step 6 to be written
+    # and for the others to get there, then every process holding a rank SIGKILLs itself
+    res = run_job(
+        run_dir,
+        corpus,
+        nproc=3,
+        spares=3,
+        faults=["killall:step=6"],
+        extra=["--snapshot-every", "2"],
+        timeout=240,
+    )
     check_recovered(res, ref)
+    assert {e["rank"] for e in res.of("fault_injected") if e["kind"] == "killall"} == {0, 1, 2}
+    # all at once: one round, whose faults are every rank's SIGKILL at step 6 (none survived)
+    (recovery,) = res.of("recovery")
+    assert sorted((f["rank"], f["kind"], f["step"]) for f in recovery["faults"]) == [
+        (r, "killed", 6) for r in range(3)
+    ], recovery["faults"]
     assert {e["rank"] for e in res.of("spare_assigned")} == {0, 1, 2}, "every rank must have been replaced"
     plans = [p for p in res.of("plan") if p.get("from_snapshot")]
     assert plans and plans[0]["target_step"] == 6 and plans[0]["receivers"] == [0, 1, 2], res.of("plan")

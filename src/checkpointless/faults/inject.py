@@ -1,6 +1,6 @@
 """Fault injection: rehearse faults in your own job.
 
-A fault is ``KIND[:key=value...]`` with KIND one of raise, exit, kill, hang, spin, slow and keys
+A fault is ``KIND[:key=value...]`` with KIND one of raise, exit, kill, killall, hang, spin, slow and keys
 ``rank`` (default any), ``step`` (default first), ``site`` (step, forward, backward, allreduce,
 p2p — as the step's first point-to-point send or receive is issued on the rank, a pipeline
 stage's activation or gradient, its peer stage left waiting in the matching op —, optimizer —
@@ -20,6 +20,13 @@ does not complete within the settle time: its peers have passed it, it has not �
     hang:rank=3:step=30            SIGSTOP: the process stops answering
     spin:rank=0:step=12            a busy loop that holds the step
     random:seed=7:count=3:kinds=raise,kill:steps=5-40
+    killall:step=6                 every process holding a rank SIGKILLed at once as step 6 begins
+
+``killall`` takes ``step`` only. Each rank fires it as it begins that step, after the previous
+step's commit, like ``kill``; but before it dies it waits (the injector's ``gather``) until every
+rank has got there and the copies of that step's state this rank started (a snapshot, a durable
+checkpoint) are written. So no rank is aborted into a recovery by a peer that died first, and the
+job must restore the newest snapshot or checkpoint: no replica is left.
 
 Each fault fires once per job: the worker tells the launcher before it fires, and a replacement
 that re-runs the step is told which faults have already fired.
@@ -39,7 +46,7 @@ from checkpointless.errors import ConfigError
 
 __all__ = ["KINDS", "SITES", "FaultSpec", "InjectedFault", "Injector", "expand_random", "parse_faults"]
 
-KINDS = ("raise", "exit", "kill", "hang", "spin", "slow")
+KINDS = ("raise", "exit", "kill", "killall", "hang", "spin", "slow")
 SITES = (
     "step",
     "forward",
@@ -84,6 +91,7 @@ class FaultSpec:
 
 
 _SYNTAX = "KIND:rank=R:step=S[:site=SITE][:seconds=X]"
+_KILLALL_SYNTAX = "killall:step=S"
 _RANDOM_SYNTAX = "random:seed=S:count=N:kinds=a,b:steps=LO-HI[:ranks=LO-HI]"
 _FIELDS = ("rank", "step", "site", "seconds")
 _RANDOM_FIELDS = ("seed", "count", "kinds", "steps", "ranks")
@@ -142,6 +150,11 @@ def expand_random(text: str, world_size: int, total_steps: int | None = None) ->
     for k in kinds:
         if k not in KINDS:
             raise ConfigError(f"unknown fault kind {k!r} in {text!r}; choose from {', '.join(KINDS)}")
+        if k == "killall":  # a random fault has one rank; this one has every rank
+            raise ConfigError(
+                f"fault {text!r}: killall is not drawn at random; drop it from kinds= and give it "
+                f"its own --inject {_KILLALL_SYNTAX}"
+            )
     lo, hi = _range(text, "steps", opts.get("steps", f"1-{max(1, (total_steps or 50) - 1)}"))
     rlo, rhi = _range(text, "ranks", opts.get("ranks", f"0-{world_size - 1}"), high=world_size - 1)
     count = _int(text, "count", opts.get("count", "1"))
@@ -158,6 +171,8 @@ def _parse_one(item: str, world_size: int) -> FaultSpec:
             f"unknown fault kind {kind!r} in {item!r}; choose from {', '.join(KINDS)} (syntax {_SYNTAX})"
         )
     fields = _fields(item, parts, _FIELDS, _SYNTAX)
+    if kind == "killall":
+        _check_killall(item, fields)
     site = fields.get("site", "step")
     if site not in SITES:
         raise ConfigError(f"unknown fault site {site!r} in {item!r}; choose from {', '.join(SITES)}")
@@ -182,6 +197,24 @@ def _parse_one(item: str, world_size: int) -> FaultSpec:
     return FaultSpec(kind=kind, rank=rank, step=step, site=site, seconds=seconds)
 
 
+def _check_killall(item: str, fields: dict[str, str]) -> None:
+    """``killall`` kills every rank as one step begins: it has a step, and no rank or site."""
+    if "rank" in fields:
+        raise ConfigError(
+            f"fault {item!r}: killall kills every rank, so rank={fields['rank']} does not apply; "
+            f"drop it, or write kill:rank={fields['rank']}:step=S to kill one rank"
+        )
+    if fields.get("site", "step") != "step":
+        raise ConfigError(
+            f"fault {item!r}: killall fires as its step begins only, not at site={fields['site']}; "
+            f"drop site= ({_KILLALL_SYNTAX})"
+        )
+    if "step" not in fields:  # at "the first step" there would be no snapshot to restore
+        raise ConfigError(
+            f"fault {item!r} needs step=: the step every rank dies as it begins; write e.g. killall:step=6"
+        )
+
+
 def parse_faults(texts: list[str], world_size: int = 1, total_steps: int | None = None) -> list[FaultSpec]:
     """Parse fault specs; a bad one raises :class:`ConfigError` naming the spec, the field and the fix."""
     if world_size < 1:
@@ -202,12 +235,20 @@ class Injector:
     """Fires the faults meant for this rank at the matching (site, step), once each."""
 
     def __init__(
-        self, specs: list[FaultSpec], rank: int, fired: set[str], announce: Callable[[FaultSpec, int], None]
+        self,
+        specs: list[FaultSpec],
+        rank: int,
+        fired: set[str],
+        announce: Callable[[FaultSpec, int], None],
+        gather: Callable[[], None] = lambda: None,
     ) -> None:
         self.specs = list(specs)
         self.rank = rank
         self.fired = set(fired)
         self._announce = announce
+        # before a killall: returns once every rank is at this step and this rank's copies of
+        # the step's state are written (or waiting failed: the rank dies all the same)
+        self._gather = gather
 
     def due(self, site: str, step: int) -> FaultSpec | None:
         for s in self.specs:
@@ -229,6 +270,12 @@ class Injector:
             raise InjectedFault(f"injected fault {spec.to_text()} at step {step}")
         if spec.kind == "exit":
             os._exit(17)
+        if spec.kind == "killall":
+            try:
+                self._gather()
+            except Exception:  # a peer failed meanwhile: this rank still dies at this step
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
         if spec.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if spec.kind == "hang":

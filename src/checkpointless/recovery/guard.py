@@ -62,6 +62,13 @@ class UpdateGuard:
                 self._replicas.rank_rng.at_collective(self._clock.step_index)
             self.injector.maybe_fire(name, self._clock.step_index)
 
+    def gather(self) -> None:
+        """Before a killall fault fires on this rank (faults/inject.py): wait for the copies this
+        step began, then for every rank (held slots included) to get here, so that none dies
+        before all are past the point where a peer's death would abort them into a recovery."""
+        self._replicas.wait_written(self._timeout)
+        self._groups.held.barrier(self._groups.comm, self._timeout)
+
     def on_forward(self, args: Any) -> None:
         """A tracked module's forward is about to run on ``args``."""
         if fingerprint.ACTIVE is not None:  # only under `checkpointless audit`

@@ -202,6 +202,14 @@ class ReplicaKeeper:
             record["checkpoint"] = saved.to_json()
         return record
 
+    def wait_written(self, timeout: float) -> None:
+        """Wait (bounded) until the snapshot and checkpoint in flight are written: a killall
+        fault (faults/inject.py) lets every rank die only once the copies its step began exist."""
+        if self.snapshots is not None:
+            self.snapshots.wait_idle(timeout)
+        if self.checkpoints is not None:
+            self.checkpoints.wait_idle(timeout)
+
     def finish(self, timeout: float) -> None:
         """At the end of the loop: the last checkpoint written (the process leaves with
         os._exit, and a save still running would be cut off as a .tmp)."""

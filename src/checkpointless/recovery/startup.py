@@ -86,7 +86,9 @@ def connect(member: Member) -> None:
     member.replicas.configure(msg, member.rank, member.env.job_id)
     member.divergence_every = msg.divergence_check
     specs = parse_faults(list(msg.faults), member.world_size)
-    member.guard.injector = Injector(specs, member.rank, set(msg.fired), member.recovery.announce_fault)
+    member.guard.injector = Injector(
+        specs, member.rank, set(msg.fired), member.recovery.announce_fault, member.guard.gather
+    )
 
 
 def _wait_for_rank(member: Member) -> Assign:
