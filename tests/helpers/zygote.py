@@ -59,6 +59,8 @@ class Process(Protocol):
 
     def kill(self) -> None: ...
 
+    def terminate(self) -> None: ...
+
 
 class ZygoteProcess:
     """A launcher forked from the zygote: its status comes from its watcher, over ``sock``."""
@@ -110,6 +112,9 @@ class ZygoteProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._sock.close()
@@ -137,9 +142,11 @@ class _Zygote:
             self.ready = False
         self.lock = threading.Lock()
 
-    def launch(self, cmd: list[str], cwd: str, env: dict[str, str], out: int) -> ZygoteProcess | None:
+    def launch(
+        self, cmd: list[str], cwd: str, env: dict[str, str], out: int, netns: str | None
+    ) -> ZygoteProcess | None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        request = json.dumps({"argv": cmd, "cwd": cwd, "env": env}).encode()
+        request = json.dumps({"argv": cmd, "cwd": cwd, "env": env, "netns": netns}).encode()
         try:
             with self.lock:
                 self.sock.settimeout(10.0)
@@ -170,9 +177,12 @@ _zygote: _Zygote | None = None
 _zygote_lock = threading.Lock()
 
 
-def launch(cmd: list[str], cwd: str, env: Mapping[str, str], out: int) -> ZygoteProcess | None:
+def launch(
+    cmd: list[str], cwd: str, env: Mapping[str, str], out: int, netns: str | None = None
+) -> ZygoteProcess | None:
     """Start ``cmd`` (``[sys.executable, "-m", "checkpointless", ...]``) from the zygote with
-    stdout and stderr on the descriptor ``out``; None where a fresh interpreter must do it."""
+    stdout and stderr on the descriptor ``out``, inside the network namespace ``netns`` if given
+    (as ``ip netns exec`` would); None where a fresh interpreter must do it."""
     global _zygote
     if os.environ.get(ENABLE_ENV) == "0" or cmd[:3] != [sys.executable, "-m", "checkpointless"]:
         return None
@@ -184,7 +194,7 @@ def launch(cmd: list[str], cwd: str, env: Mapping[str, str], out: int) -> Zygote
         zygote = _zygote
     if not zygote.ready:
         return None
-    return zygote.launch(cmd, cwd, dict(env), out)
+    return zygote.launch(cmd, cwd, dict(env), out, netns)
 
 
 # -- the zygote's side --------------------------------------------------------------------------
@@ -197,6 +207,21 @@ def _differs(env: Mapping[str, str], base: Mapping[str, str]) -> str | None:
     return None
 
 
+def _enter_netns(name: str) -> None:
+    """Join the network namespace ``name``, as ``ip netns exec`` does before it execs (its
+    private /sys and /etc/netns files are not needed here: nothing the job runs reads them)."""
+    import ctypes
+
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _launcher(req: dict[str, Any], out: int) -> NoReturn:
     """In the launcher's process: become ``python -m checkpointless ARGS`` and leave with its status."""
     import atexit
@@ -205,6 +230,8 @@ def _launcher(req: dict[str, Any], out: int) -> NoReturn:
 
     code = 1
     try:
+        if req.get("netns"):
+            _enter_netns(str(req["netns"]))
         import numpy as np
 
         from checkpointless.cli import main
@@ -231,7 +258,7 @@ def _launcher(req: dict[str, Any], out: int) -> NoReturn:
             os.path.join(os.path.dirname(sys.modules["checkpointless"].__file__ or ""), "__main__.py")
         ]
         sys.argv += args
-        if args[:1] == ["run"]:
+        if args[:1] in (["run"], ["agent"]):  # the commands that start an agent
             with contextlib.suppress(ForkServerError):  # then the launcher starts one itself
                 prefork()
         code = main(args)

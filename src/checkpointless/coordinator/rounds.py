@@ -205,6 +205,17 @@ class Rounds:
                     f"generation {r.target}: ranks {missing} never reported within --recovery-timeout"
                 )
             return
+        rootless = self.rendezvous["kind"] == "rootless"
+        if rootless and (unknown := [k for k in range(nproc) if not ranks[k].store_address]):
+            # A rank's hello and its agent's ProcStarted (which names its key server) come over
+            # two connections: on a busy host the hello can come first, and a plan sent then
+            # would give its peers an empty address to rendezvous with. It comes in milliseconds.
+            if now - r.started > self.cfg.recovery_timeout:
+                raise NotRecoverableError(
+                    f"generation {r.target}: no key-server address for ranks {unknown} within "
+                    "--recovery-timeout (their agents never reported them started)"
+                )
+            return
         reports = [r.reports[k] for k in sorted(r.reports)]
         plan = plan_recovery(reports, initial=r.initial)
         closed = list(closed_sections(reports, plan.target_step))  # a section some rank passed
@@ -215,7 +226,6 @@ class Rounds:
         # rank lists as ranges (the codec compacts them), the peer table as a delta (peer_table.py).
         # A member that does not hold the version the delta applies to gets the full table first,
         # in chunks.
-        rootless = self.rendezvous["kind"] == "rootless"
         t = self.tables.for_plan(ranks, nproc) if rootless else self.tables.without_table(ranks)
         resume = with_fields(resume_plan(plan, self.holders.pairs()), sections_closed=closed)
         msg = recover_message(r.target, self.rendezvous, resume, t)

@@ -33,8 +33,11 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Literal
 
+from .. import zygote
+from ..zygote import Process
 from ._common import HarnessError, HarnessUnavailable, check, missing_tools, owner_alive
 
 __all__ = [
@@ -129,7 +132,7 @@ class Host:
         self.address = address
         self.prefixlen = prefixlen
         self.iface = _IFACE
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[Process] = []
 
     def __repr__(self) -> str:
         return f"Host({self.name!r}, netns={self.netns!r}, address={self.address!r})"
@@ -146,6 +149,16 @@ class Host:
             env=dict(env) if env is not None else None,
             **kwargs,  # type: ignore[call-overload]
         )
+        self._procs.append(proc)
+        return proc
+
+    def launch(self, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], out: int) -> Process:
+        """Start ``python -m checkpointless ...`` inside this host, its stdout and stderr on the
+        descriptor ``out``: forked from the test zygote where it can be (``tests/helpers/zygote.py``:
+        no interpreter to start, no torch to import again), else as :meth:`popen` would."""
+        proc: Process | None = zygote.launch(list(argv), str(cwd), env, out, netns=self.netns)
+        if proc is None:
+            return self.popen(argv, cwd=cwd, env=env, stdout=out, stderr=out)
         self._procs.append(proc)
         return proc
 

@@ -29,6 +29,7 @@ from typing import Any
 from ..jobs import JobResult, read_digests
 from ..paths import EXAMPLE, ROOT
 from ..wait import wait_for
+from ..zygote import Process
 from .hosts import Host, NetnsCluster
 
 __all__ = ["CONTROL_PORT", "NetnsJob", "host_shm_dirs", "launch_on_hosts", "read_records", "start_netns_job"]
@@ -46,7 +47,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in lines if x.strip()]
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
+def _stop(proc: Process, timeout: float) -> None:
     """Wait up to ``timeout`` s for ``proc``; SIGKILL it (and reap it) when it is still running."""
     try:
         proc.wait(timeout=max(1.0, timeout))
@@ -61,15 +62,13 @@ class NetnsJob:
 
     cluster: NetnsCluster
     run_dir: Path
-    coordinator: subprocess.Popen[bytes]
-    agents: list[subprocess.Popen[bytes]]
+    coordinator: Process
+    agents: list[Process]
     env: dict[str, str]  # every process's environment
     control: str  # the coordinator's control address, as the agents were given it
     nproc_per_node: int = 2  # ranks per host: host i holds ranks i*n .. i*n + n-1
 
-    def start_agent(
-        self, agent_flags: Sequence[str] = (), shm_dir: Path | None = None
-    ) -> subprocess.Popen[bytes]:
+    def start_agent(self, agent_flags: Sequence[str] = (), shm_dir: Path | None = None) -> Process:
         """Start an agent on the next host without one (a host held back with ``idle``): a host
         that joins the running job, given the coordinator's address as every agent was.
         ``shm_dir`` becomes its CHECKPOINTLESS_SHM_DIR (a job started with ``shm_dirs``)."""
@@ -83,7 +82,7 @@ class NetnsJob:
         return self.agents[-1]
 
     @property
-    def procs(self) -> list[subprocess.Popen[bytes]]:
+    def procs(self) -> list[Process]:
         return [self.coordinator, *self.agents]
 
     # -- the run directory, read while the job runs ------------------------------------------------
@@ -247,8 +246,8 @@ def start_netns_job(
     # a file, not a pipe: nobody reads the output until the end, and a full pipe would stall the
     # job; the child holds its own descriptor, so ours can close at once
     with open(run_dir.parent / "coordinator.out", "wb") as log:
-        coordinator = h0.popen(coord, cwd=ROOT, env=base, stdout=log, stderr=log)
-    agents: list[subprocess.Popen[bytes]] = []
+        coordinator = h0.launch(coord, cwd=ROOT, env=base, out=log.fileno())
+    agents: list[Process] = []
     control = f"{h0.address}:{control_port}"
     for i, h in enumerate(cluster.hosts[: len(cluster.hosts) - idle]):
         agent_env = dict(base)
@@ -279,14 +278,14 @@ def launch_on_hosts(
 
 def _agent(
     host: Host, i: int, control: str, run_dir: Path, env: dict[str, str], flags: Sequence[str]
-) -> subprocess.Popen[bytes]:
+) -> Process:
     """Host ``i``'s agent, its output in ``agent-<i>.out`` beside the run directory."""
     agent = [
         sys.executable, "-m", "checkpointless", "agent", "--coordinator", control, "--host", host.address,
         "--secret-file", str(run_dir / "secret"), "--node-order", str(i), *flags,
     ]  # fmt: skip
     with open(run_dir.parent / f"agent-{i}.out", "wb") as out:
-        return host.popen(agent, cwd=ROOT, env=env, stdout=out, stderr=out)
+        return host.launch(agent, cwd=ROOT, env=env, out=out.fileno())
 
 
 @contextlib.contextmanager

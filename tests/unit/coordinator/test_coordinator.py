@@ -516,3 +516,25 @@ def test_a_rank_caught_in_the_final_barrier_after_another_finished_fails_at_once
     out = h.advance(0.01)
     stops = [c for c in out if isinstance(c, Stop)]
     assert stops and stops[0].code != 0 and "[2] were interrupted after training finished" in stops[0].why
+
+
+def test_no_plan_goes_out_before_every_rank_has_a_key_server_address() -> None:
+    """A worker's hello can come before its agent's ProcStarted (two connections, a busy host):
+    the plan waits for the address, or its peers would get '' to rendezvous with."""
+    c = new_coordinator(3, 0)
+    c.start(100.0)
+    spawns = [x for x in c.drain() if isinstance(x, Spawn)]
+    for s in spawns[:2]:
+        c.on_started(s.worker_id, f"127.0.0.1:{30000 + s.worker_id}")
+    for s in spawns:
+        assert c.on_connected(s.worker_id, 100.0)
+        c.on_message(
+            s.worker_id, Stopped(for_generation=0, committed_step=0, valid=True, cause="start"), 100.0, 1e9
+        )
+    c.tick(100.1, 1e9)
+    plans = [x for x in c.drain() if isinstance(x, Send) and isinstance(x.message, Recover)]
+    assert plans == [], "a plan went out without rank 2's address"
+    c.on_started(spawns[2].worker_id, "127.0.0.1:30002")
+    c.tick(100.2, 1e9)
+    plans = [x for x in c.drain() if isinstance(x, Send) and isinstance(x.message, Recover)]
+    assert {p.worker_id for p in plans} == {0, 1, 2}, plans
