@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e.test_launcher import SCRIPTS, assert_nothing_left, launch, run_to_failure, wait_for_event
 from tests.helpers.jobs import alive, run_job
+from tests.helpers.zygote import ENABLE_ENV
 
 
 @pytest.mark.timeout(180)
@@ -102,10 +103,13 @@ def test_a_fault_that_moves_with_the_steps_exhausts_the_budget(tmp_path: Path) -
 
 @pytest.mark.timeout(180)
 def test_fork_template_stopped_falls_back_to_fresh_interpreters(
-    tmp_path: Path, corpus: Path, reference: Any
+    tmp_path: Path, corpus: Path, reference: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The template that workers are forked from is stopped while it imports torch: the launch
     must not wait for the start-up limit, but start fresh interpreters and finish bitwise."""
+    # a launcher from the test zygote forks a template that has imported torch already: this
+    # one must start its own, whose imports there is time to stop
+    monkeypatch.setenv(ENABLE_ENV, "0")
     ref = reference(3)
     run_dir = tmp_path / "run"
     import threading

@@ -136,7 +136,9 @@ def test_a_healthy_spare_host_is_promoted_after_its_checks_pass(
     flags = ["--health-check", _check_failing_on(elsewhere)]
     job = start_netns_job(cluster, run_dir, corpus, ARGS, launcher_flags=flags)
     with job.killed_on_failure():
-        wait_for(lambda: len(job.events("host_health")) >= 3, deadline, "every agent's health report")
+        # host 1 is lost as soon as it trains, not after the health reports: its workers start
+        # without waiting for them and may finish the job first, but the spare host's spares
+        # take no rank before its report, so the promotion waits for the checks
         job.wait_training(deadline, rank=2, step=5)
         assert cluster.hosts[1].kill_all(), "host 1 had no processes to kill"
     res = job.finish(deadline)
@@ -144,6 +146,9 @@ def test_a_healthy_spare_host_is_promoted_after_its_checks_pass(
     assert {2, 3} <= {e["rank"] for e in job.events("spare_assigned")}
     reports = {e["address"]: e for e in job.events("host_health")}
     spare = cluster.hosts[2].address
+    first_report = min(e["time"] for e in job.events("host_health") if e["address"] == spare)
+    promoted = min(e["time"] for e in job.events("spare_assigned"))
+    assert first_report <= promoted, "a spare took a rank before its host's health report"
     assert reports[spare]["ok"] is True, reports
     checks = {c["name"]: c for c in reports[spare]["checks"]}
     assert {"memory", "room:/dev/shm", "room:run_dir", "collective", "cuda_matmul"} <= set(checks), checks

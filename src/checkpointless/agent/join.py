@@ -33,7 +33,15 @@ from checkpointless.agent.failover import LOST
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.launcher.runfiles import recorded_coordinator
-from checkpointless.protocol import AgentHello, AgentRefused, AgentWelcome, ProtocolError, decode, encode
+from checkpointless.protocol import (
+    AgentHeartbeat,
+    AgentHello,
+    AgentRefused,
+    AgentWelcome,
+    ProtocolError,
+    decode,
+    encode,
+)
 from checkpointless.protocol.agent_link import SHM_KEY_LABEL
 from checkpointless.protocol.control_channel import WrongSecret
 from checkpointless.protocol.control_client import ControlClient
@@ -93,8 +101,15 @@ def connect(
     )
     try:
         client.send(encode(hello))
-        raw = inbox.get(timeout=max(0.01, deadline - time.monotonic()))
-        msg = decode(raw) if raw.get("type") != LOST else None
+        msg: object = None
+        # a lease heartbeat can come before the welcome (from a coordinator that registered the
+        # connection first): it is no answer to the hello
+        while msg is None or isinstance(msg, AgentHeartbeat):
+            raw = inbox.get(timeout=max(0.01, deadline - time.monotonic()))
+            if raw.get("type") == LOST:
+                msg = None
+                break
+            msg = decode(raw)
         if isinstance(msg, AgentWelcome):
             shm_key = open_value(secret, SHM_KEY_LABEL, msg.shm_key).decode("ascii")
             return client, inbox, dataclasses.replace(msg, shm_key=shm_key)
@@ -112,7 +127,8 @@ def connect(
         raise RefusedForGood(msg.reason)
     # a coordinator refuses by hanging up (a duplicate, a job that is ending; an agent's
     # failover port that is no coordinator's), after it took the connection
-    raise Refused(f"the coordinator refused this agent ({raw.get('reason') or raw.get('why')})")
+    why = raw.get("reason") or raw.get("why") or f"it answered with {raw.get('type')!r}, not a welcome"
+    raise Refused(f"the coordinator refused this agent ({why})")
 
 
 def read_secret(path: Path, deadline: float) -> bytes:

@@ -284,8 +284,11 @@ class AgentHosts:
         host = self._next_host
         self._next_host += 1
         self._host_of[conn] = host
-        self._conns[host] = conn
+        # the welcome before the registry: the lease thread (_beat) heartbeats every registered
+        # connection, and an agent whose first message is a heartbeat, not its welcome, takes it
+        # for a refusal and gives that coordinator up ("refused this agent (None)", seen in CI)
         conn.send(encode(self.welcome(host)))
+        self._conns[host] = conn
         coord.add_host(host, msg.host, True, now, msg.order)
         if msg.health:
             coord.health.expect(host)  # its spares wait for its first health report

@@ -537,3 +537,43 @@ def test_a_kept_workers_next_report_is_kept_in_order_and_its_close_forgets_it() 
     assert [(c, r["type"]) for _, c, r in early] == [(w1, "hello"), (w1, "stopped")]
     refuse_all(server, early, keep_s=0.0)  # a lease later: the hello and its report go together
     assert early == [] and w1.hung_up
+
+
+def test_a_lease_heartbeat_before_the_welcome_is_no_refusal() -> None:
+    """Over a real control channel: a coordinator's lease thread may beat a connection before its
+    welcome went out; the joining agent waits for the welcome instead of taking the beat for a
+    refusal (seen in CI: "refused this agent (None)", and the agent gave the job up)."""
+    import threading
+
+    from checkpointless.agent.join import connect
+    from checkpointless.launcher.control import ControlServer
+    from checkpointless.protocol import AgentHeartbeat, AgentHello, AgentWelcome, decode, encode
+    from checkpointless.protocol.agent_link import SHM_KEY_LABEL
+    from checkpointless.wire import seal_value
+
+    secret = b"a job secret"
+    server = ControlServer("127.0.0.1", 0, secret)
+    server.start()
+
+    def coordinator() -> None:
+        conn, raw = server.inbox.get(timeout=20)
+        assert isinstance(decode(raw), AgentHello)
+        conn.send(encode(AgentHeartbeat(0.0)))
+        welcome = AgentWelcome(
+            agent_id=0, job_id="j", control="127.0.0.1:1", run_dir="/tmp/r",
+            shm_key=seal_value(secret, SHM_KEY_LABEL, b"k"), job=LaunchConfig(script="t.py"), term=0,
+        )  # fmt: skip
+        conn.send(encode(welcome))
+
+    t = threading.Thread(target=coordinator, daemon=True)
+    t.start()
+    try:
+        hello = AgentHello(
+            host="127.0.0.1", pid=1, hostname="h", node="n", order=0, failover="", health=False
+        )
+        client, _, got = connect(server.address[:2], secret, hello, 20.0)
+        client.close()
+        assert got.agent_id == 0 and got.shm_key == "k"
+    finally:
+        t.join(20)
+        server.stop()
