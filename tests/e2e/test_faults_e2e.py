@@ -76,6 +76,10 @@ MERGED: list[tuple[str, list[tuple[str, str]]]] = [
             ("sigkill", "kill:rank=1:step=4"),
             ("raise-allreduce", "raise:rank=0:step=5:site=allreduce"),
             ("os-exit", "exit:rank=2:step=6"),
+            # rank 2 raises at step 7 each time its process runs it (a fault that lives in the
+            # process): its in-process retries are used up (its raise at step 2 counts toward the
+            # budget too), a fresh process takes rank 2 and trains on (rules/respawn.py)
+            ("wedged-process", "wedge:rank=2:step=7"),
             ("raise-mid-optimizer", "raise:rank=1:step=8:site=optimizer"),
             ("final-barrier", "kill:rank=1:step=10:site=allreduce"),
         ],
@@ -133,6 +137,9 @@ def test_faults_in_one_job_are_each_survived_bitwise(
     for spec in faults:
         name, (rank, step) = names[spec], fault_at(spec)
         assert res.fired(spec), (spec, res.of("fault_injected"))
+        if name == "wedged-process":
+            check_wedged_process(res, rank, step)
+            continue
         rec = res.recovery_from(rank, step)
         absorbed = name == "first-step" and any(
             f["rank"] == rank and f.get("step") == step for f in res.startup_faults()
@@ -164,6 +171,22 @@ def test_faults_in_one_job_are_each_survived_bitwise(
             assert plans and rank in plans[0]["receivers"], (
                 "a rank that faulted mid-update must receive state"
             )
+
+
+def check_wedged_process(res: JobResult, rank: int, step: int) -> None:
+    """``wedge:rank=R:step=S``: the step raised in the rank's process until its in-process retries
+    were used up (a recovery from each try), then once more in a fresh process (a spare given the
+    rank), which trained on."""
+    [respawn] = res.of("respawn")
+    assert (respawn["ranks"], respawn["step"]) == ([rank], step) and respawn["retries"] >= 1, respawn
+    tries = [f for f in res.of("fault") if f["rank"] == rank and f.get("step") == step]
+    assert len(tries) == respawn["retries"] + 1, tries
+    recs = [
+        r for r in res.of("recovery") if any(f["rank"] == rank and f.get("step") == step for f in r["faults"])
+    ]
+    assert recs and len(recs) <= len(tries), recs  # a recovery from each try (some may share one)
+    spares = [e for e in res.of("spare_assigned") if e["rank"] == rank]
+    assert any(e["generation"] == recs[-1]["generation"] for e in spares), (spares, recs[-1])
 
 
 @pytest.mark.timeout(240)

@@ -89,15 +89,18 @@ def test_respawn_loop_stops_naming_the_rank_and_the_cause(tmp_path: Path) -> Non
     assert_nothing_left(run_dir, str(end["job"]))
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)  # start-up under a loaded machine's CPU (the template's torch import) dominates
 def test_a_fault_that_moves_with_the_steps_exhausts_the_budget(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    _, end = run_to_failure(run_dir, "moving_fault.py", timeout=140)
+    _, end = run_to_failure(run_dir, "moving_fault.py", timeout=190)
     error = str(end["error"])
-    assert "rank 1 failed 4 times with exception" in error and "bad input row" in error, error
-    # every round before the budget ran out was counted and reported
+    # the budget ran out at step 6 (steps 3-6 raised); a fresh process took rank 1 and raised
+    # again (the script's bug, in every process): the job ends (rules/respawn.py)
+    assert "rank 1 raised at step 6 again in a fresh process" in error and "bad input row" in error, error
+    assert "retried in process 3 times and once in a fresh process" in error, error
+    # every round was counted and reported: 3 in process, and the fresh process's
     recoveries = [e for e in (run_dir / "events.jsonl").read_text().splitlines() if '"recovery"' in e]
-    assert end["recoveries"] == len(recoveries) == 3, (end, len(recoveries))
+    assert end["recoveries"] == len(recoveries) == 4, (end, len(recoveries))
     assert_nothing_left(run_dir, str(end["job"]))
 
 

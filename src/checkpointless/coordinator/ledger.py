@@ -2,7 +2,9 @@
 injected faults that fired, and each recovery's report.
 
 It decides, through the pure rules of ``rules/budget.py``, when faults no longer look transient:
-a verdict raises :class:`~checkpointless.errors.NotRecoverableError`, which ends the job.
+a verdict raises :class:`~checkpointless.errors.NotRecoverableError`, which ends the job. A
+verdict on an exception is held until the round's plan instead, where ``rules/respawn.py`` may
+try the step once more in fresh processes (``--fresh-process-retries``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ from typing import Any
 from checkpointless.coordinator.downtime import recovery_fields
 from checkpointless.coordinator.outbox import Outbox
 from checkpointless.coordinator.rules.budget import FaultRecord, budget_verdict, start_failure_verdict
+from checkpointless.coordinator.rules.decisions import MemberReport, RecoveryPlan, plan_recovery
+from checkpointless.coordinator.rules.respawn import (
+    Respawn,
+    fresh_failure,
+    in_process_tries,
+    no_state_left,
+    respawn_decision,
+    retries_spent_verdict,
+    used,
+)
 from checkpointless.coordinator.state import Round
 from checkpointless.errors import NotRecoverableError
 from checkpointless.settings import JobSettings as LaunchConfig
@@ -47,6 +59,8 @@ class FaultLedger:
         self.same_target = 0
         self.last_reached = -1  # the latest step a fault has come from
         self.inexact: list[InexactResume] = []  # resumes that may differ: in job_end's account
+        self.held: str | None = None  # an exception's budget verdict, held for the round's plan
+        self.respawns: list[Respawn] = []  # steps tried again in fresh processes (rules/respawn.py)
 
     def resumed_inexact(self, rank: int | None, step: int, what: str, detail: str) -> None:
         """A rank resumed without its own ``what``: an event now, and a line in the job's end."""
@@ -81,12 +95,92 @@ class FaultLedger:
         """Every inexact resume so far, for ``job_end``."""
         return [asdict(x) for x in self.inexact]
 
-    def record(self, rank: int, kind: str, step: int | None, detail: str) -> None:
-        """Count a fault against the budget; raises once the budget is spent."""
+    def record(self, rank: int, kind: str, step: int | None, detail: str, generation: int = -1) -> None:
+        """Count a fault (seen while ``generation`` was the newest formed) against the budget;
+        raises once the budget is spent, unless a fresh process may still cure it (``held``)."""
         self.history.append(FaultRecord(rank, kind, step, detail))
-        why = budget_verdict(self.history, self.cfg.fault_window, self.cfg.max_repeat_faults)
-        if why is not None:
-            raise NotRecoverableError(why)
+        cfg = self.cfg
+        why = budget_verdict(self.history, cfg.fault_window, cfg.max_repeat_faults)
+        end = fresh_failure(self.history[-1], generation, why, self.respawns, cfg.fault_window)
+        if end is not None:
+            raise NotRecoverableError(end)
+        if why is None:
+            return
+        if kind == "exception" and used(self.respawns) < cfg.fresh_process_retries:
+            self.held = why  # the round's plan decides (settle): the other ranks report first
+            return
+        raise NotRecoverableError(why)
+
+    def settle(
+        self, target_step: int, r: Round, reports: list[MemberReport], generation: int
+    ) -> tuple[int, ...]:
+        """A plan to restore ``target_step`` is about to go out for round ``r``: the ranks to
+        replace with fresh processes first (none: send it), or the job's end (raised).
+
+        The limits are those of :meth:`record` and :meth:`check_progress`; once either is reached
+        for ranks that raised, ``rules/respawn.py`` decides."""
+        cfg = self.cfg
+        for seen in r.raised.values():  # a fresh process's raise that came in as a report only
+            if (end := fresh_failure(seen, generation, None, self.respawns, cfg.fault_window)) is not None:
+                raise NotRecoverableError(end)
+        stuck = self.check_progress(target_step, r.faults, r.initial)
+        why, self.held = self.held or stuck, None
+        if why is None:
+            return ()
+        had = used(self.respawns)
+        d = respawn_decision(why, list(r.raised), reports, cfg.fresh_process_retries, had, r.initial)
+        if isinstance(d, str):
+            raise NotRecoverableError(d)
+        step = max((f.step for f in r.raised.values() if f.step is not None), default=target_step)
+        retries = max(in_process_tries(self.history, d, step, cfg.fault_window) - 1, 0)
+        self.respawns.append(Respawn(d, step, generation, retries, why))
+        self.last_target, self.same_target = None, 0  # the fresh processes' try is a new series
+        for rank in d:  # replace_ranks kills each old process as its fresh one takes the rank
+            r.replace.add(rank)
+            r.reports.pop(rank, None)
+            r.raised.pop(rank, None)
+        self.outbox.emit("respawn", ranks=list(d), step=step, generation=generation, retries=retries)
+        self.outbox.log(
+            "warning",
+            f"rank(s) {list(d)}: the in-process retries of step {step} are used up ({why}); "
+            f"trying it once more in fresh processes ({had + 1} of {cfg.fresh_process_retries})",
+        )
+        return d
+
+    def retries_spent(self, rank: int, beat_step: int | None, error: str, generation: int) -> None:
+        """``rank``'s worker reached its own in-process limit (``init(max_step_retries=)``) and
+        its process ends (``error``: what it said): a fresh process takes the rank through that
+        exit, as for any exit, or the job ends here (raised)."""
+        cfg = self.cfg
+        mine = [f for f in self.history if f.rank == rank and f.kind == "exception"]
+        step = mine[-1].step if mine else beat_step  # its retries' step, as its reports named it
+        episode = step is not None and any(
+            x.step == step and x.generation == generation for x in self.respawns
+        )
+        had = 0 if episode else used(self.respawns)  # ranks of one step and round count once
+        why = retries_spent_verdict(f"rank {rank}: {error}", step, cfg.fresh_process_retries, had)
+        if why is not None or step is None:
+            raise NotRecoverableError(why or error)
+        tries = in_process_tries(self.history, (rank,), step, cfg.fault_window) + 1  # its last one
+        self.respawns.append(Respawn((rank,), step, generation, tries - 1, error))
+        self.last_target, self.same_target = None, 0  # the fresh process's try is a new series
+        self.outbox.emit("respawn", ranks=[rank], step=step, generation=generation, retries=tries - 1)
+        self.outbox.log(
+            "warning",
+            f"rank {rank}: the in-process retries of step {step} are used up ({error}); its process "
+            "ends and a fresh one tries the step once more",
+        )
+
+    def plan(self, reports: list[MemberReport], initial: bool, generation: int) -> RecoveryPlan:
+        """The round's plan (rules/decisions.py); with no state left while ranks were to be tried
+        in fresh processes, the job's end names both."""
+        try:
+            return plan_recovery(reports, initial=initial)
+        except NotRecoverableError as e:
+            pending = [x for x in self.respawns if x.generation == generation]
+            if not pending:
+                raise
+            raise NotRecoverableError(no_state_left(str(e), pending)) from None
 
     def start_failed(self, rank: int, detail: str, tail: str) -> None:
         """A process died before it ever joined as its rank: count it against a respawn loop."""
@@ -120,8 +214,9 @@ class FaultLedger:
         self.fired.add(fault_id)
         self.fired_at = wall
 
-    def check_progress(self, target_step: int, faults: list[dict[str, Any]], initial: bool) -> None:
-        """A plan to restore ``target_step`` is about to go out for a round of ``faults``.
+    def check_progress(self, target_step: int, faults: list[dict[str, Any]], initial: bool) -> str | None:
+        """A plan to restore ``target_step`` is about to go out for a round of ``faults``: the
+        no-progress verdict, or None.
 
         Every round counts, the start-up ones too: a recovery that fails the same way each time
         must end the job, not spin through generations. Progress is a fault at a later step than
@@ -133,11 +228,12 @@ class FaultLedger:
         self.last_target = target_step
         self.last_reached = max(self.last_reached, reached)
         if self.same_target > self.cfg.max_step_failures + (1 if initial else 0):
-            raise NotRecoverableError(
+            return (
                 f"faults keep recurring at step {target_step}: {self.same_target} recoveries in a "
                 "row made no progress; this looks like a bug or a bad node, not a transient fault "
                 "(raise --max-step-failures to allow more)"
             )
+        return None
 
     def report_recovery(
         self,

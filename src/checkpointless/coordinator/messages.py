@@ -86,6 +86,11 @@ class MessageRouter:
         elif isinstance(msg, Fatal):
             if msg.kind == "config":  # a ConfigError ended its script: a replacement would raise it too
                 raise NotRecoverableError(config_error_verdict(_who(m), msg.error))
+            if msg.kind == "retries" and m.rank is not None:
+                # its in-process retries of a step are used up: unless a fresh process may not
+                # try it (raised), its process ends and a spare takes the rank, as for any exit
+                self.ledger.retries_spent(m.rank, m.step, msg.error, self.rounds.generation)
+                return
             raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
 
 

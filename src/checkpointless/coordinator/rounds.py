@@ -27,7 +27,7 @@ from checkpointless.coordinator.round_messages import (
     resume_plan,
 )
 from checkpointless.coordinator.rules.after_loop import after_the_loop
-from checkpointless.coordinator.rules.decisions import plan_recovery
+from checkpointless.coordinator.rules.budget import FaultRecord
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, without_spare
 from checkpointless.coordinator.rules.sections import closed_sections
 from checkpointless.coordinator.rules.width import WidthAction, fold_held_slots
@@ -101,7 +101,7 @@ class Rounds:
         self.outbox.emit("fault", **{k: v for k, v in record.items() if k not in ("event", "job")})
         self.outbox.log("warning", f"FAULT rank {rank}: {kind} ({detail}) at step {step}")
         record["detected"] = now
-        self.ledger.record(rank, kind, step, detail)
+        self.ledger.record(rank, kind, step, detail, self.generation)
         r = self.round
         if r is None or r.phase == "rebuild":
             r = self.begin(record, now)
@@ -163,9 +163,11 @@ class Rounds:
             self.record_fault(rank, kind, str(msg.error), False, now, wall, step=msg.step)
         r = self.round
         assert r is not None
-        if gen != r.target or r.phase != "collect":
-            return
+        if gen != r.target or r.phase != "collect" or rank in r.replace:
+            return  # (a rank to replace is settled by its new process's report)
         r.reports[rank] = member_report(rank, msg)
+        if msg.cause == "exception":
+            r.raised[rank] = FaultRecord(rank, "exception", msg.step, str(msg.error))
         r.report_times[rank] = now
         if r.reports[rank].mesh is not None:  # degraded mode drops whole replica groups on a mesh
             self.degraded.mesh = r.reports[rank].mesh
@@ -217,10 +219,12 @@ class Rounds:
                 )
             return
         reports = [r.reports[k] for k in sorted(r.reports)]
-        plan = plan_recovery(reports, initial=r.initial)
+        plan = self.ledger.plan(reports, r.initial, self.generation)
         closed = list(closed_sections(reports, plan.target_step))  # a section some rank passed
         plan = fold_held_slots(plan, {slot: holder for slot, holder in self.holders.pairs()})
-        self.ledger.check_progress(plan.target_step, r.faults, r.initial)
+        if self.ledger.settle(plan.target_step, r, reports, self.generation):
+            self.replace_ranks(r, sorted(r.replace), now)  # fresh processes first (rules/respawn.py)
+            return
         plan_json = plan.to_json()
         # one Recover for every member, and of a size that does not grow with the job: the plan's
         # rank lists as ranges (the codec compacts them), the peer table as a delta (peer_table.py).

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpointless.coordinator.rules.budget import FaultRecord
 from checkpointless.coordinator.rules.decisions import MemberReport
 from checkpointless.protocol import Message, PeerTable
 
@@ -99,6 +100,8 @@ class Round:
     recovered: dict[int, dict[str, Any]] = field(default_factory=dict)
     # lost host -> the spare host its ranks began moving to (some may still wait for a spare there)
     moving: dict[int, int] = field(default_factory=dict)
+    # rank -> its own exception in this round (a fault, or a report: rules/respawn.py reads them)
+    raised: dict[int, FaultRecord] = field(default_factory=dict)
 
 
 # -- commands: what the shell must do -------------------------------------------------------------

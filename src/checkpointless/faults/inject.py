@@ -1,6 +1,6 @@
 """Fault injection: rehearse faults in your own job.
 
-A fault is ``KIND[:key=value...]`` with KIND one of raise, exit, kill, killall, hang, spin, slow and keys
+A fault is ``KIND[:key=value...]`` with KIND one of raise, wedge, exit, kill, killall, hang, spin, slow and keys
 ``rank`` (default any), ``step`` (default first), ``site`` (step, forward, backward, allreduce,
 p2p — as the step's first point-to-point send or receive is issued on the rank, a pipeline
 stage's activation or gradient, its peer stage left waiting in the matching op —, optimizer —
@@ -21,6 +21,7 @@ does not complete within the settle time: its peers have passed it, it has not �
     spin:rank=0:step=12            a busy loop that holds the step
     random:seed=7:count=3:kinds=raise,kill:steps=5-40
     killall:step=6                 every process holding a rank SIGKILLed at once as step 6 begins
+    wedge:rank=1:step=8            rank 1 raises at step 8 every time its process runs it
 
 ``killall`` takes ``step`` only. Each rank fires it as it begins that step, after the previous
 step's commit, like ``kill``; but before it dies it waits (the injector's ``gather``) until every
@@ -28,7 +29,12 @@ rank has got there and the copies of that step's state this rank started (a snap
 checkpoint) are written. So no rank is aborted into a recovery by a peer that died first, and the
 job must restore the newest snapshot or checkpoint: no replica is left.
 
-Each fault fires once per job: the worker tells the launcher before it fires, and a replacement
+``wedge`` takes ``rank`` and ``step``: a fault that lives in the process (a wedged device context,
+leaked handles). The rank raises each time its process runs that step, so every in-process retry
+meets it again, until a fresh process takes the rank (``--fresh-process-retries``): that one is
+told the fault has fired, as a replacement always is, and trains on.
+
+Every other fault fires once per job: the worker tells the launcher before it fires, and a replacement
 that re-runs the step is told which faults have already fired.
 """
 
@@ -46,7 +52,7 @@ from checkpointless.errors import ConfigError
 
 __all__ = ["KINDS", "SITES", "FaultSpec", "InjectedFault", "Injector", "expand_random", "parse_faults"]
 
-KINDS = ("raise", "exit", "kill", "killall", "hang", "spin", "slow")
+KINDS = ("raise", "wedge", "exit", "kill", "killall", "hang", "spin", "slow")
 SITES = (
     "step",
     "forward",
@@ -173,6 +179,11 @@ def _parse_one(item: str, world_size: int) -> FaultSpec:
     fields = _fields(item, parts, _FIELDS, _SYNTAX)
     if kind == "killall":
         _check_killall(item, fields)
+    if kind == "wedge" and not {"rank", "step"} <= fields.keys():
+        raise ConfigError(
+            f"fault {item!r}: wedge needs rank= and step=, the rank whose process raises at that "
+            "step until it is replaced; write e.g. wedge:rank=1:step=8"
+        )
     site = fields.get("site", "step")
     if site not in SITES:
         raise ConfigError(f"unknown fault site {site!r} in {item!r}; choose from {', '.join(SITES)}")
@@ -245,6 +256,7 @@ class Injector:
         self.specs = list(specs)
         self.rank = rank
         self.fired = set(fired)
+        self.announced: set[str] = set()  # wedge faults this process has announced (once each)
         self._announce = announce
         # before a killall: returns once every rank is at this step and this rank's copies of
         # the step's state are written (or waiting failed: the rank dies all the same)
@@ -264,6 +276,11 @@ class Injector:
             self.fire(spec, step)
 
     def fire(self, spec: FaultSpec, step: int) -> None:
+        if spec.kind == "wedge":  # not fired here: this process raises again on every retry
+            if spec.id not in self.announced:
+                self.announced.add(spec.id)
+                self._announce(spec, step)
+            raise InjectedFault(f"injected fault {spec.to_text()} at step {step}")
         self.fired.add(spec.id)
         self._announce(spec, step)  # the launcher must know before we die, so no replacement repeats it
         if spec.kind == "raise":

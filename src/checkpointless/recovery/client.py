@@ -75,7 +75,9 @@ class RecoveryClient:
         log.warning("injecting fault %s", spec.to_text())
         self.send(Fired(id=spec.id, kind=spec.kind, time=time.time(), step=step))
 
-    def fatal(self, why: str) -> NoReturn:
-        """End the job: no recovery can help (the coordinator hears why first)."""
-        self.send(Fatal(error=why))
+    def fatal(self, why: str, kind: str = "fatal") -> NoReturn:
+        """End the job, or with ``kind`` "retries" this process: its in-process retries of a step
+        are used up, and the coordinator may give the rank to a fresh process (the coordinator
+        hears why first)."""
+        self.send(Fatal(error=why, kind=kind))
         raise NotRecoverableError(why)

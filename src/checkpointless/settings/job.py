@@ -25,6 +25,7 @@ from checkpointless.settings.checks import (
     check_run_dir,
     check_script,
 )
+from checkpointless.settings.combined import check_together
 from checkpointless.settings.spec import Range, check_fields, flag, local
 from checkpointless.state.checkpoint_dir import parse_every
 
@@ -174,6 +175,17 @@ class JobSettings:
     )
     fault_window: int = flag(
         20, metavar="W", help="steps over which repeated faults count", limit=Range(0, "0 or more steps")
+    )
+    # after the in-process retries (coordinator/rules/respawn.py)
+    fresh_process_retries: int = flag(
+        16,
+        metavar="N",
+        help="once a rank's exception recurs past --max-repeat-faults or --max-step-failures, replace "
+        "the raising rank(s) with fresh processes and try the step once more, at most N times in the "
+        "job (0: off, the job stops there): a fault that lives in a process (a wedged device context, "
+        "leaked handles) is cured; a bug in the script raises again and stops the job",
+        off=0,
+        limit=Range(0, "0 (off) or a number of retries"),
     )
     max_start_failures: int = flag(
         3,
@@ -369,25 +381,7 @@ class JobSettings:
                 f"is more than {MAX_PROCESSES} processes on one host, more than one machine runs; "
                 "lower them, or spread the ranks with --nnodes/--nproc-per-node"
             )
-        if self.plain and (self.agents_needed > 1 or not self.local_agent):
-            raise ConfigError("--plain runs on one machine; drop --nnodes/--spare-nodes or --plain")
-        if self.plain and self.rendezvous != "rootless":
-            raise ConfigError("--plain gives the script a root-less env:// rendezvous; drop --rendezvous tcp")
-        if self.min_replicas > self.nproc:
-            raise ConfigError(
-                f"--min-replicas {self.min_replicas} is more than the job's {self.nproc} ranks "
-                "(--nproc); it can be at most --nproc (which never goes on degraded)"
-            )
-        if self.swap_stragglers and not self.straggler_ratio:
-            raise ConfigError("--swap-stragglers needs --straggler-ratio (e.g. --straggler-ratio 1.5)")
-        if self.swap_stragglers and self.spare_nodes < 1:
-            raise ConfigError("--swap-stragglers needs a spare host to move to; add --spare-nodes 1")
-        last = self.port_base + self.port_range - 1
-        if last > 65535:
-            raise ConfigError(
-                f"--port-base {self.port_base} plus --port-range {self.port_range} ends at port "
-                f"{last}, past 65535; lower either (or CHECKPOINTLESS_PORT_BASE / CHECKPOINTLESS_PORT_RANGE)"
-            )
+        check_together(self)
         parse_faults(self.faults, self.nproc)  # a bad spec fails now, not at step 40
 
 

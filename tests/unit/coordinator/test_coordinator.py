@@ -219,8 +219,9 @@ def test_faults_at_later_steps_are_progress_though_each_restores_the_same_snapsh
     for gen, step in enumerate((6, 7, 8, 9), start=1):
         _fault_from_snapshot(h, gen, step)
     assert h.c.stopping is None
-    # the same step failing each time is: the job ends on the third
-    h = Harness(max_step_failures=2, spares=0)
+    # the same step failing each time is: the job ends on the third (with fresh-process retries
+    # off; test_respawn.py has them on)
+    h = Harness(max_step_failures=2, spares=0, fresh_process_retries=0)
     start_job_without_spares(h)
     _fault_from_snapshot(h, 1, 6)
     _fault_from_snapshot(h, 2, 6)
@@ -253,7 +254,8 @@ def test_every_round_is_reported_even_when_the_job_ends_first() -> None:
 
 
 def test_a_moving_fault_exhausts_the_budget_and_stops_with_one_line() -> None:
-    h = Harness()
+    # with fresh-process retries off: the job stops at the budget (test_respawn.py: with them on)
+    h = Harness(fresh_process_retries=0)
     start_job(h)
     out: list[Command] = []
     for gen, step in enumerate(range(11, 16), start=1):

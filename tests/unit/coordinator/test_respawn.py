@@ -1,0 +1,181 @@
+"""Fresh-process retries in the coordinator: once a step's in-process retries are used up, the
+raising rank goes to a fresh process (a spare), once; a fresh process that raises there again ends
+the job, saying so (the rules: test_respawn_rules.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpointless.coordinator import Kill, Stop
+from checkpointless.protocol import Assign, Fatal, Recover, Recovered, SpareReady, Stopped
+from tests.unit.coordinator.test_coordinator import Harness, start_job, start_job_without_spares
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def raised(h: Harness, wid: int, gen: int, step: int, error: str = "ValueError: bad row") -> None:
+    h.msg(
+        wid,
+        Stopped(
+            for_generation=gen, committed_step=step, valid=True, cause="exception", error=error, step=step
+        ),
+    )
+
+
+def survivors_report(h: Harness, gen: int, step: int, wids: tuple[int, ...] = (0, 2)) -> None:
+    for wid in wids:
+        h.msg(wid, Stopped(for_generation=gen, committed_step=step, valid=True))
+
+
+def stop_of(h: Harness) -> Stop | None:
+    return next((c for c in h.log if isinstance(c, Stop)), None)
+
+
+def test_the_budget_spent_on_an_exception_hands_the_rank_to_a_fresh_process_once() -> None:
+    h = Harness()
+    start_job(h)
+    for gen in (1, 2, 3):  # rank 1 raises at step 5, and is retried in its process
+        raised(h, 1, gen, 5)
+        survivors_report(h, gen, 5)
+        assert h.sent(h.advance(0.01), Recover), "an in-process retry"
+        for wid in (0, 1, 2):
+            h.msg(wid, Recovered(generation=gen))
+    raised(h, 1, 4, 5)  # the 4th: past --max-repeat-faults 3
+    survivors_report(h, 4, 5)
+    out = h.advance(0.01)
+    assert stop_of(h) is None, stop_of(h)
+    assert not h.sent(out, Recover), "no plan before the fresh process has reported"
+    assert h.sent(out, Assign)[3].rank == 1, "the ready spare takes rank 1"
+    assert [k.worker_id for k in out if isinstance(k, Kill)] == [1], "the old process is stopped"
+    [ev] = h.events("respawn")
+    assert (ev["ranks"], ev["step"], ev["retries"]) == ([1], 5, 3), ev
+    h.msg(3, Stopped(for_generation=4, committed_step=-1, valid=False))
+    plans = h.sent(h.advance(0.01), Recover)
+    assert plans and plans[3].plan.target_step == 5 and 1 in plans[3].plan.receivers
+    for wid in (0, 2, 3):
+        h.msg(wid, Recovered(generation=4))
+    # the fresh process raises at step 5 too: the script's bug
+    raised(h, 3, 5, 5, "ZeroDivisionError: a bug")
+    stop = stop_of(h)
+    assert stop is not None and stop.code == 1
+    assert "rank 1 raised at step 5 again in a fresh process: ZeroDivisionError: a bug" in stop.why
+    assert "retried in process 3 times and once in a fresh process" in stop.why
+
+
+def test_a_fresh_process_that_trains_on_has_cured_the_fault() -> None:
+    h = Harness(max_repeat_faults=1)
+    start_job(h)
+    raised(h, 1, 1, 5)
+    survivors_report(h, 1, 5)
+    h.advance(0.01)
+    for wid in (0, 1, 2):
+        h.msg(wid, Recovered(generation=1))
+    raised(h, 1, 2, 5)
+    survivors_report(h, 2, 5)
+    h.advance(0.01)
+    assert h.events("respawn") and stop_of(h) is None
+    h.msg(3, Stopped(for_generation=2, committed_step=-1, valid=False))
+    h.advance(0.01)
+    for wid in (0, 2, 3):
+        h.msg(wid, Recovered(generation=2))
+    # much later another rank raises once: an ordinary fault, retried in its process
+    raised(h, 2, 3, 40)
+    survivors_report(h, 3, 40, wids=(0, 3))
+    assert h.sent(h.advance(0.01), Recover) and stop_of(h) is None
+
+
+def test_a_workers_own_limit_ends_its_process_and_a_spare_takes_the_rank() -> None:
+    h = Harness()
+    start_job(h)
+    for gen in (1, 2, 3):
+        raised(h, 1, gen, 5)
+        survivors_report(h, gen, 5)
+        h.advance(0.01)
+        for wid in (0, 1, 2):
+            h.msg(wid, Recovered(generation=gen))
+    # the 4th raise: the worker's init(max_step_retries=3) is spent, it says so and exits
+    h.msg(
+        1,
+        Fatal(
+            error="step 5 raised ValueError 4 times in a row (bad row); this is not a transient fault",
+            kind="retries",
+        ),
+    )
+    assert stop_of(h) is None, stop_of(h)
+    [ev] = h.events("respawn")
+    assert (ev["ranks"], ev["step"], ev["retries"]) == ([1], 5, 3), ev
+    h.exit(1, 1, own=True, detail="exited with code 1")
+    h.closed(1)
+    out = h.advance(0.01)
+    assert h.sent(out, Assign)[3].rank == 1
+    h.msg(3, Stopped(for_generation=4, committed_step=-1, valid=False))
+    survivors_report(h, 4, 5)
+    assert h.sent(h.advance(0.01), Recover), "no-progress limit restarts with the fresh process"
+    for wid in (0, 2, 3):
+        h.msg(wid, Recovered(generation=4))
+    raised(h, 3, 5, 5)
+    stop = stop_of(h)
+    assert stop is not None and "again in a fresh process" in stop.why
+    assert "retried in process 3 times and once in a fresh process" in stop.why
+
+
+def test_with_fresh_process_retries_off_the_workers_limit_ends_the_job() -> None:
+    h = Harness(fresh_process_retries=0)
+    start_job(h)
+    h.msg(1, Fatal(error="step 5 raised ValueError 4 times in a row", kind="retries"))
+    stop = stop_of(h)
+    assert stop is not None and "rank 1: step 5 raised ValueError 4 times in a row" in stop.why
+    assert not h.events("respawn")
+
+
+def test_a_config_error_still_ends_the_job_at_once() -> None:
+    h = Harness()
+    start_job(h)
+    h.msg(1, Fatal(error="ConfigError: no", kind="config"))
+    stop = stop_of(h)
+    assert stop is not None and "configuration error" in stop.why and not h.events("respawn")
+
+
+def every_rank_raises(h: Harness, gen: int, snapshot: int | None) -> None:
+    for wid in range(3):
+        h.msg(
+            wid,
+            Stopped(
+                for_generation=gen,
+                committed_step=5,
+                valid=True,
+                cause="exception",
+                error="ValueError: x",
+                step=5,
+                snapshot_step=snapshot,
+            ),
+        )
+    h.advance(0.01)
+
+
+@pytest.mark.parametrize("snapshot", [None, 4])
+def test_every_rank_raising_is_respawned_only_onto_a_snapshot_or_checkpoint(snapshot: int | None) -> None:
+    h = Harness(spares=0, max_repeat_faults=1)
+    start_job_without_spares(h)
+    every_rank_raises(h, 1, snapshot)
+    for wid in range(3):
+        h.msg(wid, Recovered(generation=1))
+    every_rank_raises(h, 2, snapshot)  # the same exception a second time: the budget (1) is spent
+    stop = stop_of(h)
+    if snapshot is None:
+        assert stop is not None and "Fresh processes for rank(s) [0, 1, 2] were not tried" in stop.why
+        assert "ValueError: x" in stop.why
+        return
+    assert stop is None, stop
+    assert h.events("respawn")[0]["ranks"] == [0, 1, 2]
+    spawned = [c.worker_id for c in h.log if type(c).__name__ == "Spawn" and c.role == "spare"]
+    assert len(spawned) == 3, "a fresh process for each rank (the job has no spare)"
+    for wid in spawned:
+        h.connect(wid)
+        h.msg(wid, SpareReady())
+    out = h.advance(0.01)
+    assert sorted(a.rank for a in h.sent(out, Assign).values()) == [0, 1, 2]
+    for wid in spawned:
+        h.msg(wid, Stopped(for_generation=2, committed_step=-1, valid=False, snapshot_step=4))
+    plans = h.sent(h.advance(0.01), Recover)
+    assert plans and all(p.plan.from_snapshot and p.plan.target_step == 4 for p in plans.values())
