@@ -7,6 +7,12 @@ state transfer, for each of its jobs (the 3-D job and the PP job).
   ratio checkpointless / torchrun is the ratio of the medians of all gaps of all repeats, with a
   percentile-bootstrap 95% interval (each design's gaps resampled on their own), next to the
   paired ratio of each repeat (the two designs' runs of a repeat ran one after the other).
+* CPU per step: the CPU time of every process of a fault-free run (the run's own cgroup, read
+  every 0.2 s: the launcher, the ranks, the spare; torchrun and its workers), per step over the
+  same steady steps, torchrun's gaps near a DCP save left out. Unlike wall time it hardly moves
+  with the other work of a shared machine (4 ranks on 2 busy cores had paired wall ratios from
+  0.59 to 1.57); the ratio of each repeat's pair, and their geometric mean with a bootstrap
+  interval from 3 repeats on.
 * Transfer: the state the spare received in a checkpointless kill run (the job's recovery event:
   bytes, the stream's ``recv_s``, the whole ``transfer_s``) against a raw loopback TCP copy of the
   same bytes, made right after the run on the same machine (sharded_transfer.py's copy).
@@ -26,7 +32,15 @@ import _harness as bl
 from _harness import downtime as dt
 from sharded_transfer import job_record, loopback_rate
 
-__all__ = ["after_run", "carried_jobs", "job_summary", "step_note", "transfer_note"]
+__all__ = [
+    "after_run",
+    "carried_jobs",
+    "cpu_note",
+    "job_summary",
+    "launch_sampled",
+    "step_note",
+    "transfer_note",
+]
 
 TARGET_STEP = 1.02  # issue 37: steady-state step time within 2% of plain torchrun's
 
@@ -41,6 +55,49 @@ def step_gaps(run_dir: Path, skip: int = 3) -> list[float]:
     return [
         round(done[b] - done[a], 6) for a, b in itertools.pairwise(steps) if b == a + 1 and b not in saved
     ]
+
+
+def launch_sampled(cmd: list[str], run_dir: Path, a: argparse.Namespace, kind: str) -> bl.Finished:
+    """Run one job; a fault-free run's CPU is sampled and kept in ``run_dir/cpu.json`` for
+    :func:`step_cpu` (the kill runs time the recovery, and are left as they were)."""
+    fin = bl.run_job(
+        cmd, run_dir, timeout=a.run_timeout, env=bl.bench_env(a.threads), sample_cpu=kind == "none"
+    )
+    if kind == "none":
+        cpu = {"samples": fin.cpu_samples, "method": fin.cpu_method, "error": fin.cpu_error}
+        (run_dir / "cpu.json").write_text(json.dumps(cpu))
+    return fin
+
+
+def step_cpu(run_dir: Path, skip: int = 3, margin: float = 0.25) -> dict[str, Any]:
+    """The whole job's CPU seconds per step over the steady steps of :func:`step_gaps` (after
+    the warm-up, and after the hot spares have started), from the samples :func:`launch_sampled`
+    kept. A gap that holds a DCP save is left out, and so is any gap within ``margin`` s of one:
+    the samples are 0.2 s apart, so the save's CPU spreads into the gaps beside it."""
+    path = run_dir / "cpu.json"
+    if not path.exists():
+        return {"cpu_per_step_s": None, "cpu_error": "no CPU samples"}
+    rec = json.loads(path.read_text())
+    samples = [(float(t), float(c)) for t, c in rec["samples"]]
+    if rec["error"] or len(samples) < 2:
+        return {"cpu_per_step_s": None, "cpu_error": rec["error"] or "no CPU samples"}
+    logs = dt.rank_logs(run_dir)
+    saved = {int(e["step"]) for evs in logs.values() for e in evs if e["event"] == "save"}
+    done = dt.step_completion_times(dt.commits(logs))
+    start = bl.steady_start(run_dir, done, skip)
+    steps = sorted(s for s in done if s >= start and samples[0][0] <= done[s] <= samples[-1][0])
+    saves = [(done[s - 1], done[s]) for s in saved if s - 1 in done and s in done]
+    cpu, n = 0.0, 0
+    for a, b in itertools.pairwise(steps):
+        t0, t1 = done[a], done[b]
+        if b != a + 1 or any(t0 < s1 + margin and t1 > s0 - margin for s0, s1 in saves):
+            continue
+        c0, c1 = bl.cpu_at(samples, t0), bl.cpu_at(samples, t1)
+        if c0 is not None and c1 is not None:
+            cpu, n = cpu + c1 - c0, n + 1
+    if n < 5:
+        return {"cpu_per_step_s": None, "cpu_error": f"{n} steady gaps with CPU samples (5 needed)"}
+    return {"cpu_per_step_s": cpu / n, "cpu_gaps": n, "cpu_method": rec["method"]}
 
 
 def shard_rate(run_dir: Path, lost: int, repeats: int) -> dict[str, Any]:
@@ -74,7 +131,7 @@ def after_run(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -
     """Read from a finished run before its directory is removed: a fault-free run's step gaps, a
     checkpointless kill run's transfer."""
     if kind == "none":
-        return {"step_gaps": step_gaps(run_dir)}
+        return {"step_gaps": step_gaps(run_dir), **step_cpu(run_dir)}
     if cfg.design == "checkpointless" and (run_dir / "events.jsonl").exists():
         return {"transfer": shard_rate(run_dir, a.fault_rank, a.loopback_repeats)}
     return {}
@@ -114,12 +171,23 @@ def job_summary(a: argparse.Namespace, runs: list[dt.RunRecord]) -> dict[str, An
     def per_run(key: str) -> dict[int, float]:
         return {r.repeat: statistics.median(g) for r in clean(key) if (g := r.metrics.get("step_gaps"))}
 
+    def cpu(key: str) -> dict[int, float]:
+        return {r.repeat: c for r in clean(key) if (c := r.metrics.get("cpu_per_step_s"))}
+
     ours, theirs = per_run("a"), per_run(base)
     step = {
         "a": bl.summary(list(ours.values())),
         base: bl.summary(list(theirs.values())),
         "ratio": median_ratio(gaps("a"), gaps(base)),
         "paired": bl.summary([ours[r] / theirs[r] for r in sorted(ours.keys() & theirs.keys())]),
+    }
+    c_ours, c_theirs = cpu("a"), cpu(base)
+    paired_cpu = [c_ours[r] / c_theirs[r] for r in sorted(c_ours.keys() & c_theirs.keys())]
+    step["cpu"] = {
+        "a": bl.summary(list(c_ours.values())),
+        base: bl.summary(list(c_theirs.values())),
+        "paired": bl.summary(paired_cpu),
+        "ratio": bl.ratio_ci(paired_cpu),
     }
     moved = [t for r in runs if "error" not in (t := r.metrics.get("transfer", {"error": ""}))]
     transfer = {
@@ -151,6 +219,22 @@ def step_note(label: str, s: dict[str, Any]) -> str:
         f"{label}: fault-free step time checkpointless / torchrun {r['ratio']:.3f}, 95% interval "
         f"{r['lo']:.3f}-{r['hi']:.3f} over {r['n'][0]} and {r['n'][1]} step gaps{paired} "
         f"(target ≤ {TARGET_STEP}: {verdict}; torchrun's gaps with a DCP save left out)."
+    )
+
+
+def cpu_note(label: str, s: dict[str, Any]) -> str:
+    """The whole job's CPU per step, checkpointless / torchrun, against the step-time target."""
+    c = s.get("cpu")
+    if not c or not c["paired"]["n"]:
+        return f"{label}: CPU per step not measured (a fault-free run or its CPU samples are missing)."
+    ci, base = c["ratio"], next(k for k in c if k.startswith("b"))
+    interval = "" if ci["lo"] is None else f", 95% interval {ci['lo']:.3f}-{ci['hi']:.3f}"
+    return (
+        f"{label}: fault-free CPU per step of the whole job (every process), checkpointless "
+        f"{c['a']['median'] * 1000:.1f} ms against torchrun's {c[base]['median'] * 1000:.1f} ms: "
+        f"ratio {ci['geomean']:.3f}{interval}; per repeat {c['paired']['min']:.3f}-"
+        f"{c['paired']['max']:.3f} ({c['paired']['n']} repeats; target ≤ {TARGET_STEP}: "
+        f"{bl.verdict(ci, 100 * (TARGET_STEP - 1))}; torchrun's gaps near a DCP save left out)."
     )
 
 

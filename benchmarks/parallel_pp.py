@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as bl
+import parallel_measure as pm
 import shardlib as sl
 from _harness import downtime as dt
 from sharded_recovery import recovery_notes
@@ -54,9 +55,7 @@ def command(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> 
 
 
 def launch(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> bl.Finished:
-    return bl.run_job(
-        command(a, cfg, kind, run_dir), run_dir, timeout=a.run_timeout, env=bl.bench_env(a.threads)
-    )
+    return pm.launch_sampled(command(a, cfg, kind, run_dir), run_dir, a, kind)
 
 
 def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:

@@ -89,9 +89,7 @@ def command(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> 
 
 
 def launch(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> bl.Finished:
-    return bl.run_job(
-        command(a, cfg, kind, run_dir), run_dir, timeout=a.run_timeout, env=bl.bench_env(a.threads)
-    )
+    return pm.launch_sampled(command(a, cfg, kind, run_dir), run_dir, a, kind)
 
 
 def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:
@@ -148,7 +146,8 @@ def run_job(
             bar.update()
     part = pm.job_summary(a, runs)
     agg, tables, notes = rv.summarize(a, runs, configs, notes_of, dict(info), load0, t0)
-    more = [pm.step_note(name, part["step_time"]), pm.transfer_note(name, part["transfer"])]
+    more = [pm.step_note(name, part["step_time"]), pm.cpu_note(name, part["step_time"])]
+    more.append(pm.transfer_note(name, part["transfer"]))
     if part["designs_bitwise_equal"] is not None:
         same = "the same bits" if part["designs_bitwise_equal"] else "DIFFERENT bits"
         more.append(f"{name}: the two designs' fault-free runs end with {same} on every rank.")

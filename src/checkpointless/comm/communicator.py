@@ -151,10 +151,10 @@ class Communicator:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         """Point-to-point of a CPU tensor (state transfer), on the gloo side."""
-        return self.group.handle(lambda pg: pg.send([tensor], dst, tag), tensor, tensor)
+        return self.group.handle(lambda pg: pg.send([tensor], dst, tag), tensor, tensor, p2p=True)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        return self.group.handle(lambda pg: pg.recv([tensor], src, tag), tensor, tensor)
+        return self.group.handle(lambda pg: pg.recv([tensor], src, tag), tensor, tensor, p2p=True)
 
     def wait(self, handle: Handle, timeout: float | None = None) -> Any:
         """Wait on ``handle`` while telling the heartbeat that we are inside a collective."""

@@ -174,19 +174,21 @@ class GenerationGroup(dist.ProcessGroup):
             stores, self._stores = self._stores, []
         stores.clear()
 
-    def handle(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> Handle:
+    def handle(self, fn: Callable[[Any], Any], result: Any, on: Any = None, p2p: bool = False) -> Handle:
         """Issue ``fn(group)`` on this generation's group for the device of ``on`` (a tensor, or
         a list of them: the device group for CUDA tensors when there is one, else gloo) and
         return its completion, which :meth:`abort` fails. The data-parallel communicator waits
         on these directly; c10d callers get them wrapped as a ``dist.Work`` (the subclass's
-        ``_issue``)."""
+        ``_issue``). ``p2p``: ``fn`` posts a send or a receive (on gloo, a work with no future)."""
         with self._lock:
             if self._aborted is not None or self._pg is None:
                 raise CommAborted(f"group {self.key} generation {self.generation} aborted: {self._aborted}")
             dev = self._dev_pg is not None and on_cuda(on)
-            work = fn(self._dev_pg if dev else self._pg)
+            pg = self._dev_pg if dev else self._pg
+            work = fn(pg)
             # gloo is polled by the waiting thread; NCCL completes through its future
-            h = Handle(work, result, self._forget, poll=not dev)
+            futureless = p2p and isinstance(pg, dist.ProcessGroupGloo)
+            h = Handle(work, result, self._forget, poll=not dev, futureless=futureless)
             if not h.done():
                 self._pending.add(h)
         return h

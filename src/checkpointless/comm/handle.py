@@ -41,6 +41,11 @@ class Handle:
     the handle. A Python callback on gloo's own thread would be simpler, but it must take the
     GIL from the training thread in the middle of the backward pass; with more threads than
     cores that hand-over stalled every bucket's all-reduce issue by about a millisecond.
+    Each bounded wait that runs out costs about 120 µs of CPU (c10d raises an exception), so a
+    pipeline stage waiting for the slower one pays about 12 µs per ms waited. Handing a long wait
+    to a pooled thread instead saved that CPU but added a thread wake-up to every long wait's
+    completion: on 2 cores at load 15, 1-2.5 ms more in the median and 5-25 ms at the 90th
+    percentile, which a step pays in wall time; not done.
     Works without a future (gloo send/recv) are waited on a helper thread; others (NCCL) get a
     future callback.
     """
@@ -48,7 +53,12 @@ class Handle:
     __slots__ = ("_done", "_error", "_lock", "_on_finish", "_poll", "_stream_work", "_work", "result")
 
     def __init__(
-        self, work: Any, result: Any, on_finish: Callable[[Handle], None], poll: bool = False
+        self,
+        work: Any,
+        result: Any,
+        on_finish: Callable[[Handle], None],
+        poll: bool = False,
+        futureless: bool = False,
     ) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -70,6 +80,11 @@ class Handle:
             self._done.set()
             return
         try:
+            # ``futureless``: the caller knows the work has none (a gloo send or receive), so it
+            # is not asked: c10d's refusal is an exception that costs about 120 µs of CPU, and a
+            # pipeline stage sends or receives at every microbatch
+            if futureless:
+                raise RuntimeError("no future")
             fut = work.get_future()
         except RuntimeError:
             # gloo's send/recv (and its own reduce-scatter, which process_group.py therefore

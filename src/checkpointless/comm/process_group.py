@@ -136,13 +136,15 @@ class ResilientProcessGroup(GenerationGroup):
         return f"ResilientProcessGroup({self.key}, rank {self._group_rank}, gen {self.generation})"
 
     # -- collectives ----------------------------------------------------------------------------
-    def _issue(self, fn: Callable[[Any], Any], result: Any, on: Any = None) -> AbortableWork:
+    def _issue(
+        self, fn: Callable[[Any], Any], result: Any, on: Any = None, p2p: bool = False
+    ) -> AbortableWork:
         if self.refused is not None or self.folded:
             raise ConfigError(self.refused or folded_refusal(self.key))
         if ResilientProcessGroup.local_until_formed and self.generation < 0:
             return AbortableWork(Handle(None, result, _forget_nothing), result)  # done as issued
         self.issued += 1
-        return AbortableWork(self.handle(fn, result, on), result)
+        return AbortableWork(self.handle(fn, result, on, p2p), result)
 
     def _before(self, kind: str) -> None:
         if self.before_collective is not None:
@@ -330,11 +332,11 @@ class ResilientProcessGroup(GenerationGroup):
     # before the op is posted: a fault there leaves the peer stage waiting in its matching op.
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> AbortableWork:  # type: ignore[override]
         self._before("send")
-        return self._issue(lambda pg: pg.send(tensors, dst, tag), tensors, tensors)
+        return self._issue(lambda pg: pg.send(tensors, dst, tag), tensors, tensors, p2p=True)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> AbortableWork:  # type: ignore[override]
         self._before("recv")
-        return self._issue(lambda pg: pg.recv(tensors, src, tag), tensors, tensors)
+        return self._issue(lambda pg: pg.recv(tensors, src, tag), tensors, tensors, p2p=True)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> AbortableWork:  # type: ignore[override]
         self._before("recv")
@@ -344,7 +346,7 @@ class ResilientProcessGroup(GenerationGroup):
             works.append(pg.recv_anysource(tensors, tag))
             return works[0]
 
-        out = self._issue(issue, tensors, tensors)
+        out = self._issue(issue, tensors, tensors, p2p=True)
         # ``dist.recv(src=None)`` asks the work who sent; gloo's work knows, after the wait
         out.set_source(works[0])
         return out

@@ -74,3 +74,41 @@ def test_one_repeat_decides_no_step_time_target() -> None:
     assert "target ≤ 1.02: undecided;" in pm.step_note("PP", three)  # the repeats reach past 1.02
     met = {**one, "paired": {"median": 0.9, "min": 0.88, "max": 0.97, "n": 3}}
     assert "target ≤ 1.02: met;" in pm.step_note("PP", met)
+
+
+@pytest.mark.timeout(30)
+def test_cpu_per_step_leaves_out_a_save_and_the_gaps_beside_it(tmp_path: Path) -> None:
+    # steps 0..14 one second apart, but the save after step 5 ("step 6") takes 3 s and 5 s of
+    # CPU; outside it the job burns 0.5 s of CPU a second, sampled every 0.2 s
+    times = {s: float(s) if s <= 5 else s + 2.0 for s in range(15)}
+    for rank in (0, 1):
+        events: list[dict[str, object]] = [
+            {"time": t, "event": "commit", "step": s} for s, t in times.items()
+        ]
+        events.append({"time": 5.5, "event": "save", "step": 6})
+        write_log(tmp_path, rank, events)
+
+    def cpu(t: float) -> float:
+        return 0.5 * t + 5.0 * min(max(t - 5.0, 0.0), 3.0) / 3.0
+
+    samples = [(i * 0.2, cpu(i * 0.2)) for i in range(int(16.8 / 0.2) + 1)]
+    (tmp_path / "cpu.json").write_text(json.dumps({"samples": samples, "method": "test", "error": None}))
+    got = pm.step_cpu(tmp_path)
+    assert got["cpu_per_step_s"] == pytest.approx(0.5)  # the save's 5 s counted in no step
+    assert got["cpu_gaps"] == 8  # 3->4 and 7->8 .. 13->14; not 4->5, 5->6 (the save), 6->7
+    (tmp_path / "cpu.json").write_text(json.dumps({"samples": samples, "method": "x", "error": "lost"}))
+    assert pm.step_cpu(tmp_path) == {"cpu_per_step_s": None, "cpu_error": "lost"}  # no figure, no guess
+
+
+@pytest.mark.timeout(30)
+def test_the_cpu_ratio_needs_three_repeats_for_a_verdict() -> None:
+    def step(pairs: list[tuple[float, float]]) -> dict[str, object]:
+        ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
+        paired = [a / b for a, b in pairs]
+        cpu = {"a": pm.bl.summary(ours), "b10": pm.bl.summary(theirs), "paired": pm.bl.summary(paired)}
+        return {"cpu": {**cpu, "ratio": pm.bl.ratio_ci(paired)}}
+
+    assert "undecided (fewer than 3 rounds)" in pm.cpu_note("PP", step([(0.101, 0.1), (0.1, 0.1)]))
+    assert ": met;" in pm.cpu_note("PP", step([(0.1, 0.1), (0.1005, 0.1), (0.1, 0.1002)]))
+    assert ": NOT met;" in pm.cpu_note("PP", step([(0.12, 0.1), (0.118, 0.1), (0.121, 0.1)]))
+    assert "not measured" in pm.cpu_note("PP", {"cpu": {"paired": {"n": 0}}})
