@@ -13,8 +13,10 @@ end of training loads it. Rank 0 lost after a section closed and before it print
 evaluation's line has its replacement print it. A callback's ``on_log`` raising as the evaluation's line is shown, once
 the section has closed on every rank, is recovered in its process and the line shown once. Rank 0's
 closing barrier failing as it completes, its peer past it, is recovered with the section done on
-both ranks (the recovery's plan says so): rank 0 shows its line once and redoes nothing. Each
-section completes once on each rank.
+both ranks (the recovery's plan says so): rank 0 shows its line once and redoes nothing. Rank 0
+SIGKILLed past the last closing barrier before it marked its pass, rank 1's failed: nobody can say
+whether it passed, so the evaluation is redone on both ranks and the launcher reports that redo
+as an ``inexact`` resume naming the section. Each section completes once on each rank.
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     return res
 
 
-@pytest.mark.timeout(200)
+# a rank lost between its pass of the closing barrier and its mark, its peer's barrier failed
+DOUBT = ("kill:rank=0:step=12:site=unsettled", "raise:rank=1:step=12:site=unsettled")
+
+
+@pytest.mark.timeout(240)  # 7 faults in one job: the DOUBT pair added a round with a spare
 @pytest.mark.parametrize(
     ("faults", "inject"),
     [
@@ -121,9 +127,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
         # completes (site=unsettled), rank 1's replacement past it and into step 9: the plan
         # says the section is done (rank 1 passed it), so rank 0 does not redo it; it shows its
         # held evaluation line, once, and resumes its generators as the section left them
+        # ... and at the last evaluation both ranks' closing barriers complete, rank 1 fails its
+        # own (site=unsettled) and rank 0 (the printer) is SIGKILLed before it marks its pass: its
+        # replacement finds only the mark it left as it entered, nobody can say whether it passed,
+        # so every rank redoes the evaluation (its line printed once: rank 0 was lost before it
+        # showed it) and the launcher says so (DOUBT: an ``inexact`` naming the section)
         pytest.param(
             "raise:save:0:4,kill:eval:1:8,raise:log:0:12",
-            ("kill:rank=0:step=4:site=closed", "raise:rank=0:step=8:site=unsettled"),
+            ("kill:rank=0:step=4:site=closed", "raise:rank=0:step=8:site=unsettled", *DOUBT),
             id="raise-in-save-sigkill-in-eval-raise-in-on-log",
         ),
         # rank 0, which writes the checkpoints, is SIGKILLed in the last checkpoint's save: its
@@ -151,7 +162,7 @@ def test_epoch_evaluation_and_the_best_checkpoint_survive_faults_bitwise(
         assert res.fired(fault), (fault, res.output[-4000:])
         if ":site=closed" in fault:
             assert "showing the lines rank 0 held in section" in res.output  # by its replacement
-        if ":site=unsettled" in fault:  # every rank took the section as done, none redid it
+        if ":site=unsettled" in fault and fault not in DOUBT:  # every rank took it as done
             assert "a peer passed its closing barrier, which failed here" in res.output
             _, at = fault_at(fault)  # the plan of the round that fault opened names the section
             plans = [p for p in res.of("plan") if p["target_step"] == at]
@@ -160,7 +171,9 @@ def test_epoch_evaluation_and_the_best_checkpoint_survive_faults_bitwise(
     # and no rank resumed without its own generators
     raised = [f for r in res.of("recovery") for f in r["faults"] if f["kind"] == "exception"]
     assert len(raised) == faults.count("raise:") + sum(f.startswith("raise:") for f in inject), raised
-    assert not res.of("inexact"), res.of("inexact")
+    # no rank resumed without its own generators; a redo a lost rank may have passed is said
+    doubts = [(e["what"], e.get("section"), e["step"], e.get("ranks")) for e in res.of("inexact")]
+    assert doubts == ([("section", "trainer_boundary", 12, [0])] if DOUBT[0] in inject else []), doubts
     res.assert_same_weights(reference, nproc=2)  # the best checkpoint's weights, optimizer, log history
     assert summaries(res) == summaries(reference), "evaluation metrics or the best checkpoint differ"
     assert checkpoints(res) == checkpoints(reference), "Trainer's checkpoints differ"

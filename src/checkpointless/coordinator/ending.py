@@ -69,8 +69,9 @@ class JobEnd:
             ranks = sorted({x.rank for x in self.ledger.inexact if x.rank is not None})
             self.outbox.log(
                 "warning",
-                f"rank(s) {ranks} resumed without their own per-rank state or replayed a step to another "
-                f"loss {len(self.ledger.inexact)} time(s): the result may differ from the run without "
+                f"rank(s) {ranks} resumed without their own per-rank state, replayed a step to another "
+                "loss or redid a section a lost rank may have passed "
+                f"{len(self.ledger.inexact)} time(s): the result may differ from the run without "
                 "the faults (job_end's 'inexact')",
             )
         self._end("done", 1 if failed else 0)

@@ -69,6 +69,24 @@ class FaultLedger:
         self.outbox.emit("inexact", **asdict(entry))
         self.outbox.log("warning", f"rank {rank} resumed step {step} without its own {what}: {detail}")
 
+    def sections_in_doubt(self, step: int, doubtful: dict[str, tuple[int, ...]]) -> None:
+        """Sections redone at the boundary after ``step`` steps that a lost rank may have passed
+        (rules/sections.py ``doubtful_sections``): an ``inexact`` event naming each, a warning,
+        and a line in the job's end. The weights are not in doubt, only the section's output."""
+        for name, ranks in doubtful.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+            detail = (
+                f"section {name!r} at the boundary after step {step}: {who} entered its closing "
+                "barrier and was lost before any live rank could learn whether it passed; no live "
+                "rank passed it, so every rank redoes it (the ranks agree, the weights are exact), "
+                "but what the lost rank did past the barrier (lines it showed, a tracker record, a "
+                "file) may appear twice: make the section's output idempotent (docs/fault-model.md)"
+            )
+            entry = InexactResume(ranks[0] if len(ranks) == 1 else None, step, "section", detail)
+            self.inexact.append(entry)
+            self.outbox.emit("inexact", **asdict(entry), section=name, ranks=list(ranks))
+            self.outbox.log("warning", detail)
+
     def replay_differed(
         self, rank: int | None, step: int, generation: int, interrupted: str, replayed: str
     ) -> None:

@@ -58,6 +58,12 @@ def member_report(rank: int, msg: Stopped) -> MemberReport:
         own_snapshots=tuple(msg.own_snapshots),
         sections_closed=tuple(msg.sections_closed),
         sections_step=msg.sections_step,
+        sections_entered=tuple(
+            (name, tuple(r for r in ranks if type(r) is int))
+            for name, ranks in sorted(msg.sections_entered.items())
+            if isinstance(ranks, list)
+        ),
+        sections_left=tuple(msg.sections_left),
     )
 
 

@@ -126,6 +126,11 @@ class Stopped(Message):
     # the boundary those are at when not ``committed_step``: a replacement reports the section
     # its predecessor passed last (recovery/section_pass.py)
     sections_step: int | None = None
+    # section -> ranks that entered its closing barrier there and that nobody can say passed it
+    # (a replacement's predecessor, a keeper's owner): redone, their part past it may come twice
+    sections_entered: dict[str, list[int]] = field(default_factory=dict)
+    # the sections whose closing barrier this rank entered at ``committed_step`` and failed
+    sections_left: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

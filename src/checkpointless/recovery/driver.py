@@ -147,6 +147,8 @@ def _run_sections(member: Member) -> bool:
             if held is not None:  # ... and what it holds to show as it closes
                 _held_file(member).keep(at, sec.name, held)
             carry_end(member, at, sec.name, after, held)  # ... also to its keeper one host over
+            # entered, not yet passed: a replacement finding only this says so (section_pass.py)
+            pass_mark(member).mark(at, sec.name, passed=False)
             close_section(member)
             # the barrier completed here, and this rank fails it anyway: an "unsettled" fault
             # fires here, as an abort that landed before it completed here would have

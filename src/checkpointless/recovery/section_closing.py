@@ -59,6 +59,8 @@ __all__ = [
     "carry_shown",
     "decode_closing",
     "encode_closing",
+    "own_left",
+    "owners_closings",
     "owners_passed",
 ]
 
@@ -181,31 +183,57 @@ def carry_shown(member: Member, step: int, section: str) -> None:
     _attach(member, dataclasses.replace(_carried(member, step, section), held=None, held_size=0))
 
 
+def own_left(member: Member, step: int) -> list[str]:
+    """The sections whose closing barrier this rank entered at the boundary after ``step`` steps
+    and failed (``carry_left``): every rank must have entered it for any to pass, so only then
+    can a lost peer have passed it (coordinator/rules/sections.py ``doubtful_sections``)."""
+    kept = member.replicas.rank_rng.load(step)
+    closing = None if kept is None else _closing_in(kept)
+    if closing is None or closing.step != step or not closing.left:
+        return []
+    return [closing.section]
+
+
 def owners_passed(
     member: Member, step: int, known: Collection[str] = (), wait_s: float = WAIT_S
 ) -> list[str]:
     """As the keeper of other ranks' records: the sections an owner passed the closing barrier
-    of at the boundary after ``step`` steps (sorted), by the newest record it sent.
+    of at the boundary after ``step`` steps (sorted), by the newest record it sent
+    (``owners_closings``, the owners left undecided dropped)."""
+    return owners_closings(member, step, known, wait_s)[0]
+
+
+def owners_closings(
+    member: Member, step: int, known: Collection[str] = (), wait_s: float = WAIT_S
+) -> tuple[list[str], dict[str, list[int]]]:
+    """As the keeper of other ranks' records: (the sections an owner passed the closing barrier
+    of at the boundary after ``step`` steps, sorted; section -> the owners that entered its
+    closing barrier and said neither that they passed nor that it failed, by the time the wait
+    ran out).
 
     An owner whose record says it entered the closing barrier of a section not in ``known``
     (those this rank passed itself) and has neither passed nor left it may pass it as this
     rank reports: its barrier can complete some milliseconds after this rank's failed, and the
     frame saying so is on its way. For that one case this waits up to ``wait_s`` for the
     record to say which (an owner alive says ``left`` as its own barrier fails; one lost
-    before it passed says nothing, and the wait runs out)."""
+    before it passed says nothing, and the wait runs out). Those still undecided then are
+    reported as such: the plan cannot count the section as done, and says that redoing it may
+    show twice what the owner did past the barrier (coordinator/rules/sections.py)."""
     deadline = time.monotonic() + wait_s
     while True:
         passed, pending = _owners_closings(member, step)
-        if not (pending - passed - set(known)) or time.monotonic() >= deadline:
-            return sorted(passed)
+        undecided = {name: sorted(owners) for name, owners in pending.items() if name not in passed}
+        if not set(undecided) - set(known) or time.monotonic() >= deadline:
+            return sorted(passed), {k: v for k, v in sorted(undecided.items()) if k not in known}
         time.sleep(0.005)
 
 
-def _owners_closings(member: Member, step: int) -> tuple[set[str], set[str]]:
-    """(passed, entered and still undecided) sections of this rank's owners at ``step``."""
+def _owners_closings(member: Member, step: int) -> tuple[set[str], dict[str, set[int]]]:
+    """(passed, section -> owners that entered it and are still undecided) of this rank's
+    owners at ``step``."""
     peer = member.replicas.rank_rng_peer
     passed: set[str] = set()
-    pending: set[str] = set()
+    pending: dict[str, set[int]] = {}
     for owner in range(member.world_size):
         if owner == member.rank:
             continue
@@ -216,7 +244,7 @@ def _owners_closings(member: Member, step: int) -> tuple[set[str], set[str]]:
             if closing.passed:
                 passed.add(closing.section)
             elif not closing.left and closing.end is not None:
-                pending.add(closing.section)
+                pending.setdefault(closing.section, set()).add(owner)
     return passed, pending
 
 

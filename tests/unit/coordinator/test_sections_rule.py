@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from checkpointless.coordinator.rules.decisions import MemberReport
-from checkpointless.coordinator.rules.sections import closed_sections
+from checkpointless.coordinator.rules.sections import closed_sections, doubtful_sections
 from checkpointless.protocol import Recover, ResumePlan, Stopped, decode, encode
 from checkpointless.recovery.loop import LoopControl
 from checkpointless.recovery.section_pass import PassMark
@@ -90,10 +90,16 @@ def test_a_pass_mark_is_read_back_and_a_bad_one_is_none(tmp_path: Path) -> None:
     mark = PassMark(tmp_path, 3)
     assert mark.read() is None
     mark.mark(10, "eval")
-    assert PassMark(tmp_path, 3).read() == (10, "eval")  # by a replacement on the same host
+    assert PassMark(tmp_path, 3).read() == (10, "eval", True)  # by a replacement on the same host
     assert PassMark(tmp_path, 2).read() is None  # another rank's
+    mark.mark(20, "save", passed=False)  # entered the barrier; passing it rewrites the mark
+    assert mark.read() == (20, "save", False)
     mark.mark(20, "save")
-    assert mark.read() == (20, "save")
+    assert mark.read() == (20, "save", True)
+    (tmp_path / "rank3.passed").write_text('{"step": 4, "section": "eval"}')  # an older mark
+    assert mark.read() == (4, "eval", True)
+    (tmp_path / "rank3.passed").write_text('{"step": 4, "section": "eval", "passed": 1}')
+    assert mark.read() is None
     (tmp_path / "rank3.passed").write_text('{"step": "x", "section": "eval"}')
     assert mark.read() is None
     (tmp_path / "rank3.passed").write_text("{")
@@ -157,3 +163,98 @@ def test_the_coordinator_sends_every_member_the_decision() -> None:
     )
     by_mark = plans_after(Stopped(for_generation=1, committed_step=10, valid=True), mark)
     assert all(p.plan.sections_closed == ["eval"] for p in by_mark.values())
+
+
+def entered(
+    rank: int, step: int, valid: bool, ranks: tuple[int, ...], mark: int | None = None
+) -> MemberReport:
+    """A report that ``ranks`` entered the closing barrier of "eval" and nobody knows if they
+    passed (a keeper's report: its own barrier failed there too)."""
+    left = ("eval",) if valid else ()
+    return MemberReport(
+        rank, step, valid, sections_step=mark, sections_entered=(("eval", ranks),), sections_left=left
+    )
+
+
+def failed(rank: int, step: int) -> MemberReport:
+    """A live rank whose own closing barrier of "eval" failed at ``step``."""
+    return MemberReport(rank, step, True, sections_left=("eval",))
+
+
+def test_a_lost_rank_that_may_have_passed_makes_the_redo_doubtful() -> None:
+    # rank 1 was SIGKILLed between its barrier's completion and its pass mark; rank 0's barrier
+    # failed. Its replacement finds the mark it left as it entered: the section is redone, in doubt
+    joined = entered(1, -1, False, (1,), mark=10)
+    assert closed_sections([failed(0, 10), joined], 10) == ()
+    assert doubtful_sections([failed(0, 10), joined], 10) == {"eval": (1,)}
+    # rank 0 never entered the barrier (a fault in the section's work): nobody can have passed
+    assert doubtful_sections([report(0, 10), joined], 10) == {}
+    # a keeper one host over whose wait for its owner's pass ran out says the same of rank 1
+    assert doubtful_sections([entered(0, 10, True, (1,)), report(1, -1, False)], 10) == {"eval": (1,)}
+    # some rank passed it after all: it is done, not redone, nothing in doubt
+    passed = report(2, 10, closed=("eval",))
+    assert doubtful_sections([failed(0, 10), joined, passed], 10, closed=["eval"]) == {}
+    # a mark of another boundary, or a report from behind the target, says nothing of this one
+    assert doubtful_sections([failed(0, 10), entered(1, -1, False, (1,), mark=5)], 10) == {}
+    assert doubtful_sections([failed(0, 10), entered(1, 9, True, (1,))], 10) == {}
+    # nobody valid at the target: the job goes back to a copy, whose state has the sections
+    assert doubtful_sections([report(0, 10, valid=False), joined], 10) == {}
+    # two lost ranks, one named by its replacement, one by its keeper: both, sorted
+    both = [entered(0, 10, True, (3,)), joined, report(3, -1, False)]
+    assert doubtful_sections(both, 10) == {"eval": (1, 3)}
+
+
+@pytest.mark.timeout(60)  # 50,653 combinations on 3 ranks: ~1 s on a quiet core
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_doubtful_exactly_when_entered_here_every_live_rank_failed_it_and_nobody_passed(ranks: int) -> None:
+    """Every combination per rank of a survivor's (step, valid, passed, keeper's doubt, own
+    barrier failed) or a replacement's mark (none; passed or entered, at step 9 or 10), on 1 to
+    3 ranks."""
+    flags = (True, False)
+    survivors = [(*c, None) for c in itertools.product((9, 10), flags, flags, flags, flags)]
+    joiners = [(-1, False, p, not p, False, m) for m in (9, 10) for p in flags]
+    joiners.append((-1, False, False, False, False, None))
+    for combo in itertools.product(survivors + joiners, repeat=ranks):
+        reports = [
+            MemberReport(
+                r,
+                step,
+                valid,
+                sections_closed=("eval",) if passed else (),
+                sections_step=mark,
+                sections_entered=(("eval", (r,)),) if doubt else (),
+                sections_left=("eval",) if left else (),
+            )
+            for r, (step, valid, passed, doubt, left, mark) in enumerate(combo)
+        ]
+        closed = closed_sections(reports, 10)
+        counted = [
+            r
+            for r, (step, valid, _, doubt, _, mark) in enumerate(combo)
+            if doubt and (mark == 10 if mark is not None else step == 10 and valid)
+        ]
+        live = [left for step, valid, _, _, left, _ in combo if step == 10 and valid]
+        want = {"eval": tuple(counted)} if live and all(live) and counted and not closed else {}
+        assert doubtful_sections(reports, 10, closed) == want, combo
+
+
+def test_the_coordinator_reports_a_doubtful_redo_as_inexact() -> None:
+    entered_mark = Stopped(
+        for_generation=1, committed_step=-1, valid=False, sections_entered={"eval": [1]}, sections_step=10
+    )
+    assert decode(json.loads(json.dumps(encode(entered_mark)))) == entered_mark
+    h = Harness()
+    start_job(h)
+    h.exit(1, -9)
+    h.advance(0.01)
+    left = Stopped(for_generation=1, committed_step=10, valid=True, sections_left=["eval"])
+    assert decode(json.loads(json.dumps(encode(left)))) == left
+    out = h.msg(0, left)
+    out += h.msg(2, left)
+    out += h.msg(3, entered_mark)
+    out += h.advance(0.01)
+    plans = h.sent(out, Recover)
+    assert set(plans) == {0, 2, 3} and all(p.plan.sections_closed == [] for p in plans.values())
+    (event,) = h.events("inexact")
+    assert event["what"] == "section" and event["section"] == "eval" and event["ranks"] == [1]
+    assert event["rank"] == 1 and event["step"] == 10 and "may appear twice" in event["detail"]

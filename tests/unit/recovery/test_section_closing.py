@@ -30,6 +30,8 @@ from checkpointless.recovery.section_closing import (
     closing_of,
     decode_closing,
     encode_closing,
+    own_left,
+    owners_closings,
     owners_passed,
 )
 from checkpointless.recovery.section_pass import sections_report
@@ -142,6 +144,9 @@ def test_a_keeper_reports_its_owners_passes_and_a_third_host_adopts_the_lines(
     _wait_for(keeper_peer, 1, passed=False)
     began = time.monotonic()  # entered the barrier, not passed: the keeper waits, then says so
     assert owners_passed(keeper, 10) == [] and time.monotonic() - began >= WAIT_S
+    # ... and still undecided when the wait runs out: reported so, for the redo to be said
+    assert owners_closings(keeper, 10, wait_s=0.0) == ([], {"eval": [1]})
+    assert sections_report(keeper, 10) == {"sections_closed": [], "sections_entered": {"eval": [1]}}
     assert owners_passed(keeper, 10, known=["eval"]) == []  # passed here itself: no wait
     carry_pass(owner, 10, "eval")  # just after it
     _wait_for(keeper_peer, 1, passed=True)
@@ -188,7 +193,9 @@ def test_an_owner_whose_barrier_failed_ends_its_keepers_wait(
     keeper = _member(0, 2, tmp_path / "a", keeper_peer)
     owner.replicas.rank_rng.keep(10, capture_rng(), "eval")
     carry_end(owner, 10, "eval", capture_rng(), None)
+    assert own_left(owner, 10) == []  # entered, not yet failed
     carry_left(owner, 10, "eval")  # its closing barrier failed: it did not pass
+    assert own_left(owner, 10) == ["eval"] and own_left(owner, 9) == []  # as it reports it
     end = time.monotonic() + 10.0
     while not any(decode_closing(r.closing).left for r in keeper_peer.held(1) if r.closing is not None):
         assert time.monotonic() < end, "the keeper never held the owner's closing"

@@ -46,6 +46,10 @@ class MemberReport:
     sections_closed: tuple[str, ...] = ()
     # the boundary those are at when not ``committed_step`` (a replacement's predecessor's)
     sections_step: int | None = None
+    # (section, ranks) that entered its closing barrier there, unknown whether they passed it
+    sections_entered: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # the sections whose closing barrier it entered at ``committed_step`` and failed
+    sections_left: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,16 @@ collectives against their step's, and the section's work and lines would come tw
 A rank passes the barrier only once every rank has entered it, every rank's work in the section
 done, so one pass anywhere settles it: the section is complete on every rank. Unit-tested in
 tests/unit/coordinator/test_sections_rule.py.
+
+What no report can settle: a rank lost in or just past the closing barrier while every live
+rank's barrier failed (a SIGKILL between the barrier's completion and its mark; its host lost
+before its keeper one host over heard of the pass within the keeper's wait; the keeper lost too).
+Nobody live passed, so the section is redone on every rank, as it must be for the ranks to agree;
+but if the lost rank did pass, what it did past the barrier (its ``section`` event, lines it
+showed) may come twice. Its replacement or its keeper
+says that it entered and nobody can say more (``sections_entered``), and ``doubtful_sections``
+names such a section, for the launcher to report as an ``Inexact`` resume rather than redo it
+silently.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from collections.abc import Iterable
 
 from checkpointless.coordinator.rules.decisions import MemberReport
 
-__all__ = ["closed_sections"]
+__all__ = ["closed_sections", "doubtful_sections"]
 
 
 def closed_sections(reports: Iterable[MemberReport], target_step: int) -> tuple[str, ...]:
@@ -41,3 +51,28 @@ def closed_sections(reports: Iterable[MemberReport], target_step: int) -> tuple[
         if at == target_step and (report.valid or report.sections_step is not None):
             done.update(report.sections_closed)
     return tuple(sorted(done))
+
+
+def doubtful_sections(
+    reports: Iterable[MemberReport], target_step: int, closed: Iterable[str] = ()
+) -> dict[str, tuple[int, ...]]:
+    """The sections redone at the boundary after ``target_step`` steps that a lost rank may have
+    passed, each with those ranks (sorted): a member said the rank entered the closing barrier
+    there and nobody can say whether it passed (``sections_entered``, counted as
+    ``sections_closed`` is), no member passed it (``closed``: those are not redone), and every
+    valid member at the target entered it too and failed it (``sections_left``): a barrier
+    passes only once every rank has entered it, so a live rank that never reached it (a fault
+    in the section's work) rules the pass out."""
+    reports = list(reports)
+    live = [r for r in reports if r.valid and r.committed_step == target_step]
+    if not live:
+        return {}
+    done, doubt = set(closed), dict[str, set[int]]()
+    for report in reports:
+        at = report.committed_step if report.sections_step is None else report.sections_step
+        if at != target_step or not (report.valid or report.sections_step is not None):
+            continue
+        for name, ranks in report.sections_entered:
+            if name not in done and all(name in r.sections_left for r in live):
+                doubt.setdefault(name, set()).update(ranks)
+    return {name: tuple(sorted(ranks)) for name, ranks in sorted(doubt.items())}
