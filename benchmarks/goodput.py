@@ -4,7 +4,7 @@ Writes benchmarks/results/goodput.json (the simulator's tables and plot go to a 
 and its tables to stdout). Extra arguments are passed on, e.g. ``python benchmarks/goodput.py
 --calibration cal.json``, or the no-spare policy of the "chosen policy" column:
 ``--no-spare-policy shrink|wait|fail --min-replicas N --spare-wait S --health-check on|off``
-(default: wait, 1, 60, on), and ``--rendezvous rootless|tcp`` (default rootless, the launcher's).
+(default: wait, 1, 60, on), and ``--rendezvous rootless|rootless-full|tcp`` (default rootless, the launcher's).
 The model and every assumption are described in docs/goodput.md.
 """
 

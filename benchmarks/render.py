@@ -175,6 +175,17 @@ def t_rendezvous_pg(d: dict[str, Any]) -> Table:
     return ["store", "ranks", "start-up", "rebuild (median)", "rebuild (max)", "rank 0 replaced"], rows
 
 
+def t_rendezvous_lazy(d: dict[str, Any]) -> Table:
+    rows = [
+        [str(r["ranks"]), r["mode"], num(r["recovery_keys_read_max"], 0), num(r["recovery_keys_read_total"], 0),
+         num(r["recovery_requests_served_max"], 0), num(r["recovery_wall_median_s"], 0, " ms", 1000)]
+        for r in d["rows"]
+    ]  # fmt: skip
+    header = ["ranks", "gloo connection", "keys read per rank", "keys read in all",
+              "busiest key server's requests", "forming to first all-reduce (median)"]  # fmt: skip
+    return header, rows
+
+
 def t_host_loss(d: dict[str, Any]) -> Table:
     rows = []
     for name, s in d["summary"].items():
@@ -627,6 +638,7 @@ BLOCKS = [
           command="python benchmarks/checkpoint.py --blocks 4 --every 5"),
     Block("rendezvous_scale", "rendezvous_scale.json", t_rendezvous_scale),
     Block("rendezvous_pg", "rendezvous_pg.json", t_rendezvous_pg),
+    Block("rendezvous_lazy", "rendezvous_lazy.json", t_rendezvous_lazy),
     Block("host_loss", "host_loss.json", t_host_loss, command="sudo python benchmarks/host_loss.py"),
     Block("failover", "failover.json", t_failover, command="python benchmarks/failover.py --repeats 2"),
     Block("control_plane", "control_plane.json", t_control_plane),

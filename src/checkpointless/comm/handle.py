@@ -27,7 +27,15 @@ import torch.distributed as dist
 from checkpointless.config import ENV
 from checkpointless.errors import CommAborted, RendezvousError
 
-__all__ = ["Handle", "completes", "default_backend", "new_group"]
+__all__ = [
+    "GLOO_CONNECT_CHOICES",
+    "GLOO_CONNECT_VAR",
+    "Handle",
+    "completes",
+    "default_backend",
+    "gloo_connect",
+    "new_group",
+]
 
 
 _POLL_S = 0.01  # a polled wait re-checks for an abort this often
@@ -269,6 +277,31 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+GLOO_CONNECT_VAR = "CHECKPOINTLESS_GLOO_CONNECT"
+GLOO_CONNECT_CHOICES = ("lazy", "full")
+
+
+def gloo_connect() -> str:
+    """How a gloo group of the launcher's connects its ranks: ``lazy`` (the default) or ``full``.
+
+    ``full`` is gloo's full mesh: each rank publishes one key and, before the group exists,
+    reads every rank's key and connects to all N-1 peers, at start-up and at every rebuild.
+    ``lazy`` (gloo's lazy init) publishes the same key but reads a peer's key, and connects to
+    it, only when a collective first needs that peer: a ring all-reduce its two neighbours, a
+    tree broadcast or barrier about log2(N) more. Each generation is a new gloo device (a new
+    listener port and new pair sequence numbers), so every key changes at every rebuild and none
+    can be kept from the last generation; what lazy saves is reading, and connecting to, the
+    peers no collective of the generation uses (docs/rendezvous.md, "What a rebuild reads").
+    """
+    choice = os.environ.get(GLOO_CONNECT_VAR, "lazy")
+    if choice not in GLOO_CONNECT_CHOICES:
+        raise RendezvousError(
+            f"{GLOO_CONNECT_VAR}={choice!r} is not a gloo connection mode; use 'lazy' (connect to "
+            "a peer when a collective first needs it, the default) or 'full' (gloo's full mesh)"
+        )
+    return choice
+
+
 def new_group(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -282,6 +315,7 @@ def new_group(backend: str, store: Any, rank: int, world_size: int, timeout: dat
         # default follows the host name, which may be reachable from other machines.
         gopts = dist.ProcessGroupGloo._Options()
         gopts._timeout = timeout
-        gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        lazy = gloo_connect() == "lazy"
+        gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=lazy)]
         return dist.ProcessGroupGloo(store, rank, world_size, gopts)
     raise RendezvousError(f"unknown backend {backend!r}; use gloo or nccl (CHECKPOINTLESS_BACKEND)")

@@ -39,12 +39,19 @@ class CommModel(str, Enum):
     # Ranks derive peer addresses from a table handed out in advance and exchange them along a
     # tree, so the critical path is O(log N) network round trips (HyperPod's root-less start-up).
     ROOTLESS_LOG = "rootless-log"
-    # This repository's root-less rendezvous (docs/rendezvous.md, the launcher's default), as
-    # benchmarks/rendezvous_scale.py measured it: each rank serves its own keys and reads N keys
-    # from N owners, so the critical path is N times one key's CPU cost plus a few round trips
-    # per batch of 128 keys. Only the key exchange: the communicator's own connections are not in it.
+    # This repository's root-less rendezvous (docs/rendezvous.md) under gloo's full mesh
+    # (CHECKPOINTLESS_GLOO_CONNECT=full), as benchmarks/rendezvous_scale.py measured it: each rank
+    # serves its own keys and reads N keys from N owners, so the critical path is N times one
+    # key's CPU cost plus a few round trips per batch of 128 keys. Only the key exchange: the
+    # communicator's own connections are not in it.
     ROOTLESS_MEASURED = "rootless-measured"
-    # Shrink/grow of an existing communicator touches only the replaced ranks' neighbours.
+    # The same store with gloo's lazy connection (comm/handle.py:gloo_connect, the launcher's
+    # default): a rank reads, and connects to, only the peers its collectives use (its ring
+    # neighbours and a barrier's log2(N) partners: plans.lazy_keys_read), and each key is read by
+    # as many ranks, so the critical path is that many keys' CPU cost plus the barrier's rounds.
+    ROOTLESS_LAZY = "rootless-lazy"
+    # Shrink/grow of an existing communicator touches only the replaced ranks' neighbours (a
+    # what-if: on gloo every generation is a new listener, so no rank's key can be kept).
     ROOTLESS_CONST = "rootless-const"
 
 
@@ -62,11 +69,13 @@ class Calibration:
     rebuild_s: float = 2.0  # fixed part of re-forming the communicator (scaled part: models.py)
     # The launcher's default --rendezvous rootless (settings/job.py): every generation's store is
     # recovery/rendezvous_client.py:make_store's RootlessStore, each rank serving its own keys;
-    # no store is left in the round (--rendezvous tcp, a TCPStore in the launcher, is STORE_LINEAR)
-    rebuild_model: CommModel = CommModel.ROOTLESS_MEASURED
+    # no store is left in the round (--rendezvous tcp, a TCPStore in the launcher, is STORE_LINEAR).
+    # Its gloo groups connect lazily (comm/handle.py:gloo_connect, default lazy), so a rank reads
+    # only its collectives' peers' keys; CHECKPOINTLESS_GLOO_CONNECT=full is ROOTLESS_MEASURED
+    rebuild_model: CommModel = CommModel.ROOTLESS_LAZY
     # A checkpointless job that falls back is started again by the same launcher, whose first
-    # generation forms through the same make_store: its restart is root-less too
-    restart_model: CommModel = CommModel.ROOTLESS_MEASURED
+    # generation forms through the same make_store and gloo groups: its restart is the same
+    restart_model: CommModel = CommModel.ROOTLESS_LAZY
     # A step whose exception recurs is retried in the same process this many times, then the
     # job stops: recovery/recover.py:recover_from (max_step_retries=3, init()'s default), and the
     # coordinator's fault budget rules/budget.py:budget_verdict (--max-repeat-faults 3) and

@@ -29,7 +29,7 @@ from checkpointless.simulate.render import (
     to_json,
     write_plot,
 )
-from checkpointless.simulate.report import DEFAULT_GPUS, run_report, store_based
+from checkpointless.simulate.report import DEFAULT_GPUS, full_mesh, run_report, store_based
 from checkpointless.simulate.topology import JobShape
 
 __all__ = ["MAX_DAYS", "MAX_GPUS", "MAX_SEEDS", "build_parser", "main"]
@@ -131,11 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--rendezvous",
-        choices=["rootless", "tcp"],
+        choices=["rootless", "rootless-full", "tcp"],
         default="rootless",
         help="how a checkpointless job's communicator is rebuilt and, after a fallback, started "
-        "again: rootless (the launcher's default, as rendezvous_scale.json measured it) or tcp "
-        "(one store, O(N): the launcher's --rendezvous tcp, this study's default until session 32)",
+        "again: rootless (the launcher's default: gloo connects lazily, a rank reads its "
+        "collectives' peers' keys), rootless-full (CHECKPOINTLESS_GLOO_CONNECT=full: every rank "
+        "reads all N keys, as rendezvous_scale.json measured it) or tcp (one store, O(N): the "
+        "launcher's --rendezvous tcp, this study's default until session 32)",
     )
     m = p.add_argument_group("hosts and repairs")
     m.add_argument(
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.rendezvous == "tcp":
             base = store_based(base)
+        elif args.rendezvous == "rootless-full":
+            base = full_mesh(base)
         if args.calibration is not None:
             base = replace(base, cal=load_calibration(args.calibration, base.cal))
         gpus = sorted({n for group in args.gpus for n in group})

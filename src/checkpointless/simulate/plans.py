@@ -24,6 +24,8 @@ __all__ = [
     "detect_s",
     "grow_phases",
     "inprocess_phases",
+    "lazy_keys_read",
+    "lazy_peers",
     "load_cost_s",
     "recovery_plan",
     "recurring_retries",
@@ -69,6 +71,34 @@ class Phase(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 # Scaling models
 # ----------------------------------------------------------------------------------------------
+def lazy_peers(rank: int, n: int, collectives: tuple[str, ...] = ("allreduce", "barrier")) -> set[int]:
+    """The peers whose rendezvous keys ``rank`` of ``n`` reads when gloo connects lazily.
+
+    gloo (torch 2.13) reads a peer's key when a collective first needs that peer: its ring
+    all-reduce (and point-to-point sends along it) needs the two neighbours, its barrier (a
+    dissemination barrier) the ranks 2^k before and after for each of its ceil(log2 n) rounds;
+    a broadcast's binomial tree stays within the barrier's partners. Held to gloo itself in
+    tests/unit/comm/test_gloo_connect.py.
+    """
+    if n < 1 or not 0 <= rank < n:
+        raise ValueError(f"rank {rank} is not in a group of {n}")
+    peers: set[int] = set()
+    if "allreduce" in collectives:
+        peers |= {(rank - 1) % n, (rank + 1) % n}
+    if "barrier" in collectives:
+        for k in range(math.ceil(math.log2(n)) if n > 1 else 0):
+            peers |= {(rank - 2**k) % n, (rank + 2**k) % n}
+    return peers - {rank}
+
+
+def lazy_keys_read(n: int, collectives: tuple[str, ...] = ("allreduce", "barrier")) -> int:
+    """How many keys one rank reads in a generation of ``n`` ranks under gloo's lazy connection.
+
+    Every rank reads as many (the pattern is the same, shifted by the rank), and as many ranks
+    read each rank's key (the pattern is symmetric)."""
+    return len(lazy_peers(0, n, collectives))
+
+
 def comm_start_s(model: CommModel, fixed_s: float, gpus: int, cal: Calibration) -> float:
     """Time to form the communicator over ``gpus`` ranks under a scaling model."""
     if model is CommModel.STORE_LINEAR:
@@ -78,6 +108,14 @@ def comm_start_s(model: CommModel, fixed_s: float, gpus: int, cal: Calibration) 
     if model is CommModel.ROOTLESS_MEASURED:
         batches = math.ceil(gpus / 128)
         return fixed_s + cal.rootless_per_rank_s * (gpus - 1) + 3 * cal.rootless_rtt_s * batches
+    if model is CommModel.ROOTLESS_LAZY:
+        # each rank reads lazy_keys_read(N) keys and its own key is read by as many ranks, each
+        # read two requests (gloo's wait, then its get: benchmarks/results/rendezvous_lazy.json),
+        # at the measured per-request cost of the full mesh's owner and reader; the barrier's
+        # rounds are sequential: a read and a connect, 3 round trips each
+        rounds = math.ceil(math.log2(gpus)) if gpus > 1 else 0
+        reads = 2 * lazy_keys_read(gpus)
+        return fixed_s + cal.rootless_per_rank_s * reads + 3 * cal.rootless_rtt_s * rounds
     return fixed_s
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "ScaleRow",
     "SensitivityRow",
     "Summary",
+    "full_mesh",
     "run_report",
     "scale_study",
     "sensitivity",
@@ -203,6 +204,12 @@ def _state_x4(c: SimConfig) -> SimConfig:
     return replace(c, shape=replace(c.shape, checkpoint_gb=c.shape.checkpoint_gb * 4))
 
 
+def full_mesh(c: SimConfig) -> SimConfig:
+    """The launcher under ``CHECKPOINTLESS_GLOO_CONNECT=full``: every rank reads all N keys at
+    each rebuild and restart (the model as built until gloo connected lazily, session 34)."""
+    return _cal(rebuild_model=CommModel.ROOTLESS_MEASURED, restart_model=CommModel.ROOTLESS_MEASURED)(c)
+
+
 def _fast_restart(c: SimConfig) -> SimConfig:
     return replace(c, cal=replace(c.cal, requeue_s=c.cal.requeue_s / 4, restart_s=c.cal.restart_s / 4))
 
@@ -230,6 +237,7 @@ SENSITIVITY_CASES: tuple[tuple[str, Callable[[SimConfig], SimConfig]], ...] = (
         _cal(rebuild_model=CommModel.ROOTLESS_LOG),
     ),
     ("checkpointless store-based rebuild and restart (--rendezvous tcp)", store_based),
+    ("checkpointless rebuild and restart with gloo's full mesh (every rank reads N keys)", full_mesh),
     ("checkpoint-restart's start-up root-less too", _cal(init_model=CommModel.ROOTLESS_MEASURED)),
     ("a recurring bug retried once, not 3 times", _cal(step_retries=1)),
     ("requeue and process start x0.25", _fast_restart),
@@ -312,12 +320,12 @@ SCALE_CASES: tuple[tuple[str, Callable[[SimConfig], SimConfig]], ...] = (
         lambda c: _split(_shape(replace_s=72 * 3600.0)(c)),
     ),
     ("the previous model: store-based rebuild and restarts, one retry of a recurring bug", _previous_model),
+    (
+        "before lazy connection: gloo's full mesh, every rank reads all N keys at each rebuild",
+        full_mesh,
+    ),
     ("what-if: no software bug recurs in-process", _no_bug_recurs),
     ("what-if: after its 3 retries a recurring bug's ranks respawn as fresh spares, no restart", _respawn),
-    (
-        "what-if: that respawn, and a rebuild that exchanges only the replaced ranks' keys",
-        lambda c: _cal(rebuild_model=CommModel.ROOTLESS_CONST)(_respawn(c)),
-    ),
     (
         "what-if: that respawn, and the round's fixed costs as measured here (host_loss.json)",
         lambda c: _MEASURED_ROUND(_respawn(c)),

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpointless.comm.handle import GLOO_CONNECT_VAR, gloo_connect
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.job import init
 from checkpointless.settings import JobSettings
@@ -49,16 +50,26 @@ def test_defaults_are_the_launchers_own() -> None:
     """If the launcher's defaults change, the model's must follow (docs/goodput.md says where)."""
     cal = Calibration()
     launcher = {f.name: f.default for f in fields(JobSettings)}
-    # the launcher's default --rendezvous rootless forms every generation, the first one too
+    # the launcher's default --rendezvous rootless forms every generation, the first one too,
+    # and its gloo groups connect lazily unless CHECKPOINTLESS_GLOO_CONNECT=full
     assert launcher["rendezvous"] == "rootless"
-    assert cal.rebuild_model is CommModel.ROOTLESS_MEASURED
-    assert cal.restart_model is CommModel.ROOTLESS_MEASURED
+    assert cal.rebuild_model is CommModel.ROOTLESS_LAZY
+    assert cal.restart_model is CommModel.ROOTLESS_LAZY
     # checkpoint-restart is torchrun's: one TCPStore
     assert cal.init_model is CommModel.STORE_LINEAR
     # the worker retries a raising step this often, and the coordinator's budget stops the job
     # at the same raise
     assert cal.step_retries == inspect.signature(init).parameters["max_step_retries"].default
     assert cal.step_retries == launcher["max_repeat_faults"] == launcher["max_step_failures"]
+
+
+@pytest.mark.timeout(5)
+def test_the_lazy_rebuild_model_is_the_workers_default_gloo_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(GLOO_CONNECT_VAR, raising=False)
+    assert gloo_connect() == "lazy"
+    assert Calibration().rebuild_model is CommModel.ROOTLESS_LAZY
 
 
 @pytest.mark.timeout(30)
@@ -165,7 +176,8 @@ def test_the_command_line_rendezvous_flag(capsys: pytest.CaptureFixture[str]) ->
         build_parser().parse_args(["--rendezvous", "etcd"])
     assert "etcd" in capsys.readouterr().err
     # a tiny study runs under either
-    for flag in ("rootless", "tcp"):
+    assert build_parser().parse_args(["--rendezvous", "rootless-full"]).rendezvous == "rootless-full"
+    for flag in ("rootless", "rootless-full", "tcp"):
         argv = ["--gpus", "16", "--days", "1", "--seeds", "1", "--no-sensitivity", "--rendezvous", flag]
         assert main(argv) == 0
 
