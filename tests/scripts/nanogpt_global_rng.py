@@ -74,6 +74,11 @@ def main() -> None:
     torch.manual_seed(1337 + job.rank)
     random.seed(1337 + job.rank)
     np.random.seed(1337 + job.rank)
+    # one Gaussian from NumPy's and Python's generators here and one a step: each draws a pair
+    # and keeps the second for the next call, so after every odd number of draws (the faults'
+    # steps here) a resumed rank needs its generators' cached Gaussians back too
+    np.random.normal()
+    random.gauss(0, 1)
 
     def get_batch(split: str) -> tuple[torch.Tensor, torch.Tensor]:
         d = splits[split]
@@ -106,6 +111,7 @@ def main() -> None:
             x, y = get_batch("train")
             if random.random() < 0.5:  # a per-rank draw from Python's generator and NumPy's
                 x[0, int(np.random.randint(BLOCK))] = 0
+            x[1, int(abs(np.random.normal() + random.gauss(0, 1)) * 1000) % BLOCK] = 0
             job.record(batch=digest(x, y))
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             opt.zero_grad(set_to_none=True)

@@ -4,53 +4,63 @@ update, a commit cost a compare, not a capture and a write)."""
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import numpy as np
 import torch
 
+from checkpointless.state.rng_read import numpy_state, python_state
 from checkpointless.state.snapshot import RngState
 
 __all__ = ["same_rng", "torch_unchanged", "unchanged"]
 
 
+def _raw(x: Any, dtype: type[np.generic]) -> bytes:
+    """A generator's state words as bytes: compared as bytes, which costs well under a µs,
+    where ``torch.equal`` or ``np.array_equal`` of a few KB costs several (this runs a few
+    times every step)."""
+    arr = x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    return (arr if arr.dtype == dtype else arr.astype(dtype)).tobytes()
+
+
+def _same_torch(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(_raw(x, np.uint8) == _raw(y, np.uint8) for x, y in zip(a, b, strict=True))
+
+
 def same_rng(a: RngState, b: RngState) -> bool:
     """Whether two captured states are the same (torch's and Python's first: they change most)."""
-    if not torch.equal(a["torch"], b["torch"]):
+    if not _same_torch([a["torch"], *a.get("cuda", [])], [b["torch"], *b.get("cuda", [])]):
         return False
     pa, pb = a["python"], b["python"]
-    if pa[0] != pb[0] or pa[2] != pb[2] or not torch.equal(torch.as_tensor(pa[1]), torch.as_tensor(pb[1])):
+    if pa[0] != pb[0] or pa[2] != pb[2] or _raw(pa[1], np.int64) != _raw(pb[1], np.int64):
         return False
     na, nb = a["numpy"], b["numpy"]
-    if list(na[2:]) != list(nb[2:]) or na[0] != nb[0] or not np.array_equal(na[1], nb[1]):
-        return False
-    ca, cb = a.get("cuda", []), b.get("cuda", [])
-    return len(ca) == len(cb) and all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
+    return (
+        list(na[2:]) == list(nb[2:]) and na[0] == nb[0] and _raw(na[1], np.uint32) == _raw(nb[1], np.uint32)
+    )
 
 
 def torch_unchanged(rng: RngState) -> bool:
     """Whether torch's CPU and CUDA generators still stand where ``rng`` has them (a few µs)."""
-    if not torch.equal(rng["torch"], torch.get_rng_state()):
-        return False
+    now = [torch.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        now = torch.cuda.get_rng_state_all()
-        had = rng.get("cuda", [])
-        return len(now) == len(had) and all(torch.equal(a, b) for a, b in zip(now, had, strict=True))
-    return "cuda" not in rng
+        now += torch.cuda.get_rng_state_all()
+    return _same_torch(now, [rng["torch"], *rng.get("cuda", [])])
 
 
 def unchanged(rng: RngState) -> bool:
     """Whether every generator still stands where ``rng`` has them, without a capture: torch's
-    first (what a draw most likely used), then NumPy's position and keys, then Python's words."""
+    first (what a draw most likely used), then NumPy's (its cached Gaussian too), then Python's.
+    Read from the generators' memory (state/rng_read.py), not through the public getters, which
+    cost more than all the rest of a step's keeping."""
     if not torch_unchanged(rng):
         return False
-    np_now: Any = np.random.get_state()
+    kind, keys, pos, has_gauss, gauss = numpy_state()
     np_kept = rng["numpy"]
-    if int(np_now[2]) != int(np_kept[2]) or not np.array_equal(np_now[1], np_kept[1]):
+    if [kind, pos, has_gauss, gauss] != [np_kept[0], *np_kept[2:]] or keys.tobytes() != _raw(
+        np_kept[1], np.uint32
+    ):
         return False
-    version, words, gauss = random.getstate()
+    version, words, py_gauss = python_state()
     py_kept = rng["python"]
-    if version != py_kept[0] or gauss != py_kept[2]:
-        return False
-    return bool(np.array_equal(np.fromiter(words, dtype=np.int64, count=len(words)), np.asarray(py_kept[1])))
+    return version == py_kept[0] and py_gauss == py_kept[2] and words.tobytes() == _raw(py_kept[1], np.int64)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from checkpointless.errors import ConfigError, StateTransferError
+from checkpointless.state.rng_read import numpy_state, python_state
 
 __all__ = [
     "RngState",
@@ -43,15 +44,15 @@ RngState = dict[str, Any]
 
 def capture_rng() -> RngState:
     """The generators a training step may draw from: Python, NumPy, torch CPU and CUDA."""
-    np_state: Any = np.random.get_state()
-    version, words, gauss = random.getstate()
+    # read from the generators' memory (state/rng_read.py: the public getters build a tuple of
+    # 625 ints and fill 624 words one at a time, most of this capture's cost), the same values
+    version, words, gauss = python_state()
     state: RngState = {
         # Python's 625 state words as one tensor, not a list: the state is laid out, encoded and
         # checked as every step begins when buddy copies are on, and a list of 625 numbers was
         # most of that tree's walk (~1 ms a step, both ranks)
-        # (through NumPy: torch.tensor() of a 625-int tuple takes 58 us, this 11 us)
-        "python": [version, torch.from_numpy(np.fromiter(words, dtype=np.int64, count=len(words))), gauss],
-        "numpy": [np_state[0], np_state[1], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [version, torch.from_numpy(words), gauss],
+        "numpy": list(numpy_state()),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():

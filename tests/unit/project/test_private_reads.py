@@ -71,6 +71,13 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_source_rank": "torch's dist.Work hook for a receive from any source (gloo's work knows)",
     },
     "checkpointless.faults.inject": {"_exit": "os._exit: a crash that runs no clean-up"},
+    "checkpointless.state.rng_read": {
+        # the global generators, read from their memory: the public getters cost more than the
+        # rest of a rank's keeping, and every read is checked against them once per process
+        "_rand": "NumPy's global RandomState (np.random.mtrand._rand), behind np.random.*",
+        "_bit_generator": "NumPy's RandomState's bit generator: its state address and lock",
+        "_inst": "Python's global random.Random (random._inst), behind random.*",
+    },
     "checkpointless.integrations._hf_internals": {
         # transformers.Trainer's internals that its training loop calls between steps
         "_tr_loss": "transformers.Trainer",
