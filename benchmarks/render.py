@@ -376,6 +376,21 @@ def t_parallel_recovery(d: dict[str, Any]) -> Table:
     row("step, no fault, (a)", lambda job: step(job, "a"))
     row("step, no fault, (b)", lambda job: step(job, base))
     row("step ratio (a) / (b) (95% interval)", ratio)
+
+    def cpu(job: dict[str, Any]) -> str:  # the whole job's CPU per step, from runs since 2026-12-07 16:00
+        c = job.get("step_time", {}).get("cpu")
+        if not c or not c["paired"]["n"]:
+            return "–"
+        ci = c["ratio"]
+        interval = (
+            f" ({ci['lo']:.3f}–{ci['hi']:.3f})" if ci["lo"] is not None else " (no interval: < 3 repeats)"
+        )
+        return (
+            f"{num(c['a']['median'], 1, ' ms', 1000)} / {num(c[base]['median'], 1, ' ms', 1000)}: "
+            f"{ci['geomean']:.3f}{interval}; per repeat {spread(c['paired'], 3, '')}"
+        )
+
+    row("CPU per step, whole job, (a) / (b) (95% interval)", cpu)
     row("state the spare received", moved("state_bytes", 1, " MB", 1e-6))
     row("its stream", moved("stream_mbps", 0, " MB/s"))
     row("whole transfer (collect, stream, check, restore)", moved("end_to_end_mbps", 0, " MB/s"))
