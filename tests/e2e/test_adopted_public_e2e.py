@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, alive, run_job
+from tests.helpers.jobs import ROOT, run_job
 
 NOWHERE = Path("/nonexistent")
 TUTORIAL = ROOT / "examples" / "adopted" / "multigpu_torchrun_adopted.py"
@@ -29,6 +29,6 @@ def test_ddp_tutorial_adopted_survives_kill_exception_and_optimizer_fault_bitwis
     assert res.rc == 0, res.output[-6000:]
     res.assert_same_weights(ref, nproc=2)
     assert len(res.of("fault_injected")) == 3 and len(res.of("recovery")) >= 3, res.output[-4000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
     # the script's own snapshot after each epoch, written by rank 0 as in the original
     assert (tmp_path / "run.pt").exists()

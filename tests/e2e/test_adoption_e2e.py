@@ -40,7 +40,7 @@ def check_bitwise(res: JobResult, ref: JobResult, faults: int) -> None:
     assert res.batches() == ref.batches(), "some rank trained on other samples than the fault-free run"
     assert len(res.of("fault_injected")) == faults, res.output[-4000:]
     assert len(res.of("recovery")) >= faults, res.output[-4000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
     # other jobs may be running on this machine: look for this job's private name only
     shm_name = (res.run_dir.parent / (res.run_dir.name + ".digest-shm")).read_text().strip()
     assert shm_name.startswith(f"checkpointless-{os.geteuid()}-")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, run_job
+from tests.helpers.jobs import ROOT, JobResult, run_job
 from tests.helpers.reference import ReferenceRuns
 
 SCRIPT = ROOT / "tests" / "scripts" / "adopt_more.py"
@@ -34,7 +34,7 @@ def check(res: JobResult, ref: JobResult, first: int = 0) -> None:
     res.assert_same_weights(ref, nproc=NPROC)
     want = {k: v for k, v in ref.batches().items() if k[1] >= first}
     assert res.batches() == want, "some rank trained on other samples than the fault-free run"
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(300)

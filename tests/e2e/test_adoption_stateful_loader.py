@@ -22,7 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.state.codec import layout, unpack
-from tests.helpers.jobs import ROOT, alive, kill_every_rank_after_snapshot, run_job
+from tests.helpers.jobs import ROOT, kill_every_rank_after_snapshot, run_job
 from tests.helpers.reference import ReferenceRuns
 
 torchdata = pytest.importorskip("torchdata.stateful_dataloader")
@@ -221,7 +221,7 @@ def test_job_on_a_stateful_dataloader_with_workers_survives_kills_and_an_excepti
     assert res.batches() == ref.batches(), "some rank trained on other samples than the fault-free run"
     assert len(res.batches()) == 40
     res.assert_same_weights(ref, nproc=2)
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(400)
@@ -258,4 +258,4 @@ def test_every_rank_killed_resumes_a_stateful_dataloader_from_the_snapshot(
     assert any(p.get("from_snapshot") for p in res.of("plan")), res.of("plan")
     assert res.batches() == ref.batches(), "a rank trained on other samples than the fault-free run"
     res.assert_same_weights(ref, nproc=2)
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

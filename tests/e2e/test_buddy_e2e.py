@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_sharded_e2e import check_shards
-from tests.helpers.jobs import TINY, JobResult, alive, run_job
+from tests.helpers.jobs import TINY, JobResult, run_job
 from tests.helpers.reference import ReferenceRuns
 
 FSDP = [*TINY, "--fsdp", "1,4"]
@@ -96,7 +96,7 @@ def test_fsdp_two_kills_whose_copies_are_on_each_other_fall_back_to_own_snapshot
     if res.rc != 0:  # the documented error is acceptable; a wrong result never is
         assert "no replica, no buddy copy and no snapshot" in res.output, res.output[-4000:]
         assert not res.digests, f"no rank may finish with a result: {res.digests}"
-        assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+        assert not res.left_behind(), "processes of the job were left behind"
         pytest.fail("the per-rank snapshot fallback did not recover: " + res.output[-2000:])
     check_shards(res, fsdp_reference)
     plans = _plans(res)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, alive, run_job
+from tests.helpers.jobs import ROOT, run_job
 
 NOWHERE = Path("/nonexistent")
 SCRIPT = ROOT / "tests" / "scripts" / "default_group.py"
@@ -28,7 +28,7 @@ def test_default_group_collectives_survive_kill_and_exception_bitwise(tmp_path: 
     assert res.rc == 0, res.output[-6000:]
     res.assert_same_weights(ref, nproc=2)
     assert len(res.of("fault_injected")) == 2 and len(res.of("recovery")) >= 2, res.output[-4000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(60)

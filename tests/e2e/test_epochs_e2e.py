@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, alive, run_job
+from tests.helpers.jobs import ROOT, run_job
 
 SCRIPT = ROOT / "tests" / "scripts" / "epochs_sched.py"
 NOWHERE = Path("/nonexistent")
@@ -37,7 +37,7 @@ def test_a_rolled_forward_epoch_end_steps_the_replacements_scheduler_too(tmp_pat
     assert plans and plans[0]["target_step"] == 4 and plans[0]["receivers"] == [1], plans
     assert [e["rank"] for e in res.of("spare_assigned")] == [1]
     res.assert_same_weights(ref, 3)
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(300)
@@ -56,4 +56,4 @@ def test_a_rollback_to_an_earlier_epoch_undoes_the_abandoned_epochs_work(tmp_pat
     assert "rank 0 abandoned epoch 1" in res.output, "the survivor's epoch 1 was left by a rollback"
     assert "abandoned epoch" not in ref.output
     assert "marked abandoned" not in res.output, "the replayed epoch is not abandoned"
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import SCRIPTS, alive, run_job
+from tests.helpers.jobs import SCRIPTS, run_job
 from tests.helpers.reference import ReferenceRuns
 
 SCRIPT = SCRIPTS / "fabric_ddp.py"
@@ -39,4 +39,4 @@ def test_fabric_loop_survives_a_kill_and_exceptions_bitwise(
     lines = [x for x in res.output.splitlines() if " loss " in x and x.startswith("step ")]
     want = [x for x in ref.output.splitlines() if " loss " in x and x.startswith("step ")]
     assert lines == want, (lines, want)
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

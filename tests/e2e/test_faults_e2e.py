@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.jobs import TINY, JobResult, alive, fault_at, run_job
+from tests.helpers.jobs import TINY, JobResult, fault_at, run_job
 from tests.helpers.paths import SCRIPTS
 
 
@@ -24,7 +24,7 @@ def check_recovered(res: JobResult, ref: JobResult, recoveries: int = 1) -> None
     recs = res.of("recovery")
     # a fault that start-up absorbed (step 0, before generation 0 formed everywhere) is named there
     assert len(recs) + len(res.startup_faults()) >= recoveries, res.output[-6000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
     shm = res.of("job_start")[0]["shm"]
     assert shm.startswith("/dev/shm/checkpointless-") and not Path(shm).exists(), "shared memory left behind"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
+from tests.helpers.jobs import ROOT, JobResult, fault_at, start_job
 
 pytest.importorskip("accelerate", reason="the `hf` extra is not installed")
 
@@ -75,7 +75,7 @@ def test_accelerate_loop_fault_is_survived_bitwise(tmp_path: Path, reference: Jo
     assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
     if fault.startswith(("kill", "hang")):
         assert res.of("spare_assigned") and "the training DataLoader seeks there" in res.output
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(240)
@@ -98,7 +98,7 @@ def test_accelerate_loop_faults_in_one_job_are_each_survived_bitwise(
             ]
             assert "the training DataLoader seeks there" in res.output
     assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.soak
@@ -134,4 +134,4 @@ def test_a_fault_during_a_protected_evaluation_is_recovered_and_it_runs_again(
     assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
     if fault.startswith("kill"):
         assert [e["rank"] for e in res.of("spare_assigned")] == [1]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
+from tests.helpers.jobs import ROOT, JobResult, fault_at, start_job
 from tests.helpers.reference import ReferenceRuns
 
 pytest.importorskip("accelerate", reason="the `hf` extra is not installed")
@@ -93,7 +93,7 @@ def check(res: JobResult, ref: JobResult, faults: list[str]) -> None:
     given, want = evaluations_given(res), evaluations_given(ref)
     assert all(n == 1 for n in given.values()), given
     assert {(r, e, loss) for r, _, e, loss in given} == {(r, e, loss) for r, _, e, loss in want}, given
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.fixture(scope="module")

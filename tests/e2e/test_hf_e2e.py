@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
+from tests.helpers.jobs import ROOT, JobResult, fault_at, start_job
 
 pytest.importorskip("transformers", reason="the `hf` extra is not installed")
 
@@ -109,7 +109,7 @@ def test_trainer_faults_in_one_job_are_each_survived_bitwise(tmp_path: Path, ref
             assert plans and rank in plans[0]["receivers"], (
                 "a rank that faulted mid-update must receive state"
             )
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.soak
@@ -130,7 +130,7 @@ def test_trainer_fault_is_survived_bitwise(tmp_path: Path, reference: JobResult,
     if "optimizer" in fault:
         plans = [p for p in res.of("plan") if p["generation"] > 0]
         assert 0 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.soak

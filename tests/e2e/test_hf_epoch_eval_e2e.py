@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, start_job
+from tests.helpers.jobs import ROOT, JobResult, fault_at, start_job
 
 pytest.importorskip("transformers", reason="the `hf` extra is not installed")
 
@@ -183,4 +183,4 @@ def test_epoch_evaluation_and_the_best_checkpoint_survive_faults_bitwise(
     assert res.output.count("'eval_loss'") == reference.output.count("'eval_loss'") == 3
     assert res.output.count("{'loss'") == reference.output.count("{'loss'") == STEPS
     assert "the evaluation and checkpoint at global step" in res.output
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, start_job
+from tests.helpers.jobs import ROOT, JobResult, start_job
 
 pytest.importorskip("transformers", reason="the `hf` extra is not installed")
 
@@ -79,4 +79,4 @@ def test_a_fault_during_evaluation_is_recovered_and_the_evaluation_redone(
     assert "the evaluation and checkpoint at global step" in res.output
     if fault.startswith("kill"):
         assert [e["rank"] for e in res.of("spare_assigned")] == [1]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_hf_epoch_eval_e2e import checkpoints, summaries
-from tests.helpers.jobs import ROOT, JobResult, alive, start_job
+from tests.helpers.jobs import ROOT, JobResult, start_job
 from tests.helpers.reference import ReferenceRuns
 
 pytest.importorskip("transformers", reason="the `hf` extra is not installed")
@@ -69,4 +69,4 @@ def test_a_fault_as_trainers_section_returns_redoes_it_from_its_start(
     assert summaries(res) == summaries(ref), "evaluation metrics or the best checkpoint differ"
     assert checkpoints(res) == checkpoints(ref), "Trainer's checkpoints differ"
     assert res.output.count("'eval_loss'") == ref.output.count("'eval_loss'") == 3
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import SCRIPTS, alive, run_job
+from tests.helpers.jobs import SCRIPTS, run_job
 from tests.helpers.reference import ReferenceRuns
 
 pytestmark = pytest.mark.timeout(150)
@@ -74,4 +74,4 @@ def test_a_lost_rank_takes_its_replica_group_out_and_the_group_grows_back_bitwis
             f"a {what} (slot, step) had another batch than without the fault"
         )
         assert set(ref_got) - set(got) <= allowed, (what, sorted(set(ref_got) - set(got)), sorted(cut))
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

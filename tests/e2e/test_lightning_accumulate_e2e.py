@@ -44,7 +44,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, RunningJob, alive, fault_at, start_job
+from tests.helpers.jobs import ROOT, JobResult, RunningJob, fault_at, start_job
 
 pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
 
@@ -89,7 +89,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobResult]:
             errors.append(f"{name}: {e}")
     assert not errors, "\n".join(errors)
     for name, res in out.items():
-        assert not [p for p in res.pids() if alive(p)], f"{name}: processes of the job were left behind"
+        assert not res.left_behind(), f"{name}: processes of the job were left behind"
     return out
 
 
@@ -223,7 +223,7 @@ def resumed(runs: dict[str, JobResult], tmp_path_factory: pytest.TempPathFactory
         )
     out = {name: job.finish(220) for name, job in jobs.items()}
     for name, res in out.items():
-        assert not [p for p in res.pids() if alive(p)], f"{name}: processes of the job were left behind"
+        assert not res.left_behind(), f"{name}: processes of the job were left behind"
     return out
 
 

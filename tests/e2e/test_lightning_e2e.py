@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, fault_at, kill_every_rank_after_snapshot, start_job
+from tests.helpers.jobs import ROOT, JobResult, fault_at, kill_every_rank_after_snapshot, start_job
 
 pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
 
@@ -153,7 +153,7 @@ def test_lightning_fault_is_survived_bitwise(
     if "optimizer" in fault:
         plans = [p for p in res.of("plan") if p["generation"] > 0]
         assert 0 in plans[0]["receivers"], "a rank that faulted mid-update must receive state"
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(240)
@@ -190,7 +190,7 @@ def test_lightning_faults_in_one_job_are_each_survived_bitwise(
             assert plans and rank in plans[0]["receivers"], (
                 "a rank that faulted mid-update must receive state"
             )
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 # `make soak`: the default suite's test_lightning_every_replica_e2e kills every rank of a smaller
@@ -228,4 +228,4 @@ def test_lightning_job_that_loses_every_rank_restores_its_snapshot_bitwise(
     assert_same_checkpoints(res, reference)
     # each replacement sought step 4 in Lightning's loop and read no sample before it
     assert_reads_only_trained_batches(res, replaced=3)
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

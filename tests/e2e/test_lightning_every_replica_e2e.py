@@ -39,7 +39,6 @@ from checkpointless.state.durable import list_checkpoints
 from tests.helpers.jobs import (
     ROOT,
     JobResult,
-    alive,
     all_committed,
     kill_every_rank_after_snapshot,
     kill_workers_when,
@@ -107,7 +106,7 @@ def check_bitwise(res: JobResult, ref: JobResult, targets: list[int]) -> None:
     reads = re.findall(r"reads rank=(\d+) samples=(\d+) trained=(\d+)x2", res.output)
     assert sorted(int(r) for r, _, _ in reads) == [0, 1], res.output[-4000:]
     assert all(int(s) == 2 * int(t) for _, s, t in reads), reads
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import EXAMPLE, alive, run_job
+from tests.helpers.jobs import EXAMPLE, run_job
 from tests.helpers.reference import ReferenceRuns
 
 LLAMA_3D = EXAMPLE.parent / "llama_3d.py"
@@ -44,4 +44,4 @@ def test_the_3d_example_is_recovered_bitwise(tmp_path: Path, corpus: Path, refer
     # the lost rank (dp 1, shard 0, tp 1) takes its state from (dp 0, shard 0, tp 1)
     plans = [e for e in res.of("plan") if e["generation"] > 0]
     assert plans and [5, 1] in plans[0].get("sources", []), plans
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, alive, read_digests, run_job, torchrun_env
+from tests.helpers.jobs import ROOT, read_digests, run_job, torchrun_env
 from tests.helpers.reference import ReferenceRuns
 
 NOWHERE = Path("/nonexistent")
@@ -37,7 +37,7 @@ def test_script_groups_survive_kill_and_exception_bitwise(tmp_path: Path, refere
     # the peers were woken inside the script's groups (keyed g<seq>.r<ranks>), not only in the
     # gradients' all-reduce
     assert "CommAborted: group g1.r0.1 " in res.output or "group g2.r0.1.2 " in res.output, res.output[-6000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(200)

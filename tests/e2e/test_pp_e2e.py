@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, read_digests, run_job, torchrun_env
+from tests.helpers.jobs import ROOT, JobResult, read_digests, run_job, torchrun_env
 from tests.helpers.paths import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 
@@ -81,7 +81,7 @@ def assert_same_stages(res: JobResult, ref: JobResult) -> None:
     for plan in state_sources(res):  # a source holds the receiver's stage, in another replica
         for r, s in plan.items():
             assert s % PP == r % PP and s // PP != r // PP, (r, s)
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 # one job, six faults, each replayed from unchanged state; fault -> {receiver: source} of its plan

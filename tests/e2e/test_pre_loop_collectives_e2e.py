@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import JobResult, alive, run_job
+from tests.helpers.jobs import JobResult, run_job
 from tests.helpers.paths import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 
@@ -45,7 +45,7 @@ def _check(res: JobResult, ref: JobResult) -> None:
         if res.digests.get(r) != d
     }
     assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(150)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import SCRIPTS, JobResult, alive, run_job
+from tests.helpers.jobs import SCRIPTS, JobResult, run_job
 
 NOWHERE = Path("/nonexistent")
 SCRIPT = SCRIPTS / "replay_loss.py"
@@ -26,7 +26,7 @@ def _run(tmp_path: Path, order: str) -> JobResult:
     res = run_job(tmp_path / "run", NOWHERE, 2, 1, [KILL], script=SCRIPT, script_args=args, timeout=120)
     assert res.rc == 0, res.output[-6000:]
     assert res.fired(KILL) and res.of("spare_assigned"), res.output[-4000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
     return res
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import EXAMPLE, ROOT, TINY, JobResult, alive, read_digests, run_job, torchrun_env
+from tests.helpers.jobs import EXAMPLE, ROOT, TINY, JobResult, read_digests, run_job, torchrun_env
 from tests.helpers.paths import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 
@@ -47,7 +47,7 @@ def check_shards(res: JobResult, ref: JobResult) -> None:
     # a fault in step 0 can land before the coordinator has heard every rank form generation 0
     # (the others are still reporting): start-up absorbs it, and must say so
     assert res.of("recovery") or res.startup_faults(), res.output[-4000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 def under_torchrun(
@@ -190,7 +190,7 @@ def test_fsdp_without_replica_ends_with_the_documented_error(tmp_path: Path, cor
     assert "no replica, no buddy copy and no snapshot" in res.output, res.output[-4000:]
     assert "R >= 2" in res.output and "--buddy-copies" in res.output, res.output[-4000:]
     assert not res.digests, f"no rank may finish with a result: {res.digests}"
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(120)

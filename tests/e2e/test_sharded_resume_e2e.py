@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import JobResult, alive, run_job
+from tests.helpers.jobs import JobResult, run_job
 from tests.helpers.paths import SCRIPTS
 
 SCRIPT = SCRIPTS / "fsdp_resume.py"
@@ -26,7 +26,7 @@ def _run(run_dir: Path, corpus: Path, mesh: str, args: list[str], spares: int = 
     )
     assert res.rc == 0, res.output[-6000:]
     assert sorted(res.digests) == list(range(nproc)), res.digests
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
     return res
 
 

@@ -62,7 +62,7 @@ def test_worker_stopped_while_importing_is_replaced_and_the_job_ends_bitwise(
     # beside another test in make test's second worker)
     assert faults[0]["time"] - res.of("job_start")[0]["time"] < 30, faults
     assert time.monotonic() - t0 < 120
-    assert not [p for p in res.pids() if alive(p)]
+    assert not res.left_behind()
 
 
 @pytest.mark.timeout(150)
@@ -141,4 +141,4 @@ def test_fork_template_stopped_falls_back_to_fresh_interpreters(
     assert "fork server stopped" in res.output, res.output[-3000:]
     assert not [e for e in res.of("spawn") if e["forked"]], "no process may come from the stopped template"
     assert not alive(stopped[0]), "the stopped template was left behind"
-    assert not [p for p in res.pids() if alive(p)]
+    assert not res.left_behind()

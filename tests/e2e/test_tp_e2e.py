@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, alive, read_digests, run_job, torchrun_env
+from tests.helpers.jobs import ROOT, JobResult, read_digests, run_job, torchrun_env
 from tests.helpers.paths import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 
@@ -89,7 +89,7 @@ def test_tp_faults_in_one_job_are_each_recovered_from_the_same_tp_coordinate_bit
     ):  # whatever the plan, a source holds the receiver's tp shard in another replica
         for r, s in plan.items():
             assert s % TP == r % TP and s // TP != r // TP, (r, s)
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.soak
@@ -136,7 +136,7 @@ def test_tp_fault_is_recovered_from_the_same_tp_coordinate_bitwise(
     for plan in plans:  # whatever the plan, a source holds the receiver's tp shard in another replica
         for r, s in plan.items():
             assert s % TP == r % TP and s // TP != r // TP, (r, s)
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(150)

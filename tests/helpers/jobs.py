@@ -162,6 +162,18 @@ class JobResult:
         p = self.run_dir / "pids"
         return [int(x) for x in p.read_text().split()] if p.exists() else []
 
+    def left_behind(self, grace: float = 10.0) -> list[int]:
+        """The job's processes still alive ``grace`` s from now (sooner if none is). A process
+        killed as the job ends (a fenced host's workers, when its agent is stopped last) is gone
+        only once the kernel has torn down its memory, which takes a moment under load; a process
+        that was really left behind is still there after the grace."""
+        deadline = time.monotonic() + grace
+        while True:
+            left = [p for p in self.pids() if alive(p)]
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.1)
+
 
 def fault_at(spec: str) -> tuple[int, int]:
     """(rank, step) of an --inject fault spec such as ``kill:rank=1:step=4``."""

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.harness.netns_job import host_shm_dirs, launch_on_hosts
-from tests.helpers.jobs import TINY, JobResult, alive
+from tests.helpers.jobs import TINY, JobResult
 from tests.helpers.reference import ReferenceRuns
 
 ARGS = [*TINY[2:], "--steps", "40", "--fsdp", "1,4"]
@@ -81,7 +81,7 @@ def test_fsdp_mutual_pair_killed_together_falls_back_or_stops_with_the_documente
         assert {0, 2} <= set(p.get("own_snapshot", [])), p
     if res.rc == 0:
         assert both, f"the two kills were not recovered together: {plans}"
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.netns
@@ -109,4 +109,4 @@ def test_fsdp_host_loss_is_recovered_from_buddies_on_the_other_host(
     plans = [e for e in job.events("plan") if e["generation"] > 0]
     served = {r: s for p in plans for r, s in p.get("sources", []) if r in p.get("from_copy", [])}
     assert served.get(2) == 0 and served.get(3) == 1, plans
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

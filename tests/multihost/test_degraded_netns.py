@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.harness.netns_job import host_shm_dirs, launch_on_hosts
-from tests.helpers.jobs import SCRIPTS, alive
+from tests.helpers.jobs import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 from tests.helpers.wait import wait_for
 
@@ -80,4 +80,4 @@ def test_a_lost_host_with_no_spare_host_shrinks_the_job_and_a_new_host_grows_it_
     # the held slot's steps too (its holder's slot_commit events): only the step the kill cut off
     # may be missing, committed by its replicas but never logged by the lost rank
     res.assert_same_batches(ref, lost={lost})
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.harness.netns_job import host_shm_dirs, launch_on_hosts
-from tests.helpers.jobs import TINY, JobResult, alive
+from tests.helpers.jobs import TINY, JobResult
 from tests.helpers.reference import ReferenceRuns
 from tests.helpers.wait import wait_for
 
@@ -33,7 +33,7 @@ def check_recovered(res: JobResult, ref: JobResult, lost_ranks: set[int]) -> Non
     res.assert_same_weights(ref, nproc=len(ref.digests))
     res.assert_same_batches(ref, lost_ranks)
     assert res.of("recovery"), res.output[-6000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
     shm = res.of("job_start")[0]["shm"]
     assert not Path(shm).exists(), "shared memory left behind"
 

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.harness.netns_job import host_shm_dirs, launch_on_hosts
-from tests.helpers.jobs import SCRIPTS, alive
+from tests.helpers.jobs import SCRIPTS
 from tests.helpers.reference import ReferenceRuns
 
 SCRIPT = SCRIPTS / "dropout_global_rng.py"
@@ -73,7 +73,7 @@ def test_host_loss_resumes_the_lost_ranks_own_generators(
     got, want = res.batches(), ref.batches()
     wrong = sorted(k for k in got if got[k] != want.get(k))
     assert not wrong, f"ranks drew other batches than in the fault-free run at {wrong}"
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.netns

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.harness.netns_job import host_shm_dirs, launch_on_hosts
-from tests.helpers.jobs import ROOT, JobResult, alive
+from tests.helpers.jobs import ROOT, JobResult
 from tests.helpers.reference import ReferenceRuns
 
 pytest.importorskip("accelerate", reason="the `hf` extra is not installed")
@@ -95,4 +95,4 @@ def test_a_lost_hosts_section_pass_and_held_lines_come_from_its_keeper(
     # rank 1's copy of its record where it runs on another host than rank 0 did)
     assert "a rank whose records this rank keeps passed section(s)" in logs, logs[-6000:]
     assert "showing the lines rank 0 held in section" in logs, logs[-6000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

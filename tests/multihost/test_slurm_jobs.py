@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers.harness.slurm import SlurmCluster
 from tests.helpers.harness.slurm_procs import proc_comm
-from tests.helpers.jobs import EXAMPLE, ROOT, SCRIPTS, TINY, JobResult, alive, read_digests
+from tests.helpers.jobs import EXAMPLE, ROOT, SCRIPTS, TINY, JobResult, read_digests
 from tests.helpers.reference import ReferenceRuns
 from tests.helpers.wait import wait_for
 from tests.multihost.test_multihost import check_recovered
@@ -155,7 +155,7 @@ def _no_job_processes(c: SlurmCluster, timeout: float = 30.0) -> None:
 
 
 def _check_clean(c: SlurmCluster, res: JobResult) -> None:
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"
     _no_job_processes(c)
     shm = res.of("job_start")[0]["shm"]
     assert not Path(shm).exists(), f"shared memory {shm} left behind"

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.harness.netns_job import host_shm_dirs, launch_on_hosts
-from tests.helpers.jobs import SCRIPTS, JobResult, alive
+from tests.helpers.jobs import SCRIPTS, JobResult
 from tests.helpers.reference import ReferenceRuns
 
 TP_SCRIPT = SCRIPTS / "tp_mlp.py"
@@ -89,4 +89,4 @@ def test_tp_groups_stay_on_one_host_and_a_lost_hosts_tp_group_recovers_bitwise(
     plans = [{r: s for r, s in e.get("sources", [])} for e in res.of("plan") if e["generation"] > 0]
     assert plans == [{2: 0, 3: 1}], plans
     assert len(res.of("recovery")) == 1, res.output[-4000:]
-    assert not [p for p in res.pids() if alive(p)], "processes of the job were left behind"
+    assert not res.left_behind(), "processes of the job were left behind"

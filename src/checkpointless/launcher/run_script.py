@@ -66,6 +66,15 @@ def run_script(argv: list[str]) -> NoReturn:
     # a native crash (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to the worker's
     # output: without it a crash inside torch or gloo leaves only an exit signal to go on
     faulthandler.enable(all_threads=True)
+    # The launcher sets PYTHONUNBUFFERED so that a worker's output is not lost when it is killed,
+    # but unbuffered, print() writes its text and its newline in two calls, and two ranks
+    # printing at once interleave mid-line in the job's shared output ("...seen=20epoch metric
+    # rank=0 ...\n\n"). Line buffering keeps that promptness for every whole line and writes each
+    # line in one call, which a pipe or file keeps whole. A partial line waits for its newline, a
+    # flush, or the exit below.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # replaced by something that cannot be reconfigured
+            stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
