@@ -48,8 +48,9 @@ unit: $(STAMP)
 harness: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'netns or slurm' --durations=10
 
+# the long chaos and soak runs, in the same two workers as `make test`
 soak: $(STAMP)
-	$(BIN)/python -m pytest -q -m soak
+	$(BIN)/python -m pytest -q -m soak --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/recovery.py
