@@ -37,7 +37,7 @@ from typing import Any, NoReturn, Protocol
 
 __all__ = ["ENABLE_ENV", "Process", "ZygoteProcess", "launch"]
 
-ENABLE_ENV = "CHECKPOINTLESS_TEST_ZYGOTE"  # "1": launchers fork from the zygote; else fresh interpreters
+ENABLE_ENV = "CHECKPOINTLESS_TEST_ZYGOTE"  # "0": fresh interpreters; unset or "1": the zygote
 _MAX_REQUEST = 1 << 20  # argv + environment, as one SOCK_SEQPACKET message
 _READY_S = 120.0  # the zygote's imports, on a loaded machine
 
@@ -184,7 +184,7 @@ def launch(
     stdout and stderr on the descriptor ``out``, inside the network namespace ``netns`` if given
     (as ``ip netns exec`` would); None where a fresh interpreter must do it."""
     global _zygote
-    if os.environ.get(ENABLE_ENV) != "1" or cmd[:3] != [sys.executable, "-m", "checkpointless"]:
+    if os.environ.get(ENABLE_ENV, "1") != "1" or cmd[:3] != [sys.executable, "-m", "checkpointless"]:
         return None
     with _zygote_lock:
         if _zygote is None or _zygote.popen.poll() is not None:
