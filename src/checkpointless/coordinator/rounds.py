@@ -29,6 +29,7 @@ from checkpointless.coordinator.round_messages import (
 from checkpointless.coordinator.rules.after_loop import after_the_loop
 from checkpointless.coordinator.rules.budget import FaultRecord
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, without_spare
+from checkpointless.coordinator.rules.round_wait import overdue, waiting
 from checkpointless.coordinator.rules.sections import closed_sections, doubtful_sections
 from checkpointless.coordinator.rules.width import WidthAction, fold_held_slots
 from checkpointless.coordinator.spares import SparePool
@@ -201,10 +202,10 @@ class Rounds:
             self.replace_ranks(r, sorted(r.replace), now)
             return
         if len(r.reports) < nproc:
-            if now - r.started > self.cfg.recovery_timeout:
-                missing = sorted(set(range(nproc)) - set(r.reports))
+            missing = waiting(ranks, r.reports, nproc)
+            if late := overdue(missing, r.started, now, self.cfg.recovery_timeout, self.cfg.start_timeout):
                 raise NotRecoverableError(
-                    f"generation {r.target}: ranks {missing} never reported within --recovery-timeout"
+                    f"generation {r.target}: ranks {late} never reported within --recovery-timeout"
                 )
             return
         rootless = self.rendezvous["kind"] == "rootless"
