@@ -124,7 +124,7 @@ class FaultLedger:
             raise NotRecoverableError(end)
         if why is None:
             return
-        if kind == "exception" and used(self.respawns) < cfg.fresh_process_retries:
+        if kind == "exception" and used(self.respawns, step, cfg.fault_window) < cfg.fresh_process_retries:
             self.held = why  # the round's plan decides (settle): the other ranks report first
             return
         raise NotRecoverableError(why)
@@ -145,11 +145,11 @@ class FaultLedger:
         why, self.held = self.held or stuck, None
         if why is None:
             return ()
-        had = used(self.respawns)
+        step = max((f.step for f in r.raised.values() if f.step is not None), default=target_step)
+        had = used(self.respawns, step, cfg.fault_window)
         d = respawn_decision(why, list(r.raised), reports, cfg.fresh_process_retries, had, r.initial)
         if isinstance(d, str):
             raise NotRecoverableError(d)
-        step = max((f.step for f in r.raised.values() if f.step is not None), default=target_step)
         retries = max(in_process_tries(self.history, d, step, cfg.fault_window) - 1, 0)
         self.respawns.append(Respawn(d, step, generation, retries, why))
         self.last_target, self.same_target = None, 0  # the fresh processes' try is a new series
@@ -175,7 +175,7 @@ class FaultLedger:
         episode = step is not None and any(
             x.step == step and x.generation == generation for x in self.respawns
         )
-        had = 0 if episode else used(self.respawns)  # ranks of one step and round count once
+        had = 0 if episode else used(self.respawns, step, cfg.fault_window)  # one step and round: once
         why = retries_spent_verdict(f"rank {rank}: {error}", step, cfg.fresh_process_retries, had)
         if why is not None or step is None:
             raise NotRecoverableError(why or error)

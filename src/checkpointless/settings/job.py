@@ -181,8 +181,8 @@ class JobSettings:
         16,
         metavar="N",
         help="once a rank's exception recurs past --max-repeat-faults or --max-step-failures, replace "
-        "the raising rank(s) with fresh processes and try the step once more, at most N times in the "
-        "job (0: off, the job stops there): a fault that lives in a process (a wedged device context, "
+        "the raising rank(s) with fresh processes and try the step once more, at most N times within "
+        "--fault-window steps (0: off, the job stops there): a fault that lives in a process (a wedged device context, "
         "leaked handles) is cured; a bug in the script raises again and stops the job",
         off=0,
         limit=Range(0, "0 (off) or a number of retries"),

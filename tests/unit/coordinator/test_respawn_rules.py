@@ -41,7 +41,8 @@ def test_off_or_used_up_ends_the_job_with_the_budgets_reason() -> None:
     assert respawn_decision(WHY, [1], reports, allowed=0, had=0) == WHY
     spent = respawn_decision(WHY, [1], reports, allowed=2, had=2)
     assert isinstance(spent, str) and spent.startswith(WHY)
-    assert "2 fresh-process retries are used up" in spent and "--fresh-process-retries" in spent
+    assert "2 fresh-process retries allowed within --fault-window steps are used up" in spent
+    assert "--fresh-process-retries" in spent
 
 
 def test_a_verdict_on_kills_alone_ends_the_job() -> None:
@@ -134,6 +135,17 @@ def test_ranks_of_one_step_and_round_count_as_one_retry() -> None:
     b = Respawn((1,), 3, 4, 3)
     c = Respawn((1,), 9, 6, 3)
     assert used([]) == 0 and used([a, b]) == 1 and used([a, b, c]) == 2
+
+
+def test_retries_count_within_the_fault_window_not_the_whole_job() -> None:
+    """A long job meets unrelated faults that a fresh process cures, far apart: each counts only
+    near its own step, so the job is not stopped at the N+1th."""
+    far = [Respawn((k % 4,), 100 * k, k, 3) for k in range(40)]
+    assert used(far, step=4000, window=20) == 0 and used(far) == 40
+    assert used(far, step=3910, window=20) == 1
+    near = [Respawn((0,), 50 + k, 10 + k, 3) for k in range(5)]
+    assert used(near, step=60, window=20) == 5 and used(near, step=70, window=20) == 5
+    assert used(near, step=75, window=3) == 0
 
 
 def test_tries_count_the_ranks_exceptions_near_the_step() -> None:
