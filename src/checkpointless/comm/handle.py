@@ -282,7 +282,7 @@ GLOO_CONNECT_CHOICES = ("lazy", "full")
 
 
 def gloo_connect() -> str:
-    """How a gloo group of the launcher's connects its ranks: ``lazy`` (the default) or ``full``.
+    """How a gloo group of the launcher's connects its ranks: ``full`` (the default) or ``lazy``.
 
     ``full`` is gloo's full mesh: each rank publishes one key and, before the group exists,
     reads every rank's key and connects to all N-1 peers, at start-up and at every rebuild.
@@ -292,12 +292,19 @@ def gloo_connect() -> str:
     listener port and new pair sequence numbers), so every key changes at every rebuild and none
     can be kept from the last generation; what lazy saves is reading, and connecting to, the
     peers no collective of the generation uses (docs/rendezvous.md, "What a rebuild reads").
+
+    ``lazy`` is not the default: it moves the key reads into the collective, where gloo calls the
+    store from its own C++ thread, and a peer that died by then makes the store raise there. That
+    error cannot reach Python from that thread: the process aborts (std::terminate, SIGABRT), so
+    the survivors of a kill died with it and a shard with no other copy was lost (the two-worker
+    suite, session 34: an HSDP rank killed in its first step took ranks 0 and 2 with it). Lazy
+    waits for a store that turns a dead peer into an error gloo can return, not throw.
     """
-    choice = os.environ.get(GLOO_CONNECT_VAR, "lazy")
+    choice = os.environ.get(GLOO_CONNECT_VAR, "full")
     if choice not in GLOO_CONNECT_CHOICES:
         raise RendezvousError(
-            f"{GLOO_CONNECT_VAR}={choice!r} is not a gloo connection mode; use 'lazy' (connect to "
-            "a peer when a collective first needs it, the default) or 'full' (gloo's full mesh)"
+            f"{GLOO_CONNECT_VAR}={choice!r} is not a gloo connection mode; use 'full' (gloo's full "
+            "mesh, the default) or 'lazy' (connect to a peer when a collective first needs it)"
         )
     return choice
 

@@ -79,10 +79,15 @@ class DegradedDesign(str, Enum):
 class AfterRetries(str, Enum):
     """What a job does once a step that keeps raising has used its in-process retries.
 
-    ``stop`` is the launcher as built: the worker's ``max_step_retries`` and the coordinator's
-    fault budget end the job, and it is started again from its checkpoint. ``respawn`` is a
-    what-if, not built: the raising ranks are started again as fresh spare processes that take
-    the state of the step from a copy held outside them, and the job goes on without a restart.
+    ``respawn`` is the launcher as built (``--fresh-process-retries``, coordinator/rules/respawn.py):
+    the raising ranks are started again as fresh spare processes that take the state of the step
+    from a copy held outside them (a peer replica, a snapshot), and the job goes on without a
+    restart. Its limit counts within ``--fault-window`` steps, which the modelled fault rates never
+    reach. The model takes a recurring software fault to live in its process, so the fresh process
+    cures it; a deterministic bug in the script stops any system and is outside the model.
+    ``stop`` is the launcher before that (``--fresh-process-retries 0``): the worker's
+    ``max_step_retries`` and the coordinator's fault budget end the job, and it is started again
+    from its checkpoint.
     """
 
     STOP = "stop"
@@ -98,7 +103,7 @@ class CapacityPolicy:
     min_replicas: int = 1  # fewer data-parallel replicas at work than this is a failure
     health_check: bool = False  # a host that fails the check is quarantined, never promoted
     design: DegradedDesign = DegradedDesign.BITWISE
-    after_retries: AfterRetries = AfterRetries.STOP  # a recurring bug: respawn is not built
+    after_retries: AfterRetries = AfterRetries.RESPAWN  # a recurring bug: --fresh-process-retries
 
     def __post_init__(self) -> None:
         if math.isnan(self.spare_wait_s) or self.spare_wait_s < 0:

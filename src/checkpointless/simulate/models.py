@@ -172,7 +172,7 @@ def _cause_fallback_probability(
     cause: FailureCause, shape: JobShape, capacity: CapacityPolicy | None = None
 ) -> float:
     if cause.blast is Blast.JOB:
-        stops = capacity is None or capacity.after_retries is AfterRetries.STOP
+        stops = (capacity or CapacityPolicy()).after_retries is AfterRetries.STOP
         return 1.0 if cause.recurring and stops else 0.0
     if _no_spare(cause, shape, capacity)[0] == "fail":
         return 1.0

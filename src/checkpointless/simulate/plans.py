@@ -205,7 +205,7 @@ def recovery_plan(
     """Every phase from the fault to the first productive step (lost work is charged apart).
 
     ``fallback`` (checkpointless only) means the state cannot come from a peer, or the in-process
-    retries of a recurring bug will fail and the job stops (``AfterRetries.STOP``, as built), or no host came within the no-spare policy's wait (``gave_up_after_s``), so
+    retries of a recurring bug will fail and the job stops (``AfterRetries.STOP``, the launcher with ``--fresh-process-retries 0``), or no host came within the no-spare policy's wait (``gave_up_after_s``), so
     the job restarts from its own (less frequent) checkpoint. ``shrink``: no spare host took the
     lost place, and the job goes on with fewer replicas (after waiting ``spare_wait_s`` for one,
     under ``--when-no-spare wait``).

@@ -284,9 +284,9 @@ def _no_bug_recurs(c: SimConfig) -> SimConfig:
     return replace(c, failures=replace(c.failures, causes=causes))
 
 
-def _respawn(c: SimConfig) -> SimConfig:
-    # not built: after its retries a recurring bug's ranks start again as fresh spare processes
-    return replace(c, capacity=replace(c.capacity, after_retries=AfterRetries.RESPAWN))
+def _stop_after_retries(c: SimConfig) -> SimConfig:
+    # the launcher before --fresh-process-retries (or with it 0): a recurring bug stops the job
+    return replace(c, capacity=replace(c.capacity, after_retries=AfterRetries.STOP))
 
 
 def _split(c: SimConfig) -> SimConfig:
@@ -321,15 +321,15 @@ SCALE_CASES: tuple[tuple[str, Callable[[SimConfig], SimConfig]], ...] = (
     ),
     ("the previous model: store-based rebuild and restarts, one retry of a recurring bug", _previous_model),
     (
-        "before lazy connection: gloo's full mesh, every rank reads all N keys at each rebuild",
-        full_mesh,
+        "what-if: gloo connecting lazily (CHECKPOINTLESS_GLOO_CONNECT=lazy, opt-in), a rank reads its peers' keys",
+        _cal(rebuild_model=CommModel.ROOTLESS_LAZY, restart_model=CommModel.ROOTLESS_LAZY),
     ),
     ("what-if: no software bug recurs in-process", _no_bug_recurs),
-    ("what-if: after its 3 retries a recurring bug's ranks respawn as fresh spares, no restart", _respawn),
     (
-        "what-if: that respawn, and the round's fixed costs as measured here (host_loss.json)",
-        lambda c: _MEASURED_ROUND(_respawn(c)),
+        "before fresh-process retries: after its 3 retries a recurring bug stops the job, which restarts",
+        _stop_after_retries,
     ),
+    ("what-if: the round's fixed costs as measured here (host_loss.json)", _MEASURED_ROUND),
 )
 
 

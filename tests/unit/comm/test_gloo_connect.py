@@ -1,7 +1,7 @@
 """Which rendezvous keys a gloo rank reads, at start-up and after a rank is replaced.
 
-Full mesh (``CHECKPOINTLESS_GLOO_CONNECT=full``): every rank reads all N keys before its group
-exists. Lazy (the default): a rank reads a peer's key only when a collective first needs that
+Full mesh (the default): every rank reads all N keys before its group exists. Lazy
+(``CHECKPOINTLESS_GLOO_CONNECT=lazy``, opt-in: comm/handle.py:gloo_connect says why): a rank reads a peer's key only when a collective first needs that
 peer, so a ring all-reduce reads its two neighbours' keys and nothing else. The ranks here are
 threads of this process, each with its own key server and root-less store (as under the
 launcher); a recovery replaces one rank's key server, as a spare process brings its own. The
@@ -133,7 +133,7 @@ def _ring(r: int, n: int) -> set[int]:
 def test_lazy_reads_only_the_ring_neighbours_at_start_and_after_a_replacement(
     launcher_env: pytest.MonkeyPatch, n: int
 ) -> None:
-    launcher_env.delenv(GLOO_CONNECT_VAR, raising=False)  # the default
+    launcher_env.setenv(GLOO_CONNECT_VAR, "lazy")
     ranks = _Ranks(n)
     try:
         first = ranks.generation(0)
@@ -162,7 +162,7 @@ def test_full_mesh_reads_every_key_on_every_rank(launcher_env: pytest.MonkeyPatc
 
 
 def test_lazy_point_to_point_reads_only_the_partner(launcher_env: pytest.MonkeyPatch) -> None:
-    launcher_env.delenv(GLOO_CONNECT_VAR, raising=False)
+    launcher_env.setenv(GLOO_CONNECT_VAR, "lazy")
     ranks = _Ranks(6)
     try:
         reads = ranks.generation(0, ops=("send",))
@@ -175,7 +175,7 @@ def test_lazy_point_to_point_reads_only_the_partner(launcher_env: pytest.MonkeyP
 def test_lazy_barrier_and_broadcast_read_the_models_peers(launcher_env: pytest.MonkeyPatch, n: int) -> None:
     """A barrier (dissemination: ranks 2^k away) and a broadcast (a binomial tree within the
     barrier's partners) add about 2 log2(N) peers to the ring's two, not N."""
-    launcher_env.delenv(GLOO_CONNECT_VAR, raising=False)
+    launcher_env.setenv(GLOO_CONNECT_VAR, "lazy")
     ranks = _Ranks(n)
     try:
         reads = ranks.generation(0, ops=("allreduce", "broadcast", "barrier"))
@@ -189,7 +189,7 @@ def test_lazy_a_dead_peer_fails_the_first_collective_at_once_naming_it(
 ) -> None:
     """Forming no longer waits for the peers, so a dead one is found by the first collective that
     needs it: as fast as the full mesh finds it while forming, with the store's error naming it."""
-    launcher_env.delenv(GLOO_CONNECT_VAR, raising=False)
+    launcher_env.setenv(GLOO_CONNECT_VAR, "lazy")
     ranks = _Ranks(2)
     try:
         ranks.servers[1].stop()  # rank 1 died before it wrote its key
@@ -217,5 +217,5 @@ def test_lazy_a_dead_peer_fails_the_first_collective_at_once_naming_it(
 
 def test_an_unknown_mode_is_refused_naming_the_value_and_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(GLOO_CONNECT_VAR, "mesh")
-    with pytest.raises(RendezvousError, match=r"CHECKPOINTLESS_GLOO_CONNECT='mesh'.*'lazy'.*'full'"):
+    with pytest.raises(RendezvousError, match=r"CHECKPOINTLESS_GLOO_CONNECT='mesh'.*'full'.*'lazy'"):
         gloo_connect()

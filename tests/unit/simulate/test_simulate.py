@@ -17,6 +17,7 @@ from checkpointless.simulate.calibration import (
     calibration_from_mapping,
     load_calibration,
 )
+from checkpointless.simulate.capacity import AfterRetries, CapacityPolicy
 from checkpointless.simulate.failures import (
     LLAMA3_CAUSES,
     LLAMA3_RATE_PER_GPU_HOUR,
@@ -153,8 +154,11 @@ def test_switch_faults_fall_back_only_when_a_switch_spans_replicas() -> None:
     assert switch_fallback_fraction(JobShape(gpus=2304)) == 0.0
     small = FailureModel(causes=(FailureCause("sw", 1.0, Blast.SWITCH),))
     assert fallback_probability(small, JobShape(gpus=16)) == 1.0
+    # at 2,304 GPUs only a recurring bug falls back, and only with --fresh-process-retries 0
     share = next(c.weight for c in LLAMA3_CAUSES if c.recurring) / sum(c.weight for c in LLAMA3_CAUSES)
-    assert fallback_probability(FailureModel(), JobShape(gpus=2304)) == pytest.approx(share)
+    stop = CapacityPolicy(after_retries=AfterRetries.STOP)
+    assert fallback_probability(FailureModel(), JobShape(gpus=2304), stop) == pytest.approx(share)
+    assert fallback_probability(FailureModel(), JobShape(gpus=2304)) == 0.0
 
 
 @pytest.mark.timeout(5)

@@ -51,10 +51,10 @@ def test_defaults_are_the_launchers_own() -> None:
     cal = Calibration()
     launcher = {f.name: f.default for f in fields(JobSettings)}
     # the launcher's default --rendezvous rootless forms every generation, the first one too,
-    # and its gloo groups connect lazily unless CHECKPOINTLESS_GLOO_CONNECT=full
+    # and its gloo groups connect as a full mesh unless CHECKPOINTLESS_GLOO_CONNECT=lazy
     assert launcher["rendezvous"] == "rootless"
-    assert cal.rebuild_model is CommModel.ROOTLESS_LAZY
-    assert cal.restart_model is CommModel.ROOTLESS_LAZY
+    assert cal.rebuild_model is CommModel.ROOTLESS_MEASURED
+    assert cal.restart_model is CommModel.ROOTLESS_MEASURED
     # checkpoint-restart is torchrun's: one TCPStore
     assert cal.init_model is CommModel.STORE_LINEAR
     # the worker retries a raising step this often, and the coordinator's budget stops the job
@@ -64,12 +64,12 @@ def test_defaults_are_the_launchers_own() -> None:
 
 
 @pytest.mark.timeout(5)
-def test_the_lazy_rebuild_model_is_the_workers_default_gloo_connection(
+def test_the_rebuild_model_is_the_workers_default_gloo_connection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(GLOO_CONNECT_VAR, raising=False)
-    assert gloo_connect() == "lazy"
-    assert Calibration().rebuild_model is CommModel.ROOTLESS_LAZY
+    assert gloo_connect() == "full"
+    assert Calibration().rebuild_model is CommModel.ROOTLESS_MEASURED
 
 
 @pytest.mark.timeout(30)
@@ -81,8 +81,10 @@ def test_the_chosen_policys_defaults_are_the_launchers_no_spare_defaults() -> No
     assert args.min_replicas == launcher["min_replicas"]
     # the launcher runs its built-in host checks unless told --health-builtins off
     assert (args.health_check == "on") == (launcher["health_builtins"] != "off")
-    # as built, a recurring bug stops the job after its retries
-    assert CapacityPolicy().after_retries is AfterRetries.STOP
+    # as built, after its retries a recurring bug's ranks start again in fresh processes, on by
+    # default in the launcher
+    assert CapacityPolicy().after_retries is AfterRetries.RESPAWN
+    assert launcher["fresh_process_retries"] > 0
 
 
 @pytest.mark.timeout(5)
@@ -144,7 +146,11 @@ def test_the_simulation_charges_each_failed_retry(retries: int) -> None:
     shape = JobShape(gpus=2304, spare_nodes=6)
     failures = FailureModel(causes=(RECURRING,), bad_repair_fraction=0.0)
     cfg = SimConfig(
-        shape=shape, failures=failures, cal=replace(Calibration(), step_retries=retries), days=1.0
+        shape=shape,
+        failures=failures,
+        cal=replace(Calibration(), step_retries=retries),
+        days=1.0,
+        capacity=CapacityPolicy(after_retries=AfterRetries.STOP),  # --fresh-process-retries 0
     )
     res = simulate_run(cfg, Policy.CHECKPOINTLESS, [Fault(20_000.0, 0, ())])
     assert (res.faults, res.fallbacks) == (1, 1)
@@ -205,11 +211,11 @@ def test_the_respawn_what_if_pays_the_retries_and_a_round_with_state_not_a_resta
 def test_under_respawn_a_recurring_bug_no_longer_falls_back() -> None:
     failures = FailureModel(causes=(RECURRING,), bad_repair_fraction=0.0)
     shape = JobShape(gpus=2304, spare_nodes=6)
-    stop, respawn = CapacityPolicy(), CapacityPolicy(after_retries=AfterRetries.RESPAWN)
+    stop, respawn = CapacityPolicy(after_retries=AfterRetries.STOP), CapacityPolicy()
     assert fallback_probability(failures, shape, stop) == 1.0
-    assert fallback_probability(failures, shape, None) == 1.0  # the default is as built
+    assert fallback_probability(failures, shape, None) == 0.0  # the default is as built: respawn
     assert fallback_probability(failures, shape, respawn) == 0.0
-    base = SimConfig(shape=shape, failures=failures, days=1.0)
+    base = SimConfig(shape=shape, failures=failures, days=1.0, capacity=stop)
     trace = [Fault(20_000.0, 0, ())]
     built = simulate_run(base, Policy.CHECKPOINTLESS, trace)
     what_if = simulate_run(replace(base, capacity=respawn), Policy.CHECKPOINTLESS, trace)

@@ -13,6 +13,7 @@ import pytest
 
 from checkpointless.errors import ConfigError
 from checkpointless.simulate import main
+from checkpointless.simulate.capacity import AfterRetries
 from checkpointless.simulate.des import SimConfig, SparePool, simulate_run
 from checkpointless.simulate.failures import FailureModel, Fault, sample_faults
 from checkpointless.simulate.models import (
@@ -125,7 +126,9 @@ def test_second_fault_on_the_twin_during_recovery_falls_back() -> None:
 
 @pytest.mark.timeout(10)
 def test_recurring_software_bug_falls_back_transient_does_not() -> None:
-    cfg = _cfg(2304, days=1.0)
+    # the launcher with --fresh-process-retries 0: a recurring bug stops the job after its retries
+    base = _cfg(2304, days=1.0)
+    cfg = replace(base, capacity=replace(base.capacity, after_retries=AfterRetries.STOP))
     rec = simulate_run(cfg, Policy.CHECKPOINTLESS, [Fault(30_000.0, CAUSE["software-recurring"], ())])
     tra = simulate_run(cfg, Policy.CHECKPOINTLESS, [Fault(30_000.0, CAUSE["software-transient"], ())])
     assert (rec.fallbacks, tra.fallbacks) == (1, 0)
