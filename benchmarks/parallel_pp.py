@@ -22,7 +22,7 @@ import _harness as bl
 import parallel_measure as pm
 import shardlib as sl
 from _harness import downtime as dt
-from sharded_recovery import recovery_notes
+from sharded_recovery import kill_notes
 
 __all__ = ["PP", "build_notes", "launch"]
 
@@ -59,23 +59,10 @@ def launch(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> b
 
 
 def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:
-    notes = recovery_notes(a, agg)
-    srcs = [
-        r.metrics.get("sources") for r in runs if r.config.design == "checkpointless" and r.kind == "kill"
-    ]
-    if srcs:
-        notes.append(
-            f"checkpointless plans (receiver, source): {srcs}; rank r holds stage r % {PP} of replica "
-            f"r // {PP}: a source must hold the same stage."
-        )
-    resume = ", ".join(
-        f"K={k} resumes from step {a.fault_step // k * k} and redoes {a.fault_step % k}" for k in a.ckpt_every
+    return kill_notes(
+        a,
+        agg,
+        runs,
+        holds=f"rank r holds stage r % {PP} of replica r // {PP}: a source must hold the same stage.",
+        killed=f" (stage {a.fault_rank % PP})",
     )
-    notes.append(
-        f"SIGKILL of rank {a.fault_rank} (stage {a.fault_rank % PP}) as it begins step {a.fault_step} "
-        f"of {a.steps}: {resume}."
-    )
-    failed = [f"{r.config.label} {r.kind} #{r.repeat}: {r.error}" for r in runs if r.error]
-    if failed:
-        notes.append("Failed runs: " + "; ".join(failed))
-    return notes

@@ -54,7 +54,7 @@ import recovery as rv
 import shardlib as sl
 from _harness import downtime as dt
 from parallel_pp import PP
-from sharded_recovery import collect, recovery_notes
+from sharded_recovery import collect, kill_notes
 
 __all__ = ["main"]
 
@@ -93,24 +93,14 @@ def launch(a: argparse.Namespace, cfg: dt.Config, kind: str, run_dir: Path) -> b
 
 
 def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:
-    notes = recovery_notes(a, agg)
-    srcs = [
-        r.metrics.get("sources") for r in runs if r.config.design == "checkpointless" and r.kind == "kill"
-    ]
-    if srcs:
-        _, shard, tp = a.mesh
-        notes.append(
-            f"checkpointless plans (receiver, source): {srcs}; rank r has (dp, shard, tp) = "
-            f"(r // {shard * tp}, r // {tp} % {shard}, r % {tp}): a source must differ in dp only."
-        )
-    resume = ", ".join(
-        f"K={k} resumes from step {a.fault_step // k * k} and redoes {a.fault_step % k}" for k in a.ckpt_every
+    _, shard, tp = a.mesh
+    return kill_notes(
+        a,
+        agg,
+        runs,
+        holds=f"rank r has (dp, shard, tp) = (r // {shard * tp}, r // {tp} % {shard}, r % {tp}): a source "
+        "must differ in dp only.",
     )
-    notes.append(f"SIGKILL of rank {a.fault_rank} as it begins step {a.fault_step} of {a.steps}: {resume}.")
-    failed = [f"{r.config.label} {r.kind} #{r.repeat}: {r.error}" for r in runs if r.error]
-    if failed:
-        notes.append("Failed runs: " + "; ".join(failed))
-    return notes
 
 
 def parse_mesh(text: str) -> tuple[int, int, int]:

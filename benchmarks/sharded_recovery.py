@@ -121,21 +121,34 @@ def recovery_notes(a: argparse.Namespace, agg: dict[str, Any]) -> list[str]:
     return notes
 
 
-def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:
+def kill_notes(
+    a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord], *, holds: str, killed: str = ""
+) -> list[str]:
+    """The notes of a sharded recovery benchmark that kills one rank (here, parallel_recovery.py and
+    parallel_pp.py): :func:`recovery_notes`, the plans' sources with ``holds`` saying which rank
+    holds what (so a reader can check each source holds the receiver's state), what each
+    checkpoint interval redoes, and the runs that failed. ``killed`` adds to "SIGKILL of rank R"
+    (its stage, for a pipeline)."""
     notes = recovery_notes(a, agg)
     srcs = [
         r.metrics.get("sources") for r in runs if r.config.design == "checkpointless" and r.kind == "kill"
     ]
     if srcs:
-        notes.append(f"checkpointless plans (receiver, source): {srcs}; rank r holds shard r % {a.mesh[1]}.")
+        notes.append(f"checkpointless plans (receiver, source): {srcs}; {holds}")
     resume = ", ".join(
         f"K={k} resumes from step {a.fault_step // k * k} and redoes {a.fault_step % k}" for k in a.ckpt_every
     )
-    notes.append(f"SIGKILL of rank {a.fault_rank} as it begins step {a.fault_step} of {a.steps}: {resume}.")
+    notes.append(
+        f"SIGKILL of rank {a.fault_rank}{killed} as it begins step {a.fault_step} of {a.steps}: {resume}."
+    )
     failed = [f"{r.config.label} {r.kind} #{r.repeat}: {r.error}" for r in runs if r.error]
     if failed:
         notes.append("Failed runs: " + "; ".join(failed))
     return notes
+
+
+def build_notes(a: argparse.Namespace, agg: dict[str, Any], runs: list[dt.RunRecord]) -> list[str]:
+    return kill_notes(a, agg, runs, holds=f"rank r holds shard r % {a.mesh[1]}.")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
