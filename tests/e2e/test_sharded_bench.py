@@ -28,7 +28,7 @@ def _bench(name: str) -> ModuleType:
     return mod
 
 
-@pytest.mark.soak  # `make soak`: the benchmark script itself, 20 s; the recovery one stays in `make test`
+@pytest.mark.soak  # `make soak`: the benchmark script itself, 20 s
 @pytest.mark.timeout(150)
 def test_steady_state_compares_plain_fsdp_with_checkpointless(tmp_path: Path) -> None:
     out = tmp_path / "ov.json"
@@ -68,6 +68,7 @@ def test_steady_state_compares_plain_fsdp_with_checkpointless(tmp_path: Path) ->
     assert json.loads(out.read_text())["summary"] == res["summary"]
 
 
+@pytest.mark.soak  # `make soak`: both designs' fault-free and faulted runs, 65 s
 @pytest.mark.timeout(180)
 def test_recovery_measures_both_designs_after_a_kill(tmp_path: Path) -> None:
     out = tmp_path / "rec.json"
@@ -157,6 +158,7 @@ def test_wait_cost_measures_the_three_ways_to_wait(tmp_path: Path) -> None:
     assert s["slices"]["timeouts_per_wait"] >= 2, "a peer 40 ms late outlasts several 10 ms slices"
 
 
+@pytest.mark.soak  # `make soak`: two FSDP2 jobs on the host, 35 s
 @pytest.mark.timeout(120)
 def test_the_gpu_step_time_check_runs_both_designs_on_the_host() -> None:
     """benchmarks/gpu_check.py's FSDP2 step-time comparison runs where a GPU is lent; on the CPU

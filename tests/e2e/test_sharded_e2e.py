@@ -268,6 +268,7 @@ def ref_then_faults(
     return ref, res
 
 
+@pytest.mark.soak  # `make soak`: inductor compiles every block in every process, 130 s on 2 cores
 @pytest.mark.timeout(300)
 def test_compiled_blocks_are_recovered_bitwise(tmp_path: Path, corpus: Path) -> None:
     # torchtitan's recipe: every block compiled by inductor, then fully_shard. A killed rank's

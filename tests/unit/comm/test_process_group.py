@@ -189,7 +189,10 @@ def test_make_device_mesh_rejects_bad_input(
 
 
 # -- real processes -------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(4,), (2, 2)], ids=["fsdp1x4", "hsdp2x2"])
+# fsdp1x4 in `make soak` (50 s): hsdp2x2 runs the same shard groups and adds the replicate ones
+@pytest.mark.parametrize(
+    "shape", [pytest.param((4,), marks=pytest.mark.soak, id="fsdp1x4"), pytest.param((2, 2), id="hsdp2x2")]
+)
 def test_our_groups_train_bitwise_like_torch_groups(shape: tuple[int, ...]) -> None:
     ours = _baseline(shape)
     _assert_same(ours, _launch("torch", shape))
