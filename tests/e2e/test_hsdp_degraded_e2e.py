@@ -4,6 +4,11 @@ stopped); ranks 0 and 1 each train the lost group's micro-batch of their shard c
 second pass of every step, the replicate all-reduce finished locally (comm/folded.py); once two
 spares are ready the group comes back whole, each spare taking its shard from the rank of the same
 coordinate. Every rank's final shards, and every (slot, step)'s batch, equal the fault-free run's.
+
+The same on a 3-D mesh the script made itself with ``init_device_mesh`` (dp 2 x FSDP 2 x TP 2,
+8 ranks, tests/scripts/tp_mlp.py --hsdp 2): the lost rank's replica group of 4 leaves, each
+survivor holds the slot of its own (shard, tp) coordinate, its script-made dp group is folded on
+it and the lost group's own tp and shard groups are not formed (comm/group_catalog.py).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import SCRIPTS, run_job
+from tests.helpers.jobs import SCRIPTS, JobResult, run_job
 from tests.helpers.reference import ReferenceRuns
 
 pytestmark = pytest.mark.timeout(150)
@@ -74,4 +79,58 @@ def test_a_lost_rank_takes_its_replica_group_out_and_the_group_grows_back_bitwis
             f"a {what} (slot, step) had another batch than without the fault"
         )
         assert set(ref_got) - set(got) <= allowed, (what, sorted(set(ref_got) - set(got)), sorted(cut))
+    assert not res.left_behind(), "processes of the job were left behind"
+
+
+def check_batches(res: JobResult, ref: JobResult, nproc: int, steps: int, fault_step: int) -> None:
+    """Every committed (slot, step) trained the fault-free run's batch, and none is missing but
+    those a round may cut off (the fault's step, the steps the shrink and grow rounds cut in on)."""
+    want = ref.batches()
+    assert sorted(want) == [(slot, step) for slot in range(nproc) for step in range(steps)]
+    got = res.batches()
+    assert {k: want[k] for k in got} == got, "a (slot, step) had another batch than without the fault"
+    cut = {p["target_step"] - 1 for p in res.of("plan") if p["generation"] > 0} | {fault_step}
+    allowed = {(slot, step) for slot in range(nproc) for step in cut}
+    assert set(want) - set(got) <= allowed, (sorted(set(want) - set(got)), sorted(cut))
+
+
+TP_SCRIPT = SCRIPTS / "tp_mlp.py"
+# dp 2 x shard 2 x tp 2: rank r is (r // 4, r // 2 % 2, r % 2); the spares the shrink starts are
+# ready 2 s later, so the job runs degraded for several steps before it grows back
+TP_STEPS = 24
+TP_ARGS = ["--steps", str(TP_STEPS), "--hsdp", "2", "--spare-delay", "2"]
+
+
+@pytest.mark.timeout(240)
+def test_a_3d_mesh_the_script_made_loses_a_replica_group_and_grows_it_back_bitwise(
+    tmp_path: Path, corpus: Path, reference: ReferenceRuns
+) -> None:
+    ref = reference(8, script=TP_SCRIPT, script_args=TP_ARGS, replicated=False, timeout=200)
+    d = ref.digests
+    assert sorted(d) == list(range(8)) and all(d[r] == d[r + 4] for r in range(4)), d
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=8,
+        spares=0,
+        faults=["kill:rank=5:step=4"],
+        extra=["--when-no-spare", "shrink"],
+        script=TP_SCRIPT,
+        script_args=TP_ARGS,
+        timeout=200,
+    )
+    assert res.rc == 0, res.output[-6000:]
+    widths = [e["width"] for e in res.of("width")]
+    assert widths == [4, 8], f"expected to shrink to one replica group and grow back: {widths}"
+    plans = [e for e in res.of("plan") if e.get("holders")]
+    # each lost (shard, tp) state is held by the survivor of the same coordinates
+    assert plans and plans[0]["holders"] == [[4, 0], [5, 1], [6, 2], [7, 3]], plans
+    assert sorted(e["rank"] for e in res.of("grow")) == [4, 5, 6, 7]
+    grown = [e for e in res.of("plan") if not e.get("holders") and e["generation"] > plans[0]["generation"]]
+    assert grown and {4: 0, 5: 1, 6: 2, 7: 3}.items() <= dict(map(tuple, grown[0]["sources"])).items(), grown
+    held = {(e["slot"], e["step"]) for e in res.commits() if e["event"] == "slot_commit"}
+    assert len(held) >= 4 * 3, f"too few degraded steps to check anything: {sorted(held)}"
+    wrong = {r: (res.digests.get(r, "none")[:12], v[:12]) for r, v in d.items() if res.digests.get(r) != v}
+    assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
+    check_batches(res, ref, 8, TP_STEPS, fault_step=4)
     assert not res.left_behind(), "processes of the job were left behind"

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,12 +138,13 @@ class TorchOnly:
         pass
 
     def steps(self, total: int) -> Iterator[Step]:
-        return (Step(i) for i in range(total))
+        return (Step(i, self.rank) for i in range(total))
 
 
 @dataclass
 class Step:
     index: int
+    slot: int  # the rank whose batch the pass trains: this process's own rank under torch alone
 
     def __enter__(self) -> None:
         pass
@@ -160,7 +162,12 @@ def main() -> None:
     ap.add_argument("--hsdp", type=int, default=0, metavar="S", help="3-D mesh (dp 2, shard S, tp 2), HSDP")
     ap.add_argument("--seq", action="store_true", help="SeqNet: SequenceParallel norms and loss parallel")
     ap.add_argument("--data", help="ignored (the test helper passes it)")
+    # a spare is ready only this many seconds after it starts (a host that comes back later), so
+    # that a job with no spare ready runs degraded for a while before it grows back
+    ap.add_argument("--spare-delay", type=float, default=0.0)
     args = ap.parse_args()
+    if args.spare_delay and os.environ.get("CHECKPOINTLESS_ROLE") == "spare":
+        time.sleep(args.spare_delay)
 
     torch.manual_seed(0)  # the same full model on every rank; each keeps its tp shard of it
     # a replicated layer first, so that the TP block's input needs a gradient: then backward
@@ -184,17 +191,19 @@ def main() -> None:
         fully_shard(model, mesh=mesh["dp", "shard"] if args.hsdp else mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # after parallelize_module: DTensor params
     job.track(model=model, optimizer=opt)
-    dp_group, dp = mesh["dp"].get_group(), mesh.get_local_rank("dp")
+    dp_group = mesh["dp"].get_group()
     # where the step ran, in each commit: this rank's TP group and its host, the network
     # namespace (one per host in the many-host tests, tests/multihost/test_tp_host_netns.py)
     where = {
         "tp_group": dist.get_process_group_ranks(mesh["tp"].get_group()),
         "host": os.stat("/proc/self/ns/net").st_ino,
     }
-    if args.hsdp:  # every (dp, shard) rank takes a batch of its own; the tp ranks share one
-        dp = dp * args.hsdp + mesh.get_local_rank("shard")
     for step in job.steps(args.steps):
         with step:
+            # every data-parallel coordinate ((dp) or (dp, shard)) takes a batch of its own and the
+            # tp ranks of one share it: the slot's rank // TP, ranks being row-major with tp last.
+            # From the step's slot, not the mesh: in degraded mode a pass trains a held slot's batch
+            dp = step.slot // 2
             x, y = (seq_batch if args.seq else batch)(step.index, dp)
             job.record(batch=hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16], **where)
             # loss parallel: the cross-entropy of logits sharded over the vocabulary

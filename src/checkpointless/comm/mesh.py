@@ -105,13 +105,17 @@ class ResilientMesh:
     def fold_replicas(self, folded: bool) -> None:
         """Degraded HSDP (comm/folded.py): this process holds every member of its replicate
         group (``folded``), or no longer does. Set before :meth:`configure`, which forms no
-        communicator for a folded group; every process of the mesh must agree on it."""
+        communicator for a folded group; every process of the mesh must agree on it. A mesh the
+        script made (:meth:`adopted`) drives no group: its groups are the script's, folded with
+        them (ScriptGroups.fold)."""
+        if not self.owns_groups:
+            return
         if len(self.dim_groups) != 2:
             raise ConfigError(
-                f"degraded mode cannot go on: the job's mesh has {len(self.dim_groups)} dimension(s) "
-                "of groups of its own (a mesh the script made with init_device_mesh has none); only a "
-                "2-D ('replicate', 'shard') mesh made by job.device_mesh() can drop a replica group. "
-                "Keep a spare ready (--spares) or run with --when-no-spare fail"
+                f"degraded mode cannot go on: job.device_mesh() made a mesh of "
+                f"{len(self.dim_groups)} dimension(s); of its meshes only the 2-D ('replicate', "
+                "'shard') one can drop a replica group (make a 3-D mesh with init_device_mesh after "
+                "checkpointless.init()). Keep a spare ready (--spares) or run with --when-no-spare fail"
             )
         self.dim_groups[0].folded = folded
 

@@ -32,18 +32,24 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
+from checkpointless.comm.group_catalog import (
+    GroupEntry,
+    GroupsDisagree,
+    disagreement,
+    group_key,
+    parse_catalog,
+)
 from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.comm.work import MAX_TIMEOUT, clamp_timeout
-from checkpointless.errors import CommAborted, ConfigError, RendezvousError
+from checkpointless.errors import CommAborted, RendezvousError
 
 __all__ = [
     "MAX_TIMEOUT",
@@ -62,84 +68,6 @@ __all__ = [
 _PREFIX = "groups/"  # apart from "default/", the communicator's "dp/" and the mesh's "gen<g>/"
 _POLL_S = 0.005
 _SEALED = "sealed/"  # each rank's list of groups once it has reached job.steps() (seal)
-
-
-class GroupsDisagree(ConfigError):
-    """Ranks made different groups: a group that some of its ranks never made cannot form."""
-
-
-def group_key(name: str, ranks: Sequence[int]) -> str:
-    """The store key of the group torch named ``name`` (its creation sequence number, or a hash
-    of its ranks under ``use_local_synchronization``) over ``ranks``. Pure: every member of every
-    generation derives the same key. Long rank lists are hashed so that keys stay short."""
-    if len(ranks) <= 8:
-        return f"g{name}.r" + ".".join(str(r) for r in ranks)
-    digest = hashlib.sha256(",".join(str(r) for r in ranks).encode()).hexdigest()[:16]
-    return f"g{name}.n{len(ranks)}.{digest}"
-
-
-@dataclass(frozen=True)
-class GroupEntry:
-    """One ``dist.new_group`` call as this rank made it: torch's name and the ranks."""
-
-    name: str
-    ranks: tuple[int, ...]
-
-    @property
-    def key(self) -> str:
-        return group_key(self.name, self.ranks)
-
-    def line(self) -> str:
-        return f"{self.name}:" + ",".join(str(r) for r in self.ranks)
-
-    def describe(self) -> str:
-        return f"dist.new_group #{self.name} over ranks {list(self.ranks)}"
-
-
-def parse_catalog(text: str) -> set[GroupEntry]:
-    """The entries of a catalog of :meth:`GroupEntry.line` lines (the inverse of publishing)."""
-    out: set[GroupEntry] = set()
-    for line in text.splitlines():
-        if line.strip():
-            name, _, ranks = line.partition(":")
-            out.add(GroupEntry(name, tuple(int(r) for r in ranks.split(",") if r)))
-    return out
-
-
-def disagreement(
-    mine: Sequence[GroupEntry], rank: int, catalogs: Mapping[int, set[GroupEntry]]
-) -> str | None:
-    """Why the groups cannot form, or None if all agree: each group with ``rank`` among its ranks,
-    made here (``mine``: this rank's live groups) or by a peer (``catalogs``: peer rank -> its
-    live groups), that one of its members whose list is known has not made."""
-    lists = {**catalogs, rank: set(mine)}
-    seen = {e for r, entries in lists.items() for e in entries if rank in e.ranks}
-    problems = []
-    for e in sorted(seen, key=lambda x: (_seq(x.name), x.ranks)):
-        missing = [r for r in e.ranks if r in lists and e not in lists[r]]
-        if missing:
-            makers = [r for r in e.ranks if r in lists and e in lists[r]]
-            problems.append(
-                f"{e.describe()} was made by ranks {makers} but not by ranks {missing}"
-                + _what_they_made(e, missing, lists)
-            )
-    if not problems:
-        return None
-    return (
-        "; ".join(problems) + ". Every rank must call dist.new_group (and dist.new_subgroups) the "
-        "same number of times, in the same order and with the same ranks, members or not (torch "
-        "requires it too), and make its groups before job.steps() so that a replacement rank makes "
-        "them again"
-    )
-
-
-def _seq(name: str) -> int:
-    return int(name) if name.isdigit() else -1
-
-
-def _what_they_made(e: GroupEntry, missing: list[int], catalogs: Mapping[int, set[GroupEntry]]) -> str:
-    same_name = sorted({str(list(x.ranks)) for r in missing for x in catalogs[r] if x.name == e.name})
-    return f" (their #{e.name} is over ranks {', '.join(same_name)})" if same_name else ""
 
 
 def torch_delegates_new_group() -> bool:
@@ -215,6 +143,7 @@ class ScriptGroups:
         self._lock = threading.Lock()
         self._live: tuple[int, dist.Store] | None = None  # the formed generation and its store
         self._cancel = threading.Event()  # set by abort: ends a formation in flight
+        self._folded: frozenset[str] = frozenset()  # degraded mode: groups this process is all of
 
     # -- torch's new_group, handed to us ----------------------------------------------------------
     def create(
@@ -319,6 +248,16 @@ class ScriptGroups:
             dist.PrefixStore(_SEALED, live[1]).set(str(self.rank), lines.encode())
 
     # -- generations -------------------------------------------------------------------------------
+    def fold(self, keys: frozenset[str]) -> None:
+        """Degraded mode (group_catalog.held_groups): the groups keyed ``keys`` have this process as
+        every member, and form no communicator until a later round unfolds them (``keys`` empty
+        at full width). Set before :meth:`configure`."""
+        with self._lock:
+            self._folded = keys
+            for m in self._made:
+                if m.pg is not None:
+                    m.pg.folded = m.entry.key in keys
+
     def configure(
         self, generation: int, store: dist.Store, deadline: float, cancelled: threading.Event | None
     ) -> None:
@@ -329,7 +268,7 @@ class ScriptGroups:
             made = list(self._made)
         self._agree(gen_store, [m.entry for m in made], deadline, cancelled)
         for m in made:
-            if m.pg is not None:
+            if m.pg is not None and not m.pg.folded:  # a folded group has no other process
                 m.pg.configure(generation, gen_store, deadline, cancelled)
         with self._lock:
             self._live = (generation, gen_store)
@@ -345,7 +284,8 @@ class ScriptGroups:
         catalog = dist.PrefixStore("catalog/", store)
         catalog.set(str(self.rank), "\n".join(e.line() for e in entries).encode())
         mine = [e for e in entries if self.rank in e.ranks]
-        peers = sorted({r for e in mine for r in e.ranks if r != self.rank})
+        # a folded group's other members are held slots: no process publishes their lists
+        peers = sorted({r for e in mine if e.key not in self._folded for r in e.ranks if r != self.rank})
         if not peers:
             return
         keys = [str(r) for r in peers]

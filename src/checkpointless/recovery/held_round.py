@@ -1,20 +1,22 @@
 """Degraded mode's part of a worker's recovery round: the checks and records of the replica
 slots a survivor holds for lost ranks (recovery/slots.py holds their groups).
 
-Before the generation forms, a held slot inside a group the script made ends the job with why
-(no process of its own could join it); once the state is in place, the holder fetches the held
-slots' generator records that its own host does not have.
+Before the generation forms, the groups the script made along the replicate dimension fold on
+the rank that holds their held slots, and a held slot inside any other group the script made
+ends the job with why (no process of its own could join it); once the state is in place, the
+holder fetches the held slots' generator records that its own host does not have.
 """
 
 from __future__ import annotations
 
+from checkpointless.comm.group_catalog import held_groups
 from checkpointless.errors import ConfigError
 from checkpointless.protocol import Recover
 from checkpointless.recovery.member import Member
 from checkpointless.state.buddy_ring import buddy_of
 from checkpointless.state.transfer import StreamRoute
 
-__all__ = ["HeldSlotsInScriptGroups", "fetch_held_records", "refuse_held_slots_in_script_groups"]
+__all__ = ["HeldSlotsInScriptGroups", "fetch_held_records", "fold_held_script_groups"]
 
 
 def fetch_held_records(member: Member, holders: list[list[int]], target: int, route: StreamRoute) -> None:
@@ -38,21 +40,17 @@ class HeldSlotsInScriptGroups(ConfigError):
     """A group the script made with ``dist.new_group`` includes a slot held in degraded mode."""
 
 
-def refuse_held_slots_in_script_groups(member: Member, msg: Recover) -> None:
-    """A group the script made (``dist.new_group``; Lightning makes one of every rank) forms
-    in each generation from every member's catalog, and a held slot has no process of its own
-    to publish one or to join: the generation would wait out its deadline on every rank, again
-    in every round after. Degraded mode does not form them (not built); end the job with why."""
-    held = sorted(slot for slot, _ in msg.plan.holders)
+def fold_held_script_groups(member: Member, msg: Recover) -> None:
+    """Before the generation forms: fold the groups the script made that this process is every
+    live member of, its held slots being the rest (the replicate dimension of a mesh the script
+    made with ``init_device_mesh``), and unfold them at full width (comm/group_catalog.py,
+    ``held_groups``). A group that mixes other live ranks with held slots cannot form without a
+    process for each held slot (none joins it, and the generation would wait out its deadline
+    on every rank, again in every round after): end the job with why."""
     made = member.groups.default.made if member.groups.default is not None else None
-    if not held or made is None:
+    if made is None:
         return
-    for entry in made.entries():
-        inside = sorted(set(held) & set(entry.ranks))
-        if inside:
-            raise HeldSlotsInScriptGroups(
-                f"degraded mode cannot go on: {entry.describe()} includes the lost slot(s) "
-                f"{inside}, which no process of its own can join (groups a script makes are not "
-                "formed for held slots); run such a script with --when-no-spare fail "
-                "(docs/fault-model.md, degraded mode)"
-            )
+    plan = held_groups(made.entries(), {slot: holder for slot, holder in msg.plan.holders})
+    if plan.refusal is not None:
+        raise HeldSlotsInScriptGroups(plan.refusal)
+    made.fold(frozenset(key for key, holder in plan.folded.items() if holder == member.rank))

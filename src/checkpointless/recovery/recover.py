@@ -23,7 +23,7 @@ from checkpointless.recovery.amp import finish_cut_off_update, reset_step_state
 from checkpointless.recovery.held_round import (
     HeldSlotsInScriptGroups,
     fetch_held_records,
-    refuse_held_slots_in_script_groups,
+    fold_held_script_groups,
 )
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.own_rng import receiver_rng, restore_kept_rng, resume_rng
@@ -293,7 +293,7 @@ def _rebuild(member: Member, msg: Recover, store: Any) -> float:
     """Form the generation's groups: this process's own and, degraded, those of the slots it
     holds (recovery/slots.py), together; the held slots' groups then reduce DataParallel's
     gradients beside its own."""
-    refuse_held_slots_in_script_groups(member, msg)
+    fold_held_script_groups(member, msg)
     gen, held = msg.generation, member.groups.held
     deadline = time.monotonic() + member.rendezvous_timeout
     slots = [s for s in msg.plan.slots_of(member.rank) if s != member.rank]
