@@ -25,9 +25,11 @@ from checkpointless.coordinator.rules.respawn import (
     retries_spent_verdict,
     used,
 )
+from checkpointless.coordinator.rules.sections import doubtful_sections, unheard_ranks
 from checkpointless.coordinator.state import Round
 from checkpointless.errors import NotRecoverableError
 from checkpointless.settings import JobSettings as LaunchConfig
+from checkpointless.state.buddy_ring import buddy_of
 
 __all__ = ["FaultLedger", "InexactResume"]
 
@@ -69,15 +71,21 @@ class FaultLedger:
         self.outbox.emit("inexact", **asdict(entry))
         self.outbox.log("warning", f"rank {rank} resumed step {step} without its own {what}: {detail}")
 
-    def sections_in_doubt(self, step: int, doubtful: dict[str, tuple[int, ...]]) -> None:
+    def sections_in_doubt(
+        self, step: int, reports: list[MemberReport], closed: list[str], lost_with_host: set[int]
+    ) -> None:
         """Sections redone at the boundary after ``step`` steps that a lost rank may have passed
-        (rules/sections.py ``doubtful_sections``): an ``inexact`` event naming each, a warning,
-        and a line in the job's end. The weights are not in doubt, only the section's output."""
-        for name, ranks in doubtful.items():
+        (rules/sections.py ``doubtful_sections``, ``lost_with_host``: the ranks of the round lost
+        with their host): an ``inexact`` event naming each, a warning, and a line in the job's
+        end. The weights are not in doubt, only the section's output."""
+        cfg = self.cfg
+        unheard = unheard_ranks(lost_with_host, reports, lambda rank: buddy_of(rank, cfg.nproc, cfg.per_node))
+        for name, ranks in doubtful_sections(reports, step, closed, unheard).items():
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
             detail = (
-                f"section {name!r} at the boundary after step {step}: {who} entered its closing "
-                "barrier and was lost before any live rank could learn whether it passed; no live "
+                f"section {name!r} at the boundary after step {step}: {who} was lost in its closing "
+                "barrier (or with its host and the keeper of its records, so nobody can say), before "
+                "any live rank could learn whether it passed; no live "
                 "rank passed it, so every rank redoes it (the ranks agree, the weights are exact), "
                 "but what the lost rank did past the barrier (lines it showed, a tracker record, a "
                 "file) may appear twice: make the section's output idempotent (docs/fault-model.md)"

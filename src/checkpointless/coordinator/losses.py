@@ -102,6 +102,8 @@ class Losses:
         )
         for wid in lost:
             self.process_exited(wid, -9, False, f"host {h.address} lost: {why}", "", now, wall)
+        if self.rounds.round is not None:  # the exits above start one, or join the one running
+            self.rounds.round.lost_with_host.update(ranks)
 
     def check_hangs(self, now: float, wall: float) -> None:
         ranks, out, cfg = self.members.ranks, self.outbox, self.cfg

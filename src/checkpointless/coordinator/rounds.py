@@ -30,7 +30,7 @@ from checkpointless.coordinator.rules.after_loop import after_the_loop
 from checkpointless.coordinator.rules.budget import FaultRecord
 from checkpointless.coordinator.rules.placement import match_spares, move_chain, without_spare
 from checkpointless.coordinator.rules.round_wait import overdue, waiting
-from checkpointless.coordinator.rules.sections import closed_sections, doubtful_sections
+from checkpointless.coordinator.rules.sections import closed_sections
 from checkpointless.coordinator.rules.width import WidthAction, fold_held_slots
 from checkpointless.coordinator.spares import SparePool
 from checkpointless.coordinator.state import Member, Round
@@ -226,7 +226,7 @@ class Rounds:
         if self.ledger.settle(plan.target_step, r, reports, self.generation):
             self.replace_ranks(r, sorted(r.replace), now)  # fresh processes first (rules/respawn.py)
             return
-        self.ledger.sections_in_doubt(plan.target_step, doubtful_sections(reports, plan.target_step, closed))
+        self.ledger.sections_in_doubt(plan.target_step, reports, closed, r.lost_with_host)
         plan_json = plan.to_json()
         # one Recover for every member, and of a size that does not grow with the job: the plan's
         # rank lists as ranges (the codec compacts them), the peer table as a delta (peer_table.py).

@@ -102,6 +102,8 @@ class Round:
     moving: dict[int, int] = field(default_factory=dict)
     # rank -> its own exception in this round (a fault, or a report: rules/respawn.py reads them)
     raised: dict[int, FaultRecord] = field(default_factory=dict)
+    # ranks lost with their host in this round: their marks went with it (rules/sections.py)
+    lost_with_host: set[int] = field(default_factory=set)
 
 
 # -- commands: what the shell must do -------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from checkpointless.coordinator.rules.decisions import MemberReport
-from checkpointless.coordinator.rules.sections import closed_sections, doubtful_sections
+from checkpointless.coordinator.rules.sections import closed_sections, doubtful_sections, unheard_ranks
 from checkpointless.protocol import Recover, ResumePlan, Stopped, decode, encode
 from checkpointless.recovery.loop import LoopControl
 from checkpointless.recovery.section_pass import PassMark
@@ -258,3 +258,48 @@ def test_the_coordinator_reports_a_doubtful_redo_as_inexact() -> None:
     (event,) = h.events("inexact")
     assert event["what"] == "section" and event["section"] == "eval" and event["ranks"] == [1]
     assert event["rank"] == 1 and event["step"] == 10 and "may appear twice" in event["detail"]
+
+
+def test_a_rank_lost_with_its_host_and_its_keeper_is_unheard_and_its_redo_doubtful() -> None:
+    # ranks 2 and 3 lost with their host; 2's keeper (rank 0) was lost too and has a replacement,
+    # 3's keeper (rank 1) reports as the process that ran the job
+    keeper = {2: 0, 3: 1}.get
+    reports = [report(0, -1, valid=False), failed(1, 10), report(2, -1, False), report(3, -1, False)]
+    assert unheard_ranks({2, 3}, reports, keeper) == (2,)
+    # every live rank entered and failed the barrier: nothing rules rank 2's pass out
+    assert doubtful_sections(reports, 10, unheard=(2,)) == {"eval": (2,)}
+    # a live rank that never entered it rules it out; a rank that passed it closes it
+    assert doubtful_sections([report(1, 10), *reports[2:]], 10, unheard=(2,)) == {}
+    assert doubtful_sections([*reports, report(4, 10, closed=("eval",))], 10, ["eval"], (2,)) == {}
+    # a rank lost alone (its host alive: its replacement reads its mark there) is never unheard
+    assert unheard_ranks(set(), reports, keeper) == ()
+    # no keeper at all (a job of one rank) is no report either
+    assert unheard_ranks({0}, [report(1, 10)], lambda rank: None) == (0,)
+
+
+def test_the_coordinator_reports_the_redo_of_a_rank_lost_with_its_keeper_as_inexact() -> None:
+    # 2 hosts x 2 ranks and a spare host: host 1 (ranks 2-3) is lost as rank 0, the keeper of
+    # rank 2's records one host over, is killed; rank 1, the keeper of rank 3's, lives on
+    from checkpointless.coordinator.state import Emit, Spawn
+    from checkpointless.protocol import SpareReady
+    from tests.helpers.coordinator import formed_host_job
+
+    c, _ = formed_host_job(ready=2)
+    for h in (0, 2):
+        c.on_agent_seen(h, 102.0)
+    c.on_host_lost(1, "connection closed", 102.0, 1e9)
+    c.on_exit(0, -9, False, "SIGKILL", "", 102.0, 1e9)
+    c.tick(102.1, 1e9)
+    late = next(x.worker_id for x in c.drain() if isinstance(x, Spawn) and x.host == 2)
+    c.on_started(late, "10.0.0.2:30100")  # a third spare for the third lost rank
+    c.on_connected(late, 102.2)
+    c.on_message(late, SpareReady(), 102.2, 1e9)
+    c.tick(102.2, 1e9)
+    c.drain()
+    left = Stopped(for_generation=1, committed_step=10, valid=True, sections_left=["eval"])
+    c.on_message(1, left, 102.3, 1e9)
+    for w in [w for w, m in c.procs.items() if m.rank in (0, 2, 3)]:
+        c.on_message(w, Stopped(for_generation=1, committed_step=-1, valid=False), 102.3, 1e9)
+    c.tick(102.4, 1e9)
+    events = [x.fields for x in c.drain() if isinstance(x, Emit) and x.event == "inexact"]
+    assert [(e["section"], e["ranks"]) for e in events] == [("eval", [2])], events

@@ -21,16 +21,19 @@ but if the lost rank did pass, what it did past the barrier (its ``section`` eve
 showed) may come twice. Its replacement or its keeper
 says that it entered and nobody can say more (``sections_entered``), and ``doubtful_sections``
 names such a section, for the launcher to report as an ``Inexact`` resume rather than redo it
-silently.
+silently. A rank lost with its host whose keeper is gone too (both hosts lost, or the keeper a
+replacement that keeps nothing of its owners yet) leaves nobody to say even that: it is
+*unheard* (``unheard_ranks``), and a section every live rank entered and failed is doubtful for
+it as well, since nothing rules its pass out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from checkpointless.coordinator.rules.decisions import MemberReport
 
-__all__ = ["closed_sections", "doubtful_sections"]
+__all__ = ["closed_sections", "doubtful_sections", "unheard_ranks"]
 
 
 def closed_sections(reports: Iterable[MemberReport], target_step: int) -> tuple[str, ...]:
@@ -53,8 +56,22 @@ def closed_sections(reports: Iterable[MemberReport], target_step: int) -> tuple[
     return tuple(sorted(done))
 
 
+def unheard_ranks(
+    lost_with_host: Iterable[int], reports: Iterable[MemberReport], keeper_of: Callable[[int], int | None]
+) -> tuple[int, ...]:
+    """The ranks of ``lost_with_host`` (their pass marks went with their host's memory) whose
+    keeper (``keeper_of``: the rank one host over that their records ride to) sent no report as
+    a process that ran the job: a replacement's report speaks for its own predecessor only, and
+    a keeper lost too says nothing of its owners. Sorted."""
+    speakers = {r.rank for r in reports if r.committed_step >= 0}
+    return tuple(sorted({rank for rank in lost_with_host if keeper_of(rank) not in speakers}))
+
+
 def doubtful_sections(
-    reports: Iterable[MemberReport], target_step: int, closed: Iterable[str] = ()
+    reports: Iterable[MemberReport],
+    target_step: int,
+    closed: Iterable[str] = (),
+    unheard: Iterable[int] = (),
 ) -> dict[str, tuple[int, ...]]:
     """The sections redone at the boundary after ``target_step`` steps that a lost rank may have
     passed, each with those ranks (sorted): a member said the rank entered the closing barrier
@@ -62,7 +79,8 @@ def doubtful_sections(
     ``sections_closed`` is), no member passed it (``closed``: those are not redone), and every
     valid member at the target entered it too and failed it (``sections_left``): a barrier
     passes only once every rank has entered it, so a live rank that never reached it (a fault
-    in the section's work) rules the pass out."""
+    in the section's work) rules the pass out. Each such section is doubtful for the
+    ``unheard`` ranks too (:func:`unheard_ranks`): nobody can say whether they entered it."""
     reports = list(reports)
     live = [r for r in reports if r.valid and r.committed_step == target_step]
     if not live:
@@ -75,4 +93,7 @@ def doubtful_sections(
         for name, ranks in report.sections_entered:
             if name not in done and all(name in r.sections_left for r in live):
                 doubt.setdefault(name, set()).update(ranks)
+    left_by_all = set.intersection(*(set(r.sections_left) for r in live)) - done
+    for name in left_by_all if unheard else ():
+        doubt.setdefault(name, set()).update(unheard)
     return {name: tuple(sorted(ranks)) for name, ranks in sorted(doubt.items())}
