@@ -282,29 +282,33 @@ GLOO_CONNECT_CHOICES = ("lazy", "full")
 
 
 def gloo_connect() -> str:
-    """How a gloo group of the launcher's connects its ranks: ``full`` (the default) or ``lazy``.
+    """How a gloo group of the launcher's connects its ranks: ``lazy`` (the default) or ``full``.
 
-    ``full`` is gloo's full mesh: each rank publishes one key and, before the group exists,
-    reads every rank's key and connects to all N-1 peers, at start-up and at every rebuild.
-    ``lazy`` (gloo's lazy init) publishes the same key but reads a peer's key, and connects to
-    it, only when a collective first needs that peer: a ring all-reduce its two neighbours, a
-    tree broadcast or barrier about log2(N) more. Each generation is a new gloo device (a new
-    listener port and new pair sequence numbers), so every key changes at every rebuild and none
-    can be kept from the last generation; what lazy saves is reading, and connecting to, the
-    peers no collective of the generation uses (docs/rendezvous.md, "What a rebuild reads").
+    ``lazy`` (gloo's lazy init) publishes each rank's key but reads a peer's key, and connects
+    to it, only when a collective first needs that peer: a ring all-reduce its two neighbours, a
+    tree broadcast or barrier about log2(N) more. ``full`` is gloo's full mesh: each rank reads
+    every rank's key and connects to all N-1 peers before the group exists, at start-up and at
+    every rebuild. Each generation is a new gloo device (a new listener port and new pair
+    sequence numbers), so every key changes at every rebuild and none can be kept from the last
+    generation; what lazy saves is reading, and connecting to, the peers no collective of the
+    generation uses (docs/rendezvous.md, "What a rebuild reads").
 
-    ``lazy`` is not the default: it moves the key reads into the collective, where gloo calls the
-    store from its own C++ thread, and a peer that died by then makes the store raise there. That
-    error cannot reach Python from that thread: the process aborts (std::terminate, SIGABRT), so
-    the survivors of a kill died with it and a shard with no other copy was lost (the two-worker
-    suite, session 34: an HSDP rank killed in its first step took ranks 0 and 2 with it). Lazy
-    waits for a store that turns a dead peer into an error gloo can return, not throw.
+    What lazy changes: the key reads move into the collective, where gloo calls the store from
+    its own C++ worker thread, so a peer that died by then fails the collective that first needs
+    it, not the forming. That failure must not be a Python exception: the work keeps it and
+    throws it again at each wait, and pybind11 aborts the process (SIGABRT) the second time a
+    Python error is thrown from one work. Session 34 met exactly this: the survivors of a kill
+    died too, since a polled wait asks a completed work for its outcome again. The root-less
+    store therefore fails a read on such a thread with a value torch's C++ refuses (a C++
+    ``TypeError`` naming the reason, safe to throw again; rendezvous/foreign_reads.py), and the
+    collective fails like any other. ``full`` stays selectable: it reads every key on the
+    calling thread, so a dead peer fails the group's forming instead.
     """
-    choice = os.environ.get(GLOO_CONNECT_VAR, "full")
+    choice = os.environ.get(GLOO_CONNECT_VAR, "lazy")
     if choice not in GLOO_CONNECT_CHOICES:
         raise RendezvousError(
-            f"{GLOO_CONNECT_VAR}={choice!r} is not a gloo connection mode; use 'full' (gloo's full "
-            "mesh, the default) or 'lazy' (connect to a peer when a collective first needs it)"
+            f"{GLOO_CONNECT_VAR}={choice!r} is not a gloo connection mode; use 'lazy' (connect to a "
+            "peer when a collective first needs it, the default) or 'full' (gloo's full mesh)"
         )
     return choice
 

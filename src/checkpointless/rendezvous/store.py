@@ -18,6 +18,12 @@ from C++ are those torch's trampoline forwards (set, get, add, check, compare_se
 multi_get, multi_set, append, has_extended_api); ``delete_key`` and ``num_keys`` work when
 called from Python.
 
+A call that a C++ library makes on a thread of its own (gloo's lazy connection reads a peer's
+address from its worker thread, inside a collective) never raises: a failed ``get``,
+``multi_get``, ``wait`` or ``check`` there returns a value torch's C++ refuses with its own
+exception, so the collective fails and can be waited on again
+(:mod:`~checkpointless.rendezvous.foreign_reads` says why a Python exception there aborts).
+
 Keep a reference to the store for as long as a process group made from it lives: the C++ side
 holds the store, but the Python methods vanish with the last Python reference.
 """
@@ -25,12 +31,14 @@ holds the store, but the Python methods vanish with the last Python reference.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from checkpointless.errors import ConfigError, RendezvousError
 from checkpointless.rendezvous.client import PeerClient, Request
+from checkpointless.rendezvous.foreign_reads import on_foreign_thread, unreadable
 from checkpointless.rendezvous.keyproto import clamp_wait, join_values, split_values
 from checkpointless.rendezvous.peers import PeerTable, group_by_owner, key_owner
 from checkpointless.rendezvous.server import KeyServer
@@ -90,6 +98,8 @@ class RootlessStore(Store):
         self._server = server
         self._max_idle = max_idle_connections
         self._client = PeerClient(peers, secret, prefix, connect_grace.total_seconds(), max_idle_connections)
+        self._lock = threading.Lock()
+        self._failed_waits: dict[str, str] = {}  # key -> why a wait on a C++ thread failed
         self.set_timeout(timeout)
 
     def __repr__(self) -> str:
@@ -183,10 +193,31 @@ class RootlessStore(Store):
         self._grouped(keys, make, local, self._deadline())
 
     def get(self, key: str) -> bytes:
-        return self.multi_get([key])[0]
+        if on_foreign_thread():
+            return cast(bytes, self._read_for_cpp([key], one=True))
+        return self._read([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Every value, waiting (up to the store timeout) for keys not written yet."""
+        if on_foreign_thread():
+            return cast(list[bytes], self._read_for_cpp(keys, one=False))
+        return self._read(keys)
+
+    def _read_for_cpp(self, keys: list[str], one: bool) -> Any:
+        """A read on a C++ library's own thread (gloo's lazy connection reads a peer's address
+        there): a failure, or one its ``wait`` met, is returned as a value torch's C++ refuses,
+        never raised (rendezvous/foreign_reads.py says why a raise there aborts the process)."""
+        with self._lock:
+            failed = [self._failed_waits.pop(k) for k in keys if k in self._failed_waits]
+        if failed:
+            return unreadable(failed[0])
+        try:
+            values = self._read(keys)
+        except Exception as e:
+            return unreadable(str(e))
+        return values[0] if one else values
+
+    def _read(self, keys: list[str]) -> list[bytes]:
         deadline = self._deadline()
         out: list[bytes] = [b""] * len(keys)
         ks = self._server.keyspace if self._server is not None else None
@@ -212,6 +243,18 @@ class RootlessStore(Store):
         return out
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if not on_foreign_thread():
+            self._wait(keys, timeout)
+            return
+        # on a C++ library's own thread a raise would abort the process: the failure is kept
+        # for the read that follows (gloo waits for a key, then gets it), which returns it
+        try:
+            self._wait(keys, timeout)
+        except Exception as e:
+            with self._lock:
+                self._failed_waits.update(dict.fromkeys(keys, str(e)))
+
+    def _wait(self, keys: list[str], timeout: datetime.timedelta | None) -> None:
         deadline = self._deadline(timeout)
         ks = self._server.keyspace if self._server is not None else None
 
@@ -227,6 +270,14 @@ class RootlessStore(Store):
         self._grouped(keys, make, local, deadline)
 
     def check(self, keys: list[str]) -> bool:
+        if not on_foreign_thread():
+            return self._check(keys)
+        try:
+            return self._check(keys)
+        except Exception as e:  # torch's C++ refuses the value instead (foreign_reads.py)
+            return cast(bool, unreadable(str(e)))
+
+    def _check(self, keys: list[str]) -> bool:
         present = [True]
         ks = self._server.keyspace if self._server is not None else None
 

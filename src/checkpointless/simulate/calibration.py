@@ -45,8 +45,8 @@ class CommModel(str, Enum):
     # key's CPU cost plus a few round trips per batch of 128 keys. Only the key exchange: the
     # communicator's own connections are not in it.
     ROOTLESS_MEASURED = "rootless-measured"
-    # The same store with gloo's lazy connection (comm/handle.py:gloo_connect, opt-in: not the
-    # launcher's default, see there): a rank reads, and connects to, only the peers its collectives use (its ring
+    # The same store with gloo's lazy connection (comm/handle.py:gloo_connect, the launcher's
+    # default): a rank reads, and connects to, only the peers its collectives use (its ring
     # neighbours and a barrier's log2(N) partners: plans.lazy_keys_read), and each key is read by
     # as many ranks, so the critical path is that many keys' CPU cost plus the barrier's rounds.
     ROOTLESS_LAZY = "rootless-lazy"
@@ -70,12 +70,12 @@ class Calibration:
     # The launcher's default --rendezvous rootless (settings/job.py): every generation's store is
     # recovery/rendezvous_client.py:make_store's RootlessStore, each rank serving its own keys;
     # no store is left in the round (--rendezvous tcp, a TCPStore in the launcher, is STORE_LINEAR).
-    # Its gloo groups connect as a full mesh (comm/handle.py:gloo_connect, default full), every
-    # rank reading all N keys; CHECKPOINTLESS_GLOO_CONNECT=lazy (ROOTLESS_LAZY) is not the default
-    rebuild_model: CommModel = CommModel.ROOTLESS_MEASURED
+    # Its gloo groups connect lazily (comm/handle.py:gloo_connect, default lazy), so a rank reads
+    # only its collectives' peers' keys; CHECKPOINTLESS_GLOO_CONNECT=full is ROOTLESS_MEASURED
+    rebuild_model: CommModel = CommModel.ROOTLESS_LAZY
     # A checkpointless job that falls back is started again by the same launcher, whose first
     # generation forms through the same make_store and gloo groups: its restart is the same
-    restart_model: CommModel = CommModel.ROOTLESS_MEASURED
+    restart_model: CommModel = CommModel.ROOTLESS_LAZY
     # A step whose exception recurs is retried in the same process this many times, then the
     # job stops: recovery/recover.py:recover_from (max_step_retries=3, init()'s default), and the
     # coordinator's fault budget rules/budget.py:budget_verdict (--max-repeat-faults 3) and

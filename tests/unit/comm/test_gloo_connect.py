@@ -1,8 +1,8 @@
 """Which rendezvous keys a gloo rank reads, at start-up and after a rank is replaced.
 
-Full mesh (the default): every rank reads all N keys before its group exists. Lazy
-(``CHECKPOINTLESS_GLOO_CONNECT=lazy``, opt-in: comm/handle.py:gloo_connect says why): a rank reads a peer's key only when a collective first needs that
-peer, so a ring all-reduce reads its two neighbours' keys and nothing else. The ranks here are
+Lazy (the default, ``CHECKPOINTLESS_GLOO_CONNECT=lazy``): a rank reads a peer's key only when
+a collective first needs that peer, so a ring all-reduce reads its two neighbours' keys and
+nothing else. Full mesh (``full``): every rank reads all N keys before its group exists. The ranks here are
 threads of this process, each with its own key server and root-less store (as under the
 launcher); a recovery replaces one rank's key server, as a spare process brings its own. The
 counts are the simulator's lazy model (simulate/plans.py:lazy_keys_read) held to gloo itself.
@@ -11,8 +11,11 @@ counts are the simulator's lazy model (simulate/plans.py:lazy_keys_read) held to
 from __future__ import annotations
 
 import datetime
+import os
+import re
+import subprocess
+import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,38 +187,88 @@ def test_lazy_barrier_and_broadcast_read_the_models_peers(launcher_env: pytest.M
     assert reads == [lazy_peers(r, n) for r in range(n)]
 
 
-def test_lazy_a_dead_peer_fails_the_first_collective_at_once_naming_it(
-    launcher_env: pytest.MonkeyPatch,
-) -> None:
-    """Forming no longer waits for the peers, so a dead one is found by the first collective that
-    needs it: as fast as the full mesh finds it while forming, with the store's error naming it."""
-    launcher_env.setenv(GLOO_CONNECT_VAR, "lazy")
+# Rank 1 died before it wrote its key; rank 0 forms lazily (the default) and its first all-reduce
+# reads rank 1's key on gloo's worker thread. Before the store failed such a read with a value
+# (rendezvous/foreign_reads.py), the second wait threw the work's Python error again and the
+# process ended on SIGABRT, so this runs in a child process.
+_DEAD_PEER = """
+import datetime, time, torch
+from checkpointless.comm.handle import Handle, gloo_connect, new_group
+from checkpointless.errors import CommAborted
+from checkpointless.rendezvous import KeyServer, PeerTable, RootlessStore
+
+assert gloo_connect() == "lazy", gloo_connect()
+servers = [KeyServer("127.0.0.1", 0, b"s"), KeyServer("127.0.0.1", 0, b"s")]
+for s in servers:
+    s.start()
+servers[1].stop()
+table = PeerTable([s.address for s in servers])
+grace = datetime.timedelta(seconds=0.5)
+store = RootlessStore(0, 2, table, b"s", "gen0/", datetime.timedelta(seconds=30), servers[0], connect_grace=grace)
+t0 = time.monotonic()
+pg = new_group("gloo", store, 0, 2, datetime.timedelta(seconds=30))
+formed = time.monotonic() - t0
+work = pg.allreduce([torch.ones(4)])
+handle = Handle(work, None, lambda h: None, poll=True)  # how every gloo collective is waited on
+try:
+    handle.wait(10.0)  # a bounded wait that raises, then the completed work's outcome: two throws
+except CommAborted as e:
+    print("handle", e)
+for _ in range(2):  # and the same work's error, again
+    try:
+        work.wait()
+    except Exception as e:
+        print("raw", type(e).__name__, e)
+try:  # gloo gave up on the pair: the next collective that needs it fails at once too
+    pg.allreduce([torch.ones(4)]).wait()
+except Exception as e:
+    print("next", type(e).__name__)
+print("formed", round(formed, 2), "failed", round(time.monotonic() - t0, 2))
+del pg
+servers[0].stop()
+"""
+
+
+def test_lazy_a_dead_peer_fails_the_collective_as_often_as_it_is_waited_on_naming_it() -> None:
+    """Forming no longer waits for the peers, so a dead one is found by the first collective
+    that needs it, with the store's reason, and the survivor lives on to recover."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHECKPOINTLESS_")}
+    env[ENV.HOST] = "127.0.0.1"  # the launcher's path; the connection mode is left at its default
+    p = subprocess.run(
+        [sys.executable, "-c", _DEAD_PEER], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "terminate called" not in p.stderr, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    named = r"store read failed: rank 1 \(127\.0\.0\.1:\d+\) refused connections"
+    raw = [line for line in lines if line.startswith("raw ")]
+    assert len(raw) == 2 and all(re.match(r"raw TypeError Object of type '" + named, r) for r in raw), lines
+    assert any(re.match(r"handle collective failed: .*" + named, line) for line in lines), lines
+    assert "next RuntimeError" in lines, lines
+    formed, failed = (float(x) for x in lines[-1].split()[1::2])
+    assert formed < 5.0  # formed without waiting for rank 1
+    assert failed < 10.0, "the dead peer must be named long before the 30 s timeout"
+
+
+def test_a_read_on_a_python_thread_still_raises_the_stores_error(launcher_env: pytest.MonkeyPatch) -> None:
+    """Only a C++ library's own thread gets the refused value; Python callers, through torch's
+    C++ store wrappers too, get the RendezvousError as before."""
     ranks = _Ranks(2)
     try:
-        ranks.servers[1].stop()  # rank 1 died before it wrote its key
+        ranks.servers[1].stop()
         table = PeerTable([s.address for s in ranks.servers])
-        store = RootlessStore(
-            0,
-            2,
-            table,
-            SECRET,
-            "gen0/",
-            TIMEOUT,
-            ranks.servers[0],
-            connect_grace=datetime.timedelta(seconds=0.5),
-        )
-        t0 = time.monotonic()
-        pg = new_group("gloo", store, 0, 2, TIMEOUT)
-        assert time.monotonic() - t0 < 5.0  # formed without waiting for rank 1
-        with pytest.raises(RendezvousError, match=r"rank 1 \(127\.0\.0\.1:\d+\) refused connections"):
-            pg.allreduce([torch.ones(4)]).wait()
-        assert time.monotonic() - t0 < 10.0, "the dead peer must be named long before the 30 s timeout"
-        del pg
+        grace = datetime.timedelta(seconds=0.2)
+        store = RootlessStore(0, 2, table, SECRET, "gen0/", TIMEOUT, ranks.servers[0], connect_grace=grace)
+        for reader in (store, torch.distributed.PrefixStore("p/", store)):
+            with pytest.raises(RendezvousError, match=r"rank 1 .* refused connections"):
+                reader.get("1")
     finally:
         ranks.close()
 
 
 def test_an_unknown_mode_is_refused_naming_the_value_and_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(GLOO_CONNECT_VAR, "mesh")
-    with pytest.raises(RendezvousError, match=r"CHECKPOINTLESS_GLOO_CONNECT='mesh'.*'full'.*'lazy'"):
+    with pytest.raises(
+        RendezvousError, match=r"CHECKPOINTLESS_GLOO_CONNECT='mesh'.*'lazy'.*the default.*'full'"
+    ):
         gloo_connect()

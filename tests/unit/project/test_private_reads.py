@@ -44,6 +44,10 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_Options": "torch's gloo options class, the one way to bind gloo to the job's interface",
         "_devices": "torch's gloo options: the device (interface) gloo listens on",
     },
+    "checkpointless.rendezvous.foreign_reads": {
+        "_DummyThread": "the stdlib's class of a thread Python did not start (gloo's worker), where a "
+        "store read must not raise",
+    },
     "checkpointless.comm.mesh": {
         "_get_default_group": "torch c10d's default group, which a device mesh adopts",
         # FSDP2's per-module state, reset after an aborted step (there is no public reset)

@@ -51,10 +51,10 @@ def test_defaults_are_the_launchers_own() -> None:
     cal = Calibration()
     launcher = {f.name: f.default for f in fields(JobSettings)}
     # the launcher's default --rendezvous rootless forms every generation, the first one too,
-    # and its gloo groups connect as a full mesh unless CHECKPOINTLESS_GLOO_CONNECT=lazy
+    # and its gloo groups connect lazily unless CHECKPOINTLESS_GLOO_CONNECT=full
     assert launcher["rendezvous"] == "rootless"
-    assert cal.rebuild_model is CommModel.ROOTLESS_MEASURED
-    assert cal.restart_model is CommModel.ROOTLESS_MEASURED
+    assert cal.rebuild_model is CommModel.ROOTLESS_LAZY
+    assert cal.restart_model is CommModel.ROOTLESS_LAZY
     # checkpoint-restart is torchrun's: one TCPStore
     assert cal.init_model is CommModel.STORE_LINEAR
     # the worker retries a raising step this often, and the coordinator's budget stops the job
@@ -64,12 +64,12 @@ def test_defaults_are_the_launchers_own() -> None:
 
 
 @pytest.mark.timeout(5)
-def test_the_rebuild_model_is_the_workers_default_gloo_connection(
+def test_the_lazy_rebuild_model_is_the_workers_default_gloo_connection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(GLOO_CONNECT_VAR, raising=False)
-    assert gloo_connect() == "full"
-    assert Calibration().rebuild_model is CommModel.ROOTLESS_MEASURED
+    assert gloo_connect() == "lazy"
+    assert Calibration().rebuild_model is CommModel.ROOTLESS_LAZY
 
 
 @pytest.mark.timeout(30)

@@ -8,6 +8,7 @@ ranks and sampled ones up to 100,000.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -77,9 +78,16 @@ def test_the_lazy_rebuild_costs_milliseconds_where_the_full_mesh_costs_seconds()
 @pytest.mark.timeout(5)
 def test_the_full_mesh_what_if_is_the_measured_model_for_both() -> None:
     base = SimConfig()
-    # the full mesh is the launcher's default (comm/handle.py:gloo_connect says why)
+    # lazy connection is the launcher's default (comm/handle.py:gloo_connect); full is the what-if
     assert (base.cal.rebuild_model, base.cal.restart_model) == (
+        CommModel.ROOTLESS_LAZY,
+        CommModel.ROOTLESS_LAZY,
+    )
+    cal = full_mesh(base).cal
+    assert (cal.rebuild_model, cal.restart_model) == (
         CommModel.ROOTLESS_MEASURED,
         CommModel.ROOTLESS_MEASURED,
     )
-    assert full_mesh(base).cal == base.cal
+    assert (
+        replace(cal, rebuild_model=CommModel.ROOTLESS_LAZY, restart_model=CommModel.ROOTLESS_LAZY) == base.cal
+    )
