@@ -1,5 +1,7 @@
 """Shared-memory snapshots: exact round trips, corrupt bytes refused, a killed writer harmless, and
-a real job whose every rank dies at once finishing bitwise identical to the fault-free run."""
+real jobs that lose every replica: one whose every rank dies at once and then raises at once,
+finishing bitwise identical to the fault-free run, and one that has no snapshot to start from,
+ending with the reason."""
 
 from __future__ import annotations
 
@@ -156,10 +158,22 @@ def test_writer_killed_mid_write_leaves_the_last_snapshot_usable(tmp_path: Path)
     assert len(list_snapshots(d)) == 2
 
 
+# every rank raises half-way through step 8's update, each time its process runs it (a fault that
+# lives in the process): once all have raised there no rank holds the state, and its in-process
+# retries and then its fresh processes start from the snapshot. (Raised as the step begins, a
+# rank still holds the state, and the ranks replaced first receive it from one not yet replaced:
+# whether a snapshot is needed then depends on the order the limits are reached in.)
+WEDGED = [f"wedge:rank={r}:step=8:site=optimizer" for r in range(3)]
+
+
 @pytest.mark.timeout(300)
-def test_every_rank_killed_at_once_restores_from_the_snapshot(
+def test_every_rank_killed_at_once_or_raising_at_once_restores_from_the_snapshot(
     tmp_path: Path, corpus: Path, reference: Any
 ) -> None:
+    """Two ways to lose every replica in one job, each restored from the newest shared-memory
+    snapshot: every rank SIGKILLed at step 6 (by spares), then every rank raising in step 8's
+    update until its in-process retries are used up (coordinator/rules/respawn.py: fresh
+    processes are tried only because a snapshot is left)."""
     ref = reference(3)
     run_dir = tmp_path / "run"
     # killall: as step 6 begins, every rank waits for rank 0's snapshot of step 6 to be written
@@ -169,23 +183,69 @@ def test_every_rank_killed_at_once_restores_from_the_snapshot(
         corpus,
         nproc=3,
         spares=3,
-        faults=["killall:step=6"],
+        faults=["killall:step=6", *WEDGED],
         extra=["--snapshot-every", "2"],
         timeout=240,
     )
-    check_recovered(res, ref)
+    check_recovered(res, ref, recoveries=2)
     assert {e["rank"] for e in res.of("fault_injected") if e["kind"] == "killall"} == {0, 1, 2}
-    # all at once: one round, whose faults are every rank's SIGKILL at step 6 (none survived)
-    (recovery,) = res.of("recovery")
-    assert sorted((f["rank"], f["kind"], f["step"]) for f in recovery["faults"]) == [
-        (r, "killed", 6) for r in range(3)
-    ], recovery["faults"]
-    assert {e["rank"] for e in res.of("spare_assigned")} == {0, 1, 2}, "every rank must have been replaced"
     plans = [p for p in res.of("plan") if p.get("from_snapshot")]
-    assert plans and plans[0]["target_step"] == 6 and plans[0]["receivers"] == [0, 1, 2], res.of("plan")
-    assert res.of("recovery")[-1]["transport"] == "snapshot"
+    # the kill: all at once, one round whose faults are every rank's SIGKILL at step 6 (none survived)
+    [killed] = [r for r in res.of("recovery") if any(f["kind"] == "killed" for f in r["faults"])]
+    assert sorted((f["rank"], f["kind"], f["step"]) for f in killed["faults"]) == [
+        (r, "killed", 6) for r in range(3)
+    ], killed["faults"]
+    replaced = [e["rank"] for e in res.of("spare_assigned") if e["generation"] == killed["generation"]]
+    assert sorted(replaced) == [0, 1, 2], "every rank must have been replaced"
+    [after_kill] = [p for p in plans if p["generation"] == killed["generation"]]
+    assert after_kill["target_step"] == 6 and after_kill["receivers"] == [0, 1, 2], plans
+    assert killed["transport"] == "snapshot", killed
+    # the raises: every rank raised in step 8's update, was retried in its process, then replaced
+    # by a fresh process, and the state came back from the snapshot (no rank held it)
+    assert {e["rank"] for e in res.of("fault_injected") if e["kind"] == "wedge"} == {0, 1, 2}
+    assert {r for e in res.of("respawn") for r in e["ranks"]} == {0, 1, 2}, res.of("respawn")
+    raised = {f["rank"] for f in res.of("fault") if f["kind"] == "exception" and f.get("step") == 8}
+    assert raised, res.of("fault")
+    late = [p for p in plans if p["generation"] > killed["generation"]]
+    assert late and all(p["receivers"] == [0, 1, 2] and p["target_step"] in (6, 8) for p in late), plans
+    assert "restored the shared-memory snapshot of step" in res.output, res.output[-4000:]
+    assert len(res.of("spare_assigned")) == 6, res.of("spare_assigned")
     snaps = [e["snapshot"] for e in res.events("rank-0.jsonl") if "snapshot" in e]
     assert snaps and all(s["bound_bytes"] == 2 * s["bytes"] for s in snaps)
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_raising_without_a_snapshot_ends_with_the_reason(tmp_path: Path, corpus: Path) -> None:
+    """Every rank raising in one step's update with no snapshot and no checkpoint: no copy of the
+    state is left for a retry in process or in fresh processes, and the job ends saying so, with
+    the fix, instead of training on from a half-updated model."""
+    res = run_job(
+        tmp_path / "run",
+        corpus,
+        nproc=3,
+        spares=3,
+        faults=[f"wedge:rank={r}:step=2:site=optimizer" for r in range(3)],
+        extra=["--snapshot-every", "0"],
+        timeout=100,
+    )
+    assert res.rc != 0, res.output[-4000:]
+    [end] = res.of("job_end")
+    assert end["status"] == "failed", end
+    why = end["error"]
+    # the first round finds no valid replica (the usual end); should a rank have been aborted
+    # before its update began, the retries run out first and the respawn rule says the same
+    assert any(
+        text in why
+        for text in (
+            "no rank holds a valid replica",
+            "were not tried: nothing would be left",
+            "fresh processes could not be tried",
+        )
+    ), why
+    assert "--snapshot-every" in why and "--checkpoint-every" in why, why
+    assert not [p for p in res.of("plan") if p.get("from_snapshot")], res.of("plan")
+    assert not res.digests, "no rank may finish the job"
+    assert not res.left_behind(), "processes of the job were left behind"
 
 
 @pytest.mark.timeout(30)

@@ -117,6 +117,22 @@ def test_a_fresh_process_that_raises_again_ends_the_job(
         assert "not a transient fault" in why
 
 
+@pytest.mark.parametrize("verdict", [None, "budget"])
+def test_a_rank_still_in_its_own_process_raising_after_its_peers_were_replaced_ends_nothing(
+    verdict: str | None,
+) -> None:
+    """Every rank raised at step 3: rank 1 used up its retries first and was replaced; rank 0,
+    never replaced, raises again at step 3 (its own retry). That is no fresh process failing:
+    the job once ended here, saying rank 0 raised "again in a fresh process"."""
+    fault = FaultRecord(0, "exception", 3, "ZeroDivisionError: a bug")
+    assert fresh_failure(fault, 5, verdict, [RESPAWNED], window=20) is None
+    # once rank 0 was replaced too, its fresh process raising again ends the job
+    both = [RESPAWNED, Respawn(ranks=(0,), step=3, generation=5, retries=3)]
+    assert "rank 0 raised at step 3 again in a fresh process" in str(
+        fresh_failure(fault, 6, verdict, both, 20)
+    )
+
+
 def test_nothing_was_respawned_nothing_ends() -> None:
     for kind, gen in itertools.product(("exception", "killed"), (0, 5)):
         assert fresh_failure(FaultRecord(1, kind, 3, "x"), gen, "budget", [], window=20) is None

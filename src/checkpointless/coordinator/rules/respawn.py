@@ -121,14 +121,17 @@ def fresh_failure(
     """Whether ``last`` (a fault seen while ``generation`` was the newest formed one) shows that a
     fresh process did not cure a recurrence; the job's end, or None.
 
-    It does when the exception comes back at a step whose ranks were replaced, in a later
-    generation than the replacement (one raised in the same round is the replacement's reason,
-    not its result), or when the fault budget fires again (``verdict``) within ``window`` steps of
-    it: a fault that moves on with the steps."""
+    It does when a replaced rank's exception comes back at the step it was replaced for, in a
+    later generation than the replacement (one raised in the same round is the replacement's
+    reason, not its result), or when the fault budget fires again (``verdict``) on that rank
+    within ``window`` steps of it: a fault that moves on with the steps. Only a replaced rank's
+    fault says so: when every rank raises at one step, a rank still in its own process may raise
+    again after its peers were replaced, and that is its own in-process retry, not a fresh
+    process failing (it is replaced in turn, or the job ends for want of state)."""
     if last.kind != "exception" or last.step is None:
         return None
     for x in reversed(respawns):
-        if generation <= x.generation:
+        if generation <= x.generation or last.rank not in x.ranks:
             continue
         if last.step == x.step or (verdict is not None and abs(last.step - x.step) <= window):
             return (
