@@ -20,7 +20,7 @@ before the rank can take part in any collective after it, and no peer can pass t
 the keeper still holds an older record. The directory is the one the snapshots and the
 same-host buddy copies use: the launcher's and the reaper's clean-up remove it, even after a
 SIGKILL. Each record carries its step, the section it began (if any), its length and a digest
-(a write cut short by a SIGKILL is refused, never restored); two slots (by the step's parity)
+(a write cut short by a SIGKILL is refused, never restored; the bytes: rng_record.py); two slots (by the step's parity)
 keep the newest two steps, since a recovery may settle on the step before the newest record (a
 rank that committed a step its peers did not reach).
 
@@ -58,19 +58,19 @@ began while a peer committed the step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
-import xxhash
 
 from checkpointless.data.shm_cache import job_cache_dir
 from checkpointless.recovery.rng_compare import same_rng, torch_unchanged, unchanged
+from checkpointless.recovery.rng_record import (
+    RngRecord,
+    decode_record,
+    encode_parts,
+    encode_record,
+    record_point,
+)
 from checkpointless.state.shm_dir import private_dir
 from checkpointless.state.snapshot import RngState, capture_rng
 
@@ -85,141 +85,12 @@ __all__ = [
     "same_rng",
 ]
 
-_MAGIC = b"CLRNG002"
-_LEAD = struct.Struct("<8sII")  # magic, the record's whole length, the JSON header's length
-_DIGEST = 16  # XXH3-128 of everything before it: a torn or foreign record is never restored
-
-
-@dataclass(frozen=True)
-class RngRecord:
-    """A rank's generators as they stood at step ``step``'s boundary: as the step began (or
-    committed, the step before), or as section ``section`` began before it."""
-
-    step: int
-    rng: RngState
-    section: str | None = None
-    # the rank's per-rank data positions as they stood there (rank_data.py's bytes), if any
-    data: bytes | None = None
-    # how the section of this boundary closed here (section_closing.py's bytes), if it did
-    closing: bytes | None = None
-
 
 def rank_rng_dir(job_id: str) -> Path:
     """The job's directory of per-rank generator records (private, in its shared memory)."""
     path = job_cache_dir(job_id) / "rng"
     private_dir(path)
     return path
-
-
-def _blob(t: torch.Tensor) -> memoryview:
-    # a generator's state is a plain contiguous CPU tensor: viewed as it is, without the
-    # conversions' dispatcher calls (a few µs each, and a record is written every step)
-    if t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
-        t = t.detach().cpu().contiguous()
-    arr: np.ndarray = t.numpy()
-    return arr.data.cast("B")
-
-
-def encode_parts(record: RngRecord) -> list[bytes | memoryview]:
-    """``record`` as the pieces of one write: a lead (magic, lengths), a JSON header of the
-    scalars and blob sizes, the blobs (Python's state words, NumPy's keys, torch's CPU and CUDA
-    states) and the digest of all that."""
-    rng = record.rng
-    version, words, py_gauss = rng["python"]
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = rng["numpy"]
-    words_t = words if isinstance(words, torch.Tensor) else torch.tensor(list(words))
-    blobs = [
-        _blob(words_t if words_t.dtype == torch.int64 else words_t.to(torch.int64)),
-        np.ascontiguousarray(np_keys, dtype=np.uint32).data.cast("B"),
-        _blob(rng["torch"]),
-        *(_blob(t) for t in rng.get("cuda", [])),
-    ]
-    if record.data is not None:
-        blobs.append(memoryview(record.data))
-    if record.closing is not None:
-        blobs.append(memoryview(record.closing))
-    header = {
-        "step": record.step,
-        "section": record.section,
-        "python": [int(version), py_gauss],
-        "numpy": [str(np_kind), int(np_pos), int(np_has_gauss), float(np_gauss)],
-        "cuda": "cuda" in rng,
-        "data": record.data is not None,  # the last blob (or the one before): the data positions
-        "closing": record.closing is not None,  # the last blob: how the section closed
-        "sizes": [b.nbytes for b in blobs],
-    }
-    head = json.dumps(header).encode()
-    total = _LEAD.size + len(head) + sum(b.nbytes for b in blobs) + _DIGEST
-    parts: list[bytes | memoryview] = [_LEAD.pack(_MAGIC, total, len(head)), head, *blobs]
-    h = xxhash.xxh3_128()
-    for part in parts:
-        h.update(part)
-    return [*parts, h.digest()]
-
-
-def encode_record(record: RngRecord) -> bytes:
-    """``record`` as one byte string (:func:`encode_parts`, joined)."""
-    return b"".join(encode_parts(record))
-
-
-def _checked_body(data: bytes) -> tuple[bytes, int]:
-    """The record at the start of ``data`` (without its digest) and its header's length."""
-    if len(data) < _LEAD.size + _DIGEST:
-        raise ValueError("not a whole generator record")
-    magic, total, n = _LEAD.unpack_from(data)
-    if magic != _MAGIC or total > len(data) or total < _LEAD.size + n + _DIGEST:
-        raise ValueError("not a whole generator record")
-    body, digest = data[: total - _DIGEST], data[total - _DIGEST : total]
-    if xxhash.xxh3_128_digest(body) != digest:
-        raise ValueError("a generator record that fails its digest")
-    return body, n
-
-
-def record_point(data: bytes) -> tuple[int, str | None]:
-    """The step and section of the record at the start of ``data``, checked against its digest
-    but not decoded (what a keeper of another rank's records needs, per step).
-
-    Raises:
-        ValueError: ``data`` does not start with a whole record."""
-    body, n = _checked_body(data)
-    try:
-        header = json.loads(body[_LEAD.size : _LEAD.size + n])
-        step, section = header["step"], header["section"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"a generator record with a malformed header: {e}") from e
-    if not isinstance(step, int) or not (section is None or isinstance(section, str)):
-        raise ValueError("a generator record with a malformed header")
-    return step, section
-
-
-def decode_record(data: bytes) -> RngRecord:
-    """The record at the start of ``data`` (a slot may hold a longer older one's tail after it).
-
-    Raises:
-        ValueError: ``data`` does not start with a whole record."""
-    body, n = _checked_body(data)
-    at = _LEAD.size
-    header = json.loads(body[at : at + n])
-    at += n
-    blobs: list[bytes] = []
-    for size in header["sizes"]:
-        blobs.append(body[at : at + size])
-        at += size
-    if at != len(body):
-        raise ValueError("a generator record of the wrong length")
-    version, py_gauss = header["python"]
-    np_kind, np_pos, np_has_gauss, np_gauss = header["numpy"]
-    words = torch.from_numpy(np.frombuffer(blobs[0], dtype=np.int64).copy())
-    rng: RngState = {
-        "python": [version, words, py_gauss],
-        "numpy": [np_kind, np.frombuffer(blobs[1], dtype=np.uint32).copy(), np_pos, np_has_gauss, np_gauss],
-        "torch": torch.frombuffer(bytearray(blobs[2]), dtype=torch.uint8),
-    }
-    closing = blobs.pop() if header.get("closing") else None
-    positions = blobs.pop() if header.get("data") else None
-    if header["cuda"]:
-        rng["cuda"] = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs[3:]]
-    return RngRecord(int(header["step"]), rng, header["section"], positions, closing)
 
 
 class RankRngKeeper:

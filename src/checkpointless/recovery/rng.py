@@ -15,11 +15,14 @@ import contextlib
 import hashlib
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
+from numpy.random.mtrand import get_bit_generator, set_bit_generator
 
 from checkpointless.errors import ConfigError
+from checkpointless.state.rng_read import numpy_gauss, python_getstate
 
 __all__ = ["StepStreams", "batch_rng", "stream_seed"]
 
@@ -74,6 +77,33 @@ class StepStreams:
         return gen
 
 
+class _Seeder:
+    """NumPy's global generator seeded from a step without touching its own state: a bit
+    generator of our own, seeded as ``np.random.seed`` seeds (the legacy seeding), is lent to
+    the global ``RandomState`` and the rank's own is given back afterwards. The public
+    ``get_state()`` and ``set_state()`` copy the 624 key words one at a time (~150 µs the pair,
+    most of a batch read's keeping); the swap costs ~5 µs and leaves the own words untouched.
+    The swap resets the cached Gaussian, so a state with one is put back whole."""
+
+    def __init__(self) -> None:
+        self.bits = np.random.MT19937(0)
+        self._seeding = np.random.RandomState(self.bits)
+
+    def lend(self, seed: int) -> None:
+        self._seeding.seed(seed)  # the legacy seeding, as np.random.seed(seed) does it
+        set_bit_generator(self.bits)
+
+
+_seeder: _Seeder | None = None
+
+
+def _numpy_seeder() -> _Seeder:
+    global _seeder
+    if _seeder is None:
+        _seeder = _Seeder()
+    return _seeder
+
+
 @contextlib.contextmanager
 def batch_rng(step: int) -> Iterator[None]:
     """Fetch step ``step``'s batch with the global generators (torch's CPU one, NumPy's, Python's)
@@ -86,15 +116,29 @@ def batch_rng(step: int) -> Iterator[None]:
     draws after them (dropout). Seeded per step, a batch is the same whoever reads it and
     whenever, and the step's own stream never sees the fetch, as with workers (whose seeds do not
     come from the step's stream either). The same seed on every rank, as the global generators
-    are the same on every rank (each rank reads other samples)."""
+    are the same on every rank (each rank reads other samples).
+
+    This runs every step (recovery/loader.py, stateful_loader.py), so the generators are put
+    aside cheaply: NumPy's by lending it a bit generator of ours (:class:`_Seeder`), Python's
+    words read back as they were last built when nothing drew since (rng_read.python_getstate).
+    The draws inside and the state after are those of ``get_state()``, ``seed()`` and
+    ``set_state()`` (tests/unit/recovery/test_batch_rng.py)."""
     seed = stream_seed(0, "batch", 0, step)
-    cpu, py, npy = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cpu, py = torch.get_rng_state(), python_getstate()
+    seeder = _numpy_seeder()
+    own = get_bit_generator()
+    # a cached Gaussian (which the swap resets) or a nested read (whose generator is ours, and
+    # is seeded again): the whole state, through the public getter, as before
+    whole = own is seeder.bits or numpy_gauss() != (0, 0.0)
+    npy: Any = np.random.get_state(legacy=False) if whole else None
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
-    np.random.seed(seed % (1 << 32))
+    seeder.lend(seed % (1 << 32))
     try:
         yield
     finally:
         torch.set_rng_state(cpu)
         random.setstate(py)
-        np.random.set_state(npy)
+        set_bit_generator(own)
+        if npy is not None:
+            np.random.set_state(npy)

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["numpy_state", "python_state", "reads_fast"]
+__all__ = ["numpy_gauss", "numpy_state", "python_getstate", "python_state", "reads_fast"]
 
 _WORDS = 624  # both generators are the 32-bit Mersenne Twister: 624 words of state
 _MT = struct.Struct(f"@{_WORDS}Ii")  # NumPy's mt19937_state: key[624], pos
@@ -233,3 +233,41 @@ def python_state() -> tuple[int, np.ndarray, float | None]:
     words[_WORDS] = struct.unpack_from("@i", raw)[0]
     gauss: float | None = window.owner.gauss_next  # type: ignore[attr-defined]
     return random.Random.VERSION, words, gauss
+
+
+def numpy_gauss() -> tuple[int, float]:
+    """NumPy's global generator's cached Gaussian, ``(has_gauss, gauss)`` as ``get_state()``
+    gives them (another bit generator than the Mersenne Twister included), without its words."""
+    reader = _get_readers().numpy
+    rs: Any = np.random.mtrand._rand
+    if reader is not None:
+        with rs._bit_generator.lock:
+            read = reader.read()
+        if read is not None:
+            return read[1], read[2]
+    state: Any = np.random.get_state(legacy=False)
+    return int(state["has_gauss"]), float(state["gauss"])
+
+
+# the words of Python's generator as random.getstate() last built them here, and their bytes
+_py_words: tuple[bytes, tuple[int, ...]] | None = None
+
+
+def python_getstate() -> tuple[int, tuple[int, ...], float | None]:
+    """``random.getstate()``, for ``random.setstate()``, whose 625 Python ints are most of its
+    cost (~20 µs): built again only when the words in memory changed since the last call here.
+    A script that does not draw from ``random`` between two calls (a step's batch read puts it
+    back, recovery/rng.py:batch_rng) gets the same words for a compare of their bytes."""
+    global _py_words
+    window = _get_readers().python
+    if window is None:
+        return random.getstate()
+    raw = window.read()
+    kept = _py_words
+    if kept is not None and kept[0] == raw:
+        gauss: float | None = window.owner.gauss_next  # type: ignore[attr-defined]
+        return random.Random.VERSION, kept[1], gauss
+    state = random.getstate()
+    if window.read() == raw:  # no other thread drew in between: these bytes are those words
+        _py_words = (raw, state[1])
+    return state

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checkpointless.recovery.rng_compare import same_rng, unchanged
-from checkpointless.state.rng_read import numpy_state, python_state, reads_fast
+from checkpointless.state.rng_read import numpy_gauss, numpy_state, python_getstate, python_state, reads_fast
 from checkpointless.state.snapshot import capture_rng, restore_rng
 
 pytestmark = pytest.mark.timeout(60)
@@ -143,3 +143,20 @@ def test_numpy_given_another_generator_is_read_right() -> None:
     finally:
         npr.set_bit_generator(own)
     _numpy_matches()
+
+
+def test_python_getstate_and_numpy_gauss_are_the_getters_values() -> None:
+    """python_getstate reuses the words it last built while they stand: after draws, a seed, a
+    setstate and a cached Gaussian it must still give exactly random.getstate()."""
+    random.seed(3)
+    for change in (lambda: None, random.random, lambda: random.seed(4), random.gauss, lambda: None):
+        change()
+        assert python_getstate() == random.getstate()
+    kept = random.getstate()
+    random.random()
+    random.setstate(kept)
+    assert python_getstate() == kept
+    for draw in (0, 1, 2):
+        np.random.normal(size=draw)
+        state: Any = np.random.get_state()
+        assert numpy_gauss() == (state[3], state[4])
