@@ -9,7 +9,6 @@ kills ranks of a real job that trains from a StatefulDataLoader.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.state.codec import layout, unpack
-from tests.helpers.jobs import ROOT, kill_every_rank_after_snapshot, run_job
+from tests.helpers.jobs import ROOT, run_job
 from tests.helpers.reference import ReferenceRuns
 
 torchdata = pytest.importorskip("torchdata.stateful_dataloader")
@@ -232,30 +231,24 @@ def test_every_rank_killed_resumes_a_stateful_dataloader_from_the_snapshot(
     with the model, not from a peer (the path the other tests take)."""
     base = JOB  # 20 steps (14 before the fault-free run was shared: the steps cost nothing)
     ref = reference(2, data=NOWHERE, script=SCRIPT, script_args=base)
-    run_dir = tmp_path / "run"
-    stop = threading.Event()
-    # rank 0 sleeps as step 6 begins (the snapshot of step 6 is written meanwhile), then every
-    # rank is SIGKILLed at once
-    killer = threading.Thread(target=kill_every_rank_after_snapshot, args=(run_dir, 6, stop, 2), daemon=True)
-    killer.start()
-    try:
-        res = run_job(
-            run_dir,
-            NOWHERE,
-            2,
-            2,
-            ["slow:rank=0:step=6:seconds=5"],
-            script=SCRIPT,
-            script_args=[*base, "--stateful"],
-            extra=["--snapshot-every", "2"],
-            timeout=300,
-        )
-    finally:
-        stop.set()
-        killer.join(timeout=5)
+    # killall: as step 6 begins, each rank waits for the others and for the snapshot of step 6
+    # to be written, then every process holding a rank SIGKILLs itself
+    res = run_job(
+        tmp_path / "run",
+        NOWHERE,
+        2,
+        2,
+        ["killall:step=6"],
+        script=SCRIPT,
+        script_args=[*base, "--stateful"],
+        extra=["--snapshot-every", "2"],
+        timeout=300,
+    )
     assert res.rc == 0, res.output[-6000:]
     assert {e["rank"] for e in res.of("spare_assigned")} == {0, 1}, "every rank must have been replaced"
-    assert any(p.get("from_snapshot") for p in res.of("plan")), res.of("plan")
+    assert {e["rank"] for e in res.of("fault_injected") if e["kind"] == "killall"} == {0, 1}
+    plans = [(p["target_step"], p["receivers"]) for p in res.of("plan") if p.get("from_snapshot")]
+    assert plans == [(6, [0, 1])], res.of("plan")
     assert res.batches() == ref.batches(), "a rank trained on other samples than the fault-free run"
     res.assert_same_weights(ref, nproc=2)
     assert not res.left_behind(), "processes of the job were left behind"
