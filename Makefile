@@ -12,7 +12,7 @@ env: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,lightning,torchdata,hf]' torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev,lightning,torchdata,hf,megatron]' torch==2.13.0
 	@touch $(STAMP)
 
 demo: $(STAMP)
