@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from checkpointless.state.durable import (
 from checkpointless.state.snapshot import capture_rng, collect_state, restore_rng
 from checkpointless.state.staging import guarded_pointers
 from tests.e2e.test_faults_e2e import check_recovered
-from tests.helpers.jobs import EXAMPLE, all_committed, kill_workers_when, run_job
+from tests.helpers.jobs import EXAMPLE, run_job
 from tests.helpers.writer_kill import kill_writer_repeatedly
 
 
@@ -225,46 +224,25 @@ def test_checkpoint_every_parses_steps_and_times_and_refuses_the_rest(tmp_path: 
         cfg.validate()
 
 
-def _kill_every_rank_after_checkpoint(run_dir: Path, step: int, stop: threading.Event, nproc: int) -> None:
-    """Once the checkpoint of ``step`` is complete and every rank has committed the step before
-    it (``all_committed``), SIGKILL every process holding a rank at once."""
-
-    def ready(job: str) -> bool:
-        return step in list_checkpoints(run_dir / "checkpoints" / job) and all_committed(
-            run_dir, step - 1, nproc
-        )
-
-    kill_workers_when(run_dir, ready, stop)
-
-
 @pytest.mark.timeout(300)
 def test_every_rank_killed_without_snapshots_restores_from_the_checkpoint(
     tmp_path: Path, corpus: Path, reference: Any
 ) -> None:
     ref = reference(3)
     run_dir = tmp_path / "run"
-    stop = threading.Event()
-    # rank 0 sleeps 8 s as step 3 begins (room for a slow disk on a busy machine) (its checkpoint of step 3 is written meanwhile); the
-    # others wait for it in the all-reduce; then every rank is SIGKILLed at the same moment
-    killer = threading.Thread(
-        target=_kill_every_rank_after_checkpoint, args=(run_dir, 3, stop, 3), daemon=True
+    # killall: as step 3 begins, each rank waits for the others and for rank 0's checkpoint of
+    # step 3 to be complete, then every process holding a rank SIGKILLs itself
+    res = run_job(
+        run_dir,
+        corpus,
+        nproc=3,
+        spares=3,
+        faults=["killall:step=3"],
+        extra=["--snapshot-every", "0", "--checkpoint-every", "3"],
+        timeout=240,
     )
-    killer.start()
-    try:
-        res = run_job(
-            run_dir,
-            corpus,
-            nproc=3,
-            spares=3,
-            faults=["slow:rank=0:step=3:seconds=8"],
-            # the 8 s sleep must not itself be judged a hang (run_job's default limit is 8 s)
-            extra=["--snapshot-every", "0", "--checkpoint-every", "3", "--hang-timeout", "30"],
-            timeout=240,
-        )
-    finally:
-        stop.set()
-        killer.join(timeout=5)
     check_recovered(res, ref)
+    assert {e["rank"] for e in res.of("fault_injected") if e["kind"] == "killall"} == {0, 1, 2}
     assert {e["rank"] for e in res.of("spare_assigned")} == {0, 1, 2}, "every rank must have been replaced"
     plans = [p for p in res.of("plan") if p.get("from_checkpoint")]
     assert plans and plans[0]["target_step"] == 3 and plans[0]["receivers"] == [0, 1, 2], res.of("plan")
