@@ -4,7 +4,7 @@ Why not plain ``torch.distributed`` waits: gloo's ``abort()`` does not wake a th
 already waiting in a collective (measured on torch 2.13), and a hung peer keeps its sockets
 open, so a waiting survivor would sit until gloo's timeout. Every collective's completion is
 mirrored into a :class:`Handle` that we own; the group's ``abort()`` fails every pending handle,
-and the waiting thread, which waits on gloo in bounded 10 ms slices, leaves within one slice.
+and the waiting thread leaves within 10 ms (at once after its first 10 ms; see :class:`Handle`).
 (An NCCL collective of CUDA tensors never holds the host: its handle completes as it is
 enqueued, or at once when it was synchronous and NCCL returned no work.) Used by
 :class:`~checkpointless.comm.process_group.ResilientProcessGroup`, on which every communicator of
@@ -38,27 +38,41 @@ __all__ = [
 ]
 
 
-_POLL_S = 0.01  # a polled wait re-checks for an abort this often
+_FIRST_WAIT_S = 0.01  # a gloo wait's one bounded wait inside gloo; an abort is seen within it
 
 
 class Handle:
     """Completion of one collective, abortable from another thread.
 
-    How completion is observed: gloo collectives are *polled* by the thread that waits, in short
-    bounded waits inside gloo (the GIL released), checking between them whether an abort failed
-    the handle. A Python callback on gloo's own thread would be simpler, but it must take the
-    GIL from the training thread in the middle of the backward pass; with more threads than
-    cores that hand-over stalled every bucket's all-reduce issue by about a millisecond.
-    Each bounded wait that runs out costs about 120 µs of CPU (c10d raises an exception), so a
-    pipeline stage waiting for the slower one pays about 12 µs per ms waited. Handing a long wait
-    to a pooled thread instead saved that CPU but added a thread wake-up to every long wait's
-    completion: on 2 cores at load 15, 1-2.5 ms more in the median and 5-25 ms at the 90th
-    percentile, which a step pays in wall time; not done.
-    Works without a future (gloo send/recv) are waited on a helper thread; others (NCCL) get a
-    future callback.
+    How completion is observed, for a gloo collective (``poll``): the waiting thread first waits
+    inside gloo for up to 10 ms (the GIL released), which is how most waits end, at plain
+    torch's cost. A wait that runs past that (c10d raises, ~120-180 µs of CPU) adds a callback
+    to the work's future and sleeps on the handle's event, which the callback or an abort sets.
+    A wait thus costs at most one timeout and one callback however long it lasts; going on in
+    10 ms bounded waits cost an exception per 10 ms, 1-2 ms of CPU a step for a pipeline stage
+    that waits for the slower one (``benchmarks/wait_cost.py``). An abort is seen within the
+    first 10 ms, and at once after them.
+    The callback is added only once the waiter sleeps, never as the collective is issued: a
+    callback that runs on gloo's thread while the training thread is busy must take the GIL
+    from it, which stalled each bucket's all-reduce issue in the backward pass by about a
+    millisecond on shared cores. And a callback costs ~150 µs of CPU itself (the GIL taken by a
+    foreign thread, one more wake-up), which the first bounded wait saves on the short waits.
+    Works without a future (gloo send/recv) are waited on a helper thread: their bounded wait
+    fails the work when it runs out, and their ``is_completed()`` stays false until someone
+    waits. NCCL works get a future callback as they are issued.
     """
 
-    __slots__ = ("_done", "_error", "_lock", "_on_finish", "_poll", "_stream_work", "_work", "result")
+    __slots__ = (
+        "_done",
+        "_error",
+        "_lock",
+        "_on_finish",
+        "_poll",
+        "_stream_work",
+        "_watched",
+        "_work",
+        "result",
+    )
 
     def __init__(
         self,
@@ -74,6 +88,7 @@ class Handle:
         self._work = work
         self._on_finish = on_finish
         self._poll = False
+        self._watched = False  # a gloo wait added its future callback (see _wait_gloo)
         # NCCL: the future completes once the collective is *enqueued* on NCCL's stream, and its
         # callback runs on a stream of its own. The waiting thread's stream must still be made
         # to wait for the collective's end, as work.wait() does (on the host it does not block),
@@ -101,7 +116,7 @@ class Handle:
             _waiters().submit(self._wait_work)
         else:
             if poll:
-                self._poll = True  # completion is seen by wait(); nothing runs on gloo's thread
+                self._poll = True  # completion is seen by wait(), a callback added only by it
             else:
                 self._stream_work = work
                 fut.add_done_callback(self._on_future)
@@ -158,28 +173,36 @@ class Handle:
         """The backend's work while the collective is pending (None once it has finished)."""
         return self._work
 
-    def _poll_until(self, deadline: float | None) -> None:
+    def _wait_gloo(self, deadline: float | None) -> None:
+        """Wait for a gloo collective until it finishes, is aborted, or ``deadline`` passes."""
         work = self._work  # _finish (an abort, from any thread) clears the attribute
-        while work is not None and not self._done.is_set():
-            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-            if left <= 0:
-                return
-            try:
-                # whole milliseconds, at least one: c10d reads a 0 ms timeout as "wait for ever"
-                work.wait(datetime.timedelta(milliseconds=max(1, int(left * 1000))))
-            except Exception:
-                if not work.is_completed():
-                    continue  # only our bounded wait ran out; the collective goes on
-                # It may have completed between our bounded wait giving up and the check: the
-                # exception could be that timeout, not the collective's. Ask for its outcome.
-                self._finish(_outcome(work))
-            else:
-                self._finish(None)
+        if work is None or self._done.is_set():
+            return
+        if not self._watched:
+            left = _FIRST_WAIT_S if deadline is None else min(_FIRST_WAIT_S, deadline - time.monotonic())
+            if left > 0:
+                try:
+                    # whole milliseconds, at least one: c10d reads a 0 ms timeout as "wait for ever"
+                    work.wait(datetime.timedelta(milliseconds=max(1, int(left * 1000))))
+                except Exception:
+                    if work.is_completed():
+                        # It may have completed between our bounded wait giving up and the
+                        # check: the exception could be that timeout, not the collective's.
+                        self._finish(_outcome(work))
+                        return
+                else:
+                    self._finish(None)
+                    return
+            # Still pending: from here gloo's thread tells us (the callback runs inline if the
+            # work completed since), and an abort sets the same event.
+            self._watched = True
+            work.get_future().add_done_callback(self._on_future)
+        self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def wait(self, timeout: float | None = None) -> Any:
         """Wait for completion; raise :class:`CommAborted` if aborted or the collective failed."""
         if self._poll:
-            self._poll_until(None if timeout is None else time.monotonic() + timeout)
+            self._wait_gloo(None if timeout is None else time.monotonic() + timeout)
         if not self._done.wait(0 if self._poll else timeout):
             raise CommAborted(f"collective did not complete within {timeout:.1f} s")
         if self._error is not None:

@@ -9,10 +9,10 @@ communicator; rebuilding them would mean re-running ``fully_shard`` and rebuildi
 Python front end (``dist.all_reduce``, ``dist.all_gather_single``, ``dist.reduce_scatter_single``,
 ...), FSDP2, DTensor, functional collectives and DCP call like any other group: every c10d
 collective, send and receive is here. Each is forwarded to the current generation's gloo group
-and returned as an :class:`~checkpointless.comm.work.AbortableWork`, whose ``wait()`` polls in
-10 ms slices (the same :class:`~checkpointless.comm.communicator.Handle` as the data-parallel
-communicator), so :meth:`ResilientProcessGroup.abort` from another thread wakes a waiter with
-:class:`~checkpointless.errors.CommAborted` at once. Between an abort and the next
+and returned as an :class:`~checkpointless.comm.work.AbortableWork`, whose ``wait()`` is a
+:class:`~checkpointless.comm.handle.Handle`'s (as the data-parallel communicator's), so
+:meth:`ResilientProcessGroup.abort` from another thread wakes a waiter with
+:class:`~checkpointless.errors.CommAborted` within 10 ms (at once after its first 10 ms). Between an abort and the next
 :meth:`~ResilientProcessGroup.configure` every collective is refused. Aborted gloo groups are
 parked, never destroyed under a waiting thread.
 
