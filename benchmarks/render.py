@@ -423,10 +423,11 @@ def t_supervision(d: dict[str, Any]) -> Table:
 
 def t_wait_cost(d: dict[str, Any]) -> Table:
     rows = [
-        [k, num(v["cpu_ms_per_wait"], 2, " ms"), num(v["timeouts_per_wait"], 1)]
-        for k, v in d["summary"].items()
-    ]
-    return ["wait", "CPU per wait", "timeouts per wait"], rows
+        [num(v["late_ms"], 0, " ms"), v["mode"], num(v["cpu_ms_per_wait"], 2, " ms"),
+         num(v["wake_ms"], 2, " ms"), num(v["timeouts_per_wait"], 1)]
+        for v in d["summary"].values()
+    ]  # fmt: skip
+    return ["peer late by", "wait", "CPU per wait", "wake-up", "timeouts per wait"], rows
 
 
 def t_gpu_check(d: dict[str, Any]) -> Table:
