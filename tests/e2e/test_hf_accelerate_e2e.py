@@ -19,6 +19,8 @@ pytest.importorskip("accelerate", reason="the `hf` extra is not installed")
 SCRIPT = ROOT / "examples" / "hf_accelerate.py"
 EVAL_FAULTS = ROOT / "tests" / "scripts" / "hf_accelerate_eval_faults.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# what each rank logs as it prepares its model: torch's DDP, as accelerate makes it
+TORCH_DDP = "the prepared model is a torch.nn.parallel.distributed.DistributedDataParallel"
 
 
 def run(
@@ -40,16 +42,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     res = run(tmp_path_factory.mktemp("acc-ref") / "run", [], spares=0)
     assert res.rc == 0, res.output[-4000:]
     assert sorted(res.digests) == [0, 1] and res.digest, res.digests
+    assert res.output.count(TORCH_DDP) == 2, "prepare() must wrap the model in torch's DDP"
     return res
 
 
-# `make test` runs sigkill, raise-forward and raise-mid-optimizer in one job (MERGED), each fault
-# asserted as its own case asserts it (test_accelerate_loop_faults_in_one_job_are_each_survived_
-# bitwise); every single-fault case runs under `make soak` only
+# `make test` runs sigkill, raise-forward, raise-backward and raise-mid-optimizer in one job
+# (MERGED), each fault asserted as its own case asserts it (test_accelerate_loop_faults_in_one_job_
+# are_each_survived_bitwise); every single-fault case runs under `make soak` only
 MERGED = [
     "raise:rank=1:step=4:site=optimizer",  # raise-mid-optimizer
     "raise:rank=0:step=6:site=forward",  # raise-forward
     "kill:rank=1:step=7",  # sigkill
+    "raise:rank=0:step=8:site=backward",  # raise-backward: DDP's reducer left mid-backward
 ]
 
 
@@ -98,6 +102,7 @@ def test_accelerate_loop_faults_in_one_job_are_each_survived_bitwise(
             ]
             assert "the training DataLoader seeks there" in res.output
     assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
+    assert res.output.count(TORCH_DDP) == 3, "both ranks and the replacement train torch's DDP"
     assert not res.left_behind(), "processes of the job were left behind"
 
 

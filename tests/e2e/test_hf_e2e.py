@@ -24,6 +24,8 @@ pytest.importorskip("transformers", reason="the `hf` extra is not installed")
 SCRIPT = ROOT / "examples" / "hf_trainer.py"
 ARGS = ["--steps", "10", "--accumulation", "2", "--save-steps", "4", "--record-batches"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# what each rank logs as its training starts: the model Trainer trains is torch's DDP
+TORCH_DDP = "Trainer trains a torch.nn.parallel.distributed.DistributedDataParallel"
 
 
 def run(run_dir: Path, faults: list[str], spares: int = 1) -> JobResult:
@@ -55,6 +57,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     files = checkpoint_files(res)
     assert {f.split("/")[0] for f in files} == {"checkpoint-4", "checkpoint-8", "checkpoint-10"}, files
     assert "checkpoint-8/model.safetensors" in files and "checkpoint-8/rng_state_1.pth" in files
+    assert res.output.count(TORCH_DDP) == 2, "Trainer must train through its own (torch's) DDP"
     return res
 
 
@@ -72,13 +75,14 @@ CASES = [
 
 
 # `make test` runs sigkill, raise-forward (at step 7 here: rank 0's update of step 3 fails in the
-# same job) and raise-mid-optimizer in one job (MERGED), each fault asserted as its own case asserts
+# same job), raise-backward (at step 8) and raise-mid-optimizer in one job (MERGED), each fault asserted as its own case asserts
 # it (test_trainer_faults_in_one_job_are_each_survived_bitwise); every single-fault case runs under
 # `make soak` only
 MERGED = [
     "raise:rank=0:step=3:site=optimizer",  # raise-mid-optimizer
     "kill:rank=1:step=5",  # sigkill
     "raise:rank=1:step=7:site=forward",  # raise-forward
+    "raise:rank=0:step=8:site=backward",  # raise-backward: DDP's reducer left mid-backward
 ]
 
 
@@ -92,6 +96,7 @@ def test_trainer_faults_in_one_job_are_each_survived_bitwise(tmp_path: Path, ref
     assert checkpoint_files(res) == checkpoint_files(reference), "Trainer's checkpoints differ"
     # one log line per optimizer step, as without the faults: a replay is not logged twice
     assert res.output.count("{'loss'") == reference.output.count("{'loss'") == 10
+    assert res.output.count(TORCH_DDP) == 3, "both ranks and the replacement train torch's DDP"
     for fault in MERGED:
         rank, step = fault_at(fault)
         rec = res.recovery_from(rank, step)

@@ -78,7 +78,8 @@ class ResilientProcessGroup(GenerationGroup):
     # (a fault before the job's first state sync, recovery/first_generation.py)
     issued = 0
     # for every group at once: while set, a collective on a group that has never formed
-    # completes at once without communicating, its outputs left as they are. Set in a
+    # completes at once without communicating, its outputs left as they are (an all-gather's
+    # filled with this rank's input: _gather_own). Set in a
     # replacement until job.steps(): its start-up's collectives have no partners (its peers are
     # in the recovery round) and what they would bring is replaced by the state it receives.
     local_until_formed: ClassVar[bool] = False
@@ -88,6 +89,8 @@ class ResilientProcessGroup(GenerationGroup):
     refused: str | None = None
     # degraded HSDP: every member of this replicate group is this process (comm/folded.py)
     folded = False
+    # torch's DDP can be built on it (comm/torch_ddp.py's serve_ddp)
+    ddp_served = False
 
     # -- identity: what FSDP2, DeviceMesh and c10d ask ----------------------------------------
     def rank(self) -> int:
@@ -137,11 +140,19 @@ class ResilientProcessGroup(GenerationGroup):
 
     # -- collectives ----------------------------------------------------------------------------
     def _issue(
-        self, fn: Callable[[Any], Any], result: Any, on: Any = None, p2p: bool = False
+        self,
+        fn: Callable[[Any], Any],
+        result: Any,
+        on: Any = None,
+        p2p: bool = False,
+        local: Callable[[], None] | None = None,
     ) -> AbortableWork:
         if self.refused is not None or self.folded:
             raise ConfigError(self.refused or folded_refusal(self.key))
         if ResilientProcessGroup.local_until_formed and self.generation < 0:
+            # completes at once; an all-gather brings this rank's own input (_gather_own)
+            if local is not None:
+                local()
             return AbortableWork(Handle(None, result, _forget_nothing), result)  # done as issued
         self.issued += 1
         return AbortableWork(self.handle(fn, result, on, p2p), result)
@@ -194,14 +205,22 @@ class ResilientProcessGroup(GenerationGroup):
     ) -> AbortableWork:
         opts = AllgatherOptions() if opts is None else opts
         return self._issue(
-            lambda pg: pg.allgather(output_tensors, input_tensors, opts), output_tensors, input_tensors
+            lambda pg: pg.allgather(output_tensors, input_tensors, opts),
+            output_tensors,
+            input_tensors,
+            local=lambda: _gather_own(output_tensors, input_tensors),
         )
 
     def all_gather_single(  # type: ignore[override]
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AbortableWork:
         opts = AllgatherOptions() if opts is None else opts
-        return self._issue(lambda pg: pg._allgather_base(output, input, opts), output, input)
+        return self._issue(
+            lambda pg: pg._allgather_base(output, input, opts),
+            output,
+            input,
+            local=lambda: _gather_own([list(output.chunk(self._group_size))], [input]),
+        )
 
     _allgather_base = all_gather_single  # type: ignore[assignment]
 
@@ -361,6 +380,15 @@ class ResilientProcessGroup(GenerationGroup):
             for o, i in zip(outputs, inputs, strict=True)
         ]
         return ChainWork(works, outputs)
+
+
+def _gather_own(outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> None:
+    """A replacement's all-gather before its group forms: its own input in every place, so a
+    start-up check that the ranks agree passes (DDP's on the parameters' shapes)."""
+    with torch.no_grad():
+        for out, inp in zip(outputs, inputs, strict=True):
+            for o in (o for o in out if o.numel() == inp.numel()):
+                o.copy_(inp.reshape(o.shape))
 
 
 def _forget_nothing(handle: Handle) -> None:

@@ -106,16 +106,29 @@ class AbortableWork(dist.Work):
         return int(self._source._source_rank())
 
     def get_future(self) -> torch.futures.Future[Any]:
-        # Completed eagerly by waiting here: the only callers on a CPU path are functional
-        # collectives, which wait straight away anyway.
+        # Completed eagerly by waiting here: functional collectives wait straight away anyway,
+        # and DDP's reducer, which asks for it in the backward hook that issued the all-reduce,
+        # then has the bucket reduced before backward goes on (no overlap, on any path).
         fut: torch.futures.Future[Any] = torch.futures.Future()
         try:
             self.wait()
         except CommAborted as e:
-            fut.set_exception(e)
+            error = e
         else:
             fut.set_result(self._result)
-        return fut
+            return fut
+
+        # Not fut.set_exception(): torch's Python Future keeps the exception as the future's
+        # *value*, raised by its Python wait() only, so a C++ caller sees a success whose value is
+        # no tensor (DDP's reducer then crashed with SIGSEGV reading its bucket). An error raised
+        # in a then() callback is the future's error in C++ too; it reaches Python as a
+        # RuntimeError naming CommAborted (recovery/process.py knows it).
+        def fail(_: Any) -> None:
+            raise error
+
+        failed = fut.then(fail)
+        fut.set_result(None)
+        return failed
 
 
 class ChainWork(AbortableWork):

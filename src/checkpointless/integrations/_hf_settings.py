@@ -15,8 +15,8 @@ from checkpointless.errors import ConfigError
 __all__ = ["refuse_unsupported", "refuse_unsupported_setup"]
 
 _SHARDED = (
-    "CheckpointlessTrainer trains the model replicated, data-parallel under the job's abortable "
-    "DataParallel, and does not support sharding through TrainingArguments yet"
+    "CheckpointlessTrainer trains the model replicated, data-parallel under torch's "
+    "DistributedDataParallel, and does not support sharding through TrainingArguments yet"
 )
 # Found with transformers 5.25.0 and accelerate 1.16.0 (docs/adoption.md, "Hugging Face"): on CPU
 # Trainer's fsdp settings shard nothing, so refusing them costs a CPU user no sharding; on a GPU

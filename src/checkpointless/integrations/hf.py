@@ -9,8 +9,9 @@ run under ``checkpointless run --nproc N --spares 1 script.py``. What the subcla
 full account is docs/adoption.md's):
 
 - ``__init__`` joins the job (a hot spare waits there) and sets accelerate up again, so Trainer
-  sees the job's rank, world size and resilient default group; the model is wrapped in the job's
-  abortable ``DataParallel`` instead of DDP.
+  sees the job's rank, world size and resilient default group; Trainer wraps the model in torch's
+  ``DistributedDataParallel`` over that group itself, and the job resets its reducer after an
+  abandoned step, in one bucket layout on every rank (comm/torch_ddp.py).
 - The training DataLoader (_hf_data.py) goes through ``job.loader``: a step's micro-batches are a
   function of the step, so a replay trains on the same ones and a replacement seeks to its step.
 - Each optimizer step (its micro-batches, clipping, update, scheduler step) is one ``Step``,
@@ -26,11 +27,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
 import checkpointless
+from checkpointless.comm.torch_ddp import serve_ddp
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.integrations._hf_boundary import ClosingLines, HeldLogs, ends_epoch, work_at
@@ -87,9 +91,9 @@ class CheckpointlessTrainer(Trainer):
         )
         if training_args is not None:
             refresh_devices(training_args)
+        serve_ddp(dist.group.WORLD)  # Trainer's own DDP on the job's group (comm/torch_ddp.py)
         super().__init__(*args, **kwargs)
         self._record_batches = record_batches
-        self._dp: nn.Module | None = None
         self._run: TrainerRun | None = None
         self._ledger = LossLedger()
         # read through callables: Trainer makes a new TrainerState at each train()
@@ -110,13 +114,6 @@ class CheckpointlessTrainer(Trainer):
         ``DistributedSampler`` over the job's ranks, seeded with ``data_seed`` (or ``seed``)."""
         return train_dataloader(self, self.job.rank, self.job.world_size)
 
-    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        if not training:
-            return super()._wrap_model(model, training, dataloader)  # type: ignore[no-any-return]
-        if self._dp is None:
-            self._dp = self.job.data_parallel(model)
-        return self._dp
-
     # -- the loop: Trainer._run_epoch, one optimizer step per checkpointless step --------------
     def _run_epoch(  # type: ignore[override]
         self,
@@ -133,7 +130,11 @@ class CheckpointlessTrainer(Trainer):
         steps_trained_in_current_epoch: int,
     ) -> None:
         self._eval = EvalContext(model, trial, ignore_keys_for_eval, start_time)
-        run = self._run if self._run is not None else self._start(train_dataloader, resume_from_checkpoint)
+        run = (
+            self._run
+            if self._run is not None
+            else self._start(model, train_dataloader, resume_from_checkpoint)
+        )
         while True:
             # the job's next step, after the section at this boundary (evaluation, checkpoint, the
             # epoch's end; _boundary); a stop a callback asked for ends the job there
@@ -155,8 +156,14 @@ class CheckpointlessTrainer(Trainer):
         if self.control.should_training_stop:
             self._finish(run)
 
-    def _start(self, train_dataloader: DataLoader[Any], resume_from_checkpoint: str | None) -> TrainerRun:
+    def _start(
+        self, model: nn.Module, train_dataloader: DataLoader[Any], resume_from_checkpoint: str | None
+    ) -> TrainerRun:
         plan = StepPlan(len(train_dataloader), self.args.gradient_accumulation_steps)
+        if isinstance(model, DistributedDataParallel):  # Trainer's own (not with a job of one)
+            self.job.internals.tracked.add_ddp(model)
+        # what the tests check: the model Trainer trains is torch's DDP (or, in a job of one, bare)
+        log.info("Trainer trains a %s.%s", type(model).__module__, type(model).__qualname__)
         loader = self.job.loader(train_dataloader)
         added = {"trainer_state": self._carrier, "loss_ledger": self._ledger, "section_undo": self._undo}
         self.job.track(**replica_objects(self, added))

@@ -29,9 +29,10 @@ The loop stays as it is (docs/adoption.md, "Hugging Face")::
   ``accelerator.accumulate`` block) is one checkpointless ``Step``: the first block enters it, the
   last one commits it. A fault in any block is recovered there and the iterator then yields the
   step's micro-batches again.
-- Prepared models are wrapped in the job's abortable ``DataParallel`` (after accelerate's own
-  preparation, autocast included), not DDP; the models, optimizers, schedulers and grad scaler
-  are the replica.
+- ``prepare`` wraps models in torch's ``DistributedDataParallel`` over the job's group, as
+  accelerate does; the job resets its reducer after an abandoned step, in one bucket layout on
+  every rank (comm/torch_ddp.py). The models, optimizers, schedulers and grad scaler are the
+  replica.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch.distributed as dist
 from accelerate import Accelerator  # type: ignore[import-untyped]
 from accelerate.utils import send_to_device  # type: ignore[import-untyped]
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 import checkpointless
-from checkpointless.comm.data_parallel import DataParallel
+from checkpointless.comm.torch_ddp import serve_ddp
 from checkpointless.errors import ConfigError
 from checkpointless.events import get_logger
 from checkpointless.integrations._hf_accelerate_data import Attempt, StepDataLoader
@@ -86,6 +89,7 @@ class CheckpointlessAccelerator(Accelerator):
         # though it reads it only to form a default group, and the job formed that group already
         # (root-less: there is no rank-0 address to give). It fills in MASTER_PORT itself.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        serve_ddp(dist.group.WORLD)  # prepare()'s own DDP on the job's group (comm/torch_ddp.py)
         super().__init__(*args, **kwargs)
         self._data_seed = data_seed
         self._objects: dict[str, Any] = {}
@@ -104,20 +108,17 @@ class CheckpointlessAccelerator(Accelerator):
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
-        # accelerate's preparation without its DDP (evaluation_mode), then the job's DataParallel
-        prepared: nn.Module = super().prepare_model(model, device_placement, evaluation_mode=True)
+        # accelerate's own preparation: torch's DDP over the job's group, as in any Accelerate job
+        prepared: nn.Module = super().prepare_model(model, device_placement, evaluation_mode)
         if evaluation_mode:
             return prepared
-        self._objects[f"model{sum(k.startswith('model') for k in self._objects)}"] = prepared
-        return self.job.data_parallel(prepared)
-
-    def unwrap_model(
-        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
-    ) -> Any:
-        """Accelerate's unwrapping, the job's ``DataParallel`` included (``save_model`` and
-        ``get_state_dict`` then see the model's own parameter names)."""
-        inner = model.module if isinstance(model, DataParallel) else model
-        return super().unwrap_model(inner, keep_fp32_wrapper, keep_torch_compile)
+        ddp = prepared if isinstance(prepared, DistributedDataParallel) else None
+        inner = ddp.module if ddp is not None else prepared  # the replica: the model's own names
+        self._objects[f"model{sum(k.startswith('model') for k in self._objects)}"] = inner
+        if ddp is not None:  # not in a job of one
+            self.job.internals.tracked.add_ddp(ddp)
+        log.info("the prepared model is a %s.%s", type(prepared).__module__, type(prepared).__qualname__)
+        return prepared
 
     def prepare_optimizer(self, optimizer: Any, device_placement: bool | None = None) -> Any:
         self._objects[f"optimizer{sum(k.startswith('optimizer') for k in self._objects)}"] = optimizer

@@ -137,7 +137,17 @@ def looks_like_comm_error(exc: BaseException) -> bool:
         seen.add(id(e))
         text = str(e)
         if isinstance(e, CommAborted) or any(
-            s in text for s in ("Connection closed by peer", "Connection reset", "Gloo", "gloo", "aborted")
+            s in text
+            # "CommAborted": ours, re-raised by torch as a RuntimeError that names it (an aborted
+            # all-reduce of DDP's reducer, through its future: comm/work.py)
+            for s in (
+                "Connection closed by peer",
+                "Connection reset",
+                "Gloo",
+                "gloo",
+                "aborted",
+                "CommAborted",
+            )
         ):
             return True
         e = e.__cause__

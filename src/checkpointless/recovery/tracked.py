@@ -3,8 +3,8 @@
 Every tracked object travels to a replacement by name (``objects``); the job also drives some of
 them by kind: the modules (FSDP2's state reset after an abandoned step, the divergence digest),
 the optimizers (gradients dropped, the update guard's hooks), the grad scalers (their per-step
-bookkeeping), the data-parallel wrappers (their buckets reset) and the step loaders (closed at
-the end). :class:`Tracked` owns these lists; ``Job`` fills them and puts its hooks on what it adds.
+bookkeeping), the data-parallel wrappers, the job's own and torch's DDP where a framework built
+one (their buckets reset), and the step loaders (closed at the end). :class:`Tracked` owns these lists; ``Job`` fills them and puts its hooks on what it adds.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from checkpointless.comm.data_parallel import DataParallel
+from checkpointless.comm.torch_ddp import fix_layout, reset_ddp
 from checkpointless.errors import ConfigError
 from checkpointless.recovery.amp import is_grad_scaler
 from checkpointless.recovery.loader import StepLoader
@@ -36,6 +37,7 @@ class Tracked:
         self._names: dict[int, str] = {}  # id(object) -> its name in track()
         self.modules: list[nn.Module] = []
         self.dps: list[DataParallel] = []
+        self.ddps: list[Any] = []  # torch's DistributedDataParallel (comm/torch_ddp.py)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.scalers: list[Any] = []  # GradScalers: per-step bookkeeping reset on a restart
         self.loaders: list[StepLoader | StatefulStepLoader] = []
@@ -70,11 +72,24 @@ class Tracked:
             self.scalers.append(obj)
         return True
 
+    def add_ddp(self, ddp: Any) -> None:
+        """Drive torch's ``DistributedDataParallel`` ``ddp`` (built by a framework on the job's
+        group): one bucket layout in every generation, its reducer reset after an abandoned step.
+
+        Raises:
+            ConfigError: ``ddp`` cannot be recovered (``static_graph``: comm/torch_ddp.py)."""
+        if any(d is ddp for d in self.ddps):
+            return
+        fix_layout(ddp)
+        self.ddps.append(ddp)
+
     def drop_step(self, reset_mesh: Callable[[list[nn.Module]], None]) -> None:
         """What an abandoned step left: the wrappers' buckets, FSDP2's state (``reset_mesh``
         given the modules) and the gradients."""
         for dp in self.dps:
             dp.reset()
+        for ddp in self.ddps:
+            reset_ddp(ddp)
         reset_mesh(self.modules)
         for schedule in self.schedules:
             restart_schedule(schedule)

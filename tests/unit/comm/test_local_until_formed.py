@@ -2,8 +2,8 @@
 
 A replacement runs the script's start-up while its peers wait in the recovery round, so a
 collective there has no partner; with the switch on, one on a group that has never formed
-completes at once and leaves its tensors as they are (the state received at ``job.steps()``
-replaces what it would have brought). Without it, the same call fails as "not configured yet".
+completes at once and leaves its tensors as they are, an all-gather's filled with its own input
+(the state received at ``job.steps()`` replaces what it would have brought). Without it, the same call fails as "not configured yet".
 One process, no peers: the group is never formed.
 """
 
@@ -47,9 +47,16 @@ def test_with_the_switch_a_collective_on_an_unformed_group_completes_locally(
     work = pg.broadcast([t], dist.BroadcastOptions())
     assert work.is_completed() and work.wait()
     pg.barrier().wait()
+    pg.allreduce([t], dist.AllreduceOptions()).wait()
+    assert t.tolist() == [0.0, 1.0, 2.0]  # untouched
+    # an all-gather brings its own input in every rank's place: what DDP's construction
+    # compares (every rank's parameter shapes) then agrees
     out = [torch.zeros(3), torch.zeros(3)]
     pg.allgather([out], [t]).wait()
-    assert t.tolist() == [0.0, 1.0, 2.0] and all(o.sum() == 0 for o in out)  # untouched
+    assert all(o.tolist() == [0.0, 1.0, 2.0] for o in out)
+    flat = torch.zeros(6)
+    pg.all_gather_single(flat, t).wait()
+    assert flat.tolist() == [0.0, 1.0, 2.0] * 2
     assert pg.issued == 0  # nothing was communicated: it does not count
 
 

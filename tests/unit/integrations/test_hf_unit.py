@@ -47,7 +47,6 @@ def test_the_trainer_internals_the_integration_uses_are_there() -> None:
 
     assert run_epoch_params(Trainer) == RUN_EPOCH_PARAMS
     for name in (
-        "_wrap_model",
         "_get_num_items_in_batch",
         "_remove_unused_columns",
         "_get_collator_with_removed_columns",
@@ -154,21 +153,18 @@ def test_accelerate_save_and_load_state_are_refused_naming_the_alternative(tmp_p
 
 
 @pytest.mark.timeout(60)
-def test_accelerate_unwraps_the_jobs_data_parallel() -> None:
-    """save_model and get_state_dict unwrap through unwrap_model: the job's DataParallel must go
-    too, or the exported names would carry its `module.` prefix."""
-    from torch import nn
+def test_ddp_comes_through_trainers_and_accelerates_own_path() -> None:
+    """Neither integration wraps the model itself: Trainer's ``_wrap_model`` and accelerate's
+    ``prepare_model`` build torch's DDP over the job's group (the e2e jobs check its type), and
+    accelerate's own ``unwrap_model`` takes it off."""
+    from accelerate import Accelerator
+    from transformers import Trainer
 
-    from checkpointless.comm.data_parallel import DataParallel
+    from checkpointless.integrations.hf import CheckpointlessTrainer
     from checkpointless.integrations.hf_accelerate import CheckpointlessAccelerator
 
-    inner = nn.Linear(2, 2)
-    wrapped = DataParallel.__new__(DataParallel)  # no job: only the wrapping matters here
-    nn.Module.__init__(wrapped)
-    wrapped.module = inner
-    acc = object.__new__(CheckpointlessAccelerator)
-    assert acc.unwrap_model(wrapped) is inner
-    assert acc.unwrap_model(inner) is inner
+    assert CheckpointlessTrainer._wrap_model is Trainer._wrap_model
+    assert CheckpointlessAccelerator.unwrap_model is Accelerator.unwrap_model
 
 
 @pytest.mark.timeout(60)

@@ -39,6 +39,14 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_execution_engine": "torch autograd's engine: the only way to queue the end-of-backward callback",
         "_foreach_copy_": "torch's fused copy of a list of tensors (what DDP's own bucketing uses)",
     },
+    "checkpointless.comm.torch_ddp": {
+        "_Options": "torch's gloo options class: the one-rank group DDP's logger looks up",
+        "_threads": "torch's gloo options: one worker thread for a group that never communicates",
+        "_devices": "torch's gloo options: the device (loopback) of that group",
+        "_register_backend": "c10d's only way to give a group a backend that getBackend(GLOO) finds",
+        "_reset_state": "DDP's reducer: torch's own reset after an abandoned iteration (no public one)",
+        "_push_all_rebuilt_params": "DDP's reducer: regroup buckets in parameter order (static-graph path)",
+    },
     "checkpointless.comm.handle": {
         "_timeout": "torch's ProcessGroupNCCL.Options/ProcessGroupGloo._Options carry the timeout only here",
         "_Options": "torch's gloo options class, the one way to bind gloo to the job's interface",
@@ -105,9 +113,6 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_restart_stage": "Lightning's fit loop: its own mark of a fit resumed inside an epoch",
         "_batches_that_stepped": "Lightning's training loop: the loggers' step, which no hook sets",
         "_iterator": "torch's DataLoader keeps a persistent-workers iterator there",
-    },
-    "checkpointless.integrations.hf": {
-        "_wrap_model": "transformers.Trainer's own model wrapping, which our override falls back to",
     },
     "checkpointless.launcher.boot.sitecustomize": {
         "_rendezvous_handlers": "torch.distributed.rendezvous's handler table: our env:// handler",
