@@ -13,6 +13,7 @@ collective (refused with the reason), a holder that must receive state."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,12 @@ def _clean(reference: ReferenceRuns) -> JobResult:
 
 
 def _run(
-    tmp_path: Path, name: str, extra: list[str], faults: list[str], args: list[str] | None = None
+    tmp_path: Path,
+    name: str,
+    extra: list[str],
+    faults: list[str],
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> JobResult:
     return run_job(
         tmp_path / name,
@@ -50,7 +56,21 @@ def _run(
         script=SCRIPT,
         script_args=ARGS if args is None else args,
         timeout=120,
+        env=env,
     )
+
+
+def _trained_as_without_the_fault(res: JobResult, ref: JobResult, also_cut: Iterable[int] = ()) -> None:
+    """Every (slot, step) line the run printed is the fault-free run's batch, and every line it
+    lacks is of a step a round cut off: a pass that a round interrupted after its update was
+    applied is rolled forward, not run again, so no pass of it ends cleanly to print (the step
+    the grow-back round cut in on, seen under the suite's load). The weights say those updates
+    are the fault-free run's."""
+    got, want = res.trained_batches(), ref.trained_batches()
+    assert {k: want[k] for k in got} == got, "a (slot, step) trained another batch than without the fault"
+    cut = {p["target_step"] - 1 for p in res.of("plan") if p["generation"] > 0} | set(also_cut)
+    allowed = {(slot, step) for slot in range(4) for step in cut}
+    assert set(want) - set(got) <= allowed, (sorted(set(want) - set(got)), sorted(cut))
 
 
 def test_a_job_loader_script_trains_the_held_slot_s_batches_bitwise(
@@ -73,9 +93,7 @@ def test_a_job_loader_script_trains_the_held_slot_s_batches_bitwise(
     res.assert_same_weights(ref, 4)
     want = ref.trained_batches()
     assert sorted(want) == [(slot, step) for slot in range(4) for step in range(STEPS)]
-    assert res.trained_batches() == want, (
-        "a (slot, step) trained another batch or mask than without the fault"
-    )
+    _trained_as_without_the_fault(res, ref)
 
 
 def test_a_batch_picked_from_job_rank_in_the_loop_is_the_held_slot_s_and_one_from_a_rank_read_before_is_reported(
@@ -95,7 +113,7 @@ def test_a_batch_picked_from_job_rank_in_the_loop_is_the_held_slot_s_and_one_fro
     assert len(held) >= 4, f"slot 2 was held for too few steps to test anything: {held}"
     assert not inside.of("inexact"), inside.of("inexact")
     inside.assert_same_weights(ref, 4)
-    assert inside.trained_batches() == ref.trained_batches()
+    _trained_as_without_the_fault(inside, ref)
 
     short = ["--steps", "16", "--sleep", "0.03", "--spare-delay", "30", "--global-dropout"]
     before = _run(tmp_path, "before", SHRINK, ["kill:rank=2:step=6"], [*short, "--rank-batches", "before"])
@@ -134,7 +152,7 @@ def test_a_batch_loader_of_the_job_s_share_serves_the_held_slot_s_share_bitwise(
     assert len(held) >= 4, f"slot 2 was held for too few steps to test anything: {held}"
     assert not res.of("inexact"), "the loader's held reads count as the slot's batch"
     res.assert_same_weights(ref, 4)
-    assert res.trained_batches() == ref.trained_batches()
+    _trained_as_without_the_fault(res, ref)
 
 
 @pytest.mark.parametrize("metric", ["job", "dist"])
@@ -175,20 +193,17 @@ def test_a_holder_that_must_receive_state_receives_it_once_and_the_job_goes_on_b
     the kill never fired."""
     faults = ["raise:rank=0:step=3:site=optimizer", "kill:rank=2:site=recovery"]
     ref = _clean(reference)
-    res = _run(tmp_path, "degraded", SHRINK, faults)
+    # gloo's full mesh: each generation's groups connect every pair as they form, so rank 2's
+    # death fails generation 1 before rank 0's state arrives, and the degraded generation must
+    # give it. Under lazy connection (the default) generation 1 forms without rank 2, rank 0
+    # receives there, and the degraded round has nobody to send to: the path under test is
+    # then only reached by chance
+    res = _run(tmp_path, "degraded", SHRINK, faults, env={"CHECKPOINTLESS_GLOO_CONNECT": "full"})
     assert res.rc == 0, res.output[-4000:]
     plan = next(e for e in res.of("plan") if e.get("holders"))
     assert plan["holders"] == [[2, 0]] and 0 in plan["receivers"] and 2 not in plan["receivers"], plan
     res.assert_same_weights(ref, 4)
-    got, want = res.trained_batches(), ref.trained_batches()
-    assert {k: want[k] for k in got} == got, "a (slot, step) trained another batch than without the fault"
-    # a pass cut off by a round (step 3's by the faults; the step the grow-back round cut in on,
-    # where the holder's last pass may already have applied its update) took its update with the
-    # state received or rolled forward: none ended cleanly to print its line. The weights above
-    # say those updates are the fault-free run's.
-    cut = {p["target_step"] - 1 for p in res.of("plan") if p["generation"] > 0}
-    allowed = {(slot, step) for slot in range(4) for step in cut | {3}}
-    assert set(want) - set(got) <= allowed, (sorted(set(want) - set(got)), sorted(cut))
+    _trained_as_without_the_fault(res, ref, also_cut=[3])  # step 3's update was cut by the faults
 
 
 def test_a_group_the_script_made_ends_a_degraded_job_with_the_reason(tmp_path: Path) -> None:
