@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import SCRIPTS, JobResult, run_job
+from tests.helpers.jobs import SCRIPTS, JobResult, assert_batches_but_cut, run_job
 from tests.helpers.reference import ReferenceRuns
 
 pytestmark = pytest.mark.timeout(150)
@@ -61,16 +61,12 @@ def _run(
 
 
 def _trained_as_without_the_fault(res: JobResult, ref: JobResult, also_cut: Iterable[int] = ()) -> None:
-    """Every (slot, step) line the run printed is the fault-free run's batch, and every line it
-    lacks is of a step a round cut off: a pass that a round interrupted after its update was
-    applied is rolled forward, not run again, so no pass of it ends cleanly to print (the step
-    the grow-back round cut in on, seen under the suite's load). The weights say those updates
-    are the fault-free run's."""
-    got, want = res.trained_batches(), ref.trained_batches()
-    assert {k: want[k] for k in got} == got, "a (slot, step) trained another batch than without the fault"
-    cut = {p["target_step"] - 1 for p in res.of("plan") if p["generation"] > 0} | set(also_cut)
-    allowed = {(slot, step) for slot in range(4) for step in cut}
-    assert set(want) - set(got) <= allowed, (sorted(set(want) - set(got)), sorted(cut))
+    """Every (slot, step) line the run printed is the fault-free run's batch, and a line is
+    missing only at a step a round cut off (``assert_batches_but_cut``; seen under the suite's
+    load: the step the grow-back round cut in on)."""
+    assert_batches_but_cut(
+        res.trained_batches(), ref.trained_batches(), res.cut_steps() | set(also_cut), "trained"
+    )
 
 
 def test_a_job_loader_script_trains_the_held_slot_s_batches_bitwise(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import SCRIPTS, JobResult, run_job
+from tests.helpers.jobs import SCRIPTS, assert_batches_but_cut, run_job
 from tests.helpers.reference import ReferenceRuns
 
 pytestmark = pytest.mark.timeout(150)
@@ -69,29 +69,10 @@ def test_a_lost_rank_takes_its_replica_group_out_and_the_group_grows_back_bitwis
     # a pass cut off by a round (the fault's step; the step the shrink or the grow round cut in
     # on, where an update may already have been applied and is then rolled forward) may lack its
     # line and its commit; the weights above say those updates are the fault-free run's
-    cut = {p["target_step"] - 1 for p in res.of("plan") if p["generation"] > 0} | {4}
-    allowed = {(slot, step) for slot in range(4) for step in cut}
-    for what, got, ref_got in [
-        ("trained", res.trained_batches(), want),
-        ("committed", res.batches(), ref.batches()),
-    ]:
-        assert {k: ref_got[k] for k in got} == got, (
-            f"a {what} (slot, step) had another batch than without the fault"
-        )
-        assert set(ref_got) - set(got) <= allowed, (what, sorted(set(ref_got) - set(got)), sorted(cut))
+    cut = res.cut_steps() | {4}
+    assert_batches_but_cut(res.trained_batches(), want, cut, "trained")
+    assert_batches_but_cut(res.batches(), ref.batches(), cut)
     assert not res.left_behind(), "processes of the job were left behind"
-
-
-def check_batches(res: JobResult, ref: JobResult, nproc: int, steps: int, fault_step: int) -> None:
-    """Every committed (slot, step) trained the fault-free run's batch, and none is missing but
-    those a round may cut off (the fault's step, the steps the shrink and grow rounds cut in on)."""
-    want = ref.batches()
-    assert sorted(want) == [(slot, step) for slot in range(nproc) for step in range(steps)]
-    got = res.batches()
-    assert {k: want[k] for k in got} == got, "a (slot, step) had another batch than without the fault"
-    cut = {p["target_step"] - 1 for p in res.of("plan") if p["generation"] > 0} | {fault_step}
-    allowed = {(slot, step) for slot in range(nproc) for step in cut}
-    assert set(want) - set(got) <= allowed, (sorted(set(want) - set(got)), sorted(cut))
 
 
 TP_SCRIPT = SCRIPTS / "tp_mlp.py"
@@ -132,5 +113,7 @@ def test_a_3d_mesh_the_script_made_loses_a_replica_group_and_grows_it_back_bitwi
     assert len(held) >= 4 * 3, f"too few degraded steps to check anything: {sorted(held)}"
     wrong = {r: (res.digests.get(r, "none")[:12], v[:12]) for r, v in d.items() if res.digests.get(r) != v}
     assert not wrong, f"final shards differ from the fault-free run's on ranks {wrong}"
-    check_batches(res, ref, 8, TP_STEPS, fault_step=4)
+    want = ref.batches()
+    assert sorted(want) == [(slot, step) for slot in range(8) for step in range(TP_STEPS)]
+    assert_batches_but_cut(res.batches(), want, res.cut_steps() | {4})
     assert not res.left_behind(), "processes of the job were left behind"

@@ -128,6 +128,12 @@ class JobResult:
             missing = sorted(set(want) - set(got))
             assert {r for r, _ in missing} <= set(lost) and len(missing) <= len(lost), missing
 
+    def cut_steps(self) -> set[int]:
+        """The steps a recovery round cut in on (each plan after the first resumes at its target:
+        the step before it may have been rolled forward after its update, so no pass of it ended
+        cleanly to print its line or commit again)."""
+        return {p["target_step"] - 1 for p in self.of("plan") if p["generation"] > 0}
+
     def recovery_from(self, rank: int, step: int) -> dict[str, Any] | None:
         """The recovery from the fault of ``rank`` at ``step`` (its own fault, not a peer's comm
         error it caused), for a job with several faults; None if no recovery names it."""
@@ -357,3 +363,14 @@ def kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Eve
         )
 
     kill_workers_when(run_dir, ready, stop)
+
+
+def assert_batches_but_cut(
+    got: dict[tuple[int, int], str], want: dict[tuple[int, int], str], cut: set[int], what: str = "committed"
+) -> None:
+    """Every (slot, step) of ``got`` has the fault-free run's batch (``want``), and a (slot, step)
+    of ``want`` is missing from ``got`` only at a step of ``cut`` (``JobResult.cut_steps`` and the
+    faults' own steps): the weights, compared besides, say those steps' updates are exact."""
+    assert {k: want[k] for k in got} == got, f"a {what} (slot, step) had another batch than without the fault"
+    missing = sorted(set(want) - set(got))
+    assert all(step in cut for _, step in missing), (what, missing, sorted(cut))
