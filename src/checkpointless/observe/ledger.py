@@ -244,7 +244,8 @@ def build_ledger(
         charge(first, end, "unrecovered", idx)
         faults_out.append(
             FaultCost(
-                generation=int(open_faults[0].get("generation", -1)) + 1,
+                # absent or null (allowed by the records) counts as before generation 0
+                generation=g + 1 if isinstance(g := open_faults[0].get("generation"), int) else 0,
                 causes=_causes(open_faults),
                 detected_at=first,
                 recovered=False,

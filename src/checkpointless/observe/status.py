@@ -158,7 +158,11 @@ def build_status(
     faults = [e for e in events if e.get("event") == "fault"]
     recs = [e for e in events if e.get("event") == "recovery"]
     last_rec = max((float(e["time"]) for e in recs), default=0.0)
-    open_round = any(float(f["time"]) > last_rec and f.get("generation", -1) >= 0 for f in faults) and running
+    # a fault's generation may be absent or null (the records allow both: a fault before any
+    # generation formed); either is no open round
+    open_round = running and any(
+        float(f["time"]) > last_rec and isinstance(g := f.get("generation"), int) and g >= 0 for f in faults
+    )
     ranks = []
     for r in range(nproc):
         holder_id = holder.get(r)
