@@ -187,7 +187,10 @@ def test_every_rank_killed_at_once_or_raising_at_once_restores_from_the_snapshot
         extra=["--snapshot-every", "2"],
         timeout=240,
     )
-    check_recovered(res, ref, recoveries=2)
+    # a rank's wedged process may be the last to raise in step 8's update, after fresh peers
+    # finished theirs: the next round resumes at step 9 and that rank's line for step 8 is never
+    # written (its gradient was in the step; the weights say so), hence cut=True
+    check_recovered(res, ref, recoveries=2, cut=True)
     assert {e["rank"] for e in res.of("fault_injected") if e["kind"] == "killall"} == {0, 1, 2}
     plans = [p for p in res.of("plan") if p.get("from_snapshot")]
     # the kill: all at once, one round whose faults are every rank's SIGKILL at step 6 (none survived)
