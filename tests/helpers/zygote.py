@@ -11,8 +11,9 @@ job then does, from the coordinator to the workers forked from the template, is 
 own code, unchanged.
 
 A launch falls back to a fresh interpreter (``subprocess.Popen``, as before) when the zygote
-could differ from one: a variable other than ``CHECKPOINTLESS_*`` differs from the zygote's
-environment (``PYTHONPATH``, ``TORCH*``, ``OMP_*`` are read at import time), the command is not
+could differ from one: a variable differs from the zygote's environment that the zygote's
+imports might read (``PYTHONPATH``, ``TORCH*``, ``OMP_*`` are read at import time; ours, pytest's,
+and Hugging Face's, which only packages the zygote never imports read, are not), the command is not
 ``<this python> -m checkpointless``, or ``CHECKPOINTLESS_TEST_ZYGOTE=0`` is set.
 
 Each launch is watched by a small process forked from the zygote (the launcher's parent). It
@@ -198,11 +199,18 @@ def launch(
 
 
 # -- the zygote's side --------------------------------------------------------------------------
+# Variables no import of the zygote's reads: ours and pytest's (``PYTEST_CURRENT_TEST`` changes
+# with every test) are read at run time; Hugging Face's (``HF_HUB_OFFLINE``, the HF test scripts'
+# own) are read by transformers and accelerate, which a job's workers import themselves. Without
+# them every Hugging Face job paid the launcher's and the template's torch imports afresh.
+_NOT_READ_AT_IMPORT = ("CHECKPOINTLESS_", "PYTEST_", "HF_", "TRANSFORMERS_")
+
+
 def _differs(env: Mapping[str, str], base: Mapping[str, str]) -> str | None:
-    """The first variable that ``env`` sets otherwise than ``base``, except ours and pytest's
-    (``PYTEST_CURRENT_TEST`` changes with every test; neither is read by an import)."""
+    """The first variable that ``env`` sets otherwise than ``base`` and that an import of the
+    zygote's might read (see ``_NOT_READ_AT_IMPORT``)."""
     for key in sorted(set(env) | set(base)):
-        if not key.startswith(("CHECKPOINTLESS_", "PYTEST_")) and env.get(key) != base.get(key):
+        if not key.startswith(_NOT_READ_AT_IMPORT) and env.get(key) != base.get(key):
             return key
     return None
 
