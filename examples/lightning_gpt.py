@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -78,6 +79,10 @@ class LitGPT(pl.LightningModule):
             digest = hashlib.sha256(batch.numpy().tobytes()).hexdigest()[:16]
             print(f"batch rank={self.global_rank} step={self.global_step} {digest}", flush=True)
         return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        x, y = batch[:, :-1], batch[:, 1:]
+        self.log("val_loss", F.cross_entropy(self(x).reshape(-1, self.vocab), y.reshape(-1)), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.1)
@@ -142,6 +147,13 @@ def main() -> None:
         default="seek",
         help="how a replacement reaches its step in Lightning's loop (reread: the old walk, to compare)",
     )
+    ap.add_argument(
+        "--val-every",
+        type=int,
+        default=0,
+        help="validate every N batches on --val-batches batches (0: never)",
+    )
+    ap.add_argument("--val-batches", type=int, default=2)
     ap.add_argument("--step-times", action="store_true")
     ap.add_argument("--print-reads", action="store_true", help="print the samples read as the fit ends")
     ap.add_argument("--print-batches", action="store_true")
@@ -169,6 +181,9 @@ def main() -> None:
         max_steps=args.steps,
         callbacks=callbacks,
         enable_checkpointing=bool(args.ckpt_dir),
+        # validation inside the fit: a replacement's seek counts the runs before its step
+        val_check_interval=args.val_every or None,
+        limit_val_batches=args.val_batches if args.val_every else 0,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
@@ -178,13 +193,22 @@ def main() -> None:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} ranks")
     loader = DataLoader(data, batch_size=args.global_batch // world, shuffle=True, drop_last=True)
     resume = args.resume and args.ckpt_dir and (Path(args.ckpt_dir) / "last.ckpt").exists()
-    trainer.fit(module, loader, ckpt_path="last" if resume else None)
+    # a held-out set of its own (its reads are not the training data's)
+    val = TokenWindows(args.data, args.seq_len, args.seed + 1) if args.val_every else None
+    val_loader = DataLoader(val, batch_size=args.global_batch // world) if val is not None else None
+    trainer.fit(module, loader, val_loader, ckpt_path="last" if resume else None)
 
     if args.print_reads:  # the samples this process read, against the batches it trained on
         per_batch = args.global_batch // world
         print(
             f"reads rank={trainer.global_rank} samples={data.reads} trained={len(module.trained)}x{per_batch}",
             flush=True,
+        )
+        # and where Lightning's loops stand (what a checkpoint would hold): a replacement that
+        # sought its step must end where an uninterrupted rank does
+        loops = json.dumps(trainer.fit_loop.state_dict(), sort_keys=True, default=str)
+        print(
+            f"loops rank={trainer.global_rank} {hashlib.sha256(loops.encode()).hexdigest()[:16]}", flush=True
         )
     digest = weights_digest(module)
     if ema is not None:  # the average is part of what a run must end with, bitwise

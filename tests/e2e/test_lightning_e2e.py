@@ -22,6 +22,9 @@ pytest.importorskip("lightning", reason="the `lightning` extra is not installed"
 SCRIPT = ROOT / "examples" / "lightning_gpt.py"
 ARGS = ["--steps", "8", "--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16"]
 ARGS += ["--global-batch", "12", "--print-batches", "--print-reads", "--ema", "0.9"]
+# validation inside the fit, after batches 2 and 5: rank 0's replacement at step 6 seeks past both
+# runs, and the checkpoint it writes holds the validation loop's counters of the fault-free run
+ARGS += ["--val-every", "3"]
 _REF: dict[str, JobResult] = {}
 
 
@@ -70,6 +73,14 @@ def assert_reads_only_trained_batches(res: JobResult, replaced: int) -> None:
     for rank, samples, trained, per_batch in counts:
         assert int(samples) == int(trained) * int(per_batch), f"rank {rank} read {samples} samples"
     assert res.output.count("by seeking to epoch 0, batch") == replaced, res.output[-4000:]
+
+
+def assert_same_loops(res: JobResult, ref: JobResult) -> None:
+    """Every rank's Lightning loops (the training and validation loops' counters, as a checkpoint
+    holds them) end where the fault-free run's do, a replacement's that sought its step too."""
+    pattern = r"loops rank=(\d+) ([0-9a-f]{16})"
+    got, want = dict(re.findall(pattern, res.output)), dict(re.findall(pattern, ref.output))
+    assert sorted(want) == ["0", "1", "2"] and got == want, (got, want)
 
 
 def _paths(state: object, ckpt_dir: str) -> object:
@@ -173,6 +184,7 @@ def test_lightning_faults_in_one_job_are_each_survived_bitwise(
     assert_same_checkpoints(res, reference)
     # the killed rank 0's replacement read only the batches from its step on
     assert_reads_only_trained_batches(res, replaced=sum(f.startswith(("kill", "hang")) for f in MERGED))
+    assert_same_loops(res, reference)
     for fault in MERGED:
         rank, step = fault_at(fault)
         rec = res.recovery_from(rank, step)

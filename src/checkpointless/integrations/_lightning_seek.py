@@ -18,12 +18,20 @@ the replacement puts the loop where an uninterrupted run has it as step C's firs
 - the DataLoader's next iterator starts at the batch: its batch sampler is iterated from the
   epoch's start and the index lists before the position are dropped, so no sample before it is
   read or collated (``set_epoch`` is Lightning's, for the position's epoch, as it is at every
-  epoch's start).
+  epoch's start);
+- in a fit that validates, the validation loop's counters are an uninterrupted run's too. Which
+  batches end in a validation follows from the batch alone (``val_check_batch``, per epoch or over
+  the fit when ``check_val_every_n_epoch`` is None, in the epochs it allows), so the runs before
+  C are counted, not repeated: the epoch's total counts each run's batches (Lightning resets it as
+  an epoch begins), and the last run's count stays in ``current``. The validations before C are
+  not run again (their metrics do not change the weights; ``trainer.callback_metrics`` lacks
+  them until the next validation, as it lacks the training metrics of the steps before C).
 
 Anything else (an iterable dataset, a sampler whose order depends on more than the epoch, several
-training loaders, validation inside the fit, ``fit(ckpt_path=...)``, plateau schedulers, reloaded
-dataloaders) is refused by :func:`seek_refusal` with the reason, and the strategy walks the loop as
-before, saying so. The attribute paths are Lightning 2.6's, as in ``_lightning_internals``.
+training loaders, validation on a time interval or from a loader without a length,
+``fit(ckpt_path=...)``, plateau schedulers, reloaded dataloaders) is refused by
+:func:`seek_refusal` with the reason, and the strategy walks the loop as before, saying so. The
+attribute paths are Lightning 2.6's, as in ``_lightning_internals``.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
-__all__ = ["FitPosition", "fit_position", "seek", "seek_refusal"]
+__all__ = ["FitPosition", "fit_position", "seek", "seek_refusal", "validations_before"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,9 @@ def seek_refusal(trainer: Any) -> str | None:
     if trainer.reload_dataloaders_every_n_epochs:
         return "the training DataLoader is reloaded every few epochs"
     if trainer.enable_validation:
-        return "the fit validates (validation_step), whose loop counters the seek does not set"
+        why = _validation_refusal(trainer)
+        if why is not None:
+            return why
     if any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
         return "a ReduceLROnPlateau scheduler steps on metrics only a walk would log"
     per_epoch = trainer.num_training_batches
@@ -91,6 +101,20 @@ def seek_refusal(trainer: Any) -> str | None:
         )
     if type(trainer.fit_loop._data_fetcher).__name__ == "_DataLoaderIterDataFetcher":
         return "training_step takes the dataloader_iter"
+    return None
+
+
+def _validation_refusal(trainer: Any) -> str | None:
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return (
+            "the fit validates on a time interval (val_check_interval as a duration), which follows the clock"
+        )
+    val = trainer.fit_loop.epoch_loop.val_loop
+    # what the fit's first validation (or its sanity check) does: build the loaders and count
+    # their batches; the strategy's barrier in it waits for nobody (a replacement joins alone)
+    val.setup_data()
+    if not all(isinstance(n, int) for n in trainer.num_val_batches):
+        return "a validation DataLoader has no length (an iterable dataset)"
     return None
 
 
@@ -132,6 +156,7 @@ def _place(trainer: Any, pos: FitPosition, manual: bool) -> None:
     progress.is_last_batch = False
     # each update counted once at the window's end, the loggers' step too
     loop._batches_that_stepped = pos.step
+    _place_validation(trainer, pos)
     if manual:
         return  # the optimizer steps came with the replica; no scheduler steps by Lightning
     optimizer = loop.automatic_optimization.optim_progress.optimizer
@@ -144,6 +169,33 @@ def _place(trainer: Any, pos: FitPosition, manual: bool) -> None:
     total = pos.epoch * whole + sum(pos.epoch // f for f in per_epoch) + in_epoch
     _fill(loop.scheduler_progress.total, total)
     _fill(loop.scheduler_progress.current, in_epoch)
+
+
+def validations_before(trainer: Any, pos: FitPosition) -> tuple[int, int]:
+    """(validations the fit ran before ``pos``, those of them in ``pos``'s epoch): Lightning's
+    check after each batch, ``(i + 1) % val_check_batch == 0`` for the batch's index ``i`` in its
+    epoch, or over the fit when ``check_val_every_n_epoch`` is None, in the epochs it allows."""
+    if not trainer.enable_validation:
+        return 0, 0
+    every = trainer.check_val_every_n_epoch
+    k = int(trainer.val_check_batch)
+    if every is None:
+        before = pos.batches // k
+        return before, before - (pos.batches - pos.batch) // k
+    in_epoch = pos.batch // k if (pos.epoch + 1) % every == 0 else 0
+    # epochs e < pos.epoch with (e + 1) % every == 0, each with per_epoch // k validations
+    return (pos.epoch // every) * (int(trainer.num_training_batches) // k) + in_epoch, in_epoch
+
+
+def _place_validation(trainer: Any, pos: FitPosition) -> None:
+    runs, in_epoch = validations_before(trainer, pos)
+    if runs == 0:
+        return
+    progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
+    batches = int(sum(trainer.num_val_batches))  # over every validation loader, as Lightning counts
+    _fill(progress.total, in_epoch * batches)
+    _fill(progress.current, batches)
+    progress.is_last_batch = True
 
 
 def _scheduler_steps(trainer: Any, batches: int, epoch_ends: bool) -> int:

@@ -21,7 +21,7 @@ strategy, and nothing else:
   puts the loop at C in O(1), the counters an uninterrupted run has there and the DataLoader's
   next iterator at C's batch, reading no sample before it (``_lightning_seek.py``). Where the
   data or the fit cannot be addressed so (an iterable dataset, a sampler whose order is not a
-  function of the epoch, validation inside the fit, ``ckpt_path=``), or with
+  function of the epoch, validation on a time interval, ``ckpt_path=``), or with
   ``catch_up="reread"``, it walks the loop forward instead, skipping ``training_step`` and the
   update, until the loop reaches C, and logs why. Either way the batches are those of the same
   DataLoader and sampler as on every other rank; nothing skipped touches the received state.

@@ -67,6 +67,14 @@ class Tiny(pl.LightningModule):
         ]
 
 
+class Validated(Tiny):
+    """Tiny with a validation loop: its runs must not move the sought fit off the
+    uninterrupted one (the loop's counters include the validation loop's)."""
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val", self.lin(batch).pow(2).mean())
+
+
 class Record(pl.Callback):
     def __init__(self, to_step: int | None, manual_count: Any = None) -> None:
         self.to_step = to_step  # put the fit there as it starts
@@ -90,12 +98,24 @@ class Record(pl.Callback):
         self.seen.append((trainer.global_step, trainer.current_epoch, idx, batch.flatten().tolist(), loops))
 
 
-def fit(to_step: int | None, *, accumulate: int, manual: bool, steps: int, manual_count: Any = None) -> Any:
+def fit(
+    to_step: int | None,
+    *,
+    accumulate: int,
+    manual: bool,
+    steps: int,
+    manual_count: Any = None,
+    val: dict[str, Any] | None = None,
+) -> Any:
     data = Counted(30)
     # rank 1 of 2, shuffled: what Lightning injects on a real rank
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 2, 1, shuffle=True, seed=5))
     record = Record(to_step, manual_count)
+    module = Tiny(manual, schedulers=not manual) if val is None else Validated(manual, schedulers=not manual)
+    # 11 samples: 3 validation batches of 4, the last short
+    loaders = [] if val is None else [DataLoader(Counted(11), batch_size=4)]
     trainer = pl.Trainer(
+        **(val or {}),
         accelerator="cpu",
         devices=1,
         max_steps=steps,
@@ -109,7 +129,7 @@ def fit(to_step: int | None, *, accumulate: int, manual: bool, steps: int, manua
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(Tiny(manual, schedulers=not manual), loader)
+        trainer.fit(module, loader, *loaders)
     return record.seen, trainer.fit_loop.state_dict(), data.reads
 
 
@@ -126,12 +146,14 @@ def fit(to_step: int | None, *, accumulate: int, manual: bool, steps: int, manua
     ],
 )
 def test_a_sought_fit_goes_on_as_the_uninterrupted_one(
-    accumulate: int, manual: bool, to_step: int, steps: int
+    accumulate: int, manual: bool, to_step: int, steps: int, val: dict[str, Any] | None = None
 ) -> None:
-    ref, ref_end, _ = fit(None, accumulate=accumulate, manual=manual, steps=steps)
+    ref, ref_end, _ = fit(None, accumulate=accumulate, manual=manual, steps=steps, val=val)
     pos = fit_position_of(accumulate, manual, to_step)
     count = copy.deepcopy(ref[pos][4]["epoch_loop.manual_optimization.optim_step_progress"])
-    got, got_end, reads = fit(to_step, accumulate=accumulate, manual=manual, steps=steps, manual_count=count)
+    got, got_end, reads = fit(
+        to_step, accumulate=accumulate, manual=manual, steps=steps, manual_count=count, val=val
+    )
     later = ref[pos:]
     assert got and len(got) == len(later)
     for mine, theirs in zip(got, later, strict=True):
@@ -139,6 +161,57 @@ def test_a_sought_fit_goes_on_as_the_uninterrupted_one(
         assert mine[4] == theirs[4], "the loop's counters differ from the uninterrupted fit's"
     assert got_end == ref_end
     assert reads == sum(len(seen[3]) for seen in got), "a batch before the sought step was read"
+
+
+OVER_THE_FIT = {"val_check_interval": 5, "check_val_every_n_epoch": None, "num_sanity_val_steps": 0}
+
+
+# validation in the fit, in each way Lightning schedules it by batches (8 batches an epoch)
+@pytest.mark.parametrize(
+    ("accumulate", "manual", "to_step", "steps", "val"),
+    [
+        # at each epoch's end, the sought step past two of them
+        pytest.param(1, False, 19, 24, {}, id="val-epoch-end"),
+        # every 3 batches in each epoch (2 an epoch: after batches 2 and 5), mid-epoch between two
+        pytest.param(1, False, 12, 20, {"val_check_interval": 3}, id="val-every-3"),
+        # every 5 batches over the fit, across epoch ends; no sanity check, so the seek builds
+        # the validation loaders itself
+        pytest.param(1, False, 18, 24, OVER_THE_FIT, id="val-every-5-over-the-fit"),
+        # half an epoch, every second epoch, with accumulation
+        pytest.param(
+            3,
+            False,
+            10,
+            13,
+            {"val_check_interval": 0.5, "check_val_every_n_epoch": 2},
+            id="val-half-every-2nd",
+        ),
+        pytest.param(1, True, 13, 17, {"val_check_interval": 4, "limit_val_batches": 2}, id="val-manual"),
+    ],
+)
+def test_a_sought_fit_that_validates_goes_on_as_the_uninterrupted_one(
+    accumulate: int, manual: bool, to_step: int, steps: int, val: dict[str, Any]
+) -> None:
+    test_a_sought_fit_goes_on_as_the_uninterrupted_one(accumulate, manual, to_step, steps, val)
+
+
+def test_validation_on_a_time_interval_is_refused() -> None:
+    seen: list[str | None] = []
+
+    class Ask(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            seen.append(seek_refusal(trainer))
+
+    data = Counted(8)
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 1, 0, shuffle=False))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        callbacks=[Ask()], val_check_interval="00:00:00:30", use_distributed_sampler=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Validated(False, False), loader, DataLoader(Counted(4), batch_size=2))
+    assert seen and seen[0] is not None and "time interval" in seen[0], seen
 
 
 def fit_position_of(accumulate: int, manual: bool, step: int) -> int:
