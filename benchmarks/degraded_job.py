@@ -29,6 +29,9 @@ parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--spare-at-step", type=int, default=-1)
 parser.add_argument("--run-dir", default="")
+parser.add_argument(
+    "--timeline", default="", help="write each pass's phase times to <run-dir>/timeline-<rank>.jsonl"
+)
 args = parser.parse_args()
 
 
@@ -73,13 +76,32 @@ dp = job.data_parallel(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 job.track(model=model, optimizer=opt)
 
+# --timeline: per pass, the times (time.time()) as the loop yields it, as its body begins,
+# after forward, backward (the last pass's waits for the all-reduce in it), the optimizer step
+# and the sleep, and as `with step:` has exited (its commit in the last pass)
+timeline: list[dict[str, float | int]] = []
+t_yield = time.time()
 for step in job.steps(args.steps):
+    t = {"step": step.index, "pass": step.pass_index, "passes": step.passes, "yield": time.time()}
+    t["prev_end"] = t_yield
     with step:
+        t["body"] = time.time()
         g = torch.Generator().manual_seed(1000 * step.index + step.slot)
         x = torch.randn(args.batch, args.dim, generator=g)
         y = torch.randint(0, 8, (args.batch,), generator=g)
         opt.zero_grad()
-        F.cross_entropy(dp(x), y).backward()
+        loss = F.cross_entropy(dp(x), y)
+        t["forward"] = time.time()
+        loss.backward()
+        t["backward"] = time.time()
         opt.step()
+        t["optimizer"] = time.time()
         if args.sleep:
             time.sleep(args.sleep)
+        t["sleep"] = time.time()
+    t_yield = t["exit"] = time.time()
+    if args.timeline:
+        timeline.append(t)
+if args.timeline:
+    with open(Path(args.run_dir) / f"timeline-{job.rank}.jsonl", "w") as f:
+        f.writelines(json.dumps(t) + "\n" for t in timeline)

@@ -29,8 +29,20 @@ Three workloads, interleaved round by round (A B C, C B A, ...):
 * ``cpu4``: 4 ranks of the same compute-bound pass on 2 cores. Both widths then run 4 passes per
   step on the same 2 cores, so the ratio there is a shared-CPU number, near 1, not the design's.
 
+Each job also writes every pass's phase times (the job's ``--timeline``): as the loop yields it,
+its body begins, after forward, backward (which waits for the all-reduce in a reducing pass), the
+optimizer step and the sleep, and once ``with step:`` has exited (the commit in the last pass).
+The result file keeps their medians per role: a rank at full width; in the degraded window the
+holder's first pass (its own slot's, whose gradient is kept), its last pass (the held slot's,
+which reduces every slot's gradient and updates) and the ranks that hold one slot.
+
+``--before SRC`` also runs each workload with the library from another checkout's ``SRC/src``
+(the same job script), interleaved with this tree's in every round: a before/after comparison
+under the same load, reported as extra workloads named ``<workload>@before``.
+
     .venv/bin/python benchmarks/degraded_step.py                 # 3 rounds, ~3 min on 2 cores
     .venv/bin/python benchmarks/degraded_step.py --rounds 1 --workloads cpu2
+    .venv/bin/python benchmarks/degraded_step.py --workloads device4 --before /tmp/main-checkout
 
 It writes ``benchmarks/results/degraded_step.json`` (``--out`` elsewhere).
 """
@@ -42,6 +54,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,12 +94,59 @@ def commit_times(run_dir: Path, ranks: list[int]) -> dict[int, float]:
 def window(done: dict[int, float], lo_t: float, hi_t: float, skip: int) -> list[float]:
     """Step times of the steps that began (the previous step committed) after ``lo_t`` and
     committed by ``hi_t``, less the first ``skip`` of them."""
-    times = [
-        done[s] - done[s - 1]
-        for s in sorted(done)
-        if s - 1 in done and done[s - 1] >= lo_t and done[s] <= hi_t
-    ]
-    return times[skip:]
+    return [done[s] - done[s - 1] for s in window_steps(done, lo_t, hi_t, skip)]
+
+
+def window_steps(done: dict[int, float], lo_t: float, hi_t: float, skip: int) -> list[int]:
+    """The steps :func:`window` times."""
+    steps = [s for s in sorted(done) if s - 1 in done and done[s - 1] >= lo_t and done[s] <= hi_t]
+    return steps[skip:]
+
+
+# a pass's phases, as (name, the timeline mark it begins at, the one it ends at)
+PHASES = (
+    ("loop", "prev_end", "yield"),  # job.steps() between one pass's exit and the next's yield
+    ("enter", "yield", "body"),  # `with step:` entering (the step's entry, a held slot's swap-in)
+    ("forward", "body", "forward"),
+    ("backward", "forward", "backward"),  # a reducing pass waits for the all-reduce in it
+    ("optimizer", "backward", "optimizer"),
+    ("sleep", "optimizer", "sleep"),
+    ("exit", "sleep", "exit"),  # `with step:` exiting (the commit in the last pass)
+)
+
+
+def phases(
+    run_dir: Path, ranks: list[int], full: list[int], degraded: list[int], holders: dict[int, list[int]]
+) -> dict[str, Any]:
+    """Median ms per phase of each role's passes (see the module's docstring); ``full`` and
+    ``degraded``: the steps of those windows, ``holders``: rank -> the slots it holds."""
+    rows: dict[str, list[dict[str, float]]] = {
+        "full": [],
+        "holder_first": [],
+        "holder_last": [],
+        "others": [],
+    }
+    full_s, deg_s = set(full), set(degraded)
+    for r in ranks:
+        path = run_dir / f"timeline-{r}.jsonl"
+        if not path.exists():
+            continue
+        held = len(holders.get(r, [r])) > 1
+        for t in bl.read_jsonl(path):
+            step, last = int(t["step"]), t["pass"] == t["passes"] - 1
+            if step in full_s and t["passes"] == 1:
+                role = "full"
+            elif step in deg_s and held:
+                role = "holder_last" if last else "holder_first"
+            elif step in deg_s and t["passes"] == 1:
+                role = "others"
+            else:
+                continue
+            rows[role].append({name: t[b] - t[a] for name, a, b in PHASES} | {"pass": t["exit"] - t["yield"]})
+    return {
+        role: {k: round(statistics.median(x[k] for x in rs) * 1e3, 2) for k in rs[0]} if rs else None
+        for role, rs in rows.items()
+    }
 
 
 def analyse(run_dir: Path, nproc: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -106,11 +166,13 @@ def analyse(run_dir: Path, nproc: int, a: argparse.Namespace) -> dict[str, Any]:
         holders[holder].append(slot)
     done = commit_times(run_dir, [r for r in range(nproc) if r != killed])
     first = min(done) if done else 0
-    full = window(done, done.get(first + a.warmup, float("inf")), faults[0], 0)
+    full_steps = window_steps(done, done.get(first + a.warmup, float("inf")), faults[0], 0)
+    full = [done[s] - done[s - 1] for s in full_steps]
     # the spare's own start (before it waits, and from when it goes on to join) shares the cores
     spare = {e["event"]: float(e["time"]) for e in bl.read_jsonl(run_dir / "spare.jsonl")}
     lo = max(recs[0], spare.get("waiting", recs[0]))
-    degraded = window(done, lo, min(grows[0], spare.get("released", grows[0])), a.skip)
+    degraded_steps = window_steps(done, lo, min(grows[0], spare.get("released", grows[0])), a.skip)
+    degraded = [done[s] - done[s - 1] for s in degraded_steps]
     after = window(done, recs[1], float("inf"), a.skip)
     out.update(
         holders={str(k): v for k, v in sorted(holders.items())},
@@ -133,21 +195,26 @@ def analyse(run_dir: Path, nproc: int, a: argparse.Namespace) -> dict[str, Any]:
         measured_over_issue=round(d / f / (nproc / (nproc - 1)), 4),
         grown_back_over_full=round(g / f, 4),
         degraded_window_s=round(grows[0] - recs[0], 2),
+        phases=phases(run_dir, [r for r in range(nproc) if r != killed], full_steps, degraded_steps, holders),
     )
     return out
 
 
 def one_run(name: str, a: argparse.Namespace, work: Path, round_no: int) -> dict[str, Any]:
-    nproc, model = workload(name, a)
-    run_dir = work / f"{name}-r{round_no}"
+    base, _, before = name.partition("@")
+    nproc, model = workload(base, a)
+    run_dir = work / f"{name.replace('@', '-')}-r{round_no}"
     cmd = [
         bl.PYTHON, "-m", "checkpointless", "run", "--nproc", str(nproc), "--spares", "0",
         "--when-no-spare", "shrink", "--run-dir", str(run_dir / "run"), "--hang-timeout", "30",
         "--inject", f"kill:rank={nproc - 1}:step={a.kill_step}",
         str(JOB), "--steps", str(a.steps), "--spare-at-step", str(a.spare_at_step),
-        "--run-dir", str(run_dir / "run"), *model,
+        "--run-dir", str(run_dir / "run"), "--timeline", "1", *model,
     ]  # fmt: skip
-    fin = bl.run_job(cmd, run_dir, timeout=a.run_timeout, env=bl.bench_env(1))
+    env = bl.bench_env(1)
+    if before:  # the other checkout's library first on the path: the job script stays this one
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(a.before) / "src"), env["PYTHONPATH"]])
+    fin = bl.run_job(cmd, run_dir, timeout=a.run_timeout, env=env)
     res: dict[str, Any] = {"round": round_no, "rc": fin.rc, "wall_s": round(fin.wall_s, 2)}
     if fin.timed_out or fin.rc != 0:
         res["error"] = "timed out" if fin.timed_out else f"exit code {fin.rc}"
@@ -161,6 +228,13 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("full_ms", "degraded_ms", "grown_back_ms", "ratio", "measured_over_ideal", "measured_over_issue",
             "grown_back_over_full")  # fmt: skip
     out: dict[str, Any] = {k: bl.summary([r[k] for r in ok]) for k in keys}
+    roles = ("full", "holder_first", "holder_last", "others")
+    out["phases_ms"] = {
+        role: {k: bl.summary([r["phases"][role][k] for r in ok if r.get("phases", {}).get(role)])
+               for k in [*(p[0] for p in PHASES), "pass"]}
+        for role in roles
+        if any(r.get("phases", {}).get(role) for r in ok)
+    }  # fmt: skip
     out["ideal_ratio"] = ok[0]["ideal_ratio"] if ok else None
     out["issue_ratio"] = ok[0]["issue_ratio"] if ok else None
     out["failed"] = len(runs) - len(ok)
@@ -181,8 +255,17 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument(
+        "--before",
+        default="",
+        help="a checkout of the library to compare with: each workload also runs on SRC/src, interleaved",
+    )
     bl.add_run_args(ap, run_timeout=120, out=str(bl.RESULTS / "degraded_step.json"))
     args = ap.parse_args()
+    if args.before and not (Path(args.before) / "src" / "checkpointless").is_dir():
+        ap.error(f"--before {args.before}: no src/checkpointless there; give a checkout's root")
+    if args.before:
+        args.workloads = [x for w in args.workloads for x in (w, f"{w}@before")]
     machine = bl.machine_info()
     t_start = time.monotonic()
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="cpl-degraded-"))
@@ -202,7 +285,8 @@ def main() -> None:
     machine["bench_wall_s"] = round(time.monotonic() - t_start, 1)
     machine["load_note"] = bl.load_note(machine["loadavg_start"], [round(x, 2) for x in os.getloadavg()])
     workloads = {
-        w: {"nproc": workload(w, args)[0], "summary": summarise(r), "runs": r} for w, r in runs.items()
+        w: {"nproc": workload(w.partition("@")[0], args)[0], "summary": summarise(r), "runs": r}
+        for w, r in runs.items()
     }
     result = {
         "benchmark": "degraded_step",
@@ -215,7 +299,16 @@ def main() -> None:
         ),
         "workloads": workloads,
     }
-    print(json.dumps({w: v["summary"] for w, v in workloads.items()}, indent=1))
+    if args.before:
+        git = subprocess.run(["git", "-C", args.before, "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+        result["before"] = {"path": args.before, "git": git.stdout.strip() or None}
+    print(
+        json.dumps(
+            {w: {k: x for k, x in v["summary"].items() if k != "phases_ms"} for w, v in workloads.items()},
+            indent=1,
+        )
+    )
     bl.save_result(args.out, result)
 
 

@@ -560,10 +560,12 @@ def t_degraded_step(d: dict[str, Any]) -> Table:
         "cpu4": "4 → 3 ranks, compute-bound pass on 2 cores (shared-CPU)",
     }
     rows = []
+    before = (d.get("before") or {}).get("git") or "?"
     for name, w in d["workloads"].items():
         s = w["summary"]
+        base, _, was = name.partition("@")
         rows.append([
-            label.get(name, name), spread(s["full_ms"], 1, " ms"), spread(s["degraded_ms"], 1, " ms"),
+            label.get(base, base) + (f" (before: git `{before}`)" if was else ""), spread(s["full_ms"], 1, " ms"), spread(s["degraded_ms"], 1, " ms"),
             spread(s["grown_back_ms"], 1, " ms"), spread(s["ratio"], 2, "×"),
             f"{num(s['ideal_ratio'], 2, '×')} / {num(s['issue_ratio'], 2, '×')}",
             spread(s["measured_over_ideal"], 2, ""), spread(s["measured_over_issue"], 2, ""),
@@ -571,6 +573,19 @@ def t_degraded_step(d: dict[str, Any]) -> Table:
     head = ["job", "full", "degraded", "grown back", "degraded / full", "ideal: rules / issue",
             "measured / rules ideal", "measured / issue ideal"]  # fmt: skip
     return head, rows
+
+
+def t_degraded_step_phases(d: dict[str, Any]) -> Table:
+    """Where a degraded step's time goes: each role's median phase times (ms), per workload."""
+    roles = {"full": "full width, a rank", "holder_first": "degraded, holder's own pass (kept)",
+             "holder_last": "degraded, holder's held-slot pass (reduces, updates)",
+             "others": "degraded, a rank holding one slot"}  # fmt: skip
+    names = ["loop", "enter", "forward", "backward", "optimizer", "sleep", "exit", "pass"]
+    rows = []
+    for name, w in d["workloads"].items():
+        for role, ph in w["summary"].get("phases_ms", {}).items():
+            rows.append([name, roles.get(role, role), *(spread(ph[k], 2, "") for k in names)])
+    return ["workload", "pass", *names], rows
 
 
 def t_degraded(d: dict[str, Any]) -> Table:
@@ -673,6 +688,7 @@ BLOCKS = [
     Block("rank_rng_lightning", "rank_rng_lightning.json", t_rank_rng_lightning),
     Block("lightning_catch_up", "lightning_catch_up.json", t_lightning_catch_up),
     Block("degraded_step", "degraded_step.json", t_degraded_step),
+    Block("degraded_step_phases", "degraded_step.json", t_degraded_step_phases),
     Block("degraded", "degraded.json", t_degraded),
     Block("gpu_check", "h200/gpu_check.json", t_gpu_check, machine=H200, command="python3 benchmarks/gpu_check.py --out DIR"),
 ]  # fmt: skip

@@ -63,9 +63,11 @@ class _Bucket:
         # Each parameter's slice of the buffer, shaped like it, made once: the per-step copies
         # in and out are then one fused foreach call each, not three small ops per parameter.
         self.views: list[torch.Tensor] = []
+        self.offsets: list[int] = []  # where each parameter's slice begins
         off = 0
         for p in params:
             self.views.append(self.buffer[off : off + p.numel()].view_as(p))
+            self.offsets.append(off)
             off += p.numel()
         self.ready = 0
         self.handle: Handle | None = None
@@ -255,14 +257,22 @@ class DataParallel(nn.Module):
         try:
             kept: list[torch.Tensor] = []
             for b in self._buckets:
-                for p, v in zip(b.params, b.views, strict=True):
+                # straight into a flat buffer of the pass's own, one fused copy per bucket (not
+                # through the bucket's buffer and a clone of it: that read every gradient twice)
+                flat = torch.empty_like(b.buffer)
+                dst: list[torch.Tensor] = []
+                src: list[torch.Tensor] = []
+                for p, off in zip(b.params, b.offsets, strict=True):
+                    view = flat[off : off + p.numel()].view_as(p)
                     if p.grad is None:
-                        v.zero_()
+                        view.zero_()  # unused in this pass: contributes zeros, as in _launch
                     else:
-                        v.copy_(p.grad)
-                kept.append(b.buffer.clone())
-                for p in b.params:
+                        dst.append(view)
+                        src.append(p.grad)
                     p.grad = None
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                kept.append(flat)
             self._kept.append(kept)
         finally:
             self.reset()
