@@ -50,6 +50,9 @@ class FaultLedger:
         self.cfg = cfg
         self.outbox = outbox
         self.history: list[FaultRecord] = []
+        # rank -> the step of its newest raise: from a fault of its own, or from its report to a
+        # round already under way (which is no fault record of its own: the round covers it)
+        self.last_raised: dict[int, int] = {}
         self.start_failures: dict[int, int] = {}  # rank -> its processes in a row that died before joining
         self.early_spare_deaths = 0  # spares in a row that died before they were ready
         self.fired: set[str] = set()  # injected faults that have fired (ids)
@@ -125,6 +128,8 @@ class FaultLedger:
         """Count a fault (seen while ``generation`` was the newest formed) against the budget;
         raises once the budget is spent, unless a fresh process may still cure it (``held``)."""
         self.history.append(FaultRecord(rank, kind, step, detail))
+        if kind == "exception" and step is not None:
+            self.last_raised[rank] = step
         cfg = self.cfg
         why = budget_verdict(self.history, cfg.fault_window, cfg.max_repeat_faults)
         end = fresh_failure(self.history[-1], generation, why, self.respawns, cfg.fault_window)
@@ -173,13 +178,19 @@ class FaultLedger:
         )
         return d
 
+    def raised_in_round(self, rank: int, step: int | None) -> None:
+        """``rank`` reported to the round under way that it raised at ``step``."""
+        if step is not None:
+            self.last_raised[rank] = step
+
     def retries_spent(self, rank: int, beat_step: int | None, error: str, generation: int) -> None:
         """``rank``'s worker reached its own in-process limit (``init(max_step_retries=)``) and
         its process ends (``error``: what it said): a fresh process takes the rank through that
         exit, as for any exit, or the job ends here (raised)."""
         cfg = self.cfg
-        mine = [f for f in self.history if f.rank == rank and f.kind == "exception"]
-        step = mine[-1].step if mine else beat_step  # its retries' step, as its reports named it
+        # its retries' step, as its newest raise named it: a raise reported only to a round is
+        # in no fault record, and the history's last one may be a step long past
+        step = self.last_raised.get(rank, beat_step)
         episode = step is not None and any(
             x.step == step and x.generation == generation for x in self.respawns
         )

@@ -169,6 +169,7 @@ class Rounds:
         r.reports[rank] = member_report(rank, msg)
         if msg.cause == "exception":
             r.raised[rank] = FaultRecord(rank, "exception", msg.step, str(msg.error))
+            self.ledger.raised_in_round(rank, msg.step)
         r.report_times[rank] = now
         if r.reports[rank].mesh is not None:  # degraded mode drops whole replica groups on a mesh
             self.degraded.mesh = r.reports[rank].mesh

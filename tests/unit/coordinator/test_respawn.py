@@ -119,6 +119,29 @@ def test_a_workers_own_limit_ends_its_process_and_a_spare_takes_the_rank() -> No
     assert "retried in process 3 times and once in a fresh process" in stop.why
 
 
+def test_a_respawn_names_the_step_of_a_raise_reported_only_to_a_round() -> None:
+    """Rank 1 raised at step 2 on its own (a fault record), later at step 7 only in its report to
+    the round rank 0's raise began: the worker's own limit, reached there, is step 7's, and the
+    ``respawn`` event says so (it named step 2, the history's last record of rank 1)."""
+    h = Harness()
+    start_job(h)
+    raised(h, 1, 1, 2)
+    survivors_report(h, 1, 2)
+    assert h.sent(h.advance(0.01), Recover)
+    for wid in (0, 1, 2):
+        h.msg(wid, Recovered(generation=1))
+    raised(h, 0, 2, 7)  # a round for rank 0's raise ...
+    raised(h, 1, 2, 7)  # ... to which rank 1's raise at step 7 comes as its report
+    survivors_report(h, 2, 7, wids=(2,))
+    assert h.sent(h.advance(0.01), Recover)
+    for wid in (0, 1, 2):
+        h.msg(wid, Recovered(generation=2))
+    h.msg(1, Fatal(error="step 7 raised ValueError 4 times in a row (bad row)", kind="retries"))
+    assert stop_of(h) is None, stop_of(h)
+    [ev] = h.events("respawn")
+    assert (ev["ranks"], ev["step"]) == ([1], 7), ev
+
+
 def test_with_fresh_process_retries_off_the_workers_limit_ends_the_job() -> None:
     h = Harness(fresh_process_retries=0)
     start_job(h)
