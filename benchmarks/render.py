@@ -688,7 +688,8 @@ BLOCKS = [
     Block("rank_rng_lightning", "rank_rng_lightning.json", t_rank_rng_lightning),
     Block("lightning_catch_up", "lightning_catch_up.json", t_lightning_catch_up),
     Block("degraded_step", "degraded_step.json", t_degraded_step),
-    Block("degraded_step_phases", "degraded_step.json", t_degraded_step_phases),
+    Block("degraded_step_ab", "degraded_step_ab.json", t_degraded_step),
+    Block("degraded_step_phases", "degraded_step_ab.json", t_degraded_step_phases),
     Block("degraded", "degraded.json", t_degraded),
     Block("gpu_check", "h200/gpu_check.json", t_gpu_check, machine=H200, command="python3 benchmarks/gpu_check.py --out DIR"),
 ]  # fmt: skip
