@@ -581,11 +581,18 @@ def t_degraded_step_phases(d: dict[str, Any]) -> Table:
              "holder_last": "degraded, holder's held-slot pass (reduces, updates)",
              "others": "degraded, a rank holding one slot"}  # fmt: skip
     names = ["loop", "enter", "forward", "backward", "optimizer", "sleep", "exit", "pass"]
+    before = (d.get("before") or {}).get("git") or "?"
     rows = []
     for name, w in d["workloads"].items():
-        for role, ph in w["summary"].get("phases_ms", {}).items():
-            rows.append([name, roles.get(role, role), *(spread(ph[k], 2, "") for k in names)])
-    return ["workload", "pass", *names], rows
+        s = w["summary"]
+        base, _, was = name.partition("@")
+        who = f"{base}, before (git `{before}`)" if was else base
+        for role, ph in s.get("phases_ms", {}).items():
+            # the step the pass is part of: the full one, or the degraded one and its ratio
+            step = [spread(s["full_ms"], 1, ""), "1×"] if role == "full" else [
+                spread(s["degraded_ms"], 1, ""), spread(s["ratio"], 2, "×")]  # fmt: skip
+            rows.append([who, roles.get(role, role), *(spread(ph[k], 2, "") for k in names), *step])
+    return ["library", "pass (ms)", *names, "step", "step / full"], rows
 
 
 def t_degraded(d: dict[str, Any]) -> Table:
@@ -688,7 +695,6 @@ BLOCKS = [
     Block("rank_rng_lightning", "rank_rng_lightning.json", t_rank_rng_lightning),
     Block("lightning_catch_up", "lightning_catch_up.json", t_lightning_catch_up),
     Block("degraded_step", "degraded_step.json", t_degraded_step),
-    Block("degraded_step_ab", "degraded_step_ab.json", t_degraded_step),
     Block("degraded_step_phases", "degraded_step_ab.json", t_degraded_step_phases),
     Block("degraded", "degraded.json", t_degraded),
     Block("gpu_check", "h200/gpu_check.json", t_gpu_check, machine=H200, command="python3 benchmarks/gpu_check.py --out DIR"),
