@@ -1,7 +1,7 @@
 """Shared-memory snapshots: exact round trips, corrupt bytes refused, a killed writer harmless, and
-real jobs that lose every replica: one whose every rank dies at once and then raises at once,
-finishing bitwise identical to the fault-free run, and one that has no snapshot to start from,
-ending with the reason."""
+real jobs that lose every replica: one whose every rank dies at once (inside an update, then as a
+step begins) and then raises at once, finishing bitwise identical to the fault-free run, and one
+that has no snapshot to start from, ending with the reason."""
 
 from __future__ import annotations
 
@@ -158,6 +158,10 @@ def test_writer_killed_mid_write_leaves_the_last_snapshot_usable(tmp_path: Path)
     assert len(list_snapshots(d)) == 2
 
 
+# every rank SIGKILLed half-way through step 4's update (some parameters already changed on each):
+# no rank holds a clean state of step 4 or of step 3. The snapshot of step 4 is the state as step 4
+# began, before its update, so the job resumes at step 4 and trains step 4's batches once.
+KILLED_IN_UPDATE = "killall:step=4:site=optimizer"
 # every rank raises half-way through step 8's update, each time its process runs it (a fault that
 # lives in the process): once all have raised there no rank holds the state, and its in-process
 # retries and then its fresh processes start from the snapshot. (Raised as the step begins, a
@@ -170,49 +174,62 @@ WEDGED = [f"wedge:rank={r}:step=8:site=optimizer" for r in range(3)]
 def test_every_rank_killed_at_once_or_raising_at_once_restores_from_the_snapshot(
     tmp_path: Path, corpus: Path, reference: Any
 ) -> None:
-    """Two ways to lose every replica in one job, each restored from the newest shared-memory
-    snapshot: every rank SIGKILLed at step 6 (by spares), then every rank raising in step 8's
-    update until its in-process retries are used up (coordinator/rules/respawn.py: fresh
-    processes are tried only because a snapshot is left)."""
+    """Three ways to lose every replica in one job, each restored from the newest shared-memory
+    snapshot: every rank SIGKILLed inside step 4's update and, in another round, as step 6
+    begins (by spares), then every rank raising in step 8's update until its in-process retries
+    are used up (coordinator/rules/respawn.py: fresh processes are tried only because a snapshot
+    is left)."""
     ref = reference(3)
     run_dir = tmp_path / "run"
-    # killall: as step 6 begins, every rank waits for rank 0's snapshot of step 6 to be written
-    # and for the others to get there, then every process holding a rank SIGKILLs itself
+    # killall: at its step and site, every rank waits for rank 0's snapshot of that step to be
+    # written and for the others to get there, then every process holding a rank SIGKILLs itself
     res = run_job(
         run_dir,
         corpus,
         nproc=3,
         spares=3,
-        faults=["killall:step=6", *WEDGED],
+        faults=[KILLED_IN_UPDATE, "killall:step=6", *WEDGED],
         extra=["--snapshot-every", "2"],
         timeout=240,
     )
-    # a rank's wedged process may be the last to raise in step 8's update, after fresh peers
-    # finished theirs: the next round resumes at step 9 and that rank's line for step 8 is never
-    # written (its gradient was in the step; the weights say so), hence cut=True
-    check_recovered(res, ref, recoveries=2, cut=True)
-    assert {e["rank"] for e in res.of("fault_injected") if e["kind"] == "killall"} == {0, 1, 2}
+    # every rank's weights and committed batches; a rank's wedged process may be the last to raise
+    # in step 8's update, after fresh peers finished theirs: the next round resumes at step 9 and
+    # that rank's line for step 8 is never written (its gradient was in the step; the weights say
+    # so), hence cut=True (steps 3 and 4, which cut=True would also excuse, are counted below)
+    check_recovered(res, ref, recoveries=3, cut=True)
+    fired = {(e["id"], e["rank"]) for e in res.of("fault_injected") if e["kind"] == "killall"}
+    ids = ["killall:rank=None:step=4:site=optimizer", "killall:rank=None:step=6:site=step"]
+    assert fired == {(i, r) for i in ids for r in range(3)}, fired
     plans = [p for p in res.of("plan") if p.get("from_snapshot")]
-    # the kill: all at once, one round whose faults are every rank's SIGKILL at step 6 (none survived)
-    [killed] = [r for r in res.of("recovery") if any(f["kind"] == "killed" for f in r["faults"])]
-    assert sorted((f["rank"], f["kind"], f["step"]) for f in killed["faults"]) == [
-        (r, "killed", 6) for r in range(3)
-    ], killed["faults"]
-    replaced = [e["rank"] for e in res.of("spare_assigned") if e["generation"] == killed["generation"]]
-    assert sorted(replaced) == [0, 1, 2], "every rank must have been replaced"
-    [after_kill] = [p for p in plans if p["generation"] == killed["generation"]]
-    assert after_kill["target_step"] == 6 and after_kill["receivers"] == [0, 1, 2], plans
-    assert killed["transport"] == "snapshot", killed
+    # each kill: all at once, one round whose faults are every rank's SIGKILL at its step (none
+    # survived), every rank replaced by a spare and restored from the snapshot of that step
+    rounds = [r for r in res.of("recovery") if any(f["kind"] == "killed" for f in r["faults"])]
+    assert [r["faults"][0]["step"] for r in rounds] == [4, 6], [r["faults"] for r in rounds]
+    for killed, step in zip(rounds, (4, 6), strict=True):
+        assert sorted((f["rank"], f["kind"], f["step"]) for f in killed["faults"]) == [
+            (r, "killed", step) for r in range(3)
+        ], killed["faults"]
+        replaced = [e["rank"] for e in res.of("spare_assigned") if e["generation"] == killed["generation"]]
+        assert sorted(replaced) == [0, 1, 2], "every rank must have been replaced"
+        [after_kill] = [p for p in plans if p["generation"] == killed["generation"]]
+        assert after_kill["target_step"] == step and after_kill["receivers"] == [0, 1, 2], plans
+        assert killed["transport"] == "snapshot", killed
+    # the kill inside step 4's update: its interrupted pass committed nothing and the restore went
+    # back to step 4, no further, so every rank committed steps 3 and 4 once each
+    commits = [(e["rank"], e["step"]) for e in res.commits()]
+    assert {(r, s): commits.count((r, s)) for r in range(3) for s in (3, 4)} == {
+        (r, s): 1 for r in range(3) for s in (3, 4)
+    }, sorted(commits)
     # the raises: every rank raised in step 8's update, was retried in its process, then replaced
     # by a fresh process, and the state came back from the snapshot (no rank held it)
     assert {e["rank"] for e in res.of("fault_injected") if e["kind"] == "wedge"} == {0, 1, 2}
     assert {r for e in res.of("respawn") for r in e["ranks"]} == {0, 1, 2}, res.of("respawn")
     raised = {f["rank"] for f in res.of("fault") if f["kind"] == "exception" and f.get("step") == 8}
     assert raised, res.of("fault")
-    late = [p for p in plans if p["generation"] > killed["generation"]]
+    late = [p for p in plans if p["generation"] > rounds[-1]["generation"]]
     assert late and all(p["receivers"] == [0, 1, 2] and p["target_step"] in (6, 8) for p in late), plans
     assert "restored the shared-memory snapshot of step" in res.output, res.output[-4000:]
-    assert len(res.of("spare_assigned")) == 6, res.of("spare_assigned")
+    assert len(res.of("spare_assigned")) == 9, res.of("spare_assigned")
     snaps = [e["snapshot"] for e in res.events("rank-0.jsonl") if "snapshot" in e]
     assert snaps and all(s["bound_bytes"] == 2 * s["bytes"] for s in snaps)
 

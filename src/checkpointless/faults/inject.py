@@ -21,13 +21,17 @@ does not complete within the settle time: its peers have passed it, it has not â
     spin:rank=0:step=12            a busy loop that holds the step
     random:seed=7:count=3:kinds=raise,kill:steps=5-40
     killall:step=6                 every process holding a rank SIGKILLed at once as step 6 begins
+    killall:step=6:site=optimizer  every rank SIGKILLed at once half-way through step 6's update
     wedge:rank=1:step=8            rank 1 raises at step 8 every time its process runs it
 
-``killall`` takes ``step`` only. Each rank fires it as it begins that step, after the previous
-step's commit, like ``kill``; but before it dies it waits (the injector's ``gather``) until every
-rank has got there and the copies of that step's state this rank started (a snapshot, a durable
-checkpoint) are written. So no rank is aborted into a recovery by a peer that died first, and the
-job must restore the newest snapshot or checkpoint: no replica is left.
+``killall`` takes ``step`` and ``site`` (step or optimizer, no rank). Each rank fires it as it
+begins that step, after the previous step's commit, like ``kill``, or with ``site=optimizer``
+half-way through that step's update (some parameters already changed, on every rank); but before
+it dies it waits (the injector's ``gather``) until every rank has got there and the copies of that
+step's state this rank started (a snapshot, a durable checkpoint) are written. So no rank is aborted
+into a recovery by a peer that died first, and the job must restore the newest snapshot or
+checkpoint: no replica is left. A copy of step N holds the state as step N began, before its
+update, so either way the job resumes at step N and trains step N's batches once.
 
 ``wedge`` takes ``rank`` and ``step``: a fault that lives in the process (a wedged device context,
 leaked handles). The rank raises each time its process runs that step, so every in-process retry
@@ -97,7 +101,11 @@ class FaultSpec:
 
 
 _SYNTAX = "KIND:rank=R:step=S[:site=SITE][:seconds=X]"
-_KILLALL_SYNTAX = "killall:step=S"
+_KILLALL_SYNTAX = "killall:step=S[:site=optimizer]"
+# where every rank can meet before it dies: as the step begins, and inside the update, which
+# every rank reaches after the step's all-reduce; the other sites are inside a collective, a
+# pipeline stage's send, a recovery or a section, where the ranks do not all get to in step
+_KILLALL_SITES = ("step", "optimizer")
 _RANDOM_SYNTAX = "random:seed=S:count=N:kinds=a,b:steps=LO-HI[:ranks=LO-HI]"
 _FIELDS = ("rank", "step", "site", "seconds")
 _RANDOM_FIELDS = ("seed", "count", "kinds", "steps", "ranks")
@@ -209,16 +217,19 @@ def _parse_one(item: str, world_size: int) -> FaultSpec:
 
 
 def _check_killall(item: str, fields: dict[str, str]) -> None:
-    """``killall`` kills every rank as one step begins: it has a step, and no rank or site."""
+    """``killall`` kills every rank as one step begins or inside its update: it has a step and
+    maybe a site (step or optimizer), and no rank."""
     if "rank" in fields:
         raise ConfigError(
             f"fault {item!r}: killall kills every rank, so rank={fields['rank']} does not apply; "
             f"drop it, or write kill:rank={fields['rank']}:step=S to kill one rank"
         )
-    if fields.get("site", "step") != "step":
+    site = fields.get("site", "step")
+    if site not in _KILLALL_SITES:
         raise ConfigError(
-            f"fault {item!r}: killall fires as its step begins only, not at site={fields['site']}; "
-            f"drop site= ({_KILLALL_SYNTAX})"
+            f"fault {item!r}: killall fires as its step begins (site=step, the default) or half-way "
+            f"through its update (site=optimizer), not at site={site}; write e.g. "
+            f"killall:step=6:site=optimizer, or kill:rank=R:step=S:site={site} to kill one rank there"
         )
     if "step" not in fields:  # at "the first step" there would be no snapshot to restore
         raise ConfigError(
