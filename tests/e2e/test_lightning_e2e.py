@@ -10,12 +10,11 @@ run trained on.
 from __future__ import annotations
 
 import re
-import threading
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, JobResult, fault_at, kill_every_rank_after_snapshot, start_job
+from tests.helpers.jobs import ROOT, JobResult, fault_at, start_job
 
 pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
 
@@ -212,21 +211,12 @@ def test_lightning_faults_in_one_job_are_each_survived_bitwise(
 def test_lightning_job_that_loses_every_rank_restores_its_snapshot_bitwise(
     tmp_path: Path, corpus: Path, reference: JobResult
 ) -> None:
-    # rank 0 sleeps 4 s as step 4 begins (the snapshot of step 4 is written meanwhile; the others
-    # wait for it in the all-reduce); then every process is SIGKILLed at once: no replica is left,
-    # and three spares restore the snapshot, each putting a fresh Lightning loop at step 4
-    run_dir = tmp_path / "run"
-    stop = threading.Event()
-    killer = threading.Thread(target=kill_every_rank_after_snapshot, args=(run_dir, 4, stop, 3), daemon=True)
-    killer.start()
-    try:
-        res = run(
-            run_dir, corpus, ["slow:rank=0:step=4:seconds=4"], spares=3, extra=["--snapshot-every", "2"]
-        )
-    finally:
-        stop.set()
-        killer.join(timeout=5)
+    # killall: as step 4 begins, each rank waits for the others and for rank 0's snapshot of step
+    # 4 to be written, then every process holding a rank SIGKILLs itself: no replica is left, and
+    # three spares restore the snapshot, each putting a fresh Lightning loop at step 4
+    res = run(tmp_path / "run", corpus, ["killall:step=4"], spares=3, extra=["--snapshot-every", "2"])
     assert res.rc == 0, res.output[-6000:]
+    assert sorted(e["rank"] for e in res.of("fault_injected") if e["kind"] == "killall") == [0, 1, 2]
     assert sorted(e["rank"] for e in res.of("spare_assigned")) == [0, 1, 2], "every rank is replaced once"
     plans = [(p["target_step"], p["receivers"]) for p in res.of("plan") if p.get("from_snapshot")]
     assert plans == [(4, [0, 1, 2])], res.of("plan")

@@ -4,9 +4,9 @@ checkpoint each time, bitwise.
 tests/scripts/lightning_every_replica.py on 2 ranks and 2 spares, 16 steps (an epoch is 12), two
 faults in one job:
 
-- at step 4 every process is SIGKILLed at once (rank 0 sleeps 4 s as step 4 begins, the copy of
-  step 4 is written meanwhile, rank 1 waits for it in the all-reduce): no process is left, and
-  both spares restore the copy and seek a fresh Lightning loop to step 4;
+- at step 4 every process is SIGKILLed at once (``--inject killall:step=4``: as step 4 begins,
+  each rank waits for the other and for the copy of step 4 to be written, then kills itself): no
+  process is left, and both spares restore the copy and seek a fresh Lightning loop to step 4;
 - at step 13 both ranks raise half-way through their update (the script's planted fault): both
   processes live, but neither holds a whole state, so the job goes back to its copy of step 12
   (or 8), and each rank, its Lightning loop past that step, leaves (``LoopAheadOfState``) for a
@@ -28,22 +28,12 @@ the restores redo included); and each process read exactly the samples of the ba
 from __future__ import annotations
 
 import re
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from checkpointless.state.durable import list_checkpoints
-from tests.helpers.jobs import (
-    ROOT,
-    JobResult,
-    all_committed,
-    kill_every_rank_after_snapshot,
-    kill_workers_when,
-    start_job,
-)
+from tests.helpers.jobs import ROOT, JobResult, start_job
 from tests.helpers.reference import ReferenceRuns
 
 pytest.importorskip("lightning", reason="the `lightning` extra is not installed")
@@ -51,7 +41,6 @@ pytest.importorskip("lightning", reason="the `lightning` extra is not installed"
 SCRIPT = ROOT / "tests" / "scripts" / "lightning_every_replica.py"
 ARGS = ["--steps", "16", "--print-batches"]
 PER_EPOCH = 12  # batches of 2 per rank: 48 samples over 2 ranks
-Killer = Callable[[Path, int, threading.Event, int], None]
 
 
 def fault_free(reference: ReferenceRuns) -> JobResult:
@@ -59,33 +48,15 @@ def fault_free(reference: ReferenceRuns) -> JobResult:
     return reference(2, script=SCRIPT, script_args=ARGS)
 
 
-def kill_every_rank_after_checkpoint(run_dir: Path, step: int, stop: threading.Event, nproc: int) -> None:
-    """Once the durable checkpoint of ``step`` is published and every rank has committed the step
-    before it, SIGKILL every process holding a rank at once."""
-
-    def ready(job: str) -> bool:
-        published = step in list_checkpoints(run_dir / "checkpoints" / job)
-        return published and all_committed(run_dir, step - 1, nproc)
-
-    kill_workers_when(run_dir, ready, stop)
-
-
-def run_faulted(run_dir: Path, corpus: Path, kill: Killer, extra: list[str]) -> JobResult:
-    """Both faults in one job: every process killed once ``kill`` sees the copy of step 4
-    (rank 0 sleeps 4 s as step 4 begins, the others wait for it in the all-reduce), and every
-    rank failing in its update of step 13 (once per rank: a marker file)."""
+def run_faulted(run_dir: Path, corpus: Path, extra: list[str]) -> JobResult:
+    """Both faults in one job: every process killed as step 4 begins, once the copy of step 4
+    (a snapshot or a durable checkpoint, whichever is due) is written and both ranks are there,
+    and every rank failing in its update of step 13 (once per rank: a marker file)."""
     markers = run_dir.parent / "markers"
     markers.mkdir()
     args = [*ARGS, "--fail-update", "13", "--marker-dir", str(markers)]
-    stop = threading.Event()
-    killer = threading.Thread(target=kill, args=(run_dir, 4, stop, 2), daemon=True)
-    killer.start()
-    try:
-        slow = ["slow:rank=0:step=4:seconds=4"]
-        return start_job(run_dir, corpus, 2, 2, slow, extra, script_args=args, script=SCRIPT).finish(150)
-    finally:
-        stop.set()
-        killer.join(timeout=5)
+    kill = ["killall:step=4"]
+    return start_job(run_dir, corpus, 2, 2, kill, extra, script_args=args, script=SCRIPT).finish(150)
 
 
 def check_bitwise(res: JobResult, ref: JobResult, targets: list[int]) -> None:
@@ -93,6 +64,7 @@ def check_bitwise(res: JobResult, ref: JobResult, targets: list[int]) -> None:
     (rank, step), every rank replaced twice, and each replacement put at its restored step by a
     seek (no sample before it read) and reading only what it trained."""
     assert res.rc == 0, res.output[-6000:]
+    assert sorted(e["rank"] for e in res.of("fault_injected") if e["kind"] == "killall") == [0, 1]
     left = sorted(f["rank"] for f in res.of("fault") if "LoopAheadOfState" in f.get("detail", ""))
     assert left == [0, 1], res.output[-6000:]
     assert sorted(e["rank"] for e in res.of("spare_assigned")) == [0, 0, 1, 1], res.of("spare_assigned")
@@ -114,7 +86,6 @@ class Case:
     """Where the job keeps its copies, and where each fault is expected to go back to."""
 
     extra: tuple[str, ...]
-    kill: Killer  # kills every process once the copy of step 4 is there
     kill_from: str  # "snapshot" or "checkpoint": the source the kill's restore reads
     fault_from: str  # the source of the restore after step 13's fault
     fault_targets: tuple[int, ...]  # the steps it may go back to
@@ -122,17 +93,15 @@ class Case:
 
 CASES = [
     pytest.param(
-        Case(("--snapshot-every", "6", "--checkpoint-every", "4"), kill_every_rank_after_checkpoint,
-             "checkpoint", "snapshot", (12,)),
+        Case(("--snapshot-every", "6", "--checkpoint-every", "4"), "checkpoint", "snapshot", (12,)),
         id="checkpoint-then-snapshot",
     ),
     pytest.param(
-        Case(("--snapshot-every", "2"), kill_every_rank_after_snapshot, "snapshot", "snapshot", (12,)),
+        Case(("--snapshot-every", "2"), "snapshot", "snapshot", (12,)),
         id="snapshots", marks=pytest.mark.soak,
     ),
     pytest.param(
-        Case(("--snapshot-every", "0", "--checkpoint-every", "4"), kill_every_rank_after_checkpoint,
-             "checkpoint", "checkpoint", (8, 12)),
+        Case(("--snapshot-every", "0", "--checkpoint-every", "4"), "checkpoint", "checkpoint", (8, 12)),
         id="checkpoints", marks=pytest.mark.soak,
     ),
 ]  # fmt: skip
@@ -144,7 +113,7 @@ def test_lightning_job_that_loses_every_replica_restores_bitwise(
     tmp_path: Path, corpus: Path, reference: ReferenceRuns, case: Case
 ) -> None:
     ref = fault_free(reference)
-    res = run_faulted(tmp_path / "run", corpus, case.kill, list(case.extra))
+    res = run_faulted(tmp_path / "run", corpus, list(case.extra))
     # the restore after step 13's fault may be planned again once the ranks that left are
     # replaced (no process holds a state then either)
     plans = [

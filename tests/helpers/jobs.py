@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -303,66 +301,6 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
-
-
-def all_committed(run_dir: Path, step: int, nproc: int) -> bool:
-    """Whether every rank's event file records its commit of ``step``. A test that kills every
-    rank once a snapshot or checkpoint appears waits for this too: the copy is written as rank 0
-    begins the next step, when another rank may still be between its update and its commit
-    record, and a kill there loses the record (not the state), which a batch check would miss."""
-    for rank in range(nproc):
-        events = []
-        for f in (run_dir / f"rank-{rank}.jsonl.1", run_dir / f"rank-{rank}.jsonl"):  # rotated: both files
-            events += [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
-        if not any(e.get("event") == "commit" and e.get("step") == step for e in events):
-            return False
-    return True
-
-
-def kill_workers_when(run_dir: Path, ready: Callable[[str], bool], stop: threading.Event) -> None:
-    """Once ``ready(job_id)`` holds, SIGKILL every worker the launcher spawned, all at once (the
-    processes holding ranks, as long as none was replaced yet). Gives up after 120 s or ``stop``."""
-    events = run_dir / "events.jsonl"
-    deadline = time.monotonic() + 120
-    job = None
-    while not stop.is_set() and time.monotonic() < deadline:
-        if job is None and events.exists():
-            first = events.read_text().split("\n", 1)[0]
-            if first.endswith("}"):
-                job = json.loads(first)["job"]
-        if job is not None and ready(job):
-            for e in [json.loads(x) for x in events.read_text().splitlines() if x.strip()]:
-                if e["event"] == "spawn" and e["role"] == "worker":
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(e["pid"]), signal.SIGKILL)
-            return
-        time.sleep(0.01)
-
-
-def snapshot_dir_of(run_dir: Path) -> Path | None:
-    """The job's snapshot directory, inside its private shared-memory directory (job_start says where)."""
-    events = run_dir / "events.jsonl"
-    for line in events.read_text().splitlines() if events.exists() else []:
-        if '"job_start"' in line and line.endswith("}"):
-            return Path(json.loads(line)["shm"]) / "snapshots"
-    return None
-
-
-def kill_every_rank_after_snapshot(run_dir: Path, step: int, stop: threading.Event, nproc: int) -> None:
-    """Once the snapshot of ``step`` is published and every rank has committed the step before it
-    (the others then wait in step ``step``'s all-reduce; see ``all_committed``), SIGKILL every
-    process holding a rank at once: every replica of the state is lost."""
-    from checkpointless.state.shm_dir import snapshot_path
-
-    def ready(job: str) -> bool:
-        where = snapshot_dir_of(run_dir)
-        return (
-            where is not None
-            and snapshot_path(where, step).exists()
-            and all_committed(run_dir, step - 1, nproc)
-        )
-
-    kill_workers_when(run_dir, ready, stop)
 
 
 def assert_batches_but_cut(
