@@ -366,6 +366,10 @@ def t_parallel_recovery(d: dict[str, Any]) -> Table:
     base = "b10"
     row("rank SIGKILLed", lambda job: str(job["params"]["fault_rank"]))
     row("downtime, (a) checkpointless", lambda job: spread(kill(job, "a")["downtime_s"]))
+    row(
+        "of it: the first step after recovery, (a)",
+        lambda job: spread(kill(job, "a")["phases"]["first_step_s"]),
+    )
     row("downtime, (b) torchrun + DCP, K=10", lambda job: spread(kill(job, base)["downtime_s"]))
     row("ratio (a) / (b)", lambda job: num(job["summary"]["ratios"][f"kill/{base}"]["downtime"], 3))
     row("steps redone, (a) / (b)", lambda job: f"{num(kill(job, 'a')['lost_steps']['max'], 0)} / "

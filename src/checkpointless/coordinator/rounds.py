@@ -69,6 +69,7 @@ class Rounds:
         self.round: Round | None = None
         self.first_steps = FirstSteps(ledger, cfg.nproc)  # the formed round, until its first step
         self.state_bytes = 0  # a replica's state, as rank 0 last reported it
+        self.warm: dict[str, Any] | None = None  # what spares warm up on, as rank 0 described it
         self.refill_after_round = False  # a host joined while a round ran
         self.holders = holders  # degraded mode: the lost slots survivors hold (holders.py)
         self.degraded = DegradedMode(cfg, members, outbox, spares, self.holders)
@@ -356,13 +357,12 @@ class Rounds:
         self.first_steps.wait_for(r)
 
     def on_committed(self, m: Member, msg: Committed, now: float) -> None:
-        size = msg.state_bytes
-        if size is not None and size > self.state_bytes:
-            # spares page in room for this much state while they wait (see state/arena.py)
-            self.state_bytes = size
-            for spare in self.members.idle_spares():
-                if spare.ready:
-                    self.outbox.send(spare, Prepare(size))
+        # spares page in room for the state (state/arena.py), and warm up once (recovery/warm_specs.py)
+        grown, warm = (msg.state_bytes or 0) > self.state_bytes, msg.warm if self.warm is None else None
+        self.state_bytes, self.warm = max(self.state_bytes, msg.state_bytes or 0), self.warm or warm
+        if grown or warm is not None:
+            for spare in (s for s in self.members.idle_spares() if s.ready):
+                self.outbox.send(spare, Prepare(self.state_bytes, warm))
         if self.first_steps.round is None or m.rank is None or msg.generation != self.generation:
             return
         self.first_steps.committed([m.rank, *self.holders.of(m.rank)], now, msg.first_batch_s)
@@ -394,7 +394,7 @@ class Rounds:
 
     def on_spare_ready(self, m: Member) -> None:
         """A spare finished warming up: room for the state, and maybe it stands in for another."""
-        if self.state_bytes:
-            self.outbox.send(m, Prepare(self.state_bytes))
+        if self.state_bytes or self.warm is not None:
+            self.outbox.send(m, Prepare(self.state_bytes, self.warm))
         if self.round is None and m.worker_id in self.spares.moving:
             self.spares.retire_squeezed()

@@ -151,6 +151,8 @@ class Committed(Message):
     time: float = 0.0
     first_batch_s: float | None = None
     state_bytes: int | None = None
+    # rank 0's tracked DTensor optimizers, for spares to warm up on (recovery/warm_specs.py)
+    warm: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,10 +227,12 @@ class Assign(Message):
 
 @dataclass(frozen=True)
 class Prepare(Message):
-    """A spare should page in this much memory for the state it will receive."""
+    """A spare should page in this much memory for the state it will receive (and, once, warm
+    up the job's DTensor optimizer steps: recovery/warm_specs.py)."""
 
     TYPE: ClassVar[str] = "prepare"
     state_bytes: int
+    warm: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

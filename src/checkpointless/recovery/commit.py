@@ -19,6 +19,7 @@ from checkpointless.recovery.divergence import Verdict, due, judge, state_digest
 from checkpointless.recovery.member import Member
 from checkpointless.recovery.process import short_error, state_bytes
 from checkpointless.recovery.recover import recover
+from checkpointless.recovery.warm_specs import describe
 
 __all__ = ["check_divergence", "check_replay", "commit", "enter_step", "judge_replicas"]
 
@@ -63,6 +64,10 @@ def commit(member: Member, index: int) -> None:
                 first_batch_s=member.clock.batch_s,
                 # how much memory a spare should page in for this replica's state
                 state_bytes=state_bytes(member.tracked.objects) if member.rank == 0 else None,
+                # what a spare warms up on: described once, by rank 0, in the first generation
+                warm=describe(member.tracked.optimizers)
+                if member.rank == 0 and member.generation == 0
+                else None,
             )
         )
 

@@ -47,6 +47,7 @@ from checkpointless.recovery.startup import connect, form_mesh, join_torchrun, s
 from checkpointless.recovery.stateful_loader import StatefulStepLoader, is_stateful_loader
 from checkpointless.recovery.step import Step
 from checkpointless.recovery.torchrun import export_torchrun_env, started_by_torchrun
+from checkpointless.recovery.warm_specs import adopt as adopt_warmed_meshes
 
 __all__ = ["Job", "Step", "init"]  # Step re-exported: users type their loop variables with it
 
@@ -151,6 +152,7 @@ class Job:
             if isinstance(obj, torch.optim.Optimizer):
                 if has_dtensors(obj):  # any mesh: Partial gradients are settled inside the step
                     settle_before_update(obj)
+                    adopt_warmed_meshes(obj)  # a spare's warmed-up meshes become this job's
                 obj.register_step_pre_hook(guard.before_update)
                 obj.register_step_post_hook(guard.after_update)
 

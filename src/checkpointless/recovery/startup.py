@@ -32,6 +32,7 @@ from checkpointless.recovery.process import warm_up
 from checkpointless.recovery.sharded import SHARD_STATE_NAME, ShardedRun, mesh_shape_error
 from checkpointless.recovery.torchrun import join_torchrun_group, torchrun_warning
 from checkpointless.recovery.tp_hosts import warn_if_tp_spans_hosts
+from checkpointless.recovery.warm_specs import prewarm
 
 __all__ = ["connect", "form_mesh", "join_torchrun", "sharded_copies", "standalone"]
 
@@ -107,7 +108,19 @@ def _wait_for_rank(member: Member) -> Assign:
 
             spare_cache.hint(member.env.job_id, msg.step, list(msg.ranks), msg.world_size)
             continue
-        member.replicas.prepare(msg.state_bytes)
+        if msg.state_bytes:
+            member.replicas.prepare(msg.state_bytes)
+        if msg.warm is not None:
+            _prewarm(msg.warm)
+
+
+def _prewarm(recipe: dict[str, Any]) -> None:
+    """Decide the job's DTensor optimizer step's sharding now, not in a replacement's first step
+    (recovery/warm_specs.py); a description this process cannot use only costs that speed-up."""
+    try:
+        prewarm(recipe)
+    except Exception as e:  # never lose a spare over its warm-up
+        log.warning("spare warm-up skipped: %s: %s", type(e).__name__, e)
 
 
 def standalone(member: Member) -> None:

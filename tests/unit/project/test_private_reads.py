@@ -155,6 +155,12 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_optimizer_step_pre_hooks": "torch Optimizer's pre-hooks: ours must run before the update guard's",
     },
     "checkpointless.recovery.torchrun": {"_get_default_store": "torch c10d's default group's store"},
+    "checkpointless.recovery.warm_specs": {
+        "_layout": "torch DeviceMesh's layout, one of the three things its equality compares",
+        "_flatten_rank_map": "torch DeviceMesh's rank map, another of them; no public accessor",
+        "_root_mesh": "torch DeviceMesh's root: a spare's stand-in mesh adopts the job's root mesh",
+        "_get_root_mesh": "torch DeviceMesh's root of a sub-mesh; no public accessor",
+    },
 }
 
 
