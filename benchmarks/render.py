@@ -434,6 +434,28 @@ def t_wait_cost(d: dict[str, Any]) -> Table:
     return ["peer late by", "wait", "CPU per wait", "wake-up", "timeouts per wait"], rows
 
 
+def t_ddp_overlap(d: dict[str, Any]) -> Table:
+    names = {
+        "torch": "torch's DDP, plain gloo group",
+        "ours": "on a resilient group (futures complete later)",
+        "ours_waited": "on a resilient group, waited in the hook (before)",
+    }
+    rows = []
+    for run in d["runs"]:
+        for design, label in names.items():
+            r = run["ratio_to_torch"].get(design)
+            rows.append(
+                [
+                    f"{run['nproc']}, {run['buckets']}",
+                    label,
+                    spread(run["step_ms"][design], 0, " ms"),
+                    ci(r) if r else "1",
+                    "yes" if run["bitwise_equal"] else "NO",
+                ]
+            )
+    return ["ranks, buckets", "DDP", "step (rank 0)", "× torch", "weights bitwise equal"], rows  # fmt: skip
+
+
 def t_gpu_check(d: dict[str, Any]) -> Table:
     checks = {k: v for k, v in d.items() if k != "machine" and isinstance(v, dict)}
     passed = [k for k, v in checks.items() if v.get("ok", True)]
@@ -693,6 +715,7 @@ BLOCKS = [
     Block("parallel_recovery", "parallel_recovery.json", t_parallel_recovery),
     Block("supervision_cpu", "supervision_cpu.json", t_supervision, date="2026-12-03"),
     Block("wait_cost", "wait_cost.json", t_wait_cost),
+    Block("ddp_overlap", "ddp_overlap.json", t_ddp_overlap),
     Block("metrics_scrape", "metrics_scrape.json", t_metrics_scrape),
     Block("hf_recovery", "hf_recovery.json", t_hf_recovery),
     Block("rank_rng", "rank_rng.json", t_rank_rng),

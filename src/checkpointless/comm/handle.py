@@ -67,6 +67,7 @@ class Handle:
     __slots__ = (
         "_done",
         "_error",
+        "_listeners",
         "_lock",
         "_on_finish",
         "_poll",
@@ -91,6 +92,7 @@ class Handle:
         self._on_finish = on_finish
         self._poll = False
         self._watched = False  # a gloo wait added its future callback (see _wait_gloo)
+        self._listeners: list[Callable[[Handle], None]] | None = None  # see on_done
         # NCCL: the future completes once the collective is *enqueued* on NCCL's stream, and its
         # callback runs on a stream of its own. The waiting thread's stream must still be made
         # to wait for the collective's end, as work.wait() does (on the host it does not block),
@@ -145,8 +147,34 @@ class Handle:
                 return
             self._error = error
             self._done.set()
+            listeners, self._listeners = self._listeners, None
         self._work = None  # the gloo work may outlive us in the graveyard; drop our reference
         self._on_finish(self)
+        for fn in listeners or ():
+            fn(self)
+
+    def on_done(self, fn: Callable[[Handle], None]) -> bool:
+        """Call ``fn(self)`` once the collective has finished, failed or been aborted: at once
+        if it has, else on the thread that finishes it (gloo's own, or the aborting one), so
+        nobody has to wait for it. A gloo collective's future callback is added now, which a
+        wait adds only once it sleeps (see the class): whoever asks this wants not to wait.
+
+        Returns False, calling nothing, for a collective on a device stream (NCCL): its end must
+        be ordered on the waiting thread's stream, which only :meth:`wait` does."""
+        if self._stream_work is not None:
+            return False
+        with self._lock:
+            pending = not self._done.is_set()
+            if pending:
+                self._listeners = [*(self._listeners or ()), fn]
+        if not pending:
+            fn(self)
+            return True
+        work = self._work  # None once finished (the listener then ran above or in _finish)
+        if self._poll and work is not None and not self._watched:
+            self._watched = True
+            work.get_future().add_done_callback(self._on_future)
+        return True
 
     def abort(self, reason: str) -> None:
         work = self._work
@@ -201,16 +229,25 @@ class Handle:
             work.get_future().add_done_callback(self._on_future)
         self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
+    def failure(self) -> CommAborted | None:
+        """What :meth:`wait` raises for this finished collective (None: it succeeded, or is
+        still pending): the abort, or the backend's error as a :class:`CommAborted`."""
+        error = self._error
+        if error is None or isinstance(error, CommAborted):
+            return error
+        failed = CommAborted(f"collective failed: {error}")
+        failed.__cause__ = error
+        return failed
+
     def wait(self, timeout: float | None = None) -> Any:
         """Wait for completion; raise :class:`CommAborted` if aborted or the collective failed."""
         if self._poll:
             self._wait_gloo(None if timeout is None else time.monotonic() + timeout)
         if not self._done.wait(0 if self._poll else timeout):
             raise CommAborted(f"collective did not complete within {timeout:.1f} s")
-        if self._error is not None:
-            if isinstance(self._error, CommAborted):
-                raise self._error
-            raise CommAborted(f"collective failed: {self._error}") from self._error
+        failure = self.failure()
+        if failure is not None:
+            raise failure
         work, self._stream_work = self._stream_work, None
         if work is not None:
             try:

@@ -11,7 +11,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from checkpointless.comm.handle import Handle
 from checkpointless.errors import CommAborted
 
-__all__ = ["MAX_TIMEOUT", "AbortableWork", "ChainWork", "clamp_timeout", "waiting_since"]
+__all__ = ["MAX_TIMEOUT", "AbortableWork", "ChainWork", "clamp_timeout", "in_flight", "waiting_since"]
 
 # The longest wait that every wait below accepts: poll() takes a C int of milliseconds (about
 # 24.8 days), and frameworks ask for more (Lightning's prepare_data group: 10000 days).
@@ -42,11 +42,27 @@ def clamp_timeout(timeout: datetime.timedelta | None) -> datetime.timedelta | No
 # collective as a victim, not a culprit. Per process, not per group: the main thread waits on
 # one collective at a time.
 _waiting_since: float | None = None
+# The futures handed out and not yet completed (DDP's buckets in flight), each with the time it
+# was asked for. DDP's reducer waits for them in C++ at the end of backward, where no wait() of
+# ours runs, so they count as waiting: a rank blocked there for a peer that never sent its
+# bucket must read as a victim too. One pending while backward still computes is harmless to
+# the triage: it is pending only while a peer has not issued that bucket, i.e. while a peer, not
+# this rank, is behind.
+_deferred: dict[int, float] = {}
+_deferred_lock = threading.Lock()
+
+
+def in_flight() -> int:
+    """How many futures :meth:`AbortableWork.get_future` handed out have not completed yet."""
+    return len(_deferred)
 
 
 def waiting_since() -> float | None:
     """``time.monotonic()`` when this process began waiting in a group collective, or None."""
-    return _waiting_since
+    if _waiting_since is not None or not _deferred:
+        return _waiting_since
+    with _deferred_lock:
+        return min(_deferred.values(), default=None)
 
 
 class AbortableWork(dist.Work):
@@ -55,6 +71,10 @@ class AbortableWork(dist.Work):
     ``wait()`` raises :class:`CommAborted` when the group is aborted while it waits; FSDP2
     calls it from its copy-out after an all-gather and from ``dist.*`` with ``async_op=False``.
     """
+
+    # False: every get_future() waits for its collective first (no overlap of DDP's all-reduces
+    # with backward), as until session 36; benchmarks/ddp_overlap.py measures both ways
+    defer_futures: ClassVar[bool] = True
 
     def __init__(self, handle: Handle, result: Any, then: Callable[[], None] | None = None) -> None:
         super().__init__()
@@ -106,9 +126,41 @@ class AbortableWork(dist.Work):
         return int(self._source._source_rank())
 
     def get_future(self) -> torch.futures.Future[Any]:
-        # Completed eagerly by waiting here: functional collectives wait straight away anyway,
-        # and DDP's reducer, which asks for it in the backward hook that issued the all-reduce,
-        # then has the bucket reduced before backward goes on (no overlap, on any path).
+        """A future of the collective that completes when it does, or fails when it fails or is
+        aborted, without waiting here. DDP's reducer asks for it in the backward hook that
+        issued a bucket's all-reduce and waits for every bucket's at the end of backward, so
+        the all-reduces overlap the rest of backward as on a plain gloo group
+        (``benchmarks/ddp_overlap.py``). A failure fails the future in C++ as well (see
+        :meth:`_waited_future`): the reducer raises it out of ``backward()``."""
+        if not AbortableWork.defer_futures or self._then is not None:
+            return self._waited_future()
+        handle = self._handle
+        settled: torch.futures.Future[None] = torch.futures.Future()
+        key = id(settled)
+
+        def outcome(_: Any) -> Any:
+            failure = handle.failure()
+            if failure is not None:
+                raise failure  # the chained future's error, in C++ too
+            return self._result
+
+        def finished(_: Handle) -> None:
+            with _deferred_lock:
+                _deferred.pop(key, None)
+            settled.set_result(None)
+
+        fut = settled.then(outcome)
+        with _deferred_lock:
+            _deferred[key] = time.monotonic()
+        if handle.on_done(finished):
+            return fut
+        with _deferred_lock:  # a device (NCCL) collective: waited here, ordered on this stream
+            _deferred.pop(key, None)
+        return self._waited_future()
+
+    def _waited_future(self) -> torch.futures.Future[Any]:
+        """The future, completed by waiting here first (what :meth:`get_future` did for every
+        collective until session 36)."""
         fut: torch.futures.Future[Any] = torch.futures.Future()
         try:
             self.wait()
@@ -146,3 +198,6 @@ class ChainWork(AbortableWork):
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._waited_future()  # one future for several handles: waited here
