@@ -44,7 +44,7 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
-__all__ = ["FitPosition", "fit_position", "seek", "seek_refusal", "validations_before"]
+__all__ = ["FitPosition", "fit_position", "seek", "seek_refusal"]
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def _place(trainer: Any, pos: FitPosition, manual: bool) -> None:
     _fill(loop.scheduler_progress.current, in_epoch)
 
 
-def validations_before(trainer: Any, pos: FitPosition) -> tuple[int, int]:
+def _validations_before(trainer: Any, pos: FitPosition) -> tuple[int, int]:
     """(validations the fit ran before ``pos``, those of them in ``pos``'s epoch): Lightning's
     check after each batch, ``(i + 1) % val_check_batch == 0`` for the batch's index ``i`` in its
     epoch, or over the fit when ``check_val_every_n_epoch`` is None, in the epochs it allows."""
@@ -188,7 +188,7 @@ def validations_before(trainer: Any, pos: FitPosition) -> tuple[int, int]:
 
 
 def _place_validation(trainer: Any, pos: FitPosition) -> None:
-    runs, in_epoch = validations_before(trainer, pos)
+    runs, in_epoch = _validations_before(trainer, pos)
     if runs == 0:
         return
     progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
