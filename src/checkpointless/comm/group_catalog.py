@@ -66,13 +66,20 @@ def parse_catalog(text: str) -> set[GroupEntry]:
 
 
 def disagreement(
-    mine: Sequence[GroupEntry], rank: int, catalogs: Mapping[int, set[GroupEntry]]
+    mine: Sequence[GroupEntry],
+    rank: int,
+    catalogs: Mapping[int, set[GroupEntry]],
+    only: GroupEntry | None = None,
 ) -> str | None:
     """Why the groups cannot form, or None if all agree: each group with ``rank`` among its ranks,
     made here (``mine``: this rank's live groups) or by a peer (``catalogs``: peer rank -> its
-    live groups), that one of its members whose list is known has not made."""
+    live groups), that one of its members whose list is known has not made. With ``only``, that
+    group alone is judged: a rank still making its groups knows only the ones made so far, and a
+    peer's later ones are not missing here, only not made yet."""
     lists = {**catalogs, rank: set(mine)}
     seen = {e for r, entries in lists.items() for e in entries if rank in e.ranks}
+    if only is not None:
+        seen &= {only}
     problems = []
     for e in sorted(seen, key=lambda x: (_seq(x.name), x.ranks)):
         missing = [r for r in e.ranks if r in lists and e not in lists[r]]

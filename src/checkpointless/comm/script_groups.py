@@ -229,9 +229,15 @@ class ScriptGroups:
                 return True
             done = [r for r in absent if sealed.check([str(r)])]
             theirs = {r: parse_catalog(sealed.get(str(r)).decode()) for r in done}
-            why = disagreement([entry], self.rank, theirs) if theirs else None
+            # only this group is judged: the peers' sealed lists hold groups this rank has yet
+            # to make (judged against [entry] alone they read as groups it never made)
+            why = disagreement([entry], self.rank, theirs, only=entry) if theirs else None
             if why is not None:
                 raise GroupsDisagree(why)
+            if len(done) == len(absent):
+                # every member still unheard has sealed a list that holds this group: it made
+                # it, and the formation below meets it (its mark may not be readable here yet)
+                return True
             if self._cancel.is_set():
                 return False
             time.sleep(_POLL_S)

@@ -81,6 +81,18 @@ def test_group_lists_round_trip_and_name_what_is_missing() -> None:
     assert why is not None and "#2 over ranks [0, 1, 2] was made by ranks [0] but not by ranks [1]" in why
 
 
+def test_a_rank_still_making_its_groups_judges_only_the_one_it_waits_for() -> None:
+    """A rank waiting for the makers of #2 while a peer has sealed its whole list (#1-#3): the
+    peer's #3, which this rank has yet to make, is no disagreement (it was one, spuriously, in
+    the Megatron job under load: every group of the peer's list over this rank was named)."""
+    a, b, c = GroupEntry("1", (0, 1)), GroupEntry("2", (0, 1)), GroupEntry("3", (0, 1))
+    assert disagreement([b], 0, {1: {a, b, c}}) is not None  # the whole lists compared
+    assert disagreement([b], 0, {1: {a, b, c}}, only=b) is None
+    why = disagreement([b], 0, {1: {a, c}}, only=b)  # the peer sealed without #2: it never will
+    assert why is not None and "#2 over ranks [0, 1] was made by ranks [0] but not by ranks [1]" in why
+    assert "#3" not in why.split(". Every")[0]
+
+
 def _pair(store: dist.Store) -> list[ScriptGroups]:
     timeout = datetime.timedelta(seconds=20)
     return [ScriptGroups(r, 2, timeout, None) for r in range(2)]
