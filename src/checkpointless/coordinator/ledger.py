@@ -137,6 +137,8 @@ class FaultLedger:
             raise NotRecoverableError(end)
         if why is None:
             return
+        if kind == "exception" and self._replacing(rank, step, generation):
+            return  # its process's last raise, after its own limit already gave it a fresh one
         if kind == "exception" and used(self.respawns, step, cfg.fault_window) < cfg.fresh_process_retries:
             self.held = why  # the round's plan decides (settle): the other ranks report first
             return
@@ -191,6 +193,8 @@ class FaultLedger:
         # its retries' step, as its newest raise named it: a raise reported only to a round is
         # in no fault record, and the history's last one may be a step long past
         step = self.last_raised.get(rank, beat_step)
+        if self._replacing(rank, step, generation):
+            return  # the round's plan already gave it a fresh process (settle): its exit is that
         episode = step is not None and any(
             x.step == step and x.generation == generation for x in self.respawns
         )
@@ -200,6 +204,11 @@ class FaultLedger:
             raise NotRecoverableError(why or error)
         tries = in_process_tries(self.history, (rank,), step, cfg.fault_window) + 1  # its last one
         self.respawns.append(Respawn((rank,), step, generation, tries - 1, error))
+        # A raise recorded just before this (the worker's last try) held the budget's verdict for
+        # the round's plan (record); this respawn answers it. Left held, the plan that brings the
+        # fresh process in would replace that process again before it ever tried the step (seen
+        # in CI: a second spare started and the first one killed).
+        self.held = None
         self.last_target, self.same_target = None, 0  # the fresh process's try is a new series
         self.outbox.emit("respawn", ranks=[rank], step=step, generation=generation, retries=tries - 1)
         self.outbox.log(
@@ -207,6 +216,13 @@ class FaultLedger:
             f"rank {rank}: the in-process retries of step {step} are used up ({error}); its process "
             "ends and a fresh one tries the step once more",
         )
+
+    def _replacing(self, rank: int, step: int | None, generation: int) -> bool:
+        """Whether ``rank`` already has a fresh process coming for ``step``'s retries, granted
+        while ``generation`` was the newest formed: its old process's raise or own-limit exit that
+        comes after (the two race: a report to the round and a message of its own) is the same
+        episode's, and must not replace the fresh process before it tried the step."""
+        return any(rank in x.ranks and x.step == step and x.generation == generation for x in self.respawns)
 
     def plan(self, reports: list[MemberReport], initial: bool, generation: int) -> RecoveryPlan:
         """The round's plan (rules/decisions.py); with no state left while ranks were to be tried

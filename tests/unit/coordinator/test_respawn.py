@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointless.coordinator import Kill, Stop
+from checkpointless.coordinator import Kill, Spawn, Stop
 from checkpointless.protocol import Assign, Fatal, Recover, Recovered, SpareReady, Stopped
 from tests.unit.coordinator.test_coordinator import Harness, start_job, start_job_without_spares
 
@@ -202,3 +202,54 @@ def test_every_rank_raising_is_respawned_only_onto_a_snapshot_or_checkpoint(snap
         h.msg(wid, Stopped(for_generation=2, committed_step=-1, valid=False, snapshot_step=4))
     plans = h.sent(h.advance(0.01), Recover)
     assert plans and all(p.plan.from_snapshot and p.plan.target_step == 4 for p in plans.values())
+
+
+def _two_ranks_three_retries(h: Harness) -> None:
+    """A job of two ranks and no spare whose rank 1 raised at step 3 in generations 1-3."""
+    for wid in (0, 1):
+        h.connect(wid)
+    h.form_generation(0, {0: 0, 1: 1}, committed=0)
+    for gen in (1, 2, 3):
+        raised(h, 1, gen, 3)
+        survivors_report(h, gen, 3, wids=(0,))
+        h.advance(0.01)
+        for wid in (0, 1):
+            h.msg(wid, Recovered(generation=gen))
+
+
+@pytest.mark.parametrize("raise_first", [True, False])
+def test_the_last_raise_and_the_workers_own_limit_give_the_rank_one_fresh_process(raise_first: bool) -> None:
+    """The worker's 4th raise (its report to the round) and its own limit (``Fatal``, then its exit)
+    race. Either order is one episode: one fresh process, which tries the step before anything
+    replaces it. The raise held the budget's verdict for the round's plan, and that plan replaced
+    the fresh process again before it tried (seen in CI: a second spare started, the first killed)."""
+    h = Harness(nproc=2, spares=0)
+    _two_ranks_three_retries(h)
+    fatal = Fatal(error="step 3 raised ValueError 4 times in a row (bad row)", kind="retries")
+    if raise_first:
+        raised(h, 1, 4, 3)
+        h.msg(1, fatal)
+    else:
+        h.msg(1, fatal)
+        raised(h, 1, 4, 3)
+    h.exit(1, 1, own=True, detail="exited with code 1")
+    h.closed(1)
+    h.advance(0.01)
+    spares = [c.worker_id for c in h.log if isinstance(c, Spawn) and c.role == "spare"]
+    assert spares == [2], spares
+    h.connect(2)
+    h.msg(2, SpareReady())
+    assert h.sent(h.advance(0.01), Assign)[2].rank == 1
+    h.msg(2, Stopped(for_generation=4, committed_step=-1, valid=False))
+    survivors_report(h, 4, 3, wids=(0,))
+    out = h.advance(0.01)
+    plans = h.sent(out, Recover)
+    assert set(plans) == {0, 2} and plans[2].plan.receivers == [1], out
+    assert [c.role for c in h.log if isinstance(c, Spawn)].count("spare") == 1, "one fresh process"
+    assert not [c for c in h.log if isinstance(c, Kill) and c.worker_id == 2], "the fresh one lives"
+    assert [e["ranks"] for e in h.events("respawn")] == [[1]], h.events("respawn")
+    for wid in (0, 2):
+        h.msg(wid, Recovered(generation=4))
+    raised(h, 2, 5, 3)  # the script's bug: the fresh process raises too
+    stop = stop_of(h)
+    assert stop is not None and "rank 1 raised at step 3 again in a fresh process" in stop.why
