@@ -16,6 +16,15 @@ _KINDS = ("unit", "e2e", "multihost")
 _TESTS = Path(__file__).resolve().parent
 
 
+# Tests that start real jobs (e2e, multihost) run once more when they fail (pytest-rerunfailures).
+# They race real processes on a shared 2-core machine, and a single loss of a race must not stop
+# `make test -x`. A flake is never silent, though: each rerun is listed by name with its first
+# failure's cause at the end of the run, since every flake so far was a real race worth fixing
+# (docs/testing.md). Unit tests are deterministic and never rerun; a broken feature fails twice.
+_RERUN_KINDS = ("e2e", "multihost")
+_reruns: list[tuple[str, str]] = []
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         try:
@@ -24,6 +33,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         if top in _KINDS:
             item.add_marker(top)
+        if top in _RERUN_KINDS and item.get_closest_marker("flaky") is None:
+            item.add_marker(pytest.mark.flaky(reruns=1))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # under xdist this runs in the controller too, for every worker's reports
+    if report.outcome == "rerun":
+        crash = getattr(report.longrepr, "reprcrash", None)
+        why = crash.message if crash is not None else str(report.longrepr)
+        _reruns.append((report.nodeid, why.splitlines()[0][:300] if why else "?"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _reruns or hasattr(terminalreporter.config, "workerinput"):
+        return
+    terminalreporter.section("flaky: failed, then ran once more (fix the race each names)")
+    for nodeid, why in _reruns:
+        terminalreporter.write_line(f"RERUN {nodeid}: {why}")
 
 
 @pytest.fixture(scope="session")
