@@ -19,6 +19,7 @@ from checkpointless.protocol import (
     DoneSeen,
     Fatal,
     Fired,
+    FiredSeen,
     Heartbeat,
     Inexact,
     Message,
@@ -69,6 +70,7 @@ class MessageRouter:
                 m.announced_step = msg.step  # its fault event's step, should it die of it
             self.ledger.fault_fired(msg.id, msg.time)
             out.emit("fault_injected", rank=m.rank, id=msg.id, kind=msg.kind, fired_at=msg.time)
+            out.send(m, FiredSeen(id=msg.id))  # a fault that ends its process waits for this
         elif isinstance(msg, Stopped):
             m.announced_step = None  # it lived to report its own step: an announcement is spent
             self.rounds.on_stopped(m, msg, now, wall)

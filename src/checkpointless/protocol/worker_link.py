@@ -26,6 +26,7 @@ __all__ = [
     "DoneSeen",
     "Fatal",
     "Fired",
+    "FiredSeen",
     "Heartbeat",
     "Hello",
     "Inexact",
@@ -96,6 +97,17 @@ class Fired(Message):
     kind: str
     time: float
     step: int = -1  # the step it fires at: its fault event's step (-1: not said)
+
+
+@dataclass(frozen=True)
+class FiredSeen(Message):
+    """The coordinator has recorded that injected fault ``id`` fired. A fault that ends its
+    process (kill, killall, exit) waits for this before it does: the process's exit can be
+    handled before its last frame is read, and a replacement not told that the fault fired would
+    fire it again."""
+
+    TYPE: ClassVar[str] = "fired_seen"
+    id: str
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ __all__ = ["RecoveryClient"]
 
 log = get_logger()
 
+_ENDS_PROCESS = frozenset({"kill", "killall", "exit"})
+# bounded: a coordinator that is gone (or being replaced) does not hold a rehearsed fault up for long
+_WAIT_S = 5.0
+
 
 class RecoveryClient:
     """The link to the coordinator and what this rank knows of the recovery rounds."""
@@ -71,9 +75,16 @@ class RecoveryClient:
                 self.after_abort(msg)
 
     def announce_fault(self, spec: FaultSpec, step: int) -> None:
-        """A rehearsed fault fires here, at ``step`` (the injector's callback)."""
+        """A rehearsed fault fires here, at ``step`` (the injector's callback). One that ends this
+        process first waits until the coordinator has recorded it: the coordinator may handle
+        the exit before it reads the last frame, and the replacement, not told that the fault
+        fired, fired it again (seen under load: a kill at step 3 killed the spare that took the
+        rank too). A fault that leaves the process alive is read in time anyway."""
         log.warning("injecting fault %s", spec.to_text())
         self.send(Fired(id=spec.id, kind=spec.kind, time=time.time(), step=step))
+        link = self.link
+        if link is not None and spec.kind in _ENDS_PROCESS and not link.await_fired_seen(spec.id, _WAIT_S):
+            log.warning("the coordinator did not confirm fault %s within %.0f s", spec.id, _WAIT_S)
 
     def fatal(self, why: str, kind: str = "fatal") -> NoReturn:
         """End the job, or with ``kind`` "retries" this process: its in-process retries of a step

@@ -35,6 +35,7 @@ from checkpointless.protocol import (
     Assign,
     Done,
     DoneSeen,
+    FiredSeen,
     Heartbeat,
     Hello,
     Message,
@@ -114,6 +115,8 @@ class LauncherLink:
         self._ready = False
         self._done = False  # it sent Done: the job's loop is finished here
         self._done_seen = threading.Event()  # the coordinator recorded it (DoneSeen)
+        self._fired_seen: set[str] = set()  # injected faults the coordinator recorded (FiredSeen)
+        self._fired_cond = threading.Condition()
         self._between = False  # lost it and not connected to a candidate either
         self._lock = threading.Lock()
         self.failover = Failover(env.secret, self._stop, self._on_message, self._on_lost, self._switch)
@@ -227,6 +230,18 @@ class LauncherLink:
         if not self._done_seen.is_set():
             log.warning("left without the coordinator recording that this rank finished")
 
+    def await_fired_seen(self, fault_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the coordinator to record that injected fault
+        ``fault_id`` fired (``FiredSeen``); whether it did."""
+        deadline = time.monotonic() + timeout
+        with self._fired_cond:
+            while fault_id not in self._fired_seen:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self._fired_cond.wait(min(left, 0.1))
+            return True
+
     def _on_message(self, raw: dict[str, Any]) -> None:
         """The reader thread's entry for every frame: decoded once, then dispatched."""
         self.failover.heard()  # a coordinator is talking to us (even one that garbles a frame)
@@ -249,6 +264,11 @@ class LauncherLink:
             return
         if isinstance(msg, DoneSeen):
             self._done_seen.set()
+            return
+        if isinstance(msg, FiredSeen):
+            with self._fired_cond:
+                self._fired_seen.add(msg.id)
+                self._fired_cond.notify_all()
             return
         if isinstance(msg, Assign):
             self._rank = msg.rank

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from checkpointless.coordinator import Kill, Spawn, Stop
-from checkpointless.protocol import Assign, Fatal, Recover, Recovered, SpareReady, Stopped
+from checkpointless.protocol import Assign, Fatal, Fired, FiredSeen, Recover, Recovered, SpareReady, Stopped
 from tests.unit.coordinator.test_coordinator import Harness, start_job, start_job_without_spares
 
 pytestmark = pytest.mark.timeout(10)
@@ -253,3 +253,15 @@ def test_the_last_raise_and_the_workers_own_limit_give_the_rank_one_fresh_proces
     raised(h, 2, 5, 3)  # the script's bug: the fresh process raises too
     stop = stop_of(h)
     assert stop is not None and "rank 1 raised at step 3 again in a fresh process" in stop.why
+
+
+def test_an_injected_fault_is_acknowledged_and_a_replacement_never_fires_it_again() -> None:
+    """The coordinator answers ``Fired`` with ``FiredSeen`` (a fault that ends its process waits
+    for it), and the spare that takes the rank is told that the fault fired."""
+    h = Harness()
+    start_job(h)
+    out = h.msg(1, Fired(id="kill:rank=1:step=3", kind="kill", time=1e9, step=3))
+    assert h.sent(out, FiredSeen)[1].id == "kill:rank=1:step=3"
+    h.exit(1, -9)
+    assign = h.sent(h.advance(0.01), Assign)[3]
+    assert assign.rank == 1 and "kill:rank=1:step=3" in assign.fired, assign

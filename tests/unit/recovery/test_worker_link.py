@@ -23,6 +23,7 @@ from checkpointless.protocol import (
     SUCCESSION_ENV,
     Abort,
     Assign,
+    FiredSeen,
     Heartbeat,
     Prepare,
     Recover,
@@ -161,3 +162,30 @@ def test_a_failed_send_hangs_up_and_leaves_the_close_to_the_server() -> None:
     ours.setblocking(False)
     assert ours.recv(16) == b"", "the socket was not shut down, so the server never sees its end"
     ours.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_that_ends_its_process_waits_for_the_coordinator_to_record_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``await_fired_seen`` returns once the coordinator's ``FiredSeen`` for that fault arrives
+    (another fault's does not count), and gives up at its timeout when none comes."""
+    monkeypatch.delenv(BEAT_ENV, raising=False)
+    monkeypatch.delenv(SUCCESSION_ENV, raising=False)
+    secret = b"5b" * 32
+    server = ControlServer("127.0.0.1", 0, secret)
+    server.start()
+    env = WorkerEnv(server.address, secret, 2, "worker", tmp_path, "job", 0, "127.0.0.1")
+    link = LauncherLink(env, lambda _: None, Heartbeat, heartbeat_s=60.0)
+    try:
+        conn, _ = server.inbox.get(timeout=10)
+        start = time.monotonic()
+        assert not link.await_fired_seen("kill:rank=1:step=3", 0.3), "nothing recorded it yet"
+        assert 0.25 < time.monotonic() - start < 5
+        conn.send(encode(FiredSeen(id="raise:rank=0:step=2")))
+        assert not link.await_fired_seen("kill:rank=1:step=3", 0.3), "another fault's"
+        conn.send(encode(FiredSeen(id="kill:rank=1:step=3")))
+        assert link.await_fired_seen("kill:rank=1:step=3", 10)
+    finally:
+        link.close()
+        server.stop()
