@@ -53,6 +53,9 @@ class FaultLedger:
         # rank -> the step of its newest raise: from a fault of its own, or from its report to a
         # round already under way (which is no fault record of its own: the round covers it)
         self.last_raised: dict[int, int] = {}
+        # rank -> (step, its raises there in a row that rounds heard): a raise reported only to a
+        # round begun by another rank's fault is in no fault record, but it was a try all the same
+        self.streak: dict[int, tuple[int, int]] = {}
         self.start_failures: dict[int, int] = {}  # rank -> its processes in a row that died before joining
         self.early_spare_deaths = 0  # spares in a row that died before they were ready
         self.fired: set[str] = set()  # injected faults that have fired (ids)
@@ -165,7 +168,9 @@ class FaultLedger:
         d = respawn_decision(why, list(r.raised), reports, cfg.fresh_process_retries, had, r.initial)
         if isinstance(d, str):
             raise NotRecoverableError(d)
-        retries = max(in_process_tries(self.history, d, step, cfg.fault_window) - 1, 0)
+        retries = max(self._tries(d, step) - 1, 0)
+        for rank in d:
+            self.streak.pop(rank, None)  # the fresh processes' raises are a new series
         self.respawns.append(Respawn(d, step, generation, retries, why))
         self.last_target, self.same_target = None, 0  # the fresh processes' try is a new series
         for rank in d:  # replace_ranks kills each old process as its fresh one takes the rank
@@ -184,10 +189,21 @@ class FaultLedger:
         """``rank`` reported to the round under way that it raised at ``step``."""
         if step is not None:
             self.last_raised[rank] = step
+            at, n = self.streak.get(rank, (step, 0))
+            self.streak[rank] = (step, n + 1 if at == step else 1)
 
-    def retries_spent(self, rank: int, beat_step: int | None, error: str, generation: int) -> None:
+    def _tries(self, ranks: tuple[int, ...], step: int) -> int:
+        """How often ``ranks`` raised at ``step`` in their processes, as far as the coordinator
+        heard: its fault records, or its rounds' reports where those heard more."""
+        heard = [n for k in ranks for at, n in [self.streak.get(k, (step, 0))] if at == step]
+        return max(in_process_tries(self.history, ranks, step, self.cfg.fault_window), *heard, 0)
+
+    def retries_spent(
+        self, rank: int, beat_step: int | None, error: str, generation: int, tries: int = 0
+    ) -> None:
         """``rank``'s worker reached its own in-process limit (``init(max_step_retries=)``) and
-        its process ends (``error``: what it said): a fresh process takes the rank through that
+        its process ends (``error``: what it said; ``tries``: how often the step raised there, as
+        the worker counted, 0 if it did not say): a fresh process takes the rank through that
         exit, as for any exit, or the job ends here (raised)."""
         cfg = self.cfg
         # its retries' step, as its newest raise named it: a raise reported only to a round is
@@ -202,7 +218,9 @@ class FaultLedger:
         why = retries_spent_verdict(f"rank {rank}: {error}", step, cfg.fresh_process_retries, had)
         if why is not None or step is None:
             raise NotRecoverableError(why or error)
-        tries = in_process_tries(self.history, (rank,), step, cfg.fault_window) + 1  # its last one
+        # the worker's own count, or what this coordinator heard and the last raise, sent only here
+        tries = tries or self._tries((rank,), step) + 1
+        self.streak.pop(rank, None)  # the fresh process's raises are a new series
         self.respawns.append(Respawn((rank,), step, generation, tries - 1, error))
         # A raise recorded just before this (the worker's last try) held the budget's verdict for
         # the round's plan (record); this respawn answers it. Left held, the plan that brings the

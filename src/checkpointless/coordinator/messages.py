@@ -91,7 +91,7 @@ class MessageRouter:
             if msg.kind == "retries" and m.rank is not None:
                 # its in-process retries of a step are used up: unless a fresh process may not
                 # try it (raised), its process ends and a spare takes the rank, as for any exit
-                self.ledger.retries_spent(m.rank, m.step, msg.error, self.rounds.generation)
+                self.ledger.retries_spent(m.rank, m.step, msg.error, self.rounds.generation, msg.tries)
                 return
             raise NotRecoverableError(f"rank {m.rank}: {msg.error}")
 

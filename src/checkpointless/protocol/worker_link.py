@@ -207,7 +207,8 @@ class Fatal(Message):
 
     TYPE: ClassVar[str] = "fatal"
     error: str = ""
-    kind: str = "fatal"  # fatal | config
+    kind: str = "fatal"  # fatal | config | retries
+    tries: int = 0  # kind retries: how often the step raised in this process (0: not said)
 
 
 # -- coordinator -> worker ------------------------------------------------------------------------

@@ -86,9 +86,9 @@ class RecoveryClient:
         if link is not None and spec.kind in _ENDS_PROCESS and not link.await_fired_seen(spec.id, _WAIT_S):
             log.warning("the coordinator did not confirm fault %s within %.0f s", spec.id, _WAIT_S)
 
-    def fatal(self, why: str, kind: str = "fatal") -> NoReturn:
+    def fatal(self, why: str, kind: str = "fatal", tries: int = 0) -> NoReturn:
         """End the job, or with ``kind`` "retries" this process: its in-process retries of a step
-        are used up, and the coordinator may give the rank to a fresh process (the coordinator
-        hears why first)."""
-        self.send(Fatal(error=why, kind=kind))
+        are used up (``tries``: how often it raised), and the coordinator may give the rank to a
+        fresh process (the coordinator hears why first)."""
+        self.send(Fatal(error=why, kind=kind, tries=tries))
         raise NotRecoverableError(why)

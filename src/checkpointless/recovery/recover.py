@@ -86,6 +86,7 @@ def recover_from(member: Member, index: int, exc: BaseException) -> None:
                 f"step {index} raised {type(exc).__name__} {retries} times in a row "
                 f"({exc}); this is not a transient fault",
                 kind="retries",  # a fresh process may still be tried (coordinator/rules/respawn.py)
+                tries=retries,
             )
     else:
         log.info("step %d interrupted: %s", index, short_error(exc))

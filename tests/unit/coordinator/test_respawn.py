@@ -225,7 +225,7 @@ def test_the_last_raise_and_the_workers_own_limit_give_the_rank_one_fresh_proces
     the fresh process again before it tried (seen in CI: a second spare started, the first killed)."""
     h = Harness(nproc=2, spares=0)
     _two_ranks_three_retries(h)
-    fatal = Fatal(error="step 3 raised ValueError 4 times in a row (bad row)", kind="retries")
+    fatal = Fatal(error="step 3 raised ValueError 4 times in a row (bad row)", kind="retries", tries=4)
     if raise_first:
         raised(h, 1, 4, 3)
         h.msg(1, fatal)
@@ -247,7 +247,7 @@ def test_the_last_raise_and_the_workers_own_limit_give_the_rank_one_fresh_proces
     assert set(plans) == {0, 2} and plans[2].plan.receivers == [1], out
     assert [c.role for c in h.log if isinstance(c, Spawn)].count("spare") == 1, "one fresh process"
     assert not [c for c in h.log if isinstance(c, Kill) and c.worker_id == 2], "the fresh one lives"
-    assert [e["ranks"] for e in h.events("respawn")] == [[1]], h.events("respawn")
+    assert [(e["ranks"], e["retries"]) for e in h.events("respawn")] == [([1], 3)], h.events("respawn")
     for wid in (0, 2):
         h.msg(wid, Recovered(generation=4))
     raised(h, 2, 5, 3)  # the script's bug: the fresh process raises too
@@ -265,3 +265,20 @@ def test_an_injected_fault_is_acknowledged_and_a_replacement_never_fires_it_agai
     h.exit(1, -9)
     assign = h.sent(h.advance(0.01), Assign)[3]
     assert assign.rank == 1 and "kill:rank=1:step=3" in assign.fired, assign
+
+
+def test_the_retries_count_the_raises_a_round_heard_only_in_reports() -> None:
+    """Rank 1 raises at step 7 in rounds that rank 0's raises began: none of its raises is a fault
+    record, yet each was a try in its process. Its worker's limit (no count in its Fatal, as an
+    older worker sends it) says 4; the respawn counts the 3 the rounds heard and the last one."""
+    h = Harness()
+    start_job(h)
+    for gen in (1, 2, 3):
+        raised(h, 0, gen, 7)  # the round's own fault ...
+        raised(h, 1, gen, 7)  # ... and rank 1's raise, heard only as its report
+        survivors_report(h, gen, 7, wids=(2,))
+        assert h.sent(h.advance(0.01), Recover)
+        for wid in (0, 1, 2):
+            h.msg(wid, Recovered(generation=gen))
+    h.msg(1, Fatal(error="step 7 raised ValueError 4 times in a row (bad row)", kind="retries"))
+    assert [(e["ranks"], e["step"], e["retries"]) for e in h.events("respawn")] == [([1], 7, 3)]
