@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--record-batches", action="store_true", help="batch digests in the commit events")
     ap.add_argument("--data", help="unused (the test harness passes a corpus); data is synthetic")
     ap.add_argument("--digest-out", help="write the final state's SHA-256 here; {rank} is filled in")
     args = ap.parse_args()
@@ -65,7 +66,9 @@ def main() -> None:
     if args.accelerator == "plain":
         accelerator = Accelerator(**kwargs)
     else:
-        accelerator = CheckpointlessAccelerator(**kwargs)  # checkpointless
+        accelerator = CheckpointlessAccelerator(  # checkpointless
+            **kwargs, record_batches=args.record_batches
+        )
     model, optimizer, loader, held_out, scheduler = accelerator.prepare(
         model, optimizer, loader, held_out, scheduler
     )

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--data", help="unused (the test harness passes a corpus); data is synthetic")
+    ap.add_argument("--record-batches", action="store_true", help="batch digests in the commit events")
     ap.add_argument("--tracker-fails-at", type=int, help="the tracker raises once at this epoch's values")
     ap.add_argument("--digest-out", required=True, help="the digests' path, {rank} filled in")
     args = ap.parse_args()
@@ -86,7 +87,10 @@ def main() -> None:
         saved / "tracker.jsonl", args.tracker_fails_at, saved.parent / "tracker-failed"
     )
     accelerator = CheckpointlessAccelerator(
-        gradient_accumulation_steps=args.accumulation, cpu=True, log_with=[tracker]
+        gradient_accumulation_steps=args.accumulation,
+        cpu=True,
+        log_with=[tracker],
+        record_batches=args.record_batches,
     )
     accelerator.init_trackers("hf_accelerate_save")
     model, optimizer, loader, held_out, scheduler = accelerator.prepare(

@@ -56,7 +56,7 @@ from checkpointless.events import get_logger
 from checkpointless.integrations._hf_accelerate_data import Attempt, StepDataLoader
 from checkpointless.integrations._hf_accelerate_held import HeldOutput
 from checkpointless.integrations._hf_internals import warn_if_untested
-from checkpointless.integrations._hf_state import ProtectedResults
+from checkpointless.integrations._hf_state import ProtectedResults, micro_batches_digest
 from checkpointless.recovery.job import Job, Step
 
 __all__ = ["CheckpointlessAccelerator"]
@@ -70,7 +70,8 @@ class CheckpointlessAccelerator(Accelerator):
     """An ``Accelerator`` whose training loop survives faults in process (docs/adoption.md).
 
     ``data_seed`` seeds the training DataLoader's shuffling; ``rendezvous_timeout`` and
-    ``max_step_retries`` go to ``checkpointless.init()``."""
+    ``max_step_retries`` go to ``checkpointless.init()``; ``record_batches`` adds a digest of
+    each step's micro-batches to its commit event (tests)."""
 
     def __init__(
         self,
@@ -78,6 +79,7 @@ class CheckpointlessAccelerator(Accelerator):
         data_seed: int = 0,
         rendezvous_timeout: float = 60.0,
         max_step_retries: int = 3,
+        record_batches: bool = False,
         **kwargs: Any,
     ) -> None:
         warn_if_untested()
@@ -92,6 +94,7 @@ class CheckpointlessAccelerator(Accelerator):
         serve_ddp(dist.group.WORLD)  # prepare()'s own DDP on the job's group (comm/torch_ddp.py)
         super().__init__(*args, **kwargs)
         self._data_seed = data_seed
+        self._record_batches = record_batches
         self._objects: dict[str, Any] = {}
         self._train: StepDataLoader | None = None
         self._steps: Iterator[Step] | None = None
@@ -327,6 +330,8 @@ class CheckpointlessAccelerator(Accelerator):
             self._held_output.stop()
             attempt.step.__enter__()
             attempt.entered = True
+            if self._record_batches and self._held is not None:  # the step's own (see _epoch_batches)
+                self.job.record(batch=micro_batches_digest(self._held[1]))
         attempt.done += 1
         try:
             with super().accumulate(*models):
