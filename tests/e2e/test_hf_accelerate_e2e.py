@@ -2,8 +2,9 @@
 
 Each run is examples/hf_accelerate.py (a hand-written Accelerate loop: prepare, accumulate with
 gradient accumulation 2, backward, a scheduler, 2 epochs of 5 optimizer steps, an evaluation on a
-prepared DataLoader after each epoch, protected) on 2 ranks and 1 spare. It must end with every
-rank's weights, optimizer state and evaluation losses equal to a fault-free run's.
+prepared DataLoader after each epoch, protected) on 3 ranks and 1 spare. It must end with every
+rank's weights, optimizer state and evaluation losses equal to a fault-free run's, and every
+(rank, step) must have trained on the fault-free run's micro-batches.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from tests.helpers.jobs import ROOT, JobResult, fault_at, start_job
 pytest.importorskip("accelerate", reason="the `hf` extra is not installed")
 
 SCRIPT = ROOT / "examples" / "hf_accelerate.py"
+# Three ranks, where torch's DDP's bucket layout can decide a sum: gloo's ring all-reduce starts
+# each chunk of a bucket at another rank, so it adds the ranks' parts of an element in an order
+# set by the element's place in its bucket, and a replacement whose DDP reduced in another layout
+# than the survivors' would end with other weights (of two ranks' parts, a + b = b + a hides that)
+NPROC = 3
+# 120 samples an epoch: 10 micro-batches of 4 on each of the 3 ranks, 5 optimizer steps
+ARGS = ["--epochs", "2", "--accumulation", "2", "--samples", str(40 * NPROC), "--record-batches"]
 EVAL_FAULTS = ROOT / "tests" / "scripts" / "hf_accelerate_eval_faults.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # what each rank logs as it prepares its model: torch's DDP, as accelerate makes it
@@ -26,12 +34,12 @@ TORCH_DDP = "the prepared model is a torch.nn.parallel.distributed.DistributedDa
 def run(
     run_dir: Path, faults: list[str], spares: int = 1, bf16: bool = False, eval_fault: str | None = None
 ) -> JobResult:
-    args = ["--epochs", "2", "--accumulation", "2"] + (["--mixed-precision", "bf16"] if bf16 else [])
+    args = ARGS + (["--mixed-precision", "bf16"] if bf16 else [])
     env = {**OFFLINE, "HF_EVAL_MARK": str(run_dir.parent / "fired")}
     if eval_fault:
         env["HF_EVAL_FAULT"] = eval_fault
     job = start_job(
-        run_dir, run_dir.parent / "unused", 2, spares, faults, script_args=args,
+        run_dir, run_dir.parent / "unused", NPROC, spares, faults, script_args=args,
         script=EVAL_FAULTS if eval_fault else SCRIPT, hang_timeout=6, env=env,
     )  # fmt: skip
     return job.finish(150)
@@ -41,8 +49,9 @@ def run(
 def reference(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     res = run(tmp_path_factory.mktemp("acc-ref") / "run", [], spares=0)
     assert res.rc == 0, res.output[-4000:]
-    assert sorted(res.digests) == [0, 1] and res.digest, res.digests
-    assert res.output.count(TORCH_DDP) == 2, "prepare() must wrap the model in torch's DDP"
+    assert sorted(res.digests) == list(range(NPROC)) and res.digest, res.digests
+    assert len(res.batches()) == NPROC * 10, "every rank commits one optimizer step per step"
+    assert res.output.count(TORCH_DDP) == NPROC, "prepare() must wrap the model in torch's DDP"
     return res
 
 
@@ -74,7 +83,8 @@ MERGED = [
 def test_accelerate_loop_fault_is_survived_bitwise(tmp_path: Path, reference: JobResult, fault: str) -> None:
     res = run(tmp_path / "run", [fault])
     assert res.rc == 0, res.output[-6000:]
-    res.assert_same_weights(reference, nproc=2)  # weights, optimizer state and evaluation losses
+    res.assert_same_weights(reference, nproc=NPROC)  # weights, optimizer state and evaluation losses
+    assert res.batches() == reference.batches(), "some rank trained on other micro-batches"
     assert len(res.of("fault_injected")) == 1 and res.of("recovery"), res.output[-4000:]
     assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
     if fault.startswith(("kill", "hang")):
@@ -88,7 +98,8 @@ def test_accelerate_loop_faults_in_one_job_are_each_survived_bitwise(
 ) -> None:
     res = run(tmp_path / "run", MERGED)
     assert res.rc == 0, res.output[-6000:]
-    res.assert_same_weights(reference, nproc=2)  # weights, optimizer state and evaluation losses
+    res.assert_same_weights(reference, nproc=NPROC)  # weights, optimizer state and evaluation losses
+    assert res.batches() == reference.batches(), "some rank trained on other micro-batches"
     assert len(res.of("fault_injected")) == len(MERGED), res.output[-4000:]
     for fault in MERGED:
         rank, step = fault_at(fault)
@@ -102,7 +113,7 @@ def test_accelerate_loop_faults_in_one_job_are_each_survived_bitwise(
             ]
             assert "the training DataLoader seeks there" in res.output
     assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
-    assert res.output.count(TORCH_DDP) == 3, "both ranks and the replacement train torch's DDP"
+    assert res.output.count(TORCH_DDP) == NPROC + 1, "every rank and the replacement train torch's DDP"
     assert not res.left_behind(), "processes of the job were left behind"
 
 
@@ -115,7 +126,7 @@ def test_bf16_mixed_precision_is_exact_through_a_kill(tmp_path: Path) -> None:
     assert ref.rc == 0 and ref.digest, ref.output[-4000:]
     res = run(tmp_path / "kill" / "run", ["kill:rank=1:step=6"], bf16=True)
     assert res.rc == 0, res.output[-6000:]
-    res.assert_same_weights(ref, nproc=2)
+    res.assert_same_weights(ref, nproc=NPROC)
 
 
 @pytest.mark.timeout(200)
@@ -135,7 +146,8 @@ def test_a_fault_during_a_protected_evaluation_is_recovered_and_it_runs_again(
     assert res.rc == 0, res.output[-6000:]
     assert (tmp_path / "fired").exists() and f"fault in evaluation: {fault.split(':')[0]}" in res.output
     assert res.of("recovery"), res.output[-4000:]
-    res.assert_same_weights(reference, nproc=2)  # weights, optimizer state and evaluation losses
+    res.assert_same_weights(reference, nproc=NPROC)  # weights, optimizer state and evaluation losses
+    assert res.batches() == reference.batches(), "some rank trained on other micro-batches"
     assert res.output.count("eval loss") == reference.output.count("eval loss") == 2
     if fault.startswith("kill"):
         assert [e["rank"] for e in res.of("spare_assigned")] == [1]
