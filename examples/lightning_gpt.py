@@ -87,7 +87,16 @@ class LitGPT(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, self.args.steps))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if not self.args.plateau:
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        # halves the rate whenever the validation loss has not risen (mode="max": nearly always),
+        # so that its state shows in the weights
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5, patience=0)
+        every = {"interval": "step", "frequency": self.args.plateau}
+        return [opt], [
+            {"scheduler": sched, "interval": "step"},
+            {"scheduler": plateau, "monitor": "val_loss", **every},
+        ]
 
 
 class WeightEMA(pl.Callback):
@@ -154,6 +163,9 @@ def main() -> None:
         help="validate every N batches on --val-batches batches (0: never)",
     )
     ap.add_argument("--val-batches", type=int, default=2)
+    ap.add_argument(
+        "--plateau", type=int, default=0, help="a ReduceLROnPlateau on val_loss every N batches (0: none)"
+    )
     ap.add_argument("--step-times", action="store_true")
     ap.add_argument("--print-reads", action="store_true", help="print the samples read as the fit ends")
     ap.add_argument("--print-batches", action="store_true")

@@ -27,11 +27,26 @@ the replacement puts the loop where an uninterrupted run has it as step C's firs
   not run again (their metrics do not change the weights; ``trainer.callback_metrics`` lacks
   them until the next validation, as it lacks the training metrics of the steps before C).
 
-Anything else (an iterable dataset, a sampler whose order depends on more than the epoch, several
-training loaders, validation on a time interval or from a loader without a length,
-``fit(ckpt_path=...)``, plateau schedulers, reloaded dataloaders) is refused by
-:func:`seek_refusal` with the reason, and the strategy walks the loop as before, saying so. The
-attribute paths are Lightning 2.6's, as in ``_lightning_internals``.
+- ``ReduceLROnPlateau`` schedulers: their state travels as any scheduler's, and their calls are
+  counted as the other schedulers' are, which is exact for ``strict=True`` (a call whose metric is
+  missing stops the fit, so every call of a fit that goes on had it and counted). Lightning calls
+  one with the last value of its metric, which may be a validation's before C: those values
+  travel with the replica (``_lightning_state.PlateauMetrics``), since the seek runs no validation.
+- ``fit(ckpt_path=...)``: the replacement restores the checkpoint as every process did, and the
+  position of C is counted from the checkpoint's, in the resumed fit, which reads its first epoch
+  from the DataLoader's first batch and whose counters are Lightning's restart of the
+  checkpoint's (see :func:`seek`).
+
+Anything else is refused by :func:`seek_refusal` with the reason, and the strategy walks the
+loop as before, saying so: an iterable dataset, a sampler whose order depends on more than the
+epoch, several training loaders, validation on a time interval or from a loader without a length,
+reloaded dataloaders, a ``ReduceLROnPlateau(strict=False)`` (Lightning skips a call whose metric is
+missing without counting it: the count follows the fit's history, not its position), and a fit
+resumed from a checkpoint whose restart Lightning runs as a loop iteration of its own (written as
+an epoch began or ended in a fit bounded by ``max_steps``, or in or after a validation: the
+restart runs that batch's end again, a plateau call with it), whose loop is not where its step
+is in this fit's epochs, or with a stateful DataLoader. The attribute paths are Lightning 2.6's,
+as in ``_lightning_internals``.
 """
 
 from __future__ import annotations
@@ -43,6 +58,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
+
+from checkpointless.integrations._lightning_resumed import (
+    counters,
+    epoch_lags,
+    leave_first_epoch,
+    move_counters,
+    plateau_steps_at_end_of,
+    restart_refusal,
+)
 
 __all__ = ["FitPosition", "fit_position", "seek", "seek_refusal"]
 
@@ -74,15 +98,21 @@ def fit_position(trainer: Any, step: int, manual: bool) -> FitPosition:
 def seek_refusal(trainer: Any) -> str | None:
     """Why this fit's loop cannot be put at a step without walking it (None: it can)."""
     if trainer.ckpt_path is not None:
-        return "the fit resumed from a checkpoint (fit(ckpt_path=...))"
+        why = _resume_refusal(trainer)
+        if why is not None:
+            return why
     if trainer.reload_dataloaders_every_n_epochs:
         return "the training DataLoader is reloaded every few epochs"
     if trainer.enable_validation:
         why = _validation_refusal(trainer)
         if why is not None:
             return why
-    if any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
-        return "a ReduceLROnPlateau scheduler steps on metrics only a walk would log"
+    if any(cfg.reduce_on_plateau and not cfg.strict for cfg in trainer.lr_scheduler_configs):
+        # a strict one either finds its metric at every call Lightning counts, or stops the fit
+        return (
+            "a ReduceLROnPlateau with strict=False: Lightning neither steps nor counts a call whose "
+            "metric is missing, which only the fit's history tells"
+        )
     per_epoch = trainer.num_training_batches
     if not isinstance(per_epoch, int) or per_epoch <= 0:
         return "the training data has no length (an iterable dataset)"
@@ -118,34 +148,95 @@ def _validation_refusal(trainer: Any) -> str | None:
     return None
 
 
+def _resume_refusal(trainer: Any) -> str | None:
+    """Why a fit resumed from a checkpoint cannot be sought (None: it can)."""
+    why = restart_refusal(trainer)
+    if why is not None:
+        return why
+    manual = not trainer.lightning_module.automatic_optimization
+    if _checkpoint_position(trainer, manual) is None:
+        return (
+            "the fit resumed from a checkpoint whose loop is not where its step is in epochs of "
+            f"{trainer.num_training_batches} batches (another length, accumulation, or mid-update)"
+        )
+    return None
+
+
+def _checkpoint_position(trainer: Any, manual: bool) -> FitPosition | None:
+    """Where the restored checkpoint's step begins, if its loop is there (batches of the fit
+    before it) as in a fit of this one's epochs; None if not."""
+    done = int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+    pos = fit_position(trainer, done if manual else int(trainer.global_step), manual)
+    return pos if pos.batches == done else None
+
+
 def seek(trainer: Any, pos: FitPosition, manual: bool) -> None:
     """Put the fit loop (called from ``on_train_start``, before its first epoch begins) at
     ``pos``: the counters an uninterrupted run has there, and the DataLoader's next iterator at
-    the batch. :func:`seek_refusal` must have returned None."""
+    the batch. :func:`seek_refusal` must have returned None.
+
+    A fit resumed from a checkpoint (``fit(ckpt_path=...)``) starts at the checkpoint's step S in
+    epoch E, at batch b of it, and reads E from the DataLoader's first batch (a plain DataLoader
+    keeps no position): its batch b + i is the loader's batch i, and so a step of E is b batches
+    fewer into the loader than in a fit from batch 0; later epochs are read whole. Its counters are
+    Lightning's restart of the checkpoint's (which is not always a fit from 0's: an epoch's count
+    one behind after a checkpoint of an epoch's last batch, a scheduler call lost): they are taken
+    as Lightning's restart leaves them and moved on by what a fit from 0 counts between S and
+    ``pos``; and its fit loop keeps its restart mark until E ends, which skips the plateau
+    schedulers' step at E's end."""
     from lightning.pytorch.loops.fit_loop import RestartStage
 
     fit = trainer.fit_loop
+    start = _checkpoint_position(trainer, manual) if trainer.ckpt_path is not None else None
+    first = start is not None and start.epoch == pos.epoch  # in the resumed fit's first epoch
     in_epoch = 1 if pos.batch else 0  # mid-epoch, the epoch has begun and its hooks have run
-    for tracker in (fit.epoch_progress.total, fit.epoch_progress.current):
-        tracker.ready = tracker.started = pos.epoch + in_epoch
-        tracker.processed = tracker.completed = pos.epoch
-    if pos.batch:
-        # Lightning's own mark for a fit resumed inside an epoch: the epoch is not begun again
-        # (its hooks and counters), but its samplers get their epoch; cleared after the epoch
-        fit._restart_stage = RestartStage.RESTARTED_MID_EPOCH
-        _SkipBatches.install(trainer.train_dataloader, pos.batch)
+    lags = epoch_lags(fit, start.epoch) if start is not None else {}
+    for name, tracker in (("total", fit.epoch_progress.total), ("current", fit.epoch_progress.current)):
+        lag = lags.get(name, {})
+        tracker.ready = pos.epoch + in_epoch - lag.get("ready", 0)
+        tracker.started = pos.epoch + in_epoch - lag.get("started", 0)
+        tracker.processed = pos.epoch - lag.get("processed", 0)
+        tracker.completed = pos.epoch - lag.get("completed", 0)
+    skipped = 0  # plateau schedulers' steps the resumed fit skips at its first epoch's end
+    if start is not None and not first:
+        if fit.restarting:
+            skipped = plateau_steps_at_end_of(trainer, start.epoch)
+        leave_first_epoch(fit)
+    # Lightning's own mark for a fit resumed inside an epoch: the epoch is not begun again
+    # (its hooks and counters), but its samplers get their epoch; cleared after the epoch
+    fit._restart_stage = RestartStage.RESTARTED_MID_EPOCH if pos.batch else RestartStage.NONE
+    skip = pos.batch - (start.batch if first and start is not None else 0)
+    if skip:
+        _SkipBatches.install(trainer.train_dataloader, skip)
     loop = fit.epoch_loop
 
     def reset_then_place() -> None:
-        # the epoch loop resets its per-epoch counters as each epoch starts: set them after
+        # the epoch loop resets its per-epoch counters as each epoch starts (a resumed fit's
+        # first, with its restart's): set them after
         del loop.reset  # Lightning's own from now on
         loop.reset()
-        _place(trainer, pos, manual)
-        if pos.epoch == 0 and pos.batch:
-            # the fit made epoch 0's iterator before it started; later epochs make theirs here
+        if start is None:
+            _place(trainer, pos, manual)
+        else:
+            _place_resumed(trainer, start, pos, manual, first, skipped)
+        if skip and not (trainer.current_epoch > 0 and not fit.is_resuming and not loop.restarting):
+            # the fit made this epoch's iterator before it started; on_run_start makes the others
             iter(fit._data_fetcher)
 
     loop.reset = reset_then_place
+
+
+def _place_resumed(
+    trainer: Any, start: FitPosition, pos: FitPosition, manual: bool, first: bool, skipped: int
+) -> None:
+    """The resumed fit's counters at ``pos`` (``_lightning_resumed``), as its restart has just
+    left them at ``start``."""
+    loop = trainer.fit_loop.epoch_loop
+    base = counters(loop)
+    _place(trainer, start, manual)
+    at_start = counters(loop)
+    _place(trainer, pos, manual)
+    move_counters(loop, base, at_start, counters(loop), first, skipped)
 
 
 def _place(trainer: Any, pos: FitPosition, manual: bool) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "TESTED_LIGHTNING",
     "BatchAction",
     "LoopAheadOfState",
+    "PlateauMetrics",
     "SchedulerLedger",
     "batch_action",
     "warn_if_untested",
@@ -100,3 +101,25 @@ class SchedulerLedger:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.marks = {str(k): int(v) for k, v in state["marks"].items()}
+
+
+class PlateauMetrics:
+    """The metrics the fit's ``ReduceLROnPlateau`` schedulers monitor, as this rank's
+    ``trainer.callback_metrics`` holds them, as part of the replica. Lightning steps such a
+    scheduler on the last value logged, which may be a validation's before step C (validating
+    every 2 batches, stepping every 3): an uninterrupted rank has it, and a replacement that seeks
+    runs no validation before C (one that walks runs them with C's weights, another value). It
+    gets the sender's; a rank that has trained keeps its own (only missing keys are filled)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self._keys = [cfg.monitor for cfg in trainer.lr_scheduler_configs if cfg.reduce_on_plateau]
+
+    def state_dict(self) -> dict[str, Any]:
+        metrics = self._trainer.callback_metrics
+        return {k: metrics[k].detach().clone() for k in self._keys if k in metrics}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        metrics = self._trainer.callback_metrics
+        for k, v in state.items():
+            metrics.setdefault(k, v.clone())

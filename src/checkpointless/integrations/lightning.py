@@ -21,7 +21,8 @@ strategy, and nothing else:
   puts the loop at C in O(1), the counters an uninterrupted run has there and the DataLoader's
   next iterator at C's batch, reading no sample before it (``_lightning_seek.py``). Where the
   data or the fit cannot be addressed so (an iterable dataset, a sampler whose order is not a
-  function of the epoch, validation on a time interval, ``ckpt_path=``), or with
+  function of the epoch, validation on a time interval, a checkpoint whose restart Lightning
+  runs as a loop iteration of its own), or with
   ``catch_up="reread"``, it walks the loop forward instead, skipping ``training_step`` and the
   update, until the loop reaches C, and logs why. Either way the batches are those of the same
   DataLoader and sampler as on every other rank; nothing skipped touches the received state.
@@ -67,7 +68,7 @@ from checkpointless.integrations._lightning_internals import (
 from checkpointless.integrations._lightning_loggers import LoggerVersions
 from checkpointless.integrations._lightning_samplers import own_shuffle_generators
 from checkpointless.integrations._lightning_seek import fit_position, seek, seek_refusal
-from checkpointless.integrations._lightning_state import SchedulerLedger, warn_if_untested
+from checkpointless.integrations._lightning_state import PlateauMetrics, SchedulerLedger, warn_if_untested
 from checkpointless.integrations._lightning_steps import LightningSteps
 
 __all__ = ["CheckpointlessEnvironment", "CheckpointlessStrategy"]
@@ -193,6 +194,9 @@ class CheckpointlessStrategy(DDPStrategy):
             objects[f"optimizer{i}"] = opt
         for i, cfg in enumerate(trainer.lr_scheduler_configs):
             objects[f"scheduler{i}"] = cfg.scheduler
+        if any(cfg.reduce_on_plateau for cfg in trainer.lr_scheduler_configs):
+            # the values they step on, which a replacement's seek does not log (_lightning_state.py)
+            objects["lightning_plateau_metrics"] = PlateauMetrics(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:  # precision="16-mixed": the loss scale and its growth tracker
             objects["grad_scaler"] = scaler
@@ -225,9 +229,7 @@ class CheckpointlessStrategy(DDPStrategy):
         """Put a replacement's loop at its step where the data allows it; says how it catches up."""
         step = self._job.committed_step
         why = "catch_up='reread'" if self._catch_up == "reread" else seek_refusal(trainer)
-        if why is None and start != 0:
-            why = "the fit resumed from a checkpoint (fit(ckpt_path=...))"  # its loop is not at 0
-        if why is None and step > 0:
+        if why is None and step > start:  # a resumed fit's loop starts at its checkpoint's step
             pos = fit_position(trainer, step, manual)
             seek(trainer, pos, manual)
             if self._callbacks is not None:

@@ -114,6 +114,9 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_batches_that_stepped": "Lightning's training loop: the loggers' step, which no hook sets",
         "_iterator": "torch's DataLoader keeps a persistent-workers iterator there",
     },
+    "checkpointless.integrations._lightning_resumed": {
+        "_batches_that_stepped": "Lightning's training loop: the loggers' step, which no hook sets",
+    },
     "checkpointless.launcher.boot.sitecustomize": {
         "_rendezvous_handlers": "torch.distributed.rendezvous's handler table: our env:// handler",
     },
