@@ -9,8 +9,10 @@ plateau scheduler's call of the checkpoint's batch is lost when the checkpoint w
 batch ended (the call comes after that hook); and the fit loop keeps its restart mark through its
 first epoch, which skips the plateau schedulers' call at that epoch's end. So the seek takes the
 counters as the restart leaves them and moves them on by what a fit counts between the
-checkpoint's step and the replacement's. Restarts that run a loop iteration of their own (the
-end of an epoch, or of a validated batch, again) are refused. The attribute paths are Lightning
+checkpoint's step and the replacement's (one written at a validation's end inside an epoch has
+its batch's end run again by the restart, which counts it for the loggers). Restarts that run a
+loop iteration of their own (an epoch's end again) are refused, and so is a batch's end run
+again where it calls a plateau scheduler again. The attribute paths are Lightning
 2.6's, as in ``_lightning_internals``.
 """
 
@@ -26,6 +28,7 @@ __all__ = [
     "move_counters",
     "plateau_steps_at_end_of",
     "restart_refusal",
+    "restarted_counters",
 ]
 
 
@@ -39,11 +42,20 @@ def restart_refusal(trainer: Any) -> str | None:
             "the fit resumed from a checkpoint written as an epoch began or ended, which Lightning's "
             "restart runs as a loop iteration of its own"
         )
-    val = fit.epoch_loop.val_loop
-    if fit.epoch_loop.restarted_on_last or val.restarted_mid_evaluation:
+    if fit.epoch_loop.val_loop.restarted_mid_evaluation:
+        return "the fit resumed from a checkpoint written during a validation, which its restart finishes"
+    batches = fit.epoch_loop.batch_progress
+    at_end = batches.is_last_batch or batches.current.processed >= trainer.num_training_batches
+    if fit.epoch_loop.restarted_on_last and at_end:
         return (
-            "the fit resumed from a checkpoint written in or after a validation, whose batch end "
-            "Lightning's restart runs again"
+            "the fit resumed from a checkpoint written after its epoch's last batch had ended (at a "
+            "validation's end), which Lightning's restart runs as a loop iteration of its own"
+        )
+    plateau_steps = any(c.reduce_on_plateau and c.interval == "step" for c in trainer.lr_scheduler_configs)
+    if fit.epoch_loop.restarted_on_last and plateau_steps:
+        return (
+            "the fit resumed from a checkpoint written after its batch's end (a validation's), which "
+            "Lightning's restart runs again, calling the plateau schedulers again"
         )
     return None
 
@@ -89,6 +101,17 @@ def counters(loop: Any) -> dict[str, Any]:
             "stepped": loop._batches_that_stepped,
         }
     )
+
+
+def restarted_counters(loop: Any) -> dict[str, Any]:
+    """The epoch loop's counters as the resumed fit's first batch begins, its restart's
+    ``reset`` just run: a checkpoint written after its batch had ended (at a validation's end)
+    has that batch's end run again first (no validation, no batch), which counts the batch for the
+    loggers (the reset counts it for a checkpoint written as the batch ended)."""
+    now = counters(loop)
+    if loop.restarted_on_last and not loop._should_accumulate():
+        now["stepped"] += 1
+    return now
 
 
 def move_counters(loop: Any, base: Any, at_start: Any, at_pos: Any, first: bool, skipped: int) -> None:

@@ -43,9 +43,10 @@ epoch, several training loaders, validation on a time interval or from a loader 
 reloaded dataloaders, a ``ReduceLROnPlateau(strict=False)`` (Lightning skips a call whose metric is
 missing without counting it: the count follows the fit's history, not its position), and a fit
 resumed from a checkpoint whose restart Lightning runs as a loop iteration of its own (written as
-an epoch began or ended in a fit bounded by ``max_steps``, or in or after a validation: the
-restart runs that batch's end again, a plateau call with it), whose loop is not where its step
-is in this fit's epochs, or with a stateful DataLoader. The attribute paths are Lightning 2.6's,
+an epoch began or ended in a fit bounded by ``max_steps``, or after the validation of an epoch's
+last batch), written during a validation, or after one in a fit with a plateau scheduler called
+every few batches (the restart runs that batch's end again, and that call with it), whose loop is
+not where its step is in this fit's epochs, or with a stateful DataLoader. The attribute paths are Lightning 2.6's,
 as in ``_lightning_internals``.
 """
 
@@ -66,6 +67,7 @@ from checkpointless.integrations._lightning_resumed import (
     move_counters,
     plateau_steps_at_end_of,
     restart_refusal,
+    restarted_counters,
 )
 
 __all__ = ["FitPosition", "fit_position", "seek", "seek_refusal"]
@@ -232,7 +234,7 @@ def _place_resumed(
     """The resumed fit's counters at ``pos`` (``_lightning_resumed``), as its restart has just
     left them at ``start``."""
     loop = trainer.fit_loop.epoch_loop
-    base = counters(loop)
+    base = restarted_counters(loop)
     _place(trainer, start, manual)
     at_start = counters(loop)
     _place(trainer, pos, manual)

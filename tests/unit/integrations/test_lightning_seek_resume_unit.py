@@ -164,6 +164,9 @@ def check_sought_resumed_fit(
         pytest.param("plain", 4, "batch", 7, 10, {"accumulate": 3}, id="accumulate"),
         pytest.param("manual", 5, "batch", 14, 18, {}, id="manual"),
         pytest.param("val", 4, "batch", 13, 20, {"val_check_interval": 3}, id="validated"),
+        # saved at a validation's end (ModelCheckpoint(monitor=...)): the restart runs that
+        # batch's end again
+        pytest.param("val", 3, "validation", 13, 20, {"val_check_interval": 3}, id="after-validation"),
         # plateau schedulers, and the one at an epoch's end that the resumed fit skips
         pytest.param("plateau", 4, "batch", 7, 12, {"val_check_interval": 3}, id="plateau-same-epoch"),
         pytest.param("plateau", 5, "batch", 19, 22, {"val_check_interval": 3}, id="plateau-later-epoch"),
@@ -207,16 +210,23 @@ class Lenient(Plateaus):
         return opt, configs
 
 
-@pytest.mark.parametrize("case", ["after-validation", "plateau-not-strict"])
+@pytest.mark.parametrize("case", ["epoch-end-validation", "plateau-after-validation", "plateau-not-strict"])
 def test_what_cannot_be_counted_is_refused(tmp_path: Path, case: str) -> None:
-    """A checkpoint written after a validation (Lightning's restart runs that batch's end again)
-    and a plateau scheduler with strict=False (its count follows the fit's history): walked."""
+    """A checkpoint written after a validation at an epoch's end (Lightning's restart runs that
+    end as a loop iteration), or with a plateau scheduler every few batches (the restart runs the
+    batch's end again, and calls it again), and a plateau scheduler with strict=False (its count
+    follows the fit's history): walked."""
     ask = Record(None)
-    if case == "after-validation":
+    if case == "epoch-end-validation":  # the restart runs epoch 0's end as an iteration of its own
         ckpt = tmp_path / "at.ckpt"
-        fit(make("val"), [Save(ckpt, 3, "validation")], steps=5, val_check_interval=3)
-        fit(make("val"), [ask], steps=6, ckpt=ckpt, val_check_interval=3)
-        assert ask.refusal is not None and "after a validation" in ask.refusal, ask.refusal
+        fit(make("val"), [Save(ckpt, 8, "validation")], steps=9)
+        fit(make("val"), [ask], steps=10, ckpt=ckpt)
+        assert ask.refusal is not None and "epoch's last batch" in ask.refusal, ask.refusal
+    elif case == "plateau-after-validation":
+        ckpt = tmp_path / "at.ckpt"
+        fit(make("plateau"), [Save(ckpt, 3, "validation")], steps=5, val_check_interval=3)
+        fit(make("plateau"), [ask], steps=6, ckpt=ckpt, val_check_interval=3)
+        assert ask.refusal is not None and "calling the plateau schedulers again" in ask.refusal, ask.refusal
     else:
         torch.manual_seed(0)
         fit(Lenient(False, False), [ask], steps=2)

@@ -116,6 +116,7 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
     },
     "checkpointless.integrations._lightning_resumed": {
         "_batches_that_stepped": "Lightning's training loop: the loggers' step, which no hook sets",
+        "_should_accumulate": "Lightning's training loop: whether its batch ends an update's window",
     },
     "checkpointless.launcher.boot.sitecustomize": {
         "_rendezvous_handlers": "torch.distributed.rendezvous's handler table: our env:// handler",
