@@ -16,12 +16,11 @@ _KINDS = ("unit", "e2e", "multihost")
 _TESTS = Path(__file__).resolve().parent
 
 
-# Tests that start real jobs (e2e, multihost) run once more when they fail (pytest-rerunfailures).
-# They race real processes on a shared 2-core machine, and a single loss of a race must not stop
-# `make test -x`. A flake is never silent, though: each rerun is listed by name with its first
-# failure's cause at the end of the run, since every flake so far was a real race worth fixing
-# (docs/testing.md). Unit tests are deterministic and never rerun; a broken feature fails twice.
-_RERUN_KINDS = ("e2e", "multihost")
+# A test that fails runs once more (pytest-rerunfailures). Most tests start real processes (jobs,
+# ranks, sockets) that race each other on a shared 2-core machine, and a single lost race must not
+# stop `make test -x`, which CI runs. A flake is never silent, though: each rerun is listed by name
+# with its first failure's cause at the end of the run, since every flake so far was a real race
+# worth fixing (docs/testing.md). A broken feature fails both tries.
 _reruns: list[tuple[str, str]] = []
 
 
@@ -33,7 +32,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         if top in _KINDS:
             item.add_marker(top)
-        if top in _RERUN_KINDS and item.get_closest_marker("flaky") is None:
+        if item.get_closest_marker("flaky") is None:
             item.add_marker(pytest.mark.flaky(reruns=1))
 
 
