@@ -1,5 +1,6 @@
 """A replacement seeks Lightning's loop (no walk from batch 0) in a fit with a ``ReduceLROnPlateau``
-scheduler, and in a fit resumed from a Lightning checkpoint, through a real SIGKILL, bitwise.
+scheduler, in a fit resumed from a Lightning checkpoint, and in a fit with two training loaders,
+through a real SIGKILL, bitwise.
 
 examples/lightning_gpt.py on 3 ranks (and 1 spare in the faulted runs), validating every 2 batches
 (``val_loss``, reduced over the ranks) and halving the learning rate on it every 3 batches
@@ -16,11 +17,13 @@ examples/lightning_gpt.py on 3 ranks (and 1 spare in the faulted runs), validati
 Each faulted run must end with every rank's weights, Lightning loop counters and checkpoint files
 equal to its fault-free run's, every (rank, step) trained on the fault-free run's batch, each
 process having read the samples of the batches it trained and no other, and its log saying the
-replacement sought its step. Each pair of jobs runs at once.
+replacement sought its step. Each pair of jobs runs at once. The two loaders' job is described
+at its test.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -36,6 +39,9 @@ ARGS = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--gl
 ARGS += ["--print-batches", "--print-reads", "--val-every", "2", "--plateau", "3"]
 PLATEAU_KILL = "kill:rank=1:step=2"
 RESUMED_KILL = "kill:rank=0:step=9"
+LOADERS = ROOT / "tests" / "scripts" / "lightning_loaders.py"
+# each rank killed once: in epoch 0 after the shorter loader started again, and in epoch 1
+LOADERS_KILLS = ["kill:rank=1:step=7", "kill:rank=0:step=12"]
 
 
 def pair(root: Path, corpus: Path, fault: str, steps: int, resume_from: Path | None) -> dict[str, JobResult]:
@@ -118,3 +124,36 @@ def test_a_replacement_seeks_in_a_fit_resumed_from_a_checkpoint_bitwise(
         RESUMED_KILL,
         "catches up from 5 by seeking to epoch 0, batch 9 (no batch before it is read)",
     )
+
+
+@pytest.mark.timeout(200)
+def test_a_replacement_seeks_both_of_two_training_loaders_bitwise(tmp_path: Path) -> None:
+    """tests/scripts/lightning_loaders.py (2 ranks, 2 spares): two training loaders, the shorter
+    started again by Lightning every 3 batches; each replacement puts each loader at its own batch
+    (step 7: 7 and 1; step 12, in epoch 1: 2 and 2)."""
+    jobs = {}
+    for name, faults, spares in (("ref", [], 0), ("kill", LOADERS_KILLS, 2)):
+        (tmp_path / name).mkdir()  # the script makes its own data: no corpus
+        jobs[name] = start_job(
+            tmp_path / name / "run", tmp_path, 2, spares, faults, script_args=[], script=LOADERS
+        )
+    ref, res = (jobs[name].finish(150) for name in ("ref", "kill"))
+    assert ref.rc == 0, ref.output[-4000:]
+    assert res.rc == 0, res.output[-6000:]
+    res.assert_same_weights(ref, nproc=2)
+    assert len(ref.trained_batches()) == 2 * 14
+    assert res.trained_batches() == ref.trained_batches(), "a rank trained on other samples"
+    for fault in LOADERS_KILLS:
+        assert res.fired(fault), (fault, res.output[-4000:])
+    for caught_up in ("from 0 by seeking to epoch 0, batch 7", "from 0 by seeking to epoch 1, batch 2"):
+        assert caught_up in res.output, res.output[-4000:]
+    # each process read from both loaders the samples of the batches it trained, and no other
+    reads = re.findall(r"reads rank=(\d+) long=(\d+) short=(\d+) trained=(\d+)", res.output)
+    assert sorted(r[0] for r in reads) == ["0", "1"], res.output[-4000:]
+    for _, long, short, trained in reads:
+        assert int(long) == int(short) == 2 * int(trained), reads
+    pattern = r"loops rank=(\d+) ([0-9a-f]{16})"
+    got, want = dict(re.findall(pattern, res.output)), dict(re.findall(pattern, ref.output))
+    assert sorted(want) == ["0", "1"] and got == want, (got, want)
+    for job in (ref, res):
+        assert not job.left_behind(), "processes of the job were left behind"

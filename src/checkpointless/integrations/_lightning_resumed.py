@@ -32,9 +32,9 @@ __all__ = [
 ]
 
 
-def restart_refusal(trainer: Any) -> str | None:
+def restart_refusal(trainer: Any, loaders: list[Any]) -> str | None:
     """Why the restart of this resumed fit cannot be placed by counting (None: it can)."""
-    if callable(getattr(trainer.train_dataloader, "load_state_dict", None)):
+    if any(callable(getattr(loader, "load_state_dict", None)) for loader in loaders):
         return "the fit resumed from a checkpoint with its DataLoader's own position (a stateful loader)"
     fit = trainer.fit_loop
     if fit.restarted_on_epoch_start or fit.restarted_on_epoch_end:

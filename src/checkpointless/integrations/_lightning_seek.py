@@ -3,9 +3,10 @@
 A replacement receives a replica's state for job step C while Lightning's loop on its process
 stands at the fit's first batch. Walking the loop forward to C (``training_step`` skipped) reads
 every batch before C through the DataLoader: at step 100,000 a full pass over the data before
-the job can go on. Instead, for the usual training data (one map-style DataLoader whose order is
-a function of the epoch: the ``DistributedSampler`` Lightning injects, or a ``SequentialSampler``)
-the replacement puts the loop where an uninterrupted run has it as step C's first batch begins:
+the job can go on. Instead, for the usual training data (map-style DataLoaders whose order is a
+function of the epoch: the ``DistributedSampler`` Lightning injects, or a ``SequentialSampler``;
+one, or several that Lightning combines) the replacement puts the loop where an uninterrupted run
+has it as step C's first batch begins:
 
 - the position follows from C alone: ``u = ceil(batches per epoch / accumulate_grad_batches)``
   updates per epoch (Lightning always steps on an epoch's last batch), so C is batch
@@ -18,7 +19,10 @@ the replacement puts the loop where an uninterrupted run has it as step C's firs
 - the DataLoader's next iterator starts at the batch: its batch sampler is iterated from the
   epoch's start and the index lists before the position are dropped, so no sample before it is
   read or collated (``set_epoch`` is Lightning's, for the position's epoch, as it is at every
-  epoch's start);
+  epoch's start). With several loaders each starts at its own batch: in Lightning's default
+  ``max_size_cycle`` mode a shorter one is started again as it runs out (in the same order: its
+  epoch is the same), so it is at the batch modulo its length; in ``max_size`` one that ran out
+  stays so; in ``min_size`` none runs out;
 - in a fit that validates, the validation loop's counters are an uninterrupted run's too. Which
   batches end in a validation follows from the batch alone (``val_check_batch``, per epoch or over
   the fit when ``check_val_every_n_epoch`` is None, in the epochs it allows), so the runs before
@@ -39,7 +43,7 @@ the replacement puts the loop where an uninterrupted run has it as step C's firs
 
 Anything else is refused by :func:`seek_refusal` with the reason, and the strategy walks the
 loop as before, saying so: an iterable dataset, a sampler whose order depends on more than the
-epoch, several training loaders, validation on a time interval or from a loader without a length,
+epoch, validation on a time interval or from a loader without a length,
 reloaded dataloaders, a ``ReduceLROnPlateau(strict=False)`` (Lightning skips a call whose metric is
 missing without counting it: the count follows the fit's history, not its position), and a fit
 resumed from a checkpoint whose restart Lightning runs as a loop iteration of its own (written as
@@ -118,9 +122,23 @@ def seek_refusal(trainer: Any) -> str | None:
     per_epoch = trainer.num_training_batches
     if not isinstance(per_epoch, int) or per_epoch <= 0:
         return "the training data has no length (an iterable dataset)"
-    loader = trainer.train_dataloader
+    for loader in _loaders(trainer):
+        why = _loader_refusal(loader)
+        if why is not None:
+            return why
+    if type(trainer.fit_loop._data_fetcher).__name__ == "_DataLoaderIterDataFetcher":
+        return "training_step takes the dataloader_iter"
+    return None
+
+
+def _loaders(trainer: Any) -> list[Any]:
+    """The training loaders (several in a ``CombinedLoader``, or given as a list or dict)."""
+    return list(trainer.fit_loop._combined_loader.flattened)
+
+
+def _loader_refusal(loader: Any) -> str | None:
     if not isinstance(loader, DataLoader):
-        return f"the training data is {type(loader).__name__}, not one DataLoader"
+        return f"the training data is {type(loader).__name__}, not a DataLoader"
     if isinstance(loader.dataset, IterableDataset):
         return f"the dataset {type(loader.dataset).__name__} is iterable"
     batches = loader.batch_sampler
@@ -131,9 +149,21 @@ def seek_refusal(trainer: Any) -> str | None:
             f"the sampler {type(batches.sampler).__name__} is not addressable by epoch "
             "(DistributedSampler or SequentialSampler)"
         )
-    if type(trainer.fit_loop._data_fetcher).__name__ == "_DataLoaderIterDataFetcher":
-        return "training_step takes the dataloader_iter"
     return None
+
+
+def _skips(trainer: Any, batch: int) -> list[int]:
+    """The batches each training loader's next iterator skips so that the fit's loaders stand at
+    its ``batch``: a ``CombinedLoader`` in Lightning's default ``max_size_cycle`` mode starts a
+    shorter loader again when it runs out (the same order: its epoch is the same), so it is at
+    ``batch`` modulo its length; in ``max_size`` one that ran out stays so; in ``min_size`` none
+    runs out within an epoch."""
+    mode = trainer.fit_loop._combined_loader._mode
+    out = []
+    for loader in _loaders(trainer):
+        n = len(loader)
+        out.append(batch % n if mode == "max_size_cycle" else min(batch, n))
+    return out
 
 
 def _validation_refusal(trainer: Any) -> str | None:
@@ -152,7 +182,7 @@ def _validation_refusal(trainer: Any) -> str | None:
 
 def _resume_refusal(trainer: Any) -> str | None:
     """Why a fit resumed from a checkpoint cannot be sought (None: it can)."""
-    why = restart_refusal(trainer)
+    why = restart_refusal(trainer, _loaders(trainer))
     if why is not None:
         return why
     manual = not trainer.lightning_module.automatic_optimization
@@ -207,9 +237,12 @@ def seek(trainer: Any, pos: FitPosition, manual: bool) -> None:
     # Lightning's own mark for a fit resumed inside an epoch: the epoch is not begun again
     # (its hooks and counters), but its samplers get their epoch; cleared after the epoch
     fit._restart_stage = RestartStage.RESTARTED_MID_EPOCH if pos.batch else RestartStage.NONE
-    skip = pos.batch - (start.batch if first and start is not None else 0)
-    if skip:
-        _SkipBatches.install(trainer.train_dataloader, skip)
+    # the loaders' batch (a resumed fit reads its first epoch from the loaders' first)
+    skips = _skips(trainer, pos.batch - (start.batch if first and start is not None else 0))
+    for loader, n in zip(_loaders(trainer), skips, strict=True):
+        if n:
+            _SkipBatches.install(loader, n)
+    skip = any(skips)
     loop = fit.epoch_loop
 
     def reset_then_place() -> None:

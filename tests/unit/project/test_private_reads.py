@@ -110,6 +110,8 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
     },
     "checkpointless.integrations._lightning_seek": {
         "_data_fetcher": "Lightning's fit loop: the iterator of epoch 0, made again at the sought batch",
+        "_combined_loader": "Lightning's fit loop: the training loaders, flattened, and their mode",
+        "_mode": "Lightning's CombinedLoader: how it goes on when a loader runs out",
         "_restart_stage": "Lightning's fit loop: its own mark of a fit resumed inside an epoch",
         "_batches_that_stepped": "Lightning's training loop: the loggers' step, which no hook sets",
         "_iterator": "torch's DataLoader keeps a persistent-workers iterator there",
