@@ -1,6 +1,7 @@
 """Groups that a script makes itself under ``checkpointless run``: ``dist.new_group([0, 1])``, a
-Lightning-style ``dist.new_group(backend="gloo", timeout=10000 days)`` and
-``dist.new_subgroups_by_enumeration``, each used inside the step, survive a SIGKILL and an
+Lightning-style ``dist.new_group(backend="gloo", timeout=10000 days)``,
+``dist.new_subgroups_by_enumeration`` and ``dist.split_group`` (of the world, and of a subgroup),
+each used inside the step, survive a SIGKILL and an
 exception that leave peers waiting in those groups' collectives; every rank ends bitwise equal
 (weights and every step's reduced metrics) to the fault-free run. A group that one rank never
 makes ends the job with an error naming it. Megatron-Core's ``parallel_state`` makes every group
@@ -27,17 +28,19 @@ ARGS = ["--steps", "40"]  # the job of the first two tests, whose fault-free run
 def test_script_groups_survive_kill_and_exception_bitwise(tmp_path: Path, reference: ReferenceRuns) -> None:
     args = ARGS
     ref = reference(3, data=NOWHERE, script=SCRIPT, script_args=args)
-    # after its forward: rank 1 dies at step 12 while ranks 0 and 2 wait in the subgroup's
-    # all-reduce and the gloo group's broadcast; rank 0 raises at step 25 while the others wait
-    # there; a spare takes rank 1's place and makes the same groups again
+    # after its forward: rank 1 dies at step 12 while ranks 0 and 2 wait in the split groups'
+    # all-reduces; rank 0 raises at step 25 while the others wait there; a spare takes rank 1's
+    # place and makes the same groups (split ones included) again
     faults = ["kill:rank=1:step=12:site=forward", "raise:rank=0:step=25:site=forward"]
     res = run_job(tmp_path / "run", NOWHERE, 3, 1, faults, script=SCRIPT, script_args=args, timeout=240)
     assert res.rc == 0, res.output[-6000:]
     res.assert_same_weights(ref, nproc=3)
     assert len(res.of("fault_injected")) == 2 and len(res.of("recovery")) >= 2, res.output[-4000:]
-    # the peers were woken inside the script's groups (keyed g<seq>.r<ranks>), not only in the
-    # gradients' all-reduce
-    assert "CommAborted: group g1.r0.1 " in res.output or "group g2.r0.1.2 " in res.output, res.output[-6000:]
+    # the peers were woken inside the split groups (keyed g<name>.r<ranks>), which each step
+    # reduces on first, not only in the gradients' all-reduce: rank 1's kill leaves rank 0 in the
+    # split of [0, 1] (named by its parent, #1) and rank 2 in the world's split #5 over [0, 2]
+    woken = ("CommAborted: group g1_split0_0.r0.1 ", "CommAborted: group g5.r0.2 ")
+    assert all(w in res.output for w in woken), res.output[-6000:]
     assert not res.left_behind(), "processes of the job were left behind"
 
 

@@ -24,6 +24,10 @@ is ours (recovery/default_group.py), so :class:`ScriptGroups` is handed every su
 - a timeout beyond what ``select``/``poll`` accept (Lightning's 10000 days) is clamped
   (:func:`clamp_timeout`).
 
+``dist.split_group`` (torch's refuses any backend without native splitting, gloo included) is
+rebound while the job's default group is the world's, to the ``new_group`` calls it amounts to,
+one per split (comm/split_group.py), so its groups come here too.
+
 The groups of ``job.device_mesh()`` go through the same path; the mesh makes them inside
 :func:`made_by_mesh` and drives them itself (comm/mesh.py).
 """

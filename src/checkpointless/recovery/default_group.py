@@ -21,7 +21,8 @@ Groups that the script or a framework makes with ``dist.new_group`` or ``dist.ne
 are handed to this group by torch, and :class:`~checkpointless.comm.script_groups.ScriptGroups`
 makes them resilient too: :meth:`DefaultGroup.configure` forms them after the world group in
 every generation (also once a mesh drives the world group), and an abort, check and release
-reach them with it.
+reach them with it. ``dist.split_group`` makes its groups through the same ``new_group`` calls
+(comm/split_group.py, installed with this group and removed by :meth:`DefaultGroup.close`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from checkpointless.comm import split_group
 from checkpointless.comm.c10d_backend import BACKEND_NAME, register_backend
 from checkpointless.comm.process_group import ResilientProcessGroup
 from checkpointless.comm.script_groups import ScriptGroups, torch_delegates_new_group
@@ -91,6 +93,7 @@ class DefaultGroup:
         self.pg.close()
         if self.made is not None:
             self.made.close()
+        split_group.uninstall()
 
 
 def install_default_group(
@@ -127,6 +130,7 @@ def install_default_group(
         )
     made = ScriptGroups(rank, world_size, timeout, pg.device_backend, on_collective)
     pg.new_group = made.create  # torch hands dist.new_group to the default group (script_groups.py)
+    split_group.install()  # dist.split_group becomes those new_group calls (comm/split_group.py)
     return DefaultGroup(pg, made)
 
 

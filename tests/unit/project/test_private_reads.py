@@ -126,6 +126,16 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
     "checkpointless.launcher.forkserver": {
         "_exit": "os._exit: a forked child must not run the parent's clean-up"
     },
+    "checkpointless.comm.split_group": {
+        # what torch's new_group does for a default group that makes groups itself
+        # (_new_group_with_tag), done for a split named alike on its members only (no public way)
+        "_get_default_group": "torch c10d's default group: the job's, or torch's own split_group runs",
+        "_world": "torch c10d's registry: the parent's ranks, the default store",
+        "_get_process_group_name": "torch c10d's name of the parent group, which names its splits",
+        "_get_default_timeout": "torch c10d's default timeout for the backend, as new_group takes it",
+        "_check_valid_timeout": "torch c10d's timeout check, as new_group makes it",
+        "_register_pg_in_world": "torch c10d's bookkeeping of a group made by the default group",
+    },
     "checkpointless.launcher.run_script": {
         "_exit": "os._exit: ends the worker without waiting for torch's threads",
         "_run_exitfuncs": "atexit's own runner, called before os._exit",
