@@ -77,9 +77,11 @@ def test_a_lost_rank_takes_its_replica_group_out_and_the_group_grows_back_bitwis
 
 TP_SCRIPT = SCRIPTS / "tp_mlp.py"
 # dp 2 x shard 2 x tp 2: rank r is (r // 4, r // 2 % 2, r % 2); the spares the shrink starts are
-# ready 2 s later, so the job runs degraded for several steps before it grows back
+# ready 2 s later, so the job runs degraded for several steps before it grows back. Each step lasts
+# at least 0.2 s: with 20 steps left after the fault, the job outlasts the spares' delay (the full
+# suite once saw every degraded step done within 2.3 s, and no growth to test)
 TP_STEPS = 24
-TP_ARGS = ["--steps", str(TP_STEPS), "--hsdp", "2", "--spare-delay", "2"]
+TP_ARGS = ["--steps", str(TP_STEPS), "--hsdp", "2", "--spare-delay", "2", "--step-sleep", "0.2"]
 
 
 @pytest.mark.timeout(240)

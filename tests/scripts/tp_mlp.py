@@ -165,6 +165,9 @@ def main() -> None:
     # a spare is ready only this many seconds after it starts (a host that comes back later), so
     # that a job with no spare ready runs degraded for a while before it grows back
     ap.add_argument("--spare-delay", type=float, default=0.0)
+    # each step lasts at least this long (a real step's device time): a degraded job must still
+    # be running once its spares are ready, on a quiet machine too, or it never grows back
+    ap.add_argument("--step-sleep", type=float, default=0.0)
     args = ap.parse_args()
     if args.spare_delay and os.environ.get("CHECKPOINTLESS_ROLE") == "spare":
         time.sleep(args.spare_delay)
@@ -199,6 +202,7 @@ def main() -> None:
         "host": os.stat("/proc/self/ns/net").st_ino,
     }
     for step in job.steps(args.steps):
+        time.sleep(args.step_sleep)
         with step:
             # every data-parallel coordinate ((dp) or (dp, shard)) takes a batch of its own and the
             # tp ranks of one share it: the slot's rank // TP, ranks being row-major with tp last.
