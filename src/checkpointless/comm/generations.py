@@ -14,8 +14,10 @@ are read in one place.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,6 +73,11 @@ class GenerationGroup(dist.ProcessGroup):
         # with "send" or "recv" before a point-to-point op: the job's fault-injection sites (an
         # exception raised here surfaces inside FSDP's backward, or a pipeline stage's send)
         self.before_collective: Callable[[str], None] | None = None
+        # What each handle calls as it finishes, holding this group weakly. The finishing thread
+        # is gloo's own: were a handle to hold the group, a collective whose caller has let go of
+        # the group (a DDP job returning from its step) would drop its last reference there, and
+        # ~ProcessGroupGloo would join that very thread ("Resource deadlock avoided", abort).
+        self._forget_weakly = functools.partial(_call_if_alive, weakref.WeakMethod(self._forget))
 
     def configure(
         self,
@@ -188,7 +195,7 @@ class GenerationGroup(dist.ProcessGroup):
             work = fn(pg)
             # gloo is polled by the waiting thread; NCCL completes through its future
             futureless = p2p and isinstance(pg, dist.ProcessGroupGloo)
-            h = Handle(work, result, self._forget, poll=not dev, futureless=futureless)
+            h = Handle(work, result, self._forget_weakly, poll=not dev, futureless=futureless)
             if not h.done():
                 self._pending.add(h)
         return h
@@ -196,6 +203,13 @@ class GenerationGroup(dist.ProcessGroup):
     def _forget(self, h: Handle) -> None:
         with self._lock:
             self._pending.discard(h)
+
+
+def _call_if_alive(method: weakref.WeakMethod[Callable[[Handle], None]], h: Handle) -> None:
+    """``method(h)`` if its object is still alive (a group gone has nothing left to forget)."""
+    fn = method()
+    if fn is not None:
+        fn(h)
 
 
 def _store_chain(store: Any) -> list[Any]:

@@ -89,6 +89,8 @@ class Handle:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._work = work
+        # runs on the finishing thread, often gloo's own: it must not hold the group that owns
+        # the backend, whose destructor joins that thread (GenerationGroup holds it weakly)
         self._on_finish = on_finish
         self._poll = False
         self._watched = False  # a gloo wait added its future callback (see _wait_gloo)
